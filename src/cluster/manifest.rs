@@ -1,0 +1,418 @@
+//! The manifest source: Kubernetes objects read from files and directories.
+//!
+//! Reads what `kubectl apply -f` reads: `.yaml`, `.yml` and `.json` files (directories
+//! recursively, in name order), multi-document YAML, and `kind: List` / `*List` objects,
+//! which are flattened. Kinds read: Namespace, Node, Pod (`v1`), NetworkPolicy
+//! (`networking.k8s.io/v1`), AdminNetworkPolicy and BaselineAdminNetworkPolicy
+//! (`policy.networking.k8s.io/v1alpha1`) and ClusterNetworkPolicy
+//! (`policy.networking.k8s.io/v1alpha2`). Anything else — including Antrea's
+//! `crd.antrea.io` ClusterNetworkPolicy — is skipped with a [`Note`].
+//!
+//! Hostile input is bounded: YAML alias expansion, nesting depth, node and byte counts are
+//! capped by serde-saphyr's default budget (alias bombs fail fast with a named error), and
+//! files larger than [`MAX_FILE_BYTES`] are refused.
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+use serde::de::DeserializeOwned;
+use serde_json::Value;
+
+use crate::policy::api::{Namespace, NetworkPolicy, Node, Pod, v1alpha1, v1alpha2};
+use crate::policy::compile::meta_namespace;
+use crate::policy::{Inputs, Kind, ObjectRef, Problem, ProblemKind};
+
+/// Largest manifest file read, in bytes (64 MiB): far above any real manifest set (a
+/// 10,000-pod cluster with 1,000 policies is ~20 MiB of YAML), small enough that a
+/// mistaken path (a disk image, a log) fails fast instead of eating memory.
+pub const MAX_FILE_BYTES: u64 = 64 << 20;
+
+/// A file-level failure: the file could not be read or is not YAML/JSON at all.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    /// The path could not be read (missing, permissions, a directory walk failure).
+    #[error("{path}: cannot read")]
+    Io {
+        /// The path.
+        path: PathBuf,
+        /// The underlying error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The file is larger than [`MAX_FILE_BYTES`].
+    #[error("{path}: {size} bytes exceed the limit of {MAX_FILE_BYTES}")]
+    TooLarge {
+        /// The path.
+        path: PathBuf,
+        /// Its size.
+        size: u64,
+    },
+    /// YAML or JSON syntax error, or a resource budget (alias bomb, nesting) exceeded.
+    #[error("{path}: not valid YAML/JSON: {message}")]
+    Syntax {
+        /// The path.
+        path: PathBuf,
+        /// The parser's message, with line and column where it has them.
+        message: String,
+    },
+}
+
+/// Something skipped that the user may want to know about (printed to stderr by the CLI).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Note {
+    /// The file.
+    pub path: PathBuf,
+    /// What was skipped and why.
+    pub message: String,
+}
+
+impl fmt::Display for Note {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.path.display(), self.message)
+    }
+}
+
+/// Everything read from a set of paths.
+#[derive(Debug, Default)]
+pub struct Loaded {
+    /// The decoded objects.
+    pub inputs: Inputs,
+    /// Objects that failed to decode (wrong types: errors) and unknown fields (warnings).
+    pub problems: Vec<Problem>,
+    /// Skipped documents (other kinds, empty documents).
+    pub notes: Vec<Note>,
+    /// File-level failures; the files concerned contributed nothing.
+    pub errors: Vec<LoadError>,
+}
+
+/// Reads every manifest under `paths` (files or directories). Never fails as a whole:
+/// every failure is collected in [`Loaded`], so one bad file does not hide the others.
+pub fn load(paths: &[PathBuf]) -> Loaded {
+    let mut out = Loaded::default();
+    for path in paths {
+        for file in files(path, &mut out.errors) {
+            match read(&file) {
+                Ok(docs) => {
+                    for doc in docs {
+                        add(&file, doc, &mut out);
+                    }
+                }
+                Err(e) => out.errors.push(e),
+            }
+        }
+    }
+    out
+}
+
+/// Parses manifest text (YAML, any number of documents; JSON is YAML too) from `origin`.
+///
+/// # Errors
+/// [`LoadError::Syntax`] if the text is not YAML or exceeds the parser's budget.
+pub fn parse_str(origin: &Path, text: &str) -> Result<Loaded, LoadError> {
+    let mut out = Loaded::default();
+    for doc in parse_docs(origin, text)? {
+        add(origin, doc, &mut out);
+    }
+    Ok(out)
+}
+
+fn files(path: &Path, errors: &mut Vec<LoadError>) -> Vec<PathBuf> {
+    if !path.is_dir() {
+        // Named explicitly: read whatever the extension (and report if missing).
+        return vec![path.to_path_buf()];
+    }
+    let mut out = Vec::new();
+    for entry in walkdir::WalkDir::new(path).follow_links(true).sort_by_file_name() {
+        match entry {
+            Ok(e) if e.file_type().is_file() => {
+                let ext = e.path().extension().and_then(|x| x.to_str()).unwrap_or("");
+                if matches!(ext, "yaml" | "yml" | "json") {
+                    out.push(e.into_path());
+                }
+            }
+            Ok(_) => {}
+            Err(err) => {
+                let p = err.path().unwrap_or(path).to_path_buf();
+                errors.push(LoadError::Io { path: p, source: err.into() });
+            }
+        }
+    }
+    out
+}
+
+fn read(path: &Path) -> Result<Vec<Value>, LoadError> {
+    let io = |source| LoadError::Io { path: path.to_path_buf(), source };
+    let size = std::fs::metadata(path).map_err(io)?.len();
+    if size > MAX_FILE_BYTES {
+        return Err(LoadError::TooLarge { path: path.to_path_buf(), size });
+    }
+    let text = std::fs::read_to_string(path).map_err(io)?;
+    parse_docs(path, &text)
+}
+
+fn parse_docs(path: &Path, text: &str) -> Result<Vec<Value>, LoadError> {
+    let syntax = |message: String| LoadError::Syntax { path: path.to_path_buf(), message };
+    if path.extension().is_some_and(|e| e == "json") {
+        // A JSON file may hold several concatenated objects.
+        return serde_json::Deserializer::from_str(text)
+            .into_iter::<Value>()
+            .collect::<Result<_, _>>()
+            .map_err(|e| syntax(e.to_string()));
+    }
+    // YAML 1.2 core booleans only: with YAML 1.1's `y`/`n`/`on`/`off`, `name: n` would
+    // decode as `false` before the typed decoder sees it.
+    let mut options = serde_saphyr::Options::default();
+    options.strict_booleans = true;
+    let docs: Vec<Option<Value>> = serde_saphyr::from_multiple_with_options(text, options)
+        .map_err(|e| syntax(e.to_string()))?;
+    Ok(docs.into_iter().flatten().collect())
+}
+
+/// Formats a serde_ignored path as `spec.ingress[0].from`.
+fn ignored_path(p: &serde_ignored::Path<'_>) -> String {
+    use serde_ignored::Path as P;
+    match p {
+        P::Root => String::new(),
+        P::Seq { parent, index } => format!("{}[{index}]", ignored_path(parent)),
+        P::Map { parent, key } => {
+            let parent = ignored_path(parent);
+            if parent.is_empty() { key.clone() } else { format!("{parent}.{key}") }
+        }
+        P::Some { parent } | P::NewtypeStruct { parent } | P::NewtypeVariant { parent } => {
+            ignored_path(parent)
+        }
+    }
+}
+
+fn object_ref(kind: Kind, doc: &Value) -> ObjectRef {
+    let meta = doc.get("metadata");
+    let name = meta.and_then(|m| m.get("name")).and_then(Value::as_str).unwrap_or("").to_string();
+    match kind {
+        Kind::Pod | Kind::NetworkPolicy => {
+            let ns = meta
+                .and_then(|m| m.get("namespace"))
+                .and_then(Value::as_str)
+                .filter(|s| !s.is_empty());
+            ObjectRef::namespaced(kind, ns.unwrap_or("default"), name)
+        }
+        _ => ObjectRef::cluster(kind, name),
+    }
+}
+
+/// Decodes `doc` as `T`, reporting wrong types with their field path (error) and fields
+/// `T` does not know (warning; newer upstream versions add fields).
+fn decode<T: DeserializeOwned>(
+    obj: &ObjectRef,
+    doc: Value,
+    problems: &mut Vec<Problem>,
+) -> Option<T> {
+    let mut unknown = Vec::new();
+    let mut on_ignored = |p: serde_ignored::Path<'_>| unknown.push(ignored_path(&p));
+    let de = serde_ignored::Deserializer::new(doc, &mut on_ignored);
+    let result: Result<T, _> = serde_path_to_error::deserialize(de);
+    for field in unknown {
+        // kube-derive's root types skip apiVersion/kind rather than read them.
+        if field != "apiVersion" && field != "kind" {
+            problems.push(Problem::warning(obj, field, ProblemKind::UnknownField));
+        }
+    }
+    match result {
+        Ok(v) => Some(v),
+        Err(e) => {
+            let field = e.path().to_string();
+            let field = if field == "." { String::new() } else { field };
+            problems.push(Problem::error(
+                obj,
+                field,
+                ProblemKind::Decode { reason: e.into_inner().to_string() },
+            ));
+            None
+        }
+    }
+}
+
+fn add(path: &Path, doc: Value, out: &mut Loaded) {
+    let note = |out: &mut Loaded, message: String| {
+        out.notes.push(Note { path: path.to_path_buf(), message })
+    };
+    if !doc.is_object() {
+        note(out, format!("skipped a document that is not an object ({})", type_name(&doc)));
+        return;
+    }
+    let api_version = doc.get("apiVersion").and_then(Value::as_str).unwrap_or("").to_string();
+    let kind = doc.get("kind").and_then(Value::as_str).unwrap_or("").to_string();
+    // "kind: List" (kubectl get -o yaml) and typed lists ("PodList", ...) are flattened.
+    if kind == "List" || kind.ends_with("List") {
+        match doc.get("items") {
+            Some(Value::Array(items)) => {
+                for item in items.clone() {
+                    add(path, item, out);
+                }
+            }
+            _ => note(out, format!("skipped {kind} without an items list")),
+        }
+        return;
+    }
+    let known = match (api_version.as_str(), kind.as_str()) {
+        ("v1", "Namespace") => Kind::Namespace,
+        ("v1", "Node") => Kind::Node,
+        ("v1", "Pod") => Kind::Pod,
+        ("networking.k8s.io/v1", "NetworkPolicy") => Kind::NetworkPolicy,
+        ("policy.networking.k8s.io/v1alpha1", "AdminNetworkPolicy") => Kind::AdminNetworkPolicy,
+        ("policy.networking.k8s.io/v1alpha1", "BaselineAdminNetworkPolicy") => {
+            Kind::BaselineAdminNetworkPolicy
+        }
+        ("policy.networking.k8s.io/v1alpha2", "ClusterNetworkPolicy") => Kind::ClusterNetworkPolicy,
+        _ => {
+            let name = doc.pointer("/metadata/name").and_then(Value::as_str).unwrap_or("");
+            let what = if kind.is_empty() {
+                "a document without kind".to_string()
+            } else {
+                format!("{api_version} {kind} {name:?}")
+            };
+            note(out, format!("skipped {what}: not a kind tierproxy reads"));
+            return;
+        }
+    };
+    let obj = object_ref(known, &doc);
+    let problems = &mut out.problems;
+    let inputs = &mut out.inputs;
+    match known {
+        Kind::Namespace => inputs.namespaces.extend(decode::<Namespace>(&obj, doc, problems)),
+        Kind::Node => inputs.nodes.extend(decode::<Node>(&obj, doc, problems)),
+        Kind::Pod => inputs.pods.extend(decode::<Pod>(&obj, doc, problems).map(default_namespace)),
+        Kind::NetworkPolicy => inputs
+            .network_policies
+            .extend(decode::<NetworkPolicy>(&obj, doc, problems).map(default_namespace)),
+        Kind::AdminNetworkPolicy => {
+            inputs
+                .admin_network_policies
+                .extend(decode::<v1alpha1::AdminNetworkPolicy>(&obj, doc, problems))
+        }
+        Kind::BaselineAdminNetworkPolicy => inputs
+            .baseline_admin_network_policies
+            .extend(decode::<v1alpha1::BaselineAdminNetworkPolicy>(&obj, doc, problems)),
+        Kind::ClusterNetworkPolicy => {
+            inputs
+                .cluster_network_policies
+                .extend(decode::<v1alpha2::ClusterNetworkPolicy>(&obj, doc, problems))
+        }
+    }
+}
+
+/// Namespaced objects without `metadata.namespace` land in `default`, as with `kubectl
+/// apply` and no `-n`.
+fn default_namespace<
+    T: k8s_openapi::Metadata<Ty = k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta>,
+>(
+    mut obj: T,
+) -> T {
+    let ns = meta_namespace(obj.metadata());
+    obj.metadata_mut().namespace = Some(ns);
+    obj
+}
+
+fn type_name(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "a list",
+        Value::Object(_) => "an object",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Loaded {
+        parse_str(Path::new("test.yaml"), text).unwrap()
+    }
+
+    #[test]
+    fn multi_document_yaml_and_lists_are_flattened() {
+        let l = parse(
+            "apiVersion: v1\nkind: Namespace\nmetadata: {name: a}\n---\n---\napiVersion: v1\nkind: List\nitems:\n- apiVersion: v1\n  kind: Pod\n  metadata: {name: p}\n- apiVersion: v1\n  kind: NamespaceList\n  items: [{apiVersion: v1, kind: Namespace, metadata: {name: b}}]\n",
+        );
+        assert_eq!(l.inputs.namespaces.len(), 2);
+        assert_eq!(l.inputs.pods.len(), 1);
+        assert_eq!(l.inputs.pods[0].metadata.namespace.as_deref(), Some("default"));
+        assert!(l.problems.is_empty(), "{:?}", l.problems);
+    }
+
+    #[test]
+    fn wrong_type_names_object_and_field() {
+        let l = parse(
+            "apiVersion: policy.networking.k8s.io/v1alpha1\nkind: AdminNetworkPolicy\nmetadata: {name: x}\nspec:\n  priority: high\n  subject: {namespaces: {}}\n",
+        );
+        assert!(l.inputs.admin_network_policies.is_empty());
+        let p = &l.problems[0];
+        assert!(p.is_error());
+        assert_eq!(p.object, ObjectRef::cluster(Kind::AdminNetworkPolicy, "x"));
+        assert_eq!(p.field, "spec.priority");
+    }
+
+    #[test]
+    fn unknown_fields_are_warnings_with_their_path() {
+        let l = parse(
+            "apiVersion: policy.networking.k8s.io/v1alpha1\nkind: AdminNetworkPolicy\nmetadata: {name: x}\nspec:\n  priority: 1\n  subject: {namespaces: {}}\n  egress:\n  - action: Deny\n    to: [{futurePeer: {}}]\n",
+        );
+        assert_eq!(l.inputs.admin_network_policies.len(), 1);
+        assert_eq!(l.problems.len(), 1, "{:?}", l.problems);
+        assert_eq!(l.problems[0].field, "spec.egress[0].to[0].futurePeer");
+        assert_eq!(l.problems[0].kind, ProblemKind::UnknownField);
+    }
+
+    #[test]
+    fn other_kinds_and_api_groups_are_skipped_with_a_note() {
+        let l = parse(
+            "apiVersion: crd.antrea.io/v1beta1\nkind: ClusterNetworkPolicy\nmetadata: {name: acnp}\n---\napiVersion: apps/v1\nkind: Deployment\nmetadata: {name: d}\n",
+        );
+        assert!(l.inputs.cluster_network_policies.is_empty());
+        assert_eq!(l.notes.len(), 2);
+        assert!(l.notes[0].message.contains("crd.antrea.io/v1beta1 ClusterNetworkPolicy"));
+    }
+
+    #[test]
+    fn malformed_yaml_is_a_syntax_error() {
+        let e = parse_str(Path::new("bad.yaml"), "kind: [unclosed\n").unwrap_err();
+        assert!(matches!(e, LoadError::Syntax { .. }), "{e}");
+    }
+
+    #[test]
+    fn alias_bomb_fails_fast() {
+        let mut text = String::from("a0: &a0 [x, x, x, x, x, x, x, x, x, x]\n");
+        for i in 1..12 {
+            let prev = i - 1;
+            text.push_str(&format!(
+                "a{i}: &a{i} [*a{prev}, *a{prev}, *a{prev}, *a{prev}, *a{prev}, *a{prev}, *a{prev}, *a{prev}, *a{prev}, *a{prev}]\n"
+            ));
+        }
+        let start = std::time::Instant::now();
+        let e = parse_str(Path::new("bomb.yaml"), &text).unwrap_err();
+        assert!(matches!(e, LoadError::Syntax { .. }), "{e}");
+        // Not a timing assertion on performance, a guard against an unbounded expansion:
+        // 10^12 nodes could never finish in this time.
+        assert!(start.elapsed() < std::time::Duration::from_secs(30));
+    }
+
+    #[test]
+    fn yaml_1_1_boolean_spellings_stay_strings() {
+        let l = parse(
+            "apiVersion: v1\nkind: Namespace\nmetadata: {name: n, labels: {a: yes, b: off}}\n",
+        );
+        assert!(l.problems.is_empty(), "{:?}", l.problems);
+        let ns = &l.inputs.namespaces[0];
+        assert_eq!(ns.metadata.name.as_deref(), Some("n"));
+        assert_eq!(ns.metadata.labels.as_ref().unwrap()["a"], "yes");
+    }
+
+    #[test]
+    fn scalar_documents_are_noted_not_fatal() {
+        let l = parse("just a string\n---\napiVersion: v1\nkind: Namespace\nmetadata: {name: a}\n");
+        assert_eq!(l.inputs.namespaces.len(), 1);
+        assert_eq!(l.notes.len(), 1);
+    }
+}

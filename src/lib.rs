@@ -1,0 +1,5 @@
+//! tierproxy: a node-level network policy enforcer.
+pub mod cluster;
+pub mod explain;
+pub mod policy;
+pub mod synth;

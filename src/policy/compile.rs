@@ -1,0 +1,1344 @@
+//! API objects + cluster state → an immutable, indexed [`Snapshot`].
+//!
+//! Stage two of three (store → snapshot → decision, DESIGN §5): everything that can be
+//! worked out before a packet arrives is worked out here, once per revision:
+//!
+//! - every object is validated ([`super::validate`]); objects with errors are left out and
+//!   reported, the rest is used (the caller may keep the last good version of a rejected
+//!   object);
+//! - namespaces, pods and nodes get dense ids, and each kind gets a [`LabelIndex`];
+//! - every distinct selector (and namespace×pod selector pair) is resolved once into a
+//!   bitmap of pod ids and interned, so a thousand rules naming `app=web` share one set;
+//! - every pod gets, per direction, the ordered list of Admin-tier and Baseline-tier
+//!   policies whose subject selects it and the NetworkPolicies that isolate it, so
+//!   [`Snapshot::decide`](super::eval) walks only what applies.
+//!
+//! The tier order itself lives in one place: [`super::eval::TIER_ORDER`].
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::net::IpAddr;
+
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use roaring::RoaringBitmap;
+
+use super::api::{
+    LabelSelector, Namespace, NamespacedPod, NetworkPolicy, Node, Pod, v1alpha1, v1alpha2,
+};
+use super::cidr::{self, Block};
+use super::ports::{NamedPort, PortMatch, PortSpec, Ports, Protocol};
+use super::problem::{Kind, ObjectRef, Problem, ProblemKind};
+use super::selector::{LabelIndex, Selector};
+use super::validate::{self, NAMESPACE_NAME_LABEL};
+
+/// A snapshot's version: increases by one with every snapshot a builder publishes.
+/// Decision caches key on it; audit events carry it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub struct Revision(pub u64);
+
+impl std::fmt::Display for Revision {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+/// The API objects a snapshot is compiled from. Order within each list does not matter;
+/// an object given twice (same kind, namespace, name) is used once, the later one winning.
+#[derive(Debug, Clone, Default)]
+pub struct Inputs {
+    /// `v1` Namespaces. Namespaces that pods or policies live in but that are missing here
+    /// are created implicitly, with only the `kubernetes.io/metadata.name` label.
+    pub namespaces: Vec<Namespace>,
+    /// `v1` Nodes; their `status.addresses` (InternalIP, ExternalIP) are node IPs.
+    pub nodes: Vec<Node>,
+    /// `v1` Pods. Pods in phase Succeeded or Failed hold no IP and are ignored.
+    pub pods: Vec<Pod>,
+    /// `networking.k8s.io/v1` NetworkPolicies.
+    pub network_policies: Vec<NetworkPolicy>,
+    /// `v1alpha1` AdminNetworkPolicies.
+    pub admin_network_policies: Vec<v1alpha1::AdminNetworkPolicy>,
+    /// `v1alpha1` BaselineAdminNetworkPolicies (only `default` is valid).
+    pub baseline_admin_network_policies: Vec<v1alpha1::BaselineAdminNetworkPolicy>,
+    /// `v1alpha2` ClusterNetworkPolicies.
+    pub cluster_network_policies: Vec<v1alpha2::ClusterNetworkPolicy>,
+}
+
+/// Traffic direction, seen from the subject pod.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Direction {
+    /// Traffic into the subject; the peer is the source.
+    Ingress = 0,
+    /// Traffic out of the subject; the peer is the destination.
+    Egress = 1,
+}
+
+impl Direction {
+    /// Both directions, ingress first.
+    pub const BOTH: [Direction; 2] = [Direction::Ingress, Direction::Egress];
+
+    /// `ingress` / `egress`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Direction::Ingress => "ingress",
+            Direction::Egress => "egress",
+        }
+    }
+}
+
+/// A policy tier (DESIGN §2): Admin → NetworkPolicy → Baseline, then the default.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Tier {
+    /// AdminNetworkPolicy and ClusterNetworkPolicy `tier: Admin`.
+    Admin,
+    /// `networking.k8s.io/v1` NetworkPolicy.
+    NetworkPolicy,
+    /// BaselineAdminNetworkPolicy and ClusterNetworkPolicy `tier: Baseline`.
+    Baseline,
+}
+
+impl Tier {
+    /// `admin`, `networkpolicy`, `baseline`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Tier::Admin => "admin",
+            Tier::NetworkPolicy => "networkpolicy",
+            Tier::Baseline => "baseline",
+        }
+    }
+}
+
+/// A rule's action, normalised across API versions (v1alpha2 `Accept` is `Allow`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Action {
+    /// Allow / Accept: the direction is allowed; no later rule or tier is consulted.
+    Allow,
+    /// Deny: the direction is denied; no later rule or tier is consulted.
+    Deny,
+    /// Pass: skip the rest of the current tier.
+    Pass,
+}
+
+impl Action {
+    /// `Allow`, `Deny`, `Pass`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Action::Allow => "Allow",
+            Action::Deny => "Deny",
+            Action::Pass => "Pass",
+        }
+    }
+}
+
+/// Index of an interned pod set in [`Snapshot::pod_sets`].
+pub(crate) type SetId = u32;
+
+/// What a peer endpoint is, as far as policy is concerned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Endpoint {
+    /// A pod-network pod (not hostNetwork, not terminated), by dense id.
+    Pod(u32),
+    /// A node address, or a hostNetwork pod (which shares its node's addresses).
+    Node(u32),
+    /// Anything else.
+    External,
+}
+
+#[derive(Debug, Clone)]
+pub(crate) struct PodEntry {
+    pub(crate) namespace: u32,
+    pub(crate) name: String,
+    pub(crate) node: Option<u32>,
+    pub(crate) ports: Vec<NamedPort>,
+}
+
+#[derive(Debug, Clone)]
+pub(crate) struct NamespaceEntry {
+    pub(crate) name: String,
+    pub(crate) labels: BTreeMap<String, String>,
+    /// Ids of the namespace's pod-network pods.
+    pub(crate) pods: RoaringBitmap,
+}
+
+#[derive(Debug, Clone)]
+pub(crate) struct NodeEntry {
+    pub(crate) name: String,
+    pub(crate) labels: BTreeMap<String, String>,
+}
+
+/// The peers of one compiled rule: the rule matches a peer if any part does.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Peers {
+    /// Matches every address (NetworkPolicy rule without `from`/`to`; a fail-closed
+    /// Deny/Pass rule).
+    pub(crate) all: bool,
+    /// Interned pod sets (namespaces / pods / NetworkPolicy selector peers).
+    pub(crate) pod_sets: Vec<SetId>,
+    /// Node ids (a `nodes` peer), matched against node addresses.
+    pub(crate) nodes: Option<RoaringBitmap>,
+    /// `networks` / `ipBlock` peers, matched against any address.
+    pub(crate) blocks: Vec<Block>,
+}
+
+/// One compiled rule.
+#[derive(Debug, Clone)]
+pub(crate) struct Rule {
+    /// The rule's `name`, if it has one.
+    pub(crate) name: Option<String>,
+    /// Position in the policy's ingress or egress list.
+    pub(crate) index: u32,
+    pub(crate) action: Action,
+    pub(crate) peers: Peers,
+    pub(crate) ports: Ports,
+    /// The rule holds a peer of an unknown kind and was turned into "deny all" (a Deny or
+    /// Pass rule) as the API requires.
+    pub(crate) fail_closed: bool,
+}
+
+/// For each direction, what a policy can reach at all, to skip it in one bitmap lookup.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Reach {
+    /// Union of every rule's pod sets.
+    pub(crate) pods: RoaringBitmap,
+    /// Some rule has non-pod peers (all, nodes, blocks): no shortcut.
+    pub(crate) other: bool,
+}
+
+/// One compiled policy of any kind.
+#[derive(Debug, Clone)]
+pub(crate) struct Policy {
+    pub(crate) object: ObjectRef,
+    pub(crate) tier: Tier,
+    /// `spec.priority`; NetworkPolicy has none (0); BANP sorts after every Baseline CNP.
+    pub(crate) priority: i32,
+    /// Rules by [`Direction`] index.
+    pub(crate) rules: [Vec<Rule>; 2],
+    pub(crate) reach: [Reach; 2],
+    /// Pods the subject selects.
+    pub(crate) subject: RoaringBitmap,
+    /// Directions the policy applies to (NetworkPolicy: its defaulted `policyTypes`;
+    /// others: directions with rules).
+    pub(crate) applies: [bool; 2],
+}
+
+/// Per pod and direction, the policies that apply, in evaluation order, by tier.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct PodPolicies {
+    pub(crate) admin: [Vec<u32>; 2],
+    pub(crate) network: [Vec<u32>; 2],
+    pub(crate) baseline: [Vec<u32>; 2],
+}
+
+/// A compiled, immutable view of policies and cluster state, ready to decide flows.
+/// Build it with [`Snapshot::compile`]; share it behind an `Arc` and swap it whole.
+#[derive(Debug, Clone)]
+pub struct Snapshot {
+    pub(crate) revision: Revision,
+    pub(crate) pods: Vec<PodEntry>,
+    pub(crate) namespaces: Vec<NamespaceEntry>,
+    pub(crate) nodes: Vec<NodeEntry>,
+    pub(crate) by_ip: HashMap<IpAddr, Endpoint>,
+    /// Node addresses by node id.
+    pub(crate) node_addrs: Vec<Vec<IpAddr>>,
+    /// Pod IPs by pod id.
+    pub(crate) pod_ips: Vec<Vec<IpAddr>>,
+    pub(crate) pod_sets: Vec<RoaringBitmap>,
+    pub(crate) policies: Vec<Policy>,
+    pub(crate) per_pod: Vec<PodPolicies>,
+}
+
+/// The result of compiling: the snapshot and everything worth telling about the input.
+#[derive(Debug)]
+pub struct Compiled {
+    /// The snapshot, built from every object without errors.
+    pub snapshot: Snapshot,
+    /// Errors (object left out) and warnings (object used), in input order per kind.
+    pub problems: Vec<Problem>,
+}
+
+/// Interns pod sets by the selector(s) that produced them.
+#[derive(Default)]
+struct Interner {
+    ids: HashMap<SetKey, SetId>,
+    sets: Vec<RoaringBitmap>,
+}
+
+#[derive(Hash, PartialEq, Eq)]
+enum SetKey {
+    /// Pods in namespaces matching the selector.
+    Namespaces(Selector),
+    /// Pods matching the pod selector in namespaces matching the namespace selector.
+    Pods(Selector, Selector),
+    /// Pods matching the selector in one namespace (NetworkPolicy `podSelector`).
+    InNamespace(u32, Selector),
+}
+
+/// Compile-time state: indexes over the cluster.
+struct Cluster {
+    pods: Vec<PodEntry>,
+    namespaces: Vec<NamespaceEntry>,
+    ns_ids: HashMap<String, u32>,
+    nodes: Vec<NodeEntry>,
+    pod_index: LabelIndex,
+    ns_index: LabelIndex,
+    node_index: LabelIndex,
+    interner: Interner,
+}
+
+impl Cluster {
+    fn namespaces_matching(&self, sel: &Selector) -> RoaringBitmap {
+        self.ns_index.resolve(sel)
+    }
+
+    fn pods_in(&self, namespaces: &RoaringBitmap) -> RoaringBitmap {
+        let mut out = RoaringBitmap::new();
+        for ns in namespaces {
+            out |= &self.namespaces[ns as usize].pods;
+        }
+        out
+    }
+
+    fn intern(&mut self, key: SetKey) -> SetId {
+        if let Some(&id) = self.interner.ids.get(&key) {
+            return id;
+        }
+        let set = match &key {
+            SetKey::Namespaces(ns) => self.pods_in(&self.namespaces_matching(ns)),
+            SetKey::Pods(ns, pods) => {
+                self.pods_in(&self.namespaces_matching(ns)) & self.pod_index.resolve(pods)
+            }
+            SetKey::InNamespace(ns, pods) => {
+                &self.namespaces[*ns as usize].pods & self.pod_index.resolve(pods)
+            }
+        };
+        let id = self.interner.sets.len() as SetId;
+        self.interner.sets.push(set);
+        self.interner.ids.insert(key, id);
+        id
+    }
+}
+
+/// Compiles a selector that validation has already checked; an unknown operator (only
+/// possible if validation was skipped) makes the selector match nothing, failing closed.
+fn selector(sel: &LabelSelector) -> Option<Selector> {
+    Selector::compile(sel).ok()
+}
+
+fn namespaced_pod_key(np: &NamespacedPod) -> Option<SetKey> {
+    let NamespacedPod { namespace_selector, pod_selector } = np;
+    Some(SetKey::Pods(selector(namespace_selector)?, selector(pod_selector)?))
+}
+
+fn protocol_or_tcp(p: Option<&str>) -> Protocol {
+    // "If not specified, this field defaults to TCP." Validation rejects other names.
+    p.and_then(|p| p.parse().ok()).unwrap_or(Protocol::Tcp)
+}
+
+fn port_u16(p: i32) -> u16 {
+    // Validation guarantees 1..=65535; clamp rather than wrap if it was skipped.
+    p.clamp(0, u16::MAX as i32) as u16
+}
+
+/// ANP / BANP `ports` (v1alpha1 `AdminNetworkPolicyPort`).
+fn anp_ports(ports: &Option<Vec<v1alpha1::AdminNetworkPolicyPort>>) -> Ports {
+    let Some(ports) = ports else { return Ports::any() };
+    Ports(
+        ports
+            .iter()
+            .filter_map(|p| {
+                let v1alpha1::AdminNetworkPolicyPort { port_number, named_port, port_range } = p;
+                if let Some(v1alpha1::Port { protocol, port }) = port_number {
+                    let port = port_u16(*port);
+                    Some(PortMatch {
+                        protocol: Some(protocol_or_tcp(protocol.as_deref())),
+                        ports: PortSpec::Range(port, port),
+                    })
+                } else if let Some(v1alpha1::PortRange { protocol, start, end }) = port_range {
+                    Some(PortMatch {
+                        protocol: Some(protocol_or_tcp(protocol.as_deref())),
+                        ports: PortSpec::Range(port_u16(*start), port_u16(*end)),
+                    })
+                } else {
+                    // "NamedPort selects a port on a pod(s) based on name." The protocol is
+                    // that of the named container port.
+                    named_port
+                        .as_ref()
+                        .map(|n| PortMatch { protocol: None, ports: PortSpec::Named(n.clone()) })
+                }
+            })
+            .collect(),
+    )
+}
+
+/// CNP `protocols` (v1alpha2 `ClusterNetworkPolicyProtocol`): "If unspecified,
+/// protocol-specific attributes will not be used to match traffic."
+fn cnp_ports(protocols: &Option<Vec<v1alpha2::ClusterNetworkPolicyProtocol>>) -> Ports {
+    let Some(protocols) = protocols else { return Ports::any() };
+    let spec = |pp: &v1alpha2::ProtocolPort| match &pp.destination_port {
+        None => PortSpec::Any,
+        Some(v1alpha2::DestinationPort { number: Some(n), .. }) => {
+            PortSpec::Range(port_u16(*n), port_u16(*n))
+        }
+        Some(v1alpha2::DestinationPort { range: Some(r), .. }) => {
+            PortSpec::Range(port_u16(r.start), port_u16(r.end))
+        }
+        Some(v1alpha2::DestinationPort { number: None, range: None }) => PortSpec::Any,
+    };
+    Ports(
+        protocols
+            .iter()
+            .filter_map(|p| {
+                let v1alpha2::ClusterNetworkPolicyProtocol {
+                    tcp,
+                    udp,
+                    sctp,
+                    destination_named_port,
+                } = p;
+                if let Some(pp) = tcp {
+                    Some(PortMatch { protocol: Some(Protocol::Tcp), ports: spec(pp) })
+                } else if let Some(pp) = udp {
+                    Some(PortMatch { protocol: Some(Protocol::Udp), ports: spec(pp) })
+                } else if let Some(pp) = sctp {
+                    Some(PortMatch { protocol: Some(Protocol::Sctp), ports: spec(pp) })
+                } else {
+                    destination_named_port
+                        .as_ref()
+                        .map(|n| PortMatch { protocol: None, ports: PortSpec::Named(n.clone()) })
+                }
+            })
+            .collect(),
+    )
+}
+
+/// NetworkPolicy `ports`: "If this field is empty or missing, this rule matches all ports".
+fn np_ports(ports: &Option<Vec<k8s_openapi::api::networking::v1::NetworkPolicyPort>>) -> Ports {
+    let Some(ports) = ports else { return Ports::any() };
+    Ports(
+        ports
+            .iter()
+            .map(|p| {
+                let k8s_openapi::api::networking::v1::NetworkPolicyPort {
+                    end_port,
+                    port,
+                    protocol,
+                } = p;
+                let protocol = Some(protocol_or_tcp(protocol.as_deref()));
+                let ports = match port {
+                    // "If this field is not provided, this matches all port names and numbers."
+                    None => PortSpec::Any,
+                    Some(IntOrString::Int(n)) => {
+                        let lo = port_u16(*n);
+                        // "endPort indicates that the range of ports from port to endPort if
+                        // set, inclusive, should be allowed by the policy."
+                        PortSpec::Range(lo, end_port.map_or(lo, port_u16))
+                    }
+                    Some(IntOrString::String(name)) => PortSpec::Named(name.clone()),
+                };
+                PortMatch { protocol, ports }
+            })
+            .collect(),
+    )
+}
+
+/// The peer kinds shared by ANP, BANP and CNP, gathered from one peer object.
+struct PeerFields<'a> {
+    namespaces: Option<&'a LabelSelector>,
+    pods: Option<&'a NamespacedPod>,
+    nodes: Option<&'a LabelSelector>,
+    networks: Option<&'a Vec<String>>,
+    domain_names: Option<&'a Vec<String>>,
+}
+
+impl<'a> PeerFields<'a> {
+    fn anp_ingress(p: &'a v1alpha1::AdminNetworkPolicyIngressPeer) -> Self {
+        let v1alpha1::AdminNetworkPolicyIngressPeer { namespaces, pods } = p;
+        PeerFields {
+            namespaces: namespaces.as_ref(),
+            pods: pods.as_ref(),
+            nodes: None,
+            networks: None,
+            domain_names: None,
+        }
+    }
+    fn anp_egress(p: &'a v1alpha1::AdminNetworkPolicyEgressPeer) -> Self {
+        let v1alpha1::AdminNetworkPolicyEgressPeer {
+            namespaces,
+            pods,
+            nodes,
+            networks,
+            domain_names,
+        } = p;
+        PeerFields {
+            namespaces: namespaces.as_ref(),
+            pods: pods.as_ref(),
+            nodes: nodes.as_ref(),
+            networks: networks.as_ref(),
+            domain_names: domain_names.as_ref(),
+        }
+    }
+    fn banp_egress(p: &'a v1alpha1::BaselineAdminNetworkPolicyEgressPeer) -> Self {
+        let v1alpha1::BaselineAdminNetworkPolicyEgressPeer { namespaces, pods, nodes, networks } =
+            p;
+        PeerFields {
+            namespaces: namespaces.as_ref(),
+            pods: pods.as_ref(),
+            nodes: nodes.as_ref(),
+            networks: networks.as_ref(),
+            domain_names: None,
+        }
+    }
+    fn cnp_ingress(p: &'a v1alpha2::ClusterNetworkPolicyIngressPeer) -> Self {
+        let v1alpha2::ClusterNetworkPolicyIngressPeer { namespaces, pods } = p;
+        PeerFields {
+            namespaces: namespaces.as_ref(),
+            pods: pods.as_ref(),
+            nodes: None,
+            networks: None,
+            domain_names: None,
+        }
+    }
+    fn cnp_egress(p: &'a v1alpha2::ClusterNetworkPolicyEgressPeer) -> Self {
+        let v1alpha2::ClusterNetworkPolicyEgressPeer {
+            namespaces,
+            pods,
+            nodes,
+            networks,
+            domain_names,
+        } = p;
+        PeerFields {
+            namespaces: namespaces.as_ref(),
+            pods: pods.as_ref(),
+            nodes: nodes.as_ref(),
+            networks: networks.as_ref(),
+            domain_names: domain_names.as_ref(),
+        }
+    }
+}
+
+/// A rule of ANP, BANP or CNP before compilation.
+struct RawRule<'a> {
+    name: &'a str,
+    action: Action,
+    peers: Vec<PeerFields<'a>>,
+    ports: Ports,
+}
+
+impl Cluster {
+    fn subject(
+        &mut self,
+        namespaces: &Option<LabelSelector>,
+        pods: &Option<NamespacedPod>,
+    ) -> RoaringBitmap {
+        let key = match (namespaces, pods) {
+            (Some(ns), _) => selector(ns).map(SetKey::Namespaces),
+            (None, Some(p)) => namespaced_pod_key(p),
+            // Validation rejects an empty subject; it selects nothing.
+            (None, None) => None,
+        };
+        match key {
+            Some(k) => {
+                let id = self.intern(k);
+                self.interner.sets[id as usize].clone()
+            }
+            None => RoaringBitmap::new(),
+        }
+    }
+
+    /// Compiles ANP/BANP/CNP rules. Implements the fail-closed rule for unknown peers
+    /// (network-policy-api `ClusterNetworkPolicyEgressPeer`): "For Accept rules, 'fail
+    /// closed' means: 'treat the rule as matching no traffic'. For Deny and Pass rules,
+    /// 'fail closed' means: 'treat the rule as a Deny all rule'".
+    fn admin_rules(&mut self, raw: Vec<RawRule<'_>>) -> Vec<Rule> {
+        let mut out = Vec::with_capacity(raw.len());
+        for (index, r) in raw.into_iter().enumerate() {
+            let mut peers = Peers::default();
+            let mut unknown = false;
+            // A selector this engine cannot compile (an unknown operator; the API server does
+            // not validate selectors inside custom resources) is treated like a peer of an
+            // unknown kind: it fails closed.
+            for p in &r.peers {
+                if let Some(ns) = p.namespaces {
+                    match selector(ns) {
+                        Some(s) => peers.pod_sets.push(self.intern(SetKey::Namespaces(s))),
+                        None => unknown = true,
+                    }
+                } else if let Some(np) = p.pods {
+                    match namespaced_pod_key(np) {
+                        Some(k) => peers.pod_sets.push(self.intern(k)),
+                        None => unknown = true,
+                    }
+                } else if let Some(nodes) = p.nodes {
+                    match selector(nodes) {
+                        Some(s) => {
+                            let set = self.node_index.resolve(&s);
+                            *peers.nodes.get_or_insert_with(RoaringBitmap::new) |= set;
+                        }
+                        None => unknown = true,
+                    }
+                } else if let Some(nets) = p.networks {
+                    peers
+                        .blocks
+                        .extend(nets.iter().filter_map(|n| cidr::parse(n).ok()).map(Block::new));
+                } else if p.domain_names.is_some() {
+                    // Not resolvable by this engine: matches no traffic (warned by validate).
+                } else {
+                    unknown = true;
+                }
+            }
+            peers.pod_sets.sort_unstable();
+            peers.pod_sets.dedup();
+            let (action, fail_closed) = match (r.action, unknown) {
+                (Action::Deny | Action::Pass, true) => {
+                    peers = Peers { all: true, ..Peers::default() };
+                    (Action::Deny, true)
+                }
+                (a, _) => (a, false),
+            };
+            out.push(Rule {
+                name: (!r.name.is_empty()).then(|| r.name.to_string()),
+                index: index as u32,
+                action,
+                peers,
+                ports: r.ports,
+                fail_closed,
+            });
+        }
+        out
+    }
+
+    fn reach(&self, rules: &[Rule]) -> Reach {
+        let mut reach = Reach::default();
+        for r in rules {
+            for &s in &r.peers.pod_sets {
+                reach.pods |= &self.interner.sets[s as usize];
+            }
+            reach.other |= r.peers.all || r.peers.nodes.is_some() || !r.peers.blocks.is_empty();
+        }
+        reach
+    }
+}
+
+fn anp_action(a: v1alpha1::AdminNetworkPolicyRuleAction) -> Action {
+    match a {
+        v1alpha1::AdminNetworkPolicyRuleAction::Allow => Action::Allow,
+        v1alpha1::AdminNetworkPolicyRuleAction::Deny => Action::Deny,
+        v1alpha1::AdminNetworkPolicyRuleAction::Pass => Action::Pass,
+    }
+}
+
+fn banp_action(a: v1alpha1::BaselineAdminNetworkPolicyRuleAction) -> Action {
+    match a {
+        v1alpha1::BaselineAdminNetworkPolicyRuleAction::Allow => Action::Allow,
+        v1alpha1::BaselineAdminNetworkPolicyRuleAction::Deny => Action::Deny,
+    }
+}
+
+fn cnp_action(a: v1alpha2::ClusterNetworkPolicyRuleAction) -> Action {
+    match a {
+        v1alpha2::ClusterNetworkPolicyRuleAction::Accept => Action::Allow,
+        v1alpha2::ClusterNetworkPolicyRuleAction::Deny => Action::Deny,
+        v1alpha2::ClusterNetworkPolicyRuleAction::Pass => Action::Pass,
+    }
+}
+
+fn meta_name(m: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> String {
+    m.name.clone().unwrap_or_default()
+}
+
+/// The namespace of a namespaced object; manifests may omit it, meaning `default`, as
+/// `kubectl apply` does.
+pub fn meta_namespace(m: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> String {
+    m.namespace.clone().filter(|n| !n.is_empty()).unwrap_or_else(|| "default".to_string())
+}
+
+/// Keeps the last object per key, then orders by key, so the result is independent of
+/// input order. Reports each duplicate.
+fn dedup_sorted<'a, T>(
+    items: &'a [T],
+    key: impl Fn(&T) -> ObjectRef,
+    problems: &mut Vec<Problem>,
+) -> Vec<(ObjectRef, &'a T)> {
+    let mut map: BTreeMap<ObjectRef, &T> = BTreeMap::new();
+    for it in items {
+        let k = key(it);
+        if map.insert(k.clone(), it).is_some() {
+            problems.push(Problem::warning(&k, "", ProblemKind::Duplicate));
+        }
+    }
+    map.into_iter().collect()
+}
+
+fn parse_ips(values: impl IntoIterator<Item = String>) -> Vec<IpAddr> {
+    let mut out: Vec<IpAddr> = Vec::new();
+    for v in values {
+        if let Ok(ip) = v.parse::<IpAddr>()
+            && !out.contains(&ip)
+        {
+            out.push(ip);
+        }
+    }
+    out
+}
+
+impl Snapshot {
+    /// Compiles `inputs` into a snapshot with `revision`.
+    ///
+    /// Never fails: objects with validation errors are left out and reported in
+    /// [`Compiled::problems`] (with warnings for what is used but worth knowing). The result
+    /// does not depend on the order of objects within `inputs`.
+    pub fn compile(inputs: &Inputs, revision: Revision) -> Compiled {
+        let mut problems = Vec::new();
+
+        // --- Namespaces.
+        let namespaces = dedup_sorted(
+            &inputs.namespaces,
+            |n| ObjectRef::cluster(Kind::Namespace, meta_name(&n.metadata)),
+            &mut problems,
+        );
+        let mut c = Cluster {
+            pods: Vec::new(),
+            namespaces: Vec::new(),
+            ns_ids: HashMap::new(),
+            nodes: Vec::new(),
+            pod_index: LabelIndex::default(),
+            ns_index: LabelIndex::default(),
+            node_index: LabelIndex::default(),
+            interner: Interner::default(),
+        };
+        for (r, ns) in namespaces {
+            let start = problems.len();
+            validate::namespace(ns, &mut problems);
+            if problems[start..].iter().any(Problem::is_error) {
+                continue;
+            }
+            let mut labels = ns.metadata.labels.clone().unwrap_or_default();
+            // SetDefaults_Namespace: the API server sets `kubernetes.io/metadata.name` to the
+            // name, overwriting any other value (KEP-2161), so selectors on it always work.
+            labels.insert(NAMESPACE_NAME_LABEL.to_string(), r.name.clone());
+            c.ns_ids.insert(r.name.clone(), c.namespaces.len() as u32);
+            c.namespaces.push(NamespaceEntry { name: r.name, labels, pods: RoaringBitmap::new() });
+        }
+
+        // --- Nodes.
+        let nodes = dedup_sorted(
+            &inputs.nodes,
+            |n| ObjectRef::cluster(Kind::Node, meta_name(&n.metadata)),
+            &mut problems,
+        );
+        let mut node_ids: HashMap<String, u32> = HashMap::new();
+        let mut node_addrs: Vec<Vec<IpAddr>> = Vec::new();
+        for (r, node) in nodes {
+            let start = problems.len();
+            validate::node(node, &mut problems);
+            if problems[start..].iter().any(Problem::is_error) {
+                continue;
+            }
+            // Node IPs: status.addresses of type InternalIP / ExternalIP.
+            let addrs = node
+                .status
+                .as_ref()
+                .and_then(|s| s.addresses.as_ref())
+                .map(|a| {
+                    parse_ips(
+                        a.iter()
+                            .filter(|a| a.type_ == "InternalIP" || a.type_ == "ExternalIP")
+                            .map(|a| a.address.clone()),
+                    )
+                })
+                .unwrap_or_default();
+            let id = c.nodes.len() as u32;
+            node_ids.insert(r.name.clone(), id);
+            c.nodes.push(NodeEntry {
+                name: r.name,
+                labels: node.metadata.labels.clone().unwrap_or_default(),
+            });
+            node_addrs.push(addrs);
+        }
+
+        // --- Pods.
+        let pods = dedup_sorted(
+            &inputs.pods,
+            |p| {
+                ObjectRef::namespaced(
+                    Kind::Pod,
+                    meta_namespace(&p.metadata),
+                    meta_name(&p.metadata),
+                )
+            },
+            &mut problems,
+        );
+        let mut pod_ips: Vec<Vec<IpAddr>> = Vec::new();
+        let mut pod_labels: Vec<BTreeMap<String, String>> = Vec::new();
+        // hostNetwork pods' IPs are their node's: gathered to add to node addresses.
+        let mut host_ips: Vec<(u32, Vec<IpAddr>)> = Vec::new();
+        for (r, pod) in pods {
+            let start = problems.len();
+            validate::pod(pod, &mut problems);
+            if problems[start..].iter().any(Problem::is_error) {
+                continue;
+            }
+            let spec = pod.spec.as_ref();
+            let status = pod.status.as_ref();
+            if matches!(status.and_then(|s| s.phase.as_deref()), Some("Succeeded" | "Failed")) {
+                continue; // Terminated pods hold no IP and take no traffic.
+            }
+            let node = spec.and_then(|s| s.node_name.as_ref()).map(|n| {
+                *node_ids.entry(n.clone()).or_insert_with(|| {
+                    // A node known only from pods: no labels, no addresses but its
+                    // hostNetwork pods'.
+                    c.nodes.push(NodeEntry { name: n.clone(), labels: BTreeMap::new() });
+                    node_addrs.push(Vec::new());
+                    (c.nodes.len() - 1) as u32
+                })
+            });
+            // "podIPs ... If this field is specified, the 0th entry must match the podIP
+            // field"; where they disagree, the v1 conversion keeps podIP and drops podIPs.
+            let ips = match status {
+                Some(st) => {
+                    let listed: Vec<String> =
+                        st.pod_ips.iter().flatten().map(|p| p.ip.clone()).collect();
+                    match &st.pod_ip {
+                        Some(ip) if listed.first().is_some_and(|first| first != ip) => {
+                            parse_ips([ip.clone()])
+                        }
+                        Some(ip) => parse_ips(std::iter::once(ip.clone()).chain(listed)),
+                        None => parse_ips(listed),
+                    }
+                }
+                None => Vec::new(),
+            };
+            if spec.and_then(|s| s.host_network).unwrap_or(false) {
+                // "Note that host-networked pods are not included in subject selection" /
+                // "in this type of peer": such a pod is its node, for policy.
+                if let Some(n) = node {
+                    host_ips.push((n, ips));
+                }
+                continue;
+            }
+            let ns = match c.ns_ids.get(&r.namespace.clone().unwrap_or_default()) {
+                Some(&id) => id,
+                None => {
+                    let name = r.namespace.clone().unwrap_or_default();
+                    let labels = BTreeMap::from([(NAMESPACE_NAME_LABEL.to_string(), name.clone())]);
+                    let id = c.namespaces.len() as u32;
+                    c.ns_ids.insert(name.clone(), id);
+                    c.namespaces.push(NamespaceEntry { name, labels, pods: RoaringBitmap::new() });
+                    id
+                }
+            };
+            let ports = spec
+                .into_iter()
+                .flat_map(|s| s.containers.iter())
+                .flat_map(|ctr| ctr.ports.iter().flatten())
+                .filter_map(|p| {
+                    Some(NamedPort {
+                        name: p.name.clone().filter(|n| !n.is_empty())?,
+                        protocol: protocol_or_tcp(p.protocol.as_deref()),
+                        port: port_u16(p.container_port),
+                    })
+                })
+                .collect();
+            let id = c.pods.len() as u32;
+            c.namespaces[ns as usize].pods.insert(id);
+            c.pods.push(PodEntry { namespace: ns, name: r.name, node, ports });
+            pod_ips.push(ips);
+            pod_labels.push(pod.metadata.labels.clone().unwrap_or_default());
+        }
+        for (n, ips) in host_ips {
+            for ip in ips {
+                if !node_addrs[n as usize].contains(&ip) {
+                    node_addrs[n as usize].push(ip);
+                }
+            }
+        }
+        for (i, labels) in pod_labels.iter().enumerate() {
+            c.pod_index.insert(i as u32, labels);
+        }
+        for (i, ns) in c.namespaces.iter().enumerate() {
+            c.ns_index.insert(i as u32, &ns.labels);
+        }
+        for (i, n) in c.nodes.iter().enumerate() {
+            c.node_index.insert(i as u32, &n.labels);
+        }
+
+        // --- Addresses: nodes first, then pods; the first claimant keeps an address.
+        let mut by_ip: HashMap<IpAddr, Endpoint> = HashMap::new();
+        let mut owner: HashMap<IpAddr, ObjectRef> = HashMap::new();
+        let claims = node_addrs
+            .iter()
+            .enumerate()
+            .flat_map(|(i, a)| a.iter().map(move |ip| (*ip, Endpoint::Node(i as u32))))
+            .chain(
+                pod_ips
+                    .iter()
+                    .enumerate()
+                    .flat_map(|(i, a)| a.iter().map(move |ip| (*ip, Endpoint::Pod(i as u32)))),
+            );
+        for (ip, ep) in claims {
+            let who = match ep {
+                Endpoint::Node(n) => {
+                    ObjectRef::cluster(Kind::Node, c.nodes[n as usize].name.clone())
+                }
+                Endpoint::Pod(p) => {
+                    let pod = &c.pods[p as usize];
+                    ObjectRef::namespaced(
+                        Kind::Pod,
+                        c.namespaces[pod.namespace as usize].name.clone(),
+                        pod.name.clone(),
+                    )
+                }
+                Endpoint::External => continue,
+            };
+            match owner.get(&ip) {
+                Some(first) if *first != who => problems.push(Problem::warning(
+                    &who,
+                    "status",
+                    ProblemKind::AddressConflict { addr: ip, other: first.clone() },
+                )),
+                Some(_) => {}
+                None => {
+                    owner.insert(ip, who);
+                    by_ip.insert(ip, ep);
+                }
+            }
+        }
+
+        // --- Policies, gathered per tier and then ordered.
+        let mut policies: Vec<Policy> = Vec::new();
+
+        for (r, anp) in dedup_sorted(
+            &inputs.admin_network_policies,
+            |p| ObjectRef::cluster(Kind::AdminNetworkPolicy, meta_name(&p.metadata)),
+            &mut problems,
+        ) {
+            let start = problems.len();
+            validate::admin_network_policy(anp, &mut problems);
+            if problems[start..].iter().any(Problem::is_error) {
+                continue;
+            }
+            let v1alpha1::AdminNetworkPolicySpec { priority, subject, ingress, egress } = &anp.spec;
+            let v1alpha1::AdminNetworkPolicySubject { namespaces, pods } = subject;
+            let subject = c.subject(namespaces, pods);
+            let ingress = ingress
+                .iter()
+                .map(|r| RawRule {
+                    name: &r.name,
+                    action: anp_action(r.action),
+                    peers: r.from.iter().map(PeerFields::anp_ingress).collect(),
+                    ports: anp_ports(&r.ports),
+                })
+                .collect();
+            let egress = egress
+                .iter()
+                .map(|r| RawRule {
+                    name: &r.name,
+                    action: anp_action(r.action),
+                    peers: r.to.iter().map(PeerFields::anp_egress).collect(),
+                    ports: anp_ports(&r.ports),
+                })
+                .collect();
+            policies.push(c.admin_policy(r, Tier::Admin, *priority, subject, ingress, egress));
+        }
+
+        for (r, cnp) in dedup_sorted(
+            &inputs.cluster_network_policies,
+            |p| ObjectRef::cluster(Kind::ClusterNetworkPolicy, meta_name(&p.metadata)),
+            &mut problems,
+        ) {
+            let start = problems.len();
+            validate::cluster_network_policy(cnp, &mut problems);
+            if problems[start..].iter().any(Problem::is_error) {
+                continue;
+            }
+            let v1alpha2::ClusterNetworkPolicySpec { tier, priority, subject, ingress, egress } =
+                &cnp.spec;
+            let v1alpha2::ClusterNetworkPolicySubject { namespaces, pods } = subject;
+            let subject = c.subject(namespaces, pods);
+            let ingress = ingress
+                .iter()
+                .map(|r| RawRule {
+                    name: &r.name,
+                    action: cnp_action(r.action),
+                    peers: r.from.iter().map(PeerFields::cnp_ingress).collect(),
+                    ports: cnp_ports(&r.protocols),
+                })
+                .collect();
+            let egress = egress
+                .iter()
+                .map(|r| RawRule {
+                    name: &r.name,
+                    action: cnp_action(r.action),
+                    peers: r.to.iter().map(PeerFields::cnp_egress).collect(),
+                    ports: cnp_ports(&r.protocols),
+                })
+                .collect();
+            let tier = match tier {
+                v1alpha2::Tier::Admin => Tier::Admin,
+                v1alpha2::Tier::Baseline => Tier::Baseline,
+            };
+            policies.push(c.admin_policy(r, tier, *priority, subject, ingress, egress));
+        }
+
+        for (r, banp) in dedup_sorted(
+            &inputs.baseline_admin_network_policies,
+            |p| ObjectRef::cluster(Kind::BaselineAdminNetworkPolicy, meta_name(&p.metadata)),
+            &mut problems,
+        ) {
+            let start = problems.len();
+            validate::baseline_admin_network_policy(banp, &mut problems);
+            if problems[start..].iter().any(Problem::is_error) {
+                continue;
+            }
+            let v1alpha1::BaselineAdminNetworkPolicySpec { subject, ingress, egress } = &banp.spec;
+            let v1alpha1::AdminNetworkPolicySubject { namespaces, pods } = subject;
+            let subject = c.subject(namespaces, pods);
+            let ingress = ingress
+                .iter()
+                .map(|r| RawRule {
+                    name: &r.name,
+                    action: banp_action(r.action),
+                    peers: r.from.iter().map(PeerFields::anp_ingress).collect(),
+                    ports: anp_ports(&r.ports),
+                })
+                .collect();
+            let egress = egress
+                .iter()
+                .map(|r| RawRule {
+                    name: &r.name,
+                    action: banp_action(r.action),
+                    peers: r.to.iter().map(PeerFields::banp_egress).collect(),
+                    ports: anp_ports(&r.ports),
+                })
+                .collect();
+            // BANP has no priority. It is the cluster-wide default of v1alpha1, while
+            // Baseline-tier CNPs (v1alpha2) carry explicit priorities: BANP goes after them.
+            policies.push(c.admin_policy(
+                r,
+                Tier::Baseline,
+                BANP_PRIORITY,
+                subject,
+                ingress,
+                egress,
+            ));
+        }
+
+        for (r, np) in dedup_sorted(
+            &inputs.network_policies,
+            |p| {
+                ObjectRef::namespaced(
+                    Kind::NetworkPolicy,
+                    meta_namespace(&p.metadata),
+                    meta_name(&p.metadata),
+                )
+            },
+            &mut problems,
+        ) {
+            let start = problems.len();
+            validate::network_policy(np, &mut problems);
+            if problems[start..].iter().any(Problem::is_error) {
+                continue;
+            }
+            if let Some(p) = c.network_policy(r, np) {
+                policies.push(p);
+            }
+        }
+
+        // Evaluation order inside each tier: priority, then name, then kind — "ties broken
+        // deterministically by name" (DESIGN §2); `check` reports the ties.
+        policies.sort_by(|a, b| {
+            (a.tier, a.priority, &a.object.name, a.object.kind, &a.object.namespace).cmp(&(
+                b.tier,
+                b.priority,
+                &b.object.name,
+                b.object.kind,
+                &b.object.namespace,
+            ))
+        });
+
+        let mut per_pod = vec![PodPolicies::default(); c.pods.len()];
+        for (pid, p) in policies.iter().enumerate() {
+            for d in Direction::BOTH {
+                if !p.applies[d as usize] {
+                    continue;
+                }
+                for pod in &p.subject {
+                    let lists = &mut per_pod[pod as usize];
+                    let list = match p.tier {
+                        Tier::Admin => &mut lists.admin[d as usize],
+                        Tier::NetworkPolicy => &mut lists.network[d as usize],
+                        Tier::Baseline => &mut lists.baseline[d as usize],
+                    };
+                    list.push(pid as u32);
+                }
+            }
+        }
+
+        let snapshot = Snapshot {
+            revision,
+            pods: c.pods,
+            namespaces: c.namespaces,
+            nodes: c.nodes,
+            by_ip,
+            node_addrs,
+            pod_ips,
+            pod_sets: c.interner.sets,
+            policies,
+            per_pod,
+        };
+        Compiled { snapshot, problems }
+    }
+
+    /// The revision this snapshot was compiled with.
+    pub fn revision(&self) -> Revision {
+        self.revision
+    }
+
+    /// The id of pod-network pod `namespace/name`, if the snapshot has it.
+    pub fn find_pod(&self, namespace: &str, name: &str) -> Option<u32> {
+        self.pods
+            .iter()
+            .position(|p| p.name == name && self.namespaces[p.namespace as usize].name == namespace)
+            .map(|i| i as u32)
+    }
+
+    /// The IPs of pod `id` (IPv4 and/or IPv6).
+    pub fn pod_ips(&self, id: u32) -> &[IpAddr] {
+        &self.pod_ips[id as usize]
+    }
+
+    /// The addresses of node `id`: `status.addresses` InternalIP/ExternalIP, plus the IPs of
+    /// its hostNetwork pods.
+    pub fn node_addrs(&self, id: u32) -> &[IpAddr] {
+        &self.node_addrs[id as usize]
+    }
+
+    /// The id of node `name`, if known.
+    pub fn find_node(&self, name: &str) -> Option<u32> {
+        self.nodes.iter().position(|n| n.name == name).map(|i| i as u32)
+    }
+
+    /// Number of pod-network pods, namespaces, nodes and compiled policies.
+    pub fn counts(&self) -> (usize, usize, usize, usize) {
+        (self.pods.len(), self.namespaces.len(), self.nodes.len(), self.policies.len())
+    }
+}
+
+/// Sort key of the BaselineAdminNetworkPolicy within the Baseline tier: after every
+/// ClusterNetworkPolicy `tier: Baseline` (whose priorities are 0–1000).
+const BANP_PRIORITY: i32 = 1001;
+
+impl Cluster {
+    fn admin_policy(
+        &mut self,
+        object: ObjectRef,
+        tier: Tier,
+        priority: i32,
+        subject: RoaringBitmap,
+        ingress: Vec<RawRule<'_>>,
+        egress: Vec<RawRule<'_>>,
+    ) -> Policy {
+        let ingress = self.admin_rules(ingress);
+        let egress = self.admin_rules(egress);
+        // "ANPs with no ingress rules do not affect ingress traffic."
+        let applies = [!ingress.is_empty(), !egress.is_empty()];
+        let reach = [self.reach(&ingress), self.reach(&egress)];
+        Policy { object, tier, priority, rules: [ingress, egress], reach, subject, applies }
+    }
+
+    fn network_policy(&mut self, object: ObjectRef, np: &NetworkPolicy) -> Option<Policy> {
+        use k8s_openapi::api::networking::v1::{
+            NetworkPolicyEgressRule, NetworkPolicyIngressRule, NetworkPolicyPeer, NetworkPolicySpec,
+        };
+        let ns_name = object.namespace.clone().unwrap_or_default();
+        let ns = match self.ns_ids.get(&ns_name) {
+            Some(&id) => id,
+            // No pod lives in a namespace nobody declared: the policy selects nothing.
+            None => return None,
+        };
+        let spec = np.spec.clone().unwrap_or_default();
+        let NetworkPolicySpec { egress, ingress, pod_selector, policy_types } = &spec;
+        // "This field is optional. If it is not specified, it defaults to an empty
+        // selector" — which selects all pods in the namespace.
+        let subject = match selector(&pod_selector.clone().unwrap_or_default()) {
+            Some(s) => {
+                let id = self.intern(SetKey::InNamespace(ns, s));
+                self.pod_sets(id).clone()
+            }
+            None => RoaringBitmap::new(),
+        };
+        // policyTypes defaulting (API server, SetDefaults_NetworkPolicySpec): "If this field
+        // is not specified, it will default based on the existence of ingress or egress
+        // rules; policies that contain an egress section are assumed to affect egress, and
+        // all policies (whether or not they contain an ingress section) are assumed to
+        // affect ingress."
+        let applies = match policy_types.as_deref() {
+            Some(t) if !t.is_empty() => {
+                [t.iter().any(|t| t == "Ingress"), t.iter().any(|t| t == "Egress")]
+            }
+            _ => [true, egress.as_ref().is_some_and(|e| !e.is_empty())],
+        };
+        let mut rules: [Vec<Rule>; 2] = [Vec::new(), Vec::new()];
+        let compile_rule = |c: &mut Cluster, peers: &Option<Vec<NetworkPolicyPeer>>| -> Peers {
+            // "If this field is empty or missing, this rule matches all sources/destinations."
+            let Some(list) = peers.as_ref().filter(|l| !l.is_empty()) else {
+                return Peers { all: true, ..Peers::default() };
+            };
+            let mut out = Peers::default();
+            for p in list {
+                let NetworkPolicyPeer { ip_block, namespace_selector, pod_selector } = p;
+                if let Some(b) = ip_block {
+                    if let Ok(net) = cidr::parse(&b.cidr) {
+                        let except =
+                            b.except.iter().flatten().filter_map(|e| cidr::parse(e).ok()).collect();
+                        out.blocks.push(Block { net, except });
+                    }
+                    continue;
+                }
+                let key = match (namespace_selector, pod_selector) {
+                    // "If namespaceSelector is also set, then the NetworkPolicyPeer as a
+                    // whole selects the pods matching podSelector in the Namespaces selected
+                    // by NamespaceSelector."
+                    (Some(n), Some(p)) => {
+                        selector(n).zip(selector(p)).map(|(n, p)| SetKey::Pods(n, p))
+                    }
+                    (Some(n), None) => selector(n).map(SetKey::Namespaces),
+                    // "Otherwise it selects the pods matching podSelector in the policy's own
+                    // namespace."
+                    (None, Some(p)) => selector(p).map(|p| SetKey::InNamespace(ns, p)),
+                    (None, None) => None,
+                };
+                if let Some(k) = key {
+                    out.pod_sets.push(c.intern(k));
+                }
+            }
+            out.pod_sets.sort_unstable();
+            out.pod_sets.dedup();
+            out
+        };
+        if applies[Direction::Ingress as usize] {
+            for (i, r) in ingress.iter().flatten().enumerate() {
+                let NetworkPolicyIngressRule { from, ports } = r;
+                let peers = compile_rule(self, from);
+                rules[0].push(Rule {
+                    name: None,
+                    index: i as u32,
+                    action: Action::Allow,
+                    peers,
+                    ports: np_ports(ports),
+                    fail_closed: false,
+                });
+            }
+        }
+        if applies[Direction::Egress as usize] {
+            for (i, r) in egress.iter().flatten().enumerate() {
+                let NetworkPolicyEgressRule { to, ports } = r;
+                let peers = compile_rule(self, to);
+                rules[1].push(Rule {
+                    name: None,
+                    index: i as u32,
+                    action: Action::Allow,
+                    peers,
+                    ports: np_ports(ports),
+                    fail_closed: false,
+                });
+            }
+        }
+        let reach = [self.reach(&rules[0]), self.reach(&rules[1])];
+        Some(Policy {
+            object,
+            tier: Tier::NetworkPolicy,
+            priority: 0,
+            rules,
+            reach,
+            subject,
+            applies,
+        })
+    }
+
+    fn pod_sets(&self, id: SetId) -> &RoaringBitmap {
+        &self.interner.sets[id as usize]
+    }
+}
+
+/// Pairs of admin-tier (or baseline-tier CNP) policies with equal priority whose subjects
+/// overlap, each with the number of pods both select. Used by `check` (KEP-2091 "Risks and
+/// Mitigations": "provide a warning if there is another ANP with the same priority").
+pub fn priority_conflicts(s: &Snapshot) -> Vec<Problem> {
+    let mut out = Vec::new();
+    let by_prio: BTreeMap<(Tier, i32), Vec<&Policy>> = s
+        .policies
+        .iter()
+        .filter(|p| p.tier != Tier::NetworkPolicy && p.priority != BANP_PRIORITY)
+        .fold(BTreeMap::new(), |mut m, p| {
+            m.entry((p.tier, p.priority)).or_insert_with(Vec::new).push(p);
+            m
+        });
+    for ((_, prio), ps) in by_prio {
+        for (i, a) in ps.iter().enumerate() {
+            for b in &ps[i + 1..] {
+                let overlap = a.subject.intersection_len(&b.subject) as usize;
+                if overlap > 0 {
+                    out.push(Problem::warning(
+                        &a.object,
+                        "spec.priority",
+                        ProblemKind::PriorityConflict {
+                            priority: prio,
+                            other: b.object.clone(),
+                            overlap,
+                        },
+                    ));
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Rules that match no traffic in this snapshot, and policies that select no pod: worth a
+/// look, since pods may be missing from the input or a selector may be misspelled.
+pub fn unreachable_rules(s: &Snapshot) -> Vec<Problem> {
+    let mut out = Vec::new();
+    let declared: BTreeSet<&str> =
+        s.pods.iter().flat_map(|p| p.ports.iter().map(|n| n.name.as_str())).collect();
+    for p in &s.policies {
+        if p.subject.is_empty() {
+            out.push(Problem::warning(
+                &p.object,
+                "spec",
+                ProblemKind::NeverMatches { reason: "the subject selects no pod".into() },
+            ));
+        }
+        for d in Direction::BOTH {
+            for r in &p.rules[d as usize] {
+                let field = format!("spec.{}[{}]", d.as_str(), r.index);
+                let peers = &r.peers;
+                let no_peer = !peers.all
+                    && peers.blocks.is_empty()
+                    && peers.nodes.as_ref().is_none_or(|n| n.is_empty())
+                    && peers.pod_sets.iter().all(|&id| s.pod_sets[id as usize].is_empty());
+                if no_peer {
+                    out.push(Problem::warning(
+                        &p.object,
+                        field.clone(),
+                        ProblemKind::NeverMatches {
+                            reason: "no peer of this rule selects anything".into(),
+                        },
+                    ));
+                }
+                let missing: Vec<&str> =
+                    r.ports.named().filter(|n| !declared.contains(n)).collect();
+                if !missing.is_empty() && missing.len() == r.ports.0.len() {
+                    out.push(Problem::warning(
+                        &p.object,
+                        format!("{field}.ports"),
+                        ProblemKind::NeverMatches {
+                            reason: format!(
+                                "no pod declares the named port(s) {}",
+                                missing.join(", ")
+                            ),
+                        },
+                    ));
+                }
+            }
+        }
+    }
+    out
+}

@@ -1,0 +1,322 @@
+//! Deciding flows: [`Snapshot::decide`] walks the tiers for each direction that applies.
+//!
+//! The contract (DESIGN §2): a connection from client C to server S is allowed iff
+//! `decide(Egress, subject=C, peer=S) == Allow && decide(Ingress, subject=S, peer=C) ==
+//! Allow`, each side evaluated only where the subject is a pod-network pod. Per direction:
+//! the Admin tier (first matching rule by priority; Pass skips the rest of the tier), then
+//! NetworkPolicy (isolation is final), then the Baseline tier, then allow.
+//!
+//! A [`Decision`] holds no strings: it names policies and rules by index into the snapshot
+//! it came from, so deciding allocates nothing unless a Pass is taken. Use
+//! [`Snapshot::policy_ref`] and [`Snapshot::rule_info`] to name them.
+
+use std::net::IpAddr;
+
+use super::compile::{Action, Direction, Endpoint, Peers, Policy, Revision, Snapshot, Tier};
+use super::ports::{NamedPort, Protocol};
+use super::problem::ObjectRef;
+
+/// The order in which tiers are consulted — the only place in the code that says so.
+///
+/// Source: network-policy-api `ClusterNetworkPolicySpec.tier`: "Policy tiers are evaluated
+/// in the following order: Admin tier, NetworkPolicy tier, Baseline tier"; KEP-2091.
+pub const TIER_ORDER: [Tier; 3] = [Tier::Admin, Tier::NetworkPolicy, Tier::Baseline];
+
+/// A new flow's first packet, as far as policy cares: the 5-tuple less the source port.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Flow {
+    /// Source (client) address.
+    pub src: IpAddr,
+    /// Destination (server) address: the original destination, after any DNAT.
+    pub dst: IpAddr,
+    /// Transport protocol.
+    pub protocol: Protocol,
+    /// Destination port.
+    pub dst_port: u16,
+}
+
+/// Allow or deny.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Verdict {
+    /// The flow may proceed.
+    Allow,
+    /// The flow is dropped silently.
+    Deny,
+}
+
+impl Verdict {
+    /// `allow` / `deny`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Verdict::Allow => "allow",
+            Verdict::Deny => "deny",
+        }
+    }
+}
+
+/// A rule of a policy in a snapshot: policy index and the rule's position in the policy's
+/// list for the direction.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct RuleHit {
+    /// Index of the policy in the snapshot.
+    pub policy: u32,
+    /// Position of the rule in the policy's ingress or egress list.
+    pub rule: u32,
+}
+
+/// Why one direction got its verdict.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Basis {
+    /// A rule matched (Allow or Deny; a fail-closed rule counts as Deny).
+    Rule {
+        /// The tier of the policy.
+        tier: Tier,
+        /// The rule.
+        hit: RuleHit,
+    },
+    /// NetworkPolicies isolate the subject in this direction and none of their rules
+    /// matched: "traffic ... is allowed only if ... some NetworkPolicy allows it". `policy`
+    /// is the first isolating policy by namespace/name.
+    Isolated {
+        /// The first isolating NetworkPolicy.
+        policy: u32,
+    },
+    /// No tier decided: "all pods can communicate with each other" (default allow).
+    NoPolicy,
+    /// Ingress from the subject's own node is always allowed (kubelet probes; NetworkPolicy
+    /// docs: "traffic to and from the node where a Pod is running is always allowed").
+    OwnNode,
+}
+
+/// The decision for one direction.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Outcome {
+    /// The direction's verdict.
+    pub verdict: Verdict,
+    /// What decided it.
+    pub basis: Basis,
+    /// Pass rules taken on the way, in order.
+    pub passed: Vec<RuleHit>,
+}
+
+/// The decision for a flow: the final verdict and the outcome of each direction that
+/// applies (`None` where that end is not a pod-network pod).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Decision {
+    /// `Allow` iff every applicable direction allows.
+    pub verdict: Verdict,
+    /// The client's egress, if the client is a pod-network pod.
+    pub egress: Option<Outcome>,
+    /// The server's ingress, if the server is a pod-network pod.
+    pub ingress: Option<Outcome>,
+    /// The snapshot revision that decided.
+    pub revision: Revision,
+}
+
+/// A rule, named for people and audit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RuleInfo<'a> {
+    /// The rule's `name`, if set.
+    pub name: Option<&'a str>,
+    /// Position in the policy's ingress or egress list.
+    pub index: u32,
+    /// The effective action (a fail-closed rule reports `Deny`).
+    pub action: Action,
+    /// The rule holds a peer of an unknown kind and fails closed.
+    pub fail_closed: bool,
+}
+
+impl Snapshot {
+    /// What `ip` is: a pod-network pod, a node (or hostNetwork pod), or external.
+    #[inline]
+    pub fn endpoint(&self, ip: IpAddr) -> Endpoint {
+        self.by_ip.get(&ip).copied().unwrap_or(Endpoint::External)
+    }
+
+    /// A short name for an endpoint: `ns/pod`, `node/<name>` or `external`.
+    pub fn endpoint_name(&self, ep: Endpoint) -> String {
+        match ep {
+            Endpoint::Pod(p) => {
+                let pod = &self.pods[p as usize];
+                format!("{}/{}", self.namespaces[pod.namespace as usize].name, pod.name)
+            }
+            Endpoint::Node(n) => format!("node/{}", self.nodes[n as usize].name),
+            Endpoint::External => "external".to_string(),
+        }
+    }
+
+    /// The policy at `index` (from a [`RuleHit`] or [`Basis::Isolated`]).
+    ///
+    /// # Panics
+    /// If `index` did not come from a decision of this snapshot.
+    pub fn policy_ref(&self, index: u32) -> &ObjectRef {
+        &self.policies[index as usize].object
+    }
+
+    /// The tier of the policy at `index`.
+    pub fn policy_tier(&self, index: u32) -> Tier {
+        self.policies[index as usize].tier
+    }
+
+    /// The rule `hit` names, in direction `dir`.
+    ///
+    /// # Panics
+    /// If `hit` did not come from a decision of this snapshot.
+    pub fn rule_info(&self, dir: Direction, hit: RuleHit) -> RuleInfo<'_> {
+        let r = &self.policies[hit.policy as usize].rules[dir as usize][hit.rule as usize];
+        RuleInfo {
+            name: r.name.as_deref(),
+            index: r.index,
+            action: r.action,
+            fail_closed: r.fail_closed,
+        }
+    }
+
+    /// Decides a new flow (DESIGN §2). Allocates only when a Pass rule is taken.
+    pub fn decide(&self, flow: &Flow) -> Decision {
+        let src = self.endpoint(flow.src);
+        let dst = self.endpoint(flow.dst);
+        // "named ports resolve on the destination pod's declared container ports".
+        let dst_ports: &[NamedPort] = match dst {
+            Endpoint::Pod(p) => &self.pods[p as usize].ports,
+            _ => &[],
+        };
+        let egress = match src {
+            Endpoint::Pod(p) => {
+                Some(self.decide_direction(Direction::Egress, p, dst, flow.dst, flow, dst_ports))
+            }
+            _ => None,
+        };
+        let ingress = match dst {
+            Endpoint::Pod(p) => {
+                Some(self.decide_direction(Direction::Ingress, p, src, flow.src, flow, dst_ports))
+            }
+            _ => None,
+        };
+        let allowed = |o: &Option<Outcome>| o.as_ref().is_none_or(|o| o.verdict == Verdict::Allow);
+        let verdict =
+            if allowed(&egress) && allowed(&ingress) { Verdict::Allow } else { Verdict::Deny };
+        Decision { verdict, egress, ingress, revision: self.revision }
+    }
+
+    /// One direction of [`Snapshot::decide`]: `subject` is a pod id, `peer`/`peer_ip` the
+    /// other end.
+    pub fn decide_direction(
+        &self,
+        dir: Direction,
+        subject: u32,
+        peer: Endpoint,
+        peer_ip: IpAddr,
+        flow: &Flow,
+        dst_ports: &[NamedPort],
+    ) -> Outcome {
+        if dir == Direction::Ingress
+            && let Endpoint::Node(n) = peer
+            && self.pods[subject as usize].node == Some(n)
+        {
+            return Outcome { verdict: Verdict::Allow, basis: Basis::OwnNode, passed: Vec::new() };
+        }
+        let d = dir as usize;
+        let lists = &self.per_pod[subject as usize];
+        let mut passed = Vec::new();
+        let matches = |p: &Policy, ri: usize| {
+            let r = &p.rules[d][ri];
+            r.ports.matches(flow.protocol, flow.dst_port, dst_ports)
+                && self.peer_matches(&r.peers, peer, peer_ip)
+        };
+        for tier in TIER_ORDER {
+            match tier {
+                Tier::Admin | Tier::Baseline => {
+                    let list =
+                        if tier == Tier::Admin { &lists.admin[d] } else { &lists.baseline[d] };
+                    'policies: for &pid in list {
+                        let p = &self.policies[pid as usize];
+                        if !self.may_reach(p, d, peer) {
+                            continue;
+                        }
+                        for ri in 0..p.rules[d].len() {
+                            if !matches(p, ri) {
+                                continue;
+                            }
+                            let hit = RuleHit { policy: pid, rule: ri as u32 };
+                            match p.rules[d][ri].action {
+                                Action::Allow => {
+                                    return Outcome {
+                                        verdict: Verdict::Allow,
+                                        basis: Basis::Rule { tier, hit },
+                                        passed,
+                                    };
+                                }
+                                Action::Deny => {
+                                    return Outcome {
+                                        verdict: Verdict::Deny,
+                                        basis: Basis::Rule { tier, hit },
+                                        passed,
+                                    };
+                                }
+                                // "Pass: Skips all further ClusterNetworkPolicy rules in the
+                                // current tier for the selected traffic, and passes evaluation
+                                // to the next tier."
+                                Action::Pass => {
+                                    passed.push(hit);
+                                    break 'policies;
+                                }
+                            }
+                        }
+                    }
+                }
+                Tier::NetworkPolicy => {
+                    let list = &lists.network[d];
+                    let Some(&first) = list.first() else { continue };
+                    // The subject is isolated in this direction: "v1.NetworkPolicy always
+                    // makes a final decision for selected pods".
+                    for &pid in list {
+                        let p = &self.policies[pid as usize];
+                        if !self.may_reach(p, d, peer) {
+                            continue;
+                        }
+                        for ri in 0..p.rules[d].len() {
+                            if matches(p, ri) {
+                                let hit = RuleHit { policy: pid, rule: ri as u32 };
+                                return Outcome {
+                                    verdict: Verdict::Allow,
+                                    basis: Basis::Rule { tier, hit },
+                                    passed,
+                                };
+                            }
+                        }
+                    }
+                    return Outcome {
+                        verdict: Verdict::Deny,
+                        basis: Basis::Isolated { policy: first },
+                        passed,
+                    };
+                }
+            }
+        }
+        Outcome { verdict: Verdict::Allow, basis: Basis::NoPolicy, passed }
+    }
+
+    /// A cheap necessary condition for any rule of `p` in direction `d` to match `peer`.
+    #[inline]
+    fn may_reach(&self, p: &Policy, d: usize, peer: Endpoint) -> bool {
+        let reach = &p.reach[d];
+        reach.other || matches!(peer, Endpoint::Pod(id) if reach.pods.contains(id))
+    }
+
+    #[inline]
+    fn peer_matches(&self, peers: &Peers, peer: Endpoint, ip: IpAddr) -> bool {
+        if peers.all {
+            return true;
+        }
+        let by_identity = match peer {
+            Endpoint::Pod(p) => {
+                peers.pod_sets.iter().any(|&s| self.pod_sets[s as usize].contains(p))
+            }
+            Endpoint::Node(n) => peers.nodes.as_ref().is_some_and(|set| set.contains(n)),
+            Endpoint::External => false,
+        };
+        // ipBlock / networks match any address, pod and node IPs included (DESIGN §2).
+        by_identity || peers.blocks.iter().any(|b| b.contains(ip))
+    }
+}

@@ -1,0 +1,261 @@
+//! Problems found in input objects: validation errors, fail-closed notes and warnings.
+//!
+//! Every [`Problem`] names the object ([`ObjectRef`]: kind, namespace, name) and the field
+//! path inside it (`spec.egress[2].to[0].networks[1]`), so an operator can find it without
+//! guessing. The engine never panics on bad input: it reports a `Problem` and, for errors,
+//! leaves the object out of the compiled snapshot (the caller decides whether to keep the
+//! last good version of it; see `docs/architecture.md`, "Invalid input").
+
+use std::fmt;
+
+/// The Kubernetes kinds the engine reads.
+///
+/// Source: `networking.k8s.io/v1`, `v1` core, and `policy.networking.k8s.io`
+/// `v1alpha1` / `v1alpha2` (network-policy-api).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Kind {
+    /// `v1` Namespace.
+    Namespace,
+    /// `v1` Node.
+    Node,
+    /// `v1` Pod.
+    Pod,
+    /// `networking.k8s.io/v1` NetworkPolicy.
+    NetworkPolicy,
+    /// `policy.networking.k8s.io/v1alpha1` AdminNetworkPolicy.
+    AdminNetworkPolicy,
+    /// `policy.networking.k8s.io/v1alpha1` BaselineAdminNetworkPolicy.
+    BaselineAdminNetworkPolicy,
+    /// `policy.networking.k8s.io/v1alpha2` ClusterNetworkPolicy.
+    ClusterNetworkPolicy,
+}
+
+impl Kind {
+    /// The kind as spelled in a manifest's `kind` field.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Kind::Namespace => "Namespace",
+            Kind::Node => "Node",
+            Kind::Pod => "Pod",
+            Kind::NetworkPolicy => "NetworkPolicy",
+            Kind::AdminNetworkPolicy => "AdminNetworkPolicy",
+            Kind::BaselineAdminNetworkPolicy => "BaselineAdminNetworkPolicy",
+            Kind::ClusterNetworkPolicy => "ClusterNetworkPolicy",
+        }
+    }
+}
+
+impl fmt::Display for Kind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Names one API object: kind, namespace (for namespaced kinds) and name.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ObjectRef {
+    /// The object's kind.
+    pub kind: Kind,
+    /// `metadata.namespace`; `None` for cluster-scoped kinds.
+    pub namespace: Option<String>,
+    /// `metadata.name`.
+    pub name: String,
+}
+
+impl ObjectRef {
+    /// A cluster-scoped object.
+    pub fn cluster(kind: Kind, name: impl Into<String>) -> Self {
+        ObjectRef { kind, namespace: None, name: name.into() }
+    }
+
+    /// A namespaced object.
+    pub fn namespaced(kind: Kind, namespace: impl Into<String>, name: impl Into<String>) -> Self {
+        ObjectRef { kind, namespace: Some(namespace.into()), name: name.into() }
+    }
+}
+
+impl fmt::Display for ObjectRef {
+    /// `Kind ns/name` or `Kind name`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.namespace {
+            Some(ns) => write!(f, "{} {}/{}", self.kind, ns, self.name),
+            None => write!(f, "{} {}", self.kind, self.name),
+        }
+    }
+}
+
+/// How serious a [`Problem`] is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Severity {
+    /// The API server would have rejected the object; it is left out of the snapshot.
+    Error,
+    /// The object is used, but part of it behaves in a way the operator should know of
+    /// (an unknown field, a fail-closed peer, a rule that can never match).
+    Warning,
+}
+
+/// What is wrong, with the values that make it wrong. Messages never repeat the field path
+/// or the object: [`Problem`]'s `Display` adds those.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ProblemKind {
+    /// A required field is missing or empty.
+    #[error("required field is missing")]
+    Required,
+    /// A number outside the range the CRD schema allows.
+    #[error("{value} is out of range {min}..={max}")]
+    OutOfRange {
+        /// The value given.
+        value: i64,
+        /// Smallest allowed value.
+        min: i64,
+        /// Largest allowed value.
+        max: i64,
+    },
+    /// A list longer than the schema's `maxItems`.
+    #[error("{len} items exceed the limit of {max}")]
+    TooManyItems {
+        /// Items given.
+        len: usize,
+        /// The schema's `maxItems`.
+        max: usize,
+    },
+    /// A list shorter than the schema's `minItems`.
+    #[error("{len} items are fewer than the minimum of {min}")]
+    TooFewItems {
+        /// Items given.
+        len: usize,
+        /// The schema's `minItems`.
+        min: usize,
+    },
+    /// A string longer than the schema's `maxLength`.
+    #[error("length {len} exceeds the limit of {max}")]
+    TooLong {
+        /// Characters given.
+        len: usize,
+        /// The schema's `maxLength`.
+        max: usize,
+    },
+    /// A union (`MinProperties=1`, `MaxProperties=1`) with more than one member set.
+    #[error("exactly one of {fields} must be set, found {found}")]
+    NotExactlyOne {
+        /// The union's members, comma separated.
+        fields: &'static str,
+        /// The members that were set, comma separated.
+        found: String,
+    },
+    /// A value outside the schema's enum.
+    #[error("{value:?} is not one of {allowed}")]
+    NotInEnum {
+        /// The value given.
+        value: String,
+        /// The allowed values, comma separated.
+        allowed: &'static str,
+    },
+    /// A string that does not have the required syntax.
+    #[error("{value:?} is invalid: {reason}")]
+    Invalid {
+        /// The value given.
+        value: String,
+        /// What the syntax requires.
+        reason: String,
+    },
+    /// The object does not decode: a field has the wrong type (a string where a number
+    /// belongs, a list where an object belongs) or a required field is missing.
+    #[error("cannot decode: {reason}")]
+    Decode {
+        /// The decoder's message.
+        reason: String,
+    },
+    /// A field this version of tierproxy does not know; it is ignored.
+    #[error("unknown field, ignored (a newer API version may define it)")]
+    UnknownField,
+    /// A peer none of whose known fields is set: an unknown peer kind. Per the API it fails
+    /// closed: it matches nothing in an Allow/Accept rule, and turns a Deny/Pass rule into
+    /// "deny all" for the traffic it applies to.
+    #[error("peer has no field this engine knows; the rule fails closed ({effect})")]
+    UnknownPeer {
+        /// What the rule does as a result.
+        effect: &'static str,
+    },
+    /// `domainNames` peers cannot be resolved by this engine; Allow rules holding them match
+    /// nothing for those peers (fail closed).
+    #[error("domainNames peers are not resolved by this engine; they match no traffic")]
+    DomainNamesUnresolved,
+    /// A port reference that can never match.
+    #[error("{reason}")]
+    NeverMatches {
+        /// Why.
+        reason: String,
+    },
+    /// Two admin-tier policies with the same priority whose subjects overlap (KEP-2091,
+    /// "Risks and Mitigations": the behaviour is undefined upstream; tierproxy orders them
+    /// by name).
+    #[error(
+        "priority {priority} is shared with {other}, and their subjects overlap on {overlap} pod(s); evaluated in name order"
+    )]
+    PriorityConflict {
+        /// The shared priority.
+        priority: i32,
+        /// The other policy.
+        other: ObjectRef,
+        /// How many pods both subjects select.
+        overlap: usize,
+    },
+    /// An object with the same kind, namespace and name was given twice; the later wins.
+    #[error("duplicate object; the later definition replaces the earlier one")]
+    Duplicate,
+    /// An IP address claimed by more than one object.
+    #[error("address {addr} is also claimed by {other}; it resolves to the first")]
+    AddressConflict {
+        /// The address.
+        addr: std::net::IpAddr,
+        /// The other claimant.
+        other: ObjectRef,
+    },
+}
+
+/// One problem in one object.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Problem {
+    /// The object the problem is in.
+    pub object: ObjectRef,
+    /// Field path inside the object, e.g. `spec.ingress[0].from[1].pods.podSelector`;
+    /// empty for the object as a whole.
+    pub field: String,
+    /// Error (object rejected) or warning (object used).
+    pub severity: Severity,
+    /// What is wrong.
+    pub kind: ProblemKind,
+}
+
+impl Problem {
+    /// An error: the object is left out of the snapshot.
+    pub fn error(object: &ObjectRef, field: impl Into<String>, kind: ProblemKind) -> Self {
+        Problem { object: object.clone(), field: field.into(), severity: Severity::Error, kind }
+    }
+
+    /// A warning: the object is used.
+    pub fn warning(object: &ObjectRef, field: impl Into<String>, kind: ProblemKind) -> Self {
+        Problem { object: object.clone(), field: field.into(), severity: Severity::Warning, kind }
+    }
+
+    /// `true` for [`Severity::Error`].
+    pub fn is_error(&self) -> bool {
+        self.severity == Severity::Error
+    }
+}
+
+impl fmt::Display for Problem {
+    /// `error: AdminNetworkPolicy deny-all: spec.priority: 1001 is out of range 0..=1000`
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let sev = match self.severity {
+            Severity::Error => "error",
+            Severity::Warning => "warning",
+        };
+        if self.field.is_empty() {
+            write!(f, "{sev}: {}: {}", self.object, self.kind)
+        } else {
+            write!(f, "{sev}: {}: {}: {}", self.object, self.field, self.kind)
+        }
+    }
+}

@@ -1,0 +1,229 @@
+//! Label selectors, compiled once and resolved through inverted label indexes.
+//!
+//! Source: `metav1.LabelSelector` ("A label selector is a label query over a set of
+//! resources. The result of matchLabels and matchExpressions are ANDed. An empty label
+//! selector matches all objects. A null label selector matches no objects.") and
+//! `LabelSelectorRequirement` (operators In, NotIn, Exists, DoesNotExist; "NotIn" also
+//! matches objects without the key, as `labels.Selector` does).
+//!
+//! Resolution never scans objects per selector: a [`LabelIndex`] maps each `key=value` and
+//! each key to the set of object ids carrying it, and a selector becomes a few bitmap
+//! intersections and differences.
+
+use std::collections::{BTreeMap, HashMap};
+
+use roaring::RoaringBitmap;
+
+use super::api::LabelSelector;
+
+/// One compiled requirement of a selector.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Requirement {
+    /// `key` has one of the values (`matchLabels` entries become `In` with one value).
+    In(String, Vec<String>),
+    /// `key` is absent or has none of the values.
+    NotIn(String, Vec<String>),
+    /// `key` is present.
+    Exists(String),
+    /// `key` is absent.
+    DoesNotExist(String),
+}
+
+/// A compiled label selector: requirements ANDed, in a canonical order so that equal
+/// selectors compare (and intern) equal. No requirements = matches everything.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub struct Selector {
+    reqs: Vec<Requirement>,
+}
+
+/// An operator outside In/NotIn/Exists/DoesNotExist. Validation reports it first; a
+/// selector that still holds one is compiled to match nothing (fail closed).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown label selector operator {0:?}")]
+pub struct UnknownOperator(pub String);
+
+impl Selector {
+    /// The selector that matches everything (`{}`).
+    pub fn everything() -> Self {
+        Selector::default()
+    }
+
+    /// Compiles a `metav1.LabelSelector`.
+    ///
+    /// # Errors
+    /// [`UnknownOperator`] for an operator this engine does not know.
+    pub fn compile(sel: &LabelSelector) -> Result<Self, UnknownOperator> {
+        let LabelSelector { match_labels, match_expressions } = sel;
+        let mut reqs = Vec::new();
+        for (k, v) in match_labels.iter().flatten() {
+            reqs.push(Requirement::In(k.clone(), vec![v.clone()]));
+        }
+        for e in match_expressions.iter().flatten() {
+            let mut values = e.values.clone().unwrap_or_default();
+            values.sort();
+            values.dedup();
+            let key = e.key.clone();
+            reqs.push(match e.operator.as_str() {
+                "In" => Requirement::In(key, values),
+                "NotIn" => Requirement::NotIn(key, values),
+                "Exists" => Requirement::Exists(key),
+                "DoesNotExist" => Requirement::DoesNotExist(key),
+                other => return Err(UnknownOperator(other.to_string())),
+            });
+        }
+        reqs.sort();
+        reqs.dedup();
+        Ok(Selector { reqs })
+    }
+
+    /// `true` if the selector has no requirement and so matches every object.
+    pub fn is_everything(&self) -> bool {
+        self.reqs.is_empty()
+    }
+
+    /// Matches one label set directly (used by tests and for single objects).
+    pub fn matches(&self, labels: &BTreeMap<String, String>) -> bool {
+        self.reqs.iter().all(|r| match r {
+            Requirement::In(k, vs) => labels.get(k).is_some_and(|v| vs.contains(v)),
+            Requirement::NotIn(k, vs) => labels.get(k).is_none_or(|v| !vs.contains(v)),
+            Requirement::Exists(k) => labels.contains_key(k),
+            Requirement::DoesNotExist(k) => !labels.contains_key(k),
+        })
+    }
+}
+
+/// An inverted index from labels to object ids (pods, namespaces or nodes).
+#[derive(Debug, Default, Clone)]
+pub struct LabelIndex {
+    all: RoaringBitmap,
+    by_key: HashMap<String, RoaringBitmap>,
+    by_pair: HashMap<(String, String), RoaringBitmap>,
+}
+
+impl LabelIndex {
+    /// Adds object `id` with `labels`. Ids need not be dense.
+    pub fn insert(&mut self, id: u32, labels: &BTreeMap<String, String>) {
+        self.all.insert(id);
+        for (k, v) in labels {
+            self.by_key.entry(k.clone()).or_default().insert(id);
+            self.by_pair.entry((k.clone(), v.clone())).or_default().insert(id);
+        }
+    }
+
+    /// All indexed ids.
+    pub fn all(&self) -> &RoaringBitmap {
+        &self.all
+    }
+
+    fn with_value(&self, key: &str, values: &[String]) -> RoaringBitmap {
+        let mut out = RoaringBitmap::new();
+        for v in values {
+            // Allocation-free lookup would need a borrowed tuple key; compile time only.
+            if let Some(b) = self.by_pair.get(&(key.to_string(), v.clone())) {
+                out |= b;
+            }
+        }
+        out
+    }
+
+    /// The ids `sel` matches.
+    pub fn resolve(&self, sel: &Selector) -> RoaringBitmap {
+        let mut out = self.all.clone();
+        for r in &sel.reqs {
+            if out.is_empty() {
+                break;
+            }
+            match r {
+                Requirement::In(k, vs) => out &= self.with_value(k, vs),
+                Requirement::NotIn(k, vs) => out -= self.with_value(k, vs),
+                Requirement::Exists(k) => match self.by_key.get(k) {
+                    Some(b) => out &= b,
+                    None => out.clear(),
+                },
+                Requirement::DoesNotExist(k) => {
+                    if let Some(b) = self.by_key.get(k) {
+                        out -= b;
+                    }
+                }
+            }
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelectorRequirement;
+
+    fn labels(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+        pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+    }
+
+    fn expr(key: &str, op: &str, values: &[&str]) -> LabelSelectorRequirement {
+        LabelSelectorRequirement {
+            key: key.into(),
+            operator: op.into(),
+            values: Some(values.iter().map(|s| s.to_string()).collect()),
+        }
+    }
+
+    fn sel(ml: &[(&str, &str)], me: Vec<LabelSelectorRequirement>) -> Selector {
+        Selector::compile(&LabelSelector {
+            match_labels: Some(labels(ml)),
+            match_expressions: Some(me),
+        })
+        .unwrap()
+    }
+
+    #[test]
+    fn index_resolution_agrees_with_direct_matching() {
+        let objs = [
+            labels(&[("app", "web"), ("tier", "fe")]),
+            labels(&[("app", "db")]),
+            labels(&[]),
+            labels(&[("tier", "be"), ("app", "web")]),
+        ];
+        let mut idx = LabelIndex::default();
+        for (i, l) in objs.iter().enumerate() {
+            idx.insert(i as u32, l);
+        }
+        let cases = [
+            sel(&[], vec![]),
+            sel(&[("app", "web")], vec![]),
+            sel(&[], vec![expr("app", "NotIn", &["web"])]),
+            sel(&[], vec![expr("tier", "Exists", &[])]),
+            sel(&[], vec![expr("tier", "DoesNotExist", &[])]),
+            sel(&[("app", "web")], vec![expr("tier", "In", &["be", "x"])]),
+            sel(&[("missing", "x")], vec![]),
+        ];
+        for s in &cases {
+            let direct: RoaringBitmap =
+                (0..objs.len() as u32).filter(|&i| s.matches(&objs[i as usize])).collect();
+            assert_eq!(idx.resolve(s), direct, "{s:?}");
+        }
+    }
+
+    #[test]
+    fn not_in_matches_objects_without_the_key() {
+        let s = sel(&[], vec![expr("env", "NotIn", &["prod"])]);
+        assert!(s.matches(&labels(&[])));
+        assert!(!s.matches(&labels(&[("env", "prod")])));
+    }
+
+    #[test]
+    fn equal_selectors_compile_equal() {
+        let a = sel(&[("a", "1"), ("b", "2")], vec![expr("c", "In", &["y", "x"])]);
+        let b = sel(&[("b", "2"), ("a", "1")], vec![expr("c", "In", &["x", "y", "x"])]);
+        assert_eq!(a, b);
+    }
+
+    #[test]
+    fn unknown_operator_is_an_error() {
+        let s = LabelSelector {
+            match_labels: None,
+            match_expressions: Some(vec![expr("a", "Gt", &["1"])]),
+        };
+        assert_eq!(Selector::compile(&s), Err(UnknownOperator("Gt".into())));
+    }
+}

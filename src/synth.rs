@@ -1,0 +1,278 @@
+//! Synthetic clusters for benchmarks and load tests: many pods, NetworkPolicies and admin
+//! policies with realistic overlap, generated deterministically from a seed.
+//!
+//! Shape (defaults = the sizing target of issue #2 and `benches/decide.rs`):
+//! - namespaces labelled `team=t<i mod 50>`, `env=prod|dev|staging`;
+//! - pods spread evenly over namespaces and nodes, labelled `app=a<j mod 10>` and
+//!   `tier=fe|be|db`, declaring the named ports `http` (8080/TCP) and `metrics` (9090/TCP);
+//! - NetworkPolicies per namespace alternating between "allow from my namespace's app X
+//!   and from team Y on http" and "egress to team Z and to 10.0.0.0/8 except one /16";
+//! - admin policies with priorities 0.., each selecting one team's namespaces (every tenth
+//!   one: all `env=prod` namespaces), with rules cycling Allow/Deny/Pass over 1..=max peers
+//!   drawn from the team × app vocabulary, plus `networks` peers;
+//! - one BaselineAdminNetworkPolicy denying cross-team ingress.
+//!
+//! The PRNG is a fixed SplitMix64 so that a seed names the same cluster in every version
+//! (library RNGs do not promise value stability across releases).
+
+use std::net::{IpAddr, Ipv4Addr};
+
+use serde_json::{Value, json};
+
+use crate::policy::{Flow, Inputs, Protocol};
+
+/// Sizes of a synthetic cluster.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shape {
+    /// Number of namespaces (≥ 1).
+    pub namespaces: usize,
+    /// Number of pod-network pods (≥ 1).
+    pub pods: usize,
+    /// Number of nodes (≥ 1).
+    pub nodes: usize,
+    /// Number of NetworkPolicies.
+    pub network_policies: usize,
+    /// Number of AdminNetworkPolicies.
+    pub admin_policies: usize,
+    /// Rules per AdminNetworkPolicy and direction (≤ 100, the CRD limit).
+    pub rules_per_admin_policy: usize,
+    /// Most peers per admin rule (≤ 100, the CRD limit); rules have 1..=this.
+    pub max_peers: usize,
+    /// When set, every admin policy selects every namespace (the worst case for `decide`).
+    pub admin_selects_all: bool,
+}
+
+impl Shape {
+    /// 10,000 pods in 500 namespaces on 100 nodes, 1,000 NetworkPolicies, 100 ANPs × 100
+    /// rules with up to 100 peers each, and a BANP (issue #2's benchmark cluster).
+    pub const LARGE: Shape = Shape {
+        namespaces: 500,
+        pods: 10_000,
+        nodes: 100,
+        network_policies: 1_000,
+        admin_policies: 100,
+        rules_per_admin_policy: 100,
+        max_peers: 100,
+        admin_selects_all: false,
+    };
+}
+
+const TEAMS: usize = 50;
+const APPS: usize = 10;
+const ENVS: [&str; 3] = ["prod", "dev", "staging"];
+const TIERS: [&str; 3] = ["fe", "be", "db"];
+
+/// SplitMix64 (Steele, Lea, Flood 2014): tiny, fast, value-stable.
+#[derive(Debug, Clone)]
+pub struct Rng(u64);
+
+impl Rng {
+    /// A generator for `seed`.
+    pub fn new(seed: u64) -> Self {
+        Rng(seed)
+    }
+
+    /// The next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `0..n` (`n > 0`; slight modulo bias is irrelevant here).
+    pub fn below(&mut self, n: usize) -> usize {
+        (self.next_u64() % n.max(1) as u64) as usize
+    }
+}
+
+/// The IPv4 address of synthetic pod `i`: 10.128.0.0/9 counted up from 10.128.0.1.
+pub fn pod_ip(i: usize) -> Ipv4Addr {
+    Ipv4Addr::from(0x0A80_0001u32 + i as u32)
+}
+
+/// The InternalIP of synthetic node `i`: 172.16.0.0/12 counted up from 172.16.0.1.
+pub fn node_ip(i: usize) -> Ipv4Addr {
+    Ipv4Addr::from(0xAC10_0001u32 + i as u32)
+}
+
+fn decode<T: serde::de::DeserializeOwned>(v: Value) -> T {
+    // The generator writes only well-formed objects; a failure here is a bug in it.
+    serde_json::from_value(v).expect("synthetic object decodes")
+}
+
+/// Generates a cluster of `shape` from `seed`.
+pub fn cluster(shape: Shape, seed: u64) -> Inputs {
+    let mut rng = Rng::new(seed);
+    let ns_count = shape.namespaces.max(1);
+    let mut inputs = Inputs::default();
+    for i in 0..ns_count {
+        inputs.namespaces.push(decode(json!({
+            "metadata": {"name": format!("ns-{i}"), "labels": {"team": format!("t{}", i % TEAMS), "env": ENVS[i % 3]}},
+        })));
+    }
+    for i in 0..shape.nodes.max(1) {
+        inputs.nodes.push(decode(json!({
+            "metadata": {"name": format!("node-{i}"), "labels": {"zone": format!("z{}", i % 3)}},
+            "status": {"addresses": [{"type": "InternalIP", "address": node_ip(i).to_string()}]},
+        })));
+    }
+    for j in 0..shape.pods {
+        inputs.pods.push(decode(json!({
+            "metadata": {
+                "name": format!("pod-{j}"),
+                "namespace": format!("ns-{}", j % ns_count),
+                "labels": {"app": format!("a{}", (j / ns_count) % APPS), "tier": TIERS[j % 3]},
+            },
+            "spec": {
+                "nodeName": format!("node-{}", j % shape.nodes.max(1)),
+                "containers": [{"name": "c", "ports": [
+                    {"name": "http", "containerPort": 8080},
+                    {"name": "metrics", "containerPort": 9090},
+                ]}],
+            },
+            "status": {"podIP": pod_ip(j).to_string(), "phase": "Running"},
+        })));
+    }
+    for k in 0..shape.network_policies {
+        let ns = k % ns_count;
+        let spec = if k % 2 == 0 {
+            json!({
+                "podSelector": {"matchLabels": {"app": format!("a{}", rng.below(APPS))}},
+                "ingress": [
+                    {"from": [{"podSelector": {"matchLabels": {"app": format!("a{}", rng.below(APPS))}}}]},
+                    {"from": [{"namespaceSelector": {"matchLabels": {"team": format!("t{}", rng.below(TEAMS))}}}],
+                     "ports": [{"port": "http"}, {"port": 9090, "protocol": "TCP"}]},
+                ],
+            })
+        } else {
+            json!({
+                "podSelector": {"matchLabels": {"tier": TIERS[rng.below(3)]}},
+                "policyTypes": ["Egress"],
+                "egress": [
+                    {"to": [{"namespaceSelector": {"matchLabels": {"team": format!("t{}", rng.below(TEAMS))}}}]},
+                    {"to": [{"ipBlock": {"cidr": "10.0.0.0/8", "except": ["10.128.0.0/16"]}}],
+                     "ports": [{"port": 443}, {"port": 32000, "endPort": 32768}]},
+                ],
+            })
+        };
+        inputs.network_policies.push(decode(json!({
+            "metadata": {"name": format!("np-{k}"), "namespace": format!("ns-{ns}")},
+            "spec": spec,
+        })));
+    }
+    // Admin policies are built as typed values: a million peers through JSON would make
+    // generation, not compilation, the slow part of a benchmark.
+    use crate::policy::api::{LabelSelector, NamespacedPod, v1alpha1 as a1};
+    use std::collections::BTreeMap;
+    let labels = |k: &str, v: String| LabelSelector {
+        match_labels: Some(BTreeMap::from([(k.to_string(), v)])),
+        match_expressions: None,
+    };
+    let actions = [
+        a1::AdminNetworkPolicyRuleAction::Allow,
+        a1::AdminNetworkPolicyRuleAction::Deny,
+        a1::AdminNetworkPolicyRuleAction::Pass,
+    ];
+    for a in 0..shape.admin_policies {
+        let namespaces = if shape.admin_selects_all {
+            LabelSelector::default()
+        } else if a % 10 == 0 {
+            labels("env", "prod".into())
+        } else {
+            labels("team", format!("t{}", a % TEAMS))
+        };
+        let mut ingress = Vec::new();
+        let mut egress = Vec::new();
+        for r in 0..shape.rules_per_admin_policy.min(100) {
+            let peers = 1 + rng.below(shape.max_peers.clamp(1, 100));
+            let mut from = Vec::with_capacity(peers);
+            let mut to = Vec::with_capacity(peers);
+            for _ in 0..peers {
+                let pods = NamespacedPod {
+                    namespace_selector: labels("team", format!("t{}", rng.below(TEAMS))),
+                    pod_selector: labels("app", format!("a{}", rng.below(APPS))),
+                };
+                from.push(a1::AdminNetworkPolicyIngressPeer {
+                    pods: Some(pods.clone()),
+                    ..Default::default()
+                });
+                to.push(if rng.below(4) == 0 {
+                    let net = format!("192.{}.{}.0/24", rng.below(256), rng.below(256));
+                    a1::AdminNetworkPolicyEgressPeer {
+                        networks: Some(vec![net]),
+                        ..Default::default()
+                    }
+                } else {
+                    a1::AdminNetworkPolicyEgressPeer { pods: Some(pods), ..Default::default() }
+                });
+            }
+            let port = 1000 + rng.below(64) as i32;
+            let ports = Some(vec![
+                a1::AdminNetworkPolicyPort {
+                    port_number: Some(a1::Port { protocol: Some("TCP".into()), port }),
+                    ..Default::default()
+                },
+                a1::AdminNetworkPolicyPort {
+                    named_port: Some("metrics".into()),
+                    ..Default::default()
+                },
+            ]);
+            ingress.push(a1::AdminNetworkPolicyIngressRule {
+                name: format!("in-{r}"),
+                action: actions[(a + r) % 3],
+                from,
+                ports: ports.clone(),
+            });
+            egress.push(a1::AdminNetworkPolicyEgressRule {
+                name: format!("out-{r}"),
+                action: actions[(a + r + 1) % 3],
+                to,
+                ports,
+            });
+        }
+        let mut anp = a1::AdminNetworkPolicy::new(
+            &format!("anp-{a}"),
+            a1::AdminNetworkPolicySpec {
+                priority: (a % 1001) as i32,
+                subject: a1::AdminNetworkPolicySubject { namespaces: Some(namespaces), pods: None },
+                ingress,
+                egress,
+            },
+        );
+        anp.status = None;
+        inputs.admin_network_policies.push(anp);
+    }
+    inputs.baseline_admin_network_policies.push(decode(json!({
+        "apiVersion": "policy.networking.k8s.io/v1alpha1",
+        "kind": "BaselineAdminNetworkPolicy",
+        "metadata": {"name": "default"},
+        "spec": {
+            "subject": {"namespaces": {}},
+            "ingress": [{"name": "deny-other-teams", "action": "Deny", "from": [{"namespaces": {"matchExpressions": [
+                {"key": "team", "operator": "NotIn", "values": ["t0"]}]}}]}],
+            "egress": [{"name": "allow-all", "action": "Allow", "to": [{"networks": ["0.0.0.0/0"]}]}],
+        },
+    })));
+    inputs
+}
+
+/// `n` random flows of a cluster of `shape`: mostly pod to pod, some to external
+/// addresses, ports spread over the ones the policies name and others.
+pub fn flows(shape: Shape, n: usize, seed: u64) -> Vec<Flow> {
+    let mut rng = Rng::new(seed);
+    let ports = [80u16, 443, 1000, 1010, 1063, 8080, 9090, 32100, 5432];
+    (0..n)
+        .map(|_| {
+            let src = IpAddr::V4(pod_ip(rng.below(shape.pods)));
+            let dst = if rng.below(10) == 0 {
+                IpAddr::V4(Ipv4Addr::new(192, rng.below(256) as u8, rng.below(256) as u8, 7))
+            } else {
+                IpAddr::V4(pod_ip(rng.below(shape.pods)))
+            };
+            let protocol = if rng.below(8) == 0 { Protocol::Udp } else { Protocol::Tcp };
+            Flow { src, dst, protocol, dst_port: ports[rng.below(ports.len())] }
+        })
+        .collect()
+}
