@@ -1,0 +1,453 @@
+//! `tierproxy explain` and `tierproxy check`: the policy engine on manifests, for people
+//! and for CI pipelines.
+//!
+//! `explain` decides probes — `{"from", "to", "port", "protocol"}` — against manifests and
+//! shows, per direction, the tier, policy and rule that decided (and any Pass on the way).
+//! A probe may carry `"expect": "allow"|"deny"`; a mismatch makes the run exit 1, so a
+//! probe file doubles as a policy test suite. `check` reports invalid objects, priority
+//! conflicts and rules that cannot match.
+//!
+//! Exit codes: 0 = decided (and every expectation met), 1 = an expectation failed,
+//! 2 = invalid input (unreadable files, invalid objects, unresolvable probes).
+
+use std::fmt::Write as _;
+use std::io::Write;
+use std::net::IpAddr;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+
+use crate::cluster::manifest::{self, Loaded};
+use crate::policy::compile::{self, Direction, Endpoint};
+use crate::policy::{Basis, Compiled, Flow, Outcome, Problem, Protocol, Revision, Snapshot, Tier};
+
+/// Process exit code: every probe decided, every expectation met.
+pub const EXIT_OK: u8 = 0;
+/// Process exit code: some probe's `expect` differs from its verdict.
+pub const EXIT_MISMATCH: u8 = 1;
+/// Process exit code: invalid input (files, objects or probes).
+pub const EXIT_INVALID: u8 = 2;
+
+/// Output format of `explain` and `check`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Format {
+    /// Aligned text for people.
+    Table,
+    /// One JSON object per line.
+    Json,
+}
+
+/// One probe: a new flow to decide. Wire format of `--probes` (JSON Lines).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Probe {
+    /// `namespace/pod`, `node/<name>`, or an IP address.
+    pub from: String,
+    /// `namespace/pod`, `node/<name>`, or an IP address.
+    pub to: String,
+    /// Destination port, 0–65535.
+    pub port: u16,
+    /// `TCP` (default), `UDP` or `SCTP`.
+    #[serde(default = "tcp")]
+    pub protocol: String,
+    /// Expected final verdict, `allow` or `deny`; checked when present.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expect: Option<String>,
+    /// Free text, carried through to the output.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub note: Option<String>,
+}
+
+fn tcp() -> String {
+    "TCP".to_string()
+}
+
+/// Why `explain` or `check` could not run on its input.
+#[derive(Debug, thiserror::Error)]
+pub enum InputError {
+    /// The probe file could not be read.
+    #[error("{path}: cannot read")]
+    ProbeFile {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A probe line is not a valid probe.
+    #[error("probe {line}: {message}")]
+    Probe {
+        /// 1-based line number in the probe file (or 1 for `--from/--to`).
+        line: usize,
+        /// What is wrong.
+        message: String,
+    },
+}
+
+/// Reads the manifests and compiles them. Prints notes and problems to `err`. Returns the
+/// load result, the compiled snapshot, and whether any error was found.
+fn load_and_compile(manifests: &[PathBuf], err: &mut dyn Write) -> (Loaded, Compiled, bool) {
+    let loaded = manifest::load(manifests);
+    let compiled = Snapshot::compile(&loaded.inputs, Revision(1));
+    let mut invalid = false;
+    for e in &loaded.errors {
+        invalid = true;
+        let _ = writeln!(err, "error: {}", error_chain(e));
+    }
+    for n in &loaded.notes {
+        let _ = writeln!(err, "note: {n}");
+    }
+    for p in loaded.problems.iter().chain(&compiled.problems) {
+        invalid |= p.is_error();
+        let _ = writeln!(err, "{p}");
+    }
+    (loaded, compiled, invalid)
+}
+
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(cause) = src {
+        let _ = write!(s, ": {cause}");
+        src = cause.source();
+    }
+    s
+}
+
+/// Parses probes from JSON Lines text (blank lines and `#` comments skipped).
+///
+/// # Errors
+/// [`InputError::Probe`] naming the line of the first invalid probe.
+pub fn parse_probes(text: &str) -> Result<Vec<(usize, Probe)>, InputError> {
+    let mut out = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        let line_no = i + 1;
+        let t = line.trim();
+        if t.is_empty() || t.starts_with('#') {
+            continue;
+        }
+        let probe: Probe = serde_json::from_str(t)
+            .map_err(|e| InputError::Probe { line: line_no, message: e.to_string() })?;
+        out.push((line_no, probe));
+    }
+    Ok(out)
+}
+
+/// Addresses a probe endpoint may stand for, in preference order.
+fn candidates(s: &Snapshot, loaded: &Loaded, what: &str) -> Result<Vec<IpAddr>, String> {
+    if let Ok(ip) = what.parse::<IpAddr>() {
+        return Ok(vec![ip]);
+    }
+    if let Some(node) = what.strip_prefix("node/") {
+        let id = s.find_node(node).ok_or_else(|| format!("no node {node:?} in the manifests"))?;
+        let addrs = s.node_addrs(id);
+        return if addrs.is_empty() {
+            Err(format!("node {node:?} has no address"))
+        } else {
+            Ok(addrs.to_vec())
+        };
+    }
+    let (ns, name) = what.split_once('/').ok_or_else(|| {
+        format!("{what:?} is neither an IP address, namespace/pod nor node/<name>")
+    })?;
+    if let Some(id) = s.find_pod(ns, name) {
+        let ips = s.pod_ips(id);
+        return if ips.is_empty() {
+            Err(format!("pod {what} has no IP (status.podIP)"))
+        } else {
+            Ok(ips.to_vec())
+        };
+    }
+    // Not a pod-network pod: a hostNetwork pod resolves to its node's address.
+    let pod = loaded
+        .inputs
+        .pods
+        .iter()
+        .find(|p| {
+            p.metadata.name.as_deref() == Some(name) && p.metadata.namespace.as_deref() == Some(ns)
+        })
+        .ok_or_else(|| format!("no pod {what} in the manifests"))?;
+    let spec = pod.spec.as_ref();
+    if !spec.and_then(|s| s.host_network).unwrap_or(false) {
+        return Err(format!("pod {what} is not running (phase Succeeded/Failed) or invalid"));
+    }
+    let status_ip =
+        pod.status.as_ref().and_then(|st| st.pod_ip.as_deref()).and_then(|ip| ip.parse().ok());
+    let node_ips = spec
+        .and_then(|sp| sp.node_name.as_deref())
+        .and_then(|n| s.find_node(n))
+        .map(|id| s.node_addrs(id).to_vec())
+        .unwrap_or_default();
+    let ips: Vec<IpAddr> = status_ip.into_iter().chain(node_ips).collect();
+    if ips.is_empty() {
+        Err(format!("hostNetwork pod {what} has no podIP and no node address"))
+    } else {
+        Ok(ips)
+    }
+}
+
+/// Resolves a probe to a flow: both ends in the same IP family, `from`'s first family
+/// preferred.
+fn resolve(s: &Snapshot, loaded: &Loaded, line: usize, p: &Probe) -> Result<Flow, InputError> {
+    let bad = |message: String| InputError::Probe { line, message };
+    let protocol: Protocol = p
+        .protocol
+        .parse()
+        .map_err(|e: crate::policy::ports::UnknownProtocol| bad(e.to_string()))?;
+    let from = candidates(s, loaded, &p.from).map_err(bad)?;
+    let to = candidates(s, loaded, &p.to).map_err(bad)?;
+    let pair = from
+        .iter()
+        .find_map(|f| to.iter().find(|t| t.is_ipv4() == f.is_ipv4()).map(|t| (*f, *t)))
+        .ok_or_else(|| bad(format!("{} and {} share no IP family", p.from, p.to)))?;
+    if let Some(e) = &p.expect
+        && e != "allow"
+        && e != "deny"
+    {
+        return Err(bad(format!("expect must be \"allow\" or \"deny\", not {e:?}")));
+    }
+    Ok(Flow { src: pair.0, dst: pair.1, protocol, dst_port: p.port })
+}
+
+fn policy_json(s: &Snapshot, index: u32) -> Value {
+    let r = s.policy_ref(index);
+    json!({"kind": r.kind.as_str(), "namespace": r.namespace, "name": r.name})
+}
+
+/// The JSON form of one direction's outcome (`None`: the end is not a pod-network pod).
+pub fn outcome_json(s: &Snapshot, dir: Direction, o: Option<&Outcome>) -> Value {
+    let Some(o) = o else {
+        return json!({"verdict": "n/a", "tier": null, "policy": null, "rule": null, "passed": [], "reason": "not-a-pod"});
+    };
+    let rule_json = |hit| {
+        let info = s.rule_info(dir, hit);
+        json!({"name": info.name, "index": info.index, "action": info.action.as_str(), "failClosed": info.fail_closed})
+    };
+    let passed: Vec<Value> = o
+        .passed
+        .iter()
+        .map(|h| json!({"tier": s.policy_tier(h.policy).as_str(), "policy": policy_json(s, h.policy), "rule": rule_json(*h)}))
+        .collect();
+    let (tier, policy, rule, reason) = match o.basis {
+        Basis::Rule { tier, hit } => {
+            (json!(tier.as_str()), policy_json(s, hit.policy), rule_json(hit), "rule")
+        }
+        Basis::Isolated { policy } => {
+            (json!(Tier::NetworkPolicy.as_str()), policy_json(s, policy), Value::Null, "isolated")
+        }
+        Basis::NoPolicy => (json!("default"), Value::Null, Value::Null, "default"),
+        Basis::OwnNode => (Value::Null, Value::Null, Value::Null, "own-node"),
+    };
+    json!({"verdict": o.verdict.as_str(), "tier": tier, "policy": policy, "rule": rule, "passed": passed, "reason": reason})
+}
+
+/// One line for a person describing a direction's outcome.
+fn outcome_text(v: &Value) -> String {
+    let verdict = v["verdict"].as_str().unwrap_or("?");
+    let mut s = format!("{verdict:<5}");
+    match v["reason"].as_str() {
+        Some("not-a-pod") => s.push_str(" (not a pod-network pod: no policy applies)"),
+        Some("own-node") => s.push_str(" (from the pod's own node: always allowed)"),
+        Some("default") => s.push_str(" default (no policy decided)"),
+        _ => {
+            let _ = write!(
+                s,
+                " {:<13} {}",
+                v["tier"].as_str().unwrap_or(""),
+                policy_text(&v["policy"])
+            );
+            if v["rule"].is_null() {
+                s.push_str(" (isolated; no rule matched)");
+            } else {
+                s.push_str(&rule_text(&v["rule"]));
+            }
+        }
+    }
+    for p in v["passed"].as_array().into_iter().flatten() {
+        let _ = write!(
+            s,
+            "; passed by {} {}{}",
+            p["tier"].as_str().unwrap_or(""),
+            policy_text(&p["policy"]),
+            rule_text(&p["rule"])
+        );
+    }
+    s
+}
+
+fn policy_text(p: &Value) -> String {
+    match p["namespace"].as_str() {
+        Some(ns) => format!(
+            "{} {}/{}",
+            p["kind"].as_str().unwrap_or(""),
+            ns,
+            p["name"].as_str().unwrap_or("")
+        ),
+        None => {
+            format!("{} {}", p["kind"].as_str().unwrap_or(""), p["name"].as_str().unwrap_or(""))
+        }
+    }
+}
+
+fn rule_text(r: &Value) -> String {
+    let mut s = format!(" rule #{}", r["index"]);
+    if let Some(n) = r["name"].as_str() {
+        let _ = write!(s, " {n:?}");
+    }
+    if r["failClosed"].as_bool() == Some(true) {
+        s.push_str(" (fail-closed: unknown peer kind)");
+    }
+    s
+}
+
+/// What `explain` decides: probes from a file or one from the command line.
+pub enum ProbeSource {
+    /// A JSON Lines file.
+    File(PathBuf),
+    /// One probe given with `--from/--to/--port/--protocol`.
+    One(Probe),
+}
+
+/// Runs `explain`, writing results to `out` and diagnostics to `err`; returns the exit
+/// code.
+pub fn explain(
+    manifests: &[PathBuf],
+    probes: ProbeSource,
+    format: Format,
+    out: &mut dyn Write,
+    err: &mut dyn Write,
+) -> u8 {
+    let (loaded, compiled, invalid) = load_and_compile(manifests, err);
+    let probes = match probes {
+        ProbeSource::One(p) => vec![(1, p)],
+        ProbeSource::File(path) => match read_probes(&path) {
+            Ok(p) => p,
+            Err(e) => {
+                let _ = writeln!(err, "error: {}", error_chain(&e));
+                return EXIT_INVALID;
+            }
+        },
+    };
+    if invalid {
+        let _ = writeln!(err, "error: invalid input (see above); nothing decided");
+        return EXIT_INVALID;
+    }
+    let s = &compiled.snapshot;
+    let mut flows = Vec::with_capacity(probes.len());
+    for (line, p) in &probes {
+        match resolve(s, &loaded, *line, p) {
+            Ok(f) => flows.push(f),
+            Err(e) => {
+                let _ = writeln!(err, "error: {e}");
+                return EXIT_INVALID;
+            }
+        }
+    }
+    let mut mismatches = 0;
+    for ((_, p), flow) in probes.iter().zip(&flows) {
+        let d = s.decide(flow);
+        let mut v = serde_json::to_value(p).unwrap_or(Value::Null);
+        let verdict = d.verdict.as_str();
+        v["verdict"] = json!(verdict);
+        v["egress"] = outcome_json(s, Direction::Egress, d.egress.as_ref());
+        v["ingress"] = outcome_json(s, Direction::Ingress, d.ingress.as_ref());
+        v["addresses"] = json!({"from": flow.src.to_string(), "to": flow.dst.to_string()});
+        let mismatch = p.expect.as_deref().is_some_and(|e| e != verdict);
+        mismatches += usize::from(mismatch);
+        let _ = match format {
+            Format::Json => writeln!(out, "{v}"),
+            Format::Table => {
+                let name = |ip: IpAddr| match s.endpoint(ip) {
+                    Endpoint::External => ip.to_string(),
+                    ep => format!("{} ({ip})", s.endpoint_name(ep)),
+                };
+                let flag = if mismatch {
+                    format!("   MISMATCH: expected {}", p.expect.as_deref().unwrap_or(""))
+                } else {
+                    String::new()
+                };
+                writeln!(
+                    out,
+                    "{} -> {} {}/{}: {}{flag}\n  egress  {}\n  ingress {}",
+                    name(flow.src),
+                    name(flow.dst),
+                    flow.protocol,
+                    flow.dst_port,
+                    verdict.to_uppercase(),
+                    outcome_text(&v["egress"]),
+                    outcome_text(&v["ingress"]),
+                )
+            }
+        };
+    }
+    if format == Format::Table && probes.iter().any(|(_, p)| p.expect.is_some()) {
+        let checked = probes.iter().filter(|(_, p)| p.expect.is_some()).count();
+        let _ = writeln!(out, "{} of {checked} expectations met", checked - mismatches);
+    }
+    if mismatches > 0 {
+        let _ = writeln!(err, "error: {mismatches} probe(s) did not get the expected verdict");
+        return EXIT_MISMATCH;
+    }
+    EXIT_OK
+}
+
+fn read_probes(path: &Path) -> Result<Vec<(usize, Probe)>, InputError> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|source| InputError::ProbeFile { path: path.to_path_buf(), source })?;
+    parse_probes(&text)
+}
+
+/// The JSON form of a problem.
+fn problem_json(p: &Problem) -> Value {
+    json!({
+        "severity": if p.is_error() { "error" } else { "warning" },
+        "kind": p.object.kind.as_str(),
+        "namespace": p.object.namespace,
+        "name": p.object.name,
+        "field": p.field,
+        "message": p.kind.to_string(),
+    })
+}
+
+/// Runs `check`: invalid objects, priority conflicts and rules that cannot match. Exit 2
+/// when any object is invalid or a file unreadable, else 0.
+pub fn check(manifests: &[PathBuf], format: Format, out: &mut dyn Write) -> u8 {
+    let loaded = manifest::load(manifests);
+    let compiled = Snapshot::compile(&loaded.inputs, Revision(1));
+    let s = &compiled.snapshot;
+    let mut problems: Vec<Problem> = loaded.problems.clone();
+    problems.extend(compiled.problems.iter().cloned());
+    problems.extend(compile::priority_conflicts(s));
+    problems.extend(compile::unreachable_rules(s));
+    let invalid = !loaded.errors.is_empty() || problems.iter().any(Problem::is_error);
+    match format {
+        Format::Json => {
+            for e in &loaded.errors {
+                let _ = writeln!(out, "{}", json!({"severity": "error", "file": error_chain(e)}));
+            }
+            for p in &problems {
+                let _ = writeln!(out, "{}", problem_json(p));
+            }
+        }
+        Format::Table => {
+            for e in &loaded.errors {
+                let _ = writeln!(out, "error: {}", error_chain(e));
+            }
+            for n in &loaded.notes {
+                let _ = writeln!(out, "note: {n}");
+            }
+            for p in &problems {
+                let _ = writeln!(out, "{p}");
+            }
+            let (pods, ns, nodes, policies) = s.counts();
+            let errors = problems.iter().filter(|p| p.is_error()).count() + loaded.errors.len();
+            let _ = writeln!(
+                out,
+                "{errors} error(s), {} warning(s); {policies} policies usable over {pods} pods, {ns} namespaces, {nodes} nodes",
+                problems.len() + loaded.errors.len() - errors
+            );
+        }
+    }
+    if invalid { EXIT_INVALID } else { EXIT_OK }
+}
