@@ -1,0 +1,270 @@
+//! End-to-end tests of the `tierproxy` binary: `explain` over the bundled examples (the
+//! seed documents' policies with hand-derived expectations), `check`, and bad input.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+fn bin() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_tierproxy"))
+}
+
+fn examples() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("examples")
+}
+
+fn run(args: &[&str]) -> Output {
+    bin().args(args).output().expect("tierproxy runs")
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
+    let p = dir.join(name);
+    std::fs::write(&p, text).expect("temp file written");
+    p
+}
+
+#[test]
+fn explain_over_the_examples_meets_every_expectation() {
+    let ex = examples();
+    let o = run(&[
+        "explain",
+        "-m",
+        ex.join("cluster.yaml").to_str().unwrap(),
+        ex.join("policies").to_str().unwrap(),
+        "--probes",
+        ex.join("probes.jsonl").to_str().unwrap(),
+        "-o",
+        "json",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "stderr: {}", stderr(&o));
+    let lines: Vec<Value> = String::from_utf8(o.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("each output line is JSON"))
+        .collect();
+    let probes = std::fs::read_to_string(ex.join("probes.jsonl")).unwrap();
+    let expected: Vec<Value> = probes
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), expected.len(), "one output object per probe, in order");
+    for (got, want) in lines.iter().zip(&expected) {
+        assert_eq!(got["from"], want["from"]);
+        assert_eq!(got["to"], want["to"]);
+        assert_eq!(got["verdict"], want["expect"], "probe {want}");
+        for dir in ["egress", "ingress"] {
+            let o = &got[dir];
+            let verdict = o["verdict"].as_str().unwrap();
+            assert!(["allow", "deny", "n/a"].contains(&verdict));
+            let tier = &o["tier"];
+            assert!(
+                tier.is_null()
+                    || ["admin", "networkpolicy", "baseline", "default"]
+                        .contains(&tier.as_str().unwrap())
+            );
+            assert!(o["passed"].is_array());
+        }
+    }
+    // The output says which rule decided: spot-check one probe per tier.
+    let tiers: Vec<&str> = lines
+        .iter()
+        .flat_map(|l| [l["egress"]["tier"].as_str(), l["ingress"]["tier"].as_str()])
+        .flatten()
+        .collect();
+    for t in ["admin", "networkpolicy", "baseline", "default"] {
+        assert!(tiers.contains(&t), "some probe is decided by the {t} tier");
+    }
+    assert!(
+        lines.iter().any(|l| !l["ingress"]["passed"].as_array().unwrap().is_empty()),
+        "some probe passes"
+    );
+}
+
+#[test]
+fn explain_table_reports_a_mismatch_with_exit_1() {
+    let dir = tempfile::tempdir().unwrap();
+    let ex = examples();
+    let probes = write(
+        dir.path(),
+        "p.jsonl",
+        "{\"from\": \"203.0.113.10\", \"to\": \"203.0.113.11\", \"port\": 80, \"protocol\": \"TCP\", \"expect\": \"deny\"}\n",
+    );
+    let o = run(&[
+        "explain",
+        "-m",
+        ex.join("cluster.yaml").to_str().unwrap(),
+        "--probes",
+        probes.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(1));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.contains("MISMATCH: expected deny"), "{out}");
+    assert!(out.contains("0 of 1 expectations met"), "{out}");
+}
+
+#[test]
+fn explain_single_probe_from_flags() {
+    let ex = examples();
+    let o = run(&[
+        "explain",
+        "-m",
+        ex.to_str().unwrap(),
+        "--from",
+        "203.0.113.10",
+        "--to",
+        "203.0.113.11",
+        "--port",
+        "443",
+        "-o",
+        "json",
+    ]);
+    // The examples directory holds probes.jsonl and conflicts; only YAML is read as
+    // manifests, and the conflicts file adds a priority tie that is a warning only.
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let v: Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["verdict"], "allow");
+    assert_eq!(v["egress"]["verdict"], "n/a");
+}
+
+#[test]
+fn invalid_objects_exit_2_naming_object_and_field() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = write(
+        dir.path(),
+        "bad.yaml",
+        "apiVersion: policy.networking.k8s.io/v1alpha1\nkind: AdminNetworkPolicy\nmetadata: {name: too-high}\nspec:\n  priority: 1001\n  subject: {namespaces: {}}\n",
+    );
+    let o = run(&[
+        "explain",
+        "-m",
+        m.to_str().unwrap(),
+        "--from",
+        "10.0.0.1",
+        "--to",
+        "10.0.0.2",
+        "--port",
+        "80",
+    ]);
+    assert_eq!(o.status.code(), Some(2));
+    let err = stderr(&o);
+    assert!(err.contains("AdminNetworkPolicy too-high: spec.priority"), "{err}");
+    let o = run(&["check", "-m", m.to_str().unwrap(), "-o", "json"]);
+    assert_eq!(o.status.code(), Some(2));
+    let v: Value = serde_json::from_slice(o.stdout.split(|b| *b == b'\n').next().unwrap()).unwrap();
+    assert_eq!(v["severity"], "error");
+    assert_eq!(v["kind"], "AdminNetworkPolicy");
+    assert_eq!(v["name"], "too-high");
+    assert_eq!(v["field"], "spec.priority");
+}
+
+#[test]
+fn wrong_types_and_malformed_yaml_exit_2() {
+    let dir = tempfile::tempdir().unwrap();
+    let cases = [
+        (
+            "wrong-type.yaml",
+            "apiVersion: v1\nkind: Pod\nmetadata: {name: p, namespace: a}\nspec: {containers: {name: c}}\n",
+            "Pod a/p: spec.containers",
+        ),
+        ("syntax.yaml", "apiVersion: v1\nkind: [Pod\n", "not valid YAML"),
+        (
+            "port.yaml",
+            "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: n, namespace: a}\nspec:\n  podSelector: {}\n  ingress: [{ports: [{port: 70000}]}]\n",
+            "NetworkPolicy a/n: spec.ingress[0].ports[0].port",
+        ),
+    ];
+    for (name, text, needle) in cases {
+        let m = write(dir.path(), name, text);
+        let o = run(&["check", "-m", m.to_str().unwrap()]);
+        assert_eq!(o.status.code(), Some(2), "{name}");
+        let out = String::from_utf8_lossy(&o.stdout);
+        assert!(out.contains(needle), "{name}: {out}");
+    }
+}
+
+#[test]
+fn hostile_yaml_is_refused_without_panic_or_hang() {
+    let dir = tempfile::tempdir().unwrap();
+    // Billion laughs: 10 levels of 10 aliases.
+    let mut bomb = String::from("a0: &a0 [lol, lol, lol, lol, lol, lol, lol, lol, lol, lol]\n");
+    for i in 1..10 {
+        let p = format!("*a{}", i - 1);
+        bomb.push_str(&format!("a{i}: &a{i} [{}]\n", vec![p; 10].join(", ")));
+    }
+    let deep = format!("{}1{}", "[".repeat(10_000), "]".repeat(10_000));
+    let cases = [
+        ("bomb.yaml", bomb),
+        ("deep.yaml", deep),
+        ("binary.yaml", "\u{0}\u{1}\u{2}garbage: [".into()),
+    ];
+    for (name, text) in cases {
+        let m = write(dir.path(), name, &text);
+        let o = run(&["check", "-m", m.to_str().unwrap()]);
+        assert_eq!(o.status.code(), Some(2), "{name}: {}", stderr(&o));
+        assert!(!stderr(&o).contains("panicked"), "{name}");
+    }
+}
+
+#[test]
+fn unknown_probe_endpoint_is_a_named_error() {
+    let ex = examples();
+    let o = run(&[
+        "explain",
+        "-m",
+        ex.join("cluster.yaml").to_str().unwrap(),
+        "--from",
+        "nope/pod",
+        "--to",
+        "1.2.3.4",
+        "--port",
+        "1",
+    ]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("no pod nope/pod in the manifests"), "{}", stderr(&o));
+}
+
+#[test]
+fn check_reports_domain_names_and_priority_conflicts() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = write(
+        dir.path(),
+        "p.yaml",
+        r#"
+apiVersion: v1
+kind: Pod
+metadata: {name: p, namespace: a}
+spec: {containers: [{name: c}]}
+status: {podIP: 10.0.0.1}
+---
+apiVersion: policy.networking.k8s.io/v1alpha1
+kind: AdminNetworkPolicy
+metadata: {name: one}
+spec:
+  priority: 7
+  subject: {namespaces: {}}
+  egress: [{action: Allow, to: [{domainNames: ["*.example.com"]}]}]
+---
+apiVersion: policy.networking.k8s.io/v1alpha1
+kind: AdminNetworkPolicy
+metadata: {name: two}
+spec:
+  priority: 7
+  subject: {pods: {namespaceSelector: {}, podSelector: {}}}
+  ingress: [{action: Deny, from: [{namespaces: {}}]}]
+"#,
+    );
+    let o = run(&["check", "-m", m.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(0), "warnings do not fail check");
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        out.contains("AdminNetworkPolicy one: spec.egress[0]: domainNames peers are not resolved"),
+        "{out}"
+    );
+    assert!(out.contains("priority 7 is shared with AdminNetworkPolicy two"), "{out}");
+}
