@@ -1,0 +1,177 @@
+//! Decision-engine benchmarks on the synthetic cluster of issue #2: 10,000 pods in 500
+//! namespaces, 1,000 NetworkPolicies, 100 ANPs × 100 rules (up to 100 peers each), a BANP.
+//!
+//! Run: `cargo bench --bench decide`. Besides criterion's timings it prints, measured in
+//! the same run:
+//! - `decide` latency percentiles over 200,000 random flows, each call timed alone, next
+//!   to the cost of timing an empty call (the baseline every figure includes);
+//! - the worst case where every ANP selects every pod;
+//! - compile time and the bytes the snapshot keeps allocated (a counting allocator), next
+//!   to the bytes of the API objects it was compiled from.
+//!
+//! Targets (issue #2): decide p99 ≤ 2 µs, compile ≤ 200 ms, snapshot ≤ 64 MiB.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::hint::black_box;
+use std::sync::atomic::{AtomicIsize, Ordering};
+use std::time::{Duration, Instant};
+
+use criterion::{Criterion, criterion_group};
+use tierproxy::policy::{Revision, Snapshot};
+use tierproxy::synth::{self, Shape};
+
+/// Counts live heap bytes.
+struct Counting;
+
+static LIVE: AtomicIsize = AtomicIsize::new(0);
+
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
+        LIVE.fetch_add(l.size() as isize, Ordering::Relaxed);
+        unsafe { System.alloc(l) }
+    }
+    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
+        LIVE.fetch_sub(l.size() as isize, Ordering::Relaxed);
+        unsafe { System.dealloc(p, l) }
+    }
+    unsafe fn realloc(&self, p: *mut u8, l: Layout, new: usize) -> *mut u8 {
+        LIVE.fetch_add(new as isize - l.size() as isize, Ordering::Relaxed);
+        unsafe { System.realloc(p, l, new) }
+    }
+}
+
+#[global_allocator]
+static ALLOC: Counting = Counting;
+
+const SEED: u64 = 2091;
+const FLOWS: usize = 200_000;
+
+fn percentiles(mut ns: Vec<u64>) -> (u64, u64, u64, u64) {
+    ns.sort_unstable();
+    let at = |q: f64| ns[((ns.len() as f64 * q) as usize).min(ns.len() - 1)];
+    (at(0.50), at(0.99), at(0.999), *ns.last().unwrap_or(&0))
+}
+
+fn latency(s: &Snapshot, shape: Shape) -> (u64, u64, u64, u64) {
+    let flows = synth::flows(shape, FLOWS, SEED + 1);
+    // Warm caches and branch predictors once.
+    for f in &flows {
+        black_box(s.decide(f));
+    }
+    let mut ns = Vec::with_capacity(flows.len());
+    for f in &flows {
+        let t = Instant::now();
+        black_box(s.decide(black_box(f)));
+        ns.push(t.elapsed().as_nanos() as u64);
+    }
+    percentiles(ns)
+}
+
+fn timer_baseline() -> (u64, u64, u64, u64) {
+    let mut ns = Vec::with_capacity(FLOWS);
+    for i in 0..FLOWS {
+        let t = Instant::now();
+        black_box(i);
+        ns.push(t.elapsed().as_nanos() as u64);
+    }
+    percentiles(ns)
+}
+
+fn report() {
+    let shape = Shape::LARGE;
+    let before_inputs = LIVE.load(Ordering::Relaxed);
+    let inputs = synth::cluster(shape, SEED);
+    let input_bytes = LIVE.load(Ordering::Relaxed) - before_inputs;
+
+    let mut compile_times = Vec::new();
+    let mut snapshot_bytes = 0;
+    let mut compiled = None;
+    for _ in 0..5 {
+        drop(compiled.take());
+        let before = LIVE.load(Ordering::Relaxed);
+        let t = Instant::now();
+        let c = Snapshot::compile(&inputs, Revision(1));
+        compile_times.push(t.elapsed());
+        // Keep only the snapshot: problems are reported, not retained.
+        let snapshot = c.snapshot;
+        assert!(c.problems.iter().all(|p| !p.is_error()), "synthetic cluster is invalid");
+        drop(c.problems);
+        snapshot_bytes = LIVE.load(Ordering::Relaxed) - before;
+        compiled = Some(snapshot);
+    }
+    compile_times.sort();
+    let s = compiled.expect("compiled five times");
+    let base = timer_baseline();
+    let typical = latency(&s, shape);
+
+    let worst_shape = Shape { admin_selects_all: true, ..shape };
+    let worst_inputs = synth::cluster(worst_shape, SEED);
+    let worst = Snapshot::compile(&worst_inputs, Revision(1)).snapshot;
+    let worst_lat = latency(&worst, worst_shape);
+
+    let mib = |b: isize| b as f64 / (1024.0 * 1024.0);
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    println!("== tierproxy decide benchmark (seed {SEED}) ==");
+    println!(
+        "cluster: {} pods, {} namespaces, {} nodes, {} NetworkPolicies, {} ANPs x {} rules x <= {} peers, 1 BANP",
+        shape.pods,
+        shape.namespaces,
+        shape.nodes,
+        shape.network_policies,
+        shape.admin_policies,
+        shape.rules_per_admin_policy,
+        shape.max_peers
+    );
+    println!(
+        "compile: median {:.1} ms, min {:.1} ms, max {:.1} ms (target <= 200 ms)",
+        ms(compile_times[2]),
+        ms(compile_times[0]),
+        ms(compile_times[4])
+    );
+    println!(
+        "snapshot: {:.1} MiB live heap (target <= 64 MiB); API objects it came from: {:.1} MiB (ratio {:.2})",
+        mib(snapshot_bytes),
+        mib(input_bytes),
+        snapshot_bytes as f64 / input_bytes as f64
+    );
+    println!(
+        "timer baseline (empty call):     p50 {} ns  p99 {} ns  p99.9 {} ns  max {} ns",
+        base.0, base.1, base.2, base.3
+    );
+    println!(
+        "decide, typical subjects:        p50 {} ns  p99 {} ns  p99.9 {} ns  max {} ns  (target p99 <= 2000 ns)",
+        typical.0, typical.1, typical.2, typical.3
+    );
+    println!(
+        "decide, every ANP selects all:   p50 {} ns  p99 {} ns  p99.9 {} ns  max {} ns",
+        worst_lat.0, worst_lat.1, worst_lat.2, worst_lat.3
+    );
+}
+
+fn bench(c: &mut Criterion) {
+    let shape = Shape::LARGE;
+    let inputs = synth::cluster(shape, SEED);
+    let s = Snapshot::compile(&inputs, Revision(1)).snapshot;
+    let flows = synth::flows(shape, 4096, SEED + 2);
+    let mut i = 0;
+    c.bench_function("decide/large-cluster", |b| {
+        b.iter(|| {
+            i = (i + 1) % flows.len();
+            black_box(s.decide(black_box(&flows[i])))
+        })
+    });
+    let mut g = c.benchmark_group("compile");
+    g.sample_size(10);
+    g.bench_function("large-cluster", |b| {
+        b.iter(|| black_box(Snapshot::compile(&inputs, Revision(1))))
+    });
+    g.finish();
+}
+
+criterion_group!(benches, bench);
+
+fn main() {
+    report();
+    benches();
+    Criterion::default().configure_from_args().final_summary();
+}
