@@ -189,6 +189,7 @@ pub fn cluster(shape: Shape, seed: u64) -> Inputs {
             let peers = 1 + rng.below(shape.max_peers.clamp(1, 100));
             let mut from = Vec::with_capacity(peers);
             let mut to = Vec::with_capacity(peers);
+            let mut has_networks = false;
             for _ in 0..peers {
                 let pods = NamespacedPod {
                     namespace_selector: labels("team", format!("t{}", rng.below(TEAMS))),
@@ -199,6 +200,7 @@ pub fn cluster(shape: Shape, seed: u64) -> Inputs {
                     ..Default::default()
                 });
                 to.push(if rng.below(4) == 0 {
+                    has_networks = true;
                     let net = format!("192.{}.{}.0/24", rng.below(256), rng.below(256));
                     a1::AdminNetworkPolicyEgressPeer {
                         networks: Some(vec![net]),
@@ -209,16 +211,17 @@ pub fn cluster(shape: Shape, seed: u64) -> Inputs {
                 });
             }
             let port = 1000 + rng.below(64) as i32;
-            let ports = Some(vec![
-                a1::AdminNetworkPolicyPort {
-                    port_number: Some(a1::Port { protocol: Some("TCP".into()), port }),
-                    ..Default::default()
-                },
-                a1::AdminNetworkPolicyPort {
-                    named_port: Some("metrics".into()),
-                    ..Default::default()
-                },
-            ]);
+            let number = a1::AdminNetworkPolicyPort {
+                port_number: Some(a1::Port { protocol: Some("TCP".into()), port }),
+                ..Default::default()
+            };
+            let named = a1::AdminNetworkPolicyPort {
+                named_port: Some("metrics".into()),
+                ..Default::default()
+            };
+            let ports = Some(vec![number.clone(), named]);
+            // CEL: "networks/nodes peer cannot be set with namedPorts".
+            let egress_ports = if has_networks { Some(vec![number]) } else { ports.clone() };
             ingress.push(a1::AdminNetworkPolicyIngressRule {
                 name: format!("in-{r}"),
                 action: actions[(a + r) % 3],
@@ -229,7 +232,7 @@ pub fn cluster(shape: Shape, seed: u64) -> Inputs {
                 name: format!("out-{r}"),
                 action: actions[(a + r + 1) % 3],
                 to,
-                ports,
+                ports: egress_ports,
             });
         }
         let mut anp = a1::AdminNetworkPolicy::new(

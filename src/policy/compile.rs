@@ -25,6 +25,7 @@ use super::api::{
     LabelSelector, Namespace, NamespacedPod, NetworkPolicy, Node, Pod, v1alpha1, v1alpha2,
 };
 use super::cidr::{self, Block};
+use super::matcher::{MAX_RULES, Matcher};
 use super::ports::{NamedPort, PortMatch, PortSpec, Ports, Protocol};
 use super::problem::{Kind, ObjectRef, Problem, ProblemKind};
 use super::selector::{LabelIndex, Selector};
@@ -193,15 +194,6 @@ pub(crate) struct Rule {
     pub(crate) fail_closed: bool,
 }
 
-/// For each direction, what a policy can reach at all, to skip it in one bitmap lookup.
-#[derive(Debug, Clone, Default)]
-pub(crate) struct Reach {
-    /// Union of every rule's pod sets.
-    pub(crate) pods: RoaringBitmap,
-    /// Some rule has non-pod peers (all, nodes, blocks): no shortcut.
-    pub(crate) other: bool,
-}
-
 /// One compiled policy of any kind.
 #[derive(Debug, Clone)]
 pub(crate) struct Policy {
@@ -211,7 +203,9 @@ pub(crate) struct Policy {
     pub(crate) priority: i32,
     /// Rules by [`Direction`] index.
     pub(crate) rules: [Vec<Rule>; 2],
-    pub(crate) reach: [Reach; 2],
+    /// Precompiled rule masks per direction; `None` above [`MAX_RULES`] rules (linear
+    /// evaluation then).
+    pub(crate) matchers: [Option<Matcher>; 2],
     /// Pods the subject selects.
     pub(crate) subject: RoaringBitmap,
     /// Directions the policy applies to (NetworkPolicy: its defaulted `policyTypes`;
@@ -281,9 +275,55 @@ struct Cluster {
     ns_index: LabelIndex,
     node_index: LabelIndex,
     interner: Interner,
+    /// Compiled peer selectors by content: a million peers name a few hundred distinct
+    /// selector pairs, and compiling one allocates.
+    peer_memo: rustc_hash::FxHashMap<u64, Vec<PeerMemo>>,
+    /// Per-pod rule masks while building a [`Matcher`], reused across policies.
+    scratch: Vec<u128>,
+}
+
+/// A memoised peer: namespace selector, optional pod selector, and the pod set they
+/// resolve to (`None`: a selector does not compile, so the peer fails closed).
+type PeerMemo = (LabelSelector, Option<LabelSelector>, Option<SetId>);
+
+fn hash_selector(h: &mut impl std::hash::Hasher, sel: &LabelSelector) {
+    use std::hash::Hash;
+    let LabelSelector { match_labels, match_expressions } = sel;
+    for (k, v) in match_labels.iter().flatten() {
+        (0u8, k, v).hash(h);
+    }
+    for e in match_expressions.iter().flatten() {
+        (1u8, &e.key, &e.operator, &e.values).hash(h);
+    }
 }
 
 impl Cluster {
+    /// The pod set of a `namespaces` peer (`pods == None`) or a `pods` peer, memoised.
+    fn peer_set(&mut self, ns: &LabelSelector, pods: Option<&LabelSelector>) -> Option<SetId> {
+        use std::hash::Hasher;
+        // FxHash: these keys come from the cluster's own objects, not from a remote peer,
+        // and SipHash was the largest single cost of compiling a million peers.
+        let mut h = rustc_hash::FxHasher::default();
+        hash_selector(&mut h, ns);
+        if let Some(p) = pods {
+            h.write_u8(0xff);
+            hash_selector(&mut h, p);
+        }
+        let key = h.finish();
+        if let Some(hits) = self.peer_memo.get(&key)
+            && let Some((_, _, id)) = hits.iter().find(|(a, b, _)| a == ns && b.as_ref() == pods)
+        {
+            return *id;
+        }
+        let set_key = match pods {
+            None => selector(ns).map(SetKey::Namespaces),
+            Some(p) => selector(ns).zip(selector(p)).map(|(n, p)| SetKey::Pods(n, p)),
+        };
+        let id = set_key.map(|k| self.intern(k));
+        self.peer_memo.entry(key).or_default().push((ns.clone(), pods.cloned(), id));
+        id
+    }
+
     fn namespaces_matching(&self, sel: &Selector) -> RoaringBitmap {
         self.ns_index.resolve(sel)
     }
@@ -556,13 +596,13 @@ impl Cluster {
             // unknown kind: it fails closed.
             for p in &r.peers {
                 if let Some(ns) = p.namespaces {
-                    match selector(ns) {
-                        Some(s) => peers.pod_sets.push(self.intern(SetKey::Namespaces(s))),
+                    match self.peer_set(ns, None) {
+                        Some(id) => peers.pod_sets.push(id),
                         None => unknown = true,
                     }
                 } else if let Some(np) = p.pods {
-                    match namespaced_pod_key(np) {
-                        Some(k) => peers.pod_sets.push(self.intern(k)),
+                    match self.peer_set(&np.namespace_selector, Some(&np.pod_selector)) {
+                        Some(id) => peers.pod_sets.push(id),
                         None => unknown = true,
                     }
                 } else if let Some(nodes) = p.nodes {
@@ -604,15 +644,13 @@ impl Cluster {
         out
     }
 
-    fn reach(&self, rules: &[Rule]) -> Reach {
-        let mut reach = Reach::default();
-        for r in rules {
-            for &s in &r.peers.pod_sets {
-                reach.pods |= &self.interner.sets[s as usize];
-            }
-            reach.other |= r.peers.all || r.peers.nodes.is_some() || !r.peers.blocks.is_empty();
-        }
-        reach
+    fn matchers(&mut self, rules: &[Vec<Rule>; 2]) -> [Option<Matcher>; 2] {
+        self.scratch.resize(self.pods.len(), 0);
+        let mut build = |r: &Vec<Rule>| {
+            (r.len() <= MAX_RULES)
+                .then(|| Matcher::build(r, &self.interner.sets, &mut self.scratch))
+        };
+        [build(&rules[0]), build(&rules[1])]
     }
 }
 
@@ -685,6 +723,17 @@ impl Snapshot {
     /// [`Compiled::problems`] (with warnings for what is used but worth knowing). The result
     /// does not depend on the order of objects within `inputs`.
     pub fn compile(inputs: &Inputs, revision: Revision) -> Compiled {
+        Self::compile_inner(inputs, revision, true)
+    }
+
+    /// [`Snapshot::compile`] for inputs whose objects were each validated already (the
+    /// daemon validates an object once, when it changes, not on every snapshot) and from
+    /// which invalid objects were removed. Skips validation; everything else is the same.
+    pub fn compile_validated(inputs: &Inputs, revision: Revision) -> Compiled {
+        Self::compile_inner(inputs, revision, false)
+    }
+
+    fn compile_inner(inputs: &Inputs, revision: Revision, validate: bool) -> Compiled {
         let mut problems = Vec::new();
 
         // --- Namespaces.
@@ -702,10 +751,14 @@ impl Snapshot {
             ns_index: LabelIndex::default(),
             node_index: LabelIndex::default(),
             interner: Interner::default(),
+            peer_memo: Default::default(),
+            scratch: Vec::new(),
         };
         for (r, ns) in namespaces {
             let start = problems.len();
-            validate::namespace(ns, &mut problems);
+            if validate {
+                validate::namespace(ns, &mut problems);
+            }
             if problems[start..].iter().any(Problem::is_error) {
                 continue;
             }
@@ -727,7 +780,9 @@ impl Snapshot {
         let mut node_addrs: Vec<Vec<IpAddr>> = Vec::new();
         for (r, node) in nodes {
             let start = problems.len();
-            validate::node(node, &mut problems);
+            if validate {
+                validate::node(node, &mut problems);
+            }
             if problems[start..].iter().any(Problem::is_error) {
                 continue;
             }
@@ -771,7 +826,9 @@ impl Snapshot {
         let mut host_ips: Vec<(u32, Vec<IpAddr>)> = Vec::new();
         for (r, pod) in pods {
             let start = problems.len();
-            validate::pod(pod, &mut problems);
+            if validate {
+                validate::pod(pod, &mut problems);
+            }
             if problems[start..].iter().any(Problem::is_error) {
                 continue;
             }
@@ -910,7 +967,9 @@ impl Snapshot {
             &mut problems,
         ) {
             let start = problems.len();
-            validate::admin_network_policy(anp, &mut problems);
+            if validate {
+                validate::admin_network_policy(anp, &mut problems);
+            }
             if problems[start..].iter().any(Problem::is_error) {
                 continue;
             }
@@ -944,7 +1003,9 @@ impl Snapshot {
             &mut problems,
         ) {
             let start = problems.len();
-            validate::cluster_network_policy(cnp, &mut problems);
+            if validate {
+                validate::cluster_network_policy(cnp, &mut problems);
+            }
             if problems[start..].iter().any(Problem::is_error) {
                 continue;
             }
@@ -983,7 +1044,9 @@ impl Snapshot {
             &mut problems,
         ) {
             let start = problems.len();
-            validate::baseline_admin_network_policy(banp, &mut problems);
+            if validate {
+                validate::baseline_admin_network_policy(banp, &mut problems);
+            }
             if problems[start..].iter().any(Problem::is_error) {
                 continue;
             }
@@ -1032,7 +1095,9 @@ impl Snapshot {
             &mut problems,
         ) {
             let start = problems.len();
-            validate::network_policy(np, &mut problems);
+            if validate {
+                validate::network_policy(np, &mut problems);
+            }
             if problems[start..].iter().any(Problem::is_error) {
                 continue;
             }
@@ -1139,8 +1204,9 @@ impl Cluster {
         let egress = self.admin_rules(egress);
         // "ANPs with no ingress rules do not affect ingress traffic."
         let applies = [!ingress.is_empty(), !egress.is_empty()];
-        let reach = [self.reach(&ingress), self.reach(&egress)];
-        Policy { object, tier, priority, rules: [ingress, egress], reach, subject, applies }
+        let rules = [ingress, egress];
+        let matchers = self.matchers(&rules);
+        Policy { object, tier, priority, rules, matchers, subject, applies }
     }
 
     fn network_policy(&mut self, object: ObjectRef, np: &NetworkPolicy) -> Option<Policy> {
@@ -1241,13 +1307,13 @@ impl Cluster {
                 });
             }
         }
-        let reach = [self.reach(&rules[0]), self.reach(&rules[1])];
+        let matchers = self.matchers(&rules);
         Some(Policy {
             object,
             tier: Tier::NetworkPolicy,
             priority: 0,
             rules,
-            reach,
+            matchers,
             subject,
             applies,
         })

@@ -219,48 +219,31 @@ impl Snapshot {
         let d = dir as usize;
         let lists = &self.per_pod[subject as usize];
         let mut passed = Vec::new();
-        let matches = |p: &Policy, ri: usize| {
-            let r = &p.rules[d][ri];
-            r.ports.matches(flow.protocol, flow.dst_port, dst_ports)
-                && self.peer_matches(&r.peers, peer, peer_ip)
-        };
         for tier in TIER_ORDER {
             match tier {
                 Tier::Admin | Tier::Baseline => {
                     let list =
                         if tier == Tier::Admin { &lists.admin[d] } else { &lists.baseline[d] };
-                    'policies: for &pid in list {
-                        let p = &self.policies[pid as usize];
-                        if !self.may_reach(p, d, peer) {
+                    for &pid in list {
+                        let Some(ri) = self.first_rule(pid, d, peer, peer_ip, flow, dst_ports)
+                        else {
                             continue;
-                        }
-                        for ri in 0..p.rules[d].len() {
-                            if !matches(p, ri) {
-                                continue;
+                        };
+                        let hit = RuleHit { policy: pid, rule: ri };
+                        let basis = Basis::Rule { tier, hit };
+                        match self.policies[pid as usize].rules[d][ri as usize].action {
+                            Action::Allow => {
+                                return Outcome { verdict: Verdict::Allow, basis, passed };
                             }
-                            let hit = RuleHit { policy: pid, rule: ri as u32 };
-                            match p.rules[d][ri].action {
-                                Action::Allow => {
-                                    return Outcome {
-                                        verdict: Verdict::Allow,
-                                        basis: Basis::Rule { tier, hit },
-                                        passed,
-                                    };
-                                }
-                                Action::Deny => {
-                                    return Outcome {
-                                        verdict: Verdict::Deny,
-                                        basis: Basis::Rule { tier, hit },
-                                        passed,
-                                    };
-                                }
-                                // "Pass: Skips all further ClusterNetworkPolicy rules in the
-                                // current tier for the selected traffic, and passes evaluation
-                                // to the next tier."
-                                Action::Pass => {
-                                    passed.push(hit);
-                                    break 'policies;
-                                }
+                            Action::Deny => {
+                                return Outcome { verdict: Verdict::Deny, basis, passed };
+                            }
+                            // "Pass: Skips all further ClusterNetworkPolicy rules in the
+                            // current tier for the selected traffic, and passes evaluation
+                            // to the next tier."
+                            Action::Pass => {
+                                passed.push(hit);
+                                break;
                             }
                         }
                     }
@@ -271,19 +254,13 @@ impl Snapshot {
                     // The subject is isolated in this direction: "v1.NetworkPolicy always
                     // makes a final decision for selected pods".
                     for &pid in list {
-                        let p = &self.policies[pid as usize];
-                        if !self.may_reach(p, d, peer) {
-                            continue;
-                        }
-                        for ri in 0..p.rules[d].len() {
-                            if matches(p, ri) {
-                                let hit = RuleHit { policy: pid, rule: ri as u32 };
-                                return Outcome {
-                                    verdict: Verdict::Allow,
-                                    basis: Basis::Rule { tier, hit },
-                                    passed,
-                                };
-                            }
+                        if let Some(ri) = self.first_rule(pid, d, peer, peer_ip, flow, dst_ports) {
+                            let hit = RuleHit { policy: pid, rule: ri };
+                            return Outcome {
+                                verdict: Verdict::Allow,
+                                basis: Basis::Rule { tier, hit },
+                                passed,
+                            };
                         }
                     }
                     return Outcome {
@@ -297,11 +274,81 @@ impl Snapshot {
         Outcome { verdict: Verdict::Allow, basis: Basis::NoPolicy, passed }
     }
 
-    /// A cheap necessary condition for any rule of `p` in direction `d` to match `peer`.
+    /// The first rule of policy `pid` in direction `d` that matches, by its precompiled
+    /// [`Matcher`](super::matcher) or, above its rule limit, by walking the rules.
     #[inline]
-    fn may_reach(&self, p: &Policy, d: usize, peer: Endpoint) -> bool {
-        let reach = &p.reach[d];
-        reach.other || matches!(peer, Endpoint::Pod(id) if reach.pods.contains(id))
+    fn first_rule(
+        &self,
+        pid: u32,
+        d: usize,
+        peer: Endpoint,
+        peer_ip: IpAddr,
+        flow: &Flow,
+        dst_ports: &[NamedPort],
+    ) -> Option<u32> {
+        let p = &self.policies[pid as usize];
+        match &p.matchers[d] {
+            Some(m) => m.first_rule(peer, peer_ip, flow.protocol, flow.dst_port, dst_ports),
+            None => self.first_rule_linear(p, d, peer, peer_ip, flow, dst_ports),
+        }
+    }
+
+    /// The reference evaluation: every rule in order, every peer. Used above the matcher's
+    /// rule limit, and by tests to check the matcher.
+    #[doc(hidden)]
+    pub fn first_rule_reference(
+        &self,
+        pid: u32,
+        dir: Direction,
+        peer_ip: IpAddr,
+        flow: &Flow,
+    ) -> Option<u32> {
+        let dst_ports: &[NamedPort] = match self.endpoint(flow.dst) {
+            Endpoint::Pod(p) => &self.pods[p as usize].ports,
+            _ => &[],
+        };
+        let p = &self.policies[pid as usize];
+        self.first_rule_linear(p, dir as usize, self.endpoint(peer_ip), peer_ip, flow, dst_ports)
+    }
+
+    /// The same as [`Self::first_rule_reference`] through the fast path.
+    #[doc(hidden)]
+    pub fn first_rule_fast(
+        &self,
+        pid: u32,
+        dir: Direction,
+        peer_ip: IpAddr,
+        flow: &Flow,
+    ) -> Option<u32> {
+        let dst_ports: &[NamedPort] = match self.endpoint(flow.dst) {
+            Endpoint::Pod(p) => &self.pods[p as usize].ports,
+            _ => &[],
+        };
+        self.first_rule(pid, dir as usize, self.endpoint(peer_ip), peer_ip, flow, dst_ports)
+    }
+
+    /// Number of compiled policies (for [`Self::first_rule_reference`]).
+    #[doc(hidden)]
+    pub fn policy_count(&self) -> u32 {
+        self.policies.len() as u32
+    }
+
+    fn first_rule_linear(
+        &self,
+        p: &Policy,
+        d: usize,
+        peer: Endpoint,
+        peer_ip: IpAddr,
+        flow: &Flow,
+        dst_ports: &[NamedPort],
+    ) -> Option<u32> {
+        p.rules[d]
+            .iter()
+            .position(|r| {
+                r.ports.matches(flow.protocol, flow.dst_port, dst_ports)
+                    && self.peer_matches(&r.peers, peer, peer_ip)
+            })
+            .map(|i| i as u32)
     }
 
     #[inline]
