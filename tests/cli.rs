@@ -268,3 +268,24 @@ spec:
     );
     assert!(out.contains("priority 7 is shared with AdminNetworkPolicy two"), "{out}");
 }
+
+#[test]
+fn priority_ties_are_decided_by_name_and_reported() {
+    let ex = examples();
+    let manifests = [
+        ex.join("cluster.yaml"),
+        ex.join("policies"),
+        ex.join("conflicts").join("same-priority.yaml"),
+    ];
+    let m: Vec<&str> = manifests.iter().map(|p| p.to_str().unwrap()).collect();
+    let probes = ex.join("conflicts").join("probes.jsonl");
+    let mut args = vec!["explain", "-m"];
+    args.extend(&m);
+    args.extend(["--probes", probes.to_str().unwrap()]);
+    let o = run(&args);
+    assert_eq!(o.status.code(), Some(0), "{}{}", String::from_utf8_lossy(&o.stdout), stderr(&o));
+    let mut args = vec!["check", "-m"];
+    args.extend(&m);
+    let o = run(&args);
+    assert!(String::from_utf8_lossy(&o.stdout).contains("priority 70 is shared with"));
+}

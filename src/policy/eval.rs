@@ -176,11 +176,7 @@ impl Snapshot {
     pub fn decide(&self, flow: &Flow) -> Decision {
         let src = self.endpoint(flow.src);
         let dst = self.endpoint(flow.dst);
-        // "named ports resolve on the destination pod's declared container ports".
-        let dst_ports: &[NamedPort] = match dst {
-            Endpoint::Pod(p) => &self.pods[p as usize].ports,
-            _ => &[],
-        };
+        let dst_ports = self.declared_ports(dst);
         let egress = match src {
             Endpoint::Pod(p) => {
                 Some(self.decide_direction(Direction::Egress, p, dst, flow.dst, flow, dst_ports))
@@ -303,10 +299,7 @@ impl Snapshot {
         peer_ip: IpAddr,
         flow: &Flow,
     ) -> Option<u32> {
-        let dst_ports: &[NamedPort] = match self.endpoint(flow.dst) {
-            Endpoint::Pod(p) => &self.pods[p as usize].ports,
-            _ => &[],
-        };
+        let dst_ports = self.declared_ports(self.endpoint(flow.dst));
         let p = &self.policies[pid as usize];
         self.first_rule_linear(p, dir as usize, self.endpoint(peer_ip), peer_ip, flow, dst_ports)
     }
@@ -320,11 +313,18 @@ impl Snapshot {
         peer_ip: IpAddr,
         flow: &Flow,
     ) -> Option<u32> {
-        let dst_ports: &[NamedPort] = match self.endpoint(flow.dst) {
+        let dst_ports = self.declared_ports(self.endpoint(flow.dst));
+        self.first_rule(pid, dir as usize, self.endpoint(peer_ip), peer_ip, flow, dst_ports)
+    }
+
+    /// The container ports `ep` declares (empty unless it is a pod): "named ports resolve on
+    /// the destination pod's declared container ports".
+    #[inline]
+    fn declared_ports(&self, ep: Endpoint) -> &[NamedPort] {
+        match ep {
             Endpoint::Pod(p) => &self.pods[p as usize].ports,
             _ => &[],
-        };
-        self.first_rule(pid, dir as usize, self.endpoint(peer_ip), peer_ip, flow, dst_ports)
+        }
     }
 
     /// Number of compiled policies (for [`Self::first_rule_reference`]).
