@@ -1362,3 +1362,41 @@ spec:
     assert!(info.fail_closed);
     assert_eq!(info.action, tierproxy::policy::Action::Deny);
 }
+
+/// A dual-stack peer matches an IPv4 ipBlock only on its IPv4 address: address matches of
+/// multi-address pods are looked up per flow, never folded into the pod.
+#[test]
+fn dual_stack_peer_matches_blocks_per_address_family() {
+    let s = snapshot(
+        r#"
+apiVersion: v1
+kind: Pod
+metadata: {name: ds, namespace: dev, labels: {app: ds}}
+spec: {nodeName: node-2, containers: [{name: c}]}
+status: {podIP: 10.9.0.1, podIPs: [{ip: 10.9.0.1}, {ip: "fd00::1"}]}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: ds-server, namespace: prod, labels: {app: ds}}
+spec: {nodeName: node-1, containers: [{name: c}]}
+status: {podIP: 10.9.1.1, podIPs: [{ip: 10.9.1.1}, {ip: "fd00::2"}]}
+---
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {name: v4-only, namespace: prod}
+spec: {podSelector: {matchLabels: {app: ds}}, ingress: [{from: [{ipBlock: {cidr: 10.9.0.0/16}}]}]}
+"#,
+    );
+    let flow = |src: &str, dst: &str| Flow {
+        src: src.parse().unwrap(),
+        dst: dst.parse().unwrap(),
+        protocol: TCP,
+        dst_port: 80,
+    };
+    let v4 = s.decide(&flow("10.9.0.1", "10.9.1.1"));
+    let v6 = s.decide(&flow("fd00::1", "fd00::2"));
+    assert_eq!(v4.verdict, Verdict::Allow);
+    assert_eq!(v6.verdict, Verdict::Deny);
+    assert_eq!(v4, s.decide_reference(&flow("10.9.0.1", "10.9.1.1")));
+    assert_eq!(v6, s.decide_reference(&flow("fd00::1", "fd00::2")));
+}

@@ -388,6 +388,16 @@ proptest! {
         }
     }
 
+    /// The fast path (port index + rule masks) decides exactly as the plain walk over
+    /// every applicable policy, rule and peer.
+    #[test]
+    fn decide_agrees_with_reference(i in inputs()) {
+        let s = compile(&i);
+        for f in flows(&i) {
+            prop_assert_eq!(s.decide(&f), s.decide_reference(&f), "flow {:?}", f);
+        }
+    }
+
     /// An ipBlock allows exactly the addresses inside `cidr` and outside every `except`,
     /// computed here with integer masks, independently of the engine's CIDR code.
     #[test]

@@ -25,7 +25,9 @@ use super::api::{
     LabelSelector, Namespace, NamespacedPod, NetworkPolicy, Node, Pod, v1alpha1, v1alpha2,
 };
 use super::cidr::{self, Block};
-use super::matcher::{MAX_RULES, Matcher};
+use super::matcher::{
+    AddrIndex, MAX_RULES, Matcher, PodAddrs, PortIndex, block_ranges, protocol_index,
+};
 use super::ports::{NamedPort, PortMatch, PortSpec, Ports, Protocol};
 use super::problem::{Kind, ObjectRef, Problem, ProblemKind};
 use super::selector::{LabelIndex, Selector};
@@ -237,6 +239,10 @@ pub struct Snapshot {
     pub(crate) pod_sets: Vec<RoaringBitmap>,
     pub(crate) policies: Vec<Policy>,
     pub(crate) per_pod: Vec<PodPolicies>,
+    /// Per direction and protocol: which policies have a rule for a port.
+    pub(crate) port_index: [[PortIndex; 3]; 2],
+    /// Per direction: which policies can match an external address.
+    pub(crate) addr_index: [AddrIndex; 2],
 }
 
 /// The result of compiling: the snapshot and everything worth telling about the input.
@@ -280,6 +286,8 @@ struct Cluster {
     peer_memo: rustc_hash::FxHashMap<u64, Vec<PeerMemo>>,
     /// Per-pod rule masks while building a [`Matcher`], reused across policies.
     scratch: Vec<u128>,
+    /// Single-address pods sorted by address, for folding address matches into pod classes.
+    addrs: PodAddrs,
 }
 
 /// A memoised peer: namespace selector, optional pod selector, and the pod set they
@@ -648,7 +656,7 @@ impl Cluster {
         self.scratch.resize(self.pods.len(), 0);
         let mut build = |r: &Vec<Rule>| {
             (r.len() <= MAX_RULES)
-                .then(|| Matcher::build(r, &self.interner.sets, &mut self.scratch))
+                .then(|| Matcher::build(r, &self.interner.sets, &self.addrs, &mut self.scratch))
         };
         [build(&rules[0]), build(&rules[1])]
     }
@@ -753,6 +761,7 @@ impl Snapshot {
             interner: Interner::default(),
             peer_memo: Default::default(),
             scratch: Vec::new(),
+            addrs: PodAddrs::default(),
         };
         for (r, ns) in namespaces {
             let start = problems.len();
@@ -899,6 +908,7 @@ impl Snapshot {
             pod_ips.push(ips);
             pod_labels.push(pod.metadata.labels.clone().unwrap_or_default());
         }
+        c.addrs = PodAddrs::new(&pod_ips);
         for (n, ips) in host_ips {
             for ip in ips {
                 if !node_addrs[n as usize].contains(&ip) {
@@ -1136,6 +1146,8 @@ impl Snapshot {
             }
         }
 
+        let port_index = port_index(&policies, &c.pods);
+        let addr_index = addr_index(&policies);
         let snapshot = Snapshot {
             revision,
             pods: c.pods,
@@ -1147,6 +1159,8 @@ impl Snapshot {
             pod_sets: c.interner.sets,
             policies,
             per_pod,
+            port_index,
+            addr_index,
         };
         Compiled { snapshot, problems }
     }
@@ -1184,6 +1198,82 @@ impl Snapshot {
     pub fn counts(&self) -> (usize, usize, usize, usize) {
         (self.pods.len(), self.namespaces.len(), self.nodes.len(), self.policies.len())
     }
+}
+
+/// Builds the [`PortIndex`] of every direction and protocol. Named ports count as every
+/// port number some pod declares under that name (and protocol): a superset, so the index
+/// never hides a policy that could match.
+fn port_index(policies: &[Policy], pods: &[PodEntry]) -> [[PortIndex; 3]; 2] {
+    let mut declared: HashMap<&str, Vec<(Protocol, u16)>> = HashMap::new();
+    for np in pods.iter().flat_map(|p| &p.ports) {
+        let e = declared.entry(np.name.as_str()).or_default();
+        if !e.contains(&(np.protocol, np.port)) {
+            e.push((np.protocol, np.port));
+        }
+    }
+    let mut out: [[PortIndex; 3]; 2] = Default::default();
+    for d in Direction::BOTH {
+        let mut ranges: [Vec<(u32, u32, u32)>; 3] = Default::default();
+        for (pid, p) in policies.iter().enumerate() {
+            let pid = pid as u32;
+            for r in &p.rules[d as usize] {
+                if r.ports.0.is_empty() {
+                    for proto in &mut ranges {
+                        proto.push((0, u16::MAX as u32, pid));
+                    }
+                }
+                for m in &r.ports.0 {
+                    match (&m.ports, m.protocol) {
+                        (PortSpec::Any, Some(proto)) => {
+                            ranges[protocol_index(proto)].push((0, u16::MAX as u32, pid))
+                        }
+                        (PortSpec::Range(lo, hi), Some(proto)) => {
+                            ranges[protocol_index(proto)].push((*lo as u32, *hi as u32, pid))
+                        }
+                        (PortSpec::Named(name), want) => {
+                            for &(proto, port) in declared.get(name.as_str()).into_iter().flatten()
+                            {
+                                if want.is_none_or(|w| w == proto) {
+                                    ranges[protocol_index(proto)].push((
+                                        port as u32,
+                                        port as u32,
+                                        pid,
+                                    ));
+                                }
+                            }
+                        }
+                        (_, None) => {}
+                    }
+                }
+            }
+        }
+        out[d as usize] = ranges.map(|mut r| PortIndex::build(&mut r, policies.len()));
+    }
+    out
+}
+
+/// Builds the [`AddrIndex`] of each direction: every `networks`/`ipBlock` range of every
+/// rule, and the whole address space for rules that match every peer.
+fn addr_index(policies: &[Policy]) -> [AddrIndex; 2] {
+    Direction::BOTH.map(|d| {
+        let (mut v4, mut v6) = (Vec::new(), Vec::new());
+        let mut scratch = Vec::new();
+        for (pid, p) in policies.iter().enumerate() {
+            let pid = pid as u32;
+            for r in &p.rules[d as usize] {
+                if r.peers.all {
+                    v4.push((0, u32::MAX as u128, pid));
+                    v6.push((0, u128::MAX, pid));
+                }
+                for b in &r.peers.blocks {
+                    block_ranges(b, &mut scratch);
+                    let target = if b.net.addr().is_ipv4() { &mut v4 } else { &mut v6 };
+                    target.extend(scratch.drain(..).map(|(lo, hi)| (lo, hi, pid)));
+                }
+            }
+        }
+        AddrIndex::build(&mut v4, &mut v6, policies.len())
+    })
 }
 
 /// Sort key of the BaselineAdminNetworkPolicy within the Baseline tier: after every

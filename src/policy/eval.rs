@@ -13,6 +13,7 @@
 use std::net::IpAddr;
 
 use super::compile::{Action, Direction, Endpoint, Peers, Policy, Revision, Snapshot, Tier};
+use super::matcher::{has, protocol_index};
 use super::ports::{NamedPort, Protocol};
 use super::problem::ObjectRef;
 
@@ -174,18 +175,31 @@ impl Snapshot {
 
     /// Decides a new flow (DESIGN §2). Allocates only when a Pass rule is taken.
     pub fn decide(&self, flow: &Flow) -> Decision {
+        self.decide_impl::<true>(flow)
+    }
+
+    /// [`Snapshot::decide`] without the port index and the rule-mask matchers: every
+    /// applicable policy, every rule, every peer, in order. The reference the fast path is
+    /// tested against.
+    #[doc(hidden)]
+    pub fn decide_reference(&self, flow: &Flow) -> Decision {
+        self.decide_impl::<false>(flow)
+    }
+
+    #[inline]
+    fn decide_impl<const FAST: bool>(&self, flow: &Flow) -> Decision {
         let src = self.endpoint(flow.src);
         let dst = self.endpoint(flow.dst);
         let dst_ports = self.declared_ports(dst);
         let egress = match src {
             Endpoint::Pod(p) => {
-                Some(self.decide_direction(Direction::Egress, p, dst, flow.dst, flow, dst_ports))
+                Some(self.direction::<FAST>(Direction::Egress, p, dst, flow.dst, flow, dst_ports))
             }
             _ => None,
         };
         let ingress = match dst {
             Endpoint::Pod(p) => {
-                Some(self.decide_direction(Direction::Ingress, p, src, flow.src, flow, dst_ports))
+                Some(self.direction::<FAST>(Direction::Ingress, p, src, flow.src, flow, dst_ports))
             }
             _ => None,
         };
@@ -196,8 +210,20 @@ impl Snapshot {
     }
 
     /// One direction of [`Snapshot::decide`]: `subject` is a pod id, `peer`/`peer_ip` the
-    /// other end.
+    /// other end, `dst_ports` the container ports the destination declares.
     pub fn decide_direction(
+        &self,
+        dir: Direction,
+        subject: u32,
+        peer: Endpoint,
+        peer_ip: IpAddr,
+        flow: &Flow,
+        dst_ports: &[NamedPort],
+    ) -> Outcome {
+        self.direction::<true>(dir, subject, peer, peer_ip, flow, dst_ports)
+    }
+
+    fn direction<const FAST: bool>(
         &self,
         dir: Direction,
         subject: u32,
@@ -215,14 +241,37 @@ impl Snapshot {
         let d = dir as usize;
         let lists = &self.per_pod[subject as usize];
         let mut passed = Vec::new();
+        // Policies with no rule for this port cannot match: skip them on one bit each.
+        let candidates: &[u64] = self.port_index[d][protocol_index(flow.protocol)]
+            .candidates(flow.dst_port)
+            .unwrap_or(&[]);
+        // An external peer matches only by address (or a rule matching every peer).
+        let by_address: Option<&[u32]> = match peer {
+            Endpoint::External if FAST => Some(self.addr_index[d].candidates(peer_ip)),
+            _ => None,
+        };
+        let skip = |pid: u32| {
+            FAST && (!has(candidates, pid)
+                || by_address.is_some_and(|ids| ids.binary_search(&pid).is_err()))
+        };
+        let first_rule = |pid: u32| {
+            if FAST {
+                self.first_rule(pid, d, peer, peer_ip, flow, dst_ports)
+            } else {
+                let p = &self.policies[pid as usize];
+                self.first_rule_linear(p, d, peer, peer_ip, flow, dst_ports)
+            }
+        };
         for tier in TIER_ORDER {
             match tier {
                 Tier::Admin | Tier::Baseline => {
                     let list =
                         if tier == Tier::Admin { &lists.admin[d] } else { &lists.baseline[d] };
                     for &pid in list {
-                        let Some(ri) = self.first_rule(pid, d, peer, peer_ip, flow, dst_ports)
-                        else {
+                        if skip(pid) {
+                            continue;
+                        }
+                        let Some(ri) = first_rule(pid) else {
                             continue;
                         };
                         let hit = RuleHit { policy: pid, rule: ri };
@@ -250,7 +299,10 @@ impl Snapshot {
                     // The subject is isolated in this direction: "v1.NetworkPolicy always
                     // makes a final decision for selected pods".
                     for &pid in list {
-                        if let Some(ri) = self.first_rule(pid, d, peer, peer_ip, flow, dst_ports) {
+                        if skip(pid) {
+                            continue;
+                        }
+                        if let Some(ri) = first_rule(pid) {
                             let hit = RuleHit { policy: pid, rule: ri };
                             return Outcome {
                                 verdict: Verdict::Allow,
@@ -284,7 +336,10 @@ impl Snapshot {
     ) -> Option<u32> {
         let p = &self.policies[pid as usize];
         match &p.matchers[d] {
-            Some(m) => m.first_rule(peer, peer_ip, flow.protocol, flow.dst_port, dst_ports),
+            Some(m) => {
+                let multi = matches!(peer, Endpoint::Pod(p) if self.pod_ips[p as usize].len() > 1);
+                m.first_rule(peer, multi, peer_ip, flow.protocol, flow.dst_port, dst_ports)
+            }
             None => self.first_rule_linear(p, d, peer, peer_ip, flow, dst_ports),
         }
     }

@@ -57,6 +57,61 @@ enum PodClasses {
     Sparse(Vec<(u32, Class)>),
 }
 
+/// Pod addresses sorted for range scans: single-address pods by family. A pod with more
+/// than one address (dual-stack) is not here: its address matches depend on which address
+/// a flow uses, so they are looked up per flow.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct PodAddrs {
+    v4: Vec<(u32, u32)>,
+    v6: Vec<(u128, u32)>,
+}
+
+impl PodAddrs {
+    /// From each pod's addresses, by pod id.
+    pub(crate) fn new(pod_ips: &[Vec<IpAddr>]) -> Self {
+        let mut out = PodAddrs::default();
+        for (pod, ips) in pod_ips.iter().enumerate() {
+            match ips.as_slice() {
+                [IpAddr::V4(a)] => out.v4.push((u32::from(*a), pod as u32)),
+                [IpAddr::V6(a)] => out.v6.push((u128::from(*a), pod as u32)),
+                _ => {}
+            }
+        }
+        out.v4.sort_unstable();
+        out.v6.sort_unstable();
+        out
+    }
+}
+
+/// Adds, for every single-address pod inside an interval, that interval's rules to the
+/// pod's mask in `scratch`.
+fn fold_addresses<K: Copy + Ord + Into<u128>>(
+    iv: &Intervals,
+    addrs: &[(K, u32)],
+    masks: &[RuleMask],
+    scratch: &mut [RuleMask],
+    touched: &mut Vec<u32>,
+) {
+    for (i, &start) in iv.starts.iter().enumerate() {
+        let m = masks[iv.classes[i] as usize];
+        if m == 0 {
+            continue;
+        }
+        let end = iv.starts.get(i + 1).copied();
+        let from = addrs.partition_point(|(a, _)| (*a).into() < start);
+        for &(a, pod) in &addrs[from..] {
+            if end.is_some_and(|e| a.into() >= e) {
+                break;
+            }
+            let slot = &mut scratch[pod as usize];
+            if *slot == 0 {
+                touched.push(pod);
+            }
+            *slot |= m;
+        }
+    }
+}
+
 /// The precompiled rule masks of one policy direction.
 #[derive(Debug, Clone)]
 pub(crate) struct Matcher {
@@ -154,7 +209,7 @@ fn sweep(ranges: &mut Vec<Range>, interner: &mut Interner) -> Intervals {
 }
 
 /// The address ranges of a block: `net` minus every `except`, as inclusive `u128` ranges.
-fn block_ranges(b: &Block, out: &mut Vec<(u128, u128)>) {
+pub(crate) fn block_ranges(b: &Block, out: &mut Vec<(u128, u128)>) {
     let range = |n: &ipnet::IpNet| -> (u128, u128) {
         match n {
             ipnet::IpNet::V4(n) => {
@@ -192,11 +247,12 @@ fn block_ranges(b: &Block, out: &mut Vec<(u128, u128)>) {
 
 impl Matcher {
     /// Compiles `rules` (≤ [`MAX_RULES`]) of one policy direction. `pod_sets` are the
-    /// snapshot's interned pod sets; `scratch` holds one zeroed mask per pod and is left
-    /// zeroed.
+    /// snapshot's interned pod sets; `addrs` its single-address pods; `scratch` holds one
+    /// zeroed mask per pod and is left zeroed.
     pub(crate) fn build(
         rules: &[Rule],
         pod_sets: &[roaring::RoaringBitmap],
+        addrs: &PodAddrs,
         scratch: &mut [RuleMask],
     ) -> Matcher {
         let pod_count = scratch.len();
@@ -255,6 +311,12 @@ impl Matcher {
                 }
             }
         }
+        // Pod peers never search the address intervals: a single-address pod's matches by
+        // address (`networks`, `ipBlock`) are folded into its class here.
+        let v4 = sweep(&mut v4, &mut interner);
+        let v6 = sweep(&mut v6, &mut interner);
+        fold_addresses(&v4, &addrs.v4, &interner.masks, scratch, &mut touched);
+        fold_addresses(&v6, &addrs.v6, &interner.masks, scratch, &mut touched);
         let pods = if touched.len() * 8 >= pod_count {
             let mut dense = vec![0 as Class; pod_count];
             for &pod in &touched {
@@ -272,8 +334,6 @@ impl Matcher {
         let mut nodes: Vec<(u32, Class)> =
             node_mask.iter().map(|(n, m)| (*n, interner.intern(*m))).collect();
         nodes.sort_unstable();
-        let v4 = sweep(&mut v4, &mut interner);
-        let v6 = sweep(&mut v6, &mut interner);
         let ports = ports.map(|mut p| sweep(&mut p, &mut interner));
         Matcher { masks: interner.masks, all_peers, all_ports, pods, nodes, v4, v6, ports, named }
     }
@@ -283,11 +343,13 @@ impl Matcher {
         self.masks[c as usize]
     }
 
-    /// The index of the first rule matching the flow, if any.
+    /// The index of the first rule matching the flow, if any. `multi_address` says that
+    /// `peer` is a pod with more than one address (its address matches are not folded).
     #[inline]
     pub(crate) fn first_rule(
         &self,
         peer: Endpoint,
+        multi_address: bool,
         ip: IpAddr,
         protocol: Protocol,
         port: u16,
@@ -310,34 +372,228 @@ impl Matcher {
             return None;
         }
         let mut peer_mask = self.all_peers;
-        match peer {
+        let by_address = match peer {
             Endpoint::Pod(p) => {
                 peer_mask |= self.mask(match &self.pods {
                     PodClasses::Dense(d) => d.get(p as usize).copied().unwrap_or(0),
                     PodClasses::Sparse(s) => {
                         s.binary_search_by_key(&p, |e| e.0).map_or(0, |i| s[i].1)
                     }
-                })
+                });
+                multi_address
             }
             Endpoint::Node(n) => {
                 peer_mask |= self.mask(
                     self.nodes.binary_search_by_key(&n, |e| e.0).map_or(0, |i| self.nodes[i].1),
-                )
+                );
+                true
             }
-            Endpoint::External => {}
-        }
-        // `networks` / `ipBlock` match any address, pod and node IPs included.
-        peer_mask |= match ip {
-            IpAddr::V4(a) => self.mask(self.v4.get(u32::from(a) as u128)),
-            IpAddr::V6(a) => self.mask(self.v6.get(u128::from(a))),
+            Endpoint::External => true,
         };
+        // `networks` / `ipBlock` match any address, pod and node IPs included.
+        if by_address {
+            peer_mask |= match ip {
+                IpAddr::V4(a) => self.mask(self.v4.get(u32::from(a) as u128)),
+                IpAddr::V6(a) => self.mask(self.v6.get(u128::from(a))),
+            };
+        }
         let hit = port_mask & peer_mask;
         (hit != 0).then(|| hit.trailing_zeros())
     }
 }
 
+/// Which policies can match a destination port at all: disjoint port intervals of one
+/// protocol and direction, each with the bitset (by policy index) of policies that have a
+/// rule for some port in it. `decide` tests one bit per policy here before touching the
+/// policy's own [`Matcher`], so policies without a rule on the flow's port cost no memory
+/// traffic beyond this small table.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct PortIndex {
+    starts: Vec<u32>,
+    /// `sets[i]` covers `starts[i]..starts[i+1]`; words of 64 policy bits.
+    sets: Vec<Box<[u64]>>,
+}
+
+impl PortIndex {
+    /// Builds the index from `(first_port, last_port, policy)` ranges over `policies`
+    /// policies.
+    pub(crate) fn build(ranges: &mut [(u32, u32, u32)], policies: usize) -> PortIndex {
+        let mut events: Vec<(u32, bool, u32)> = Vec::with_capacity(ranges.len() * 2);
+        for &(lo, hi, p) in ranges.iter() {
+            events.push((lo, true, p));
+            events.push((hi + 1, false, p));
+        }
+        events.sort_unstable();
+        let mut counts = vec![0u32; policies];
+        let mut words = vec![0u64; policies.div_ceil(64)];
+        let mut out = PortIndex::default();
+        let mut i = 0;
+        while i < events.len() {
+            let pos = events[i].0;
+            while i < events.len() && events[i].0 == pos {
+                let (_, open, p) = events[i];
+                let c = &mut counts[p as usize];
+                if open {
+                    *c += 1;
+                } else {
+                    *c -= 1;
+                }
+                let (w, b) = (p as usize / 64, p % 64);
+                if *c > 0 {
+                    words[w] |= 1 << b;
+                } else {
+                    words[w] &= !(1 << b);
+                }
+                i += 1;
+            }
+            if out.sets.last().is_none_or(|last| **last != *words) {
+                out.starts.push(pos);
+                out.sets.push(words.clone().into_boxed_slice());
+            }
+        }
+        out
+    }
+
+    /// The policies with a rule for `port`, as bitset words; `None` if there are none.
+    #[inline]
+    pub(crate) fn candidates(&self, port: u16) -> Option<&[u64]> {
+        let i = self.starts.partition_point(|&s| s <= port as u32);
+        let set = &self.sets[i.checked_sub(1)?];
+        set.iter().any(|&w| w != 0).then_some(&set[..])
+    }
+}
+
+/// Which policies can match an external address at all, per address family: disjoint
+/// address intervals, each with the sorted ids of policies that have a rule covering it (a
+/// `networks`/`ipBlock` range, or a rule that matches every peer). An external peer can
+/// match nothing else, so `decide` skips every other policy after one search here instead
+/// of one search per policy.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct AddrIndex {
+    v4: Spans,
+    v6: Spans,
+}
+
+#[derive(Debug, Clone, Default)]
+struct Spans {
+    starts: Vec<u128>,
+    /// `(offset, len)` into `ids` for each interval.
+    spans: Vec<(u32, u32)>,
+    ids: Vec<u32>,
+}
+
+impl Spans {
+    fn build(ranges: &mut [(u128, u128, u32)], policies: usize) -> Spans {
+        let mut events: Vec<(u128, bool, u32)> = Vec::with_capacity(ranges.len() * 2);
+        for &(lo, hi, p) in ranges.iter() {
+            events.push((lo, true, p));
+            if let Some(end) = hi.checked_add(1) {
+                events.push((end, false, p));
+            }
+        }
+        events.sort_unstable();
+        let mut counts = vec![0u32; policies];
+        let mut active: std::collections::BTreeSet<u32> = std::collections::BTreeSet::new();
+        let mut out = Spans::default();
+        let mut i = 0;
+        while i < events.len() {
+            let pos = events[i].0;
+            while i < events.len() && events[i].0 == pos {
+                let (_, open, p) = events[i];
+                let c = &mut counts[p as usize];
+                if open {
+                    *c += 1;
+                    active.insert(p);
+                } else {
+                    *c -= 1;
+                    if *c == 0 {
+                        active.remove(&p);
+                    }
+                }
+                i += 1;
+            }
+            let offset = out.ids.len() as u32;
+            out.ids.extend(active.iter().copied());
+            out.starts.push(pos);
+            out.spans.push((offset, active.len() as u32));
+        }
+        out
+    }
+
+    #[inline]
+    fn get(&self, x: u128) -> &[u32] {
+        let i = self.starts.partition_point(|&s| s <= x);
+        match i.checked_sub(1) {
+            Some(i) => {
+                let (off, len) = self.spans[i];
+                &self.ids[off as usize..(off + len) as usize]
+            }
+            None => &[],
+        }
+    }
+}
+
+impl AddrIndex {
+    /// Builds the index from `(first, last, policy)` address ranges of each family.
+    pub(crate) fn build(
+        v4: &mut [(u128, u128, u32)],
+        v6: &mut [(u128, u128, u32)],
+        policies: usize,
+    ) -> AddrIndex {
+        AddrIndex { v4: Spans::build(v4, policies), v6: Spans::build(v6, policies) }
+    }
+
+    /// The sorted ids of policies with a rule that can match `ip` as an external peer.
+    #[inline]
+    pub(crate) fn candidates(&self, ip: IpAddr) -> &[u32] {
+        match ip {
+            IpAddr::V4(a) => self.v4.get(u32::from(a) as u128),
+            IpAddr::V6(a) => self.v6.get(u128::from(a)),
+        }
+    }
+}
+
+/// `true` if `policy`'s bit is set in `words`.
+#[inline]
+pub(crate) fn has(words: &[u64], policy: u32) -> bool {
+    words.get(policy as usize / 64).is_some_and(|w| w & (1 << (policy % 64)) != 0)
+}
+
+/// Protocol index into per-protocol tables: TCP 0, UDP 1, SCTP 2.
+pub(crate) fn protocol_index(p: Protocol) -> usize {
+    proto_index(p)
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn addr_index_lists_covering_policies() {
+        let base = u32::from(std::net::Ipv4Addr::new(10, 0, 0, 0)) as u128;
+        let mut v4 =
+            vec![(base, base + 255, 3), (base + 16, base + 31, 1), (0, u32::MAX as u128, 7)];
+        let mut v6 = vec![(0, u128::MAX, 7)];
+        let idx = AddrIndex::build(&mut v4, &mut v6, 8);
+        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+        assert_eq!(idx.candidates(ip("10.0.0.1")), &[3, 7]);
+        assert_eq!(idx.candidates(ip("10.0.0.20")), &[1, 3, 7]);
+        assert_eq!(idx.candidates(ip("11.0.0.1")), &[7]);
+        assert_eq!(idx.candidates(ip("::1")), &[7]);
+    }
+
+    #[test]
+    fn port_index_sets_cover_exactly_the_ranges() {
+        let mut r = vec![(80, 80, 0), (1000, 2000, 1), (1500, 1500, 0), (0, 65535, 70)];
+        let idx = PortIndex::build(&mut r, 71);
+        let c = |p| idx.candidates(p).map(|w| (0..71).filter(|&i| has(w, i)).collect::<Vec<_>>());
+        assert_eq!(c(80), Some(vec![0, 70]));
+        assert_eq!(c(81), Some(vec![70]));
+        assert_eq!(c(1500), Some(vec![0, 1, 70]));
+        assert_eq!(c(2000), Some(vec![1, 70]));
+        assert_eq!(c(65535), Some(vec![70]));
+        let empty = PortIndex::build(&mut [], 3);
+        assert_eq!(empty.candidates(1), None);
+    }
+
     use super::*;
     use crate::policy::cidr::parse;
 
