@@ -49,6 +49,19 @@ impl Intervals {
     }
 }
 
+/// Port intervals with their rule masks inline (one allocation, one search: ports are
+/// checked for every candidate policy, so no extra indirection through a class table).
+#[derive(Debug, Clone, Default)]
+struct PortMasks(Vec<(u32, RuleMask)>);
+
+impl PortMasks {
+    #[inline]
+    fn get(&self, port: u16) -> RuleMask {
+        let i = self.0.partition_point(|&(s, _)| s <= port as u32);
+        i.checked_sub(1).map_or(0, |i| self.0[i].1)
+    }
+}
+
 #[derive(Debug, Clone)]
 enum PodClasses {
     /// Indexed by pod id.
@@ -126,7 +139,7 @@ pub(crate) struct Matcher {
     v4: Intervals,
     v6: Intervals,
     /// Per protocol (TCP, UDP, SCTP), by destination port.
-    ports: [Intervals; 3],
+    ports: [PortMasks; 3],
     /// Named ports: (name, protocol of the entry if any, rules).
     named: Vec<(String, Option<Protocol>, RuleMask)>,
 }
@@ -334,7 +347,16 @@ impl Matcher {
         let mut nodes: Vec<(u32, Class)> =
             node_mask.iter().map(|(n, m)| (*n, interner.intern(*m))).collect();
         nodes.sort_unstable();
-        let ports = ports.map(|mut p| sweep(&mut p, &mut interner));
+        let ports = ports.map(|mut p| {
+            let iv = sweep(&mut p, &mut interner);
+            PortMasks(
+                iv.starts
+                    .iter()
+                    .zip(&iv.classes)
+                    .map(|(s, c)| (*s as u32, interner.masks[*c as usize]))
+                    .collect(),
+            )
+        });
         Matcher { masks: interner.masks, all_peers, all_ports, pods, nodes, v4, v6, ports, named }
     }
 
@@ -355,8 +377,7 @@ impl Matcher {
         port: u16,
         dst_ports: &[NamedPort],
     ) -> Option<u32> {
-        let mut port_mask =
-            self.all_ports | self.mask(self.ports[proto_index(protocol)].get(port as u128));
+        let mut port_mask = self.all_ports | self.ports[proto_index(protocol)].get(port);
         if !self.named.is_empty() {
             // "named ports resolve on the destination pod's declared container ports
             // (name and protocol must match)".
