@@ -33,7 +33,9 @@
 //!   `portRange` `start < end`, `domainNames` only in Allow rules, the protocol enum of
 //!   v1alpha1 ports), the finding is a warning that says so.
 
+use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
 use std::net::IpAddr;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelectorRequirement, ObjectMeta};
@@ -143,28 +145,133 @@ enum NameRule {
     Subdomain,
 }
 
+/// A field path inside an object (`spec.egress[2].to[0].networks[1]`), built on the stack
+/// as the validators descend and rendered to a `String` only when a [`Problem`] is
+/// reported, so valid input (the common case) never pays for formatting it.
+#[derive(Clone, Copy)]
+struct Path<'a> {
+    parent: Option<&'a Path<'a>>,
+    seg: Seg<'a>,
+}
+
+/// One step of a [`Path`].
+#[derive(Clone, Copy)]
+enum Seg<'a> {
+    /// The start of the path, written as given (`spec.ingress`, or a caller's path).
+    Root(&'a str),
+    /// `.name`: a field of the parent.
+    Field(&'static str),
+    /// `[i]`: an item of a list.
+    Index(usize),
+    /// `[key]`: an entry of a map (labels, annotations).
+    Key(&'a str),
+}
+
+impl<'a> Path<'a> {
+    /// A path that starts with `root`, written as given.
+    fn root(root: &'a str) -> Self {
+        Path { parent: None, seg: Seg::Root(root) }
+    }
+
+    /// `self.name`.
+    fn field(&self, name: &'static str) -> Path<'_> {
+        Path { parent: Some(self), seg: Seg::Field(name) }
+    }
+
+    /// `self[i]`.
+    fn index(&self, i: usize) -> Path<'_> {
+        Path { parent: Some(self), seg: Seg::Index(i) }
+    }
+
+    /// `self[key]`.
+    fn key<'k>(&'k self, key: &'k str) -> Path<'k> {
+        Path { parent: Some(self), seg: Seg::Key(key) }
+    }
+}
+
+impl fmt::Display for Path<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if let Some(parent) = self.parent {
+            parent.fmt(f)?;
+        }
+        match self.seg {
+            Seg::Root(root) => f.write_str(root),
+            Seg::Field(name) => write!(f, ".{name}"),
+            Seg::Index(i) => write!(f, "[{i}]"),
+            Seg::Key(key) => write!(f, "[{key}]"),
+        }
+    }
+}
+
+/// The object problems are about: given by the caller, or built from the object's
+/// metadata by [`object_ref`] when the first problem is reported (valid objects never
+/// need it).
+enum Object<'a> {
+    Given(&'a ObjectRef),
+    Lazy { kind: Kind, meta: &'a ObjectMeta, built: Option<ObjectRef> },
+}
+
 /// Collects problems about one object.
 struct Sink<'a> {
-    object: &'a ObjectRef,
+    object: Object<'a>,
     out: &'a mut Vec<Problem>,
 }
 
-impl Sink<'_> {
-    fn push(&mut self, severity: Severity, field: &str, kind: ProblemKind) {
-        self.out.push(Problem {
-            object: self.object.clone(),
-            field: field.to_owned(),
-            severity,
-            kind,
-        });
+impl<'a> Sink<'a> {
+    /// Problems about the object of `kind` with metadata `meta`.
+    fn new(kind: Kind, meta: &'a ObjectMeta, out: &'a mut Vec<Problem>) -> Self {
+        Sink { object: Object::Lazy { kind, meta, built: None }, out }
     }
 
-    fn error(&mut self, field: &str, kind: ProblemKind) {
+    fn push(&mut self, severity: Severity, field: &Path<'_>, kind: ProblemKind) {
+        let object = match &mut self.object {
+            Object::Given(object) => (*object).clone(),
+            Object::Lazy { kind, meta, built } => {
+                built.get_or_insert_with(|| object_ref(*kind, meta)).clone()
+            }
+        };
+        self.out.push(Problem { object, field: field.to_string(), severity, kind });
+    }
+
+    fn error(&mut self, field: &Path<'_>, kind: ProblemKind) {
         self.push(Severity::Error, field, kind);
     }
 
-    fn warning(&mut self, field: &str, kind: ProblemKind) {
+    fn warning(&mut self, field: &Path<'_>, kind: ProblemKind) {
         self.push(Severity::Warning, field, kind);
+    }
+}
+
+/// Most items [`Seen`] keeps inline; beyond it, the rest go to a set. The lists checked for
+/// repeats are short: `networks` and `domainNames` hold at most 25 items in a valid object,
+/// `status.podIPs` two, a container's ports a few.
+const SEEN_INLINE: usize = MAX_NETWORKS;
+
+/// The strings of a list seen so far, to report repeats as a `BTreeSet` would, without
+/// allocating for lists of up to [`SEEN_INLINE`] items.
+struct Seen<'a> {
+    inline: [&'a str; SEEN_INLINE],
+    len: usize,
+    spill: BTreeSet<&'a str>,
+}
+
+impl<'a> Seen<'a> {
+    fn new() -> Self {
+        Seen { inline: [""; SEEN_INLINE], len: 0, spill: BTreeSet::new() }
+    }
+
+    /// `true` if `item` was not seen before (and remembers it), like `BTreeSet::insert`.
+    fn insert(&mut self, item: &'a str) -> bool {
+        if self.inline[..self.len].contains(&item) || self.spill.contains(item) {
+            return false;
+        }
+        if self.len < SEEN_INLINE {
+            self.inline[self.len] = item;
+            self.len += 1;
+        } else {
+            self.spill.insert(item);
+        }
+        true
     }
 }
 
@@ -176,69 +283,82 @@ fn invalid(value: impl Into<String>, reason: impl Into<String>) -> ProblemKind {
 fn object_meta(s: &mut Sink<'_>, meta: &ObjectMeta, rule: NameRule, namespaced: bool) {
     // "name or generateName is required"; a file has no server to expand generateName.
     match meta.name.as_deref() {
-        None | Some("") => s.error("metadata.name", ProblemKind::Required),
+        None | Some("") => s.error(&Path::root("metadata.name"), ProblemKind::Required),
         Some(name) => {
             let errs = match rule {
                 NameRule::Label => dns1123_label_errors(name),
                 NameRule::Subdomain => dns1123_subdomain_errors(name),
             };
             if !errs.is_empty() {
-                s.error("metadata.name", invalid(name, errs.join("; ")));
+                s.error(&Path::root("metadata.name"), invalid(name, errs.join("; ")));
             }
         }
     }
     match (namespaced, meta.namespace.as_deref()) {
-        (true, None | Some("")) => s.error("metadata.namespace", ProblemKind::Required),
+        (true, None | Some("")) => {
+            s.error(&Path::root("metadata.namespace"), ProblemKind::Required)
+        }
         // ValidateNamespaceName is NameIsDNSLabel.
         (true, Some(ns)) => {
             let errs = dns1123_label_errors(ns);
             if !errs.is_empty() {
-                s.error("metadata.namespace", invalid(ns, errs.join("; ")));
+                s.error(&Path::root("metadata.namespace"), invalid(ns, errs.join("; ")));
             }
         }
         (false, None | Some("")) => {}
         // apiserver rest.EnsureObjectNamespaceMatchesRequestNamespace: "cluster-scoped,
         // clear namespace": the field is dropped, not rejected.
         (false, Some(ns)) => s.warning(
-            "metadata.namespace",
+            &Path::root("metadata.namespace"),
             invalid(ns, "this kind is cluster-scoped; the API server drops metadata.namespace"),
         ),
     }
     if let Some(labels) = &meta.labels {
         // ValidateLabels: "ValidateLabelName" for keys, "IsValidLabelValue" for values.
-        labels_map(s, "metadata.labels", labels, Severity::Error);
+        labels_map(s, &Path::root("metadata.labels"), labels, Severity::Error);
     }
     if let Some(annotations) = &meta.annotations {
         // ValidateAnnotations: keys are qualified names ("strings.ToLower(k)"), and
         // "annotations: Too long: must have at most 262144 bytes" in total.
+        let path = Path::root("metadata.annotations");
         let mut total = 0usize;
         for (k, v) in annotations {
             total = total.saturating_add(k.len()).saturating_add(v.len());
-            let errs = qualified_name_errors(&k.to_ascii_lowercase());
+            let lower = if k.bytes().any(|b| b.is_ascii_uppercase()) {
+                Cow::Owned(k.to_ascii_lowercase())
+            } else {
+                Cow::Borrowed(k.as_str())
+            };
+            let errs = qualified_name_errors(&lower);
             if !errs.is_empty() {
-                s.error(&format!("metadata.annotations[{k}]"), invalid(k, errs.join("; ")));
+                s.error(&path.key(k), invalid(k, errs.join("; ")));
             }
         }
         if total > MAX_ANNOTATIONS_BYTES {
-            s.error(
-                "metadata.annotations",
-                ProblemKind::TooLong { len: total, max: MAX_ANNOTATIONS_BYTES },
-            );
+            s.error(&path, ProblemKind::TooLong { len: total, max: MAX_ANNOTATIONS_BYTES });
         }
     }
 }
 
-fn labels_map(s: &mut Sink<'_>, path: &str, labels: &BTreeMap<String, String>, sev: Severity) {
+fn labels_map(s: &mut Sink<'_>, path: &Path<'_>, labels: &BTreeMap<String, String>, sev: Severity) {
     for (k, v) in labels {
-        let field = format!("{path}[{k}]");
-        let errs = qualified_name_errors(k);
-        if !errs.is_empty() {
-            s.push(sev, &field, invalid(k, errs.join("; ")));
+        // Valid entries, nearly all of them, are checked without building messages.
+        if !is_qualified_name(k) || !is_label_value(v) {
+            label_problems(s, &path.key(k), k, v, sev);
         }
-        let errs = label_value_errors(v);
-        if !errs.is_empty() {
-            s.push(sev, &field, invalid(v, errs.join("; ")));
-        }
+    }
+}
+
+/// The problems of one `labels` entry: its key's, then its value's.
+#[cold]
+fn label_problems(s: &mut Sink<'_>, field: &Path<'_>, k: &str, v: &str, sev: Severity) {
+    let errs = qualified_name_errors(k);
+    if !errs.is_empty() {
+        s.push(sev, field, invalid(k, errs.join("; ")));
+    }
+    let errs = label_value_errors(v);
+    if !errs.is_empty() {
+        s.push(sev, field, invalid(v, errs.join("; ")));
     }
 }
 
@@ -256,29 +376,62 @@ fn labels_map(s: &mut Sink<'_>, path: &str, labels: &BTreeMap<String, String>, s
 /// validators here use [`CRD_SELECTOR_SEVERITY`] instead, because the API server does not
 /// run this check on custom resources.
 pub fn label_selector(sel: &LabelSelector, object: &ObjectRef, path: &str, out: &mut Vec<Problem>) {
-    let mut s = Sink { object, out };
-    selector(&mut s, sel, path, Severity::Error);
+    let mut s = Sink { object: Object::Given(object), out };
+    selector(&mut s, sel, &Path::root(path), Severity::Error);
 }
 
-fn selector(s: &mut Sink<'_>, sel: &LabelSelector, path: &str, sev: Severity) {
+fn selector(s: &mut Sink<'_>, sel: &LabelSelector, path: &Path<'_>, sev: Severity) {
+    // Valid selectors, nearly all of them, are checked without building messages.
+    if !is_valid_selector(sel) {
+        selector_problems(s, sel, path, sev);
+    }
+}
+
+/// `true` iff [`selector`] finds no problem in `sel`.
+#[inline]
+fn is_valid_selector(sel: &LabelSelector) -> bool {
+    let LabelSelector { match_expressions, match_labels } = sel;
+    match_labels.iter().flatten().all(|(k, v)| is_qualified_name(k) && is_label_value(v))
+        && match_expressions.iter().flatten().all(is_valid_requirement)
+}
+
+/// `true` iff [`requirement`] finds no problem in `req`.
+fn is_valid_requirement(req: &LabelSelectorRequirement) -> bool {
+    let LabelSelectorRequirement { key, operator, values } = req;
+    let values: &[String] = values.as_deref().unwrap_or_default();
+    let operator_ok = match operator.as_str() {
+        "In" | "NotIn" => !values.is_empty(),
+        "Exists" | "DoesNotExist" => values.is_empty(),
+        _ => false,
+    };
+    operator_ok && is_qualified_name(key) && values.iter().all(|v| is_label_value(v))
+}
+
+/// The problems of a selector, in the order [`selector`] reports them.
+#[cold]
+#[inline(never)]
+fn selector_problems(s: &mut Sink<'_>, sel: &LabelSelector, path: &Path<'_>, sev: Severity) {
     let LabelSelector { match_expressions, match_labels } = sel;
     if let Some(labels) = match_labels {
-        labels_map(s, &format!("{path}.matchLabels"), labels, sev);
+        labels_map(s, &path.field("matchLabels"), labels, sev);
     }
-    for (i, req) in match_expressions.iter().flatten().enumerate() {
-        requirement(s, req, &format!("{path}.matchExpressions[{i}]"), sev);
+    if let Some(reqs) = match_expressions {
+        let path = path.field("matchExpressions");
+        for (i, req) in reqs.iter().enumerate() {
+            requirement(s, req, &path.index(i), sev);
+        }
     }
 }
 
 /// apimachinery `ValidateLabelSelectorRequirement`.
-fn requirement(s: &mut Sink<'_>, req: &LabelSelectorRequirement, path: &str, sev: Severity) {
+fn requirement(s: &mut Sink<'_>, req: &LabelSelectorRequirement, path: &Path<'_>, sev: Severity) {
     let LabelSelectorRequirement { key, operator, values } = req;
     let values: &[String] = values.as_deref().unwrap_or_default();
     match operator.as_str() {
         // "must be specified when `operator` is 'In' or 'NotIn'"
         "In" | "NotIn" => {
             if values.is_empty() {
-                s.push(sev, &format!("{path}.values"), ProblemKind::Required);
+                s.push(sev, &path.field("values"), ProblemKind::Required);
             }
         }
         // "may not be specified when `operator` is 'Exists' or 'DoesNotExist'"
@@ -286,7 +439,7 @@ fn requirement(s: &mut Sink<'_>, req: &LabelSelectorRequirement, path: &str, sev
             if !values.is_empty() {
                 s.push(
                     sev,
-                    &format!("{path}.values"),
+                    &path.field("values"),
                     invalid(
                         values.join(","),
                         "may not be specified when `operator` is 'Exists' or 'DoesNotExist'",
@@ -297,26 +450,26 @@ fn requirement(s: &mut Sink<'_>, req: &LabelSelectorRequirement, path: &str, sev
         // "not a valid selector operator"
         _ => s.push(
             sev,
-            &format!("{path}.operator"),
+            &path.field("operator"),
             ProblemKind::NotInEnum { value: operator.clone(), allowed: SELECTOR_OPERATORS },
         ),
     }
     let errs = qualified_name_errors(key);
     if !errs.is_empty() {
-        s.push(sev, &format!("{path}.key"), invalid(key, errs.join("; ")));
+        s.push(sev, &path.field("key"), invalid(key, errs.join("; ")));
     }
     for (j, v) in values.iter().enumerate() {
         let errs = label_value_errors(v);
         if !errs.is_empty() {
-            s.push(sev, &format!("{path}.values[{j}]"), invalid(v, errs.join("; ")));
+            s.push(sev, &path.field("values").index(j), invalid(v, errs.join("; ")));
         }
     }
 }
 
-fn namespaced_pod(s: &mut Sink<'_>, pods: &NamespacedPod, path: &str) {
+fn namespaced_pod(s: &mut Sink<'_>, pods: &NamespacedPod, path: &Path<'_>) {
     let NamespacedPod { namespace_selector, pod_selector } = pods;
-    selector(s, namespace_selector, &format!("{path}.namespaceSelector"), CRD_SELECTOR_SEVERITY);
-    selector(s, pod_selector, &format!("{path}.podSelector"), CRD_SELECTOR_SEVERITY);
+    selector(s, namespace_selector, &path.field("namespaceSelector"), CRD_SELECTOR_SEVERITY);
+    selector(s, pod_selector, &path.field("podSelector"), CRD_SELECTOR_SEVERITY);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -371,7 +524,7 @@ fn cnp_fail(action: v1alpha2::ClusterNetworkPolicyRuleAction) -> FailClosed {
 }
 
 /// `MinItems` / `MaxItems` of a list.
-fn item_count(s: &mut Sink<'_>, path: &str, len: usize, min: usize, max: usize) {
+fn item_count(s: &mut Sink<'_>, path: &Path<'_>, len: usize, min: usize, max: usize) {
     if len < min {
         s.error(path, ProblemKind::TooFewItems { len, min });
     } else if len > max {
@@ -383,7 +536,7 @@ fn item_count(s: &mut Sink<'_>, path: &str, len: usize, min: usize, max: usize) 
 fn priority(s: &mut Sink<'_>, value: i32) {
     if !(0..=MAX_PRIORITY).contains(&value) {
         s.error(
-            "spec.priority",
+            &Path::root("spec.priority"),
             ProblemKind::OutOfRange { value: value.into(), min: 0, max: MAX_PRIORITY.into() },
         );
     }
@@ -391,19 +544,38 @@ fn priority(s: &mut Sink<'_>, value: i32) {
 
 /// `+kubebuilder:validation:MaxLength=100` on a rule's `name`. OpenAPI `maxLength`
 /// counts characters (the API server uses `utf8.RuneCountInString`), not bytes.
-fn rule_name(s: &mut Sink<'_>, rule_path: &str, name: &str) {
+fn rule_name(s: &mut Sink<'_>, rule_path: &Path<'_>, name: &str) {
+    // A string has no more characters than bytes: short names need no counting.
+    if name.len() <= MAX_RULE_NAME {
+        return;
+    }
     let len = name.chars().count();
     if len > MAX_RULE_NAME {
-        s.error(&format!("{rule_path}.name"), ProblemKind::TooLong { len, max: MAX_RULE_NAME });
+        s.error(&rule_path.field("name"), ProblemKind::TooLong { len, max: MAX_RULE_NAME });
     }
+}
+
+/// How many of a union's `members` are set.
+fn set_count(members: &[(&str, bool)]) -> usize {
+    members.iter().filter(|m| m.1).count()
+}
+
+/// The names of a union's `members` that are set, comma-separated.
+fn set_names(members: &[(&str, bool)]) -> String {
+    members.iter().filter(|m| m.1).map(|m| m.0).collect::<Vec<_>>().join(", ")
 }
 
 /// A `MinProperties=1`, `MaxProperties=1` union that is not a peer: none set or several
 /// set are both errors.
-fn union_exactly_one(s: &mut Sink<'_>, path: &str, fields: &'static str, members: &[(&str, bool)]) {
-    let set: Vec<&str> = members.iter().filter(|m| m.1).map(|m| m.0).collect();
-    if set.len() != 1 {
-        let found = if set.is_empty() { "none".to_owned() } else { set.join(", ") };
+fn union_exactly_one(
+    s: &mut Sink<'_>,
+    path: &Path<'_>,
+    fields: &'static str,
+    members: &[(&str, bool)],
+) {
+    let count = set_count(members);
+    if count != 1 {
+        let found = if count == 0 { "none".to_owned() } else { set_names(members) };
         s.error(path, ProblemKind::NotExactlyOne { fields, found });
     }
 }
@@ -413,21 +585,20 @@ fn union_exactly_one(s: &mut Sink<'_>, path: &str, fields: &'static str, members
 /// a CRD of that newer version accepted the object).
 fn peer_union(
     s: &mut Sink<'_>,
-    path: &str,
+    path: &Path<'_>,
     fields: &'static str,
     members: &[(&str, bool)],
     fail: FailClosed,
 ) {
-    let set: Vec<&str> = members.iter().filter(|m| m.1).map(|m| m.0).collect();
-    match set.len() {
+    match set_count(members) {
         0 => s.warning(path, ProblemKind::UnknownPeer { effect: fail.effect() }),
         1 => {}
-        _ => s.error(path, ProblemKind::NotExactlyOne { fields, found: set.join(", ") }),
+        _ => s.error(path, ProblemKind::NotExactlyOne { fields, found: set_names(members) }),
     }
 }
 
 /// A port number with `Minimum=1`, `Maximum=65535`.
-fn check_port(s: &mut Sink<'_>, path: &str, value: i32) {
+fn check_port(s: &mut Sink<'_>, path: &Path<'_>, value: i32) {
     if !(1..=MAX_PORT).contains(&value) {
         s.error(
             path,
@@ -439,14 +610,17 @@ fn check_port(s: &mut Sink<'_>, path: &str, value: i32) {
 /// `networks`: "+listType=set", "MinItems=1", "MaxItems=25"; each item a `CIDR`:
 /// "+kubebuilder:validation:XValidation:rule="isCIDR(self)",message="Invalid CIDR format
 /// provided"" and "+kubebuilder:validation:MaxLength=43".
-fn check_networks(s: &mut Sink<'_>, path: &str, nets: &[String]) {
+fn check_networks(s: &mut Sink<'_>, path: &Path<'_>, nets: &[String]) {
     item_count(s, path, nets.len(), 1, MAX_NETWORKS);
-    let mut seen = BTreeSet::new();
+    let mut seen = Seen::new();
     for (k, net) in nets.iter().enumerate() {
-        let field = format!("{path}[{k}]");
-        let len = net.chars().count();
-        if len > MAX_CIDR_LEN {
-            s.error(&field, ProblemKind::TooLong { len, max: MAX_CIDR_LEN });
+        let field = path.index(k);
+        // A string has no more characters than bytes: short ones need no counting.
+        if net.len() > MAX_CIDR_LEN {
+            let len = net.chars().count();
+            if len > MAX_CIDR_LEN {
+                s.error(&field, ProblemKind::TooLong { len, max: MAX_CIDR_LEN });
+            }
         }
         if let Err(e) = cidr::parse(net) {
             s.error(&field, invalid(net, format!("Invalid CIDR format provided: {e}")));
@@ -460,11 +634,11 @@ fn check_networks(s: &mut Sink<'_>, path: &str, nets: &[String]) {
 
 /// `domainNames`: "+listType=set", "MinItems=1", "MaxItems=25"; each item a `DomainName`
 /// with `+kubebuilder:validation:Pattern` (see [`is_domain_name`]).
-fn check_domain_names(s: &mut Sink<'_>, path: &str, names: &[String]) {
+fn check_domain_names(s: &mut Sink<'_>, path: &Path<'_>, names: &[String]) {
     item_count(s, path, names.len(), 1, MAX_NETWORKS);
-    let mut seen = BTreeSet::new();
+    let mut seen = Seen::new();
     for (k, name) in names.iter().enumerate() {
-        let field = format!("{path}[{k}]");
+        let field = path.index(k);
         if !is_domain_name(name) {
             s.error(
                 &field,
@@ -483,7 +657,7 @@ fn check_domain_names(s: &mut Sink<'_>, path: &str, names: &[String]) {
 
 /// A named port that can never equal a container port's name, which must be an
 /// IANA_SVC_NAME (core `validateContainerPorts`). The CRDs accept any string.
-fn check_named_port(s: &mut Sink<'_>, path: &str, name: &str) {
+fn check_named_port(s: &mut Sink<'_>, path: &Path<'_>, name: &str) {
     let errs = port_name_errors(name);
     if !errs.is_empty() {
         s.warning(
@@ -502,7 +676,7 @@ fn check_named_port(s: &mut Sink<'_>, path: &str, name: &str) {
 /// A v1alpha1 `protocol` (type `v1.Protocol`): documented as "TCP, UDP, or SCTP", defaulted
 /// to TCP when absent ("+kubebuilder:default=TCP"), but without an enum in the CRD schema,
 /// so other values are stored; rules holding them cannot match traffic.
-fn v1alpha1_protocol(s: &mut Sink<'_>, path: &str, protocol: Option<&str>) {
+fn v1alpha1_protocol(s: &mut Sink<'_>, path: &Path<'_>, protocol: Option<&str>) {
     if let Some(p) = protocol
         && !matches!(p, "TCP" | "UDP" | "SCTP")
     {
@@ -513,17 +687,18 @@ fn v1alpha1_protocol(s: &mut Sink<'_>, path: &str, protocol: Option<&str>) {
 fn subject(s: &mut Sink<'_>, namespaces: Option<&LabelSelector>, pods: Option<&NamespacedPod>) {
     // AdminNetworkPolicySubject / ClusterNetworkPolicySubject: "Exactly one field must be
     // set." (+kubebuilder:validation:MaxProperties=1, MinProperties=1)
+    let path = Path::root("spec.subject");
     union_exactly_one(
         s,
-        "spec.subject",
+        &path,
         "namespaces, pods",
         &[("namespaces", namespaces.is_some()), ("pods", pods.is_some())],
     );
     if let Some(sel) = namespaces {
-        selector(s, sel, "spec.subject.namespaces", CRD_SELECTOR_SEVERITY);
+        selector(s, sel, &path.field("namespaces"), CRD_SELECTOR_SEVERITY);
     }
     if let Some(p) = pods {
-        namespaced_pod(s, p, "spec.subject.pods");
+        namespaced_pod(s, p, &path.field("pods"));
     }
 }
 
@@ -544,32 +719,34 @@ fn subject(s: &mut Sink<'_>, namespaces: Option<&LabelSelector>, pods: Option<&N
 /// Source: network-policy-api `apis/v1alpha1/adminnetworkpolicy_types.go`,
 /// `shared_types.go` (v0.1.7).
 pub fn admin_network_policy(obj: &v1alpha1::AdminNetworkPolicy, out: &mut Vec<Problem>) {
-    let object = object_ref(Kind::AdminNetworkPolicy, &obj.metadata);
-    let mut s = Sink { object: &object, out };
+    let mut s = Sink::new(Kind::AdminNetworkPolicy, &obj.metadata, out);
     object_meta(&mut s, &obj.metadata, NameRule::Subdomain, false);
     let v1alpha1::AdminNetworkPolicySpec { priority: prio, subject: subj, ingress, egress } =
         &obj.spec;
     priority(&mut s, *prio);
     let v1alpha1::AdminNetworkPolicySubject { namespaces, pods } = subj;
     subject(&mut s, namespaces.as_ref(), pods.as_ref());
+    let (ingress_path, egress_path) = (Path::root("spec.ingress"), Path::root("spec.egress"));
     // "+kubebuilder:validation:MaxItems=100" on Ingress and Egress.
-    item_count(&mut s, "spec.ingress", ingress.len(), 0, V1ALPHA1_MAX_ITEMS);
-    item_count(&mut s, "spec.egress", egress.len(), 0, V1ALPHA1_MAX_ITEMS);
+    item_count(&mut s, &ingress_path, ingress.len(), 0, V1ALPHA1_MAX_ITEMS);
+    item_count(&mut s, &egress_path, egress.len(), 0, V1ALPHA1_MAX_ITEMS);
     for (i, rule) in ingress.iter().enumerate() {
         let v1alpha1::AdminNetworkPolicyIngressRule { name, action, from, ports } = rule;
-        let path = format!("spec.ingress[{i}]");
+        let path = ingress_path.index(i);
         rule_name(&mut s, &path, name);
-        v1alpha1_peers_count(&mut s, &format!("{path}.from"), from.len());
+        let from_path = path.field("from");
+        v1alpha1_peers_count(&mut s, &from_path, from.len());
         for (j, peer) in from.iter().enumerate() {
-            v1alpha1_ingress_peer(&mut s, &format!("{path}.from[{j}]"), peer, anp_fail(*action));
+            v1alpha1_ingress_peer(&mut s, &from_path.index(j), peer, anp_fail(*action));
         }
         v1alpha1_ports(&mut s, &path, ports.as_deref());
     }
     for (i, rule) in egress.iter().enumerate() {
         let v1alpha1::AdminNetworkPolicyEgressRule { name, action, to, ports } = rule;
-        let path = format!("spec.egress[{i}]");
+        let path = egress_path.index(i);
         rule_name(&mut s, &path, name);
-        v1alpha1_peers_count(&mut s, &format!("{path}.to"), to.len());
+        let to_path = path.field("to");
+        v1alpha1_peers_count(&mut s, &to_path, to.len());
         let fail = anp_fail(*action);
         let mut has_domain_names = false;
         let mut without_named_ports = false;
@@ -581,7 +758,7 @@ pub fn admin_network_policy(obj: &v1alpha1::AdminNetworkPolicy, out: &mut Vec<Pr
                 networks: nets,
                 domain_names,
             } = peer;
-            let peer_path = format!("{path}.to[{j}]");
+            let peer_path = to_path.index(j);
             // AdminNetworkPolicyEgressPeer: "Exactly one of the fields must be set for a
             // given peer" (+kubebuilder:validation:MaxProperties=1, MinProperties=1).
             peer_union(
@@ -599,7 +776,7 @@ pub fn admin_network_policy(obj: &v1alpha1::AdminNetworkPolicy, out: &mut Vec<Pr
             );
             common_egress_peer(&mut s, &peer_path, namespaces, pods, nodes, nets);
             if let Some(names) = domain_names {
-                check_domain_names(&mut s, &format!("{peer_path}.domainNames"), names);
+                check_domain_names(&mut s, &peer_path.field("domainNames"), names);
                 has_domain_names = true;
             }
             without_named_ports |= nodes.is_some() || nets.is_some() || domain_names.is_some();
@@ -610,7 +787,7 @@ pub fn admin_network_policy(obj: &v1alpha1::AdminNetworkPolicy, out: &mut Vec<Pr
             // here (this engine resolves no names).
             if *action != v1alpha1::AdminNetworkPolicyRuleAction::Allow {
                 s.warning(
-                    &format!("{path}.action"),
+                    &path.field("action"),
                     invalid(
                         format!("{action:?}"),
                         "domainNames peers are only supported in Allow rules",
@@ -646,8 +823,7 @@ pub fn baseline_admin_network_policy(
     obj: &v1alpha1::BaselineAdminNetworkPolicy,
     out: &mut Vec<Problem>,
 ) {
-    let object = object_ref(Kind::BaselineAdminNetworkPolicy, &obj.metadata);
-    let mut s = Sink { object: &object, out };
+    let mut s = Sink::new(Kind::BaselineAdminNetworkPolicy, &obj.metadata, out);
     object_meta(&mut s, &obj.metadata, NameRule::Subdomain, false);
     // +kubebuilder:validation:XValidation:rule="self.metadata.name == 'default'",
     // message="Only one baseline admin network policy with metadata.name=\"default\" can
@@ -656,7 +832,7 @@ pub fn baseline_admin_network_policy(
         && name != "default"
     {
         s.error(
-            "metadata.name",
+            &Path::root("metadata.name"),
             invalid(
                 name,
                 "Only one baseline admin network policy with metadata.name=\"default\" \
@@ -667,23 +843,26 @@ pub fn baseline_admin_network_policy(
     let v1alpha1::BaselineAdminNetworkPolicySpec { subject: subj, ingress, egress } = &obj.spec;
     let v1alpha1::AdminNetworkPolicySubject { namespaces, pods } = subj;
     subject(&mut s, namespaces.as_ref(), pods.as_ref());
-    item_count(&mut s, "spec.ingress", ingress.len(), 0, V1ALPHA1_MAX_ITEMS);
-    item_count(&mut s, "spec.egress", egress.len(), 0, V1ALPHA1_MAX_ITEMS);
+    let (ingress_path, egress_path) = (Path::root("spec.ingress"), Path::root("spec.egress"));
+    item_count(&mut s, &ingress_path, ingress.len(), 0, V1ALPHA1_MAX_ITEMS);
+    item_count(&mut s, &egress_path, egress.len(), 0, V1ALPHA1_MAX_ITEMS);
     for (i, rule) in ingress.iter().enumerate() {
         let v1alpha1::BaselineAdminNetworkPolicyIngressRule { name, action, from, ports } = rule;
-        let path = format!("spec.ingress[{i}]");
+        let path = ingress_path.index(i);
         rule_name(&mut s, &path, name);
-        v1alpha1_peers_count(&mut s, &format!("{path}.from"), from.len());
+        let from_path = path.field("from");
+        v1alpha1_peers_count(&mut s, &from_path, from.len());
         for (j, peer) in from.iter().enumerate() {
-            v1alpha1_ingress_peer(&mut s, &format!("{path}.from[{j}]"), peer, banp_fail(*action));
+            v1alpha1_ingress_peer(&mut s, &from_path.index(j), peer, banp_fail(*action));
         }
         v1alpha1_ports(&mut s, &path, ports.as_deref());
     }
     for (i, rule) in egress.iter().enumerate() {
         let v1alpha1::BaselineAdminNetworkPolicyEgressRule { name, action, to, ports } = rule;
-        let path = format!("spec.egress[{i}]");
+        let path = egress_path.index(i);
         rule_name(&mut s, &path, name);
-        v1alpha1_peers_count(&mut s, &format!("{path}.to"), to.len());
+        let to_path = path.field("to");
+        v1alpha1_peers_count(&mut s, &to_path, to.len());
         let mut without_named_ports = false;
         for (j, peer) in to.iter().enumerate() {
             let v1alpha1::BaselineAdminNetworkPolicyEgressPeer {
@@ -692,7 +871,7 @@ pub fn baseline_admin_network_policy(
                 nodes,
                 networks: nets,
             } = peer;
-            let peer_path = format!("{path}.to[{j}]");
+            let peer_path = to_path.index(j);
             // BaselineAdminNetworkPolicyEgressPeer: "Exactly one of the fields must be set
             // for a given peer".
             peer_union(
@@ -727,36 +906,36 @@ pub fn baseline_admin_network_policy(
 }
 
 /// `From`/`To`: "+kubebuilder:validation:MinItems=1", "MaxItems=100".
-fn v1alpha1_peers_count(s: &mut Sink<'_>, path: &str, len: usize) {
+fn v1alpha1_peers_count(s: &mut Sink<'_>, path: &Path<'_>, len: usize) {
     item_count(s, path, len, 1, V1ALPHA1_MAX_ITEMS);
 }
 
 /// The peer kinds ANP/BANP egress peers share: namespaces, pods, nodes, networks.
 fn common_egress_peer(
     s: &mut Sink<'_>,
-    peer_path: &str,
+    peer_path: &Path<'_>,
     namespaces: &Option<LabelSelector>,
     pods: &Option<NamespacedPod>,
     nodes: &Option<LabelSelector>,
     nets: &Option<Vec<String>>,
 ) {
     if let Some(sel) = namespaces {
-        selector(s, sel, &format!("{peer_path}.namespaces"), CRD_SELECTOR_SEVERITY);
+        selector(s, sel, &peer_path.field("namespaces"), CRD_SELECTOR_SEVERITY);
     }
     if let Some(p) = pods {
-        namespaced_pod(s, p, &format!("{peer_path}.pods"));
+        namespaced_pod(s, p, &peer_path.field("pods"));
     }
     if let Some(sel) = nodes {
-        selector(s, sel, &format!("{peer_path}.nodes"), CRD_SELECTOR_SEVERITY);
+        selector(s, sel, &peer_path.field("nodes"), CRD_SELECTOR_SEVERITY);
     }
     if let Some(n) = nets {
-        check_networks(s, &format!("{peer_path}.networks"), n);
+        check_networks(s, &peer_path.field("networks"), n);
     }
 }
 
 fn v1alpha1_ingress_peer(
     s: &mut Sink<'_>,
-    path: &str,
+    path: &Path<'_>,
     peer: &v1alpha1::AdminNetworkPolicyIngressPeer,
     fail: FailClosed,
 ) {
@@ -771,24 +950,24 @@ fn v1alpha1_ingress_peer(
         fail,
     );
     if let Some(sel) = namespaces {
-        selector(s, sel, &format!("{path}.namespaces"), CRD_SELECTOR_SEVERITY);
+        selector(s, sel, &path.field("namespaces"), CRD_SELECTOR_SEVERITY);
     }
     if let Some(p) = pods {
-        namespaced_pod(s, p, &format!("{path}.pods"));
+        namespaced_pod(s, p, &path.field("pods"));
     }
 }
 
 /// `Ports *[]AdminNetworkPolicyPort`: "+optional", "MinItems=1", "MaxItems=100".
 fn v1alpha1_ports(
     s: &mut Sink<'_>,
-    rule_path: &str,
+    rule_path: &Path<'_>,
     ports: Option<&[v1alpha1::AdminNetworkPolicyPort]>,
 ) {
     let Some(ports) = ports else { return };
-    let path = format!("{rule_path}.ports");
+    let path = rule_path.field("ports");
     item_count(s, &path, ports.len(), 1, V1ALPHA1_MAX_ITEMS);
     for (k, port) in ports.iter().enumerate() {
-        let path = format!("{path}[{k}]");
+        let path = path.index(k);
         let v1alpha1::AdminNetworkPolicyPort { port_number, named_port: named, port_range } = port;
         // AdminNetworkPolicyPort: "Exactly one field must be set."
         union_exactly_one(
@@ -802,17 +981,18 @@ fn v1alpha1_ports(
             ],
         );
         if let Some(v1alpha1::Port { protocol, port }) = port_number {
-            v1alpha1_protocol(s, &format!("{path}.portNumber.protocol"), protocol.as_deref());
-            check_port(s, &format!("{path}.portNumber.port"), *port);
+            let number_path = path.field("portNumber");
+            v1alpha1_protocol(s, &number_path.field("protocol"), protocol.as_deref());
+            check_port(s, &number_path.field("port"), *port);
         }
         if let Some(name) = named {
-            check_named_port(s, &format!("{path}.namedPort"), name);
+            check_named_port(s, &path.field("namedPort"), name);
         }
         if let Some(v1alpha1::PortRange { protocol, start, end }) = port_range {
-            let range_path = format!("{path}.portRange");
-            v1alpha1_protocol(s, &format!("{range_path}.protocol"), protocol.as_deref());
-            check_port(s, &format!("{range_path}.start"), *start);
-            check_port(s, &format!("{range_path}.end"), *end);
+            let range_path = path.field("portRange");
+            v1alpha1_protocol(s, &range_path.field("protocol"), protocol.as_deref());
+            check_port(s, &range_path.field("start"), *start);
+            check_port(s, &range_path.field("end"), *end);
             // "Start defines a network port that is the start of a port range, the Start
             // value must be less than End." Documented only: the v0.1.7 CRD has no CEL
             // rule on v1alpha1 PortRange (v1alpha2 added one), so it is stored.
@@ -842,7 +1022,7 @@ fn v1alpha1_ports(
 /// The egress CEL rule against named ports next to peers that have none.
 fn v1alpha1_named_port_cel(
     s: &mut Sink<'_>,
-    rule_path: &str,
+    rule_path: &Path<'_>,
     without_named_ports: bool,
     ports: Option<&[v1alpha1::AdminNetworkPolicyPort]>,
     message: &'static str,
@@ -871,8 +1051,7 @@ fn v1alpha1_named_port_cel(
 ///
 /// Source: network-policy-api `apis/v1alpha2/clusternetworkpolicy_types.go`.
 pub fn cluster_network_policy(obj: &v1alpha2::ClusterNetworkPolicy, out: &mut Vec<Problem>) {
-    let object = object_ref(Kind::ClusterNetworkPolicy, &obj.metadata);
-    let mut s = Sink { object: &object, out };
+    let mut s = Sink::new(Kind::ClusterNetworkPolicy, &obj.metadata, out);
     object_meta(&mut s, &obj.metadata, NameRule::Subdomain, false);
     let v1alpha2::ClusterNetworkPolicySpec {
         tier: _,
@@ -884,18 +1063,20 @@ pub fn cluster_network_policy(obj: &v1alpha2::ClusterNetworkPolicy, out: &mut Ve
     priority(&mut s, *prio);
     let v1alpha2::ClusterNetworkPolicySubject { namespaces, pods } = subj;
     subject(&mut s, namespaces.as_ref(), pods.as_ref());
+    let (ingress_path, egress_path) = (Path::root("spec.ingress"), Path::root("spec.egress"));
     // "A maximum of 25 rules is allowed in this block." (MaxItems=25)
-    item_count(&mut s, "spec.ingress", ingress.len(), 0, V1ALPHA2_MAX_ITEMS);
-    item_count(&mut s, "spec.egress", egress.len(), 0, V1ALPHA2_MAX_ITEMS);
+    item_count(&mut s, &ingress_path, ingress.len(), 0, V1ALPHA2_MAX_ITEMS);
+    item_count(&mut s, &egress_path, egress.len(), 0, V1ALPHA2_MAX_ITEMS);
     for (i, rule) in ingress.iter().enumerate() {
         let v1alpha2::ClusterNetworkPolicyIngressRule { name, action, from, protocols } = rule;
-        let path = format!("spec.ingress[{i}]");
+        let path = ingress_path.index(i);
         rule_name(&mut s, &path, name);
+        let from_path = path.field("from");
         // From: "+kubebuilder:validation:MinItems=1", "MaxItems=25".
-        item_count(&mut s, &format!("{path}.from"), from.len(), 1, V1ALPHA2_MAX_ITEMS);
+        item_count(&mut s, &from_path, from.len(), 1, V1ALPHA2_MAX_ITEMS);
         for (j, peer) in from.iter().enumerate() {
             let v1alpha2::ClusterNetworkPolicyIngressPeer { namespaces, pods } = peer;
-            let peer_path = format!("{path}.from[{j}]");
+            let peer_path = from_path.index(j);
             peer_union(
                 &mut s,
                 &peer_path,
@@ -904,19 +1085,20 @@ pub fn cluster_network_policy(obj: &v1alpha2::ClusterNetworkPolicy, out: &mut Ve
                 cnp_fail(*action),
             );
             if let Some(sel) = namespaces {
-                selector(&mut s, sel, &format!("{peer_path}.namespaces"), CRD_SELECTOR_SEVERITY);
+                selector(&mut s, sel, &peer_path.field("namespaces"), CRD_SELECTOR_SEVERITY);
             }
             if let Some(p) = pods {
-                namespaced_pod(&mut s, p, &format!("{peer_path}.pods"));
+                namespaced_pod(&mut s, p, &peer_path.field("pods"));
             }
         }
         cnp_protocols(&mut s, &path, protocols.as_deref());
     }
     for (i, rule) in egress.iter().enumerate() {
         let v1alpha2::ClusterNetworkPolicyEgressRule { name, action, to, protocols } = rule;
-        let path = format!("spec.egress[{i}]");
+        let path = egress_path.index(i);
         rule_name(&mut s, &path, name);
-        item_count(&mut s, &format!("{path}.to"), to.len(), 1, V1ALPHA2_MAX_ITEMS);
+        let to_path = path.field("to");
+        item_count(&mut s, &to_path, to.len(), 1, V1ALPHA2_MAX_ITEMS);
         let mut has_domain_names = false;
         let mut without_named_ports = false;
         for (j, peer) in to.iter().enumerate() {
@@ -927,7 +1109,7 @@ pub fn cluster_network_policy(obj: &v1alpha2::ClusterNetworkPolicy, out: &mut Ve
                 networks: nets,
                 domain_names,
             } = peer;
-            let peer_path = format!("{path}.to[{j}]");
+            let peer_path = to_path.index(j);
             // ClusterNetworkPolicyEgressPeer: "Exactly one of the fields must be set for a
             // given peer"; none set: "For "Accept" rules, "fail closed" means: "treat the
             // rule as matching no traffic". For "Deny" and "Pass" rules, ... 'Deny all'".
@@ -946,7 +1128,7 @@ pub fn cluster_network_policy(obj: &v1alpha2::ClusterNetworkPolicy, out: &mut Ve
             );
             common_egress_peer(&mut s, &peer_path, namespaces, pods, nodes, nets);
             if let Some(names) = domain_names {
-                check_domain_names(&mut s, &format!("{peer_path}.domainNames"), names);
+                check_domain_names(&mut s, &peer_path.field("domainNames"), names);
                 has_domain_names = true;
             }
             without_named_ports |= nodes.is_some() || nets.is_some() || domain_names.is_some();
@@ -956,7 +1138,7 @@ pub fn cluster_network_policy(obj: &v1alpha2::ClusterNetworkPolicy, out: &mut Ve
             // in this version of the CRD.
             if *action != v1alpha2::ClusterNetworkPolicyRuleAction::Accept {
                 s.warning(
-                    &format!("{path}.action"),
+                    &path.field("action"),
                     invalid(
                         format!("{action:?}"),
                         "domainNames peers are only supported in Accept rules",
@@ -990,14 +1172,14 @@ pub fn cluster_network_policy(obj: &v1alpha2::ClusterNetworkPolicy, out: &mut Ve
 /// `Protocols []ClusterNetworkPolicyProtocol`: "+optional", "MinItems=1", "MaxItems=25".
 fn cnp_protocols(
     s: &mut Sink<'_>,
-    rule_path: &str,
+    rule_path: &Path<'_>,
     protocols: Option<&[v1alpha2::ClusterNetworkPolicyProtocol]>,
 ) {
     let Some(protocols) = protocols else { return };
-    let path = format!("{rule_path}.protocols");
+    let path = rule_path.field("protocols");
     item_count(s, &path, protocols.len(), 1, V1ALPHA2_MAX_ITEMS);
     for (k, proto) in protocols.iter().enumerate() {
-        let path = format!("{path}[{k}]");
+        let path = path.index(k);
         let v1alpha2::ClusterNetworkPolicyProtocol { tcp, udp, sctp, destination_named_port } =
             proto;
         // ClusterNetworkPolicyProtocol: "Exactly one field must be set."
@@ -1014,27 +1196,24 @@ fn cnp_protocols(
         );
         for (member, value) in [("tcp", tcp), ("udp", udp), ("sctp", sctp)] {
             if let Some(v1alpha2::ProtocolPort { destination_port }) = value {
-                let member_path = format!("{path}.{member}");
+                let member_path = path.field(member);
+                let port_path = member_path.field("destinationPort");
                 match destination_port {
                     // ClusterNetworkPolicyProtocolTCP/UDP/SCTP:
                     // "+kubebuilder:validation:MinProperties=1"; destinationPort is the
                     // only property.
-                    None => {
-                        s.error(&format!("{member_path}.destinationPort"), ProblemKind::Required)
-                    }
-                    Some(dp) => {
-                        destination_port_checked(s, &format!("{member_path}.destinationPort"), dp)
-                    }
+                    None => s.error(&port_path, ProblemKind::Required),
+                    Some(dp) => destination_port_checked(s, &port_path, dp),
                 }
             }
         }
         if let Some(name) = destination_named_port {
-            check_named_port(s, &format!("{path}.destinationNamedPort"), name);
+            check_named_port(s, &path.field("destinationNamedPort"), name);
         }
     }
 }
 
-fn destination_port_checked(s: &mut Sink<'_>, path: &str, dp: &v1alpha2::DestinationPort) {
+fn destination_port_checked(s: &mut Sink<'_>, path: &Path<'_>, dp: &v1alpha2::DestinationPort) {
     let v1alpha2::DestinationPort { number, range } = dp;
     // Port: "You must specify either Port or Range." (MaxProperties=1, MinProperties=1)
     union_exactly_one(
@@ -1044,12 +1223,12 @@ fn destination_port_checked(s: &mut Sink<'_>, path: &str, dp: &v1alpha2::Destina
         &[("number", number.is_some()), ("range", range.is_some())],
     );
     if let Some(n) = number {
-        check_port(s, &format!("{path}.number"), *n);
+        check_port(s, &path.field("number"), *n);
     }
     if let Some(v1alpha2::PortRange { start, end }) = range {
-        let range_path = format!("{path}.range");
-        check_port(s, &format!("{range_path}.start"), *start);
-        check_port(s, &format!("{range_path}.end"), *end);
+        let range_path = path.field("range");
+        check_port(s, &range_path.field("start"), *start);
+        check_port(s, &range_path.field("end"), *end);
         // +kubebuilder:validation:XValidation:rule="self.start < self.end",
         // message="Start port must be less than End port"
         if start >= end {
@@ -1078,8 +1257,7 @@ fn destination_port_checked(s: &mut Sink<'_>, path: &str, dp: &v1alpha2::Destina
 ///
 /// Source: kubernetes `pkg/apis/networking/validation/validation.go`.
 pub fn network_policy(obj: &api::NetworkPolicy, out: &mut Vec<Problem>) {
-    let object = object_ref(Kind::NetworkPolicy, &obj.metadata);
-    let mut s = Sink { object: &object, out };
+    let mut s = Sink::new(Kind::NetworkPolicy, &obj.metadata, out);
     object_meta(&mut s, &obj.metadata, NameRule::Subdomain, true);
     let Some(spec) = &obj.spec else { return };
     let k8s_openapi::api::networking::v1::NetworkPolicySpec {
@@ -1089,39 +1267,43 @@ pub fn network_policy(obj: &api::NetworkPolicy, out: &mut Vec<Problem>) {
         policy_types,
     } = spec;
     if let Some(sel) = pod_selector {
-        selector(&mut s, sel, "spec.podSelector", Severity::Error);
+        selector(&mut s, sel, &Path::root("spec.podSelector"), Severity::Error);
     }
+    let ingress_path = Path::root("spec.ingress");
     for (i, rule) in ingress.iter().flatten().enumerate() {
         let k8s_openapi::api::networking::v1::NetworkPolicyIngressRule { from, ports } = rule;
-        let path = format!("spec.ingress[{i}]");
+        let path = ingress_path.index(i);
+        let ports_path = path.field("ports");
         for (k, port) in ports.iter().flatten().enumerate() {
-            np_port(&mut s, &format!("{path}.ports[{k}]"), port);
+            np_port(&mut s, &ports_path.index(k), port);
         }
+        let from_path = path.field("from");
         for (j, peer) in from.iter().flatten().enumerate() {
-            np_peer(&mut s, &format!("{path}.from[{j}]"), peer);
+            np_peer(&mut s, &from_path.index(j), peer);
         }
     }
+    let egress_path = Path::root("spec.egress");
     for (i, rule) in egress.iter().flatten().enumerate() {
         let k8s_openapi::api::networking::v1::NetworkPolicyEgressRule { ports, to } = rule;
-        let path = format!("spec.egress[{i}]");
+        let path = egress_path.index(i);
+        let ports_path = path.field("ports");
         for (k, port) in ports.iter().flatten().enumerate() {
-            np_port(&mut s, &format!("{path}.ports[{k}]"), port);
+            np_port(&mut s, &ports_path.index(k), port);
         }
+        let to_path = path.field("to");
         for (j, peer) in to.iter().flatten().enumerate() {
-            np_peer(&mut s, &format!("{path}.to[{j}]"), peer);
+            np_peer(&mut s, &to_path.index(j), peer);
         }
     }
     if let Some(types) = policy_types {
+        let path = Path::root("spec.policyTypes");
         // "may not specify more than two policyTypes"
         if types.len() > 2 {
-            s.error(
-                "spec.policyTypes",
-                invalid(types.join(","), "may not specify more than two policyTypes"),
-            );
+            s.error(&path, invalid(types.join(","), "may not specify more than two policyTypes"));
             return;
         }
         for (i, t) in types.iter().enumerate() {
-            let field = format!("spec.policyTypes[{i}]");
+            let field = path.index(i);
             if t != "Ingress" && t != "Egress" {
                 s.error(&field, ProblemKind::NotInEnum { value: t.clone(), allowed: POLICY_TYPES });
             } else if types.get(..i).is_some_and(|before| before.contains(t)) {
@@ -1134,7 +1316,7 @@ pub fn network_policy(obj: &api::NetworkPolicy, out: &mut Vec<Problem>) {
 /// kubernetes `ValidateNetworkPolicyPort`.
 fn np_port(
     s: &mut Sink<'_>,
-    path: &str,
+    path: &Path<'_>,
     port: &k8s_openapi::api::networking::v1::NetworkPolicyPort,
 ) {
     let k8s_openapi::api::networking::v1::NetworkPolicyPort { end_port, port, protocol } = port;
@@ -1144,14 +1326,14 @@ fn np_port(
         && !matches!(p.as_str(), "TCP" | "UDP" | "SCTP")
     {
         s.error(
-            &format!("{path}.protocol"),
+            &path.field("protocol"),
             ProblemKind::NotInEnum { value: p.clone(), allowed: PROTOCOLS },
         );
     }
-    let end_path = format!("{path}.endPort");
+    let end_path = path.field("endPort");
     match port {
         Some(IntOrString::Int(n)) => {
-            check_port(s, &format!("{path}.port"), *n);
+            check_port(s, &path.field("port"), *n);
             if let Some(end) = end_port {
                 // "must be greater than or equal to `port`"
                 if end < n {
@@ -1172,7 +1354,7 @@ fn np_port(
             }
             let errs = port_name_errors(name);
             if !errs.is_empty() {
-                s.error(&format!("{path}.port"), invalid(name, errs.join("; ")));
+                s.error(&path.field("port"), invalid(name, errs.join("; ")));
             }
         }
         None => {
@@ -1189,7 +1371,7 @@ fn np_port(
 /// kubernetes `ValidateNetworkPolicyPeer` and `ValidateIPBlock`.
 fn np_peer(
     s: &mut Sink<'_>,
-    path: &str,
+    path: &Path<'_>,
     peer: &k8s_openapi::api::networking::v1::NetworkPolicyPeer,
 ) {
     let k8s_openapi::api::networking::v1::NetworkPolicyPeer {
@@ -1198,32 +1380,29 @@ fn np_peer(
         pod_selector,
     } = peer;
     if let Some(sel) = pod_selector {
-        selector(s, sel, &format!("{path}.podSelector"), Severity::Error);
+        selector(s, sel, &path.field("podSelector"), Severity::Error);
     }
     if let Some(sel) = namespace_selector {
-        selector(s, sel, &format!("{path}.namespaceSelector"), Severity::Error);
+        selector(s, sel, &path.field("namespaceSelector"), Severity::Error);
     }
     if let Some(block) = ip_block {
-        ip_block_checked(s, &format!("{path}.ipBlock"), block);
+        ip_block_checked(s, &path.field("ipBlock"), block);
     }
-    let selectors: Vec<&str> = [
+    let selectors = [
         ("podSelector", pod_selector.is_some()),
         ("namespaceSelector", namespace_selector.is_some()),
-    ]
-    .into_iter()
-    .filter(|m| m.1)
-    .map(|m| m.0)
-    .collect();
-    if selectors.is_empty() && ip_block.is_none() {
+    ];
+    let has_selector = set_count(&selectors) > 0;
+    if !has_selector && ip_block.is_none() {
         // field.Required(peerPath, "must specify a peer")
         s.error(path, ProblemKind::Required);
-    } else if ip_block.is_some() && !selectors.is_empty() {
+    } else if ip_block.is_some() && has_selector {
         // field.Forbidden(peerPath, "may not specify both ipBlock and another peer")
         s.error(
             path,
             ProblemKind::NotExactlyOne {
                 fields: "ipBlock, podSelector/namespaceSelector",
-                found: format!("ipBlock, {}", selectors.join(", ")),
+                found: format!("ipBlock, {}", set_names(&selectors)),
             },
         );
     }
@@ -1231,23 +1410,24 @@ fn np_peer(
 
 fn ip_block_checked(
     s: &mut Sink<'_>,
-    path: &str,
+    path: &Path<'_>,
     block: &k8s_openapi::api::networking::v1::IPBlock,
 ) {
     let k8s_openapi::api::networking::v1::IPBlock { cidr: block_cidr, except } = block;
     if block_cidr.is_empty() {
-        s.error(&format!("{path}.cidr"), ProblemKind::Required);
+        s.error(&path.field("cidr"), ProblemKind::Required);
         return;
     }
     let net = match cidr::parse(block_cidr) {
         Ok(net) => net,
         Err(e) => {
-            s.error(&format!("{path}.cidr"), invalid(block_cidr, e.to_string()));
+            s.error(&path.field("cidr"), invalid(block_cidr, e.to_string()));
             return;
         }
     };
+    let except_path = path.field("except");
     for (i, ex) in except.iter().flatten().enumerate() {
-        let field = format!("{path}.except[{i}]");
+        let field = except_path.index(i);
         match cidr::parse(ex) {
             Err(e) => s.error(&field, invalid(ex, e.to_string())),
             // "!cidrIPNet.Contains(exceptCIDR.IP) || cidrMaskLen >= exceptMaskLen":
@@ -1273,8 +1453,7 @@ fn ip_block_checked(
 /// Source: kubernetes `pkg/apis/core/validation` `ValidateNamespace`,
 /// `pkg/apis/core/v1/defaults.go` `SetDefaults_Namespace`.
 pub fn namespace(obj: &api::Namespace, out: &mut Vec<Problem>) {
-    let object = object_ref(Kind::Namespace, &obj.metadata);
-    let mut s = Sink { object: &object, out };
+    let mut s = Sink::new(Kind::Namespace, &obj.metadata, out);
     object_meta(&mut s, &obj.metadata, NameRule::Label, false);
     let name = obj.metadata.name.as_deref().unwrap_or_default();
     if let Some(value) = obj.metadata.labels.as_ref().and_then(|l| l.get(NAMESPACE_NAME_LABEL))
@@ -1282,7 +1461,7 @@ pub fn namespace(obj: &api::Namespace, out: &mut Vec<Problem>) {
         && value != name
     {
         s.warning(
-            &format!("metadata.labels[{NAMESPACE_NAME_LABEL}]"),
+            &Path::root("metadata.labels").key(NAMESPACE_NAME_LABEL),
             invalid(
                 value,
                 format!(
@@ -1307,48 +1486,54 @@ pub fn namespace(obj: &api::Namespace, out: &mut Vec<Problem>) {
 /// Source: kubernetes `pkg/apis/core/validation/validation.go`, `pkg/apis/core/v1/
 /// conversion.go` `Convert_v1_PodStatus_To_core_PodStatus`.
 pub fn pod(obj: &api::Pod, out: &mut Vec<Problem>) {
-    let object = object_ref(Kind::Pod, &obj.metadata);
-    let mut s = Sink { object: &object, out };
+    let mut s = Sink::new(Kind::Pod, &obj.metadata, out);
     object_meta(&mut s, &obj.metadata, NameRule::Subdomain, true);
     if let Some(spec) = &obj.spec {
+        let path = Path::root("spec.containers");
         for (i, c) in spec.containers.iter().enumerate() {
-            container_ports(&mut s, &format!("spec.containers[{i}].ports"), c.ports.as_deref());
+            container_ports(&mut s, &path.index(i).field("ports"), c.ports.as_deref());
         }
+        let path = Path::root("spec.initContainers");
         for (i, c) in spec.init_containers.iter().flatten().enumerate() {
-            container_ports(&mut s, &format!("spec.initContainers[{i}].ports"), c.ports.as_deref());
+            container_ports(&mut s, &path.index(i).field("ports"), c.ports.as_deref());
         }
     }
     let Some(status) = &obj.status else { return };
+    let pod_ip_path = Path::root("status.podIP");
     let pod_ip = status.pod_ip.as_deref().filter(|ip| !ip.is_empty());
     if let Some(ip) = pod_ip
         && let Err(reason) = parse_ip(ip)
     {
-        s.error("status.podIP", invalid(ip, reason));
+        s.error(&pod_ip_path, invalid(ip, reason));
     }
+    let pod_ips_path = Path::root("status.podIPs");
     let pod_ips = status.pod_ips.as_deref().unwrap_or_default();
-    let mut parsed = Vec::with_capacity(pod_ips.len());
+    // How many entries parse, and how many of those are IPv4.
+    let (mut parsed, mut v4) = (0usize, 0usize);
     for (i, entry) in pod_ips.iter().enumerate() {
         match parse_ip(&entry.ip) {
-            Ok(ip) => parsed.push(ip),
-            Err(reason) => s.error(&format!("status.podIPs[{i}].ip"), invalid(&entry.ip, reason)),
+            Ok(ip) => {
+                parsed += 1;
+                v4 += usize::from(ip.is_ipv4());
+            }
+            Err(reason) => s.error(&pod_ips_path.index(i).field("ip"), invalid(&entry.ip, reason)),
         }
     }
-    if pod_ips.len() > 1 && parsed.len() == pod_ips.len() {
+    if pod_ips.len() > 1 && parsed == pod_ips.len() {
         // "may specify no more than one IP for each IP family"
-        let v4 = parsed.iter().filter(|ip| ip.is_ipv4()).count();
-        let v6 = parsed.len() - v4;
-        if v4 == 0 || v6 == 0 || parsed.len() > 2 {
+        let v6 = parsed - v4;
+        if v4 == 0 || v6 == 0 || parsed > 2 {
             let all: Vec<&str> = pod_ips.iter().map(|p| p.ip.as_str()).collect();
             s.error(
-                "status.podIPs",
+                &pod_ips_path,
                 invalid(all.join(","), "may specify no more than one IP for each IP family"),
             );
         }
         // "There should be no duplicates in list of Pod.PodIPs"
-        let mut seen = BTreeSet::new();
+        let mut seen = Seen::new();
         for (i, entry) in pod_ips.iter().enumerate() {
             if !seen.insert(entry.ip.as_str()) {
-                s.error(&format!("status.podIPs[{i}].ip"), invalid(&entry.ip, "duplicate value"));
+                s.error(&pod_ips_path.index(i).field("ip"), invalid(&entry.ip, "duplicate value"));
             }
         }
     }
@@ -1356,7 +1541,7 @@ pub fn pod(obj: &api::Pod, out: &mut Vec<Problem>) {
         && first.ip != ip
     {
         s.warning(
-            "status.podIP",
+            &pod_ip_path,
             invalid(
                 ip,
                 format!(
@@ -1373,12 +1558,12 @@ pub fn pod(obj: &api::Pod, out: &mut Vec<Problem>) {
 /// empty protocol into TCP).
 fn container_ports(
     s: &mut Sink<'_>,
-    path: &str,
+    path: &Path<'_>,
     ports: Option<&[k8s_openapi::api::core::v1::ContainerPort]>,
 ) {
-    let mut names = BTreeSet::new();
+    let mut names = Seen::new();
     for (j, port) in ports.unwrap_or_default().iter().enumerate() {
-        let path = format!("{path}[{j}]");
+        let path = path.index(j);
         let k8s_openapi::api::core::v1::ContainerPort {
             container_port,
             host_ip: _,
@@ -1389,27 +1574,27 @@ fn container_ports(
         if let Some(name) = name.as_deref().filter(|n| !n.is_empty()) {
             let errs = port_name_errors(name);
             if !errs.is_empty() {
-                s.error(&format!("{path}.name"), invalid(name, errs.join("; ")));
+                s.error(&path.field("name"), invalid(name, errs.join("; ")));
             } else if !names.insert(name) {
                 s.error(
-                    &format!("{path}.name"),
+                    &path.field("name"),
                     invalid(name, "duplicate port name in this container"),
                 );
             }
         }
         if *container_port == 0 {
-            s.error(&format!("{path}.containerPort"), ProblemKind::Required);
+            s.error(&path.field("containerPort"), ProblemKind::Required);
         } else {
-            check_port(s, &format!("{path}.containerPort"), *container_port);
+            check_port(s, &path.field("containerPort"), *container_port);
         }
         if let Some(hp) = host_port.filter(|hp| *hp != 0) {
-            check_port(s, &format!("{path}.hostPort"), hp);
+            check_port(s, &path.field("hostPort"), hp);
         }
         if let Some(p) = protocol.as_deref().filter(|p| !p.is_empty())
             && !matches!(p, "TCP" | "UDP" | "SCTP")
         {
             s.error(
-                &format!("{path}.protocol"),
+                &path.field("protocol"),
                 ProblemKind::NotInEnum { value: p.to_owned(), allowed: PROTOCOLS },
             );
         }
@@ -1424,16 +1609,16 @@ fn container_ports(
 ///
 /// Source: kubernetes `pkg/apis/core/validation` `ValidateNode`, `ValidateNodeUpdate`.
 pub fn node(obj: &api::Node, out: &mut Vec<Problem>) {
-    let object = object_ref(Kind::Node, &obj.metadata);
-    let mut s = Sink { object: &object, out };
+    let mut s = Sink::new(Kind::Node, &obj.metadata, out);
     object_meta(&mut s, &obj.metadata, NameRule::Subdomain, false);
     let addresses = obj.status.as_ref().and_then(|st| st.addresses.as_deref()).unwrap_or_default();
+    let path = Path::root("status.addresses");
     for (i, a) in addresses.iter().enumerate() {
         if matches!(a.type_.as_str(), "InternalIP" | "ExternalIP")
             && let Err(reason) = parse_ip(&a.address)
         {
             s.warning(
-                &format!("status.addresses[{i}].address"),
+                &path.index(i).field("address"),
                 invalid(&a.address, format!("{reason}; the address is ignored")),
             );
         }
@@ -1519,13 +1704,41 @@ fn matches_qualified_name_part(s: &str) -> bool {
     }
 }
 
+/// [`qualified_name_errors`] is empty: checked without building messages.
+fn is_qualified_name(s: &str) -> bool {
+    // The common case, a name without prefix: the name part's character class has no '/'.
+    if s.len() <= MAX_LABEL_LEN && matches_qualified_name_part(s) {
+        return true;
+    }
+    let name = match s.bytes().position(|c| c == b'/') {
+        None => s,
+        Some(i) => {
+            let prefix = &s[..i];
+            if prefix.is_empty()
+                || prefix.len() > MAX_SUBDOMAIN_LEN
+                || !prefix.split('.').all(matches_dns1123_label)
+            {
+                return false;
+            }
+            // A second '/' fails the name part's character class.
+            &s[i + 1..]
+        }
+    };
+    name.len() <= MAX_LABEL_LEN && matches_qualified_name_part(name)
+}
+
 /// `IsQualifiedName`: label keys and annotation keys.
 fn qualified_name_errors(s: &str) -> Vec<String> {
+    if is_qualified_name(s) { Vec::new() } else { qualified_name_messages(s) }
+}
+
+/// The messages of [`qualified_name_errors`], worked out in full.
+fn qualified_name_messages(s: &str) -> Vec<String> {
     let mut errs = Vec::new();
-    let parts: Vec<&str> = s.split('/').collect();
-    let name = match parts.as_slice() {
-        [name] => *name,
-        [prefix, name] => {
+    // `s.split('/')` has one part (a name), two (prefix and name) or more (invalid).
+    let name = match s.split_once('/') {
+        None => s,
+        Some((prefix, name)) if !name.contains('/') => {
             if prefix.is_empty() {
                 errs.push("prefix part must be non-empty".to_owned());
             } else {
@@ -1535,9 +1748,9 @@ fn qualified_name_errors(s: &str) -> Vec<String> {
                         .map(|m| format!("prefix part {m}")),
                 );
             }
-            *name
+            name
         }
-        _ => {
+        Some(_) => {
             errs.push(
                 "a qualified name must consist of alphanumeric characters, '-', '_' or '.', and \
                  must start and end with an alphanumeric character, with an optional DNS \
@@ -1560,6 +1773,11 @@ fn qualified_name_errors(s: &str) -> Vec<String> {
         );
     }
     errs
+}
+
+/// [`label_value_errors`] is empty.
+fn is_label_value(s: &str) -> bool {
+    s.len() <= MAX_LABEL_LEN && (s.is_empty() || matches_qualified_name_part(s))
 }
 
 /// `IsValidLabelValue`: empty, or a qualified-name part of at most 63 characters.
@@ -2531,6 +2749,34 @@ mod tests {
                 }
             });
             let _ = Target::Np.run(v);
+        }
+    }
+
+    proptest::proptest! {
+        /// The fast checks valid input takes agree with the full checks that report
+        /// problems: the same inputs pass.
+        #[test]
+        fn fast_checks_agree_with_full_checks(
+            key in "[a-zA-Z0-9./_-]{0,6}(/[a-zA-Z0-9._-]{0,4})?",
+            value in "[a-zA-Z0-9._ -]{0,5}",
+            long in 60usize..70,
+            op in proptest::sample::select(vec!["In", "NotIn", "Exists", "DoesNotExist", "Gt", ""]),
+            values in proptest::collection::vec("[a-z0-9._-]{0,3}", 0..3),
+            labels in proptest::collection::btree_map("[a-z0-9/_.-]{0,4}", "[a-z0-9_.-]{0,3}", 0..3),
+        ) {
+            let long_name = "a".repeat(long);
+            for k in [key.as_str(), value.as_str(), long_name.as_str()] {
+                proptest::prop_assert_eq!(is_qualified_name(k), qualified_name_messages(k).is_empty(), "{}", k);
+                proptest::prop_assert_eq!(is_label_value(k), label_value_errors(k).is_empty(), "{}", k);
+            }
+            let sel: LabelSelector = de(json!({
+                "matchLabels": labels,
+                "matchExpressions": [{"key": key, "operator": op, "values": values}],
+            }));
+            let object = ObjectRef::cluster(Kind::Namespace, "x");
+            let mut out = Vec::new();
+            selector_problems(&mut Sink { object: Object::Given(&object), out: &mut out }, &sel, &Path::root("p"), Severity::Error);
+            proptest::prop_assert_eq!(is_valid_selector(&sel), out.is_empty(), "{:?}", sel);
         }
     }
 }
