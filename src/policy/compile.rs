@@ -215,8 +215,10 @@ pub(crate) struct Policy {
     pub(crate) applies: [bool; 2],
 }
 
-/// Per pod and direction, the policies that apply, in evaluation order, by tier.
-#[derive(Debug, Clone, Default)]
+/// Per pod and direction, the policies that apply, in evaluation order, by tier. Pods with
+/// the same labels in the same kind of namespace share one (interned), so the few distinct
+/// sets stay in cache while deciding.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
 pub(crate) struct PodPolicies {
     pub(crate) admin: [Vec<u32>; 2],
     pub(crate) network: [Vec<u32>; 2],
@@ -238,7 +240,10 @@ pub struct Snapshot {
     pub(crate) pod_ips: Vec<Vec<IpAddr>>,
     pub(crate) pod_sets: Vec<RoaringBitmap>,
     pub(crate) policies: Vec<Policy>,
-    pub(crate) per_pod: Vec<PodPolicies>,
+    /// Index into `policy_sets` by pod id.
+    pub(crate) per_pod: Vec<u32>,
+    /// The distinct per-pod policy lists.
+    pub(crate) policy_sets: Vec<PodPolicies>,
     /// Per direction and protocol: which policies have a rule for a port.
     pub(crate) port_index: [[PortIndex; 3]; 2],
     /// Per direction: which policies can match an external address.
@@ -1146,6 +1151,18 @@ impl Snapshot {
             }
         }
 
+        let mut policy_sets: Vec<PodPolicies> = Vec::new();
+        let mut set_ids: HashMap<PodPolicies, u32> = HashMap::new();
+        let per_pod: Vec<u32> = per_pod
+            .into_iter()
+            .map(|lists| {
+                *set_ids.entry(lists).or_insert_with_key(|lists| {
+                    policy_sets.push(lists.clone());
+                    (policy_sets.len() - 1) as u32
+                })
+            })
+            .collect();
+        drop(set_ids);
         let port_index = port_index(&policies, &c.pods);
         let addr_index = addr_index(&policies);
         let snapshot = Snapshot {
@@ -1159,6 +1176,7 @@ impl Snapshot {
             pod_sets: c.interner.sets,
             policies,
             per_pod,
+            policy_sets,
             port_index,
             addr_index,
         };

@@ -239,7 +239,7 @@ impl Snapshot {
             return Outcome { verdict: Verdict::Allow, basis: Basis::OwnNode, passed: Vec::new() };
         }
         let d = dir as usize;
-        let lists = &self.per_pod[subject as usize];
+        let lists = &self.policy_sets[self.per_pod[subject as usize] as usize];
         let mut passed = Vec::new();
         // Policies with no rule for this port cannot match: skip them on one bit each.
         let candidates: &[u64] = self.port_index[d][protocol_index(flow.protocol)]
