@@ -179,45 +179,65 @@ impl Interner {
 /// `(start, end_inclusive, rule)`: a range of addresses or ports a rule matches.
 type Range = (u128, u128, u32);
 
-/// Builds disjoint intervals from ranges with a sweep.
-fn sweep(ranges: &mut Vec<Range>, interner: &mut Interner) -> Intervals {
-    // Events: (position, +1/-1, rule). A range ending at u128::MAX never closes.
-    let mut events: Vec<(u128, i8, u32)> = Vec::with_capacity(ranges.len() * 2);
-    for &(lo, hi, r) in ranges.iter() {
-        events.push((lo, 1, r));
+/// What [`sweep_ranges`] reports.
+enum Sweep {
+    /// Id `.0` now covers the current position (`true`) or no longer does (`false`).
+    Toggle(u32, bool),
+    /// All changes at this position are reported; it starts a new interval.
+    At(u128),
+}
+
+/// Sweeps inclusive ranges `(first, last, id)` from low to high: at each distinct boundary
+/// it reports every id whose coverage starts or ends there, then the position. Overlapping
+/// ranges of one id count once. A range ending at `u128::MAX` never closes.
+fn sweep_ranges(ranges: impl Iterator<Item = Range>, ids: usize, mut f: impl FnMut(Sweep)) {
+    let mut events: Vec<(u128, bool, u32)> = Vec::new();
+    for (lo, hi, id) in ranges {
+        events.push((lo, true, id));
         if let Some(end) = hi.checked_add(1) {
-            events.push((end, -1, r));
+            events.push((end, false, id));
         }
     }
-    ranges.clear();
     events.sort_unstable();
-    let mut counts = [0u32; MAX_RULES];
-    let mut mask: RuleMask = 0;
-    let mut out = Intervals::default();
+    let mut counts = vec![0u32; ids];
     let mut i = 0;
     while i < events.len() {
         let pos = events[i].0;
         while i < events.len() && events[i].0 == pos {
-            let (_, delta, r) = events[i];
-            let c = &mut counts[r as usize];
-            if delta > 0 {
+            let (_, open, id) = events[i];
+            let c = &mut counts[id as usize];
+            if open {
                 *c += 1;
+                if *c == 1 {
+                    f(Sweep::Toggle(id, true));
+                }
             } else {
                 *c -= 1;
-            }
-            if *c > 0 {
-                mask |= 1 << r;
-            } else {
-                mask &= !(1 << r);
+                if *c == 0 {
+                    f(Sweep::Toggle(id, false));
+                }
             }
             i += 1;
         }
-        let class = interner.intern(mask);
-        if out.classes.last() != Some(&class) {
-            out.starts.push(pos);
-            out.classes.push(class);
-        }
+        f(Sweep::At(pos));
     }
+}
+
+/// Builds disjoint intervals of rule masks from rule ranges.
+fn sweep(ranges: &mut Vec<Range>, interner: &mut Interner) -> Intervals {
+    let mut mask: RuleMask = 0;
+    let mut out = Intervals::default();
+    sweep_ranges(ranges.drain(..), MAX_RULES, |e| match e {
+        Sweep::Toggle(r, true) => mask |= 1 << r,
+        Sweep::Toggle(r, false) => mask &= !(1 << r),
+        Sweep::At(pos) => {
+            let class = interner.intern(mask);
+            if out.classes.last() != Some(&class) {
+                out.starts.push(pos);
+                out.classes.push(class);
+            }
+        }
+    });
     out
 }
 
@@ -439,39 +459,25 @@ impl PortIndex {
     /// Builds the index from `(first_port, last_port, policy)` ranges over `policies`
     /// policies.
     pub(crate) fn build(ranges: &mut [(u32, u32, u32)], policies: usize) -> PortIndex {
-        let mut events: Vec<(u32, bool, u32)> = Vec::with_capacity(ranges.len() * 2);
-        for &(lo, hi, p) in ranges.iter() {
-            events.push((lo, true, p));
-            events.push((hi + 1, false, p));
-        }
-        events.sort_unstable();
-        let mut counts = vec![0u32; policies];
         let mut words = vec![0u64; policies.div_ceil(64)];
         let mut out = PortIndex::default();
-        let mut i = 0;
-        while i < events.len() {
-            let pos = events[i].0;
-            while i < events.len() && events[i].0 == pos {
-                let (_, open, p) = events[i];
-                let c = &mut counts[p as usize];
-                if open {
-                    *c += 1;
-                } else {
-                    *c -= 1;
-                }
+        let ranges = ranges.iter().map(|&(lo, hi, p)| (lo as u128, hi as u128, p));
+        sweep_ranges(ranges, policies, |e| match e {
+            Sweep::Toggle(p, on) => {
                 let (w, b) = (p as usize / 64, p % 64);
-                if *c > 0 {
+                if on {
                     words[w] |= 1 << b;
                 } else {
                     words[w] &= !(1 << b);
                 }
-                i += 1;
             }
-            if out.sets.last().is_none_or(|last| **last != *words) {
-                out.starts.push(pos);
-                out.sets.push(words.clone().into_boxed_slice());
+            Sweep::At(pos) => {
+                if out.sets.last().is_none_or(|last| **last != *words) {
+                    out.starts.push(pos as u32);
+                    out.sets.push(words.clone().into_boxed_slice());
+                }
             }
-        }
+        });
         out
     }
 
@@ -505,39 +511,22 @@ struct Spans {
 
 impl Spans {
     fn build(ranges: &mut [(u128, u128, u32)], policies: usize) -> Spans {
-        let mut events: Vec<(u128, bool, u32)> = Vec::with_capacity(ranges.len() * 2);
-        for &(lo, hi, p) in ranges.iter() {
-            events.push((lo, true, p));
-            if let Some(end) = hi.checked_add(1) {
-                events.push((end, false, p));
-            }
-        }
-        events.sort_unstable();
-        let mut counts = vec![0u32; policies];
         let mut active: std::collections::BTreeSet<u32> = std::collections::BTreeSet::new();
         let mut out = Spans::default();
-        let mut i = 0;
-        while i < events.len() {
-            let pos = events[i].0;
-            while i < events.len() && events[i].0 == pos {
-                let (_, open, p) = events[i];
-                let c = &mut counts[p as usize];
-                if open {
-                    *c += 1;
-                    active.insert(p);
-                } else {
-                    *c -= 1;
-                    if *c == 0 {
-                        active.remove(&p);
-                    }
-                }
-                i += 1;
+        sweep_ranges(ranges.iter().copied(), policies, |e| match e {
+            Sweep::Toggle(p, true) => {
+                active.insert(p);
             }
-            let offset = out.ids.len() as u32;
-            out.ids.extend(active.iter().copied());
-            out.starts.push(pos);
-            out.spans.push((offset, active.len() as u32));
-        }
+            Sweep::Toggle(p, false) => {
+                active.remove(&p);
+            }
+            Sweep::At(pos) => {
+                let offset = out.ids.len() as u32;
+                out.ids.extend(active.iter().copied());
+                out.starts.push(pos);
+                out.spans.push((offset, active.len() as u32));
+            }
+        });
         out
     }
 
