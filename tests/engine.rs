@@ -97,7 +97,7 @@ fn snapshot(policies: &str) -> Snapshot {
     compiled.snapshot
 }
 
-fn ip(s: &Snapshot, what: &str) -> IpAddr {
+fn ip(what: &str) -> IpAddr {
     match what {
         "prod/web" => "10.1.1.1",
         "prod/db" => "10.1.1.2",
@@ -110,11 +110,11 @@ fn ip(s: &Snapshot, what: &str) -> IpAddr {
         other => other,
     }
     .parse()
-    .unwrap_or_else(|_| panic!("unknown endpoint {what} in {s:?}", s = s.revision()))
+    .unwrap_or_else(|_| panic!("unknown endpoint {what}"))
 }
 
 fn decide(s: &Snapshot, from: &str, to: &str, protocol: Protocol, port: u16) -> Decision {
-    s.decide(&Flow { src: ip(s, from), dst: ip(s, to), protocol, dst_port: port })
+    s.decide(&Flow { src: ip(from), dst: ip(to), protocol, dst_port: port })
 }
 
 /// `tier:kind/name` of the policy that decided, `default`, `own-node`, or `n/a`.
@@ -598,7 +598,7 @@ spec: {podSelector: {}}
         },
         Row {
             name: "Pass hands the decision to the NetworkPolicy tier",
-            policies: const_concat_pass_np(),
+            policies: PASS_THEN_NP,
             from: "dev/web",
             to: "prod/db",
             protocol: TCP,
@@ -1281,8 +1281,7 @@ spec: {podSelector: {}}
     ]
 }
 
-const fn const_concat_pass_np() -> &'static str {
-    r#"
+const PASS_THEN_NP: &str = r#"
 apiVersion: policy.networking.k8s.io/v1alpha1
 kind: AdminNetworkPolicy
 metadata: {name: pass-then-deny}
@@ -1299,8 +1298,7 @@ metadata: {name: ing, namespace: prod}
 spec:
   podSelector: {}
   ingress: [{from: [{podSelector: {matchLabels: {app: web}}}]}]
-"#
-}
+"#;
 
 #[test]
 fn semantics_table() {
@@ -1320,7 +1318,7 @@ fn semantics_table() {
 
 #[test]
 fn pass_is_recorded_on_the_way() {
-    let s = snapshot(const_concat_pass_np());
+    let s = snapshot(PASS_THEN_NP);
     // prod/web is not in dev: no Pass; the ANP's second rule denies.
     let d = decide(&s, "prod/web", "prod/db", TCP, 80);
     let ing = d.ingress.expect("prod/db is a pod");
@@ -1337,10 +1335,10 @@ fn pass_is_recorded_on_the_way() {
 #[test]
 fn endpoints_are_classified() {
     let s = snapshot("");
-    assert!(matches!(s.endpoint(ip(&s, "prod/web")), Endpoint::Pod(_)));
-    assert!(matches!(s.endpoint(ip(&s, "node-1")), Endpoint::Node(_)));
-    assert_eq!(s.endpoint(ip(&s, "external")), Endpoint::External);
-    assert_eq!(s.endpoint(ip(&s, "dev/done")), Endpoint::External);
+    assert!(matches!(s.endpoint(ip("prod/web")), Endpoint::Pod(_)));
+    assert!(matches!(s.endpoint(ip("node-1")), Endpoint::Node(_)));
+    assert_eq!(s.endpoint(ip("external")), Endpoint::External);
+    assert_eq!(s.endpoint(ip("dev/done")), Endpoint::External);
 }
 
 #[test]

@@ -144,7 +144,8 @@ pub(crate) struct Matcher {
     named: Vec<(String, Option<Protocol>, RuleMask)>,
 }
 
-fn proto_index(p: Protocol) -> usize {
+/// Protocol index into per-protocol tables: TCP 0, UDP 1, SCTP 2.
+pub(crate) fn protocol_index(p: Protocol) -> usize {
     match p {
         Protocol::Tcp => 0,
         Protocol::Udp => 1,
@@ -334,10 +335,10 @@ impl Matcher {
                         }
                     }
                     (PortSpec::Any, Some(p)) => {
-                        ports[proto_index(p)].push((0, u16::MAX as u128, r as u32))
+                        ports[protocol_index(p)].push((0, u16::MAX as u128, r as u32))
                     }
                     (PortSpec::Range(lo, hi), Some(p)) => {
-                        ports[proto_index(p)].push((*lo as u128, *hi as u128, r as u32))
+                        ports[protocol_index(p)].push((*lo as u128, *hi as u128, r as u32))
                     }
                     // Numeric entries always carry a protocol (defaulted to TCP).
                     (_, None) => {}
@@ -397,7 +398,7 @@ impl Matcher {
         port: u16,
         dst_ports: &[NamedPort],
     ) -> Option<u32> {
-        let mut port_mask = self.all_ports | self.ports[proto_index(protocol)].get(port);
+        let mut port_mask = self.all_ports | self.ports[protocol_index(protocol)].get(port);
         if !self.named.is_empty() {
             // "named ports resolve on the destination pod's declared container ports
             // (name and protocol must match)".
@@ -567,11 +568,6 @@ impl AddrIndex {
 #[inline]
 pub(crate) fn has(words: &[u64], policy: u32) -> bool {
     words.get(policy as usize / 64).is_some_and(|w| w & (1 << (policy % 64)) != 0)
-}
-
-/// Protocol index into per-protocol tables: TCP 0, UDP 1, SCTP 2.
-pub(crate) fn protocol_index(p: Protocol) -> usize {
-    proto_index(p)
 }
 
 #[cfg(test)]
