@@ -2,4 +2,5 @@
 pub mod cluster;
 pub mod explain;
 pub mod policy;
+pub mod proxy;
 pub mod synth;

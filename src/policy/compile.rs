@@ -1212,6 +1212,17 @@ impl Snapshot {
         self.nodes.iter().position(|n| n.name == name).map(|i| i as u32)
     }
 
+    /// The addresses of the pod-network pods that run on node `node` (a node id from
+    /// [`Snapshot::find_node`]): the addresses a node agent intercepts. hostNetwork pods
+    /// are not included (they hold their node's addresses). Order: by pod id, then as in
+    /// `status.podIPs`.
+    pub fn local_pod_ips(&self, node: u32) -> Vec<IpAddr> {
+        (0..self.pods.len() as u32)
+            .filter(|&p| self.pods[p as usize].node == Some(node))
+            .flat_map(|p| self.pod_ips(p).iter().copied())
+            .collect()
+    }
+
     /// Number of pod-network pods, namespaces, nodes and compiled policies.
     pub fn counts(&self) -> (usize, usize, usize, usize) {
         (self.pods.len(), self.namespaces.len(), self.nodes.len(), self.policies.len())

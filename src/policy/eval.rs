@@ -186,19 +186,40 @@ impl Snapshot {
         self.decide_impl::<false>(flow)
     }
 
+    /// [`Snapshot::decide`] as the agent of node `node` (a node id from
+    /// [`Snapshot::find_node`]) enforces it: egress only when the client is a pod on `node`,
+    /// ingress only when the server is. The other end's node decides the other direction
+    /// (DESIGN §3: same-node traffic is decided at the client's side, both directions;
+    /// cross-node traffic is decided twice, egress at the client's node and ingress at the
+    /// server's). A direction that is `None` here is not this node's to decide.
+    pub fn decide_on_node(&self, flow: &Flow, node: u32) -> Decision {
+        self.decide_scoped::<true>(flow, Some(node))
+    }
+
+    /// The node a pod-network pod runs on (`spec.nodeName`), if known.
+    pub fn pod_node(&self, pod: u32) -> Option<u32> {
+        self.pods.get(pod as usize).and_then(|p| p.node)
+    }
+
     #[inline]
     fn decide_impl<const FAST: bool>(&self, flow: &Flow) -> Decision {
+        self.decide_scoped::<FAST>(flow, None)
+    }
+
+    #[inline]
+    fn decide_scoped<const FAST: bool>(&self, flow: &Flow, node: Option<u32>) -> Decision {
         let src = self.endpoint(flow.src);
         let dst = self.endpoint(flow.dst);
         let dst_ports = self.declared_ports(dst);
+        let here = |p: u32| node.is_none_or(|n| self.pods[p as usize].node == Some(n));
         let egress = match src {
-            Endpoint::Pod(p) => {
+            Endpoint::Pod(p) if here(p) => {
                 Some(self.direction::<FAST>(Direction::Egress, p, dst, flow.dst, flow, dst_ports))
             }
             _ => None,
         };
         let ingress = match dst {
-            Endpoint::Pod(p) => {
+            Endpoint::Pod(p) if here(p) => {
                 Some(self.direction::<FAST>(Direction::Ingress, p, src, flow.src, flow, dst_ports))
             }
             _ => None,

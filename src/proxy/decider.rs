@@ -1,0 +1,135 @@
+//! First-packet decisions for one node: the current snapshot, a decision cache keyed by
+//! flow and snapshot revision, and the decisions waiting for the proxy to accept the
+//! connections they admitted.
+//!
+//! Source: issue #3 "First-packet decisions"; DESIGN §3 (which node decides which
+//! direction) and §5 (one published snapshot, read without locks; a moka cache keyed by
+//! flow and revision).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+
+use super::packet::FlowKey;
+use crate::policy::eval::{Decision, Flow, Verdict};
+use crate::policy::{Revision, Snapshot};
+
+/// What the deciders read: a compiled snapshot and this node's id in it.
+#[derive(Debug)]
+pub struct Current {
+    /// The snapshot; its revision keys the decision cache.
+    pub snapshot: Snapshot,
+    /// This node's id in `snapshot` ([`Snapshot::find_node`]).
+    pub node: u32,
+}
+
+/// Decision cache and hand-over sizes.
+#[derive(Debug, Clone, Copy)]
+pub struct DeciderLimits {
+    /// Most `(flow, revision)` entries cached (a flow omits the source port, so one entry
+    /// serves every connection between the same two ends and port).
+    pub cache_entries: u64,
+    /// Most decisions waiting for the proxy to accept their connection.
+    pub pending_entries: u64,
+    /// How long a decision waits for its connection (seconds of wall time). A client that
+    /// gives up after its SYN leaves one entry behind for this long.
+    pub pending_ttl: Duration,
+}
+
+impl Default for DeciderLimits {
+    fn default() -> Self {
+        DeciderLimits {
+            cache_entries: 65_536,
+            pending_entries: 65_536,
+            pending_ttl: Duration::from_secs(30),
+        }
+    }
+}
+
+/// Counters of first-packet decisions since start.
+#[derive(Debug, Default)]
+pub struct DecisionStats {
+    /// Flows allowed.
+    pub allowed: AtomicU64,
+    /// Flows denied (packet dropped).
+    pub denied: AtomicU64,
+    /// Decisions answered from the cache.
+    pub cache_hits: AtomicU64,
+}
+
+/// Decides flows for one node. Shared by the NFQUEUE workers (which decide) and the proxy
+/// (which takes the decision of each connection it accepts). Every method takes `&self`
+/// and never blocks on another caller for long (moka shards its maps; the snapshot is an
+/// `ArcSwap`).
+pub struct Decider {
+    current: ArcSwap<Current>,
+    cache: moka::sync::Cache<(Flow, Revision), Arc<Decision>>,
+    pending: moka::sync::Cache<FlowKey, Arc<Decision>>,
+    /// Counters, for logs and tests.
+    pub stats: DecisionStats,
+}
+
+impl Decider {
+    /// A decider over `current`.
+    pub fn new(current: Current, limits: DeciderLimits) -> Self {
+        Decider {
+            current: ArcSwap::from_pointee(current),
+            cache: moka::sync::Cache::new(limits.cache_entries),
+            pending: moka::sync::Cache::builder()
+                .max_capacity(limits.pending_entries)
+                .time_to_live(limits.pending_ttl)
+                .build(),
+            stats: DecisionStats::default(),
+        }
+    }
+
+    /// Publishes a new snapshot. Cached decisions of older revisions are never returned
+    /// again (the revision is part of the key) and age out of the cache.
+    pub fn publish(&self, current: Current) {
+        self.current.store(Arc::new(current));
+    }
+
+    /// The snapshot decisions are made against now.
+    pub fn current(&self) -> Arc<Current> {
+        self.current.load_full()
+    }
+
+    /// Decides `flow` as this node enforces it ([`Snapshot::decide_on_node`]), through the
+    /// cache.
+    pub fn decide(&self, flow: Flow) -> Arc<Decision> {
+        let current = self.current.load();
+        let key = (flow, current.snapshot.revision());
+        if let Some(d) = self.cache.get(&key) {
+            self.stats.cache_hits.fetch_add(1, Ordering::Relaxed);
+            return d;
+        }
+        let d = Arc::new(current.snapshot.decide_on_node(&flow, current.node));
+        self.cache.insert(key, d.clone());
+        d
+    }
+
+    /// Decides the first packet of the flow `key` and, when it is allowed, keeps the
+    /// decision for [`Decider::take`] (the proxy attaches it to the connection it accepts).
+    pub fn first_packet(&self, key: FlowKey) -> Arc<Decision> {
+        let d = self.decide(key.flow());
+        match d.verdict {
+            Verdict::Allow => {
+                self.stats.allowed.fetch_add(1, Ordering::Relaxed);
+                self.pending.insert(key, d.clone());
+            }
+            Verdict::Deny => {
+                self.stats.denied.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        d
+    }
+
+    /// The decision that admitted the flow `key`, removed from the hand-over map; `None`
+    /// when none is waiting (it aged out, or the flow was admitted before this process
+    /// started — the caller then decides again with [`Decider::decide`]).
+    pub fn take(&self, key: &FlowKey) -> Option<Arc<Decision>> {
+        self.pending.remove(key)
+    }
+}

@@ -1,0 +1,17 @@
+//! The data path in user space: first-packet decisions read from NFQUEUE, the transparent
+//! TCP proxy, the byte relay and the registry of live connections.
+//!
+//! ```text
+//! NFQUEUE ─► queue (threads) ─► packet::parse ─► Decider::first_packet ─► drop | repeat+mark
+//!                                                      │ (allowed: decision kept by 5-tuple)
+//! TPROXY ─► tcp::serve ─► Decider::take ─► upstream connect ─► relay (splice) ─► Registry
+//! ```
+//!
+//! Imports `policy` only (DESIGN §4); the redirect ruleset that feeds it lives in
+//! `redirect`, and the agent wires the two together.
+pub mod decider;
+pub mod packet;
+pub mod queue;
+pub mod registry;
+pub mod relay;
+pub mod tcp;

@@ -1,0 +1,104 @@
+//! NFQUEUE readers: one OS thread per queue number; each reads the first packets the
+//! ruleset queues, decides them and answers with a verdict.
+//!
+//! - Deny: `NF_DROP`. No RST, no ICMP: the client times out, as upstream conformance
+//!   requires of a denied connection.
+//! - Allow: `NF_REPEAT` with the decided mark added to the packet mark. With iptables the
+//!   queue rule and the TPROXY rule share mangle PREROUTING, and an `NF_ACCEPT` would end
+//!   the packet's walk through the hook before TPROXY; the repeated packet skips the queue
+//!   rule because it carries the decided mark (DESIGN §3).
+//! - A packet that cannot be named (truncated, fragment, not TCP/UDP/SCTP): dropped.
+//!
+//! The kernel hands several packets to one `recv` (the `nfq` crate reads them in a batch
+//! and keeps the rest for the next calls); verdicts go back one netlink message each,
+//! which is what `nfq` offers.
+//!
+//! Sources: netfilter `nfnetlink_queue` (include/uapi/linux/netfilter/nfnetlink_queue.h:
+//! `NFQA_CFG_F_FAIL_OPEN`, copy range, queue max length), iptables-extensions(8) NFQUEUE.
+
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use anyhow::Context;
+use nfq::{Queue, Verdict};
+
+use super::decider::Decider;
+use super::packet;
+use crate::policy::eval::Verdict as PolicyVerdict;
+
+/// How the queue readers are set up.
+#[derive(Debug, Clone, Copy)]
+pub struct QueueConfig {
+    /// First queue number.
+    pub first: u16,
+    /// Number of queues (`first..first + count`), one reader thread each; the ruleset
+    /// balances flows over them.
+    pub count: u16,
+    /// Mark bit(s) added to allowed packets before `NF_REPEAT`.
+    pub decided_mark: u32,
+    /// Fail-open when a queue is full (`NFQA_CFG_F_FAIL_OPEN`): the kernel accepts instead
+    /// of dropping. Set together with the ruleset's queue bypass.
+    pub fail_open: bool,
+    /// Most packets waiting in each kernel queue.
+    pub max_len: u32,
+}
+
+/// Bytes of each packet the kernel copies to us: the IP header, any IPv6 extension
+/// headers and the ports. Small copies keep the queue cheap.
+pub const COPY_RANGE: u16 = 256;
+
+/// Binds every queue of `config` and starts its reader thread. Returns after all queues
+/// are bound, so a caller can signal readiness.
+///
+/// # Errors
+/// When a queue cannot be opened or bound (no CAP_NET_ADMIN, or another program holds the
+/// queue number), naming the queue.
+pub fn start(config: QueueConfig, decider: Arc<Decider>) -> anyhow::Result<Vec<JoinHandle<()>>> {
+    let mut threads = Vec::new();
+    for num in config.first..config.first.saturating_add(config.count) {
+        let mut q = Queue::open().with_context(|| format!("opening NFQUEUE {num}"))?;
+        q.bind(num).with_context(|| format!("binding NFQUEUE {num}"))?;
+        q.set_copy_range(num, COPY_RANGE).with_context(|| format!("NFQUEUE {num} copy range"))?;
+        q.set_fail_open(num, config.fail_open)
+            .with_context(|| format!("NFQUEUE {num} fail-open flag"))?;
+        q.set_queue_max_len(num, config.max_len)
+            .with_context(|| format!("NFQUEUE {num} max length"))?;
+        let decider = decider.clone();
+        let handle = std::thread::Builder::new()
+            .name(format!("nfqueue-{num}"))
+            .spawn(move || read(num, q, config.decided_mark, &decider))
+            .with_context(|| format!("starting the NFQUEUE {num} thread"))?;
+        threads.push(handle);
+    }
+    Ok(threads)
+}
+
+fn read(num: u16, mut q: Queue, decided_mark: u32, decider: &Decider) {
+    loop {
+        let mut msg = match q.recv() {
+            Ok(m) => m,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => {
+                tracing::error!(queue = num, error = %e, "NFQUEUE read failed; reader stops");
+                return;
+            }
+        };
+        let verdict = match packet::parse(msg.get_payload()) {
+            Ok(key) => match decider.first_packet(key).verdict {
+                PolicyVerdict::Allow => {
+                    msg.set_nfmark(msg.get_nfmark() | decided_mark);
+                    Verdict::Repeat
+                }
+                PolicyVerdict::Deny => Verdict::Drop,
+            },
+            Err(e) => {
+                tracing::debug!(queue = num, error = %e, "queued packet dropped");
+                Verdict::Drop
+            }
+        };
+        msg.set_verdict(verdict);
+        if let Err(e) = q.verdict(msg) {
+            tracing::error!(queue = num, error = %e, "NFQUEUE verdict failed");
+        }
+    }
+}

@@ -1,0 +1,254 @@
+//! The transparent TCP proxy: accepts the connections TPROXY hands it, attaches the
+//! first-packet decision, connects to the original destination from the client's own
+//! address, and relays.
+//!
+//! - Listener: `IP_TRANSPARENT` (`IPV6_TRANSPARENT`) socket on the TPROXY port; TPROXY
+//!   delivers connections for any destination to it, and `getsockname()` of an accepted
+//!   socket is the connection's original destination (kernel
+//!   Documentation/networking/tproxy.rst).
+//! - Upstream: `SO_MARK` = the bypass mark (the ruleset never touches these packets, and
+//!   the mark differs from the routing mark so the SYN does not loop back to us);
+//!   `IP_TRANSPARENT` and bound to the client's IP (port chosen by the kernel), so the
+//!   server sees the client's address. The replies match the ruleset's `socket
+//!   --transparent` rule and come back to this socket.
+//! - A bounded number of connections: at the limit the proxy stops accepting (new SYNs
+//!   wait in the listen backlog) and says so once in the log.
+//! - Shutdown: stop accepting, let live connections finish for a grace period, then stop
+//!   them (both sides reset).
+//!
+//! Source: issue #3 "The proxy"; DESIGN §3.
+
+use std::io;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use anyhow::Context;
+use socket2::{Domain, Socket, Type};
+use tokio::net::{TcpListener, TcpSocket, TcpStream};
+use tokio::sync::{Semaphore, watch};
+
+use super::decider::Decider;
+use super::packet::FlowKey;
+use super::registry::Registry;
+use super::relay::{self, RelayConfig};
+use crate::policy::eval::Verdict;
+use crate::policy::ports::Protocol;
+
+/// Proxy settings.
+#[derive(Debug, Clone, Copy)]
+pub struct ProxyConfig {
+    /// The TPROXY listener port (the ruleset's `--on-port`).
+    pub port: u16,
+    /// `SO_MARK` of upstream sockets (the ruleset's bypass mark).
+    pub bypass_mark: u32,
+    /// Connect upstream from the client's IP (`IP_TRANSPARENT` bind); when false, from
+    /// the node's own address.
+    pub preserve_source: bool,
+    /// Upstream connect timeout.
+    pub connect_timeout: Duration,
+    /// Most live connections.
+    pub max_connections: usize,
+    /// Byte relay.
+    pub relay: RelayConfig,
+    /// How long live connections may finish after shutdown begins.
+    pub drain_grace: Duration,
+}
+
+/// Binds the transparent listeners: IPv4 `0.0.0.0:port` (required) and IPv6
+/// `[::]:port` (IPv6-only; skipped with a warning when the node has no IPv6).
+///
+/// # Errors
+/// When the IPv4 listener cannot be created, made transparent (needs CAP_NET_ADMIN) or
+/// bound. Must be called inside a tokio runtime.
+pub fn bind(port: u16) -> anyhow::Result<Vec<TcpListener>> {
+    let mut out = vec![
+        listener(SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), port))
+            .with_context(|| format!("transparent listener on 0.0.0.0:{port}"))?,
+    ];
+    match listener(SocketAddr::new(IpAddr::V6(Ipv6Addr::UNSPECIFIED), port)) {
+        Ok(l) => out.push(l),
+        Err(e) => tracing::warn!(error = %e, port, "no IPv6 transparent listener"),
+    }
+    Ok(out)
+}
+
+fn listener(addr: SocketAddr) -> io::Result<TcpListener> {
+    let s = Socket::new(Domain::for_address(addr), Type::STREAM, Some(socket2::Protocol::TCP))?;
+    match addr {
+        SocketAddr::V4(_) => s.set_ip_transparent_v4(true)?,
+        SocketAddr::V6(_) => {
+            s.set_only_v6(true)?;
+            s.set_ip_transparent_v6(true)?;
+        }
+    }
+    s.set_reuse_address(true)?;
+    s.set_nonblocking(true)?;
+    s.bind(&addr.into())?;
+    s.listen(4096)?;
+    TcpListener::from_std(s.into())
+}
+
+/// Accepts and proxies connections on `listeners` until `shutdown` turns true, then
+/// drains: waits up to `config.drain_grace` for live connections, stops the rest, and
+/// returns when they are gone (or after one more second).
+pub async fn serve(
+    listeners: Vec<TcpListener>,
+    config: ProxyConfig,
+    decider: Arc<Decider>,
+    registry: Arc<Registry>,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let limit = Arc::new(Semaphore::new(config.max_connections));
+    let at_limit = Arc::new(AtomicBool::new(false));
+    let mut accepts = tokio::task::JoinSet::new();
+    for l in listeners {
+        let (decider, registry, limit, at_limit) =
+            (decider.clone(), registry.clone(), limit.clone(), at_limit.clone());
+        accepts.spawn(async move {
+            loop {
+                let permit = match limit.clone().try_acquire_owned() {
+                    Ok(p) => p,
+                    Err(_) => {
+                        if !at_limit.swap(true, Ordering::Relaxed) {
+                            tracing::warn!(
+                                max = config.max_connections,
+                                "connection limit reached; not accepting until one closes"
+                            );
+                        }
+                        match limit.clone().acquire_owned().await {
+                            Ok(p) => p,
+                            Err(_) => return,
+                        }
+                    }
+                };
+                at_limit.store(false, Ordering::Relaxed);
+                let (client, peer) = match l.accept().await {
+                    Ok(c) => c,
+                    Err(e) => {
+                        // EMFILE and friends: back off instead of spinning.
+                        tracing::warn!(error = %e, "accept failed");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                };
+                let (decider, registry) = (decider.clone(), registry.clone());
+                tokio::spawn(async move {
+                    proxy(client, peer, &config, &decider, &registry).await;
+                    drop(permit);
+                });
+            }
+        });
+    }
+    let _ = shutdown.wait_for(|stop| *stop).await;
+    accepts.abort_all();
+    let deadline = tokio::time::Instant::now() + config.drain_grace;
+    while !registry.is_empty() && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    if !registry.is_empty() {
+        tracing::info!(live = registry.len(), "drain grace over; stopping live connections");
+        registry.stop_all();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(1);
+        while !registry.is_empty() && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+}
+
+/// Proxies one accepted connection to its end.
+async fn proxy(
+    client: TcpStream,
+    peer: SocketAddr,
+    config: &ProxyConfig,
+    decider: &Decider,
+    registry: &Arc<Registry>,
+) {
+    let original = match client.local_addr() {
+        Ok(a) => a,
+        Err(e) => {
+            tracing::warn!(error = %e, %peer, "no original destination");
+            return;
+        }
+    };
+    let key = FlowKey { src: unmap(peer), dst: unmap(original), protocol: Protocol::Tcp };
+    let registration = registry.register(key);
+    let tracked = &registration.tracked;
+    // The decision made on the first packet; decide again if it is gone (aged out, or
+    // admitted before this process started).
+    let decision = decider.take(&key).unwrap_or_else(|| decider.decide(key.flow()));
+    let _ = tracked.decision.set(decision.clone());
+    if decision.verdict == Verdict::Deny {
+        tracing::warn!(src = %key.src, dst = %key.dst, "connection reached the proxy but policy denies it; reset");
+        reset(&client);
+        return;
+    }
+    let _ = client.set_nodelay(true);
+    let source = config.preserve_source.then_some(key.src.ip());
+    let server = match tokio::time::timeout(
+        config.connect_timeout,
+        connect(source, key.dst, config),
+    )
+    .await
+    {
+        Ok(Ok(s)) => s,
+        Ok(Err(e)) => {
+            tracing::debug!(error = %e, dst = %key.dst, "upstream connect failed");
+            reset(&client);
+            return;
+        }
+        Err(_) => {
+            tracing::debug!(dst = %key.dst, "upstream connect timed out");
+            reset(&client);
+            return;
+        }
+    };
+    let _ = server.set_nodelay(true);
+    let reason =
+        relay::relay(client, server, &config.relay, &tracked.counters, &tracked.stop).await;
+    tracing::debug!(
+        src = %key.src,
+        dst = %key.dst,
+        reason = reason.as_str(),
+        to_server = tracked.counters.to_server.load(Ordering::Relaxed),
+        to_client = tracked.counters.to_client.load(Ordering::Relaxed),
+        "connection closed"
+    );
+}
+
+/// An IPv4-mapped IPv6 address as the IPv4 address it maps.
+fn unmap(a: SocketAddr) -> SocketAddr {
+    match a {
+        SocketAddr::V6(v6) => match v6.ip().to_ipv4_mapped() {
+            Some(v4) => SocketAddr::new(IpAddr::V4(v4), v6.port()),
+            None => a,
+        },
+        v4 => v4,
+    }
+}
+
+/// Connects to `dst` with the bypass mark, from `source` when given.
+async fn connect(
+    source: Option<IpAddr>,
+    dst: SocketAddr,
+    config: &ProxyConfig,
+) -> io::Result<TcpStream> {
+    let s = Socket::new(Domain::for_address(dst), Type::STREAM, Some(socket2::Protocol::TCP))?;
+    s.set_mark(config.bypass_mark)?;
+    s.set_nonblocking(true)?;
+    if let Some(ip) = source {
+        match ip {
+            IpAddr::V4(_) => s.set_ip_transparent_v4(true)?,
+            IpAddr::V6(_) => s.set_ip_transparent_v6(true)?,
+        }
+        s.bind(&SocketAddr::new(ip, 0).into())?;
+    }
+    let std: std::net::TcpStream = s.into();
+    TcpSocket::from_std_stream(std).connect(dst).await
+}
+
+/// Closes with an RST: the client sees the same as from a server that refused.
+fn reset(s: &TcpStream) {
+    let _ = socket2::SockRef::from(s).set_linger(Some(Duration::ZERO));
+}
