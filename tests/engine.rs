@@ -1398,3 +1398,67 @@ spec: {podSelector: {matchLabels: {app: ds}}, ingress: [{from: [{ipBlock: {cidr:
     assert_eq!(v4, s.decide_reference(&flow("10.9.0.1", "10.9.1.1")));
     assert_eq!(v6, s.decide_reference(&flow("fd00::1", "fd00::2")));
 }
+
+/// DESIGN §3: a node's agent decides egress for its own client pods and ingress for its
+/// own server pods; the rest is the other node's to decide.
+#[test]
+fn a_node_decides_only_the_directions_of_its_own_pods() {
+    let s = snapshot(
+        r#"
+apiVersion: v1
+kind: Pod
+metadata: {name: a, namespace: dev, labels: {app: a}}
+spec: {nodeName: node-1, containers: [{name: c}]}
+status: {podIP: 10.9.0.1}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: b, namespace: dev, labels: {app: b}}
+spec: {nodeName: node-1, containers: [{name: c}]}
+status: {podIP: 10.9.0.2}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: c, namespace: prod, labels: {app: c}}
+spec: {nodeName: node-2, containers: [{name: c}]}
+status: {podIP: 10.9.1.1}
+---
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {name: deny-in, namespace: prod}
+spec: {podSelector: {}, policyTypes: [Ingress]}
+"#,
+    );
+    let n1 = s.find_node("node-1").expect("node-1");
+    let n2 = s.find_node("node-2").expect("node-2");
+    let flow = |src: &str, dst: &str| Flow {
+        src: src.parse().unwrap(),
+        dst: dst.parse().unwrap(),
+        protocol: TCP,
+        dst_port: 80,
+    };
+    // Same node: both directions, at that node only.
+    let same = flow("10.9.0.1", "10.9.0.2");
+    let d = s.decide_on_node(&same, n1);
+    assert!(d.egress.is_some() && d.ingress.is_some());
+    assert_eq!(d, s.decide(&same));
+    let d = s.decide_on_node(&same, n2);
+    assert!(d.egress.is_none() && d.ingress.is_none());
+    assert_eq!(d.verdict, ALLOW);
+    // Cross node: egress at the client's node (allowed), ingress at the server's (denied).
+    let cross = flow("10.9.0.1", "10.9.1.1");
+    let at_client = s.decide_on_node(&cross, n1);
+    assert!(at_client.egress.is_some() && at_client.ingress.is_none());
+    assert_eq!(at_client.verdict, ALLOW);
+    let at_server = s.decide_on_node(&cross, n2);
+    assert!(at_server.egress.is_none() && at_server.ingress.is_some());
+    assert_eq!(at_server.verdict, DENY);
+    assert_eq!(s.decide(&cross).verdict, DENY);
+    // The shared CLUSTER has pods on both nodes too: check membership both ways.
+    let (l1, l2) = (s.local_pod_ips(n1), s.local_pod_ips(n2));
+    for a in ["10.9.0.1", "10.9.0.2"] {
+        assert!(l1.contains(&ip(a)) && !l2.contains(&ip(a)), "{a}");
+    }
+    assert!(l2.contains(&ip("10.9.1.1")) && !l1.contains(&ip("10.9.1.1")));
+    assert!(!l1.contains(&ip("node-1")), "a node address is not a local pod address");
+}
