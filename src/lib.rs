@@ -1,6 +1,8 @@
 //! tierproxy: a node-level network policy enforcer.
 pub mod cluster;
+pub mod config;
 pub mod explain;
 pub mod policy;
 pub mod proxy;
+pub mod redirect;
 pub mod synth;

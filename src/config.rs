@@ -1,0 +1,523 @@
+//! Typed configuration of tierproxy's subsystems, with defaults as `pub const`s and a
+//! `validate()` that names what is wrong.
+//!
+//! Only the redirection section exists so far ([`RedirectConfig`], issue #3 "Redirection",
+//! DESIGN §3). Every field says what it bounds and why its default was chosen.
+//!
+//! # Packet marks
+//!
+//! tierproxy uses three single-bit marks, each with its own mask, so it only ever reads and
+//! writes its own bits of `skb->mark` and leaves every other bit to whoever owns it:
+//!
+//! | mark | default | set by | read by |
+//! |---|---|---|---|
+//! | decided | `0x1000` | the NFQUEUE verdict (REPEAT with this bit) | the queue rule (skip), the TPROXY rule |
+//! | route | `0x2000` | TPROXY `--tproxy-mark`, the `socket --transparent` rule | `ip rule fwmark … lookup TABLE` |
+//! | bypass | `0x0080` | `SO_MARK` of the proxy's upstream sockets | the first rule (return untouched) |
+//!
+//! Why these bits: kube-proxy owns `0x4000` (masquerade) and `0x8000` (drop); Calico's
+//! default `iptablesMarkMask` is `0xffff0000` and it allocates every bit of it; Cilium uses
+//! `0x0f00` plus the upper 16 bits for identities; Weave and kube-router use bits 16–18.
+//! Bits 12 and 13 (`0x1000`, `0x2000`) are owned by none of them, and bit 7 (`0x0080`) only
+//! falls under Istio ambient's `0xfff` mask, which is not expected on the same node. All
+//! three are configurable; [`RedirectConfig::validate`] insists they are non-zero and
+//! pairwise disjoint (a route mark equal to the bypass mark would send the proxy's own
+//! upstream SYNs back into the proxy).
+
+use std::fmt;
+use std::net::{Ipv4Addr, Ipv6Addr};
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+/// Default port of the proxy's `IP_TRANSPARENT` listener that TPROXY delivers to
+/// (DESIGN §3). 15001 is the port Istio uses for the same purpose, familiar to operators and
+/// outside the ephemeral range (32768–60999 on Linux by default).
+pub const DEFAULT_TPROXY_PORT: u16 = 15001;
+
+/// Default IPv4 address TPROXY looks the listener up on (`--on-ip`). Loopback, so the
+/// listener can be bound to `127.0.0.1` and is reachable from pods only through TPROXY.
+pub const DEFAULT_TPROXY_ADDR_V4: Ipv4Addr = Ipv4Addr::LOCALHOST;
+
+/// Default IPv6 address TPROXY looks the listener up on (`--on-ip`); see
+/// [`DEFAULT_TPROXY_ADDR_V4`].
+pub const DEFAULT_TPROXY_ADDR_V6: Ipv6Addr = Ipv6Addr::LOCALHOST;
+
+/// Default first NFQUEUE queue number. Queue numbers are a per-network-namespace 16-bit
+/// space; 0 is the conventional first queue.
+pub const DEFAULT_QUEUE_FIRST: u16 = 0;
+
+/// Default number of NFQUEUE queues: one per core of the 2-core machines this runs on; the
+/// kernel balances flows over them by a flow hash (`--queue-balance`).
+pub const DEFAULT_QUEUE_COUNT: u16 = 2;
+
+/// Default of the queue bypass switch: `false` = fail-closed (packets of new pod flows are
+/// dropped while no program reads the queue), as policy enforcement requires.
+pub const DEFAULT_QUEUE_BYPASS: bool = false;
+
+/// Default "decided" mark bit: set by the NFQUEUE REPEAT verdict on an allowed first packet
+/// so that the queue rule skips it on its second walk and the TPROXY rule takes it.
+pub const DEFAULT_DECIDED_MARK: Mark = Mark::bit(12);
+
+/// Default "route" mark bit: set by TPROXY and by the `socket --transparent` rule; the
+/// policy-routing rule sends packets carrying it to the local table.
+pub const DEFAULT_ROUTE_MARK: Mark = Mark::bit(13);
+
+/// Default "bypass" mark bit: the `SO_MARK` of the proxy's own upstream sockets; the
+/// ruleset returns such packets untouched.
+pub const DEFAULT_BYPASS_MARK: Mark = Mark::bit(7);
+
+/// Default routing table holding `local default dev lo` for route-marked packets. Any
+/// number other than the kernel's reserved 0, 253, 254, 255 works; 1501 has no well-known
+/// user.
+pub const DEFAULT_ROUTE_TABLE: u32 = 1501;
+
+/// Default priority of the `ip rule fwmark … lookup TABLE` rule: after the `local` rule
+/// (priority 0), well before `main` (32766), so route-marked packets reach the local table
+/// before any ordinary routing.
+pub const DEFAULT_RULE_PRIORITY: u32 = 1501;
+
+/// Default prefix of every name tierproxy creates (iptables chains in upper case, ipsets,
+/// the nftables table).
+pub const DEFAULT_NAME_PREFIX: &str = "tierproxy";
+
+/// Longest accepted [`RedirectConfig::name_prefix`]: the longest derived name,
+/// `<prefix>-nodes-v4-tmp`, must fit ipset's 31-character limit, and `<PREFIX>-DIVERT` the
+/// 28-character limit of iptables chain names.
+pub const MAX_NAME_PREFIX_LEN: usize = 16;
+
+/// Default of the keep-rules-on-exit switch: `false` = the daemon removes its ruleset when it
+/// stops. `true` keeps it, so with fail-closed queues the node stays closed across restarts.
+pub const DEFAULT_KEEP_RULES_ON_EXIT: bool = false;
+
+/// A packet mark: the bits tierproxy sets or tests (`value`) within the bits it owns
+/// (`mask`), as in iptables' `--mark value/mask` (iptables-extensions(8), "mark").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Mark {
+    /// Bits that must be set (a match) or are set (a mark action). Must lie within `mask`.
+    pub value: u32,
+    /// Bits tierproxy owns for this mark; every other bit of `skb->mark` is left alone.
+    pub mask: u32,
+}
+
+impl Mark {
+    /// A single-bit mark whose value and mask are both `1 << bit`. `bit` above 31 yields an
+    /// empty mark, which [`RedirectConfig::validate`] rejects.
+    pub const fn bit(bit: u32) -> Mark {
+        let v = if bit < 32 { 1u32 << bit } else { 0 };
+        Mark { value: v, mask: v }
+    }
+}
+
+impl fmt::Display for Mark {
+    /// `0xVALUE/0xMASK`, the notation of iptables, `ip rule` and this crate's errors.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:#x}/{:#x}", self.value, self.mask)
+    }
+}
+
+/// Which of the three marks an error or a rule is about.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MarkRole {
+    /// [`RedirectConfig::decided_mark`].
+    Decided,
+    /// [`RedirectConfig::route_mark`].
+    Route,
+    /// [`RedirectConfig::bypass_mark`].
+    Bypass,
+}
+
+impl fmt::Display for MarkRole {
+    /// The field name without `_mark`: `decided`, `route`, `bypass`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            MarkRole::Decided => "decided",
+            MarkRole::Route => "route",
+            MarkRole::Bypass => "bypass",
+        })
+    }
+}
+
+/// Which redirection backend to use (`--redirect-backend iptables|nftables|auto`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BackendChoice {
+    /// Probe the kernel: nftables where it can queue natively, iptables otherwise.
+    #[default]
+    Auto,
+    /// iptables/ip6tables + ipset (xt NFQUEUE, TPROXY, socket).
+    Iptables,
+    /// One `inet` nftables table (needs CONFIG_NFT_QUEUE and CONFIG_NFT_TPROXY).
+    Nftables,
+}
+
+impl FromStr for BackendChoice {
+    type Err = ConfigError;
+
+    /// Parses `auto`, `iptables` or `nftables` (exactly these lower-case words).
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "auto" => Ok(BackendChoice::Auto),
+            "iptables" => Ok(BackendChoice::Iptables),
+            "nftables" => Ok(BackendChoice::Nftables),
+            other => Err(ConfigError::UnknownBackend { name: other.to_owned() }),
+        }
+    }
+}
+
+impl fmt::Display for BackendChoice {
+    /// The word [`BackendChoice::from_str`] accepts.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            BackendChoice::Auto => "auto",
+            BackendChoice::Iptables => "iptables",
+            BackendChoice::Nftables => "nftables",
+        })
+    }
+}
+
+/// A configuration value that [`RedirectConfig::validate`] (or a parser) rejects.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ConfigError {
+    /// `tproxy_port` is 0, which TPROXY reads as "keep the destination port".
+    #[error("redirect.tproxy_port must not be 0")]
+    TproxyPortZero,
+    /// `queue_count` is 0: no queue to send first packets to.
+    #[error("redirect.queue_count must be at least 1")]
+    QueueCountZero,
+    /// `queue_first + queue_count - 1` does not fit the 16-bit queue number space.
+    #[error("redirect queues {first}..{first}+{count} exceed the largest queue number 65535")]
+    QueueRangeOverflow {
+        /// `queue_first`.
+        first: u16,
+        /// `queue_count`.
+        count: u16,
+    },
+    /// A mark's value is 0, so marked and unmarked packets would look the same.
+    #[error("redirect.{role}_mark value must not be 0")]
+    MarkZero {
+        /// Which mark.
+        role: MarkRole,
+    },
+    /// A mark's value has bits outside its mask.
+    #[error("redirect.{role}_mark {mark} sets bits outside its mask")]
+    MarkOutsideMask {
+        /// Which mark.
+        role: MarkRole,
+        /// The offending mark.
+        mark: Mark,
+    },
+    /// Two marks share bits of their masks.
+    #[error("redirect.{a}_mark and redirect.{b}_mark share mask bits {shared:#x}")]
+    MarksOverlap {
+        /// The first mark.
+        a: MarkRole,
+        /// The second mark.
+        b: MarkRole,
+        /// The shared bits.
+        shared: u32,
+    },
+    /// The routing table number is one of the kernel's reserved tables.
+    #[error(
+        "redirect.route_table {table} is reserved (0 unspec, 253 default, 254 main, 255 local)"
+    )]
+    RouteTableReserved {
+        /// The table number.
+        table: u32,
+    },
+    /// The `ip rule` priority is not strictly between the `local` rule (0) and `main`
+    /// (32766).
+    #[error("redirect.rule_priority {priority} must lie in 1..=32765 (between local and main)")]
+    RulePriorityOutOfRange {
+        /// The priority.
+        priority: u32,
+    },
+    /// The name prefix is empty, too long or has characters outside `[a-z0-9-]`.
+    #[error(
+        "redirect.name_prefix {prefix:?} must be 1..={MAX_NAME_PREFIX_LEN} characters of \
+         [a-z0-9-], starting with a letter"
+    )]
+    InvalidNamePrefix {
+        /// The prefix.
+        prefix: String,
+    },
+    /// A backend name other than `auto`, `iptables`, `nftables`.
+    #[error("unknown redirect backend {name:?} (expected auto, iptables or nftables)")]
+    UnknownBackend {
+        /// The name given.
+        name: String,
+    },
+}
+
+/// Configuration of traffic redirection (issue #3 "Redirection", DESIGN §3).
+///
+/// Build it with [`RedirectConfig::default`] and change fields; call
+/// [`RedirectConfig::validate`] before use (the redirect module does so when it builds a
+/// ruleset).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RedirectConfig {
+    /// Backend choice; [`BackendChoice::Auto`] probes the kernel.
+    pub backend: BackendChoice,
+    /// Port of the proxy's transparent listener TPROXY delivers to. Default
+    /// [`DEFAULT_TPROXY_PORT`].
+    pub tproxy_port: u16,
+    /// IPv4 address TPROXY looks the listener up on. Default [`DEFAULT_TPROXY_ADDR_V4`].
+    pub tproxy_addr_v4: Ipv4Addr,
+    /// IPv6 address TPROXY looks the listener up on. Default [`DEFAULT_TPROXY_ADDR_V6`].
+    pub tproxy_addr_v6: Ipv6Addr,
+    /// First NFQUEUE queue number. Default [`DEFAULT_QUEUE_FIRST`].
+    pub queue_first: u16,
+    /// Number of consecutive queues new flows are balanced over (by flow hash, so every
+    /// packet of a flow lands on the same queue). Default [`DEFAULT_QUEUE_COUNT`].
+    pub queue_count: u16,
+    /// Queue bypass: `true` = fail-open (the kernel accepts packets while no program is bound
+    /// to the queue), `false` = fail-closed (it drops them). Default [`DEFAULT_QUEUE_BYPASS`].
+    /// Source: iptables-extensions(8), NFQUEUE `--queue-bypass`.
+    pub queue_bypass: bool,
+    /// Mark set by the queue's REPEAT verdict on allowed first packets. Default
+    /// [`DEFAULT_DECIDED_MARK`].
+    pub decided_mark: Mark,
+    /// Mark that policy routing sends to the local table. Default [`DEFAULT_ROUTE_MARK`].
+    pub route_mark: Mark,
+    /// `SO_MARK` of the proxy's upstream sockets, never touched by the ruleset. Default
+    /// [`DEFAULT_BYPASS_MARK`].
+    pub bypass_mark: Mark,
+    /// Routing table with the `local` default route. Default [`DEFAULT_ROUTE_TABLE`].
+    pub route_table: u32,
+    /// Priority of the fwmark `ip rule`. Default [`DEFAULT_RULE_PRIORITY`].
+    pub rule_priority: u32,
+    /// Prefix of chain, set and table names. Default [`DEFAULT_NAME_PREFIX`].
+    pub name_prefix: String,
+    /// Keep the ruleset installed when the daemon exits. Default
+    /// [`DEFAULT_KEEP_RULES_ON_EXIT`].
+    pub keep_rules_on_exit: bool,
+}
+
+impl Default for RedirectConfig {
+    fn default() -> Self {
+        RedirectConfig {
+            backend: BackendChoice::Auto,
+            tproxy_port: DEFAULT_TPROXY_PORT,
+            tproxy_addr_v4: DEFAULT_TPROXY_ADDR_V4,
+            tproxy_addr_v6: DEFAULT_TPROXY_ADDR_V6,
+            queue_first: DEFAULT_QUEUE_FIRST,
+            queue_count: DEFAULT_QUEUE_COUNT,
+            queue_bypass: DEFAULT_QUEUE_BYPASS,
+            decided_mark: DEFAULT_DECIDED_MARK,
+            route_mark: DEFAULT_ROUTE_MARK,
+            bypass_mark: DEFAULT_BYPASS_MARK,
+            route_table: DEFAULT_ROUTE_TABLE,
+            rule_priority: DEFAULT_RULE_PRIORITY,
+            name_prefix: DEFAULT_NAME_PREFIX.to_owned(),
+            keep_rules_on_exit: DEFAULT_KEEP_RULES_ON_EXIT,
+        }
+    }
+}
+
+impl RedirectConfig {
+    /// Checks every field; returns the first problem found, in field order.
+    ///
+    /// # Errors
+    /// A [`ConfigError`] naming the field and the bound it breaks.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.tproxy_port == 0 {
+            return Err(ConfigError::TproxyPortZero);
+        }
+        if self.queue_count == 0 {
+            return Err(ConfigError::QueueCountZero);
+        }
+        if self.queue_last().is_none() {
+            return Err(ConfigError::QueueRangeOverflow {
+                first: self.queue_first,
+                count: self.queue_count,
+            });
+        }
+        let marks = self.marks();
+        for (role, mark) in marks {
+            if mark.value == 0 {
+                return Err(ConfigError::MarkZero { role });
+            }
+            if mark.value & !mark.mask != 0 {
+                return Err(ConfigError::MarkOutsideMask { role, mark });
+            }
+        }
+        for (i, (a, ma)) in marks.iter().enumerate() {
+            for (b, mb) in &marks[i + 1..] {
+                let shared = ma.mask & mb.mask;
+                if shared != 0 {
+                    return Err(ConfigError::MarksOverlap { a: *a, b: *b, shared });
+                }
+            }
+        }
+        if matches!(self.route_table, 0 | 253 | 254 | 255) {
+            return Err(ConfigError::RouteTableReserved { table: self.route_table });
+        }
+        if !(1..=32765).contains(&self.rule_priority) {
+            return Err(ConfigError::RulePriorityOutOfRange { priority: self.rule_priority });
+        }
+        let p = &self.name_prefix;
+        let well_formed = (1..=MAX_NAME_PREFIX_LEN).contains(&p.len())
+            && p.starts_with(|c: char| c.is_ascii_lowercase())
+            && p.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-');
+        if !well_formed {
+            return Err(ConfigError::InvalidNamePrefix { prefix: p.clone() });
+        }
+        Ok(())
+    }
+
+    /// The last queue number, `queue_first + queue_count - 1`; `None` when `queue_count` is 0
+    /// or the sum overflows `u16`.
+    pub fn queue_last(&self) -> Option<u16> {
+        self.queue_count.checked_sub(1).and_then(|c| self.queue_first.checked_add(c))
+    }
+
+    /// The three marks with their roles, in the order decided, route, bypass.
+    pub fn marks(&self) -> [(MarkRole, Mark); 3] {
+        [
+            (MarkRole::Decided, self.decided_mark),
+            (MarkRole::Route, self.route_mark),
+            (MarkRole::Bypass, self.bypass_mark),
+        ]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn invalid(f: impl FnOnce(&mut RedirectConfig)) -> ConfigError {
+        let mut c = RedirectConfig::default();
+        f(&mut c);
+        c.validate().expect_err("config should be rejected")
+    }
+
+    #[test]
+    fn defaults_are_valid() {
+        assert_eq!(RedirectConfig::default().validate(), Ok(()));
+    }
+
+    #[test]
+    fn default_marks_avoid_kube_proxy_calico_and_cilium_bits() {
+        // kube-proxy 0x4000/0x8000, Calico 0xffff0000, Cilium 0x0f00.
+        for (role, m) in RedirectConfig::default().marks() {
+            assert_eq!(m.mask & (0x4000 | 0x8000 | 0xffff_0000 | 0x0f00), 0, "{role}");
+            assert_eq!(m.value, m.mask, "{role} is a single bit");
+            assert_eq!(m.mask.count_ones(), 1, "{role} is a single bit");
+        }
+    }
+
+    #[test]
+    fn port_zero() {
+        assert_eq!(invalid(|c| c.tproxy_port = 0), ConfigError::TproxyPortZero);
+    }
+
+    #[test]
+    fn queue_count_zero() {
+        assert_eq!(invalid(|c| c.queue_count = 0), ConfigError::QueueCountZero);
+    }
+
+    #[test]
+    fn queue_range_must_fit_u16() {
+        let e = invalid(|c| {
+            c.queue_first = 65535;
+            c.queue_count = 2;
+        });
+        assert_eq!(e, ConfigError::QueueRangeOverflow { first: 65535, count: 2 });
+        let mut c = RedirectConfig { queue_first: 65534, queue_count: 2, ..Default::default() };
+        assert_eq!(c.validate(), Ok(()));
+        assert_eq!(c.queue_last(), Some(65535));
+        c.queue_count = 1;
+        assert_eq!(c.queue_last(), Some(65534));
+    }
+
+    #[test]
+    fn mark_zero() {
+        let e = invalid(|c| c.route_mark = Mark { value: 0, mask: 0x2000 });
+        assert_eq!(e, ConfigError::MarkZero { role: MarkRole::Route });
+        assert_eq!(
+            invalid(|c| c.bypass_mark = Mark::bit(40)),
+            ConfigError::MarkZero { role: MarkRole::Bypass }
+        );
+    }
+
+    #[test]
+    fn mark_outside_mask() {
+        let mark = Mark { value: 0x3000, mask: 0x1000 };
+        let e = invalid(|c| c.decided_mark = mark);
+        assert_eq!(e, ConfigError::MarkOutsideMask { role: MarkRole::Decided, mark });
+    }
+
+    #[test]
+    fn route_and_bypass_marks_must_differ() {
+        let e = invalid(|c| c.bypass_mark = c.route_mark);
+        assert_eq!(
+            e,
+            ConfigError::MarksOverlap { a: MarkRole::Route, b: MarkRole::Bypass, shared: 0x2000 }
+        );
+    }
+
+    #[test]
+    fn masks_must_be_disjoint_even_when_values_differ() {
+        let e = invalid(|c| c.decided_mark = Mark { value: 0x1000, mask: 0x3000 });
+        assert_eq!(
+            e,
+            ConfigError::MarksOverlap { a: MarkRole::Decided, b: MarkRole::Route, shared: 0x2000 }
+        );
+    }
+
+    #[test]
+    fn reserved_tables() {
+        for t in [0, 253, 254, 255] {
+            assert_eq!(
+                invalid(|c| c.route_table = t),
+                ConfigError::RouteTableReserved { table: t }
+            );
+        }
+    }
+
+    #[test]
+    fn rule_priority_bounds() {
+        for p in [0, 32766, 40000] {
+            assert_eq!(
+                invalid(|c| c.rule_priority = p),
+                ConfigError::RulePriorityOutOfRange { priority: p }
+            );
+        }
+    }
+
+    #[test]
+    fn name_prefix() {
+        for p in ["", "Tierproxy", "1tp", "tp_x", "abcdefghijklmnopq"] {
+            assert_eq!(
+                invalid(|c| c.name_prefix = p.to_owned()),
+                ConfigError::InvalidNamePrefix { prefix: p.to_owned() },
+                "{p:?}"
+            );
+        }
+        let c = RedirectConfig { name_prefix: "tp-2".into(), ..Default::default() };
+        assert_eq!(c.validate(), Ok(()));
+    }
+
+    #[test]
+    fn backend_choice_parses_and_displays() {
+        for s in ["auto", "iptables", "nftables"] {
+            assert_eq!(s.parse::<BackendChoice>().map(|b| b.to_string()).as_deref(), Ok(s));
+        }
+        assert_eq!(
+            "nft".parse::<BackendChoice>(),
+            Err(ConfigError::UnknownBackend { name: "nft".into() })
+        );
+    }
+
+    #[test]
+    fn deserializes_with_defaults_and_rejects_unknown_fields() {
+        let c: RedirectConfig =
+            serde_json::from_str(r#"{"queue_bypass": true, "backend": "iptables"}"#).unwrap();
+        assert!(c.queue_bypass);
+        assert_eq!(c.backend, BackendChoice::Iptables);
+        assert_eq!(c.tproxy_port, DEFAULT_TPROXY_PORT);
+        assert!(serde_json::from_str::<RedirectConfig>(r#"{"queue_bypas": true}"#).is_err());
+    }
+}

@@ -1,0 +1,390 @@
+//! Traffic redirection: tierproxy's netfilter ruleset as a value, and two backends that
+//! install it (issue #3 "Redirection", DESIGN §3).
+//!
+//! A [`RulesetSpec`] (configuration + the node's local pod addresses + the node's own
+//! addresses) is everything the ruleset depends on. A [`Backend`] renders it as the exact text
+//! it applies ([`Backend::render`], golden-tested and shown by `--dry-run`), applies it
+//! atomically and idempotently ([`Backend::apply`]), changes only the pod address sets
+//! ([`Backend::update_pods`]) and removes every trace of it ([`Backend::remove`], which also
+//! cleans up after a crash). [`select`] picks the backend, probing the kernel with [`probe`]
+//! unless the configuration names one.
+//!
+//! # The rules, in order
+//!
+//! All rules sit in the mangle PREROUTING hook (iptables: chain `TIERPROXY`, jumped to from the
+//! top of `mangle PREROUTING`; nftables: base chain `prerouting` of table `inet tierproxy`
+//! at priority `mangle`, -150). Only packets entering the node take PREROUTING; packets the
+//! node itself sends take OUTPUT, which tierproxy does not hook.
+//!
+//! 1. **Bypass mark → return untouched.** The proxy's upstream sockets carry `SO_MARK` =
+//!    bypass mark; when such a packet re-enters PREROUTING (delivery over `lo`) nothing of
+//!    tierproxy may touch it, or the proxy would intercept itself. First, so no later rule
+//!    sees it.
+//! 2. **`socket --transparent` → set route mark, accept.** A packet belonging to an
+//!    established transparent socket of this host: the client leg of a proxied connection
+//!    (the listener's accepted sockets inherit `IP_TRANSPARENT`), and the replies to the
+//!    proxy's source-preserving upstream leg, whose socket is bound to the client's address.
+//!    Their destination is not local, so the route mark sends them to the local routing table
+//!    (Documentation/networking/tproxy.rst, "Redirecting traffic"; iptables-extensions(8),
+//!    "socket": `--transparent`; listening sockets bound to the any-address are ignored, as
+//!    without `--nowildcard`, nft: `socket wildcard 0`). It precedes the queue rule so packets
+//!    of flows already decided never queue again, and without it upstream connects time out.
+//! 3. **From the node's own addresses → return.** Kubelet probes and other traffic from the
+//!    node to its pods is always allowed (DESIGN §2); no queue trip.
+//! 4. **New flow (`ctstate NEW`) of TCP, UDP or SCTP whose source or destination is a local
+//!    pod, without the decided mark → NFQUEUE.** The first packet of every pod flow, egress
+//!    (source is a local pod) and ingress (destination is a local pod), goes to userspace
+//!    before any handshake, so a denied connection times out (DESIGN §3). Flows are balanced
+//!    over the configured queues by flow hash (`--queue-balance first:last`; nft
+//!    `queue num first-last`). `--queue-bypass` (nft `bypass`) only when
+//!    [`RedirectConfig::queue_bypass`] is set: then the kernel accepts packets while no
+//!    program reads the queue (fail-open); otherwise it drops them (fail-closed)
+//!    (iptables-extensions(8), "NFQUEUE"). The decider answers an allowed packet with the
+//!    REPEAT verdict and the decided mark, so the packet walks the hook again and this rule
+//!    skips it (an ACCEPT verdict would end the walk before rule 5).
+//! 5. **TCP with the decided mark → TPROXY** to the listener
+//!    (`--on-ip` [`RedirectConfig::tproxy_addr_v4`]/`_v6`, `--on-port`
+//!    [`RedirectConfig::tproxy_port`]) with `--tproxy-mark` = route mark, so policy routing
+//!    delivers it locally (tproxy.rst, "TPROXY target"; iptables-extensions(8), "TPROXY").
+//!    xt TPROXY drops a packet for which no listener exists; nft's `tproxy` continues with
+//!    the next rule instead, so the nftables backend follows it with a drop of decided TCP
+//!    to behave the same (fail-closed). Decided UDP and SCTP are not TPROXY'd yet: they are
+//!    accepted and forwarded by the kernel. UDP joins TPROXY in a later issue by adding it to
+//!    [`TPROXY_PROTOCOLS`].
+//!
+//! Policy routing (`ip rule fwmark ROUTE/MASK lookup TABLE priority P`, `ip route local
+//! default dev lo table TABLE`, both families) is installed and removed with the ruleset,
+//! see `routing.rs`.
+//!
+//! # Backends
+//!
+//! * [`IptablesBackend`]: ipset `hash:ip` sets filled by `ipset restore` and swapped in
+//!   atomically, tierproxy's own chains replaced by one `iptables-restore --noflush` per
+//!   family, one jump from `mangle PREROUTING` inserted when missing. Works on every kernel
+//!   with xt NFQUEUE/TPROXY/socket and ipset; this is the backend CI exercises.
+//! * [`NftablesBackend`]: one `inet` table built in one transaction through the `nftables`
+//!   crate's typed JSON API. Needs CONFIG_NFT_QUEUE, which the development machines lack.
+//!
+//! What was found on the development machines (kernel 6.18): `nft ... queue` fails with
+//! "No such file or directory" (CONFIG_NFT_QUEUE unset), even under `nft -c`, which [`probe`]
+//! uses; `nft` `tproxy` and `socket` work. `iptables` is `iptables v1.8.9 (nf_tables)`;
+//! NFQUEUE, TPROXY, socket and set work with it (through nft_compat) and with
+//! `iptables-legacy`. [`IptablesBackend::new`] uses the default `iptables`;
+//! [`IptablesCommands::legacy`] selects the legacy tools for nodes whose kube-proxy uses them.
+
+mod exec;
+mod iptables;
+mod nft;
+mod routing;
+
+use std::collections::BTreeSet;
+use std::fmt;
+use std::net::IpAddr;
+
+use crate::config::{BackendChoice, ConfigError, RedirectConfig};
+
+pub use self::iptables::{IptablesBackend, IptablesCommands};
+pub use self::nft::NftablesBackend;
+
+/// Protocols whose new flows are sent to NFQUEUE (rule 4), in rule order.
+pub const QUEUED_PROTOCOLS: [&str; 3] = ["tcp", "udp", "sctp"];
+
+/// Protocols whose decided packets are TPROXY'd to the listener (rule 5). Decided packets of
+/// other [`QUEUED_PROTOCOLS`] are accepted and forwarded by the kernel; UDP is added here
+/// when the proxy terminates UDP (a later issue).
+pub const TPROXY_PROTOCOLS: &[&str] = &["tcp"];
+
+/// A failure to install, change or remove the ruleset.
+#[derive(Debug, thiserror::Error)]
+pub enum RedirectError {
+    /// The configuration does not validate.
+    #[error("invalid redirect configuration")]
+    Config(#[from] ConfigError),
+    /// A program could not be started or fed its input.
+    #[error("could not run `{command}`")]
+    Spawn {
+        /// The command line.
+        command: String,
+        /// Why it could not run.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A program exited unsuccessfully.
+    #[error("`{command}` failed ({status}): {stderr}")]
+    Failed {
+        /// The command line.
+        command: String,
+        /// Its exit status, as printed by the standard library.
+        status: String,
+        /// Its standard error, trimmed.
+        stderr: String,
+    },
+    /// A program's output could not be understood.
+    #[error("unexpected output of `{command}`: {detail}")]
+    Output {
+        /// The command line.
+        command: String,
+        /// What was wrong with it.
+        detail: String,
+    },
+}
+
+/// Names of everything tierproxy creates, derived from [`RedirectConfig::name_prefix`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Names {
+    /// iptables chain jumped to from `mangle PREROUTING`, e.g. `TIERPROXY`.
+    pub chain: String,
+    /// iptables chain that sets the route mark and accepts, e.g. `TIERPROXY-DIVERT`.
+    pub divert_chain: String,
+    /// iptables chain that queues by protocol, e.g. `TIERPROXY-QUEUE`.
+    pub queue_chain: String,
+    /// Set of local pod IPv4 addresses, e.g. `tierproxy-pods-v4` (nftables: `pods-v4`).
+    pub pods_v4: String,
+    /// Set of local pod IPv6 addresses.
+    pub pods_v6: String,
+    /// Set of the node's own IPv4 addresses.
+    pub nodes_v4: String,
+    /// Set of the node's own IPv6 addresses.
+    pub nodes_v6: String,
+    /// nftables table (family `inet`), e.g. `tierproxy`.
+    pub table: String,
+}
+
+impl Names {
+    /// The names for `config`'s prefix (ipset names are prefixed, nftables set names are
+    /// not: they live in tierproxy's own table).
+    pub fn new(config: &RedirectConfig) -> Names {
+        let p = &config.name_prefix;
+        let up = p.to_ascii_uppercase();
+        Names {
+            chain: up.clone(),
+            divert_chain: format!("{up}-DIVERT"),
+            queue_chain: format!("{up}-QUEUE"),
+            pods_v4: format!("{p}-pods-v4"),
+            pods_v6: format!("{p}-pods-v6"),
+            nodes_v4: format!("{p}-nodes-v4"),
+            nodes_v6: format!("{p}-nodes-v6"),
+            table: p.clone(),
+        }
+    }
+}
+
+/// Everything the ruleset depends on: a validated configuration, the node's local pod
+/// addresses and the node's own addresses. A plain value; two equal specs render the same
+/// text. Addresses are kept sorted and IPv4-mapped IPv6 addresses (`::ffff:a.b.c.d`) are
+/// stored as IPv4.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RulesetSpec {
+    config: RedirectConfig,
+    local_pods: BTreeSet<IpAddr>,
+    node_addrs: BTreeSet<IpAddr>,
+}
+
+impl RulesetSpec {
+    /// A spec from a configuration, the addresses of the pods on this node (pod network only,
+    /// not hostNetwork pods) and the node's own addresses.
+    ///
+    /// # Errors
+    /// The configuration's [`ConfigError`].
+    pub fn new(
+        config: RedirectConfig,
+        local_pods: impl IntoIterator<Item = IpAddr>,
+        node_addrs: impl IntoIterator<Item = IpAddr>,
+    ) -> Result<RulesetSpec, ConfigError> {
+        config.validate()?;
+        Ok(RulesetSpec {
+            config,
+            local_pods: local_pods.into_iter().map(|a| a.to_canonical()).collect(),
+            node_addrs: node_addrs.into_iter().map(|a| a.to_canonical()).collect(),
+        })
+    }
+
+    /// The (validated) configuration.
+    pub fn config(&self) -> &RedirectConfig {
+        &self.config
+    }
+
+    /// Local pod addresses, sorted (IPv4 before IPv6).
+    pub fn local_pods(&self) -> &BTreeSet<IpAddr> {
+        &self.local_pods
+    }
+
+    /// The node's own addresses, sorted (IPv4 before IPv6).
+    pub fn node_addrs(&self) -> &BTreeSet<IpAddr> {
+        &self.node_addrs
+    }
+
+    /// The names derived from the configuration.
+    pub fn names(&self) -> Names {
+        Names::new(&self.config)
+    }
+}
+
+/// Splits addresses by family, canonicalising IPv4-mapped IPv6 addresses, sorted and
+/// deduplicated.
+pub(crate) fn by_family<'a>(
+    addrs: impl IntoIterator<Item = &'a IpAddr>,
+) -> (BTreeSet<IpAddr>, BTreeSet<IpAddr>) {
+    addrs.into_iter().map(|a| a.to_canonical()).partition(IpAddr::is_ipv4)
+}
+
+/// The two backends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BackendKind {
+    /// [`IptablesBackend`].
+    Iptables,
+    /// [`NftablesBackend`].
+    Nftables,
+}
+
+impl fmt::Display for BackendKind {
+    /// `iptables` or `nftables`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            BackendKind::Iptables => "iptables",
+            BackendKind::Nftables => "nftables",
+        })
+    }
+}
+
+/// Installs, changes and removes tierproxy's ruleset. Implementations are stateless: every
+/// method takes the configuration it needs, so a fresh process can remove what a crashed one
+/// left behind.
+pub trait Backend: fmt::Debug + Send + Sync {
+    /// Which backend this is.
+    fn kind(&self) -> BackendKind;
+
+    /// Short name for logs: `iptables` or `nftables`.
+    fn name(&self) -> &'static str {
+        match self.kind() {
+            BackendKind::Iptables => "iptables",
+            BackendKind::Nftables => "nftables",
+        }
+    }
+
+    /// The exact input [`Backend::apply`] feeds to each program, in order, each under a
+    /// `### <command line>` header. Deterministic: equal specs give equal text.
+    fn render(&self, spec: &RulesetSpec) -> String;
+
+    /// Installs the ruleset, replacing tierproxy's previous one atomically per table (never
+    /// touching other chains or tables). Applying the same spec twice changes nothing.
+    ///
+    /// # Errors
+    /// The first failing command, with its standard error.
+    fn apply(&self, spec: &RulesetSpec) -> Result<(), RedirectError>;
+
+    /// Adds `add` to and removes `remove` from the local pod sets without rebuilding
+    /// anything else. Adding a present or removing an absent address is not an error; an
+    /// address in both lists ends up present. Needs the ruleset applied.
+    ///
+    /// # Errors
+    /// [`RedirectError::Config`] for an invalid `config`; the failing command otherwise.
+    fn update_pods(
+        &self,
+        config: &RedirectConfig,
+        add: &[IpAddr],
+        remove: &[IpAddr],
+    ) -> Result<(), RedirectError>;
+
+    /// Removes chains, the jump, sets, the table, policy-routing rules and routes that
+    /// `config` names. Succeeds when nothing is installed.
+    ///
+    /// # Errors
+    /// [`RedirectError::Config`] for an invalid `config`; the failing command otherwise.
+    fn remove(&self, config: &RedirectConfig) -> Result<(), RedirectError>;
+}
+
+/// What [`probe`] found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Probe {
+    /// The backend to use.
+    pub kind: BackendKind,
+    /// Why: for nftables, that `nft -c` accepted a rule with `queue`, `tproxy` and `socket`;
+    /// for iptables, what `nft` answered.
+    pub reason: String,
+}
+
+/// Probes the kernel: [`BackendKind::Nftables`] when `nft -c` (a check that sends the
+/// transaction to the kernel and aborts it, so nothing changes) accepts a throwaway table
+/// with `queue`, `tproxy` and `socket transparent` rules; [`BackendKind::Iptables`] otherwise
+/// (no `nft` binary, or a kernel without CONFIG_NFT_QUEUE, CONFIG_NFT_TPROXY or
+/// CONFIG_NFT_SOCKET).
+pub fn probe() -> Probe {
+    match nft::check_kernel_support("nft") {
+        Ok(()) => Probe {
+            kind: BackendKind::Nftables,
+            reason: "nft -c accepted queue, tproxy and socket rules".into(),
+        },
+        Err(e) => Probe { kind: BackendKind::Iptables, reason: format!("nftables unusable: {e}") },
+    }
+}
+
+/// A chosen backend and why it was chosen.
+#[derive(Debug)]
+pub struct Selection {
+    /// The backend.
+    pub backend: Box<dyn Backend>,
+    /// `configured` or the [`Probe::reason`].
+    pub reason: String,
+}
+
+/// The backend for `choice`: the named one, or for [`BackendChoice::Auto`] the one
+/// [`probe`] finds. The iptables backend uses the default `iptables` tools.
+pub fn select(choice: BackendChoice) -> Selection {
+    let (kind, reason) = match choice {
+        BackendChoice::Iptables => (BackendKind::Iptables, "configured".to_owned()),
+        BackendChoice::Nftables => (BackendKind::Nftables, "configured".to_owned()),
+        BackendChoice::Auto => {
+            let p = probe();
+            (p.kind, p.reason)
+        }
+    };
+    let backend: Box<dyn Backend> = match kind {
+        BackendKind::Iptables => Box::new(IptablesBackend::new()),
+        BackendKind::Nftables => Box::new(NftablesBackend::new()),
+    };
+    Selection { backend, reason }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn spec_canonicalises_sorts_and_dedups() {
+        let pods: Vec<IpAddr> = vec![
+            "fd00::2".parse().unwrap(),
+            "::ffff:10.0.0.9".parse().unwrap(),
+            "10.0.0.2".parse().unwrap(),
+            "10.0.0.9".parse().unwrap(),
+        ];
+        let spec = RulesetSpec::new(RedirectConfig::default(), pods, []).unwrap();
+        let got: Vec<String> = spec.local_pods().iter().map(ToString::to_string).collect();
+        assert_eq!(got, ["10.0.0.2", "10.0.0.9", "fd00::2"]);
+        let (v4, v6) = by_family(spec.local_pods());
+        assert_eq!(v4.len(), 2);
+        assert_eq!(v6.len(), 1);
+    }
+
+    #[test]
+    fn spec_rejects_invalid_config() {
+        let config = RedirectConfig { tproxy_port: 0, ..Default::default() };
+        assert_eq!(RulesetSpec::new(config, [], []), Err(ConfigError::TproxyPortZero));
+    }
+
+    #[test]
+    fn names_follow_prefix() {
+        let names = Names::new(&RedirectConfig { name_prefix: "tp".into(), ..Default::default() });
+        assert_eq!(names.chain, "TP");
+        assert_eq!(names.divert_chain, "TP-DIVERT");
+        assert_eq!(names.pods_v6, "tp-pods-v6");
+        assert_eq!(names.table, "tp");
+    }
+
+    #[test]
+    fn select_honours_configured_choice() {
+        assert_eq!(select(BackendChoice::Iptables).backend.kind(), BackendKind::Iptables);
+        assert_eq!(select(BackendChoice::Nftables).backend.kind(), BackendKind::Nftables);
+        assert_eq!(select(BackendChoice::Nftables).backend.name(), "nftables");
+    }
+}

@@ -1,0 +1,497 @@
+//! The nftables backend: table `inet <prefix>` with four address sets and one base chain,
+//! built with the `nftables` crate's typed JSON API and applied by `nft -j -f -` as one
+//! transaction (libnftables-json(5)).
+//!
+//! Re-applying is atomic: the batch adds the table (a no-op when it exists), deletes it and
+//! creates it anew, so the kernel swaps the old table for the new one in one commit and
+//! nothing else in the ruleset is touched. The base chain hooks `prerouting` at priority
+//! `mangle` (-150), after conntrack (-200), so `ct state` is known, and before routing.
+//! A REPEAT verdict restarts the hook, so one chain serves both walks of a decided packet.
+//!
+//! Needs CONFIG_NFT_QUEUE (`queue`), CONFIG_NFT_TPROXY (`tproxy`) and CONFIG_NFT_SOCKET
+//! (`socket`); [`check_kernel_support`] asks the kernel without changing anything.
+
+use std::borrow::Cow;
+use std::collections::{BTreeSet, HashSet};
+use std::fmt::Write as _;
+use std::net::IpAddr;
+
+use ::nftables::batch::Batch;
+use ::nftables::expr::{
+    BinaryOperation, CT, Expression, Meta, MetaKey, NamedExpression, Payload, PayloadField, Range,
+    SetItem, Socket, SocketAttr,
+};
+use ::nftables::schema::{
+    Chain, Element, NfListObject, Nftables, Rule, Set, SetType, SetTypeValue, Table,
+};
+use ::nftables::stmt::{Mangle, Match, Operator, Queue, QueueFlag, Statement, TProxy};
+use ::nftables::types::{NfChainPolicy, NfChainType, NfFamily, NfHook};
+
+use super::exec::Cmd;
+use super::{
+    Backend, BackendKind, Names, QUEUED_PROTOCOLS, RedirectError, RulesetSpec, TPROXY_PROTOCOLS,
+    by_family, routing,
+};
+use crate::config::{Mark, RedirectConfig};
+
+/// Name of the base chain in tierproxy's table.
+pub const CHAIN: &str = "prerouting";
+
+/// nftables' `mangle` priority (nft(8), "Standard priority names").
+const PRIORITY_MANGLE: i32 = -150;
+
+/// Set names inside the table (no prefix needed: the table is tierproxy's own).
+const PODS_V4: &str = "pods-v4";
+const PODS_V6: &str = "pods-v6";
+const NODES_V4: &str = "nodes-v4";
+const NODES_V6: &str = "nodes-v6";
+
+/// The nftables backend (see the module docs of `redirect` for the rules).
+#[derive(Debug, Clone)]
+pub struct NftablesBackend {
+    nft: String,
+    ip: String,
+}
+
+impl Default for NftablesBackend {
+    fn default() -> Self {
+        NftablesBackend { nft: "nft".into(), ip: "ip".into() }
+    }
+}
+
+/// One IP family as nftables names it.
+#[derive(Debug, Clone, Copy)]
+struct Fam {
+    /// Payload protocol and `tproxy` family: `ip` or `ip6`.
+    proto: &'static str,
+    /// `meta nfproto` value: `ipv4` or `ipv6`.
+    nfproto: &'static str,
+    pods: &'static str,
+    nodes: &'static str,
+}
+
+const V4: Fam = Fam { proto: "ip", nfproto: "ipv4", pods: PODS_V4, nodes: NODES_V4 };
+const V6: Fam = Fam { proto: "ip6", nfproto: "ipv6", pods: PODS_V6, nodes: NODES_V6 };
+
+fn meta(key: MetaKey) -> Expression<'static> {
+    Expression::Named(NamedExpression::Meta(Meta { key }))
+}
+
+fn payload(proto: &'static str, field: &'static str) -> Expression<'static> {
+    Expression::Named(NamedExpression::Payload(Payload::PayloadField(PayloadField {
+        protocol: proto.into(),
+        field: field.into(),
+    })))
+}
+
+fn is(left: Expression<'static>, op: Operator, right: Expression<'static>) -> Statement<'static> {
+    Statement::Match(Match { left, right, op })
+}
+
+fn str_expr(s: impl Into<Cow<'static, str>>) -> Expression<'static> {
+    Expression::String(s.into())
+}
+
+fn masked_mark(m: Mark) -> Expression<'static> {
+    Expression::BinaryOperation(Box::new(BinaryOperation::AND(
+        meta(MetaKey::Mark),
+        Expression::Number(m.mask),
+    )))
+}
+
+/// `meta mark & mask == value`.
+fn mark_set(m: Mark) -> Statement<'static> {
+    is(masked_mark(m), Operator::EQ, Expression::Number(m.value))
+}
+
+/// `meta mark & mask != value`.
+fn mark_unset(m: Mark) -> Statement<'static> {
+    is(masked_mark(m), Operator::NEQ, Expression::Number(m.value))
+}
+
+/// `meta mark set meta mark & ~mask | value`, iptables' `--set-xmark value/mask` for a value
+/// within its mask.
+fn set_mark(m: Mark) -> Statement<'static> {
+    Statement::Mangle(Mangle {
+        key: meta(MetaKey::Mark),
+        value: Expression::BinaryOperation(Box::new(BinaryOperation::OR(vec![
+            Expression::BinaryOperation(Box::new(BinaryOperation::AND(
+                meta(MetaKey::Mark),
+                Expression::Number(!m.mask),
+            ))),
+            Expression::Number(m.value),
+        ]))),
+    })
+}
+
+fn socket(key: SocketAttr, value: u32) -> Statement<'static> {
+    is(
+        Expression::Named(NamedExpression::Socket(Socket { key: Cow::Owned(key) })),
+        Operator::EQ,
+        Expression::Number(value),
+    )
+}
+
+fn l4proto_in(protos: &[&'static str]) -> Statement<'static> {
+    let right = match protos {
+        [one] => str_expr(*one),
+        many => Expression::Named(NamedExpression::Set(
+            many.iter().map(|p| SetItem::Element(str_expr(*p))).collect(),
+        )),
+    };
+    is(meta(MetaKey::L4proto), Operator::EQ, right)
+}
+
+fn queue(config: &RedirectConfig) -> Statement<'static> {
+    let first = u32::from(config.queue_first);
+    let num = match config.queue_last() {
+        Some(last) if last != config.queue_first => Expression::Range(Box::new(Range {
+            range: [Expression::Number(first), Expression::Number(u32::from(last))],
+        })),
+        _ => Expression::Number(first),
+    };
+    // No `fanout`: like iptables' `--queue-balance`, flows are spread by hash, which keeps
+    // every packet of a flow on one queue.
+    let flags = config.queue_bypass.then(|| HashSet::from([QueueFlag::Bypass]));
+    Statement::Queue(Queue { num, flags })
+}
+
+struct Builder<'s> {
+    table: String,
+    batch: Batch<'s>,
+}
+
+impl<'s> Builder<'s> {
+    fn table(&self) -> Table<'s> {
+        Table { family: NfFamily::INet, name: self.table.clone().into(), handle: None }
+    }
+
+    fn rule(&mut self, comment: &'static str, expr: Vec<Statement<'s>>) {
+        self.batch.add(NfListObject::Rule(Rule {
+            family: NfFamily::INet,
+            table: self.table.clone().into(),
+            chain: CHAIN.into(),
+            expr: expr.into(),
+            handle: None,
+            index: None,
+            comment: Some(comment.into()),
+        }));
+    }
+
+    fn set(&mut self, name: &'static str, ty: SetType, members: &BTreeSet<IpAddr>) {
+        let elem: Vec<Expression<'s>> = members.iter().map(|a| str_expr(a.to_string())).collect();
+        self.batch.add(NfListObject::Set(Box::new(Set {
+            family: NfFamily::INet,
+            table: self.table.clone().into(),
+            name: name.into(),
+            handle: None,
+            set_type: SetTypeValue::Single(ty),
+            policy: None,
+            flags: None,
+            elem: (!elem.is_empty()).then(|| elem.into()),
+            timeout: None,
+            gc_interval: None,
+            size: None,
+            comment: None,
+        })));
+    }
+
+    fn elements(&self, name: &'static str, members: &BTreeSet<IpAddr>) -> NfListObject<'s> {
+        NfListObject::Element(Element {
+            family: NfFamily::INet,
+            table: self.table.clone().into(),
+            name: name.into(),
+            elem: members.iter().map(|a| str_expr(a.to_string())).collect::<Vec<_>>().into(),
+        })
+    }
+}
+
+/// The transaction [`NftablesBackend::apply`] sends: replace table `inet <prefix>` with
+/// the sets and the chain of `spec`.
+fn apply_batch(spec: &RulesetSpec) -> Nftables<'static> {
+    let c = spec.config();
+    let mut b = Builder { table: spec.names().table, batch: Batch::new() };
+    // Delete-if-exists: `add table` is a no-op on an existing table, so the delete that
+    // follows always succeeds, and the new table replaces the old one in the same commit.
+    b.batch.add(NfListObject::Table(b.table()));
+    b.batch.delete(NfListObject::Table(b.table()));
+    b.batch.add(NfListObject::Table(b.table()));
+    let (pods4, pods6) = by_family(spec.local_pods());
+    let (nodes4, nodes6) = by_family(spec.node_addrs());
+    b.set(PODS_V4, SetType::Ipv4Addr, &pods4);
+    b.set(PODS_V6, SetType::Ipv6Addr, &pods6);
+    b.set(NODES_V4, SetType::Ipv4Addr, &nodes4);
+    b.set(NODES_V6, SetType::Ipv6Addr, &nodes6);
+    b.batch.add(NfListObject::Chain(Chain {
+        family: NfFamily::INet,
+        table: b.table.clone().into(),
+        name: CHAIN.into(),
+        _type: Some(NfChainType::Filter),
+        hook: Some(NfHook::Prerouting),
+        prio: Some(PRIORITY_MANGLE),
+        policy: Some(NfChainPolicy::Accept),
+        ..Chain::default()
+    }));
+
+    // Rule 1: the proxy's own upstream packets are never touched (return = chain policy).
+    b.rule(
+        "tierproxy: proxy upstream sockets (bypass mark)",
+        vec![mark_set(c.bypass_mark), Statement::Return(None)],
+    );
+    // Rule 2: established transparent sockets (proxied flows, upstream replies) → local.
+    // `socket wildcard 0` ignores listeners bound to the any-address, as xt socket does.
+    b.rule(
+        "tierproxy: established transparent socket",
+        vec![
+            socket(SocketAttr::Transparent, 1),
+            socket(SocketAttr::Wildcard, 0),
+            set_mark(c.route_mark),
+            Statement::Accept(None),
+        ],
+    );
+    // Rule 3: traffic from the node itself is always allowed.
+    for fam in [V4, V6] {
+        b.rule(
+            "tierproxy: from the node itself",
+            vec![
+                is(payload(fam.proto, "saddr"), Operator::EQ, str_expr(format!("@{}", fam.nodes))),
+                Statement::Return(None),
+            ],
+        );
+    }
+    // Rule 4: first packet of a new pod flow, egress then ingress → queue.
+    for fam in [V4, V6] {
+        for (field, comment) in [
+            ("saddr", "tierproxy: new flow from a local pod"),
+            ("daddr", "tierproxy: new flow to a local pod"),
+        ] {
+            b.rule(
+                comment,
+                vec![
+                    mark_unset(c.decided_mark),
+                    is(
+                        Expression::Named(NamedExpression::CT(CT {
+                            key: "state".into(),
+                            family: None,
+                            dir: None,
+                        })),
+                        Operator::IN,
+                        str_expr("new"),
+                    ),
+                    l4proto_in(&QUEUED_PROTOCOLS),
+                    is(payload(fam.proto, field), Operator::EQ, str_expr(format!("@{}", fam.pods))),
+                    queue(c),
+                ],
+            );
+        }
+    }
+    // Rule 5: decided packets of terminated protocols → the proxy's listener, then a drop
+    // for those nft's tproxy found no listener for (xt TPROXY drops them itself).
+    for fam in [V4, V6] {
+        let addr = match fam.proto {
+            "ip" => c.tproxy_addr_v4.to_string(),
+            _ => c.tproxy_addr_v6.to_string(),
+        };
+        b.rule(
+            "tierproxy: decided, to the proxy",
+            vec![
+                mark_set(c.decided_mark),
+                is(meta(MetaKey::Nfproto), Operator::EQ, str_expr(fam.nfproto)),
+                l4proto_in(TPROXY_PROTOCOLS),
+                Statement::TProxy(TProxy {
+                    family: Some(fam.proto.into()),
+                    port: c.tproxy_port,
+                    addr: Some(addr.into()),
+                }),
+                set_mark(c.route_mark),
+                Statement::Accept(None),
+            ],
+        );
+    }
+    b.rule(
+        "tierproxy: decided but no proxy listener",
+        vec![mark_set(c.decided_mark), l4proto_in(TPROXY_PROTOCOLS), Statement::Drop(None)],
+    );
+    b.batch.to_nftables()
+}
+
+/// The transaction that removes the table if it exists.
+fn remove_batch(names: &Names) -> Nftables<'static> {
+    let mut b = Builder { table: names.table.clone(), batch: Batch::new() };
+    b.batch.add(NfListObject::Table(b.table()));
+    b.batch.delete(NfListObject::Table(b.table()));
+    b.batch.to_nftables()
+}
+
+/// The transaction that adds `add` to and removes `remove` from the pod sets. Addresses to
+/// remove are first added, so that deleting an absent one cannot fail the transaction.
+fn update_batch(names: &Names, add: &[IpAddr], remove: &[IpAddr]) -> Nftables<'static> {
+    let mut b = Builder { table: names.table.clone(), batch: Batch::new() };
+    let (add4, add6) = by_family(add);
+    let (rm4, rm6) = by_family(remove);
+    for (set, rm, add) in [(PODS_V4, rm4, add4), (PODS_V6, rm6, add6)] {
+        if !rm.is_empty() {
+            b.batch.add(b.elements(set, &rm));
+            b.batch.delete(b.elements(set, &rm));
+        }
+        if !add.is_empty() {
+            b.batch.add(b.elements(set, &add));
+        }
+    }
+    b.batch.to_nftables()
+}
+
+fn to_json(n: &Nftables<'_>, pretty: bool) -> String {
+    let r = if pretty { serde_json::to_string_pretty(n) } else { serde_json::to_string(n) };
+    // The schema types serialize plain data only (strings, numbers, sequences, maps with
+    // string keys), which serde_json cannot fail on.
+    r.unwrap_or_else(|e| format!("{{\"error\": \"{e}\"}}"))
+}
+
+/// Asks the kernel whether it supports what this backend needs, without changing anything:
+/// `nft -c` (check) sends a transaction with a throwaway table holding a `queue`, a `tproxy`
+/// and a `socket transparent` rule, and the kernel aborts it after validation.
+///
+/// # Errors
+/// The failing `nft` command with its standard error (on the development machines:
+/// "Could not process rule: No such file or directory" at `queue`).
+pub fn check_kernel_support(nft: &str) -> Result<(), RedirectError> {
+    let mut b = Builder { table: "tierproxy-probe".into(), batch: Batch::new() };
+    b.batch.add(NfListObject::Table(b.table()));
+    b.batch.add(NfListObject::Chain(Chain {
+        family: NfFamily::INet,
+        table: b.table.clone().into(),
+        name: CHAIN.into(),
+        _type: Some(NfChainType::Filter),
+        hook: Some(NfHook::Prerouting),
+        prio: Some(PRIORITY_MANGLE),
+        policy: Some(NfChainPolicy::Accept),
+        ..Chain::default()
+    }));
+    let probe = RedirectConfig::default();
+    b.rule("probe: queue", vec![l4proto_in(&["tcp"]), queue(&probe)]);
+    b.rule(
+        "probe: tproxy",
+        vec![
+            is(meta(MetaKey::Nfproto), Operator::EQ, str_expr("ipv4")),
+            l4proto_in(&["tcp"]),
+            Statement::TProxy(TProxy {
+                family: Some("ip".into()),
+                port: probe.tproxy_port,
+                addr: Some("127.0.0.1".into()),
+            }),
+        ],
+    );
+    b.rule("probe: socket", vec![socket(SocketAttr::Transparent, 1), Statement::Accept(None)]);
+    Cmd::new(nft, ["-c", "-j", "-f", "-"]).run(Some(&to_json(&b.batch.to_nftables(), false)))?;
+    Ok(())
+}
+
+impl NftablesBackend {
+    /// The backend running `nft` and `ip` from `PATH`.
+    pub fn new() -> Self {
+        NftablesBackend::default()
+    }
+
+    /// The JSON transaction [`Backend::apply`] feeds to `nft -j -f -`, pretty-printed: add,
+    /// delete and re-create table `inet <prefix>` with its sets, chain and rules.
+    pub fn ruleset_json(&self, spec: &RulesetSpec) -> String {
+        to_json(&apply_batch(spec), true)
+    }
+
+    fn nft_cmd(&self) -> Cmd {
+        Cmd::new(&self.nft, ["-j", "-f", "-"])
+    }
+}
+
+impl Backend for NftablesBackend {
+    fn kind(&self) -> BackendKind {
+        BackendKind::Nftables
+    }
+
+    fn render(&self, spec: &RulesetSpec) -> String {
+        let mut o = String::new();
+        let _ = writeln!(o, "### {}", self.nft_cmd().line());
+        o.push_str(&self.ruleset_json(spec));
+        o.push('\n');
+        for line in routing::render(spec.config(), &self.ip) {
+            let _ = writeln!(o, "### {line}");
+        }
+        o
+    }
+
+    fn apply(&self, spec: &RulesetSpec) -> Result<(), RedirectError> {
+        // Routing first: once the table exists, TPROXY'd packets need the route.
+        routing::install(spec.config(), &self.ip)?;
+        self.nft_cmd().run(Some(&to_json(&apply_batch(spec), false)))?;
+        Ok(())
+    }
+
+    fn update_pods(
+        &self,
+        config: &RedirectConfig,
+        add: &[IpAddr],
+        remove: &[IpAddr],
+    ) -> Result<(), RedirectError> {
+        config.validate()?;
+        if add.is_empty() && remove.is_empty() {
+            return Ok(());
+        }
+        let batch = update_batch(&Names::new(config), add, remove);
+        self.nft_cmd().run(Some(&to_json(&batch, false)))?;
+        Ok(())
+    }
+
+    fn remove(&self, config: &RedirectConfig) -> Result<(), RedirectError> {
+        config.validate()?;
+        self.nft_cmd().run(Some(&to_json(&remove_batch(&Names::new(config)), false)))?;
+        routing::uninstall(config, &self.ip)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::{Value, json};
+
+    fn json_of(n: &Nftables<'_>) -> Value {
+        serde_json::from_str(&to_json(n, false)).unwrap()
+    }
+
+    #[test]
+    fn update_adds_before_deleting_removed_addresses() {
+        let names = Names::new(&RedirectConfig::default());
+        let add: Vec<IpAddr> = vec!["10.0.0.1".parse().unwrap()];
+        let rm: Vec<IpAddr> = vec!["10.0.0.2".parse().unwrap(), "fd00::2".parse().unwrap()];
+        let v = json_of(&update_batch(&names, &add, &rm));
+        let elem = |set: &str, addr: &str| json!({"element": {"family": "inet", "table": "tierproxy", "name": set, "elem": [addr]}});
+        assert_eq!(
+            v["nftables"],
+            json!([
+                {"add": elem("pods-v4", "10.0.0.2")},
+                {"delete": elem("pods-v4", "10.0.0.2")},
+                {"add": elem("pods-v4", "10.0.0.1")},
+                {"add": elem("pods-v6", "fd00::2")},
+                {"delete": elem("pods-v6", "fd00::2")},
+            ])
+        );
+    }
+
+    #[test]
+    fn remove_is_add_then_delete_table() {
+        let v = json_of(&remove_batch(&Names::new(&RedirectConfig::default())));
+        let t = json!({"table": {"family": "inet", "name": "tierproxy"}});
+        assert_eq!(v["nftables"], json!([{"add": t}, {"delete": t}]));
+    }
+
+    #[test]
+    fn queue_statement_shapes() {
+        let mut c = RedirectConfig::default();
+        let q = |c: &RedirectConfig| serde_json::to_value(queue(c)).unwrap();
+        assert_eq!(q(&c), json!({"queue": {"num": {"range": [0, 1]}}}));
+        c.queue_bypass = true;
+        c.queue_count = 1;
+        c.queue_first = 3;
+        assert_eq!(q(&c), json!({"queue": {"num": 3, "flags": ["bypass"]}}));
+    }
+}
