@@ -1,0 +1,560 @@
+//! Redirection in real network namespaces (issue #3 "Redirection" and "Tests").
+//!
+//! Each test creates its own namespaces, named `tpr-<pid>-<n>` and removed by a guard on drop
+//! (also when the test panics), and runs the backend inside them from a thread that entered
+//! the namespace with `setns(CLONE_NEWNET)`; the programs the backend spawns inherit it. Traffic
+//! is only ever sent between namespaces the test created.
+//!
+//! Without CAP_NET_ADMIN and CAP_SYS_ADMIN (creating a named namespace mounts it) or without
+//! the tools, a test prints `SKIPPED: <test>: <why>` to stderr and returns, unless
+//! `TIERPROXY_REQUIRE_NETNS=1`, in which case it fails.
+
+use std::collections::BTreeSet;
+use std::fs::File;
+use std::io::{ErrorKind, Read, Write};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
+use std::process::{Command, Output};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use nix::sched::{CloneFlags, setns};
+use nix::sys::socket::{setsockopt, sockopt};
+use tierproxy::config::RedirectConfig;
+use tierproxy::redirect::{
+    Backend, BackendKind, IptablesBackend, IptablesCommands, NftablesBackend, RulesetSpec, probe,
+};
+
+const CAP_NET_ADMIN: u32 = 12;
+const CAP_SYS_ADMIN: u32 = 21;
+
+fn effective_caps() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("CapEff:"))
+        .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok())
+        .unwrap_or(0)
+}
+
+fn on_path(tool: &str) -> bool {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path).any(|dir| dir.join(tool).is_file())
+}
+
+/// Whether `test` can run here; prints why not (or fails under `TIERPROXY_REQUIRE_NETNS=1`).
+fn netns_available(test: &str, tools: &[&str]) -> bool {
+    let caps = effective_caps();
+    let has = |cap: u32| caps & (1 << cap) != 0;
+    let reason = if !has(CAP_NET_ADMIN) || !has(CAP_SYS_ADMIN) {
+        Some(format!(
+            "needs CAP_NET_ADMIN (and CAP_SYS_ADMIN to create network namespaces; run as root), \
+             effective capabilities are {caps:#x}"
+        ))
+    } else {
+        let missing: Vec<&str> = tools.iter().copied().filter(|t| !on_path(t)).collect();
+        (!missing.is_empty()).then(|| format!("needs {} on PATH", missing.join(", ")))
+    };
+    match reason {
+        None => true,
+        Some(why) if std::env::var_os("TIERPROXY_REQUIRE_NETNS").is_some_and(|v| v == "1") => {
+            panic!("{test}: {why}, and TIERPROXY_REQUIRE_NETNS=1 requires this test to run")
+        }
+        Some(why) => {
+            eprintln!("SKIPPED: {test}: {why}");
+            false
+        }
+    }
+}
+
+const BASE_TOOLS: &[&str] =
+    &["ip", "iptables", "ip6tables", "iptables-restore", "ip6tables-restore", "ipset"];
+
+/// A named network namespace, deleted on drop.
+struct Netns {
+    name: String,
+}
+
+impl Netns {
+    fn new() -> Netns {
+        static NEXT: AtomicUsize = AtomicUsize::new(0);
+        let name = format!("tpr-{}-{}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed));
+        check(Command::new("ip").args(["netns", "add", &name]));
+        let ns = Netns { name };
+        ns.sh(&["ip", "link", "set", "lo", "up"]);
+        ns
+    }
+
+    fn output(&self, args: &[&str]) -> Output {
+        Command::new("ip")
+            .args(["netns", "exec", &self.name])
+            .args(args)
+            .output()
+            .unwrap_or_else(|e| panic!("ip netns exec {} {args:?}: {e}", self.name))
+    }
+
+    /// Runs a command inside the namespace; panics with its stderr when it fails.
+    fn sh(&self, args: &[&str]) -> String {
+        let out = self.output(args);
+        assert!(
+            out.status.success(),
+            "`{}` in {} failed: {}",
+            args.join(" "),
+            self.name,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// Runs `f` on a thread that has entered this namespace.
+    fn run<T: Send>(&self, f: impl FnOnce() -> T + Send) -> T {
+        let path = format!("/run/netns/{}", self.name);
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                let file = File::open(&path).unwrap_or_else(|e| panic!("open {path}: {e}"));
+                setns(&file, CloneFlags::CLONE_NEWNET).unwrap_or_else(|e| panic!("setns: {e}"));
+                f()
+            })
+            .join()
+            .unwrap_or_else(|p| std::panic::resume_unwind(p))
+        })
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        let _ = Command::new("ip").args(["netns", "del", &self.name]).status();
+    }
+}
+
+fn check(cmd: &mut Command) {
+    let out = cmd.output().unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
+    assert!(out.status.success(), "{cmd:?}: {}", String::from_utf8_lossy(&out.stderr));
+}
+
+fn addrs(list: &[&str]) -> Vec<IpAddr> {
+    list.iter().map(|a| a.parse().expect("test address")).collect()
+}
+
+fn spec(config: RedirectConfig, pods: &[&str], nodes: &[&str]) -> RulesetSpec {
+    RulesetSpec::new(config, addrs(pods), addrs(nodes)).expect("valid spec")
+}
+
+/// Members of an ipset, sorted as strings.
+fn members(ns: &Netns, set: &str) -> Vec<String> {
+    let save = ns.sh(&["ipset", "save", set]);
+    let mut m: Vec<String> = save
+        .lines()
+        .filter_map(|l| l.strip_prefix(&format!("add {set} ")))
+        .map(str::to_owned)
+        .collect();
+    m.sort();
+    m
+}
+
+/// Everything of the namespace's netfilter and routing state the tests compare, without
+/// counters and timestamps.
+fn state(ns: &Netns, cmds: &IptablesCommands) -> String {
+    let mut s = String::new();
+    for save in [&cmds.iptables_save, &cmds.ip6tables_save] {
+        for line in ns.sh(&[save, "-t", "mangle"]).lines() {
+            if line.starts_with('#') {
+                continue;
+            }
+            // Built-in chains carry policy counters: `:PREROUTING ACCEPT [12:720]`.
+            s.push_str(line.split(" [").next().unwrap_or(line));
+            s.push('\n');
+        }
+    }
+    for line in ns.sh(&["ipset", "list", "-n"]).lines() {
+        s.push_str(&format!("set {line}: {:?}\n", members(ns, line)));
+    }
+    for fam in ["-4", "-6"] {
+        s.push_str(&ns.sh(&["ip", fam, "rule", "show"]));
+        s.push_str(&ns.sh(&["ip", fam, "route", "show", "table", "all"]));
+    }
+    s
+}
+
+/// The `-A` lines of the section of a rendering whose header starts with `### <program> `.
+fn rendered_rules<'a>(rendered: &'a str, program: &str) -> Vec<&'a str> {
+    let header = format!("### {program} ");
+    rendered
+        .split_inclusive('\n')
+        .skip_while(|l| !l.starts_with(&header))
+        .skip(1)
+        .take_while(|l| !l.starts_with("### "))
+        .map(str::trim_end)
+        .filter(|l| l.starts_with("-A "))
+        .collect()
+}
+
+/// The lines of a [`state`] that are not ipset members.
+fn without_sets(s: &str) -> Vec<&str> {
+    s.lines().filter(|l| !l.starts_with("set ")).collect()
+}
+
+fn iptables_lifecycle(test: &str, cmds: IptablesCommands) {
+    let mut tools = BASE_TOOLS.to_vec();
+    tools.extend([cmds.iptables.as_str(), cmds.iptables_restore.as_str()]);
+    if !netns_available(test, &tools) {
+        return;
+    }
+    let ns = Netns::new();
+    // Someone else's rules, chain, set and routing rule: tierproxy must leave them alone.
+    for ipt in [&cmds.iptables, &cmds.ip6tables] {
+        ns.sh(&[ipt, "-w", "-t", "mangle", "-A", "PREROUTING", "-p", "tcp", "-j", "RETURN"]);
+        ns.sh(&[ipt, "-w", "-t", "mangle", "-N", "FOREIGN"]);
+    }
+    ns.sh(&["ipset", "create", "foreign", "hash:ip"]);
+    ns.sh(&["ip", "rule", "add", "fwmark", "0x1", "lookup", "100", "priority", "100"]);
+    let foreign = state(&ns, &cmds);
+
+    let backend = IptablesBackend::with_commands(cmds.clone());
+    let config = RedirectConfig::default();
+    let pods = ["10.244.1.11", "10.244.1.12", "fd00:10:244:1::b"];
+    let nodes = ["192.168.50.2", "fd00:50::2"];
+    let first = spec(config.clone(), &pods, &nodes);
+    ns.run(|| backend.apply(&first)).expect("apply");
+
+    // The kernel holds exactly the rendered rules, and one jump at the top of PREROUTING.
+    let rendered = backend.render(&first);
+    for (restore, save) in [
+        (&cmds.iptables_restore, &cmds.iptables_save),
+        (&cmds.ip6tables_restore, &cmds.ip6tables_save),
+    ] {
+        let expected = rendered_rules(&rendered, restore);
+        assert_eq!(expected.len(), 11, "{restore} section of:\n{rendered}");
+        let saved = ns.sh(&[save, "-t", "mangle"]);
+        let ours: Vec<&str> = saved.lines().filter(|l| l.starts_with("-A TIERPROXY")).collect();
+        assert_eq!(ours, expected, "{save}");
+        let prerouting: Vec<&str> =
+            saved.lines().filter(|l| l.starts_with("-A PREROUTING")).collect();
+        assert_eq!(prerouting, ["-A PREROUTING -j TIERPROXY", "-A PREROUTING -p tcp -j RETURN"]);
+        assert!(saved.contains(":FOREIGN - "), "{saved}");
+    }
+    assert_eq!(members(&ns, "tierproxy-pods-v4"), ["10.244.1.11", "10.244.1.12"]);
+    assert_eq!(members(&ns, "tierproxy-pods-v6"), ["fd00:10:244:1::b"]);
+    assert_eq!(members(&ns, "tierproxy-nodes-v4"), ["192.168.50.2"]);
+    assert_eq!(members(&ns, "tierproxy-nodes-v6"), ["fd00:50::2"]);
+    for fam in ["-4", "-6"] {
+        let rules = ns.sh(&["ip", fam, "rule", "show"]);
+        assert!(rules.contains("1501:\tfrom all fwmark 0x2000/0x2000 lookup 1501"), "{rules}");
+        let routes = ns.sh(&["ip", fam, "route", "show", "table", "1501"]);
+        assert!(routes.starts_with("local default dev lo"), "{routes}");
+    }
+    let sets = ns.sh(&["ipset", "list", "-n"]);
+    assert!(!sets.contains("-tmp"), "temporary sets are destroyed: {sets}");
+
+    // Applying the same spec again changes nothing (no second jump, rule or route).
+    let installed = state(&ns, &cmds);
+    ns.run(|| backend.apply(&first)).expect("second apply");
+    assert_eq!(state(&ns, &cmds), installed);
+
+    // Applying a spec with other pods replaces the set members, nothing else.
+    let second = spec(config.clone(), &["10.244.1.13"], &nodes);
+    ns.run(|| backend.apply(&second)).expect("apply with other pods");
+    assert_eq!(members(&ns, "tierproxy-pods-v4"), ["10.244.1.13"]);
+    assert!(members(&ns, "tierproxy-pods-v6").is_empty());
+    let replaced = state(&ns, &cmds);
+    assert_eq!(without_sets(&replaced), without_sets(&installed));
+
+    // update_pods changes only set elements; removing an absent address is no error.
+    ns.run(|| {
+        backend.update_pods(
+            &config,
+            &addrs(&["10.244.1.14", "fd00:10:244:1::e", "10.244.1.14"]),
+            &addrs(&["10.244.1.13", "10.244.1.99"]),
+        )
+    })
+    .expect("update_pods");
+    assert_eq!(members(&ns, "tierproxy-pods-v4"), ["10.244.1.14"]);
+    assert_eq!(members(&ns, "tierproxy-pods-v6"), ["fd00:10:244:1::e"]);
+    assert_eq!(without_sets(&state(&ns, &cmds)), without_sets(&installed));
+
+    // remove leaves exactly what was there before, twice.
+    ns.run(|| backend.remove(&config)).expect("remove");
+    assert_eq!(state(&ns, &cmds), foreign);
+    ns.run(|| backend.remove(&config)).expect("second remove");
+    assert_eq!(state(&ns, &cmds), foreign);
+}
+
+#[test]
+fn iptables_apply_update_remove() {
+    iptables_lifecycle("iptables_apply_update_remove", IptablesCommands::default());
+}
+
+#[test]
+fn iptables_legacy_apply_update_remove() {
+    iptables_lifecycle("iptables_legacy_apply_update_remove", IptablesCommands::legacy());
+}
+
+#[test]
+fn remove_with_nothing_installed_succeeds() {
+    let test = "remove_with_nothing_installed_succeeds";
+    let mut tools = BASE_TOOLS.to_vec();
+    tools.push("nft");
+    if !netns_available(test, &tools) {
+        return;
+    }
+    let ns = Netns::new();
+    let config = RedirectConfig::default();
+    let before = state(&ns, &IptablesCommands::default());
+    ns.run(|| IptablesBackend::new().remove(&config)).expect("iptables remove");
+    ns.run(|| NftablesBackend::new().remove(&config)).expect("nftables remove");
+    assert_eq!(state(&ns, &IptablesCommands::default()), before);
+    assert!(!ns.sh(&["nft", "list", "tables"]).contains("tierproxy"));
+}
+
+/// Drops the queue rules from the nftables batch (for kernels without CONFIG_NFT_QUEUE).
+fn without_queue_rules(json: &str) -> (String, usize) {
+    let mut doc: serde_json::Value = serde_json::from_str(json).expect("ruleset JSON");
+    let objects = doc["nftables"].as_array_mut().expect("nftables array");
+    let before = objects.len();
+    objects.retain(|o| {
+        let expr = o.pointer("/add/rule/expr").and_then(|e| e.as_array());
+        !expr.is_some_and(|e| e.iter().any(|s| s.get("queue").is_some()))
+    });
+    let dropped = before - objects.len();
+    (doc.to_string(), dropped)
+}
+
+fn nft_elements(ns: &Netns, set: &str) -> BTreeSet<String> {
+    let out = ns.sh(&["nft", "-j", "list", "set", "inet", "tierproxy", set]);
+    let doc: serde_json::Value = serde_json::from_str(&out).expect("nft JSON");
+    doc["nftables"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|o| o.pointer("/set/elem").and_then(|e| e.as_array()))
+        .flatten()
+        .filter_map(|e| e.as_str().map(str::to_owned))
+        .collect()
+}
+
+#[test]
+fn nftables_apply_update_remove() {
+    let test = "nftables_apply_update_remove";
+    if !netns_available(test, &["ip", "nft"]) {
+        return;
+    }
+    let ns = Netns::new();
+    let config = RedirectConfig::default();
+    let s = spec(config.clone(), &["10.244.1.11", "fd00:10:244:1::b"], &["192.168.50.2"]);
+    let backend = NftablesBackend::new();
+    let probed = ns.run(probe);
+    let cmds = IptablesCommands::default();
+    let before = state(&ns, &cmds);
+
+    if probed.kind == BackendKind::Nftables {
+        ns.run(|| backend.apply(&s)).expect("apply");
+        ns.run(|| backend.apply(&s)).expect("second apply");
+        let listing = ns.sh(&["nft", "list", "table", "inet", "tierproxy"]);
+        assert_eq!(listing.matches("queue").count(), 4, "{listing}");
+        assert_eq!(ns.sh(&["nft", "list", "tables"]).matches("tierproxy").count(), 1);
+    } else {
+        eprintln!(
+            "SKIPPED: {test} (full ruleset): the kernel cannot queue from nftables ({}); \
+             checking that apply fails cleanly and that the ruleset without its queue rules \
+             applies",
+            probed.reason
+        );
+        assert!(probed.reason.contains("nft -c -j -f -"), "{}", probed.reason);
+        let err = ns.run(|| backend.apply(&s)).expect_err("apply must fail without nft queue");
+        assert!(err.to_string().contains("`nft -j -f -` failed"), "{err}");
+        // The failed transaction left no table behind.
+        assert!(!ns.sh(&["nft", "list", "tables"]).contains("tierproxy"));
+        let (json, dropped) = without_queue_rules(&backend.ruleset_json(&s));
+        assert_eq!(dropped, 4, "egress and ingress × 2 families");
+        let mut child = Command::new("ip")
+            .args(["netns", "exec", &ns.name, "nft", "-j", "-f", "-"])
+            .stdin(std::process::Stdio::piped())
+            .spawn()
+            .expect("spawn nft");
+        child.stdin.take().expect("stdin").write_all(json.as_bytes()).expect("write");
+        assert!(child.wait().expect("nft").success(), "ruleset without queue rules applies");
+        let listing = ns.sh(&["nft", "list", "table", "inet", "tierproxy"]);
+        for needle in [
+            "socket transparent 1 socket wildcard 0 meta mark set meta mark | 0x00002000 accept",
+            "tproxy ip to 127.0.0.1:15001 meta mark set meta mark | 0x00002000 accept",
+            "tproxy ip6 to [::1]:15001",
+            "ip saddr @nodes-v4 return",
+        ] {
+            assert!(listing.contains(needle), "{needle:?} missing from:\n{listing}");
+        }
+    }
+    assert_eq!(nft_elements(&ns, "pods-v4"), BTreeSet::from(["10.244.1.11".to_owned()]));
+    ns.run(|| {
+        backend.update_pods(
+            &config,
+            &addrs(&["10.244.1.12", "fd00:10:244:1::c"]),
+            &addrs(&["10.244.1.11", "10.244.1.99"]),
+        )
+    })
+    .expect("update_pods");
+    assert_eq!(nft_elements(&ns, "pods-v4"), BTreeSet::from(["10.244.1.12".to_owned()]));
+    assert_eq!(
+        nft_elements(&ns, "pods-v6"),
+        BTreeSet::from(["fd00:10:244:1::b".to_owned(), "fd00:10:244:1::c".to_owned()])
+    );
+    ns.run(|| backend.remove(&config)).expect("remove");
+    assert!(!ns.sh(&["nft", "list", "tables"]).contains("tierproxy"));
+    assert_eq!(state(&ns, &cmds), before, "routing rules and routes are gone too");
+    ns.run(|| backend.remove(&config)).expect("second remove");
+}
+
+/// A node namespace and a pod namespace joined by a veth: pod 10.200.0.2 with its default
+/// route via the node's 10.200.0.1.
+struct Topology {
+    node: Netns,
+    pod: Netns,
+}
+
+const NODE_IP: &str = "10.200.0.1";
+const POD_IP: &str = "10.200.0.2";
+
+impl Topology {
+    fn new() -> Topology {
+        let node = Netns::new();
+        let pod = Netns::new();
+        node.sh(&[
+            "ip", "link", "add", "vn", "type", "veth", "peer", "name", "vp", "netns", &pod.name,
+        ]);
+        node.sh(&["ip", "addr", "add", &format!("{NODE_IP}/24"), "dev", "vn"]);
+        node.sh(&["ip", "link", "set", "vn", "up"]);
+        pod.sh(&["ip", "addr", "add", &format!("{POD_IP}/24"), "dev", "vp"]);
+        pod.sh(&["ip", "link", "set", "vp", "up"]);
+        pod.sh(&["ip", "route", "add", "default", "via", NODE_IP]);
+        Topology { node, pod }
+    }
+
+    fn connect(&self, to: SocketAddr, timeout: Duration) -> std::io::Result<TcpStream> {
+        self.pod.run(|| TcpStream::connect_timeout(&to, timeout))
+    }
+}
+
+fn queued_packets(ns: &Netns) -> u64 {
+    let out = ns.sh(&["iptables", "-w", "-t", "mangle", "-L", "TIERPROXY-QUEUE", "-v", "-x", "-n"]);
+    out.lines()
+        .filter(|l| l.contains("NFQUEUE"))
+        .filter_map(|l| l.split_whitespace().next()?.parse::<u64>().ok())
+        .sum()
+}
+
+/// With nothing reading the queue, a new connection from a local pod is dropped when the
+/// queue is fail-closed (the client times out, never refused) and passes when it is
+/// fail-open (`--queue-bypass`).
+#[test]
+fn fail_closed_drops_and_fail_open_passes_unread_queue() {
+    let test = "fail_closed_drops_and_fail_open_passes_unread_queue";
+    if !netns_available(test, BASE_TOOLS) {
+        return;
+    }
+    let topo = Topology::new();
+    let server: SocketAddr = format!("{NODE_IP}:8080").parse().expect("addr");
+    let _listener = topo.node.run(|| TcpListener::bind(server)).expect("listen in node");
+    let backend = IptablesBackend::new();
+    let closed = spec(RedirectConfig::default(), &[POD_IP], &[NODE_IP]);
+    let open =
+        spec(RedirectConfig { queue_bypass: true, ..Default::default() }, &[POD_IP], &[NODE_IP]);
+    let timeout = Duration::from_millis(1500);
+
+    topo.connect(server, timeout).expect("control: connects before any rule");
+
+    topo.node.run(|| backend.apply(&closed)).expect("apply fail-closed");
+    let started = Instant::now();
+    let err = topo.connect(server, timeout).expect_err("fail-closed must drop the SYN");
+    assert_eq!(err.kind(), ErrorKind::TimedOut, "a timeout, not a refusal: {err}");
+    assert!(started.elapsed() >= timeout, "dropped silently, so the client waited");
+    assert!(queued_packets(&topo.node) >= 1, "the SYN went to the queue");
+
+    topo.node.run(|| backend.apply(&open)).expect("apply fail-open");
+    topo.connect(server, timeout).expect("fail-open lets the SYN pass an unread queue");
+
+    topo.node.run(|| backend.remove(open.config())).expect("remove");
+    topo.connect(server, timeout).expect("connects after remove");
+}
+
+/// A TCP SYN carrying the decided mark (as the queue's REPEAT verdict leaves it) skips the
+/// queue, is TPROXY'd to the transparent listener with its original destination intact, and
+/// the rest of the flow reaches the accepted socket through the `socket --transparent` rule
+/// and policy routing.
+#[test]
+fn decided_tcp_is_tproxied_to_the_listener() {
+    let test = "decided_tcp_is_tproxied_to_the_listener";
+    if !netns_available(test, BASE_TOOLS) {
+        return;
+    }
+    let topo = Topology::new();
+    let backend = IptablesBackend::new();
+    let s = spec(RedirectConfig::default(), &[POD_IP], &[NODE_IP]);
+    topo.node.run(|| backend.apply(&s)).expect("apply");
+    // Stand-in for the decider: mark new TCP flows to port 9999 as decided, ahead of the jump.
+    topo.node.sh(&[
+        "iptables",
+        "-w",
+        "-t",
+        "mangle",
+        "-I",
+        "PREROUTING",
+        "1",
+        "-p",
+        "tcp",
+        "--dport",
+        "9999",
+        "-m",
+        "conntrack",
+        "--ctstate",
+        "NEW",
+        "-j",
+        "MARK",
+        "--set-xmark",
+        "0x1000/0x1000",
+    ]);
+    let listener = topo
+        .node
+        .run(|| {
+            let l = TcpListener::bind("127.0.0.1:15001")?;
+            setsockopt(&l, sockopt::IpTransparent, &true)?;
+            l.set_nonblocking(true)?;
+            Ok::<_, std::io::Error>(l)
+        })
+        .expect("transparent listener");
+    let original: SocketAddr = "10.200.9.9:9999".parse().expect("addr");
+
+    std::thread::scope(|scope| {
+        let server = scope.spawn(|| {
+            let deadline = Instant::now() + Duration::from_secs(5);
+            let (mut conn, peer) = loop {
+                match listener.accept() {
+                    Ok(accepted) => break accepted,
+                    Err(e) if e.kind() == ErrorKind::WouldBlock && Instant::now() < deadline => {
+                        std::thread::sleep(Duration::from_millis(20));
+                    }
+                    Err(e) => panic!("accept: {e}"),
+                }
+            };
+            conn.set_nonblocking(false).expect("blocking");
+            conn.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
+            let mut buf = [0u8; 4];
+            conn.read_exact(&mut buf).expect("read ping");
+            conn.write_all(b"pong").expect("write pong");
+            (conn.local_addr().expect("local addr"), peer, buf)
+        });
+        let mut client =
+            topo.connect(original, Duration::from_secs(3)).expect("connect is TPROXY'd");
+        client.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
+        client.write_all(b"ping").expect("write ping");
+        let mut reply = [0u8; 4];
+        client.read_exact(&mut reply).expect("read pong through the transparent socket");
+        assert_eq!(&reply, b"pong");
+        let (local, peer, got) = server.join().expect("server thread");
+        assert_eq!(local, original, "getsockname() is the original destination");
+        assert_eq!(peer.ip().to_string(), POD_IP, "the client's own address");
+        assert_eq!(&got, b"ping");
+    });
+
+    // Without the decided mark the same kind of flow is queued and, fail-closed, dropped.
+    let other: SocketAddr = "10.200.9.9:9998".parse().expect("addr");
+    let err = topo.connect(other, Duration::from_millis(1500)).expect_err("queued and dropped");
+    assert_eq!(err.kind(), ErrorKind::TimedOut, "{err}");
+}
