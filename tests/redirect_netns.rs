@@ -41,6 +41,12 @@ fn on_path(tool: &str) -> bool {
     std::env::split_paths(&path).any(|dir| dir.join(tool).is_file())
 }
 
+/// Prints `SKIPPED: <what>` straight to the process's stderr: libtest captures `eprintln!`
+/// of passing tests, and a skip must be seen.
+fn skipped(what: &str) {
+    let _ = writeln!(std::io::stderr(), "SKIPPED: {what}");
+}
+
 /// Whether `test` can run here; prints why not (or fails under `TIERPROXY_REQUIRE_NETNS=1`).
 fn netns_available(test: &str, tools: &[&str]) -> bool {
     let caps = effective_caps();
@@ -60,7 +66,7 @@ fn netns_available(test: &str, tools: &[&str]) -> bool {
             panic!("{test}: {why}, and TIERPROXY_REQUIRE_NETNS=1 requires this test to run")
         }
         Some(why) => {
-            eprintln!("SKIPPED: {test}: {why}");
+            skipped(&format!("{test}: {why}"));
             false
         }
     }
@@ -352,12 +358,12 @@ fn nftables_apply_update_remove() {
         assert_eq!(listing.matches("queue").count(), 4, "{listing}");
         assert_eq!(ns.sh(&["nft", "list", "tables"]).matches("tierproxy").count(), 1);
     } else {
-        eprintln!(
-            "SKIPPED: {test} (full ruleset): the kernel cannot queue from nftables ({}); \
+        skipped(&format!(
+            "{test} (full ruleset): the kernel cannot queue from nftables ({}); \
              checking that apply fails cleanly and that the ruleset without its queue rules \
              applies",
             probed.reason
-        );
+        ));
         assert!(probed.reason.contains("nft -c -j -f -"), "{}", probed.reason);
         let err = ns.run(|| backend.apply(&s)).expect_err("apply must fail without nft queue");
         assert!(err.to_string().contains("`nft -j -f -` failed"), "{err}");
