@@ -408,15 +408,49 @@ fn nftables_apply_update_remove() {
     ns.run(|| backend.remove(&config)).expect("second remove");
 }
 
-/// A node namespace and a pod namespace joined by a veth: pod 10.200.0.2 with its default
-/// route via the node's 10.200.0.1.
+/// The addresses of one IP family in the two-namespace topology.
+#[derive(Debug, Clone, Copy)]
+struct Family {
+    name: &'static str,
+    node_ip: &'static str,
+    pod_ip: &'static str,
+    prefix_len: u8,
+    /// An address outside the topology, routed from the pod via the node.
+    remote_ip: &'static str,
+    loopback: &'static str,
+    iptables: &'static str,
+}
+
+const V4: Family = Family {
+    name: "IPv4",
+    node_ip: "10.200.0.1",
+    pod_ip: "10.200.0.2",
+    prefix_len: 24,
+    remote_ip: "10.200.9.9",
+    loopback: "127.0.0.1",
+    iptables: "iptables",
+};
+
+const V6: Family = Family {
+    name: "IPv6",
+    node_ip: "fd00:200::1",
+    pod_ip: "fd00:200::2",
+    prefix_len: 64,
+    remote_ip: "fd00:209::9",
+    loopback: "::1",
+    iptables: "ip6tables",
+};
+
+fn sockaddr(ip: &str, port: u16) -> SocketAddr {
+    SocketAddr::new(ip.parse().expect("test address"), port)
+}
+
+/// A node namespace and a pod namespace joined by a veth, dual-stack: the pod has
+/// 10.200.0.2 and fd00:200::2 with default routes via the node's 10.200.0.1 and fd00:200::1.
 struct Topology {
     node: Netns,
     pod: Netns,
 }
-
-const NODE_IP: &str = "10.200.0.1";
-const POD_IP: &str = "10.200.0.2";
 
 impl Topology {
     fn new() -> Topology {
@@ -425,12 +459,25 @@ impl Topology {
         node.sh(&[
             "ip", "link", "add", "vn", "type", "veth", "peer", "name", "vp", "netns", &pod.name,
         ]);
-        node.sh(&["ip", "addr", "add", &format!("{NODE_IP}/24"), "dev", "vn"]);
+        for fam in [V4, V6] {
+            // `nodad`: usable at once, without waiting for duplicate address detection.
+            let nodad = if fam.prefix_len == 64 { &["nodad"][..] } else { &[] };
+            for (ns, dev, ip) in [(&node, "vn", fam.node_ip), (&pod, "vp", fam.pod_ip)] {
+                let cidr = format!("{ip}/{}", fam.prefix_len);
+                let mut args = vec!["ip", "addr", "add", cidr.as_str(), "dev", dev];
+                args.extend_from_slice(nodad);
+                ns.sh(&args);
+            }
+        }
         node.sh(&["ip", "link", "set", "vn", "up"]);
-        pod.sh(&["ip", "addr", "add", &format!("{POD_IP}/24"), "dev", "vp"]);
         pod.sh(&["ip", "link", "set", "vp", "up"]);
-        pod.sh(&["ip", "route", "add", "default", "via", NODE_IP]);
+        pod.sh(&["ip", "-4", "route", "add", "default", "via", V4.node_ip]);
+        pod.sh(&["ip", "-6", "route", "add", "default", "via", V6.node_ip]);
         Topology { node, pod }
+    }
+
+    fn spec(&self, config: RedirectConfig) -> RulesetSpec {
+        spec(config, &[V4.pod_ip, V6.pod_ip], &[V4.node_ip, V6.node_ip])
     }
 
     fn connect(&self, to: SocketAddr, timeout: Duration) -> std::io::Result<TcpStream> {
@@ -438,8 +485,9 @@ impl Topology {
     }
 }
 
-fn queued_packets(ns: &Netns) -> u64 {
-    let out = ns.sh(&["iptables", "-w", "-t", "mangle", "-L", "TIERPROXY-QUEUE", "-v", "-x", "-n"]);
+fn queued_packets(ns: &Netns, fam: Family) -> u64 {
+    let out =
+        ns.sh(&[fam.iptables, "-w", "-t", "mangle", "-L", "TIERPROXY-QUEUE", "-v", "-x", "-n"]);
     out.lines()
         .filter(|l| l.contains("NFQUEUE"))
         .filter_map(|l| l.split_whitespace().next()?.parse::<u64>().ok())
@@ -448,7 +496,7 @@ fn queued_packets(ns: &Netns) -> u64 {
 
 /// With nothing reading the queue, a new connection from a local pod is dropped when the
 /// queue is fail-closed (the client times out, never refused) and passes when it is
-/// fail-open (`--queue-bypass`).
+/// fail-open (`--queue-bypass`). Both families.
 #[test]
 fn fail_closed_drops_and_fail_open_passes_unread_queue() {
     let test = "fail_closed_drops_and_fail_open_passes_unread_queue";
@@ -456,34 +504,42 @@ fn fail_closed_drops_and_fail_open_passes_unread_queue() {
         return;
     }
     let topo = Topology::new();
-    let server: SocketAddr = format!("{NODE_IP}:8080").parse().expect("addr");
-    let _listener = topo.node.run(|| TcpListener::bind(server)).expect("listen in node");
+    let servers = [sockaddr(V4.node_ip, 8080), sockaddr(V6.node_ip, 8080)];
+    let _listeners = topo
+        .node
+        .run(|| servers.map(|s| TcpListener::bind(s).unwrap_or_else(|e| panic!("{s}: {e}"))));
     let backend = IptablesBackend::new();
-    let closed = spec(RedirectConfig::default(), &[POD_IP], &[NODE_IP]);
-    let open =
-        spec(RedirectConfig { queue_bypass: true, ..Default::default() }, &[POD_IP], &[NODE_IP]);
+    let closed = topo.spec(RedirectConfig::default());
+    let open = topo.spec(RedirectConfig { queue_bypass: true, ..Default::default() });
     let timeout = Duration::from_millis(1500);
+    let connect_all = |phase: &str| {
+        for server in servers {
+            topo.connect(server, timeout).unwrap_or_else(|e| panic!("{phase}: {server}: {e}"));
+        }
+    };
 
-    topo.connect(server, timeout).expect("control: connects before any rule");
+    connect_all("control, before any rule");
 
     topo.node.run(|| backend.apply(&closed)).expect("apply fail-closed");
-    let started = Instant::now();
-    let err = topo.connect(server, timeout).expect_err("fail-closed must drop the SYN");
-    assert_eq!(err.kind(), ErrorKind::TimedOut, "a timeout, not a refusal: {err}");
-    assert!(started.elapsed() >= timeout, "dropped silently, so the client waited");
-    assert!(queued_packets(&topo.node) >= 1, "the SYN went to the queue");
+    for (fam, server) in [V4, V6].into_iter().zip(servers) {
+        let started = Instant::now();
+        let err = topo.connect(server, timeout).expect_err("fail-closed must drop the SYN");
+        assert_eq!(err.kind(), ErrorKind::TimedOut, "{}: a timeout, not a refusal", fam.name);
+        assert!(started.elapsed() >= timeout, "{}: dropped silently", fam.name);
+        assert!(queued_packets(&topo.node, fam) >= 1, "{}: the SYN went to the queue", fam.name);
+    }
 
     topo.node.run(|| backend.apply(&open)).expect("apply fail-open");
-    topo.connect(server, timeout).expect("fail-open lets the SYN pass an unread queue");
+    connect_all("fail-open lets the SYN pass an unread queue");
 
     topo.node.run(|| backend.remove(open.config())).expect("remove");
-    topo.connect(server, timeout).expect("connects after remove");
+    connect_all("after remove");
 }
 
 /// A TCP SYN carrying the decided mark (as the queue's REPEAT verdict leaves it) skips the
 /// queue, is TPROXY'd to the transparent listener with its original destination intact, and
 /// the rest of the flow reaches the accepted socket through the `socket --transparent` rule
-/// and policy routing.
+/// and policy routing. Both families.
 #[test]
 fn decided_tcp_is_tproxied_to_the_listener() {
     let test = "decided_tcp_is_tproxied_to_the_listener";
@@ -492,11 +548,17 @@ fn decided_tcp_is_tproxied_to_the_listener() {
     }
     let topo = Topology::new();
     let backend = IptablesBackend::new();
-    let s = spec(RedirectConfig::default(), &[POD_IP], &[NODE_IP]);
+    let s = topo.spec(RedirectConfig::default());
     topo.node.run(|| backend.apply(&s)).expect("apply");
+    for fam in [V4, V6] {
+        tproxy_round_trip(&topo, fam);
+    }
+}
+
+fn tproxy_round_trip(topo: &Topology, fam: Family) {
     // Stand-in for the decider: mark new TCP flows to port 9999 as decided, ahead of the jump.
     topo.node.sh(&[
-        "iptables",
+        fam.iptables,
         "-w",
         "-t",
         "mangle",
@@ -519,13 +581,13 @@ fn decided_tcp_is_tproxied_to_the_listener() {
     let listener = topo
         .node
         .run(|| {
-            let l = TcpListener::bind("127.0.0.1:15001")?;
+            let l = TcpListener::bind(sockaddr(fam.loopback, 15001))?;
             setsockopt(&l, sockopt::IpTransparent, &true)?;
             l.set_nonblocking(true)?;
             Ok::<_, std::io::Error>(l)
         })
-        .expect("transparent listener");
-    let original: SocketAddr = "10.200.9.9:9999".parse().expect("addr");
+        .unwrap_or_else(|e| panic!("{}: transparent listener: {e}", fam.name));
+    let original = sockaddr(fam.remote_ip, 9999);
 
     std::thread::scope(|scope| {
         let server = scope.spawn(|| {
@@ -536,7 +598,7 @@ fn decided_tcp_is_tproxied_to_the_listener() {
                     Err(e) if e.kind() == ErrorKind::WouldBlock && Instant::now() < deadline => {
                         std::thread::sleep(Duration::from_millis(20));
                     }
-                    Err(e) => panic!("accept: {e}"),
+                    Err(e) => panic!("{}: accept: {e}", fam.name),
                 }
             };
             conn.set_nonblocking(false).expect("blocking");
@@ -546,21 +608,22 @@ fn decided_tcp_is_tproxied_to_the_listener() {
             conn.write_all(b"pong").expect("write pong");
             (conn.local_addr().expect("local addr"), peer, buf)
         });
-        let mut client =
-            topo.connect(original, Duration::from_secs(3)).expect("connect is TPROXY'd");
+        let mut client = topo
+            .connect(original, Duration::from_secs(3))
+            .unwrap_or_else(|e| panic!("{}: connect is TPROXY'd: {e}", fam.name));
         client.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
         client.write_all(b"ping").expect("write ping");
         let mut reply = [0u8; 4];
         client.read_exact(&mut reply).expect("read pong through the transparent socket");
         assert_eq!(&reply, b"pong");
         let (local, peer, got) = server.join().expect("server thread");
-        assert_eq!(local, original, "getsockname() is the original destination");
-        assert_eq!(peer.ip().to_string(), POD_IP, "the client's own address");
+        assert_eq!(local, original, "{}: getsockname() is the original destination", fam.name);
+        assert_eq!(peer.ip(), fam.pod_ip.parse::<IpAddr>().expect("ip"), "client's own address");
         assert_eq!(&got, b"ping");
     });
 
     // Without the decided mark the same kind of flow is queued and, fail-closed, dropped.
-    let other: SocketAddr = "10.200.9.9:9998".parse().expect("addr");
+    let other = sockaddr(fam.remote_ip, 9998);
     let err = topo.connect(other, Duration::from_millis(1500)).expect_err("queued and dropped");
-    assert_eq!(err.kind(), ErrorKind::TimedOut, "{err}");
+    assert_eq!(err.kind(), ErrorKind::TimedOut, "{}: {err}", fam.name);
 }
