@@ -65,6 +65,27 @@
 //! * [`NftablesBackend`]: one `inet` table built in one transaction through the `nftables`
 //!   crate's typed JSON API. Needs CONFIG_NFT_QUEUE, which the development machines lack.
 //!
+//! # What a node needs
+//!
+//! * iptables backend: `iptables`, `ip6tables`, `iptables-restore`, `ip6tables-restore`,
+//!   `iptables-save`, `ip6tables-save` (nf_tables or legacy flavour), `ipset`, and `ip`
+//!   (iproute2 with `-j`); kernel options CONFIG_NETFILTER_XT_TARGET_NFQUEUE,
+//!   CONFIG_NETFILTER_XT_TARGET_TPROXY, CONFIG_NETFILTER_XT_MATCH_SOCKET,
+//!   CONFIG_NETFILTER_XT_MATCH_CONNTRACK, CONFIG_NETFILTER_XT_MATCH_MARK,
+//!   CONFIG_NETFILTER_XT_TARGET_MARK, CONFIG_NETFILTER_XT_MATCH_COMMENT,
+//!   CONFIG_NETFILTER_XT_SET with CONFIG_IP_SET_HASH_IP, CONFIG_NETFILTER_NETLINK_QUEUE, and
+//!   with the nf_tables flavour CONFIG_NFT_COMPAT; IPv6 enabled; `lo` up.
+//! * nftables backend: `nft` (JSON support, nftables ≥ 0.9.3) and `ip`; CONFIG_NFT_QUEUE,
+//!   CONFIG_NFT_TPROXY, CONFIG_NFT_SOCKET, CONFIG_NFT_CT, CONFIG_NETFILTER_NETLINK_QUEUE.
+//! * Both: CAP_NET_ADMIN.
+//!
+//! # The decider's side of the contract
+//!
+//! An allowed first packet must be answered with NF_REPEAT and a mark of
+//! `(mark & !decided.mask) | decided.value`: the verdict's mark attribute (NFQA_MARK)
+//! replaces the whole `skb->mark`, so other owners' bits must be carried over. A denied
+//! packet is answered with NF_DROP (no RST, no ICMP).
+//!
 //! What was found on the development machines (kernel 6.18): `nft ... queue` fails with
 //! "No such file or directory" (CONFIG_NFT_QUEUE unset), even under `nft -c`, which [`probe`]
 //! uses; `nft` `tproxy` and `socket` work. `iptables` is `iptables v1.8.9 (nf_tables)`;
@@ -270,7 +291,8 @@ pub trait Backend: fmt::Debug + Send + Sync {
     /// touching other chains or tables). Applying the same spec twice changes nothing.
     ///
     /// # Errors
-    /// The first failing command, with its standard error.
+    /// The first failing command, with its standard error. Steps before it stay applied
+    /// (e.g. the sets, or policy routing); [`Backend::remove`] clears them.
     fn apply(&self, spec: &RulesetSpec) -> Result<(), RedirectError>;
 
     /// Adds `add` to and removes `remove` from the local pod sets without rebuilding
