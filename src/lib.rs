@@ -1,4 +1,5 @@
 //! tierproxy: a node-level network policy enforcer.
+pub mod agent;
 pub mod cluster;
 pub mod config;
 pub mod explain;

@@ -43,6 +43,10 @@ enum Command {
         #[arg(long, short = 'o', value_enum, default_value_t = Format::Table)]
         output: Format,
     },
+    /// Enforce policy on this node: NFQUEUE first-packet decisions, TPROXY into the
+    /// transparent proxy, splice relay. Runs until SIGTERM/SIGINT, then drains and removes
+    /// its ruleset. Needs CAP_NET_ADMIN (and root for the ruleset tools).
+    Agent(AgentArgs),
     /// Report invalid objects, priority conflicts and rules that can never match.
     ///
     /// Exit status: 0 no errors (warnings allowed), 2 invalid input.
@@ -54,6 +58,102 @@ enum Command {
         #[arg(long, short = 'o', value_enum, default_value_t = Format::Table)]
         output: Format,
     },
+}
+
+/// `tierproxy agent` options; defaults are `tierproxy::config` and `tierproxy::agent`
+/// constants.
+#[derive(clap::Args)]
+struct AgentArgs {
+    /// This node's name (`metadata.name` of a Node in the manifests).
+    #[arg(long, env = "NODE_NAME")]
+    node: String,
+    /// Manifest files or directories: cluster state and policies.
+    #[arg(long, short = 'm', required = true, num_args = 1..)]
+    manifests: Vec<PathBuf>,
+    /// Create this (empty) file once the node is enforcing; removed on exit.
+    #[arg(long)]
+    ready_file: Option<PathBuf>,
+    /// Append logs to this file instead of standard error.
+    #[arg(long)]
+    log: Option<PathBuf>,
+    /// Ruleset backend: auto (probe the kernel), iptables or nftables.
+    #[arg(long, default_value = "auto")]
+    redirect_backend: tierproxy::config::BackendChoice,
+    /// Fail open: while no agent reads the queues, the kernel lets new flows through
+    /// (NFQUEUE --queue-bypass). Default: fail closed.
+    #[arg(long)]
+    fail_open: bool,
+    /// Keep the ruleset installed on exit (with fail-closed, the node stays closed until
+    /// the agent is back).
+    #[arg(long)]
+    keep_rules: bool,
+    /// Number of NFQUEUE queues (one reader thread each).
+    #[arg(long, default_value_t = tierproxy::config::DEFAULT_QUEUE_COUNT)]
+    queues: u16,
+    /// Port of the transparent listener TPROXY delivers to.
+    #[arg(long, default_value_t = tierproxy::config::DEFAULT_TPROXY_PORT)]
+    tproxy_port: u16,
+    /// How the proxy moves bytes.
+    #[arg(long, value_enum, default_value_t = tierproxy::proxy::relay::RelayMode::Splice)]
+    relay: tierproxy::proxy::relay::RelayMode,
+    /// Connect upstream from the node's address instead of the client's.
+    #[arg(long)]
+    no_preserve_source: bool,
+    /// Close a proxied connection after this many seconds without a byte either way.
+    #[arg(long, default_value_t = tierproxy::agent::DEFAULT_IDLE_TIMEOUT.as_secs())]
+    idle_timeout_secs: u64,
+    /// Upstream connect timeout in milliseconds.
+    #[arg(long, default_value_t = tierproxy::agent::DEFAULT_CONNECT_TIMEOUT.as_millis() as u64)]
+    connect_timeout_ms: u64,
+    /// Most live proxied connections; at the limit new ones wait in the listen backlog.
+    #[arg(long, default_value_t = tierproxy::agent::DEFAULT_MAX_CONNECTIONS)]
+    max_connections: usize,
+    /// Seconds live connections may finish after shutdown begins.
+    #[arg(long, default_value_t = tierproxy::agent::DEFAULT_DRAIN_GRACE.as_secs())]
+    drain_grace_secs: u64,
+}
+
+fn run_agent(a: AgentArgs) -> ExitCode {
+    use std::time::Duration;
+    let writer = match &a.log {
+        Some(path) => match std::fs::File::options().create(true).append(true).open(path) {
+            Ok(f) => tracing_subscriber::fmt::writer::BoxMakeWriter::new(std::sync::Mutex::new(f)),
+            Err(e) => {
+                eprintln!("error: opening the log file {}: {e}", path.display());
+                return ExitCode::from(2);
+            }
+        },
+        None => tracing_subscriber::fmt::writer::BoxMakeWriter::new(std::io::stderr),
+    };
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("TIERPROXY_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(writer)
+        .with_ansi(false)
+        .init();
+    let mut opts = tierproxy::agent::AgentOptions::new(a.node, a.manifests);
+    opts.ready_file = a.ready_file;
+    opts.redirect.backend = a.redirect_backend;
+    opts.redirect.queue_bypass = a.fail_open;
+    opts.redirect.keep_rules_on_exit = a.keep_rules;
+    opts.redirect.queue_count = a.queues;
+    opts.redirect.tproxy_port = a.tproxy_port;
+    opts.relay = a.relay;
+    opts.preserve_source = !a.no_preserve_source;
+    opts.idle_timeout = Duration::from_secs(a.idle_timeout_secs);
+    opts.connect_timeout = Duration::from_millis(a.connect_timeout_ms);
+    opts.max_connections = a.max_connections;
+    opts.drain_grace = Duration::from_secs(a.drain_grace_secs);
+    match tierproxy::agent::run(opts) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!("{e:#}");
+            eprintln!("error: {e:#}");
+            ExitCode::from(1)
+        }
+    }
 }
 
 fn main() -> ExitCode {
@@ -75,6 +175,10 @@ fn main() -> ExitCode {
             explain::explain(&manifests, source, output, &mut out, &mut err)
         }
         Command::Check { manifests, output } => explain::check(&manifests, output, &mut out),
+        Command::Agent(args) => {
+            drop((out, err));
+            return run_agent(args);
+        }
     };
     let _ = out.flush();
     ExitCode::from(code)

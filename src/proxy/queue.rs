@@ -34,8 +34,11 @@ pub struct QueueConfig {
     /// Number of queues (`first..first + count`), one reader thread each; the ruleset
     /// balances flows over them.
     pub count: u16,
-    /// Mark bit(s) added to allowed packets before `NF_REPEAT`.
-    pub decided_mark: u32,
+    /// Mark given to allowed packets before `NF_REPEAT`: the bits of `decided_mask` are
+    /// replaced with `decided_value`, every other bit of the packet mark is kept.
+    pub decided_value: u32,
+    /// The bits the decided mark owns.
+    pub decided_mask: u32,
     /// Fail-open when a queue is full (`NFQA_CFG_F_FAIL_OPEN`): the kernel accepts instead
     /// of dropping. Set together with the ruleset's queue bypass.
     pub fail_open: bool,
@@ -66,14 +69,14 @@ pub fn start(config: QueueConfig, decider: Arc<Decider>) -> anyhow::Result<Vec<J
         let decider = decider.clone();
         let handle = std::thread::Builder::new()
             .name(format!("nfqueue-{num}"))
-            .spawn(move || read(num, q, config.decided_mark, &decider))
+            .spawn(move || read(num, q, config, &decider))
             .with_context(|| format!("starting the NFQUEUE {num} thread"))?;
         threads.push(handle);
     }
     Ok(threads)
 }
 
-fn read(num: u16, mut q: Queue, decided_mark: u32, decider: &Decider) {
+fn read(num: u16, mut q: Queue, config: QueueConfig, decider: &Decider) {
     loop {
         let mut msg = match q.recv() {
             Ok(m) => m,
@@ -86,7 +89,8 @@ fn read(num: u16, mut q: Queue, decided_mark: u32, decider: &Decider) {
         let verdict = match packet::parse(msg.get_payload()) {
             Ok(key) => match decider.first_packet(key).verdict {
                 PolicyVerdict::Allow => {
-                    msg.set_nfmark(msg.get_nfmark() | decided_mark);
+                    let mark = msg.get_nfmark() & !config.decided_mask | config.decided_value;
+                    msg.set_nfmark(mark);
                     Verdict::Repeat
                 }
                 PolicyVerdict::Deny => Verdict::Drop,

@@ -19,7 +19,7 @@
 //! Source: issue #3 "The proxy"; DESIGN §3.
 
 use std::io;
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -39,8 +39,6 @@ use crate::policy::ports::Protocol;
 /// Proxy settings.
 #[derive(Debug, Clone, Copy)]
 pub struct ProxyConfig {
-    /// The TPROXY listener port (the ruleset's `--on-port`).
-    pub port: u16,
     /// `SO_MARK` of upstream sockets (the ruleset's bypass mark).
     pub bypass_mark: u32,
     /// Connect upstream from the client's IP (`IP_TRANSPARENT` bind); when false, from
@@ -56,20 +54,23 @@ pub struct ProxyConfig {
     pub drain_grace: Duration,
 }
 
-/// Binds the transparent listeners: IPv4 `0.0.0.0:port` (required) and IPv6
-/// `[::]:port` (IPv6-only; skipped with a warning when the node has no IPv6).
+/// Binds the transparent listeners on `addrs` (the addresses TPROXY looks listeners up
+/// on, `--on-ip`, with the TPROXY port). The first address is required; the others are
+/// skipped with a warning when they cannot be bound (a node without IPv6).
 ///
 /// # Errors
-/// When the IPv4 listener cannot be created, made transparent (needs CAP_NET_ADMIN) or
+/// When the first listener cannot be created, made transparent (needs CAP_NET_ADMIN) or
 /// bound. Must be called inside a tokio runtime.
-pub fn bind(port: u16) -> anyhow::Result<Vec<TcpListener>> {
-    let mut out = vec![
-        listener(SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), port))
-            .with_context(|| format!("transparent listener on 0.0.0.0:{port}"))?,
-    ];
-    match listener(SocketAddr::new(IpAddr::V6(Ipv6Addr::UNSPECIFIED), port)) {
-        Ok(l) => out.push(l),
-        Err(e) => tracing::warn!(error = %e, port, "no IPv6 transparent listener"),
+pub fn bind(addrs: &[SocketAddr]) -> anyhow::Result<Vec<TcpListener>> {
+    let mut out = Vec::new();
+    for (i, &addr) in addrs.iter().enumerate() {
+        match listener(addr) {
+            Ok(l) => out.push(l),
+            Err(e) if i == 0 => {
+                return Err(e).with_context(|| format!("transparent listener on {addr}"));
+            }
+            Err(e) => tracing::warn!(error = %e, %addr, "transparent listener skipped"),
+        }
     }
     Ok(out)
 }

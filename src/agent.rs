@@ -1,0 +1,244 @@
+//! The node agent: the wiring of one node's enforcement (issue #3).
+//!
+//! Start-up, in an order that never leaves a node's pods without a decider:
+//! 1. read and compile the manifests (invalid objects are reported by name and field and
+//!    fail closed as their API says; a file that cannot be read or parsed stops the start);
+//! 2. bind the NFQUEUE queues (reader threads) and the transparent listeners;
+//! 3. install the ruleset (iptables or nftables backend) and policy routing;
+//! 4. signal readiness (an optional ready file), then serve until SIGTERM or SIGINT.
+//!
+//! Shutdown: stop accepting, let live connections finish for the drain grace period, stop
+//! the rest, then remove the ruleset (unless configured to keep it: with fail-closed
+//! queues a node then stays closed while the agent is away).
+//!
+//! Sources: issue #3; DESIGN §3 (data path), §5 (shared state).
+
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+
+use crate::cluster::manifest;
+use crate::config::RedirectConfig;
+use crate::policy::{Revision, Snapshot};
+use crate::proxy::decider::{Current, Decider, DeciderLimits};
+use crate::proxy::queue::{self, QueueConfig};
+use crate::proxy::registry::Registry;
+use crate::proxy::relay::{RelayConfig, RelayMode};
+use crate::proxy::tcp::{self, ProxyConfig};
+use crate::redirect::{self, RulesetSpec};
+
+/// Default upstream connect timeout.
+pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// Default idle timeout of a proxied connection (no byte either way). One hour, as
+/// kube-proxy's and Envoy's defaults for TCP idle are of that order; long-lived quiet
+/// connections (databases) should not be cut by the enforcer.
+pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(3600);
+/// Default most live proxied connections.
+pub const DEFAULT_MAX_CONNECTIONS: usize = 65_536;
+/// Default drain grace on shutdown.
+pub const DEFAULT_DRAIN_GRACE: Duration = Duration::from_secs(5);
+/// Default relay pipe size per direction (DESIGN §7: 1 MiB measured best here).
+pub const DEFAULT_PIPE_BYTES: usize = 1 << 20;
+/// Packets each kernel queue holds while the reader is busy.
+pub const QUEUE_MAX_LEN: u32 = 4096;
+
+/// Everything the agent needs.
+#[derive(Debug, Clone)]
+pub struct AgentOptions {
+    /// This node's `metadata.name` (the downward API's `spec.nodeName` on a cluster).
+    pub node: String,
+    /// Manifest files or directories: cluster state and policies.
+    pub manifests: Vec<PathBuf>,
+    /// Created (empty) once the node is enforcing; removed on exit.
+    pub ready_file: Option<PathBuf>,
+    /// Redirection (marks, queues, ports, backend, fail-open, keep rules).
+    pub redirect: RedirectConfig,
+    /// Splice or copy.
+    pub relay: RelayMode,
+    /// Connect upstream from the client's IP.
+    pub preserve_source: bool,
+    /// Upstream connect timeout.
+    pub connect_timeout: Duration,
+    /// Idle timeout of a proxied connection.
+    pub idle_timeout: Duration,
+    /// Most live proxied connections.
+    pub max_connections: usize,
+    /// Drain grace on shutdown.
+    pub drain_grace: Duration,
+}
+
+impl AgentOptions {
+    /// Options with every default, for node `node` and `manifests`.
+    pub fn new(node: String, manifests: Vec<PathBuf>) -> Self {
+        AgentOptions {
+            node,
+            manifests,
+            ready_file: None,
+            redirect: RedirectConfig::default(),
+            relay: RelayMode::Splice,
+            preserve_source: true,
+            connect_timeout: DEFAULT_CONNECT_TIMEOUT,
+            idle_timeout: DEFAULT_IDLE_TIMEOUT,
+            max_connections: DEFAULT_MAX_CONNECTIONS,
+            drain_grace: DEFAULT_DRAIN_GRACE,
+        }
+    }
+}
+
+/// Reads and compiles the manifests for node `node`.
+///
+/// # Errors
+/// A file that cannot be read or parsed, or a node missing from the manifests. Invalid
+/// objects are not errors: they are logged and compiled as their API says (fail closed).
+pub fn load(manifests: &[PathBuf], node: &str, revision: Revision) -> anyhow::Result<Current> {
+    let loaded = manifest::load(manifests);
+    if let Some(e) = loaded.errors.first() {
+        let mut msg = e.to_string();
+        let mut src = std::error::Error::source(e);
+        while let Some(cause) = src {
+            msg.push_str(&format!(": {cause}"));
+            src = cause.source();
+        }
+        bail!("{msg}");
+    }
+    for n in &loaded.notes {
+        tracing::info!("{n}");
+    }
+    let compiled = Snapshot::compile(&loaded.inputs, revision);
+    for p in loaded.problems.iter().chain(&compiled.problems) {
+        if p.is_error() {
+            tracing::error!("{p}");
+        } else {
+            tracing::warn!("{p}");
+        }
+    }
+    let snapshot = compiled.snapshot;
+    let Some(node_id) = snapshot.find_node(node) else {
+        bail!("node {node:?} is not among the Nodes in the manifests");
+    };
+    Ok(Current { snapshot, node: node_id })
+}
+
+/// Runs the agent until SIGTERM or SIGINT.
+///
+/// # Errors
+/// Start-up failures (manifests, queues, listeners, ruleset), each naming what failed. The
+/// ruleset is removed again if start-up fails after installing it.
+pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
+    opts.redirect.validate().context("redirect configuration")?;
+    let current = load(&opts.manifests, &opts.node, Revision(1))?;
+    let local: Vec<IpAddr> = current.snapshot.local_pod_ips(current.node);
+    let node_addrs: Vec<IpAddr> = current.snapshot.node_addrs(current.node).to_vec();
+    tracing::info!(
+        node = %opts.node,
+        local_pods = local.len(),
+        revision = %current.snapshot.revision(),
+        "manifests compiled"
+    );
+    let spec = RulesetSpec::new(opts.redirect.clone(), local, node_addrs)
+        .context("redirect configuration")?;
+    let decider = Arc::new(Decider::new(current, DeciderLimits::default()));
+
+    let r = &opts.redirect;
+    queue::start(
+        QueueConfig {
+            first: r.queue_first,
+            count: r.queue_count,
+            decided_value: r.decided_mark.value,
+            decided_mask: r.decided_mark.mask,
+            fail_open: r.queue_bypass,
+            max_len: QUEUE_MAX_LEN,
+        },
+        decider.clone(),
+    )?;
+
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("tierproxy")
+        .build()
+        .context("starting the async runtime")?;
+    let proxy = ProxyConfig {
+        bypass_mark: r.bypass_mark.value,
+        preserve_source: opts.preserve_source,
+        connect_timeout: opts.connect_timeout,
+        max_connections: opts.max_connections,
+        relay: RelayConfig {
+            mode: opts.relay,
+            pipe_bytes: DEFAULT_PIPE_BYTES,
+            idle_timeout: opts.idle_timeout,
+        },
+        drain_grace: opts.drain_grace,
+    };
+    let addrs = [
+        SocketAddr::new(IpAddr::V4(r.tproxy_addr_v4), r.tproxy_port),
+        SocketAddr::new(IpAddr::V6(r.tproxy_addr_v6), r.tproxy_port),
+    ];
+    let listeners = runtime.block_on(async { tcp::bind(&addrs) })?;
+
+    let selection = redirect::select(r.backend);
+    let backend = selection.backend;
+    tracing::info!(backend = backend.name(), reason = %selection.reason, "redirect backend");
+    backend.apply(&spec).with_context(|| format!("installing the {} ruleset", backend.name()))?;
+    let installed = Installed { backend: &*backend, config: r, keep: r.keep_rules_on_exit };
+
+    if let Some(path) = &opts.ready_file {
+        std::fs::write(path, b"")
+            .with_context(|| format!("writing the ready file {}", path.display()))?;
+    }
+    tracing::info!(node = %opts.node, "enforcing");
+
+    let registry = Arc::new(Registry::default());
+    runtime.block_on(async {
+        let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+        let serving = tokio::spawn(tcp::serve(listeners, proxy, decider, registry, stop_rx));
+        wait_for_signal().await;
+        tracing::info!("shutting down: no new connections; draining");
+        let _ = stop_tx.send(true);
+        let _ = serving.await;
+    });
+    if let Some(path) = &opts.ready_file {
+        let _ = std::fs::remove_file(path);
+    }
+    drop(installed);
+    Ok(())
+}
+
+/// Removes the ruleset when dropped (start-up failure, or the end of `run`), unless it is
+/// to be kept.
+struct Installed<'a> {
+    backend: &'a dyn redirect::Backend,
+    config: &'a RedirectConfig,
+    keep: bool,
+}
+
+impl Drop for Installed<'_> {
+    fn drop(&mut self) {
+        if self.keep {
+            tracing::info!("ruleset kept (keep rules on exit)");
+            return;
+        }
+        match self.backend.remove(self.config) {
+            Ok(()) => tracing::info!("ruleset removed"),
+            Err(e) => tracing::error!(error = %e, "removing the ruleset failed"),
+        }
+    }
+}
+
+async fn wait_for_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    match (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) {
+        (Ok(mut term), Ok(mut int)) => {
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = int.recv() => {}
+            }
+        }
+        _ => {
+            tracing::error!("cannot watch for SIGTERM/SIGINT; stopping on Ctrl-C only");
+            let _ = tokio::signal::ctrl_c().await;
+        }
+    }
+}
