@@ -86,8 +86,9 @@ pub enum InputError {
 }
 
 /// Reads the manifests and compiles them. Prints notes and problems to `err`. Returns the
-/// load result, the compiled snapshot, and whether any error was found.
-fn load_and_compile(manifests: &[PathBuf], err: &mut dyn Write) -> (Loaded, Compiled, bool) {
+/// load result, the compiled snapshot, and whether any error was found (an unreadable file
+/// or an invalid object: callers then decide nothing and exit [`EXIT_INVALID`]).
+pub fn load_and_compile(manifests: &[PathBuf], err: &mut dyn Write) -> (Loaded, Compiled, bool) {
     let loaded = manifest::load(manifests);
     let compiled = Snapshot::compile(&loaded.inputs, Revision(1));
     let mut invalid = false;
@@ -105,7 +106,8 @@ fn load_and_compile(manifests: &[PathBuf], err: &mut dyn Write) -> (Loaded, Comp
     (loaded, compiled, invalid)
 }
 
-fn error_chain(e: &dyn std::error::Error) -> String {
+/// `e`'s message followed by each of its sources, `: `-separated.
+pub fn error_chain(e: &dyn std::error::Error) -> String {
     let mut s = e.to_string();
     let mut src = e.source();
     while let Some(cause) = src {
@@ -188,8 +190,12 @@ fn candidates(s: &Snapshot, loaded: &Loaded, what: &str) -> Result<Vec<IpAddr>, 
 }
 
 /// Resolves a probe to a flow: both ends in the same IP family, `from`'s first family
-/// preferred.
-fn resolve(s: &Snapshot, loaded: &Loaded, line: usize, p: &Probe) -> Result<Flow, InputError> {
+/// preferred. `line` is the probe's line number, carried into the error.
+///
+/// # Errors
+/// [`InputError::Probe`] when an end names no pod, node or IP of the manifests, the ends
+/// share no IP family, the protocol is unknown or `expect` is neither `allow` nor `deny`.
+pub fn resolve(s: &Snapshot, loaded: &Loaded, line: usize, p: &Probe) -> Result<Flow, InputError> {
     let bad = |message: String| InputError::Probe { line, message };
     let protocol: Protocol = p
         .protocol
@@ -346,13 +352,8 @@ pub fn explain(
     }
     let mut mismatches = 0;
     for ((_, p), flow) in probes.iter().zip(&flows) {
-        let d = s.decide(flow);
-        let mut v = serde_json::to_value(p).unwrap_or(Value::Null);
-        let verdict = d.verdict.as_str();
-        v["verdict"] = json!(verdict);
-        v["egress"] = outcome_json(s, Direction::Egress, d.egress.as_ref());
-        v["ingress"] = outcome_json(s, Direction::Ingress, d.ingress.as_ref());
-        v["addresses"] = json!({"from": flow.src.to_string(), "to": flow.dst.to_string()});
+        let v = probe_json(s, p, flow);
+        let verdict = v["verdict"].as_str().unwrap_or("");
         let mismatch = p.expect.as_deref().is_some_and(|e| e != verdict);
         mismatches += usize::from(mismatch);
         let _ = match format {
@@ -392,7 +393,23 @@ pub fn explain(
     EXIT_OK
 }
 
-fn read_probes(path: &Path) -> Result<Vec<(usize, Probe)>, InputError> {
+/// Decides `flow` (resolved from `p`) and returns `explain`'s JSON line for it: the probe's
+/// fields plus `verdict`, `egress`, `ingress` and the resolved `addresses`.
+pub fn probe_json(s: &Snapshot, p: &Probe, flow: &Flow) -> Value {
+    let d = s.decide(flow);
+    let mut v = serde_json::to_value(p).unwrap_or(Value::Null);
+    v["verdict"] = json!(d.verdict.as_str());
+    v["egress"] = outcome_json(s, Direction::Egress, d.egress.as_ref());
+    v["ingress"] = outcome_json(s, Direction::Ingress, d.ingress.as_ref());
+    v["addresses"] = json!({"from": flow.src.to_string(), "to": flow.dst.to_string()});
+    v
+}
+
+/// Reads and parses a JSON Lines probe file (see [`parse_probes`]).
+///
+/// # Errors
+/// [`InputError::ProbeFile`] if it cannot be read, [`InputError::Probe`] for a bad line.
+pub fn read_probes(path: &Path) -> Result<Vec<(usize, Probe)>, InputError> {
     let text = std::fs::read_to_string(path)
         .map_err(|source| InputError::ProbeFile { path: path.to_path_buf(), source })?;
     parse_probes(&text)

@@ -3,6 +3,7 @@ pub mod agent;
 pub mod cluster;
 pub mod config;
 pub mod explain;
+pub mod lab;
 pub mod policy;
 pub mod proxy;
 pub mod redirect;

@@ -58,6 +58,9 @@ enum Command {
         #[arg(long, short = 'o', value_enum, default_value_t = Format::Table)]
         output: Format,
     },
+    /// A local multi-node cluster of network namespaces built from manifests: real
+    /// connections beside explain's verdicts. Needs root.
+    Lab(tierproxy::lab::cli::LabArgs),
 }
 
 /// `tierproxy agent` options; defaults are `tierproxy::config` and `tierproxy::agent`
@@ -179,6 +182,7 @@ fn main() -> ExitCode {
             drop((out, err));
             return run_agent(args);
         }
+        Command::Lab(args) => tierproxy::lab::cli::main(args, &mut out, &mut err),
     };
     let _ = out.flush();
     ExitCode::from(code)

@@ -1,0 +1,257 @@
+//! `tierproxy lab ...`: the command line of the lab (clap), and what each subcommand runs.
+
+use std::io::Write;
+use std::net::IpAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, Subcommand};
+
+use super::probe::DEFAULT_TIMEOUT_MS;
+use super::state::DEFAULT_STATE_ROOT;
+use super::{DEFAULT_PREFIX, EXIT_LAB, LabError, Output, ProbeOptions, UpOptions};
+use crate::explain::{self, Format};
+
+/// Build a local multi-node "cluster" of network namespaces from manifests, make real
+/// connections in it, compare them with `explain`.
+///
+/// Without a subcommand: the built-in example (examples/cluster.yaml, examples/policies/,
+/// examples/probes.jsonl): up, probe, print the connectivity matrix, down.
+///
+/// Exit status: 0 every observation agrees with explain, 1 some does not (or a probe
+/// failed: refused, reset), 2 invalid input, 3 the lab could not be built or used
+/// (needs root: CAP_NET_ADMIN and CAP_SYS_ADMIN, and iproute2's `ip`).
+#[derive(Args, Debug)]
+#[command(args_conflicts_with_subcommands = true)]
+pub struct LabArgs {
+    #[command(subcommand)]
+    command: Option<LabCommand>,
+    #[command(flatten)]
+    example: ExampleArgs,
+}
+
+/// Options every lab subcommand takes.
+#[derive(Args, Debug, Clone)]
+struct Common {
+    /// Prefix of the lab's namespace names (several labs can run side by side).
+    #[arg(long, default_value = DEFAULT_PREFIX)]
+    prefix: String,
+    /// Directory of the labs' state directories.
+    #[arg(long, default_value = DEFAULT_STATE_ROOT, hide = true)]
+    state_root: PathBuf,
+}
+
+/// Options of the built-in example.
+#[derive(Args, Debug)]
+struct ExampleArgs {
+    /// Example directory (default: $TIERPROXY_EXAMPLES, else the source tree's examples/).
+    #[arg(long)]
+    examples: Option<PathBuf>,
+    /// Start no agents: plain kernel forwarding, every probe should connect.
+    #[arg(long)]
+    no_agents: bool,
+    /// Connect and read timeout of each probe, in milliseconds.
+    #[arg(long, default_value_t = DEFAULT_TIMEOUT_MS)]
+    timeout_ms: u64,
+    /// `table`: the connectivity matrix; `json`: one line per probe.
+    #[arg(long, short = 'o', value_enum, default_value_t = Format::Table)]
+    output: Format,
+    #[command(flatten)]
+    common: Common,
+}
+
+#[derive(Subcommand, Debug)]
+enum LabCommand {
+    /// Build the lab: namespaces, links, routes, echo servers, agents; then return.
+    Up {
+        /// Manifest files or directories (Nodes, Namespaces, Pods, policies).
+        #[arg(long, short = 'm', required = true, num_args = 1..)]
+        manifests: Vec<PathBuf>,
+        /// Probes to serve: their ports and external addresses are set up too.
+        #[arg(long)]
+        probes: Option<PathBuf>,
+        /// Start no agents: plain kernel forwarding.
+        #[arg(long)]
+        no_agents: bool,
+        #[command(flatten)]
+        common: Common,
+    },
+    /// Remove the lab: processes, namespaces, state (also after a crash).
+    Down {
+        #[command(flatten)]
+        common: Common,
+    },
+    /// Make every probe for real and show it beside explain's verdict.
+    Probe {
+        /// JSON Lines probes, explain's format.
+        #[arg(long, required = true)]
+        probes: PathBuf,
+        /// Output format.
+        #[arg(long, short = 'o', value_enum, default_value_t = Format::Table)]
+        output: Format,
+        /// Connect and read timeout of each probe, in milliseconds.
+        #[arg(long, default_value_t = DEFAULT_TIMEOUT_MS)]
+        timeout_ms: u64,
+        #[command(flatten)]
+        common: Common,
+    },
+    /// Run a command in a pod's network namespace (namespace/pod, node/<name>, fabric).
+    Exec {
+        /// namespace/pod, node/<name> or fabric.
+        target: String,
+        /// The command and its arguments, after `--`.
+        #[arg(last = true, required = true)]
+        command: Vec<String>,
+        #[command(flatten)]
+        common: Common,
+    },
+    /// Up, probe, down in one command (down also on error and Ctrl-C).
+    Run {
+        /// Manifest files or directories.
+        #[arg(long, short = 'm', required = true, num_args = 1..)]
+        manifests: Vec<PathBuf>,
+        /// JSON Lines probes, explain's format.
+        #[arg(long, required = true)]
+        probes: PathBuf,
+        /// Output format.
+        #[arg(long, short = 'o', value_enum, default_value_t = Format::Table)]
+        output: Format,
+        /// Start no agents: plain kernel forwarding.
+        #[arg(long)]
+        no_agents: bool,
+        /// Connect and read timeout of each probe, in milliseconds.
+        #[arg(long, default_value_t = DEFAULT_TIMEOUT_MS)]
+        timeout_ms: u64,
+        #[command(flatten)]
+        common: Common,
+    },
+    /// Echo server run by `lab up` inside a namespace.
+    #[command(hide = true)]
+    Serve {
+        /// Addresses to bind, comma-separated.
+        #[arg(long, value_delimiter = ',', required = true)]
+        bind: Vec<IpAddr>,
+        /// TCP ports, comma-separated.
+        #[arg(long, value_delimiter = ',')]
+        tcp: Vec<u16>,
+        /// UDP ports, comma-separated.
+        #[arg(long, value_delimiter = ',')]
+        udp: Vec<u16>,
+        /// File written once every port is bound.
+        #[arg(long)]
+        ready_file: Option<PathBuf>,
+    },
+}
+
+fn report_error(err: &mut dyn Write, e: &LabError) -> u8 {
+    let _ = writeln!(err, "error: {}", explain::error_chain(e));
+    e.exit_code()
+}
+
+fn install_signals(err: &mut dyn Write) {
+    if let Err(e) = super::procs::handle_signals() {
+        let _ = writeln!(
+            err,
+            "warning: no Ctrl-C handling ({e}); run `tierproxy lab down` after an interruption"
+        );
+    }
+}
+
+/// Runs `tierproxy lab ...`; returns the exit code.
+pub fn main(args: LabArgs, out: &mut dyn Write, err: &mut dyn Write) -> u8 {
+    let table_or = |f: Format, other: Output| if f == Format::Json { Output::Json } else { other };
+    match args.command {
+        None => {
+            let a = args.example;
+            install_signals(err);
+            let dir = a.examples.unwrap_or_else(super::examples_dir);
+            let (manifests, probes) = super::example_inputs(&dir);
+            let opts = UpOptions {
+                prefix: a.common.prefix,
+                state_root: a.common.state_root,
+                manifests,
+                probes: Some(probes),
+                agents: !a.no_agents,
+            };
+            let timeout = Duration::from_millis(a.timeout_ms);
+            super::run(&opts, timeout, table_or(a.output, Output::Matrix), out, err)
+        }
+        Some(LabCommand::Up { manifests, probes, no_agents, common }) => {
+            install_signals(err);
+            let opts = UpOptions {
+                prefix: common.prefix,
+                state_root: common.state_root,
+                manifests,
+                probes,
+                agents: !no_agents,
+            };
+            match super::up(&opts, err) {
+                Ok(state) => {
+                    let _ = writeln!(out, "{}", super::up_summary(&state));
+                    0
+                }
+                Err(e) => report_error(err, &e),
+            }
+        }
+        Some(LabCommand::Down { common }) => {
+            match super::down(&common.state_root, &common.prefix) {
+                Ok(r) if r.netns.is_empty() => {
+                    let _ = writeln!(out, "lab {:?}: nothing to remove", common.prefix);
+                    0
+                }
+                Ok(r) => {
+                    let _ = writeln!(
+                        out,
+                        "lab {:?} down: removed {} namespaces, stopped {} processes",
+                        common.prefix,
+                        r.netns.len(),
+                        r.processes
+                    );
+                    0
+                }
+                Err(e) => report_error(err, &e),
+            }
+        }
+        Some(LabCommand::Probe { probes, output, timeout_ms, common }) => {
+            install_signals(err);
+            let opts = ProbeOptions {
+                prefix: common.prefix,
+                state_root: common.state_root,
+                probes,
+                timeout: Duration::from_millis(timeout_ms),
+                output: table_or(output, Output::Table),
+            };
+            match super::probe_lab(&opts, out, err) {
+                Ok((_, code)) => code,
+                Err(e) => report_error(err, &e),
+            }
+        }
+        Some(LabCommand::Exec { target, command, common }) => {
+            match super::exec(&common.state_root, &common.prefix, &target, &command) {
+                Ok(code) => code,
+                Err(e) => report_error(err, &e),
+            }
+        }
+        Some(LabCommand::Run { manifests, probes, output, no_agents, timeout_ms, common }) => {
+            install_signals(err);
+            let opts = UpOptions {
+                prefix: common.prefix,
+                state_root: common.state_root,
+                manifests,
+                probes: Some(probes),
+                agents: !no_agents,
+            };
+            let timeout = Duration::from_millis(timeout_ms);
+            super::run(&opts, timeout, table_or(output, Output::Table), out, err)
+        }
+        Some(LabCommand::Serve { bind, tcp, udp, ready_file }) => {
+            match super::serve::run(&bind, &tcp, &udp, ready_file.as_deref()) {
+                Ok(()) => 0,
+                Err(e) => {
+                    let _ = writeln!(err, "error: {}", explain::error_chain(&e));
+                    EXIT_LAB
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,614 @@
+//! The lab: a local multi-node "cluster" of network namespaces built from ordinary
+//! Kubernetes manifests, with echo servers in every pod, real probes, and (unless
+//! `--no-agents`) a tierproxy agent on every node.
+//!
+//! Layout:
+//! - [`plan`]: manifests (+ probes) → topology value and its `ip -batch` scripts (pure).
+//! - [`netns`]: privileges, `ip`, namespaces, `setns`, sysctls.
+//! - [`procs`]: background processes (echo servers, agents: [`procs::agent_command`]),
+//!   readiness, stopping, Ctrl-C.
+//! - [`serve`]: the echo server protocol (`tierproxy lab serve`).
+//! - [`probe`]: real connections from inside namespaces.
+//! - [`report`]: table, matrix and JSON output.
+//! - [`state`]: the state file (`/run/tierproxy-lab/<prefix>/state.json`).
+//! - this file: the commands — [`up`], [`down`], [`probe_lab`], [`exec`], [`run`].
+//!
+//! Names: every namespace is `<prefix>_fabric`, `<prefix>_node_<node>` or
+//! `<prefix>_pod_<namespace>_<pod>`; `_` never occurs in a prefix or a Kubernetes name, so
+//! `lab down` finds a lab's namespaces by name alone, also without its state file.
+
+pub mod cli;
+pub mod netns;
+pub mod plan;
+pub mod probe;
+pub mod procs;
+pub mod report;
+pub mod serve;
+pub mod state;
+
+use std::io::Write;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::Child;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use crate::explain::{self, Probe};
+use crate::policy::Flow;
+use plan::{Plan, PlanError, netns_prefix, validate_prefix};
+use probe::{Job, Observed};
+use procs::{Pending, interrupted};
+use report::Row;
+use state::{ProcessRecord, Role, STATE_VERSION, State, state_dir, state_file};
+
+/// Default prefix of a lab's namespace names ("tierproxy lab").
+pub const DEFAULT_PREFIX: &str = "tpl";
+/// Exit code: the lab could not be built or used (privileges, `ip`, a namespace
+/// operation, a server or agent that did not start, no lab up). Codes 0–2 are `explain`'s.
+pub const EXIT_LAB: u8 = 3;
+
+/// Why a lab command failed.
+#[derive(Debug, thiserror::Error)]
+pub enum LabError {
+    /// Missing capabilities.
+    #[error("the lab needs {missing} (run as root)")]
+    Privileges {
+        /// Capability names, `and`-joined.
+        missing: String,
+    },
+    /// No `ip` command.
+    #[error("`ip` (iproute2) is not installed or not on PATH; the lab needs it")]
+    IpMissing,
+    /// A command could not be started.
+    #[error("cannot run {command}")]
+    Spawn {
+        /// The command.
+        command: String,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A command failed.
+    #[error("{command} failed: {stderr}")]
+    Command {
+        /// The command (and the failing batch line).
+        command: String,
+        /// Its stderr.
+        stderr: String,
+    },
+    /// A namespace could not be opened, entered or configured.
+    #[error("netns {netns}: {what}")]
+    Netns {
+        /// The namespace.
+        netns: String,
+        /// What failed.
+        what: String,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A state, log or ready file could not be read or written.
+    #[error("{path}")]
+    State {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// An echo server could not bind.
+    #[error("cannot bind {protocol} {addr}")]
+    Bind {
+        /// The address and port.
+        addr: SocketAddr,
+        /// `TCP` or `UDP`.
+        protocol: &'static str,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A server or agent did not become ready.
+    #[error("{what}: {reason}\n{log}")]
+    Start {
+        /// `echo server in netns X` or `agent on node N`.
+        what: String,
+        /// Why.
+        reason: String,
+        /// The end of its logs.
+        log: String,
+    },
+    /// Interrupted by a signal.
+    #[error("interrupted")]
+    Interrupted,
+    /// No state file for the prefix.
+    #[error("lab {prefix:?} is not up (no {path}); start it with `tierproxy lab up`")]
+    NotUp {
+        /// The prefix.
+        prefix: String,
+        /// The missing state file.
+        path: PathBuf,
+    },
+    /// The prefix is in use.
+    #[error(
+        "lab {prefix:?} is already up ({what}); run `tierproxy lab down --prefix {prefix}` first"
+    )]
+    AlreadyUp {
+        /// The prefix.
+        prefix: String,
+        /// What was found.
+        what: String,
+    },
+    /// The topology cannot be planned.
+    #[error(transparent)]
+    Plan(#[from] PlanError),
+    /// Invalid manifests or probes (details were printed to stderr).
+    #[error("{0}")]
+    Invalid(String),
+    /// `lab exec` target not in the lab.
+    #[error("no {target} in lab {prefix:?} (give namespace/pod, node/<name> or fabric)")]
+    UnknownTarget {
+        /// The target given.
+        target: String,
+        /// The lab.
+        prefix: String,
+    },
+    /// `lab down` could not remove everything.
+    #[error("lab {prefix:?} not fully removed: {problems}")]
+    Leftovers {
+        /// The prefix.
+        prefix: String,
+        /// What is left, `; `-joined.
+        problems: String,
+    },
+}
+
+impl LabError {
+    /// The process exit code for this error: [`explain::EXIT_INVALID`] for bad input
+    /// (manifests, probes, prefix, target), [`EXIT_LAB`] otherwise.
+    pub fn exit_code(&self) -> u8 {
+        match self {
+            LabError::Invalid(_) | LabError::Plan(_) | LabError::UnknownTarget { .. } => {
+                explain::EXIT_INVALID
+            }
+            _ => EXIT_LAB,
+        }
+    }
+}
+
+/// What `lab up` builds.
+#[derive(Debug, Clone)]
+pub struct UpOptions {
+    /// Namespace name prefix ([`DEFAULT_PREFIX`]).
+    pub prefix: String,
+    /// Directory of state directories ([`state::DEFAULT_STATE_ROOT`]).
+    pub state_root: PathBuf,
+    /// Manifest files or directories.
+    pub manifests: Vec<PathBuf>,
+    /// Probes whose ports and external addresses the lab should serve.
+    pub probes: Option<PathBuf>,
+    /// Start an agent per node (false: plain kernel forwarding).
+    pub agents: bool,
+}
+
+fn absolute(p: &Path) -> Result<PathBuf, LabError> {
+    p.canonicalize().map_err(|source| LabError::State { path: p.to_path_buf(), source })
+}
+
+/// Reads, resolves and pairs probes with their flows, as `explain` does.
+fn resolve_probes(
+    loaded: &crate::cluster::manifest::Loaded,
+    snapshot: &crate::policy::Snapshot,
+    path: &Path,
+) -> Result<Vec<(Probe, Flow)>, LabError> {
+    let probes = explain::read_probes(path).map_err(|e| {
+        LabError::Invalid(format!("{}: {}", path.display(), explain::error_chain(&e)))
+    })?;
+    probes
+        .into_iter()
+        .map(|(line, p)| {
+            explain::resolve(snapshot, loaded, line, &p)
+                .map(|f| (p, f))
+                .map_err(|e| LabError::Invalid(format!("{}: {e}", path.display())))
+        })
+        .collect()
+}
+
+fn stop_requested() -> Result<(), LabError> {
+    if interrupted().load(Ordering::Relaxed) { Err(LabError::Interrupted) } else { Ok(()) }
+}
+
+/// Builds a lab: namespaces, links, addresses and routes, echo servers and (with
+/// `agents`) one agent per node; waits until servers listen and agents are ready. Notes
+/// (skipped pods, manifest problems) go to `err`. On failure everything built is removed.
+///
+/// # Errors
+/// [`LabError`]: environment, an existing lab with this prefix, invalid input, a failed
+/// `ip` command, a server or agent that did not start, an interruption.
+pub fn up(opts: &UpOptions, err: &mut dyn Write) -> Result<State, LabError> {
+    netns::check_environment()?;
+    validate_prefix(&opts.prefix)?;
+    let dir = state_dir(&opts.state_root, &opts.prefix);
+    if state_file(&dir).exists() {
+        let what = format!("{} exists", state_file(&dir).display());
+        return Err(LabError::AlreadyUp { prefix: opts.prefix.clone(), what });
+    }
+    let existing = netns::list_netns(&netns_prefix(&opts.prefix))?;
+    if !existing.is_empty() {
+        let what = format!("namespaces {} exist", existing.join(", "));
+        return Err(LabError::AlreadyUp { prefix: opts.prefix.clone(), what });
+    }
+    let manifests = opts.manifests.iter().map(|p| absolute(p)).collect::<Result<Vec<_>, _>>()?;
+    let probes = opts.probes.as_deref().map(absolute).transpose()?;
+    let (loaded, compiled, invalid) = explain::load_and_compile(&manifests, err);
+    if invalid {
+        return Err(LabError::Invalid("invalid manifests (see above); no lab built".into()));
+    }
+    let flows: Vec<Flow> = match &probes {
+        Some(p) => {
+            resolve_probes(&loaded, &compiled.snapshot, p)?.into_iter().map(|(_, f)| f).collect()
+        }
+        None => Vec::new(),
+    };
+    let plan = Plan::build(&opts.prefix, &loaded, &compiled.snapshot, &flows)?;
+    for s in &plan.skipped {
+        let _ = writeln!(err, "note: lab: skipped {}: {}", s.object, s.reason);
+    }
+    std::fs::create_dir_all(&dir)
+        .map_err(|source| LabError::State { path: dir.clone(), source })?;
+    let mut state = State {
+        version: STATE_VERSION,
+        dir,
+        manifests,
+        probes,
+        agents: opts.agents,
+        plan,
+        processes: Vec::new(),
+    };
+    state.save()?;
+    let mut children = Vec::new();
+    match build(&mut state, &mut children) {
+        Ok(()) => Ok(state),
+        Err(e) => {
+            if let Err(d) = down(&opts.state_root, &opts.prefix) {
+                let _ = writeln!(err, "error: cleaning up after a failed `lab up`: {d}");
+            }
+            Err(e)
+        }
+    }
+}
+
+/// Sysctls of every namespace: no reverse-path filter (transparently proxied flows and
+/// asymmetric lab routes would fail it), no duplicate address detection (addresses usable
+/// at once). Set before links exist, so `default` applies to every interface.
+const SYSCTLS_ALL: [(&str, &str); 4] = [
+    ("net.ipv4.conf.all.rp_filter", "0"),
+    ("net.ipv4.conf.default.rp_filter", "0"),
+    ("net.ipv6.conf.all.accept_dad", "0"),
+    ("net.ipv6.conf.default.accept_dad", "0"),
+];
+/// Sysctls of node namespaces: they are routers.
+const SYSCTLS_NODE: [(&str, &str); 2] =
+    [("net.ipv4.ip_forward", "1"), ("net.ipv6.conf.all.forwarding", "1")];
+
+fn build(state: &mut State, children: &mut Vec<Child>) -> Result<(), LabError> {
+    let plan = state.plan.clone();
+    let all = plan.all_netns();
+    let adds: Vec<String> = all.iter().map(|n| format!("netns add {n}")).collect();
+    netns::ip_batch(None, &adds)?;
+    for ns in &all {
+        let is_node = plan.nodes.iter().any(|n| &n.netns == ns);
+        netns::in_netns(ns, || {
+            for (k, v) in SYSCTLS_ALL {
+                netns::sysctl(ns, k, v)?;
+            }
+            if is_node {
+                for (k, v) in SYSCTLS_NODE {
+                    netns::sysctl(ns, k, v)?;
+                }
+            }
+            Ok(())
+        })?;
+    }
+    stop_requested()?;
+    netns::ip_batch(None, &plan.link_script())?;
+    for (ns, script) in plan.netns_scripts() {
+        netns::ip_batch(Some(&ns), &script)?;
+    }
+    stop_requested()?;
+
+    let exe = std::env::current_exe()
+        .map_err(|source| LabError::Spawn { command: "current executable".into(), source })?;
+    let mut pending = Vec::new();
+    for server in &plan.servers {
+        let ready = state.dir.join(format!("serve-{}.ready", server.netns));
+        let log = state.dir.join(format!("serve-{}.log", server.netns));
+        let child = procs::spawn_detached(procs::serve_command(&exe, server, &ready), &log)?;
+        state.processes.push(ProcessRecord {
+            pid: child.id(),
+            netns: server.netns.clone(),
+            role: Role::Server,
+            log: log.clone(),
+        });
+        children.push(child);
+        pending.push((format!("echo server in netns {}", server.netns), ready, vec![log]));
+    }
+    state.save()?;
+    wait_for(&pending, children, procs::SERVER_READY_TIMEOUT)?;
+
+    if state.agents {
+        let first = children.len();
+        let mut pending = Vec::new();
+        for node in &plan.nodes {
+            let ready = state.dir.join(format!("agent-{}.ready", node.name));
+            let log = state.dir.join(format!("agent-{}.log", node.name));
+            let out = state.dir.join(format!("agent-{}.out", node.name));
+            let cmd =
+                procs::agent_command(&exe, &node.netns, &node.name, &state.manifests, &log, &ready);
+            let child = procs::spawn_detached(cmd, &out)?;
+            state.processes.push(ProcessRecord {
+                pid: child.id(),
+                netns: node.netns.clone(),
+                role: Role::Agent,
+                log: out.clone(),
+            });
+            children.push(child);
+            pending.push((format!("agent on node {}", node.name), ready, vec![log, out]));
+        }
+        state.save()?;
+        wait_for(&pending, &mut children[first..], procs::AGENT_READY_TIMEOUT)?;
+    }
+    Ok(())
+}
+
+fn wait_for(
+    pending: &[(String, PathBuf, Vec<PathBuf>)],
+    children: &mut [Child],
+    timeout: Duration,
+) -> Result<(), LabError> {
+    let mut list: Vec<Pending<'_>> = pending
+        .iter()
+        .zip(children.iter_mut())
+        .map(|((what, ready, logs), child)| Pending {
+            what: what.clone(),
+            ready: ready.clone(),
+            logs: logs.clone(),
+            child,
+        })
+        .collect();
+    procs::wait_ready(&mut list, timeout)
+}
+
+/// What `lab down` removed.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DownReport {
+    /// Namespaces deleted.
+    pub netns: Vec<String>,
+    /// Processes stopped.
+    pub processes: usize,
+}
+
+/// Removes lab `prefix`: stops every process in its namespaces, deletes the namespaces
+/// (found by name, so this works without the state file, after a crash), removes the state
+/// directory. Removing nothing is not an error.
+///
+/// # Errors
+/// Environment errors, [`LabError::Leftovers`] naming what could not be removed.
+pub fn down(state_root: &Path, prefix: &str) -> Result<DownReport, LabError> {
+    netns::check_environment()?;
+    validate_prefix(prefix)?;
+    let names = netns::list_netns(&netns_prefix(prefix))?;
+    let pids: Vec<i32> = names.iter().flat_map(|n| netns::netns_pids(n)).collect();
+    let survivors = procs::stop(&pids);
+    let mut problems = Vec::new();
+    if !survivors.is_empty() {
+        problems.push(format!("processes {survivors:?} survived SIGKILL"));
+    }
+    for n in &names {
+        if let Err(e) = netns::ip(&["netns", "del", n], None) {
+            problems.push(e.to_string());
+        }
+    }
+    let dir = state_dir(state_root, prefix);
+    match std::fs::remove_dir_all(&dir) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => problems.push(format!("{}: {e}", dir.display())),
+    }
+    if problems.is_empty() {
+        Ok(DownReport { netns: names, processes: pids.len() })
+    } else {
+        Err(LabError::Leftovers { prefix: prefix.to_string(), problems: problems.join("; ") })
+    }
+}
+
+/// Output of `lab probe`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Output {
+    /// One row per probe.
+    Table,
+    /// JSON Lines.
+    Json,
+    /// Connectivity matrix.
+    Matrix,
+}
+
+/// Probes a running lab.
+#[derive(Debug, Clone)]
+pub struct ProbeOptions {
+    /// The lab's prefix.
+    pub prefix: String,
+    /// Directory of state directories.
+    pub state_root: PathBuf,
+    /// JSON Lines probe file (`explain`'s format).
+    pub probes: PathBuf,
+    /// Connect (and per-read) timeout.
+    pub timeout: Duration,
+    /// Output format.
+    pub output: Output,
+}
+
+/// Makes every probe of `opts.probes` for real in lab `opts.prefix` and writes the result
+/// beside `explain`'s verdict. Returns the rows (for callers that want them) and the exit
+/// code: 0 every observation agrees with `explain`, 1 otherwise (errors included).
+///
+/// # Errors
+/// [`LabError`]: environment, no such lab, invalid manifests or probes.
+pub fn probe_lab(
+    opts: &ProbeOptions,
+    out: &mut dyn Write,
+    err: &mut dyn Write,
+) -> Result<(Vec<Row>, u8), LabError> {
+    netns::check_environment()?;
+    let state = State::load(&opts.state_root, &opts.prefix)?;
+    let (loaded, compiled, invalid) = explain::load_and_compile(&state.manifests, err);
+    if invalid {
+        return Err(LabError::Invalid("invalid manifests (see above); nothing probed".into()));
+    }
+    let s = &compiled.snapshot;
+    let pairs = resolve_probes(&loaded, s, &opts.probes)?;
+    let jobs: Vec<Job> = pairs
+        .iter()
+        .map(|(_, flow)| Job {
+            netns: state.plan.owner(flow.src).map(str::to_string).ok_or_else(|| {
+                format!("no namespace of the lab holds {} (a skipped pod, or an address not in the probes given to `lab up`)", flow.src)
+            }),
+            flow: *flow,
+        })
+        .collect();
+    let observations = probe::run_all(&jobs, opts.timeout, interrupted());
+    let rows: Vec<Row> = pairs
+        .into_iter()
+        .zip(observations)
+        .map(|((p, flow), mut observation)| {
+            if observation.observed == Observed::Error
+                && observation.detail == "refused"
+                && !state.plan.serves(flow.dst, flow.protocol, flow.dst_port)
+            {
+                observation.detail = format!(
+                    "refused (nothing in the lab serves {}/{}: give the probes to `lab up`)",
+                    SocketAddr::new(flow.dst, flow.dst_port),
+                    flow.protocol
+                );
+            }
+            Row { explained: explain::probe_json(s, &p, &flow), probe: p, flow, observation }
+        })
+        .collect();
+    let written = match opts.output {
+        Output::Json => report::write_json(&rows, out),
+        Output::Table => report::write_table(&rows, out),
+        Output::Matrix => report::write_matrix(&rows, out),
+    };
+    let _ = written;
+    stop_requested()?;
+    let code = report::Summary::of(&rows).exit_code();
+    Ok((rows, code))
+}
+
+/// Runs `command` (program and arguments) inside the namespace of `target` (`namespace/pod`,
+/// `node/<name>`, `fabric`) of lab `prefix`, with this process's stdio; returns its exit
+/// code (128 + signal number if a signal ended it).
+///
+/// # Errors
+/// [`LabError::NotUp`], [`LabError::UnknownTarget`], [`LabError::Spawn`].
+pub fn exec(
+    state_root: &Path,
+    prefix: &str,
+    target: &str,
+    command: &[String],
+) -> Result<u8, LabError> {
+    netns::check_environment()?;
+    let state = State::load(state_root, prefix)?;
+    let ns = state.plan.netns_of_target(target).ok_or_else(|| LabError::UnknownTarget {
+        target: target.to_string(),
+        prefix: prefix.to_string(),
+    })?;
+    let status = std::process::Command::new("ip")
+        .args(["netns", "exec", ns])
+        .args(command)
+        .status()
+        .map_err(|source| LabError::Spawn { command: format!("ip netns exec {ns} ..."), source })?;
+    use std::os::unix::process::ExitStatusExt;
+    Ok(match (status.code(), status.signal()) {
+        (Some(c), _) => u8::try_from(c).unwrap_or(1),
+        (None, Some(sig)) => 128u8.saturating_add(u8::try_from(sig).unwrap_or(0)),
+        (None, None) => 1,
+    })
+}
+
+/// `lab up`, probe, `lab down` in one go; `down` runs also when `up` or probing fails or
+/// is interrupted. Returns the exit code (a `down` failure turns success into
+/// [`EXIT_LAB`]).
+pub fn run(
+    up_opts: &UpOptions,
+    timeout: Duration,
+    output: Output,
+    out: &mut dyn Write,
+    err: &mut dyn Write,
+) -> u8 {
+    let Some(probes) = up_opts.probes.clone() else {
+        let _ = writeln!(err, "error: `lab run` needs --probes");
+        return explain::EXIT_INVALID;
+    };
+    let code = match up(up_opts, err) {
+        Err(e) => {
+            let _ = writeln!(err, "error: {}", explain::error_chain(&e));
+            // `up` cleaned up after itself.
+            return e.exit_code();
+        }
+        Ok(state) => {
+            let _ = writeln!(err, "{}", up_summary(&state));
+            let opts = ProbeOptions {
+                prefix: up_opts.prefix.clone(),
+                state_root: up_opts.state_root.clone(),
+                probes,
+                timeout,
+                output,
+            };
+            // `up` already printed the manifests' notes.
+            match probe_lab(&opts, out, &mut std::io::sink()) {
+                Ok((_, code)) => code,
+                Err(e) => {
+                    let _ = writeln!(err, "error: {}", explain::error_chain(&e));
+                    e.exit_code()
+                }
+            }
+        }
+    };
+    match down(&up_opts.state_root, &up_opts.prefix) {
+        Ok(_) => code,
+        Err(e) => {
+            let _ = writeln!(err, "error: {}", explain::error_chain(&e));
+            if code == 0 { EXIT_LAB } else { code }
+        }
+    }
+}
+
+/// One line describing a lab that is up.
+pub fn up_summary(state: &State) -> String {
+    let p = &state.plan;
+    format!(
+        "lab {:?} up: {} nodes, {} pods, {} hostNetwork pods, {} external addresses, {} servers, {}; state in {}",
+        p.prefix,
+        p.nodes.len(),
+        p.pods.len(),
+        p.host_pods.len(),
+        p.external.len(),
+        p.servers.len(),
+        if state.agents { "agents on every node" } else { "no agents (kernel forwarding)" },
+        state.dir.display()
+    )
+}
+
+/// Where the built-in example lives: `$TIERPROXY_EXAMPLES`, else `examples/` of the source
+/// tree this binary was built from.
+pub fn examples_dir() -> PathBuf {
+    std::env::var_os("TIERPROXY_EXAMPLES")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("examples"))
+}
+
+/// The built-in example's manifests and probes under `dir`: `cluster.yaml`, `policies/`,
+/// `probes.jsonl`.
+pub fn example_inputs(dir: &Path) -> (Vec<PathBuf>, PathBuf) {
+    (vec![dir.join("cluster.yaml"), dir.join("policies")], dir.join("probes.jsonl"))
+}

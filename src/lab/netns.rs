@@ -1,0 +1,205 @@
+//! The system side of the lab: privileges, the `ip` command, network namespaces, sysctls and
+//! entering a namespace from a thread.
+
+use std::fs::File;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use nix::sched::{CloneFlags, setns};
+
+use super::LabError;
+
+/// Where `ip netns` keeps its namespaces (bind mounts named after them).
+pub const NETNS_DIR: &str = "/run/netns";
+
+/// Capability bits (linux/capability.h) the lab needs.
+const CAP_NET_ADMIN: u32 = 12;
+const CAP_SYS_ADMIN: u32 = 21;
+
+/// The capabilities the lab needs that this process lacks, by name (`CAP_NET_ADMIN` for
+/// links, addresses, routes and sysctls; `CAP_SYS_ADMIN` for `ip netns add` (a mount) and
+/// `setns`). Read from `CapEff` in `/proc/self/status`; unreadable counts as lacking both.
+pub fn missing_capabilities() -> Vec<&'static str> {
+    let eff = std::fs::read_to_string("/proc/self/status").ok().and_then(|s| {
+        s.lines()
+            .find_map(|l| l.strip_prefix("CapEff:"))
+            .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
+    });
+    let has = |bit: u32| eff.is_some_and(|e| e & (1 << bit) != 0);
+    let mut out = Vec::new();
+    if !has(CAP_NET_ADMIN) {
+        out.push("CAP_NET_ADMIN");
+    }
+    if !has(CAP_SYS_ADMIN) {
+        out.push("CAP_SYS_ADMIN");
+    }
+    out
+}
+
+/// Checks that the lab can run here: the capabilities and the `ip` command (iproute2).
+///
+/// # Errors
+/// [`LabError::Privileges`] naming the missing capabilities, [`LabError::IpMissing`].
+pub fn check_environment() -> Result<(), LabError> {
+    let missing = missing_capabilities();
+    if !missing.is_empty() {
+        return Err(LabError::Privileges { missing: missing.join(" and ") });
+    }
+    match Command::new("ip").arg("-V").stdout(Stdio::null()).stderr(Stdio::null()).status() {
+        Ok(_) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(LabError::IpMissing),
+        Err(source) => Err(LabError::Spawn { command: "ip -V".into(), source }),
+    }
+}
+
+/// Runs `ip ARGS` (with `stdin` fed to it, for `-batch -`) and returns its stdout.
+///
+/// # Errors
+/// [`LabError::Spawn`] if it cannot start, [`LabError::Command`] with its stderr if it
+/// fails.
+pub fn ip(args: &[&str], stdin: Option<&str>) -> Result<String, LabError> {
+    let command = format!("ip {}", args.join(" "));
+    let mut child = Command::new("ip")
+        .args(args)
+        .stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|source| LabError::Spawn { command: command.clone(), source })?;
+    if let (Some(text), Some(mut pipe)) = (stdin, child.stdin.take()) {
+        // A write error means ip exited early; its status and stderr tell why.
+        let _ = pipe.write_all(text.as_bytes());
+    }
+    let out = child
+        .wait_with_output()
+        .map_err(|source| LabError::Spawn { command: command.clone(), source })?;
+    if out.status.success() {
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    } else {
+        Err(LabError::Command {
+            command,
+            stderr: String::from_utf8_lossy(&out.stderr).trim().to_string(),
+        })
+    }
+}
+
+/// Runs `commands` with `ip -batch -` (in namespace `netns`, or the current one). On a
+/// failure the error names the failing command, not just its line number.
+///
+/// # Errors
+/// [`LabError::Command`].
+pub fn ip_batch(netns: Option<&str>, commands: &[String]) -> Result<(), LabError> {
+    if commands.is_empty() {
+        return Ok(());
+    }
+    let mut args = Vec::new();
+    if let Some(ns) = netns {
+        args.extend(["-n", ns]);
+    }
+    args.extend(["-batch", "-"]);
+    let script = commands.join("\n") + "\n";
+    ip(&args, Some(&script)).map(drop).map_err(|e| match e {
+        LabError::Command { command, stderr } => {
+            // iproute2 says "Command failed -:N" for line N of the batch.
+            let failed = stderr
+                .rsplit_once("Command failed -:")
+                .and_then(|(_, n)| n.trim().parse::<usize>().ok())
+                .and_then(|n| commands.get(n.wrapping_sub(1)));
+            match failed {
+                Some(line) => LabError::Command { command: format!("{command}: {line}"), stderr },
+                None => LabError::Command { command, stderr },
+            }
+        }
+        other => other,
+    })
+}
+
+/// Names of every network namespace `ip netns list` shows that start with `prefix`.
+///
+/// # Errors
+/// [`LabError::Command`] if `ip netns list` fails.
+pub fn list_netns(prefix: &str) -> Result<Vec<String>, LabError> {
+    let out = ip(&["netns", "list"], None)?;
+    // Lines are "name" or "name (id: N)".
+    Ok(out
+        .lines()
+        .filter_map(|l| l.split_whitespace().next())
+        .filter(|n| n.starts_with(prefix))
+        .map(str::to_string)
+        .collect())
+}
+
+/// Pids of the processes in namespace `netns` (`ip netns pids`); empty if it is gone.
+pub fn netns_pids(netns: &str) -> Vec<i32> {
+    ip(&["netns", "pids", netns], None)
+        .map(|out| out.split_whitespace().filter_map(|p| p.parse().ok()).collect())
+        .unwrap_or_default()
+}
+
+/// The bind mount of namespace `netns`.
+pub fn netns_path(netns: &str) -> PathBuf {
+    Path::new(NETNS_DIR).join(netns)
+}
+
+/// Moves the calling thread into network namespace `netns` (only this thread: sockets it
+/// opens afterwards belong to that namespace, and so do `/proc/sys/net` files it opens).
+///
+/// # Errors
+/// [`LabError::Netns`] if the namespace cannot be opened or entered.
+pub fn enter(netns: &str) -> Result<(), LabError> {
+    let file = File::open(netns_path(netns)).map_err(|source| LabError::Netns {
+        netns: netns.to_string(),
+        what: "cannot open".into(),
+        source,
+    })?;
+    setns(&file, CloneFlags::CLONE_NEWNET).map_err(|errno| LabError::Netns {
+        netns: netns.to_string(),
+        what: "cannot enter (setns)".into(),
+        source: errno.into(),
+    })
+}
+
+/// Runs `f` on a new thread inside namespace `netns` and returns its result.
+///
+/// # Errors
+/// What [`enter`] or `f` returns; [`LabError::Netns`] if the thread panicked.
+pub fn in_netns<T: Send>(
+    netns: &str,
+    f: impl FnOnce() -> Result<T, LabError> + Send,
+) -> Result<T, LabError> {
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            enter(netns)?;
+            f()
+        })
+        .join()
+        .unwrap_or_else(|_| {
+            Err(LabError::Netns {
+                netns: netns.to_string(),
+                what: "thread panicked".into(),
+                source: std::io::Error::other("panic"),
+            })
+        })
+    })
+}
+
+/// Writes `value` to `/proc/sys/<key with . as />` in the calling thread's namespace.
+/// A missing IPv6 tree (IPv6 disabled) is not an error for IPv6 keys.
+///
+/// # Errors
+/// [`LabError::Netns`] naming the key.
+pub fn sysctl(netns: &str, key: &str, value: &str) -> Result<(), LabError> {
+    let path = Path::new("/proc/sys").join(key.replace('.', "/"));
+    match std::fs::write(&path, value) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound && key.starts_with("net.ipv6.") => {
+            Ok(())
+        }
+        Err(source) => Err(LabError::Netns {
+            netns: netns.to_string(),
+            what: format!("cannot set {key}={value}"),
+            source,
+        }),
+    }
+}

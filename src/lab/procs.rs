@@ -1,0 +1,238 @@
+//! Background processes of the lab (echo servers, agents): how they are started, how `lab
+//! up` knows they are ready, how `lab down` stops them; and Ctrl-C handling.
+
+use std::fs::File;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::{SigSet, SigmaskHow, sigprocmask};
+use nix::sys::signal::{Signal, kill};
+use nix::sys::wait::{WaitPidFlag, waitpid};
+use nix::unistd::Pid;
+
+use super::LabError;
+use super::plan::ServerPlan;
+
+/// How long `lab up` waits for every echo server to have bound its ports: they bind at
+/// once, so 10 s only guards against a stuck machine.
+pub const SERVER_READY_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long `lab up` waits for each agent's ready file: an agent compiles the manifests and
+/// installs its ruleset, well under a second on the examples; 30 s leaves room for a slow
+/// CI machine and a large manifest set.
+pub const AGENT_READY_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long `lab down` waits after SIGTERM before SIGKILL (agents remove their rules on
+/// exit and need a moment).
+pub const STOP_GRACE: Duration = Duration::from_secs(3);
+/// Poll interval of the waits above.
+const POLL: Duration = Duration::from_millis(20);
+/// Bytes of a log shown in an error.
+const LOG_TAIL: usize = 2000;
+
+/// Set once SIGINT, SIGTERM or SIGHUP arrived (after [`handle_signals`]).
+static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+
+/// The flag [`handle_signals`] sets: long steps check it and stop early.
+pub fn interrupted() -> &'static AtomicBool {
+    &INTERRUPTED
+}
+
+/// Routes SIGINT/SIGTERM/SIGHUP to a watcher thread that sets [`interrupted`] (a second
+/// signal exits at once with 130). Call from the main thread before starting other
+/// threads: the signals are blocked in the caller and so in every thread it starts.
+/// Children get an empty mask back (see [`spawn_detached`]).
+///
+/// # Errors
+/// If the mask cannot be set or the thread cannot start.
+pub fn handle_signals() -> std::io::Result<()> {
+    let mut set = SigSet::empty();
+    for s in [Signal::SIGINT, Signal::SIGTERM, Signal::SIGHUP] {
+        set.add(s);
+    }
+    set.thread_block().map_err(std::io::Error::from)?;
+    std::thread::Builder::new().name("signals".into()).spawn(move || {
+        while let Ok(sig) = set.wait() {
+            if INTERRUPTED.swap(true, Ordering::SeqCst) {
+                eprintln!("{sig}: again; exiting without cleaning up (run `tierproxy lab down`)");
+                std::process::exit(130);
+            }
+            eprintln!("{sig}: stopping; cleaning up (press Ctrl-C again to skip that)");
+        }
+    })?;
+    Ok(())
+}
+
+/// The echo server command for one namespace (`ip netns exec <ns> <exe> lab serve ...`).
+pub fn serve_command(exe: &Path, server: &ServerPlan, ready: &Path) -> Command {
+    let join = |v: &[u16]| v.iter().map(u16::to_string).collect::<Vec<_>>().join(",");
+    let mut c = Command::new("ip");
+    c.args(["netns", "exec", &server.netns]).arg(exe).args(["lab", "serve"]);
+    let bind: Vec<String> = server.bind.iter().map(ToString::to_string).collect();
+    c.arg("--bind").arg(bind.join(","));
+    if !server.tcp.is_empty() {
+        c.arg("--tcp").arg(join(&server.tcp));
+    }
+    if !server.udp.is_empty() {
+        c.arg("--udp").arg(join(&server.udp));
+    }
+    c.arg("--ready-file").arg(ready);
+    c
+}
+
+/// The agent command for one node: inside the node's namespace,
+/// `<exe> agent --node <node> --manifests <paths...> --log <log> --ready-file <ready>`.
+///
+/// Contract with `tierproxy agent`: it enforces policy for node `node` from the manifests
+/// (absolute paths), logs to `log`, and creates `ready` (`<state dir>/agent-<node>.ready`)
+/// once its ruleset is installed and it decides flows; `lab up` waits for that file at most
+/// [`AGENT_READY_TIMEOUT`]. `lab down` stops it with SIGTERM, then SIGKILL after
+/// [`STOP_GRACE`]. Its stdout and stderr go to `<state dir>/agent-<node>.out`.
+pub fn agent_command(
+    exe: &Path,
+    netns: &str,
+    node: &str,
+    manifests: &[PathBuf],
+    log: &Path,
+    ready: &Path,
+) -> Command {
+    let mut c = Command::new("ip");
+    c.args(["netns", "exec", netns]).arg(exe).args(["agent", "--node", node, "--manifests"]);
+    c.args(manifests);
+    c.arg("--log").arg(log).arg("--ready-file").arg(ready);
+    c
+}
+
+/// Starts `command` detached: a new session (no terminal signals reach it), stdin from
+/// `/dev/null`, stdout and stderr appended to `log`, an empty signal mask.
+///
+/// # Errors
+/// [`LabError::State`] if the log cannot be opened, [`LabError::Spawn`].
+pub fn spawn_detached(mut command: Command, log: &Path) -> Result<Child, LabError> {
+    let out = File::options()
+        .create(true)
+        .append(true)
+        .open(log)
+        .map_err(|source| LabError::State { path: log.to_path_buf(), source })?;
+    let err =
+        out.try_clone().map_err(|source| LabError::State { path: log.to_path_buf(), source })?;
+    command.stdin(Stdio::null()).stdout(out).stderr(err);
+    // SAFETY: between fork and exec only async-signal-safe calls are allowed; setsid(2) and
+    // sigprocmask(2) are, and nothing here allocates.
+    unsafe {
+        command.pre_exec(|| {
+            nix::unistd::setsid().map_err(std::io::Error::from)?;
+            sigprocmask(SigmaskHow::SIG_SETMASK, Some(&SigSet::empty()), None)
+                .map_err(std::io::Error::from)
+        });
+    }
+    let shown = format!("{command:?}");
+    command.spawn().map_err(|source| LabError::Spawn { command: shown, source })
+}
+
+/// The last [`LOG_TAIL`] bytes of `log`, for error messages.
+pub fn log_tail(log: &Path) -> String {
+    let text = std::fs::read(log).unwrap_or_default();
+    let start = text.len().saturating_sub(LOG_TAIL);
+    let tail = String::from_utf8_lossy(&text[start..]).trim().to_string();
+    if tail.is_empty() { format!("{} is empty", log.display()) } else { tail }
+}
+
+/// A process `lab up` waits for.
+pub struct Pending<'a> {
+    /// What it is, for errors: `echo server in netns X`, `agent on node N`.
+    pub what: String,
+    /// The file it creates when ready.
+    pub ready: PathBuf,
+    /// Its log (shown when it fails).
+    pub logs: Vec<PathBuf>,
+    /// The process.
+    pub child: &'a mut Child,
+}
+
+/// Waits until every pending process has created its ready file.
+///
+/// # Errors
+/// [`LabError::Start`] naming the first process that exited or was not ready within
+/// `timeout` (with its log), [`LabError::Interrupted`].
+pub fn wait_ready(pending: &mut [Pending<'_>], timeout: Duration) -> Result<(), LabError> {
+    let deadline = Instant::now() + timeout;
+    let tails = |p: &Pending<'_>| {
+        p.logs.iter().map(|l| format!("{}:\n{}", l.display(), log_tail(l))).collect::<Vec<_>>()
+    };
+    loop {
+        let mut waiting = false;
+        for p in pending.iter_mut() {
+            if p.ready.exists() {
+                continue;
+            }
+            if let Ok(Some(status)) = p.child.try_wait() {
+                return Err(LabError::Start {
+                    what: p.what.clone(),
+                    reason: format!("exited ({status}) before it was ready"),
+                    log: tails(p).join("\n"),
+                });
+            }
+            waiting = true;
+        }
+        if !waiting {
+            return Ok(());
+        }
+        if INTERRUPTED.load(Ordering::Relaxed) {
+            return Err(LabError::Interrupted);
+        }
+        if Instant::now() >= deadline {
+            let p = pending.iter().find(|p| !p.ready.exists()).expect("one is waiting");
+            return Err(LabError::Start {
+                what: p.what.clone(),
+                reason: format!(
+                    "not ready after {} s (no {})",
+                    timeout.as_secs(),
+                    p.ready.display()
+                ),
+                log: tails(p).join("\n"),
+            });
+        }
+        std::thread::sleep(POLL);
+    }
+}
+
+/// Whether `pid` is a live process (not gone, not a zombie).
+fn alive(pid: i32) -> bool {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { return false };
+    // "pid (comm) S ...": comm may hold spaces and parentheses; the state follows the last ')'.
+    let state = stat.rsplit_once(')').and_then(|(_, rest)| rest.trim_start().chars().next());
+    !matches!(state, None | Some('Z' | 'X'))
+}
+
+/// Stops `pids`: SIGTERM, up to [`STOP_GRACE`] to exit, then SIGKILL and up to 1 s more.
+/// Reaps those that are this process's children. Returns the pids still alive after that.
+pub fn stop(pids: &[i32]) -> Vec<i32> {
+    let me = std::process::id() as i32;
+    let pids: Vec<i32> = pids.iter().copied().filter(|p| *p != me && *p > 1).collect();
+    let reap = |pids: &[i32]| {
+        for p in pids {
+            let _ = waitpid(Pid::from_raw(*p), Some(WaitPidFlag::WNOHANG));
+        }
+    };
+    let wait = |pids: &[i32], limit: Duration| {
+        let deadline = Instant::now() + limit;
+        loop {
+            reap(pids);
+            let left: Vec<i32> = pids.iter().copied().filter(|p| alive(*p)).collect();
+            if left.is_empty() || Instant::now() >= deadline {
+                return left;
+            }
+            std::thread::sleep(POLL);
+        }
+    };
+    for p in &pids {
+        let _ = kill(Pid::from_raw(*p), Signal::SIGTERM);
+    }
+    let left = wait(&pids, STOP_GRACE);
+    for p in &left {
+        let _ = kill(Pid::from_raw(*p), Signal::SIGKILL);
+    }
+    wait(&left, Duration::from_secs(1))
+}

@@ -1,0 +1,220 @@
+//! The lab's echo servers (`tierproxy lab serve`, run inside a namespace by `lab up`).
+//!
+//! Protocol, so a client learns what the server saw:
+//! - TCP: on accept the server writes one line `tierproxy-lab <peer-ip> <peer-port>\n`, then
+//!   echoes everything it reads until EOF, then shuts down its write side (so a half-close
+//!   is visible end to end) and closes.
+//! - UDP: every datagram is answered with the same line followed by the datagram's payload.
+
+use std::io::{Read, Write};
+use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream, UdpSocket};
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
+use super::LabError;
+
+/// First word of the greeting line.
+pub const GREETING_WORD: &str = "tierproxy-lab";
+/// Most TCP connections one server process handles at once (one thread each). Far above
+/// what probes need; it keeps a runaway load test from exhausting threads. Connections over
+/// it are closed at once, and the first such event is logged.
+pub const MAX_CONNECTIONS: usize = 4096;
+/// Read buffer per TCP connection and UDP socket, in bytes (64 KiB: copies at this size
+/// run near memory bandwidth, see DESIGN §7).
+const BUFFER: usize = 64 << 10;
+/// Stack of a connection thread: it only holds a heap buffer and a few frames.
+const CONNECTION_STACK: usize = 128 << 10;
+
+/// The greeting line for a client seen as `peer`, newline included.
+pub fn greeting(peer: SocketAddr) -> String {
+    format!("{GREETING_WORD} {} {}\n", peer.ip(), peer.port())
+}
+
+/// Parses a greeting line (with or without its newline) back into the peer address.
+pub fn parse_greeting(line: &str) -> Option<SocketAddr> {
+    let mut words = line.trim_end_matches('\n').split(' ');
+    if words.next()? != GREETING_WORD {
+        return None;
+    }
+    let ip: IpAddr = words.next()?.parse().ok()?;
+    let port: u16 = words.next()?.parse().ok()?;
+    words.next().is_none().then_some(SocketAddr::new(ip, port))
+}
+
+/// Serves one TCP connection: greeting, echo until EOF, half-close.
+fn echo(mut stream: TcpStream) {
+    let Ok(peer) = stream.peer_addr() else { return };
+    if stream.write_all(greeting(peer).as_bytes()).is_err() {
+        return;
+    }
+    let mut buf = vec![0u8; BUFFER];
+    loop {
+        match stream.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => {
+                if stream.write_all(&buf[..n]).is_err() {
+                    return;
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(_) => return,
+        }
+    }
+    let _ = stream.shutdown(Shutdown::Write);
+}
+
+/// Accepts connections on `listener` forever, one thread per connection, at most
+/// [`MAX_CONNECTIONS`] at once.
+pub fn serve_tcp(listener: TcpListener) {
+    let live = Arc::new(AtomicUsize::new(0));
+    let warned = AtomicBool::new(false);
+    let local = listener.local_addr().map(|a| a.to_string()).unwrap_or_default();
+    for stream in listener.incoming() {
+        let Ok(stream) = stream else { continue };
+        if live.load(Ordering::Relaxed) >= MAX_CONNECTIONS {
+            if !warned.swap(true, Ordering::Relaxed) {
+                eprintln!("{local}: {MAX_CONNECTIONS} connections open; closing new ones");
+            }
+            continue;
+        }
+        live.fetch_add(1, Ordering::Relaxed);
+        let guard = Live(Arc::clone(&live));
+        let spawned = std::thread::Builder::new().stack_size(CONNECTION_STACK).spawn(move || {
+            let _guard = guard;
+            echo(stream);
+        });
+        if let Err(e) = spawned {
+            eprintln!("{local}: cannot start a connection thread: {e}");
+        }
+    }
+}
+
+/// Decrements the live-connection count when a connection thread ends (or never starts).
+struct Live(Arc<AtomicUsize>);
+
+impl Drop for Live {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// Answers every datagram on `socket` with the greeting line plus its payload, forever.
+pub fn serve_udp(socket: UdpSocket) {
+    let mut buf = vec![0u8; BUFFER];
+    loop {
+        let Ok((n, peer)) = socket.recv_from(&mut buf) else { continue };
+        let mut reply = greeting(peer).into_bytes();
+        // Largest UDP payload over IPv4; a longer echo would not fit one datagram.
+        let room = 65_507usize.saturating_sub(reply.len());
+        reply.extend_from_slice(&buf[..n.min(room)]);
+        let _ = socket.send_to(&reply, peer);
+    }
+}
+
+/// Binds every TCP and UDP port on every address, writes `ready_file` (containing the
+/// pid) once all are bound, then serves forever.
+///
+/// # Errors
+/// [`LabError::Bind`] naming the address and port that could not be bound,
+/// [`LabError::State`] if the ready file cannot be written.
+pub fn run(
+    bind: &[IpAddr],
+    tcp: &[u16],
+    udp: &[u16],
+    ready_file: Option<&Path>,
+) -> Result<(), LabError> {
+    let mut tcp_listeners = Vec::new();
+    let mut udp_sockets = Vec::new();
+    for ip in bind {
+        for port in tcp {
+            let addr = SocketAddr::new(*ip, *port);
+            let l = TcpListener::bind(addr).map_err(|source| LabError::Bind {
+                addr,
+                protocol: "TCP",
+                source,
+            })?;
+            tcp_listeners.push(l);
+        }
+        for port in udp {
+            let addr = SocketAddr::new(*ip, *port);
+            let s = UdpSocket::bind(addr).map_err(|source| LabError::Bind {
+                addr,
+                protocol: "UDP",
+                source,
+            })?;
+            udp_sockets.push(s);
+        }
+    }
+    eprintln!("serving TCP {tcp:?} UDP {udp:?} on {bind:?}");
+    let mut threads = Vec::new();
+    for l in tcp_listeners {
+        threads.push(std::thread::spawn(move || serve_tcp(l)));
+    }
+    for s in udp_sockets {
+        threads.push(std::thread::spawn(move || serve_udp(s)));
+    }
+    if let Some(path) = ready_file {
+        std::fs::write(path, format!("{}\n", std::process::id()))
+            .map_err(|source| LabError::State { path: path.to_path_buf(), source })?;
+    }
+    for t in threads {
+        let _ = t.join();
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn greeting_round_trips_for_both_families() {
+        for a in ["10.0.0.1:4321", "[fd00::1]:80"] {
+            let a: SocketAddr = a.parse().unwrap();
+            assert_eq!(parse_greeting(&greeting(a)), Some(a));
+        }
+        assert_eq!(greeting("10.0.0.1:4321".parse().unwrap()), "tierproxy-lab 10.0.0.1 4321\n");
+        for bad in [
+            "",
+            "hello 1.2.3.4 5",
+            "tierproxy-lab 1.2.3.4",
+            "tierproxy-lab x 1",
+            "tierproxy-lab 1.2.3.4 5 6",
+        ] {
+            assert_eq!(parse_greeting(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn tcp_greets_echoes_and_half_closes() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        std::thread::spawn(move || serve_tcp(l));
+        let mut c = TcpStream::connect(addr).unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        c.write_all(b"ping").unwrap();
+        c.shutdown(Shutdown::Write).unwrap();
+        let mut all = String::new();
+        c.read_to_string(&mut all).unwrap();
+        let (line, rest) = all.split_once('\n').unwrap();
+        assert_eq!(parse_greeting(line), Some(c.local_addr().unwrap()));
+        assert_eq!(rest, "ping");
+    }
+
+    #[test]
+    fn udp_answers_with_greeting_and_payload() {
+        let s = UdpSocket::bind("127.0.0.1:0").unwrap();
+        let addr = s.local_addr().unwrap();
+        std::thread::spawn(move || serve_udp(s));
+        let c = UdpSocket::bind("127.0.0.1:0").unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        c.send_to(b"dns?", addr).unwrap();
+        let mut buf = [0u8; 256];
+        let (n, from) = c.recv_from(&mut buf).unwrap();
+        assert_eq!(from, addr);
+        let text = std::str::from_utf8(&buf[..n]).unwrap();
+        assert_eq!(text, format!("{}dns?", greeting(c.local_addr().unwrap())));
+    }
+}
