@@ -144,7 +144,10 @@ pub fn probe_tcp(src: IpAddr, dst: SocketAddr, timeout: Duration) -> Observation
             return Observation::new(Observed::Error, "connected, closed before the greeting");
         }
         Err(e) => {
-            return Observation::new(Observed::Error, format!("connected, then {}", error_word(&e)));
+            return Observation::new(
+                Observed::Error,
+                format!("connected, then {}", error_word(&e)),
+            );
         }
     };
     let obs = |observed, detail: String| Observation { observed, detail, seen_source: Some(seen) };

@@ -133,7 +133,10 @@ pub fn spawn_detached(mut command: Command, log: &Path) -> Result<Child, LabErro
 
 /// The last [`LOG_TAIL`] bytes of `log`, for error messages.
 pub fn log_tail(log: &Path) -> String {
-    let text = std::fs::read(log).unwrap_or_default();
+    let text = match std::fs::read(log) {
+        Ok(t) => t,
+        Err(e) => return format!("{}: {e}", log.display()),
+    };
     let start = text.len().saturating_sub(LOG_TAIL);
     let tail = String::from_utf8_lossy(&text[start..]).trim().to_string();
     if tail.is_empty() { format!("{} is empty", log.display()) } else { tail }
@@ -186,11 +189,7 @@ pub fn wait_ready(pending: &mut [Pending<'_>], timeout: Duration) -> Result<(), 
             let p = pending.iter().find(|p| !p.ready.exists()).expect("one is waiting");
             return Err(LabError::Start {
                 what: p.what.clone(),
-                reason: format!(
-                    "not ready after {} s (no {})",
-                    timeout.as_secs(),
-                    p.ready.display()
-                ),
+                reason: format!("not ready after {timeout:?} (no {})", p.ready.display()),
                 log: tails(p).join("\n"),
             });
         }
@@ -235,4 +234,64 @@ pub fn stop(pids: &[i32]) -> Vec<i32> {
         let _ = kill(Pid::from_raw(*p), Signal::SIGKILL);
     }
     wait(&left, Duration::from_secs(1))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pending<'a>(what: &str, ready: &Path, log: &Path, child: &'a mut Child) -> Pending<'a> {
+        Pending {
+            what: what.into(),
+            ready: ready.to_path_buf(),
+            logs: vec![log.to_path_buf()],
+            child,
+        }
+    }
+
+    fn sh(script: &str, log: &Path) -> Child {
+        let mut c = Command::new("sh");
+        c.args(["-c", script]);
+        spawn_detached(c, log).expect("sh starts")
+    }
+
+    #[test]
+    fn ready_files_end_the_wait() {
+        let dir = tempfile::tempdir().unwrap();
+        let (ready, log) = (dir.path().join("a.ready"), dir.path().join("a.log"));
+        let mut child = sh(&format!("sleep 0.1; touch {}; sleep 5", ready.display()), &log);
+        let mut list = [pending("agent on node a", &ready, &log, &mut child)];
+        wait_ready(&mut list, Duration::from_secs(5)).expect("ready");
+        assert!(stop(&[child.id() as i32]).is_empty());
+    }
+
+    #[test]
+    fn an_exit_before_ready_names_the_process_and_shows_its_log() {
+        let dir = tempfile::tempdir().unwrap();
+        let (ready, log) = (dir.path().join("b.ready"), dir.path().join("b.log"));
+        let mut child = sh("echo bad flag >&2; exit 3", &log);
+        let mut list = [pending("agent on node b", &ready, &log, &mut child)];
+        let e = wait_ready(&mut list, Duration::from_secs(5)).unwrap_err().to_string();
+        assert!(
+            e.starts_with("agent on node b: exited (exit status: 3) before it was ready"),
+            "{e}"
+        );
+        assert!(e.contains("bad flag"), "{e}");
+    }
+
+    #[test]
+    fn a_process_that_never_gets_ready_times_out_by_name() {
+        let dir = tempfile::tempdir().unwrap();
+        let (ready, log) = (dir.path().join("c.ready"), dir.path().join("c.log"));
+        let mut child = sh("sleep 5", &log);
+        let pid = child.id() as i32;
+        let mut list = [pending("agent on node c", &ready, &log, &mut child)];
+        let e = wait_ready(&mut list, Duration::from_millis(200)).unwrap_err().to_string();
+        assert!(e.starts_with("agent on node c: not ready after 200ms (no "), "{e}");
+        assert!(e.contains("c.ready"), "{e}");
+        // Detached in its own session, and SIGTERM (unblocked in the child) stops it.
+        assert_eq!(nix::unistd::getsid(Some(Pid::from_raw(pid))).ok(), Some(Pid::from_raw(pid)));
+        assert!(stop(&[pid]).is_empty());
+        assert!(!alive(pid));
+    }
 }

@@ -1,0 +1,445 @@
+//! End-to-end tests of `tierproxy lab` in real network namespaces, without agents (plain
+//! kernel forwarding: every served probe must connect).
+//!
+//! They need CAP_NET_ADMIN and CAP_SYS_ADMIN (root). Without them each test prints
+//! `SKIPPED: <test>: needs CAP_NET_ADMIN (...)` to stderr and returns, unless
+//! `TIERPROXY_REQUIRE_NETNS=1`, which turns that into a failure (CI sets it).
+//!
+//! Each test builds its own lab under its own prefix (so the tests run in parallel), and a
+//! guard runs `lab down` when the test ends, also when it panics. Traffic stays inside the
+//! namespaces the test created.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+fn bin() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_tierproxy"))
+}
+
+/// Whether the lab can run here; prints the skip line (or panics when netns tests are
+/// required) when it cannot.
+fn netns_available(test: &str) -> bool {
+    let missing = tierproxy::lab::netns::missing_capabilities();
+    let ip = Command::new("ip").arg("-V").output().is_ok();
+    if missing.is_empty() && ip {
+        return true;
+    }
+    let why = if missing.is_empty() {
+        "no `ip` command".to_string()
+    } else {
+        format!("missing {}", missing.join(", "))
+    };
+    if std::env::var("TIERPROXY_REQUIRE_NETNS").as_deref() == Ok("1") {
+        panic!("{test}: needs CAP_NET_ADMIN ({why}) and TIERPROXY_REQUIRE_NETNS=1");
+    }
+    eprintln!("SKIPPED: {test}: needs CAP_NET_ADMIN ({why})");
+    false
+}
+
+/// A lab prefix unique to this test and this test process.
+fn prefix(short: &str) -> String {
+    format!("t{}-{short}", std::process::id() % 100_000)
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "status {:?}\nstdout:\n{}\nstderr:\n{}",
+        o.status.code(),
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// Namespaces whose names start with `<prefix>_`.
+fn lab_netns(prefix: &str) -> Vec<String> {
+    let out = Command::new("ip").args(["netns", "list"]).output().expect("ip netns list");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.split_whitespace().next())
+        .filter(|n| n.starts_with(&format!("{prefix}_")))
+        .map(str::to_string)
+        .collect()
+}
+
+fn alive(pid: u64) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| s.rsplit_once(')').map(|(_, r)| r.trim_start().to_string()))
+        .is_some_and(|r| !r.starts_with('Z') && !r.starts_with('X'))
+}
+
+/// A lab under a test's own prefix; dropping it runs `lab down`.
+struct Lab {
+    prefix: String,
+    dir: tempfile::TempDir,
+}
+
+impl Lab {
+    /// The guard alone (nothing built yet), with a temp dir for the test's files.
+    fn new(short: &str) -> Lab {
+        Lab { prefix: prefix(short), dir: tempfile::tempdir().expect("temp dir") }
+    }
+
+    fn file(&self, name: &str, content: &str) -> PathBuf {
+        let p = self.dir.path().join(name);
+        std::fs::write(&p, content).expect("test file written");
+        p
+    }
+
+    /// `tierproxy lab <args[0]> --prefix <prefix> <args[1..]>`.
+    fn lab(&self, args: &[&str]) -> Output {
+        bin()
+            .arg("lab")
+            .args(&args[..1])
+            .args(["--prefix", &self.prefix])
+            .args(&args[1..])
+            .output()
+            .expect("tierproxy runs")
+    }
+
+    /// `lab up --no-agents`; panics (the guard still cleans up) if it fails.
+    fn up(&self, manifests: &[&Path], probes: Option<&Path>) -> Output {
+        let mut args = vec!["up", "--no-agents", "--manifests"];
+        args.extend(manifests.iter().map(|p| p.to_str().unwrap()));
+        if let Some(p) = probes {
+            args.extend(["--probes", p.to_str().unwrap()]);
+        }
+        let o = self.lab(&args);
+        assert!(o.status.success(), "lab up failed: {}", text(&o));
+        o
+    }
+
+    /// `lab probe --output json`: the parsed lines and the exit code.
+    fn probe(&self, probes: &Path) -> (Vec<Value>, Option<i32>, Output) {
+        let o = self.lab(&["probe", "--output", "json", "--probes", probes.to_str().unwrap()]);
+        let lines = String::from_utf8_lossy(&o.stdout)
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}\n{}", text(&o))))
+            .collect();
+        (lines, o.status.code(), o)
+    }
+
+    fn state(&self) -> Value {
+        let path = Path::new("/run/tierproxy-lab").join(&self.prefix).join("state.json");
+        serde_json::from_str(&std::fs::read_to_string(&path).expect("state file")).expect("json")
+    }
+
+    fn pids(&self) -> Vec<u64> {
+        self.state()["processes"]
+            .as_array()
+            .expect("processes")
+            .iter()
+            .map(|p| p["pid"].as_u64().expect("pid"))
+            .collect()
+    }
+}
+
+impl Drop for Lab {
+    fn drop(&mut self) {
+        let o = self.lab(&["down"]);
+        if !o.status.success() {
+            eprintln!("cleanup of lab {} failed: {}", self.prefix, text(&o));
+        }
+    }
+}
+
+/// Two nodes; a dual-stack client and a server on n1; a pod, a dual-stack pod and a
+/// hostNetwork pod on n2; a pod without IP and one on a missing node (both skipped).
+const CLUSTER: &str = r#"
+apiVersion: v1
+kind: Node
+metadata: {name: n1}
+status: {addresses: [{type: InternalIP, address: 172.30.0.2}]}
+---
+apiVersion: v1
+kind: Node
+metadata: {name: n2}
+status: {addresses: [{type: InternalIP, address: 172.30.0.3}]}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: client, namespace: a}
+spec: {nodeName: n1, containers: [{name: c}]}
+status: {podIP: 10.50.1.2, podIPs: [{ip: 10.50.1.2}, {ip: "fd00:50::1:2"}]}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: server, namespace: a}
+spec: {nodeName: n1, containers: [{name: c, ports: [{containerPort: 8080}]}]}
+status: {podIP: 10.50.1.3}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: remote, namespace: b}
+spec: {nodeName: n2, containers: [{name: c, ports: [{containerPort: 8080}, {containerPort: 5353, protocol: UDP}]}]}
+status: {podIP: 10.50.2.2}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: six, namespace: b}
+spec: {nodeName: n2, containers: [{name: c, ports: [{containerPort: 8080}]}]}
+status: {podIP: 10.50.2.3, podIPs: [{ip: 10.50.2.3}, {ip: "fd00:50::2:3"}]}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: exporter, namespace: mon}
+spec: {nodeName: n2, hostNetwork: true, containers: [{name: c, ports: [{containerPort: 9100}]}]}
+status: {podIP: 172.30.0.3}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: pending, namespace: a}
+spec: {nodeName: n1, containers: [{name: c}]}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: lost, namespace: a}
+spec: {nodeName: n9, containers: [{name: c}]}
+status: {podIP: 10.50.9.9}
+"#;
+
+fn small_lab(short: &str, probes: Option<&str>) -> (Lab, Output) {
+    let lab = Lab::new(short);
+    let cluster = lab.file("cluster.yaml", CLUSTER);
+    let probes = probes.map(|p| lab.file("up-probes.jsonl", p));
+    let o = lab.up(&[&cluster], probes.as_deref());
+    (lab, o)
+}
+
+fn seen_ip(line: &Value) -> String {
+    let s = line["seen_source"].as_str().unwrap_or_else(|| panic!("no seen_source: {line}"));
+    let (ip, _port) = s.rsplit_once(':').expect("ip:port");
+    ip.trim_matches(|c| c == '[' || c == ']').to_string()
+}
+
+#[test]
+fn pods_connect_on_one_node_across_nodes_to_host_network_and_over_ipv6_with_source_preserved() {
+    if !netns_available(
+        "pods_connect_on_one_node_across_nodes_to_host_network_and_over_ipv6_with_source_preserved",
+    ) {
+        return;
+    }
+    let probes = r#"{"from": "a/client", "to": "a/server", "port": 8080}
+{"from": "a/client", "to": "b/remote", "port": 8080}
+{"from": "b/remote", "to": "a/client", "port": 7000}
+{"from": "a/client", "to": "mon/exporter", "port": 9100}
+{"from": "mon/exporter", "to": "a/server", "port": 8080}
+{"from": "node/n1", "to": "b/remote", "port": 8080}
+{"from": "a/client", "to": "b/remote", "port": 5353, "protocol": "UDP"}
+{"from": "a/client", "to": "fd00:50::2:3", "port": 8080}
+{"from": "203.0.113.9", "to": "a/server", "port": 8080}
+{"from": "a/server", "to": "198.51.100.1", "port": 443}
+"#;
+    let (lab, up) = small_lab("conn", Some(probes));
+    let notes = String::from_utf8_lossy(&up.stderr);
+    assert!(notes.contains("skipped pod a/pending: no IP"), "{}", text(&up));
+    assert!(
+        notes.contains("skipped pod a/lost: its node n9 is not in the manifests"),
+        "{}",
+        text(&up)
+    );
+    let (lines, code, o) = lab.probe(&lab.file("probes.jsonl", probes));
+    assert_eq!(lines.len(), 10, "{}", text(&o));
+    let expected_source = [
+        "10.50.1.2",
+        "10.50.1.2",
+        "10.50.2.2",
+        "10.50.1.2",
+        "172.30.0.3",
+        "172.30.0.2",
+        "10.50.1.2",
+        "fd00:50::1:2",
+        "203.0.113.9",
+        "10.50.1.3",
+    ];
+    for (line, source) in lines.iter().zip(expected_source) {
+        assert_eq!(line["observed"], "allow", "{line}");
+        assert_eq!(seen_ip(line), source, "{line}");
+        assert_eq!(line["addresses"]["from"], source, "{line}");
+        assert_eq!(line["verdict"], "allow", "no policy: explain allows: {line}");
+    }
+    assert_eq!(code, Some(0), "{}", text(&o));
+}
+
+#[test]
+fn a_port_nobody_serves_is_refused_an_error_not_a_deny() {
+    if !netns_available("a_port_nobody_serves_is_refused_an_error_not_a_deny") {
+        return;
+    }
+    let (lab, _) = small_lab("refused", None);
+    let probes =
+        lab.file("p.jsonl", "{\"from\": \"a/client\", \"to\": \"b/remote\", \"port\": 9999}\n");
+    let (lines, code, o) = lab.probe(&probes);
+    assert_eq!(lines[0]["observed"], "error", "{}", text(&o));
+    let detail = lines[0]["detail"].as_str().unwrap();
+    assert!(
+        detail.starts_with("refused (nothing in the lab serves 10.50.2.2:9999/TCP"),
+        "{detail}"
+    );
+    assert_eq!(code, Some(1), "{}", text(&o));
+    // The table names it as an error too.
+    let table = lab.lab(&["probe", "--probes", probes.to_str().unwrap()]);
+    assert!(String::from_utf8_lossy(&table.stdout).contains("<- ERROR"), "{}", text(&table));
+}
+
+#[test]
+fn a_silently_dropped_connection_is_a_deny_by_timeout() {
+    if !netns_available("a_silently_dropped_connection_is_a_deny_by_timeout") {
+        return;
+    }
+    let (lab, _) = small_lab("drop", None);
+    // Node n2 drops what it would forward to b/remote: no RST, no ICMP, as a policy drop.
+    let o =
+        lab.lab(&["exec", "node/n2", "--", "ip", "route", "replace", "blackhole", "10.50.2.2/32"]);
+    assert!(o.status.success(), "{}", text(&o));
+    let probes = lab.file(
+        "p.jsonl",
+        "{\"from\": \"a/client\", \"to\": \"b/remote\", \"port\": 8080}\n{\"from\": \"a/client\", \"to\": \"b/remote\", \"port\": 5353, \"protocol\": \"UDP\"}\n{\"from\": \"a/client\", \"to\": \"a/server\", \"port\": 8080}\n",
+    );
+    let start = std::time::Instant::now();
+    let o = lab.lab(&[
+        "probe",
+        "--output",
+        "json",
+        "--timeout-ms",
+        "300",
+        "--probes",
+        probes.to_str().unwrap(),
+    ]);
+    let lines: Vec<Value> = String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("json line"))
+        .collect();
+    let observed: Vec<(&str, &str)> = lines
+        .iter()
+        .map(|l| (l["observed"].as_str().unwrap(), l["detail"].as_str().unwrap()))
+        .collect();
+    assert_eq!(observed[..2], [("deny", "timeout"), ("deny", "timeout")], "{}", text(&o));
+    assert_eq!(observed[2].0, "allow", "{}", text(&o));
+    // Probes run concurrently: two timeouts of 300 ms do not add up.
+    assert!(start.elapsed() < std::time::Duration::from_secs(5));
+    assert_eq!(o.status.code(), Some(1), "explain allows, the lab denied: {}", text(&o));
+}
+
+#[test]
+fn down_leaves_no_namespace_and_no_process() {
+    if !netns_available("down_leaves_no_namespace_and_no_process") {
+        return;
+    }
+    let (lab, _) = small_lab("down", None);
+    let pids = lab.pids();
+    assert_eq!(pids.len(), 4, "servers of a/server, b/remote, b/six, node n2: {pids:?}");
+    assert!(pids.iter().all(|p| alive(*p)), "servers run after `lab up` returned");
+    assert_eq!(lab_netns(&lab.prefix).len(), 1 + 2 + 4, "fabric, 2 nodes, 4 pods");
+    let o = lab.lab(&["down"]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("removed 7 namespaces"), "{}", text(&o));
+    assert_eq!(lab_netns(&lab.prefix), Vec::<String>::new());
+    let left: Vec<u64> = pids.into_iter().filter(|p| alive(*p)).collect();
+    assert!(left.is_empty(), "still running: {left:?}");
+    assert!(!Path::new("/run/tierproxy-lab").join(&lab.prefix).exists());
+    // A second down finds nothing and says so.
+    let again = lab.lab(&["down"]);
+    assert!(
+        String::from_utf8_lossy(&again.stdout).contains("nothing to remove"),
+        "{}",
+        text(&again)
+    );
+}
+
+#[test]
+fn down_after_a_crash_cleans_up_without_the_state_file() {
+    if !netns_available("down_after_a_crash_cleans_up_without_the_state_file") {
+        return;
+    }
+    let (lab, _) = small_lab("crash", None);
+    let pids = lab.pids();
+    // The crash: one server killed, the state directory gone, the other servers orphaned.
+    let killed = Command::new("kill").args(["-KILL", &pids[0].to_string()]).status().unwrap();
+    assert!(killed.success());
+    std::fs::remove_dir_all(Path::new("/run/tierproxy-lab").join(&lab.prefix)).unwrap();
+    assert!(pids[1..].iter().all(|p| alive(*p)));
+    let o = lab.lab(&["down"]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert_eq!(lab_netns(&lab.prefix), Vec::<String>::new());
+    let left: Vec<u64> = pids.into_iter().filter(|p| alive(*p)).collect();
+    assert!(left.is_empty(), "still running: {left:?}");
+}
+
+#[test]
+fn exec_runs_a_command_in_a_pod_or_node_namespace_and_passes_its_status_through() {
+    if !netns_available(
+        "exec_runs_a_command_in_a_pod_or_node_namespace_and_passes_its_status_through",
+    ) {
+        return;
+    }
+    let (lab, _) = small_lab("exec", None);
+    let o = lab.lab(&["exec", "a/client", "--", "ip", "-o", "addr"]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success() && out.contains("inet 10.50.1.2/32"), "{}", text(&o));
+    assert!(out.contains("inet6 fd00:50::1:2/128") && !out.contains("172.30.0.2"), "{out}");
+    // A hostNetwork pod is in its node's namespace.
+    let o = lab.lab(&["exec", "mon/exporter", "--", "ip", "-o", "addr"]);
+    assert!(String::from_utf8_lossy(&o.stdout).contains("inet 172.30.0.3/32"), "{}", text(&o));
+    let o = lab.lab(&["exec", "node/n1", "--", "sh", "-c", "exit 7"]);
+    assert_eq!(o.status.code(), Some(7), "{}", text(&o));
+    let o = lab.lab(&["exec", "a/pending", "--", "true"]);
+    assert_eq!(o.status.code(), Some(2), "a skipped pod is not a target: {}", text(&o));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("no a/pending in lab"), "{}", text(&o));
+}
+
+#[test]
+fn run_is_up_probe_down_in_one_command() {
+    if !netns_available("run_is_up_probe_down_in_one_command") {
+        return;
+    }
+    let lab = Lab::new("run");
+    let cluster = lab.file("cluster.yaml", CLUSTER);
+    let probes =
+        lab.file("p.jsonl", "{\"from\": \"a/client\", \"to\": \"b/six\", \"port\": 8080}\n");
+    let o = lab.lab(&[
+        "run",
+        "--no-agents",
+        "--output",
+        "json",
+        "--manifests",
+        cluster.to_str().unwrap(),
+        "--probes",
+        probes.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let line: Value = serde_json::from_slice(o.stdout.trim_ascii()).expect("one JSON line");
+    assert_eq!((line["observed"].as_str(), seen_ip(&line).as_str()), (Some("allow"), "10.50.1.2"));
+    assert_eq!(lab_netns(&lab.prefix), Vec::<String>::new(), "run removes its lab");
+}
+
+#[test]
+fn the_examples_carry_every_probe_before_any_policy() {
+    if !netns_available("the_examples_carry_every_probe_before_any_policy") {
+        return;
+    }
+    let lab = Lab::new("examples");
+    let ex = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples");
+    let probes = ex.join("probes.jsonl");
+    lab.up(&[&ex.join("cluster.yaml"), &ex.join("policies")], Some(&probes));
+    let (lines, code, o) = lab.probe(&probes);
+    assert_eq!(lines.len(), 68, "{}", text(&o));
+    let mut protocols = BTreeSet::new();
+    for l in &lines {
+        let protocol = l["protocol"].as_str().unwrap();
+        protocols.insert(protocol.to_string());
+        if protocol == "SCTP" {
+            // No SCTP server in the lab (and no SCTP sockets on these machines' kernel).
+            assert_eq!(l["observed"], "untested", "{l}");
+            continue;
+        }
+        assert_eq!(l["observed"], "allow", "{l}");
+        assert_eq!(seen_ip(l), l["addresses"]["from"].as_str().unwrap(), "{l}");
+    }
+    assert_eq!(protocols, BTreeSet::from(["SCTP".into(), "TCP".into(), "UDP".into()]));
+    // Without agents nothing is denied, so every probe explain denies disagrees.
+    assert_eq!(code, Some(1), "{}", text(&o));
+}
