@@ -60,6 +60,13 @@ enum Command {
     },
     /// A local multi-node cluster of network namespaces built from manifests: real
     /// connections beside explain's verdicts. Needs root.
+    ///
+    /// Without a subcommand: the built-in example (examples/cluster.yaml,
+    /// examples/policies/, examples/probes.jsonl): up, probe, connectivity matrix, down.
+    ///
+    /// Exit status: 0 every observation agrees with explain, 1 some does not (a refused or
+    /// reset connection counts: policy only drops), 2 invalid input, 3 the lab could not be
+    /// built or used (needs CAP_NET_ADMIN and CAP_SYS_ADMIN, and iproute2's `ip`).
     Lab(tierproxy::lab::cli::LabArgs),
 }
 

@@ -12,15 +12,8 @@ use super::state::DEFAULT_STATE_ROOT;
 use super::{DEFAULT_PREFIX, EXIT_LAB, LabError, Output, ProbeOptions, UpOptions};
 use crate::explain::{self, Format};
 
-/// Build a local multi-node "cluster" of network namespaces from manifests, make real
-/// connections in it, compare them with `explain`.
-///
-/// Without a subcommand: the built-in example (examples/cluster.yaml, examples/policies/,
-/// examples/probes.jsonl): up, probe, print the connectivity matrix, down.
-///
-/// Exit status: 0 every observation agrees with explain, 1 some does not (or a probe
-/// failed: refused, reset), 2 invalid input, 3 the lab could not be built or used
-/// (needs root: CAP_NET_ADMIN and CAP_SYS_ADMIN, and iproute2's `ip`).
+/// Arguments of `tierproxy lab`: a subcommand, or none for the built-in example (whose
+/// options are then accepted). The help text is the `Lab` command's in `main.rs`.
 #[derive(Args, Debug)]
 #[command(args_conflicts_with_subcommands = true)]
 pub struct LabArgs {

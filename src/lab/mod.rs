@@ -264,7 +264,6 @@ pub fn up(opts: &UpOptions, err: &mut dyn Write) -> Result<State, LabError> {
         plan,
         processes: Vec::new(),
     };
-    state.save()?;
     let mut children = Vec::new();
     match build(&mut state, &mut children) {
         Ok(()) => Ok(state),
@@ -291,6 +290,8 @@ const SYSCTLS_NODE: [(&str, &str); 2] =
     [("net.ipv4.ip_forward", "1"), ("net.ipv6.conf.all.forwarding", "1")];
 
 fn build(state: &mut State, children: &mut Vec<Child>) -> Result<(), LabError> {
+    // Saved first: a crash from here on leaves a state file naming what was planned.
+    state.save()?;
     let plan = state.plan.clone();
     let all = plan.all_netns();
     let adds: Vec<String> = all.iter().map(|n| format!("netns add {n}")).collect();
@@ -322,6 +323,7 @@ fn build(state: &mut State, children: &mut Vec<Child>) -> Result<(), LabError> {
     for server in &plan.servers {
         let ready = state.dir.join(format!("serve-{}.ready", server.netns));
         let log = state.dir.join(format!("serve-{}.log", server.netns));
+        remove_stale(&ready)?;
         let child = procs::spawn_detached(procs::serve_command(&exe, server, &ready), &log)?;
         state.processes.push(ProcessRecord {
             pid: child.id(),
@@ -342,6 +344,7 @@ fn build(state: &mut State, children: &mut Vec<Child>) -> Result<(), LabError> {
             let ready = state.dir.join(format!("agent-{}.ready", node.name));
             let log = state.dir.join(format!("agent-{}.log", node.name));
             let out = state.dir.join(format!("agent-{}.out", node.name));
+            remove_stale(&ready)?;
             let cmd =
                 procs::agent_command(&exe, &node.netns, &node.name, &state.manifests, &log, &ready);
             let child = procs::spawn_detached(cmd, &out)?;
@@ -358,6 +361,16 @@ fn build(state: &mut State, children: &mut Vec<Child>) -> Result<(), LabError> {
         wait_for(&pending, &mut children[first..], procs::AGENT_READY_TIMEOUT)?;
     }
     Ok(())
+}
+
+/// Removes a ready file left by an earlier run, so only a fresh one counts.
+fn remove_stale(ready: &Path) -> Result<(), LabError> {
+    match std::fs::remove_file(ready) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+            Err(LabError::State { path: ready.to_path_buf(), source: e })
+        }
+        _ => Ok(()),
+    }
 }
 
 fn wait_for(

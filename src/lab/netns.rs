@@ -100,19 +100,20 @@ pub fn ip_batch(netns: Option<&str>, commands: &[String]) -> Result<(), LabError
     args.extend(["-batch", "-"]);
     let script = commands.join("\n") + "\n";
     ip(&args, Some(&script)).map(drop).map_err(|e| match e {
-        LabError::Command { command, stderr } => {
-            // iproute2 says "Command failed -:N" for line N of the batch.
-            let failed = stderr
-                .rsplit_once("Command failed -:")
-                .and_then(|(_, n)| n.trim().parse::<usize>().ok())
-                .and_then(|n| commands.get(n.wrapping_sub(1)));
-            match failed {
-                Some(line) => LabError::Command { command: format!("{command}: {line}"), stderr },
-                None => LabError::Command { command, stderr },
-            }
-        }
+        LabError::Command { command, stderr } => match failed_line(&stderr, commands) {
+            Some(line) => LabError::Command { command: format!("{command}: {line}"), stderr },
+            None => LabError::Command { command, stderr },
+        },
         other => other,
     })
+}
+
+/// The batch command iproute2 reports as failed ("Command failed -:N" for line N).
+fn failed_line<'a>(stderr: &str, commands: &'a [String]) -> Option<&'a String> {
+    stderr
+        .rsplit_once("Command failed -:")
+        .and_then(|(_, n)| n.trim().parse::<usize>().ok())
+        .and_then(|n| commands.get(n.checked_sub(1)?))
 }
 
 /// Names of every network namespace `ip netns list` shows that start with `prefix`.
@@ -201,5 +202,20 @@ pub fn sysctl(netns: &str, key: &str, value: &str) -> Result<(), LabError> {
             what: format!("cannot set {key}={value}"),
             source,
         }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_failed_batch_names_the_failing_command() {
+        let cmds = vec!["link set lo up".to_string(), "route add 10.0.0.1 dev eth9".to_string()];
+        let stderr = "Cannot find device \"eth9\"\nCommand failed -:2";
+        assert_eq!(failed_line(stderr, &cmds), Some(&cmds[1]));
+        assert_eq!(failed_line("Command failed -:0", &cmds), None);
+        assert_eq!(failed_line("Command failed -:3", &cmds), None);
+        assert_eq!(failed_line("something else", &cmds), None);
     }
 }
