@@ -325,6 +325,66 @@ fn a_silently_dropped_connection_is_a_deny_by_timeout() {
 }
 
 #[test]
+fn probes_of_skipped_pods_are_errors_naming_the_end() {
+    if !netns_available("probes_of_skipped_pods_are_errors_naming_the_end") {
+        return;
+    }
+    let (lab, _) = small_lab("skipped", None);
+    let probes = lab.file(
+        "p.jsonl",
+        "{\"from\": \"a/client\", \"to\": \"a/lost\", \"port\": 80}\n{\"from\": \"a/lost\", \"to\": \"a/client\", \"port\": 80}\n",
+    );
+    let (lines, code, o) = lab.probe(&probes);
+    let details: Vec<&str> = lines.iter().map(|l| l["detail"].as_str().unwrap()).collect();
+    assert!(
+        details[0].starts_with("no namespace of the lab holds destination 10.50.9.9"),
+        "{}",
+        text(&o)
+    );
+    assert!(
+        details[1].starts_with("no namespace of the lab holds source 10.50.9.9"),
+        "{}",
+        text(&o)
+    );
+    assert!(lines.iter().all(|l| l["observed"] == "error"), "{}", text(&o));
+    assert_eq!(code, Some(1));
+}
+
+#[test]
+fn ctrl_c_stops_probing_early() {
+    if !netns_available("ctrl_c_stops_probing_early") {
+        return;
+    }
+    let (lab, _) = small_lab("sigint", None);
+    let o =
+        lab.lab(&["exec", "node/n2", "--", "ip", "route", "replace", "blackhole", "10.50.2.2/32"]);
+    assert!(o.status.success(), "{}", text(&o));
+    // 64 probes that each wait out 2 s, 16 at a time: 8 s unless interrupted.
+    let line = "{\"from\": \"a/client\", \"to\": \"b/remote\", \"port\": 8080}\n";
+    let probes = lab.file("p.jsonl", &line.repeat(64));
+    let start = std::time::Instant::now();
+    let child = bin()
+        .args(["lab", "probe", "--prefix", &lab.prefix, "--output", "json"])
+        .args(["--timeout-ms", "2000", "--probes", probes.to_str().unwrap()])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("tierproxy runs");
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGINT).expect("signal sent");
+    let o = child.wait_with_output().expect("probe ends");
+    assert!(
+        start.elapsed() < std::time::Duration::from_secs(5),
+        "{:?}: {}",
+        start.elapsed(),
+        text(&o)
+    );
+    assert_eq!(o.status.code(), Some(3), "{}", text(&o));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("error: interrupted"), "{}", text(&o));
+}
+
+#[test]
 fn down_leaves_no_namespace_and_no_process() {
     if !netns_available("down_leaves_no_namespace_and_no_process") {
         return;

@@ -481,11 +481,18 @@ pub fn probe_lab(
     let pairs = resolve_probes(&loaded, s, &opts.probes)?;
     let jobs: Vec<Job> = pairs
         .iter()
-        .map(|(_, flow)| Job {
-            netns: state.plan.owner(flow.src).map(str::to_string).ok_or_else(|| {
-                format!("no namespace of the lab holds {} (a skipped pod, or an address not in the probes given to `lab up`)", flow.src)
-            }),
-            flow: *flow,
+        .map(|(_, flow)| {
+            let unheld = |end: &str, addr| {
+                format!(
+                    "no namespace of the lab holds {end} {addr} (a skipped pod, or an address not in the probes given to `lab up`)"
+                )
+            };
+            let netns = match (state.plan.owner(flow.src), state.plan.owner(flow.dst)) {
+                (Some(ns), Some(_)) => Ok(ns.to_string()),
+                (None, _) => Err(unheld("source", flow.src)),
+                (_, None) => Err(unheld("destination", flow.dst)),
+            };
+            Job { netns, flow: *flow }
         })
         .collect();
     let observations = probe::run_all(&jobs, opts.timeout, interrupted());
