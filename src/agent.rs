@@ -160,7 +160,20 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
         .thread_name("tierproxy")
         .build()
         .context("starting the async runtime")?;
+    let mut local_addrs: Vec<IpAddr> = node_addrs_of(&decider);
+    match nix::ifaddrs::getifaddrs() {
+        Ok(ifs) => local_addrs.extend(ifs.filter_map(|i| {
+            let a = i.address?;
+            a.as_sockaddr_in()
+                .map(|v4| IpAddr::V4(v4.ip()))
+                .or_else(|| a.as_sockaddr_in6().map(|v6| IpAddr::V6(v6.ip())))
+        })),
+        Err(e) => tracing::warn!(error = %e, "cannot list this node's addresses"),
+    }
+    local_addrs.sort();
+    local_addrs.dedup();
     let proxy = ProxyConfig {
+        local_addrs: local_addrs.into(),
         bypass_mark: r.bypass_mark.value,
         preserve_source: opts.preserve_source,
         connect_timeout: opts.connect_timeout,
@@ -204,6 +217,11 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
     }
     drop(installed);
     Ok(())
+}
+
+fn node_addrs_of(decider: &Decider) -> Vec<IpAddr> {
+    let c = decider.current();
+    c.snapshot.node_addrs(c.node).to_vec()
 }
 
 /// Removes the ruleset when dropped (start-up failure, or the end of `run`), unless it is

@@ -1399,8 +1399,10 @@ spec: {podSelector: {matchLabels: {app: ds}}, ingress: [{from: [{ipBlock: {cidr:
     assert_eq!(v6, s.decide_reference(&flow("fd00::1", "fd00::2")));
 }
 
-/// DESIGN §3: a node's agent decides egress for its own client pods and ingress for its
-/// own server pods; the rest is the other node's to decide.
+/// DESIGN §3: a node's agent decides flows of its own client pods (both directions: its
+/// proxy completes the client's handshake, so the server's ingress must be known before
+/// the first packet is let through) and the ingress of its own server pods; the rest is
+/// the other node's to decide.
 #[test]
 fn a_node_decides_only_the_directions_of_its_own_pods() {
     let s = snapshot(
@@ -1445,14 +1447,22 @@ spec: {podSelector: {}, policyTypes: [Ingress]}
     let d = s.decide_on_node(&same, n2);
     assert!(d.egress.is_none() && d.ingress.is_none());
     assert_eq!(d.verdict, ALLOW);
-    // Cross node: egress at the client's node (allowed), ingress at the server's (denied).
+    // Cross node: the client's node decides both (egress allowed, the server's ingress
+    // denied, so the flow is dropped at its first packet); the server's node decides
+    // ingress only.
     let cross = flow("10.9.0.1", "10.9.1.1");
     let at_client = s.decide_on_node(&cross, n1);
-    assert!(at_client.egress.is_some() && at_client.ingress.is_none());
-    assert_eq!(at_client.verdict, ALLOW);
+    assert!(at_client.egress.is_some() && at_client.ingress.is_some());
+    assert_eq!(at_client.egress.as_ref().map(|o| o.verdict), Some(ALLOW));
+    assert_eq!(at_client.verdict, DENY);
     let at_server = s.decide_on_node(&cross, n2);
     assert!(at_server.egress.is_none() && at_server.ingress.is_some());
     assert_eq!(at_server.verdict, DENY);
+    // The reverse flow, from the server's node: its pod is the client now.
+    let back = flow("10.9.1.1", "10.9.0.1");
+    let d = s.decide_on_node(&back, n1);
+    assert!(d.egress.is_none() && d.ingress.is_some());
+    assert_eq!(s.decide_on_node(&back, n2), s.decide(&back));
     assert_eq!(s.decide(&cross).verdict, DENY);
     // The shared CLUSTER has pods on both nodes too: check membership both ways.
     let (l1, l2) = (s.local_pod_ips(n1), s.local_pod_ips(n2));

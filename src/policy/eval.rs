@@ -187,13 +187,25 @@ impl Snapshot {
     }
 
     /// [`Snapshot::decide`] as the agent of node `node` (a node id from
-    /// [`Snapshot::find_node`]) enforces it: egress only when the client is a pod on `node`,
-    /// ingress only when the server is. The other end's node decides the other direction
-    /// (DESIGN §3: same-node traffic is decided at the client's side, both directions;
-    /// cross-node traffic is decided twice, egress at the client's node and ingress at the
-    /// server's). A direction that is `None` here is not this node's to decide.
+    /// [`Snapshot::find_node`]) enforces it:
+    /// - the client is a pod on `node`: both directions, as [`Snapshot::decide`] — egress,
+    ///   and the server's ingress wherever the server runs. The server's node decides its
+    ///   ingress again, but the client's node must know it too: its proxy completes the
+    ///   client's handshake, so a flow the server's node would drop has to be dropped here,
+    ///   at the first packet, for the client to time out as a denied connection must;
+    /// - else the server is a pod on `node`: its ingress only (the client's node, if the
+    ///   client is a pod, decided the egress);
+    /// - else nothing is this node's to decide: both directions `None`, verdict Allow.
     pub fn decide_on_node(&self, flow: &Flow, node: u32) -> Decision {
-        self.decide_scoped::<true>(flow, Some(node))
+        let on_node = |ip| match self.endpoint(ip) {
+            Endpoint::Pod(p) => self.pods[p as usize].node == Some(node),
+            _ => false,
+        };
+        if on_node(flow.src) {
+            self.decide_scoped::<true>(flow, None)
+        } else {
+            self.decide_scoped::<true>(flow, Some(node))
+        }
     }
 
     /// The node a pod-network pod runs on (`spec.nodeName`), if known.

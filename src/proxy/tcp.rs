@@ -37,13 +37,19 @@ use crate::policy::eval::Verdict;
 use crate::policy::ports::Protocol;
 
 /// Proxy settings.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct ProxyConfig {
     /// `SO_MARK` of upstream sockets (the ruleset's bypass mark).
     pub bypass_mark: u32,
     /// Connect upstream from the client's IP (`IP_TRANSPARENT` bind); when false, from
     /// the node's own address.
     pub preserve_source: bool,
+    /// This node's own addresses. A connection to one of them is made from the node's
+    /// address even when `preserve_source` is set: the server's replies would be routed
+    /// locally straight to the client's address, never passing the `socket --transparent`
+    /// rule that brings them back to the upstream socket (a hostNetwork server on the
+    /// client's own node then sees the node's address).
+    pub local_addrs: std::sync::Arc<[IpAddr]>,
     /// Upstream connect timeout.
     pub connect_timeout: Duration,
     /// Most live connections.
@@ -105,8 +111,8 @@ pub async fn serve(
     let at_limit = Arc::new(AtomicBool::new(false));
     let mut accepts = tokio::task::JoinSet::new();
     for l in listeners {
-        let (decider, registry, limit, at_limit) =
-            (decider.clone(), registry.clone(), limit.clone(), at_limit.clone());
+        let (decider, registry, limit, at_limit, config) =
+            (decider.clone(), registry.clone(), limit.clone(), at_limit.clone(), config.clone());
         accepts.spawn(async move {
             loop {
                 let permit = match limit.clone().try_acquire_owned() {
@@ -134,7 +140,8 @@ pub async fn serve(
                         continue;
                     }
                 };
-                let (decider, registry) = (decider.clone(), registry.clone());
+                let (decider, registry, config) =
+                    (decider.clone(), registry.clone(), config.clone());
                 tokio::spawn(async move {
                     proxy(client, peer, &config, &decider, &registry).await;
                     drop(permit);
@@ -186,7 +193,8 @@ async fn proxy(
         return;
     }
     let _ = client.set_nodelay(true);
-    let source = config.preserve_source.then_some(key.src.ip());
+    let to_self = key.dst.ip().is_loopback() || config.local_addrs.contains(&key.dst.ip());
+    let source = (config.preserve_source && !to_self).then_some(key.src.ip());
     let server = match tokio::time::timeout(
         config.connect_timeout,
         connect(source, key.dst, config),
