@@ -4,6 +4,7 @@ pub mod cluster;
 pub mod config;
 pub mod explain;
 pub mod lab;
+pub mod loadgen;
 pub mod policy;
 pub mod proxy;
 pub mod redirect;

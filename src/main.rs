@@ -47,6 +47,29 @@ enum Command {
     /// transparent proxy, splice relay. Runs until SIGTERM/SIGINT, then drains and removes
     /// its ruleset. Needs CAP_NET_ADMIN (and root for the ruleset tools).
     Agent(AgentArgs),
+    /// Measure request/response latency or connection rate against a lab echo server
+    /// (run inside a pod with `tierproxy lab exec`). Prints one JSON object.
+    #[command(hide = true)]
+    Loadgen {
+        /// rr: request/response over one connection; crr: a connection per request.
+        #[arg(long, value_enum)]
+        mode: tierproxy::loadgen::Mode,
+        /// The echo server, IP:PORT.
+        #[arg(long)]
+        to: std::net::SocketAddr,
+        /// Request and response size in bytes.
+        #[arg(long, default_value_t = 64)]
+        size: usize,
+        /// Seconds to run.
+        #[arg(long, default_value_t = 5.0)]
+        seconds: f64,
+        /// Most transactions.
+        #[arg(long, default_value_t = 1_000_000)]
+        max_count: u64,
+        /// Parallel clients.
+        #[arg(long, default_value_t = 1)]
+        concurrency: usize,
+    },
     /// Report invalid objects, priority conflicts and rules that can never match.
     ///
     /// Exit status: 0 no errors (warnings allowed), 2 invalid input.
@@ -185,6 +208,26 @@ fn main() -> ExitCode {
             explain::explain(&manifests, source, output, &mut out, &mut err)
         }
         Command::Check { manifests, output } => explain::check(&manifests, output, &mut out),
+        Command::Loadgen { mode, to, size, seconds, max_count, concurrency } => {
+            let opts = tierproxy::loadgen::LoadOptions {
+                mode,
+                to,
+                size,
+                duration: std::time::Duration::from_secs_f64(seconds.clamp(0.0, 3600.0)),
+                max_count,
+                concurrency,
+            };
+            match tierproxy::loadgen::run(opts) {
+                Ok(r) => {
+                    let _ = writeln!(out, "{}", serde_json::to_string(&r).unwrap_or_default());
+                    0
+                }
+                Err(e) => {
+                    let _ = writeln!(err, "error: {e:#}");
+                    1
+                }
+            }
+        }
         Command::Agent(args) => {
             drop((out, err));
             return run_agent(args);

@@ -111,6 +111,7 @@ pub async fn serve(
     let at_limit = Arc::new(AtomicBool::new(false));
     let mut accepts = tokio::task::JoinSet::new();
     for l in listeners {
+        let own = l.local_addr().ok();
         let (decider, registry, limit, at_limit, config) =
             (decider.clone(), registry.clone(), limit.clone(), at_limit.clone(), config.clone());
         accepts.spawn(async move {
@@ -143,7 +144,7 @@ pub async fn serve(
                 let (decider, registry, config) =
                     (decider.clone(), registry.clone(), config.clone());
                 tokio::spawn(async move {
-                    proxy(client, peer, &config, &decider, &registry).await;
+                    proxy(client, peer, own, &config, &decider, &registry).await;
                     drop(permit);
                 });
             }
@@ -169,6 +170,7 @@ pub async fn serve(
 async fn proxy(
     client: TcpStream,
     peer: SocketAddr,
+    listener: Option<SocketAddr>,
     config: &ProxyConfig,
     decider: &Decider,
     registry: &Arc<Registry>,
@@ -180,6 +182,13 @@ async fn proxy(
             return;
         }
     };
+    // A connection made to the listener itself, not delivered by TPROXY: its "original
+    // destination" is the proxy, and proxying it would connect the proxy to itself.
+    if Some(original) == listener {
+        tracing::warn!(%peer, "direct connection to the proxy listener refused");
+        reset(&client);
+        return;
+    }
     let key = FlowKey { src: unmap(peer), dst: unmap(original), protocol: Protocol::Tcp };
     let registration = registry.register(key);
     let tracked = &registration.tracked;
@@ -251,6 +260,11 @@ async fn connect(
             IpAddr::V4(_) => s.set_ip_transparent_v4(true)?,
             IpAddr::V6(_) => s.set_ip_transparent_v6(true)?,
         }
+        // The port is chosen at connect time, unique for the 4-tuple, not reserved at
+        // bind: without this, upstream connections from one client address exhaust the
+        // ephemeral range (each bind reserves a port for every destination) under
+        // connection churn (ip(7), IP_BIND_ADDRESS_NO_PORT).
+        nix::sys::socket::setsockopt(&s, nix::sys::socket::sockopt::IpBindAddressNoPort, &true)?;
         s.bind(&SocketAddr::new(ip, 0).into())?;
     }
     let std: std::net::TcpStream = s.into();

@@ -1,0 +1,150 @@
+//! Helpers shared by the network-namespace test binaries (`lab_netns`, `datapath_netns`):
+//! the skip-or-fail check for CAP_NET_ADMIN, and a lab guard that runs `lab down` when
+//! dropped, also when the test panics.
+#![allow(dead_code)] // each test binary uses a different subset
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+pub fn bin() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_tierproxy"))
+}
+
+/// Whether the lab can run here; prints the skip line (or panics when netns tests are
+/// required) when it cannot.
+pub fn netns_available(test: &str) -> bool {
+    let missing = tierproxy::lab::netns::missing_capabilities();
+    let ip = Command::new("ip").arg("-V").output().is_ok();
+    if missing.is_empty() && ip {
+        return true;
+    }
+    let why = if missing.is_empty() {
+        "no `ip` command".to_string()
+    } else {
+        format!("missing {}", missing.join(", "))
+    };
+    if std::env::var("TIERPROXY_REQUIRE_NETNS").as_deref() == Ok("1") {
+        panic!("{test}: needs CAP_NET_ADMIN ({why}) and TIERPROXY_REQUIRE_NETNS=1");
+    }
+    eprintln!("SKIPPED: {test}: needs CAP_NET_ADMIN ({why})");
+    false
+}
+
+/// A lab prefix unique to this test and this test process.
+pub fn prefix(short: &str) -> String {
+    format!("t{}-{short}", std::process::id() % 100_000)
+}
+
+pub fn text(o: &Output) -> String {
+    format!(
+        "status {:?}\nstdout:\n{}\nstderr:\n{}",
+        o.status.code(),
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// Namespaces whose names start with `<prefix>_`.
+pub fn lab_netns(prefix: &str) -> Vec<String> {
+    let out = Command::new("ip").args(["netns", "list"]).output().expect("ip netns list");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.split_whitespace().next())
+        .filter(|n| n.starts_with(&format!("{prefix}_")))
+        .map(str::to_string)
+        .collect()
+}
+
+pub fn alive(pid: u64) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| s.rsplit_once(')').map(|(_, r)| r.trim_start().to_string()))
+        .is_some_and(|r| !r.starts_with('Z') && !r.starts_with('X'))
+}
+
+/// A lab under a test's own prefix; dropping it runs `lab down`.
+pub struct Lab {
+    pub prefix: String,
+    pub dir: tempfile::TempDir,
+}
+
+impl Lab {
+    /// The guard alone (nothing built yet), with a temp dir for the test's files.
+    pub fn new(short: &str) -> Lab {
+        Lab { prefix: prefix(short), dir: tempfile::tempdir().expect("temp dir") }
+    }
+
+    pub fn file(&self, name: &str, content: &str) -> PathBuf {
+        let p = self.dir.path().join(name);
+        std::fs::write(&p, content).expect("test file written");
+        p
+    }
+
+    /// `tierproxy lab <args[0]> --prefix <prefix> <args[1..]>`.
+    pub fn lab(&self, args: &[&str]) -> Output {
+        bin()
+            .arg("lab")
+            .args(&args[..1])
+            .args(["--prefix", &self.prefix])
+            .args(&args[1..])
+            .output()
+            .expect("tierproxy runs")
+    }
+
+    /// `lab up --no-agents`; panics (the guard still cleans up) if it fails.
+    pub fn up(&self, manifests: &[&Path], probes: Option<&Path>) -> Output {
+        self.up_with(false, manifests, probes)
+    }
+
+    /// `lab up`, with a tierproxy agent on every node when `agents`; panics (the guard
+    /// still cleans up) if it fails.
+    pub fn up_with(&self, agents: bool, manifests: &[&Path], probes: Option<&Path>) -> Output {
+        let mut args = vec!["up"];
+        if !agents {
+            args.push("--no-agents");
+        }
+        args.push("--manifests");
+        args.extend(manifests.iter().map(|p| p.to_str().unwrap()));
+        if let Some(p) = probes {
+            args.extend(["--probes", p.to_str().unwrap()]);
+        }
+        let o = self.lab(&args);
+        assert!(o.status.success(), "lab up failed: {}", text(&o));
+        o
+    }
+
+    /// `lab probe --output json`: the parsed lines and the exit code.
+    pub fn probe(&self, probes: &Path) -> (Vec<Value>, Option<i32>, Output) {
+        let o = self.lab(&["probe", "--output", "json", "--probes", probes.to_str().unwrap()]);
+        let lines = String::from_utf8_lossy(&o.stdout)
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}\n{}", text(&o))))
+            .collect();
+        (lines, o.status.code(), o)
+    }
+
+    pub fn state(&self) -> Value {
+        let path = Path::new("/run/tierproxy-lab").join(&self.prefix).join("state.json");
+        serde_json::from_str(&std::fs::read_to_string(&path).expect("state file")).expect("json")
+    }
+
+    pub fn pids(&self) -> Vec<u64> {
+        self.state()["processes"]
+            .as_array()
+            .expect("processes")
+            .iter()
+            .map(|p| p["pid"].as_u64().expect("pid"))
+            .collect()
+    }
+}
+
+impl Drop for Lab {
+    fn drop(&mut self) {
+        let o = self.lab(&["down"]);
+        if !o.status.success() {
+            eprintln!("cleanup of lab {} failed: {}", self.prefix, text(&o));
+        }
+    }
+}
