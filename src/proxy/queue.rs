@@ -9,9 +9,9 @@
 //!   rule because it carries the decided mark (DESIGN §3).
 //! - A packet that cannot be named (truncated, fragment, not TCP/UDP/SCTP): dropped.
 //!
-//! The kernel hands several packets to one `recv` (the `nfq` crate reads them in a batch
-//! and keeps the rest for the next calls); verdicts go back one netlink message each,
-//! which is what `nfq` offers.
+//! Each reader waits for a packet, takes whatever else is already queued (up to
+//! [`BATCH`]), decides them all and answers with one `send(2)` — one batch verdict when
+//! every answer is the same ([`super::nfqueue`]).
 //!
 //! Sources: netfilter `nfnetlink_queue` (include/uapi/linux/netfilter/nfnetlink_queue.h:
 //! `NFQA_CFG_F_FAIL_OPEN`, copy range, queue max length), iptables-extensions(8) NFQUEUE.
@@ -20,9 +20,9 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use anyhow::Context;
-use nfq::{Queue, Verdict};
 
 use super::decider::Decider;
+use super::nfqueue::{Answer, Queue, Verdict};
 use super::packet;
 use crate::policy::eval::Verdict as PolicyVerdict;
 
@@ -48,7 +48,10 @@ pub struct QueueConfig {
 
 /// Bytes of each packet the kernel copies to us: the IP header, any IPv6 extension
 /// headers and the ports. Small copies keep the queue cheap.
-pub const COPY_RANGE: u16 = 256;
+pub const COPY_RANGE: u32 = 256;
+
+/// Most packets read and answered together.
+pub const BATCH: usize = 64;
 
 /// Binds every queue of `config` and starts its reader thread. Returns after all queues
 /// are bound, so a caller can signal readiness.
@@ -59,13 +62,8 @@ pub const COPY_RANGE: u16 = 256;
 pub fn start(config: QueueConfig, decider: Arc<Decider>) -> anyhow::Result<Vec<JoinHandle<()>>> {
     let mut threads = Vec::new();
     for num in config.first..config.first.saturating_add(config.count) {
-        let mut q = Queue::open().with_context(|| format!("opening NFQUEUE {num}"))?;
-        q.bind(num).with_context(|| format!("binding NFQUEUE {num}"))?;
-        q.set_copy_range(num, COPY_RANGE).with_context(|| format!("NFQUEUE {num} copy range"))?;
-        q.set_fail_open(num, config.fail_open)
-            .with_context(|| format!("NFQUEUE {num} fail-open flag"))?;
-        q.set_queue_max_len(num, config.max_len)
-            .with_context(|| format!("NFQUEUE {num} max length"))?;
+        let q = Queue::bind(num, COPY_RANGE, config.max_len, config.fail_open)
+            .with_context(|| format!("binding NFQUEUE {num}"))?;
         let decider = decider.clone();
         let handle = std::thread::Builder::new()
             .name(format!("nfqueue-{num}"))
@@ -77,32 +75,33 @@ pub fn start(config: QueueConfig, decider: Arc<Decider>) -> anyhow::Result<Vec<J
 }
 
 fn read(num: u16, mut q: Queue, config: QueueConfig, decider: &Decider) {
+    let allow = |mark: u32| Answer {
+        verdict: Verdict::Repeat,
+        mark: Some(mark & !config.decided_mask | config.decided_value),
+    };
+    let drop = Answer { verdict: Verdict::Drop, mark: None };
     loop {
-        let mut msg = match q.recv() {
-            Ok(m) => m,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-            Err(e) => {
-                tracing::error!(queue = num, error = %e, "NFQUEUE read failed; reader stops");
-                return;
-            }
-        };
-        let verdict = match packet::parse(msg.get_payload()) {
+        let r = q.process(BATCH, |p| match packet::parse(p.payload) {
             Ok(key) => match decider.first_packet(key).verdict {
-                PolicyVerdict::Allow => {
-                    let mark = msg.get_nfmark() & !config.decided_mask | config.decided_value;
-                    msg.set_nfmark(mark);
-                    Verdict::Repeat
-                }
-                PolicyVerdict::Deny => Verdict::Drop,
+                PolicyVerdict::Allow => allow(p.mark),
+                PolicyVerdict::Deny => drop,
             },
             Err(e) => {
                 tracing::debug!(queue = num, error = %e, "queued packet dropped");
-                Verdict::Drop
+                drop
             }
-        };
-        msg.set_verdict(verdict);
-        if let Err(e) = q.verdict(msg) {
-            tracing::error!(queue = num, error = %e, "NFQUEUE verdict failed");
+        });
+        match r {
+            Ok(_) => {}
+            Err(e) if e.raw_os_error() == Some(nix::libc::ENOBUFS) => {
+                // The kernel dropped messages for us: their packets wait in the queue
+                // until the next answer's drop batch fails them closed.
+                tracing::warn!(queue = num, "NFQUEUE reader fell behind; messages lost");
+            }
+            Err(e) => {
+                tracing::error!(queue = num, error = %e, "NFQUEUE failed; reader stops");
+                return;
+            }
         }
     }
 }
