@@ -506,3 +506,39 @@ fn connections_to_one_server_do_not_use_up_the_proxys_ports_for_others() {
         assert!(Instant::now() < deadline, "too slow");
     }
 }
+
+/// Regression: a flood of new flows overran the NFQUEUE socket (ENOBUFS); the reader then
+/// sent a batch drop for packets the kernel had already dropped, the kernel answered
+/// ENOENT, and the reader stopped — leaving its queue unread, so the node dropped every
+/// new flow hashed to it from then on.
+#[test]
+fn a_flood_of_new_flows_does_not_stop_the_deciders() {
+    if !netns_available("a_flood_of_new_flows_does_not_stop_the_deciders") {
+        return;
+    }
+    let lab = lab_with_agents("flood");
+    let client = netns_of_pod(&lab, "a", "client");
+    // Each datagram to another port is a new flow; client → server hashes to one queue,
+    // the same one the TCP check below uses.
+    in_netns(&client, || {
+        let s = std::net::UdpSocket::bind("10.60.1.2:0").map_err(io("bind"))?;
+        for i in 0..30_000u32 {
+            let port = 10_000 + (i % 50_000) as u16;
+            // Sends may fail transiently (ICMP errors reported back); the flood goes on.
+            let _ = s.send_to(b"x", ("10.60.1.3", port));
+        }
+        Ok(())
+    })
+    .expect("flood");
+    let n1 = netns_of_node(&lab, "n1");
+    let queues = run_in(&n1, &["cat", "/proc/net/netfilter/nfnetlink_queue"]);
+    assert_eq!(queues.lines().count(), 2, "both queues still have a reader:\n{queues}");
+    for i in 0..20 {
+        cycle(&client, "10.60.1.3:8080").unwrap_or_else(|e| panic!("connection {i}: {e}"));
+    }
+    let log = std::fs::read_to_string(
+        Path::new("/run/tierproxy-lab").join(&lab.prefix).join("agent-n1.log"),
+    )
+    .expect("agent log");
+    assert!(!log.contains("exiting") && !log.contains("reader stops"), "{log}");
+}

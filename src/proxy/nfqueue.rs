@@ -102,8 +102,6 @@ pub struct Queue {
     recv_buf: Vec<u8>,
     send_buf: Vec<u8>,
     seq: u32,
-    /// The id after the last one answered; `None` before the first batch.
-    expected: Option<u32>,
 }
 
 /// Appends a netlink message header and the nfgenmsg header; returns the message start.
@@ -131,29 +129,19 @@ fn finish(buf: &mut [u8], start: usize) {
     buf[start..start + 4].copy_from_slice(&len.to_ne_bytes());
 }
 
-/// Appends the verdict message(s) for `answers` (ids ascending) to `buf`.
+/// Appends the verdict message(s) for `answers` (ids ascending) to `buf`: one batch
+/// verdict when all answers are equal, else one verdict per packet.
 ///
-/// A batch verdict covers every packet still queued with an id up to the one it names,
-/// including packets this reader never received (their messages were lost to ENOBUFS).
-/// So it is used only when it cannot decide such a packet by accident: when `expected`
-/// (the id after the last one answered before) is known and the answers are exactly the
-/// ids `expected..=last`, all equal. Otherwise each packet gets its own verdict, and when
-/// ids are missing — before the first or between two answered ones — a batch `NF_DROP`
-/// up to the last id follows, failing the lost packets closed (their clients retransmit)
-/// instead of leaving them to fill the queue.
-fn encode_verdicts(
-    buf: &mut Vec<u8>,
-    queue: u16,
-    seq: u32,
-    answers: &[(u32, Answer)],
-    expected: Option<u32>,
-) {
-    let (Some(&(first_id, first)), Some(&(last_id, _))) = (answers.first(), answers.last()) else {
+/// A batch verdict covers every packet still queued with an id up to the one it names.
+/// That is exactly the answered packets: the kernel queues a packet only after its message
+/// reached this socket (a message that cannot be delivered — ENOBUFS — drops its packet,
+/// counted as `user_dropped`, or accepts it when the queue fails open), ids increase in
+/// the order messages are sent, and the batch answers everything received up to its last
+/// id.
+fn encode_verdicts(buf: &mut Vec<u8>, queue: u16, seq: u32, answers: &[(u32, Answer)]) {
+    let (Some(&(_, first)), Some(&(last_id, _))) = (answers.first(), answers.last()) else {
         return;
     };
-    let contiguous = last_id.wrapping_sub(first_id) as usize + 1 == answers.len();
-    let gap = !contiguous || expected.is_some_and(|e| e != first_id);
-    let uniform = answers.iter().all(|(_, a)| *a == first);
     let one = |buf: &mut Vec<u8>, msg: u16, id: u32, a: Answer| {
         let start = begin(buf, msg, 0, seq, queue);
         let mut hdr = [0u8; 8];
@@ -165,15 +153,12 @@ fn encode_verdicts(
         }
         finish(buf, start);
     };
-    if uniform && answers.len() > 1 && expected == Some(first_id) && contiguous {
+    if answers.len() > 1 && answers.iter().all(|(_, a)| *a == first) {
         one(buf, MSG_VERDICT_BATCH, last_id, first);
-        return;
-    }
-    for &(id, a) in answers {
-        one(buf, MSG_VERDICT, id, a);
-    }
-    if gap {
-        one(buf, MSG_VERDICT_BATCH, last_id, Answer { verdict: Verdict::Drop, mark: None });
+    } else {
+        for &(id, a) in answers {
+            one(buf, MSG_VERDICT, id, a);
+        }
     }
 }
 
@@ -257,7 +242,6 @@ impl Queue {
             recv_buf: vec![0u8; 65_536 + copy_range as usize],
             send_buf: Vec::with_capacity(4096),
             seq: 0,
-            expected: None,
         };
         q.configure(|b| attr(b, CFG_CMD, &[CFG_CMD_BIND, 0, 0, 0]))?;
         q.configure(|b| {
@@ -321,17 +305,20 @@ impl Queue {
                 }
                 Err(e) => return Err(e.into()),
             };
-            parse_datagram(&self.recv_buf[..n], |p| answers.push((p.id, decide(p))))?;
+            if let Err(e) = parse_datagram(&self.recv_buf[..n], |p| answers.push((p.id, decide(p))))
+            {
+                // The kernel's answer to an earlier verdict (ENOENT: the packet was gone,
+                // e.g. its queue was flushed) or a malformed message: nothing to undo, and
+                // no reason to stop reading.
+                tracing::debug!(queue = self.num, error = %e, "NFQUEUE message");
+            }
             // After the first (blocking) read, take only what is already there.
             flags = MsgFlags::MSG_DONTWAIT;
         }
         answers.sort_unstable_by_key(|(id, _)| *id);
         self.send_buf.clear();
         self.seq = self.seq.wrapping_add(1);
-        encode_verdicts(&mut self.send_buf, self.num, self.seq, &answers, self.expected);
-        if let Some(&(last, _)) = answers.last() {
-            self.expected = Some(last.wrapping_add(1));
-        }
+        encode_verdicts(&mut self.send_buf, self.num, self.seq, &answers);
         if !self.send_buf.is_empty() {
             loop {
                 match send(raw, &self.send_buf, MsgFlags::empty()) {
@@ -387,36 +374,14 @@ mod tests {
     fn equal_answers_become_one_batch_verdict_for_the_highest_id() {
         let allow = Answer { verdict: Verdict::Repeat, mark: Some(0x1000) };
         let mut buf = Vec::new();
-        encode_verdicts(&mut buf, 7, 1, &[(10, allow), (11, allow), (12, allow)], Some(10));
+        encode_verdicts(&mut buf, 7, 1, &[(10, allow), (11, allow), (14, allow)]);
         let m = messages(&buf);
         assert_eq!(m.len(), 1);
         assert_eq!(m[0].0, MSG_VERDICT_BATCH);
         assert_eq!(
             m[0].1,
-            vec![(A_VERDICT_HDR, verdict_hdr(4, 12)), (A_MARK, 0x1000u32.to_be_bytes().to_vec())]
+            vec![(A_VERDICT_HDR, verdict_hdr(4, 14)), (A_MARK, 0x1000u32.to_be_bytes().to_vec())]
         );
-    }
-
-    #[test]
-    fn a_batch_never_covers_a_packet_it_did_not_decide() {
-        let allow = Answer { verdict: Verdict::Repeat, mark: Some(0x1000) };
-        let drop_batch = |id| (MSG_VERDICT_BATCH, vec![(A_VERDICT_HDR, verdict_hdr(0, id))]);
-        // Id 13 lost inside the batch: each answered on its own, then the rest dropped.
-        let mut buf = Vec::new();
-        encode_verdicts(&mut buf, 7, 1, &[(12, allow), (14, allow)], Some(12));
-        let m = messages(&buf);
-        assert_eq!(m.iter().map(|x| x.0).collect::<Vec<_>>(), [MSG_VERDICT, MSG_VERDICT, 3]);
-        assert_eq!(m[2], drop_batch(14));
-        // Ids 10 and 11 lost before the batch.
-        let mut buf = Vec::new();
-        encode_verdicts(&mut buf, 7, 1, &[(12, allow), (13, allow)], Some(10));
-        let m = messages(&buf);
-        assert_eq!(m.len(), 3);
-        assert_eq!(m[2], drop_batch(13));
-        // The first batch of a reader: older ids are unknown, so no batch allow.
-        let mut buf = Vec::new();
-        encode_verdicts(&mut buf, 7, 1, &[(1, allow), (2, allow)], None);
-        assert_eq!(messages(&buf).iter().map(|x| x.0).collect::<Vec<_>>(), [1, 1]);
     }
 
     #[test]
@@ -424,19 +389,18 @@ mod tests {
         let allow = Answer { verdict: Verdict::Repeat, mark: Some(0x1000) };
         let deny = Answer { verdict: Verdict::Drop, mark: None };
         let mut buf = Vec::new();
-        encode_verdicts(&mut buf, 7, 1, &[(3, allow), (4, deny)], Some(3));
+        encode_verdicts(&mut buf, 7, 1, &[(3, allow), (4, deny)]);
         let m = messages(&buf);
         assert_eq!(m.len(), 2);
         assert_eq!(m[0].0, MSG_VERDICT);
         assert_eq!(m[0].1[0], (A_VERDICT_HDR, verdict_hdr(4, 3)));
         assert_eq!(m[1].1, vec![(A_VERDICT_HDR, verdict_hdr(0, 4))]);
-        // A single answer is a plain verdict, never a batch (which would also cover any
-        // older packet still waiting).
+        // A single answer is a plain verdict.
         let mut buf = Vec::new();
-        encode_verdicts(&mut buf, 7, 1, &[(9, deny)], Some(9));
+        encode_verdicts(&mut buf, 7, 1, &[(9, deny)]);
         assert_eq!(messages(&buf)[0].0, MSG_VERDICT);
         let mut buf = Vec::new();
-        encode_verdicts(&mut buf, 7, 1, &[], None);
+        encode_verdicts(&mut buf, 7, 1, &[]);
         assert!(buf.is_empty());
     }
 

@@ -53,6 +53,9 @@ pub const COPY_RANGE: u32 = 256;
 /// Most packets read and answered together.
 pub const BATCH: usize = 64;
 
+/// Consecutive failed reads or answers after which the agent exits (EX_SOFTWARE, 70).
+const MAX_FAILURES: u32 = 100;
+
 /// Binds every queue of `config` and starts its reader thread. Returns after all queues
 /// are bound, so a caller can signal readiness.
 ///
@@ -80,6 +83,7 @@ fn read(num: u16, mut q: Queue, config: QueueConfig, decider: &Decider) {
         mark: Some(mark & !config.decided_mask | config.decided_value),
     };
     let drop = Answer { verdict: Verdict::Drop, mark: None };
+    let mut failures = 0;
     loop {
         let r = q.process(BATCH, |p| match packet::parse(p.payload) {
             Ok(key) => match decider.first_packet(key).verdict {
@@ -92,15 +96,23 @@ fn read(num: u16, mut q: Queue, config: QueueConfig, decider: &Decider) {
             }
         });
         match r {
-            Ok(_) => {}
+            Ok(_) => failures = 0,
             Err(e) if e.raw_os_error() == Some(nix::libc::ENOBUFS) => {
-                // The kernel dropped messages for us: their packets wait in the queue
-                // until the next answer's drop batch fails them closed.
-                tracing::warn!(queue = num, "NFQUEUE reader fell behind; messages lost");
+                // The kernel could not deliver some messages; it dropped their packets
+                // (fail-closed; `user_dropped` in /proc/net/netfilter/nfnetlink_queue) or
+                // accepted them (fail-open). Their clients retransmit.
+                tracing::warn!(queue = num, "NFQUEUE reader fell behind; packets dropped");
             }
             Err(e) => {
-                tracing::error!(queue = num, error = %e, "NFQUEUE failed; reader stops");
-                return;
+                failures += 1;
+                if failures >= MAX_FAILURES {
+                    // A node whose queue nobody reads is closed (or open) for good: exit,
+                    // so the supervisor restarts the agent, rather than run degraded.
+                    tracing::error!(queue = num, error = %e, "NFQUEUE keeps failing; exiting");
+                    std::process::exit(70);
+                }
+                tracing::warn!(queue = num, error = %e, "NFQUEUE error; retrying");
+                std::thread::sleep(std::time::Duration::from_millis(10));
             }
         }
     }
