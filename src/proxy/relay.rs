@@ -90,18 +90,37 @@ pub async fn relay(
     counters: &Counters,
     stop: &Notify,
 ) -> CloseReason {
-    match config.mode {
+    let (client, server) = (&client, &server);
+    let start = Instant::now();
+    let last = AtomicU64::new(0);
+    let pipes = match config.mode {
         RelayMode::Splice => match (Pipe::new(config.pipe_bytes), Pipe::new(config.pipe_bytes)) {
-            (Ok(up), Ok(down)) => {
-                splice_both(&client, &server, up, down, config, counters, stop).await
-            }
+            (Ok(up), Ok(down)) => Some((up, down)),
             (Err(e), _) | (_, Err(e)) => {
                 tracing::warn!(error = %e, "no pipe for splice; relaying by copy");
-                copy_both(&client, &server, config, counters, stop).await
+                None
             }
         },
-        RelayMode::Copy => copy_both(&client, &server, config, counters, stop).await,
+        RelayMode::Copy => None,
+    };
+    let (to_server, to_client) = (&counters.to_server, &counters.to_client);
+    let reason = match &pipes {
+        Some((up, down)) => {
+            let a = pump(client, server, up, to_server, &last, start);
+            let b = pump(server, client, down, to_client, &last, start);
+            drive(a, b, config.idle_timeout, &last, start, stop).await
+        }
+        None => {
+            let a = copy_pump(client, server, to_server, &last, start);
+            let b = copy_pump(server, client, to_client, &last, start);
+            drive(a, b, config.idle_timeout, &last, start, stop).await
+        }
+    };
+    if reason != CloseReason::Normal {
+        abort(client);
+        abort(server);
     }
+    reason
 }
 
 /// One pipe: the in-kernel buffer a spliced direction goes through.
@@ -126,27 +145,6 @@ impl Pipe {
 /// Milliseconds since `start`, for a coarse idle clock shared by both directions.
 fn millis(start: Instant) -> u64 {
     start.elapsed().as_millis() as u64
-}
-
-async fn splice_both(
-    client: &TcpStream,
-    server: &TcpStream,
-    up: Pipe,
-    down: Pipe,
-    config: &RelayConfig,
-    counters: &Counters,
-    stop: &Notify,
-) -> CloseReason {
-    let start = Instant::now();
-    let last = AtomicU64::new(0);
-    let to_server = pump(client, server, &up, &counters.to_server, &last, start);
-    let to_client = pump(server, client, &down, &counters.to_client, &last, start);
-    let reason = drive(to_server, to_client, config.idle_timeout, &last, start, stop).await;
-    if reason != CloseReason::Normal {
-        abort(client);
-        abort(server);
-    }
-    reason
 }
 
 /// Runs both directions until both end (Normal) or one fails, the idle clock runs out or
@@ -243,25 +241,6 @@ fn shutdown_write(s: &TcpStream) -> io::Result<()> {
 /// Makes the coming close send an RST instead of a FIN.
 fn abort(s: &TcpStream) {
     let _ = socket2::SockRef::from(s).set_linger(Some(Duration::ZERO));
-}
-
-async fn copy_both(
-    client: &TcpStream,
-    server: &TcpStream,
-    config: &RelayConfig,
-    counters: &Counters,
-    stop: &Notify,
-) -> CloseReason {
-    let start = Instant::now();
-    let last = AtomicU64::new(0);
-    let to_server = copy_pump(client, server, &counters.to_server, &last, start);
-    let to_client = copy_pump(server, client, &counters.to_client, &last, start);
-    let reason = drive(to_server, to_client, config.idle_timeout, &last, start, stop).await;
-    if reason != CloseReason::Normal {
-        abort(client);
-        abort(server);
-    }
-    reason
 }
 
 /// User-space buffer per direction in copy mode (DESIGN §7: tokio copies need at least

@@ -166,6 +166,20 @@ impl<'s> Builder<'s> {
         Table { family: NfFamily::INet, name: self.table.clone().into(), handle: None }
     }
 
+    /// The base chain: filter type, prerouting hook at mangle priority, policy accept.
+    fn prerouting(&self) -> Chain<'s> {
+        Chain {
+            family: NfFamily::INet,
+            table: self.table.clone().into(),
+            name: CHAIN.into(),
+            _type: Some(NfChainType::Filter),
+            hook: Some(NfHook::Prerouting),
+            prio: Some(PRIORITY_MANGLE),
+            policy: Some(NfChainPolicy::Accept),
+            ..Chain::default()
+        }
+    }
+
     fn rule(&mut self, comment: &'static str, expr: Vec<Statement<'s>>) {
         self.batch.add(NfListObject::Rule(Rule {
             family: NfFamily::INet,
@@ -222,16 +236,7 @@ fn apply_batch(spec: &RulesetSpec) -> Nftables<'static> {
     b.set(PODS_V6, SetType::Ipv6Addr, &pods6);
     b.set(NODES_V4, SetType::Ipv4Addr, &nodes4);
     b.set(NODES_V6, SetType::Ipv6Addr, &nodes6);
-    b.batch.add(NfListObject::Chain(Chain {
-        family: NfFamily::INet,
-        table: b.table.clone().into(),
-        name: CHAIN.into(),
-        _type: Some(NfChainType::Filter),
-        hook: Some(NfHook::Prerouting),
-        prio: Some(PRIORITY_MANGLE),
-        policy: Some(NfChainPolicy::Accept),
-        ..Chain::default()
-    }));
+    b.batch.add(NfListObject::Chain(b.prerouting()));
 
     // Rule 1: the proxy's own upstream packets are never touched (return = chain policy).
     b.rule(
@@ -358,16 +363,7 @@ fn to_json(n: &Nftables<'_>, pretty: bool) -> String {
 pub fn check_kernel_support(nft: &str) -> Result<(), RedirectError> {
     let mut b = Builder { table: "tierproxy-probe".into(), batch: Batch::new() };
     b.batch.add(NfListObject::Table(b.table()));
-    b.batch.add(NfListObject::Chain(Chain {
-        family: NfFamily::INet,
-        table: b.table.clone().into(),
-        name: CHAIN.into(),
-        _type: Some(NfChainType::Filter),
-        hook: Some(NfHook::Prerouting),
-        prio: Some(PRIORITY_MANGLE),
-        policy: Some(NfChainPolicy::Accept),
-        ..Chain::default()
-    }));
+    b.batch.add(NfListObject::Chain(b.prerouting()));
     let probe = RedirectConfig::default();
     b.rule("probe: queue", vec![l4proto_in(&["tcp"]), queue(&probe)]);
     b.rule(
