@@ -96,13 +96,7 @@ impl AgentOptions {
 pub fn load(manifests: &[PathBuf], node: &str, revision: Revision) -> anyhow::Result<Current> {
     let loaded = manifest::load(manifests);
     if let Some(e) = loaded.errors.first() {
-        let mut msg = e.to_string();
-        let mut src = std::error::Error::source(e);
-        while let Some(cause) = src {
-            msg.push_str(&format!(": {cause}"));
-            src = cause.source();
-        }
-        bail!("{msg}");
+        bail!("{}", crate::explain::error_chain(e));
     }
     for n in &loaded.notes {
         tracing::info!("{n}");
@@ -160,7 +154,7 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
         .thread_name("tierproxy")
         .build()
         .context("starting the async runtime")?;
-    let mut local_addrs: Vec<IpAddr> = node_addrs_of(&decider);
+    let mut local_addrs: Vec<IpAddr> = spec.node_addrs().iter().copied().collect();
     match nix::ifaddrs::getifaddrs() {
         Ok(ifs) => local_addrs.extend(ifs.filter_map(|i| {
             let a = i.address?;
@@ -194,8 +188,9 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
     let selection = redirect::select(r.backend);
     let backend = selection.backend;
     tracing::info!(backend = backend.name(), reason = %selection.reason, "redirect backend");
-    backend.apply(&spec).with_context(|| format!("installing the {} ruleset", backend.name()))?;
+    // The guard first: an apply that fails half-way is cleaned up too.
     let installed = Installed { backend: &*backend, config: r, keep: r.keep_rules_on_exit };
+    backend.apply(&spec).with_context(|| format!("installing the {} ruleset", backend.name()))?;
 
     if let Some(path) = &opts.ready_file {
         std::fs::write(path, b"")
@@ -217,11 +212,6 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
     }
     drop(installed);
     Ok(())
-}
-
-fn node_addrs_of(decider: &Decider) -> Vec<IpAddr> {
-    let c = decider.current();
-    c.snapshot.node_addrs(c.node).to_vec()
 }
 
 /// Removes the ruleset when dropped (start-up failure, or the end of `run`), unless it is

@@ -2,7 +2,8 @@
 //! TCP proxy, the byte relay and the registry of live connections.
 //!
 //! ```text
-//! NFQUEUE ─► queue (threads) ─► packet::parse ─► Decider::first_packet ─► drop | repeat+mark
+//! NFQUEUE ─► queue (threads, nfqueue batches) ─► packet::parse ─► Decider::first_packet
+//!                                                      ─► drop | repeat+mark (one send per batch)
 //!                                                      │ (allowed: decision kept by 5-tuple)
 //! TPROXY ─► tcp::serve ─► Decider::take ─► upstream connect ─► relay (splice) ─► Registry
 //! ```
