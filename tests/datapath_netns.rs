@@ -542,3 +542,34 @@ fn a_flood_of_new_flows_does_not_stop_the_deciders() {
     .expect("agent log");
     assert!(!log.contains("exiting") && !log.contains("reader stops"), "{log}");
 }
+
+#[test]
+fn on_sigterm_live_connections_drain_for_the_grace_period_then_are_reset() {
+    if !netns_available("on_sigterm_live_connections_drain_for_the_grace_period_then_are_reset") {
+        return;
+    }
+    let lab = lab_with_agents("drain");
+    let n1 = netns_of_node(&lab, "n1");
+    let client = netns_of_pod(&lab, "a", "client");
+    let mut c = connect_from(&client, "10.60.1.3:8080");
+    c.set_read_timeout(Some(Duration::from_secs(15))).unwrap();
+    let mut r = BufReader::new(c.try_clone().unwrap());
+    let mut greeting = String::new();
+    r.read_line(&mut greeting).expect("greeting through the proxy");
+    let pid = agent_pids(&lab).into_iter().find(|(ns, _)| *ns == n1).expect("agent of n1").1;
+    let stopped = Instant::now();
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::SIGTERM)
+        .expect("signal the agent");
+    // During the grace period (agent default: 5 s) the connection keeps working.
+    std::thread::sleep(Duration::from_millis(500));
+    c.write_all(b"ping").unwrap();
+    let mut echo = [0u8; 4];
+    r.read_exact(&mut echo).expect("echo while draining");
+    assert_eq!(&echo, b"ping");
+    // Then the agent stops it: both sides reset.
+    let e = r.read(&mut [0u8; 8]).expect_err("reset after the grace period, not EOF");
+    assert_eq!(e.kind(), ErrorKind::ConnectionReset, "{e}");
+    let waited = stopped.elapsed();
+    assert!(waited >= Duration::from_secs(3), "reset before the grace period: {waited:?}");
+    wait_gone(pid);
+}
