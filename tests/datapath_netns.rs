@@ -573,3 +573,42 @@ fn on_sigterm_live_connections_drain_for_the_grace_period_then_are_reset() {
     assert!(waited >= Duration::from_secs(3), "reset before the grace period: {waited:?}");
     wait_gone(pid);
 }
+
+#[test]
+fn at_the_connection_limit_new_connections_wait_until_one_closes() {
+    if !netns_available("at_the_connection_limit_new_connections_wait_until_one_closes") {
+        return;
+    }
+    let lab = Lab::new("limit");
+    let cluster = lab.file("cluster.yaml", CLUSTER);
+    let probes = lab.file("probes.jsonl", PROBES);
+    let o = lab.lab(&[
+        "up",
+        "--manifests",
+        cluster.to_str().unwrap(),
+        "--probes",
+        probes.to_str().unwrap(),
+        "--agent-arg=--max-connections=1",
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let client = netns_of_pod(&lab, "a", "client");
+    let greeting = |s: &TcpStream, wait: Duration| {
+        s.set_read_timeout(Some(wait)).unwrap();
+        let mut line = String::new();
+        BufReader::new(s.try_clone().unwrap()).read_line(&mut line).map(|_| line)
+    };
+    let a = connect_from(&client, "10.60.1.3:8080");
+    greeting(&a, Duration::from_secs(5)).expect("first connection is proxied");
+    // The second completes its handshake in the listen backlog but is not taken up.
+    let b = connect_from(&client, "10.60.1.3:8080");
+    let waiting = greeting(&b, Duration::from_millis(1500));
+    assert!(waiting.is_err(), "second connection proxied past the limit: {waiting:?}");
+    drop(a);
+    let line = greeting(&b, Duration::from_secs(5)).expect("taken up once the first closes");
+    assert!(line.starts_with("tierproxy-lab 10.60.1.2 "), "{line}");
+    let log = std::fs::read_to_string(
+        Path::new("/run/tierproxy-lab").join(&lab.prefix).join("agent-n1.log"),
+    )
+    .expect("agent log");
+    assert!(log.contains("connection limit reached"), "{log}");
+}

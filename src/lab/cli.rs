@@ -66,6 +66,10 @@ enum LabCommand {
         /// Start no agents: plain kernel forwarding.
         #[arg(long)]
         no_agents: bool,
+        /// One more `tierproxy agent` option for every agent, as one argument
+        /// (`--agent-arg=--max-connections=10`); repeatable.
+        #[arg(long = "agent-arg", allow_hyphen_values = true)]
+        agent_args: Vec<String>,
         #[command(flatten)]
         common: Common,
     },
@@ -165,11 +169,12 @@ pub fn main(args: LabArgs, out: &mut dyn Write, err: &mut dyn Write) -> u8 {
                 manifests,
                 probes: Some(probes),
                 agents: !a.no_agents,
+                agent_args: Vec::new(),
             };
             let timeout = Duration::from_millis(a.timeout_ms);
             super::run(&opts, timeout, table_or(a.output, Output::Matrix), out, err)
         }
-        Some(LabCommand::Up { manifests, probes, no_agents, common }) => {
+        Some(LabCommand::Up { manifests, probes, no_agents, agent_args, common }) => {
             install_signals(err);
             let opts = UpOptions {
                 prefix: common.prefix,
@@ -177,6 +182,7 @@ pub fn main(args: LabArgs, out: &mut dyn Write, err: &mut dyn Write) -> u8 {
                 manifests,
                 probes,
                 agents: !no_agents,
+                agent_args,
             };
             match super::up(&opts, err) {
                 Ok(state) => {
@@ -233,6 +239,7 @@ pub fn main(args: LabArgs, out: &mut dyn Write, err: &mut dyn Write) -> u8 {
                 manifests,
                 probes: Some(probes),
                 agents: !no_agents,
+                agent_args: Vec::new(),
             };
             let timeout = Duration::from_millis(timeout_ms);
             super::run(&opts, timeout, table_or(output, Output::Table), out, err)

@@ -188,6 +188,8 @@ pub struct UpOptions {
     pub probes: Option<PathBuf>,
     /// Start an agent per node (false: plain kernel forwarding).
     pub agents: bool,
+    /// Extra `tierproxy agent` options for every agent (`--agent-arg`).
+    pub agent_args: Vec<String>,
 }
 
 fn absolute(p: &Path) -> Result<PathBuf, LabError> {
@@ -265,7 +267,7 @@ pub fn up(opts: &UpOptions, err: &mut dyn Write) -> Result<State, LabError> {
         processes: Vec::new(),
     };
     let mut children = Vec::new();
-    match build(&mut state, &mut children) {
+    match build(&mut state, &mut children, &opts.agent_args) {
         Ok(()) => Ok(state),
         Err(e) => {
             if let Err(d) = down(&opts.state_root, &opts.prefix) {
@@ -289,7 +291,11 @@ const SYSCTLS_ALL: [(&str, &str); 4] = [
 const SYSCTLS_NODE: [(&str, &str); 2] =
     [("net.ipv4.ip_forward", "1"), ("net.ipv6.conf.all.forwarding", "1")];
 
-fn build(state: &mut State, children: &mut Vec<Child>) -> Result<(), LabError> {
+fn build(
+    state: &mut State,
+    children: &mut Vec<Child>,
+    agent_args: &[String],
+) -> Result<(), LabError> {
     // Saved first: a crash from here on leaves a state file naming what was planned.
     state.save()?;
     let plan = state.plan.clone();
@@ -345,8 +351,15 @@ fn build(state: &mut State, children: &mut Vec<Child>) -> Result<(), LabError> {
             let log = state.dir.join(format!("agent-{}.log", node.name));
             let out = state.dir.join(format!("agent-{}.out", node.name));
             remove_stale(&ready)?;
-            let cmd =
-                procs::agent_command(&exe, &node.netns, &node.name, &state.manifests, &log, &ready);
+            let cmd = procs::agent_command(
+                &exe,
+                &node.netns,
+                &node.name,
+                &state.manifests,
+                &log,
+                &ready,
+                agent_args,
+            );
             let child = procs::spawn_detached(cmd, &out)?;
             state.processes.push(ProcessRecord {
                 pid: child.id(),

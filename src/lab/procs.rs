@@ -82,7 +82,8 @@ pub fn serve_command(exe: &Path, server: &ServerPlan, ready: &Path) -> Command {
 }
 
 /// The agent command for one node: inside the node's namespace,
-/// `<exe> agent --node <node> --manifests <paths...> --log <log> --ready-file <ready>`.
+/// `<exe> agent --node <node> --manifests <paths...> --log <log> --ready-file <ready>
+/// <extra...>` (`extra`: `lab up --agent-arg`, e.g. `--max-connections=10`).
 ///
 /// Contract with `tierproxy agent`: it enforces policy for node `node` from the manifests
 /// (absolute paths), logs to `log`, and creates `ready` (`<state dir>/agent-<node>.ready`)
@@ -96,11 +97,14 @@ pub fn agent_command(
     manifests: &[PathBuf],
     log: &Path,
     ready: &Path,
+    extra: &[String],
 ) -> Command {
     let mut c = Command::new("ip");
     c.args(["netns", "exec", netns]).arg(exe).args(["agent", "--node", node, "--manifests"]);
     c.args(manifests);
     c.arg("--log").arg(log).arg("--ready-file").arg(ready);
+    // After `--`-free flags only: each extra argument is one `tierproxy agent` option.
+    c.args(extra);
     c
 }
 

@@ -21,7 +21,7 @@
 use std::io;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use anyhow::Context;
@@ -107,19 +107,24 @@ pub async fn serve(
     registry: Arc<Registry>,
     mut shutdown: watch::Receiver<bool>,
 ) {
+    // One accept loop over every listener, a permit taken before each accept: with a loop
+    // per listener, each would hold a permit while waiting, and a limit below the number
+    // of listeners would never let a connection through.
     let limit = Arc::new(Semaphore::new(config.max_connections));
-    let at_limit = Arc::new(AtomicBool::new(false));
-    let mut accepts = tokio::task::JoinSet::new();
-    for l in listeners {
-        let own = l.local_addr().ok();
-        let (decider, registry, limit, at_limit, config) =
-            (decider.clone(), registry.clone(), limit.clone(), at_limit.clone(), config.clone());
-        accepts.spawn(async move {
+    let owns: Vec<Option<SocketAddr>> = listeners.iter().map(|l| l.local_addr().ok()).collect();
+    let accepting = {
+        let (decider, registry, config) = (decider.clone(), registry.clone(), config.clone());
+        tokio::spawn(async move {
+            // Said once per episode at the limit, not once per connection waiting.
+            let mut said = false;
             loop {
                 let permit = match limit.clone().try_acquire_owned() {
-                    Ok(p) => p,
+                    Ok(p) => {
+                        said = false;
+                        p
+                    }
                     Err(_) => {
-                        if !at_limit.swap(true, Ordering::Relaxed) {
+                        if !std::mem::replace(&mut said, true) {
                             tracing::warn!(
                                 max = config.max_connections,
                                 "connection limit reached; not accepting until one closes"
@@ -131,8 +136,16 @@ pub async fn serve(
                         }
                     }
                 };
-                at_limit.store(false, Ordering::Relaxed);
-                let (client, peer) = match l.accept().await {
+                let (accepted, own) = std::future::poll_fn(|cx| {
+                    for (l, own) in listeners.iter().zip(&owns) {
+                        if let std::task::Poll::Ready(r) = l.poll_accept(cx) {
+                            return std::task::Poll::Ready((r, *own));
+                        }
+                    }
+                    std::task::Poll::Pending
+                })
+                .await;
+                let (client, peer) = match accepted {
                     Ok(c) => c,
                     Err(e) => {
                         // EMFILE and friends: back off instead of spinning.
@@ -148,10 +161,10 @@ pub async fn serve(
                     drop(permit);
                 });
             }
-        });
-    }
+        })
+    };
     let _ = shutdown.wait_for(|stop| *stop).await;
-    accepts.abort_all();
+    accepting.abort();
     let deadline = tokio::time::Instant::now() + config.drain_grace;
     while !registry.is_empty() && tokio::time::Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(20)).await;
