@@ -612,3 +612,33 @@ fn at_the_connection_limit_new_connections_wait_until_one_closes() {
     .expect("agent log");
     assert!(log.contains("connection limit reached"), "{log}");
 }
+
+#[test]
+fn an_upstream_that_never_answers_is_given_up_after_the_connect_timeout() {
+    if !netns_available("an_upstream_that_never_answers_is_given_up_after_the_connect_timeout") {
+        return;
+    }
+    let lab = Lab::new("ctimeout");
+    let cluster = lab.file("cluster.yaml", CLUSTER);
+    let o = lab.lab(&[
+        "up",
+        "--manifests",
+        cluster.to_str().unwrap(),
+        "--agent-arg=--connect-timeout-ms=700",
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    // An external address whose packets the fabric silently drops.
+    let fabric = format!("{}_fabric", lab.prefix);
+    let out = run_in(&fabric, &["ip", "route", "add", "blackhole", "203.0.113.99/32"]);
+    assert!(out.trim().is_empty(), "{out}");
+    let client = netns_of_pod(&lab, "a", "client");
+    // No policy limits a/client's egress: the client's node accepts the connection, and
+    // its proxy's upstream connect never completes.
+    let mut c = connect_from(&client, "203.0.113.99:80");
+    c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let started = Instant::now();
+    let e = c.read(&mut [0u8; 8]).expect_err("the proxy gives up with a reset");
+    assert_eq!(e.kind(), ErrorKind::ConnectionReset, "{e}");
+    let waited = started.elapsed();
+    assert!(waited < Duration::from_secs(5), "not the 700 ms connect timeout: {waited:?}");
+}
