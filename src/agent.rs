@@ -116,6 +116,29 @@ pub fn load(manifests: &[PathBuf], node: &str, revision: Revision) -> anyhow::Re
     Ok(Current { snapshot, node: node_id })
 }
 
+/// What the agent would install for `opts`, without touching the node: the backend, why
+/// it was chosen, and the exact input of every command ([`redirect::Backend::render`]).
+///
+/// # Errors
+/// Invalid configuration, manifests that cannot be read, a node missing from them.
+pub fn dry_run(opts: &AgentOptions) -> anyhow::Result<String> {
+    opts.redirect.validate().context("redirect configuration")?;
+    let current = load(&opts.manifests, &opts.node, Revision(1))?;
+    let spec = RulesetSpec::new(
+        opts.redirect.clone(),
+        current.snapshot.local_pod_ips(current.node),
+        current.snapshot.node_addrs(current.node).to_vec(),
+    )
+    .context("redirect configuration")?;
+    let selection = redirect::select(opts.redirect.backend);
+    Ok(format!(
+        "# backend: {} ({})\n{}",
+        selection.backend.name(),
+        selection.reason,
+        selection.backend.render(&spec)
+    ))
+}
+
 /// Runs the agent until SIGTERM or SIGINT.
 ///
 /// # Errors

@@ -144,6 +144,10 @@ struct AgentArgs {
     /// Seconds live connections may finish after shutdown begins.
     #[arg(long, default_value_t = tierproxy::agent::DEFAULT_DRAIN_GRACE.as_secs())]
     drain_grace_secs: u64,
+    /// Print the ruleset the agent would install (every command's input) and exit;
+    /// changes nothing on the node.
+    #[arg(long)]
+    dry_run: bool,
 }
 
 fn run_agent(a: AgentArgs) -> ExitCode {
@@ -179,6 +183,18 @@ fn run_agent(a: AgentArgs) -> ExitCode {
     opts.connect_timeout = Duration::from_millis(a.connect_timeout_ms);
     opts.max_connections = a.max_connections;
     opts.drain_grace = Duration::from_secs(a.drain_grace_secs);
+    if a.dry_run {
+        return match tierproxy::agent::dry_run(&opts) {
+            Ok(text) => {
+                print!("{text}");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("error: {e:#}");
+                ExitCode::from(2)
+            }
+        };
+    }
     match tierproxy::agent::run(opts) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

@@ -289,3 +289,35 @@ fn priority_ties_are_decided_by_name_and_reported() {
     let o = run(&args);
     assert!(String::from_utf8_lossy(&o.stdout).contains("priority 70 is shared with"));
 }
+
+/// `agent --dry-run` shows the exact ruleset for a node and changes nothing (no root
+/// needed): the node's own pods are in the local set, other nodes' pods are not.
+#[test]
+fn agent_dry_run_prints_the_ruleset_for_the_node() {
+    let ex = examples();
+    let cluster = ex.join("cluster.yaml");
+    let policies = ex.join("policies");
+    let args = |node: &str| {
+        vec![
+            "agent".to_string(),
+            "--node".into(),
+            node.into(),
+            "-m".into(),
+            cluster.to_str().unwrap().into(),
+            policies.to_str().unwrap().into(),
+            "--redirect-backend".into(),
+            "iptables".into(),
+            "--dry-run".into(),
+        ]
+    };
+    let o = bin().args(args("node-1")).output().expect("runs");
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(text.starts_with("# backend: iptables (configured)"), "{text}");
+    assert!(text.contains("add tierproxy-pods-v4-tmp 10.244.1.4"), "node-1 pod: {text}");
+    assert!(!text.contains("10.244.2.3"), "node-2 pod in node-1's set: {text}");
+    assert!(text.contains("-j TPROXY"), "{text}");
+    let o = bin().args(args("node-9")).output().expect("runs");
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("node \"node-9\" is not among the Nodes"), "{}", stderr(&o));
+}
