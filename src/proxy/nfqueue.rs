@@ -417,6 +417,19 @@ mod tests {
         b
     }
 
+    proptest::proptest! {
+        /// A datagram from the socket is parsed or rejected, never a panic.
+        #[test]
+        fn arbitrary_datagrams_never_panic(bytes in proptest::collection::vec(0u8.., 0..200)) {
+            let _ = parse_datagram(&bytes, |_| {});
+            // The same bytes behind a well-formed packet header.
+            let mut d = packet_message(1, None, &bytes);
+            let _ = parse_datagram(&d, |_| {});
+            d.truncate(d.len() / 2);
+            let _ = parse_datagram(&d, |_| {});
+        }
+    }
+
     #[test]
     fn packets_acks_and_errors_are_parsed() {
         let mut d = packet_message(5, Some(0x80), &[0x45, 1, 2]);

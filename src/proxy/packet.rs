@@ -196,6 +196,21 @@ mod tests {
         p
     }
 
+    proptest::proptest! {
+        /// Whatever the queue hands over, parsing answers (a flow or an error) and never
+        /// panics: a packet is never dropped by a crash of its reader.
+        #[test]
+        fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(0u8.., 0..120)) {
+            let _ = parse(&bytes);
+            let mut v4 = bytes.clone();
+            if let Some(b) = v4.first_mut() { *b = 0x40 | (*b & 0x0f); }
+            let _ = parse(&v4);
+            let mut v6 = bytes;
+            if let Some(b) = v6.first_mut() { *b = 0x60; }
+            let _ = parse(&v6);
+        }
+    }
+
     #[test]
     fn ipv6_with_extension_headers() {
         let k = parse(&v6(6, &[0x30, 0x39, 0x01, 0xbb])).unwrap();
