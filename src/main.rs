@@ -129,7 +129,9 @@ struct AgentArgs {
     /// How the proxy moves bytes.
     #[arg(long, value_enum, default_value_t = tierproxy::proxy::relay::RelayMode::Splice)]
     relay: tierproxy::proxy::relay::RelayMode,
-    /// Connect upstream from the node's address instead of the client's.
+    /// Connect upstream from the node's address instead of the client's. Servers then see
+    /// the node, and so does the ingress policy of a server on another node: use only where
+    /// every server's node trusts this node's address.
     #[arg(long)]
     no_preserve_source: bool,
     /// Close a proxied connection after this many seconds without a byte either way.

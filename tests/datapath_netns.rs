@@ -642,3 +642,26 @@ fn an_upstream_that_never_answers_is_given_up_after_the_connect_timeout() {
     let waited = started.elapsed();
     assert!(waited < Duration::from_secs(5), "not the 700 ms connect timeout: {waited:?}");
 }
+
+#[test]
+fn without_source_preservation_the_server_sees_the_node_address() {
+    if !netns_available("without_source_preservation_the_server_sees_the_node_address") {
+        return;
+    }
+    let lab = Lab::new("nosrc");
+    let cluster = lab.file("cluster.yaml", CLUSTER);
+    let o = lab.lab(&[
+        "up",
+        "--manifests",
+        cluster.to_str().unwrap(),
+        "--agent-arg=--no-preserve-source",
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let client = netns_of_pod(&lab, "a", "client");
+    let c = connect_from(&client, "10.60.1.3:8080");
+    c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut line = String::new();
+    BufReader::new(c).read_line(&mut line).expect("greeting");
+    // Same node: the proxy connects from n1's own address (the route's source).
+    assert!(line.starts_with("tierproxy-lab 172.31.0.2 "), "{line}");
+}
