@@ -375,3 +375,33 @@ fn the_examples_carry_every_probe_before_any_policy() {
     // Without agents nothing is denied, so every probe explain denies disagrees.
     assert_eq!(code, Some(1), "{}", text(&o));
 }
+
+/// Regression: the skip line went through `eprintln!`, which libtest captures for passing
+/// tests, so an unprivileged run passed silently. Re-runs one network-namespace test of
+/// this binary as an unprivileged user (needs root to drop to it): the skip must show, and
+/// `TIERPROXY_REQUIRE_NETNS=1` must turn it into a failure.
+#[test]
+fn without_privileges_a_netns_test_says_it_was_skipped() {
+    if !netns_available("without_privileges_a_netns_test_says_it_was_skipped") {
+        return;
+    }
+    let exe = std::env::current_exe().expect("test binary");
+    let test = "down_leaves_no_namespace_and_no_process";
+    let run = |require: bool| {
+        let mut c = Command::new("setpriv");
+        c.args(["--reuid=65534", "--regid=65534", "--clear-groups"])
+            .arg(&exe)
+            .args(["--exact", test])
+            .env_remove("TIERPROXY_REQUIRE_NETNS");
+        if require {
+            c.env("TIERPROXY_REQUIRE_NETNS", "1");
+        }
+        c.output().expect("setpriv (util-linux) runs")
+    };
+    let o = run(false);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(err.contains(&format!("SKIPPED: {test}: needs CAP_NET_ADMIN")), "{}", text(&o));
+    let o = run(true);
+    assert!(!o.status.success(), "a required netns test passed unprivileged: {}", text(&o));
+}
