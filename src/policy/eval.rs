@@ -197,15 +197,10 @@ impl Snapshot {
     ///   client is a pod, decided the egress);
     /// - else nothing is this node's to decide: both directions `None`, verdict Allow.
     pub fn decide_on_node(&self, flow: &Flow, node: u32) -> Decision {
-        let on_node = |ip| match self.endpoint(ip) {
-            Endpoint::Pod(p) => self.pods[p as usize].node == Some(node),
-            _ => false,
-        };
-        if on_node(flow.src) {
-            self.decide_scoped::<true>(flow, None)
-        } else {
-            self.decide_scoped::<true>(flow, Some(node))
-        }
+        let src = self.endpoint(flow.src);
+        let client_here =
+            matches!(src, Endpoint::Pod(p) if self.pods[p as usize].node == Some(node));
+        self.decide_scoped::<true>(flow, src, (!client_here).then_some(node))
     }
 
     /// The node a pod-network pod runs on (`spec.nodeName`), if known.
@@ -215,12 +210,18 @@ impl Snapshot {
 
     #[inline]
     fn decide_impl<const FAST: bool>(&self, flow: &Flow) -> Decision {
-        self.decide_scoped::<FAST>(flow, None)
+        self.decide_scoped::<FAST>(flow, self.endpoint(flow.src), None)
     }
 
     #[inline]
-    fn decide_scoped<const FAST: bool>(&self, flow: &Flow, node: Option<u32>) -> Decision {
-        let src = self.endpoint(flow.src);
+    /// `src` is `self.endpoint(flow.src)`; with `node`, only directions whose subject pod
+    /// runs on `node` are decided.
+    fn decide_scoped<const FAST: bool>(
+        &self,
+        flow: &Flow,
+        src: Endpoint,
+        node: Option<u32>,
+    ) -> Decision {
         let dst = self.endpoint(flow.dst);
         let dst_ports = self.declared_ports(dst);
         let here = |p: u32| node.is_none_or(|n| self.pods[p as usize].node == Some(n));
