@@ -286,54 +286,95 @@ struct Cluster {
     ns_index: LabelIndex,
     node_index: LabelIndex,
     interner: Interner,
-    /// Compiled peer selectors by content: a million peers name a few hundred distinct
-    /// selector pairs, and compiling one allocates.
-    peer_memo: rustc_hash::FxHashMap<u64, Vec<PeerMemo>>,
-    /// Per-pod rule masks while building a [`Matcher`], reused across policies.
-    scratch: Vec<u128>,
+    /// Compiled peer selectors by content ([`encode_selector`] of the namespace and pod
+    /// selectors): a million peers name a few hundred distinct selector pairs, and
+    /// compiling one allocates. `None`: a selector does not compile, so the peer fails
+    /// closed.
+    peer_memo: rustc_hash::FxHashMap<Box<[u8]>, Option<SetId>>,
+    /// The key being built by [`Cluster::peer_set`], reused across peers.
+    peer_key: Vec<u8>,
     /// Single-address pods sorted by address, for folding address matches into pod classes.
     addrs: PodAddrs,
 }
 
-/// A memoised peer: namespace selector, optional pod selector, and the pod set they
-/// resolve to (`None`: a selector does not compile, so the peer fails closed).
-type PeerMemo = (LabelSelector, Option<LabelSelector>, Option<SetId>);
-
-fn hash_selector(h: &mut impl std::hash::Hasher, sel: &LabelSelector) {
-    use std::hash::Hash;
-    let LabelSelector { match_labels, match_expressions } = sel;
-    for (k, v) in match_labels.iter().flatten() {
-        (0u8, k, v).hash(h);
+/// Appends an injective byte encoding of `sel` to `out`: equal encodings ⇔ equal
+/// selectors (every string is length-prefixed, every optional field carries a presence
+/// byte). One pass over the selector's maps gives both the memo key's hash and its
+/// equality check, where hashing and then comparing the objects read them twice.
+fn encode_selector(out: &mut Vec<u8>, sel: &LabelSelector) {
+    fn put(out: &mut Vec<u8>, s: &str) {
+        out.extend_from_slice(&(s.len() as u32).to_le_bytes());
+        out.extend_from_slice(s.as_bytes());
     }
-    for e in match_expressions.iter().flatten() {
-        (1u8, &e.key, &e.operator, &e.values).hash(h);
+    let LabelSelector { match_labels, match_expressions } = sel;
+    match match_labels {
+        None => out.push(0),
+        Some(labels) => {
+            out.push(1);
+            out.extend_from_slice(&(labels.len() as u32).to_le_bytes());
+            for (k, v) in labels {
+                put(out, k);
+                put(out, v);
+            }
+        }
+    }
+    match match_expressions {
+        None => out.push(0),
+        Some(exprs) => {
+            out.push(1);
+            out.extend_from_slice(&(exprs.len() as u32).to_le_bytes());
+            for e in exprs {
+                put(out, &e.key);
+                put(out, &e.operator);
+                match &e.values {
+                    None => out.push(0),
+                    Some(values) => {
+                        out.push(1);
+                        out.extend_from_slice(&(values.len() as u32).to_le_bytes());
+                        for v in values {
+                            put(out, v);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Sets `out` to the [`encode_selector`] key of a `namespaces` peer (`pods == None`) or a
+/// `pods` peer.
+fn encode_peer(out: &mut Vec<u8>, ns: &LabelSelector, pods: Option<&LabelSelector>) {
+    out.clear();
+    encode_selector(out, ns);
+    match pods {
+        None => out.push(0),
+        Some(p) => {
+            out.push(1);
+            encode_selector(out, p);
+        }
     }
 }
 
 impl Cluster {
     /// The pod set of a `namespaces` peer (`pods == None`) or a `pods` peer, memoised.
     fn peer_set(&mut self, ns: &LabelSelector, pods: Option<&LabelSelector>) -> Option<SetId> {
-        use std::hash::Hasher;
+        let mut key = std::mem::take(&mut self.peer_key);
+        encode_peer(&mut key, ns, pods);
         // FxHash: these keys come from the cluster's own objects, not from a remote peer,
         // and SipHash was the largest single cost of compiling a million peers.
-        let mut h = rustc_hash::FxHasher::default();
-        hash_selector(&mut h, ns);
-        if let Some(p) = pods {
-            h.write_u8(0xff);
-            hash_selector(&mut h, p);
-        }
-        let key = h.finish();
-        if let Some(hits) = self.peer_memo.get(&key)
-            && let Some((_, _, id)) = hits.iter().find(|(a, b, _)| a == ns && b.as_ref() == pods)
-        {
-            return *id;
-        }
-        let set_key = match pods {
-            None => selector(ns).map(SetKey::Namespaces),
-            Some(p) => selector(ns).zip(selector(p)).map(|(n, p)| SetKey::Pods(n, p)),
+        let id = match self.peer_memo.get(key.as_slice()) {
+            Some(&id) => id,
+            None => {
+                let set_key = match pods {
+                    None => selector(ns).map(SetKey::Namespaces),
+                    Some(p) => selector(ns).zip(selector(p)).map(|(n, p)| SetKey::Pods(n, p)),
+                };
+                let id = set_key.map(|k| self.intern(k));
+                self.peer_memo.insert(key.as_slice().into(), id);
+                id
+            }
         };
-        let id = set_key.map(|k| self.intern(k));
-        self.peer_memo.entry(key).or_default().push((ns.clone(), pods.cloned(), id));
+        self.peer_key = key;
         id
     }
 
@@ -572,6 +613,345 @@ struct RawRule<'a> {
     action: Action,
     peers: Vec<PeerFields<'a>>,
     ports: Ports,
+    /// For each `namespaces` / `pods` peer, in order: its key in the [`PeerDict`] of the
+    /// worker that prepared the rule.
+    keys: Vec<u32>,
+}
+
+impl<'a> RawRule<'a> {
+    fn new(
+        name: &'a str,
+        action: Action,
+        peers: impl Iterator<Item = PeerFields<'a>>,
+        ports: Ports,
+        dict: &mut PeerDict<'a>,
+    ) -> Self {
+        let peers: Vec<PeerFields<'a>> = peers.collect();
+        let keys = peers
+            .iter()
+            .filter_map(|p| match (p.namespaces, p.pods) {
+                (Some(ns), _) => Some(dict.key(ns, None)),
+                (None, Some(np)) => Some(dict.key(&np.namespace_selector, Some(&np.pod_selector))),
+                (None, None) => None,
+            })
+            .collect();
+        RawRule { name, action, peers, ports, keys }
+    }
+}
+
+/// The distinct selector peers one worker of [`prepare_admin`] met, by content: a million
+/// peers name a few hundred distinct selector pairs, so only these few are compiled.
+#[derive(Default)]
+struct PeerDict<'a> {
+    ids: rustc_hash::FxHashMap<Box<[u8]>, u32>,
+    /// One peer per key: namespace selector and, for a `pods` peer, pod selector.
+    reps: Vec<(&'a LabelSelector, Option<&'a LabelSelector>)>,
+    buf: Vec<u8>,
+}
+
+impl<'a> PeerDict<'a> {
+    fn key(&mut self, ns: &'a LabelSelector, pods: Option<&'a LabelSelector>) -> u32 {
+        encode_peer(&mut self.buf, ns, pods);
+        // FxHash: these keys come from the cluster's own objects, not from a remote peer.
+        if let Some(&id) = self.ids.get(self.buf.as_slice()) {
+            return id;
+        }
+        let id = self.reps.len() as u32;
+        self.reps.push((ns, pods));
+        self.ids.insert(self.buf.as_slice().into(), id);
+        id
+    }
+}
+
+/// An admin-tier or baseline-tier policy object, before compiling.
+#[derive(Clone, Copy)]
+enum AdminObject<'a> {
+    Anp(&'a v1alpha1::AdminNetworkPolicy),
+    Cnp(&'a v1alpha2::ClusterNetworkPolicy),
+    Banp(&'a v1alpha1::BaselineAdminNetworkPolicy),
+}
+
+impl AdminObject<'_> {
+    /// Position of the kind in compile order (ANP, CNP, BANP), which is also the order
+    /// problems are reported in.
+    fn order(self) -> usize {
+        match self {
+            AdminObject::Anp(_) => 0,
+            AdminObject::Cnp(_) => 1,
+            AdminObject::Banp(_) => 2,
+        }
+    }
+
+    /// Peers in all rules: the work of preparing the object.
+    fn weight(self) -> usize {
+        match self {
+            AdminObject::Anp(p) => {
+                let s = &p.spec;
+                1 + s.ingress.iter().map(|r| r.from.len()).sum::<usize>()
+                    + s.egress.iter().map(|r| r.to.len()).sum::<usize>()
+            }
+            AdminObject::Cnp(p) => {
+                let s = &p.spec;
+                1 + s.ingress.iter().map(|r| r.from.len()).sum::<usize>()
+                    + s.egress.iter().map(|r| r.to.len()).sum::<usize>()
+            }
+            AdminObject::Banp(p) => {
+                let s = &p.spec;
+                1 + s.ingress.iter().map(|r| r.from.len()).sum::<usize>()
+                    + s.egress.iter().map(|r| r.to.len()).sum::<usize>()
+            }
+        }
+    }
+}
+
+/// An admin object that passed validation, ready for [`Cluster::admin_policy`].
+struct AdminBody<'a> {
+    tier: Tier,
+    priority: i32,
+    namespaces: &'a Option<LabelSelector>,
+    pods: &'a Option<NamespacedPod>,
+    ingress: Vec<RawRule<'a>>,
+    egress: Vec<RawRule<'a>>,
+}
+
+/// What a worker made of one admin object.
+struct Prepared<'a> {
+    /// Validation problems, in the validator's order.
+    problems: Vec<Problem>,
+    /// `None` when validation found an error: the object is left out.
+    body: Option<AdminBody<'a>>,
+    /// The worker whose [`PeerDict`] the rules' keys index.
+    worker: usize,
+}
+
+/// Below this many peers in all admin objects together, compiling stays on the calling
+/// thread (spawning costs more than it saves).
+const PARALLEL_MIN_PEERS: usize = 4096;
+
+/// Most threads a compile uses: enough for a large input on a small node, few enough not
+/// to crowd a big node while the agent rebuilds.
+const MAX_WORKERS: usize = 4;
+
+/// The machine's parallelism, at most [`MAX_WORKERS`].
+fn default_workers() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get()).clamp(1, MAX_WORKERS)
+}
+
+/// Splits items of the given weights into at most `workers` contiguous ranges of about
+/// equal total weight (one range when the total is below [`PARALLEL_MIN_PEERS`]).
+fn balanced_ranges(weights: &[usize], workers: usize) -> Vec<std::ops::Range<usize>> {
+    let total: usize = weights.iter().sum();
+    let workers = if total < PARALLEL_MIN_PEERS { 1 } else { workers.max(1) };
+    let mut out = Vec::with_capacity(workers);
+    let (mut start, mut acc) = (0, 0);
+    for (i, w) in weights.iter().enumerate() {
+        acc += w;
+        if out.len() + 1 < workers && acc * workers >= total * (out.len() + 1) {
+            out.push(start..i + 1);
+            start = i + 1;
+        }
+    }
+    out.push(start..weights.len());
+    out
+}
+
+/// Runs `work` on each range of `items` (from [`balanced_ranges`]), the first on the
+/// calling thread and the others on scoped threads, and returns the results in range order.
+/// A panic in a worker is resumed on the caller.
+fn par_ranges<T: Sync, R: Send>(
+    items: &[T],
+    ranges: &[std::ops::Range<usize>],
+    work: impl Fn(usize, &[T]) -> R + Sync,
+) -> Vec<R> {
+    if ranges.len() <= 1 {
+        return vec![work(0, items)];
+    }
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = ranges[1..]
+            .iter()
+            .enumerate()
+            .map(|(w, r)| {
+                let (work, chunk) = (&work, &items[r.clone()]);
+                scope.spawn(move || work(w + 1, chunk))
+            })
+            .collect();
+        let mut out = vec![work(0, &items[ranges[0].clone()])];
+        for h in handles {
+            out.push(h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)));
+        }
+        out
+    })
+}
+
+/// Validates admin objects and keys every selector peer of their rules, spread over
+/// worker threads: the one pass over a large input's million peers, whose cost is the
+/// memory latency of reading them, so it scales with cores. Returns, in input order, what
+/// each object became, and each worker's distinct peers.
+fn prepare_admin<'a>(
+    items: &[(ObjectRef, AdminObject<'a>)],
+    validate: bool,
+    workers: usize,
+) -> (Vec<Prepared<'a>>, Vec<PeerDict<'a>>) {
+    let weights: Vec<usize> = items.iter().map(|(_, o)| o.weight()).collect();
+    let ranges = balanced_ranges(&weights, workers);
+    let results = par_ranges(items, &ranges, |worker, chunk| {
+        let mut dict = PeerDict::default();
+        let prepared: Vec<Prepared<'a>> = chunk
+            .iter()
+            .map(|&(_, obj)| {
+                let mut problems = Vec::new();
+                if validate {
+                    match obj {
+                        AdminObject::Anp(p) => validate::admin_network_policy(p, &mut problems),
+                        AdminObject::Cnp(p) => validate::cluster_network_policy(p, &mut problems),
+                        AdminObject::Banp(p) => {
+                            validate::baseline_admin_network_policy(p, &mut problems)
+                        }
+                    }
+                }
+                let body =
+                    (!problems.iter().any(Problem::is_error)).then(|| admin_body(obj, &mut dict));
+                Prepared { problems, body, worker }
+            })
+            .collect();
+        (prepared, dict)
+    });
+    let mut prepared = Vec::with_capacity(items.len());
+    let mut dicts = Vec::with_capacity(results.len());
+    for (p, d) in results {
+        prepared.extend(p);
+        dicts.push(d);
+    }
+    (prepared, dicts)
+}
+
+/// The rules and subject of a valid admin object, with its selector peers keyed in `dict`.
+fn admin_body<'a>(obj: AdminObject<'a>, dict: &mut PeerDict<'a>) -> AdminBody<'a> {
+    match obj {
+        AdminObject::Anp(anp) => {
+            let v1alpha1::AdminNetworkPolicySpec { priority, subject, ingress, egress } = &anp.spec;
+            let v1alpha1::AdminNetworkPolicySubject { namespaces, pods } = subject;
+            AdminBody {
+                tier: Tier::Admin,
+                priority: *priority,
+                namespaces,
+                pods,
+                ingress: ingress
+                    .iter()
+                    .map(|r| {
+                        let peers = r.from.iter().map(PeerFields::anp_ingress);
+                        let (action, ports) = (anp_action(r.action), anp_ports(&r.ports));
+                        RawRule::new(&r.name, action, peers, ports, dict)
+                    })
+                    .collect(),
+                egress: egress
+                    .iter()
+                    .map(|r| {
+                        let peers = r.to.iter().map(PeerFields::anp_egress);
+                        let (action, ports) = (anp_action(r.action), anp_ports(&r.ports));
+                        RawRule::new(&r.name, action, peers, ports, dict)
+                    })
+                    .collect(),
+            }
+        }
+        AdminObject::Cnp(cnp) => {
+            let v1alpha2::ClusterNetworkPolicySpec { tier, priority, subject, ingress, egress } =
+                &cnp.spec;
+            let v1alpha2::ClusterNetworkPolicySubject { namespaces, pods } = subject;
+            AdminBody {
+                tier: match tier {
+                    v1alpha2::Tier::Admin => Tier::Admin,
+                    v1alpha2::Tier::Baseline => Tier::Baseline,
+                },
+                priority: *priority,
+                namespaces,
+                pods,
+                ingress: ingress
+                    .iter()
+                    .map(|r| {
+                        let peers = r.from.iter().map(PeerFields::cnp_ingress);
+                        let (action, ports) = (cnp_action(r.action), cnp_ports(&r.protocols));
+                        RawRule::new(&r.name, action, peers, ports, dict)
+                    })
+                    .collect(),
+                egress: egress
+                    .iter()
+                    .map(|r| {
+                        let peers = r.to.iter().map(PeerFields::cnp_egress);
+                        let (action, ports) = (cnp_action(r.action), cnp_ports(&r.protocols));
+                        RawRule::new(&r.name, action, peers, ports, dict)
+                    })
+                    .collect(),
+            }
+        }
+        AdminObject::Banp(banp) => {
+            let v1alpha1::BaselineAdminNetworkPolicySpec { subject, ingress, egress } = &banp.spec;
+            let v1alpha1::AdminNetworkPolicySubject { namespaces, pods } = subject;
+            AdminBody {
+                // BANP has no priority. It is the cluster-wide default of v1alpha1, while
+                // Baseline-tier CNPs (v1alpha2) carry explicit priorities: BANP goes after
+                // them.
+                tier: Tier::Baseline,
+                priority: BANP_PRIORITY,
+                namespaces,
+                pods,
+                ingress: ingress
+                    .iter()
+                    .map(|r| {
+                        let peers = r.from.iter().map(PeerFields::anp_ingress);
+                        let (action, ports) = (banp_action(r.action), anp_ports(&r.ports));
+                        RawRule::new(&r.name, action, peers, ports, dict)
+                    })
+                    .collect(),
+                egress: egress
+                    .iter()
+                    .map(|r| {
+                        let peers = r.to.iter().map(PeerFields::banp_egress);
+                        let (action, ports) = (banp_action(r.action), anp_ports(&r.ports));
+                        RawRule::new(&r.name, action, peers, ports, dict)
+                    })
+                    .collect(),
+            }
+        }
+    }
+}
+
+/// Builds the [`Matcher`]s of every policy direction with at most [`MAX_RULES`] rules,
+/// spread over worker threads (each policy's matcher depends only on its rules and the
+/// interned pod sets).
+fn build_matchers(
+    policies: &mut [Policy],
+    sets: &[RoaringBitmap],
+    addrs: &PodAddrs,
+    pods: usize,
+    workers: usize,
+) {
+    let weights: Vec<usize> = policies
+        .iter()
+        .map(|p| p.rules.iter().flatten().map(|r| 1 + r.peers.pod_sets.len()).sum())
+        .collect();
+    let ranges = balanced_ranges(&weights, workers);
+    // Hand each worker its own slice of the policies.
+    let mut slices: Vec<std::sync::Mutex<&mut [Policy]>> = Vec::with_capacity(ranges.len());
+    let mut rest = policies;
+    for r in &ranges {
+        let (head, tail) = rest.split_at_mut(r.len());
+        slices.push(std::sync::Mutex::new(head));
+        rest = tail;
+    }
+    let one_each: Vec<std::ops::Range<usize>> = (0..slices.len()).map(|i| i..i + 1).collect();
+    par_ranges(&slices, &one_each, |_, mine| {
+        let mut scratch = vec![0; pods];
+        for slot in mine {
+            let mut guard = slot.lock().unwrap_or_else(|e| e.into_inner());
+            for p in guard.iter_mut() {
+                let mut build = |r: &Vec<Rule>| {
+                    (r.len() <= MAX_RULES).then(|| Matcher::build(r, sets, addrs, &mut scratch))
+                };
+                p.matchers = [build(&p.rules[0]), build(&p.rules[1])];
+            }
+        }
+    });
 }
 
 impl Cluster {
@@ -599,22 +979,21 @@ impl Cluster {
     /// (network-policy-api `ClusterNetworkPolicyEgressPeer`): "For Accept rules, 'fail
     /// closed' means: 'treat the rule as matching no traffic'. For Deny and Pass rules,
     /// 'fail closed' means: 'treat the rule as a Deny all rule'".
-    fn admin_rules(&mut self, raw: Vec<RawRule<'_>>) -> Vec<Rule> {
+    ///
+    /// `sets` maps the rules' peer keys ([`RawRule::keys`]) to pod sets (`None`: the
+    /// selector does not compile).
+    fn admin_rules(&mut self, raw: Vec<RawRule<'_>>, sets: &[Option<SetId>]) -> Vec<Rule> {
         let mut out = Vec::with_capacity(raw.len());
         for (index, r) in raw.into_iter().enumerate() {
             let mut peers = Peers::default();
             let mut unknown = false;
+            let mut keys = r.keys.iter();
             // A selector this engine cannot compile (an unknown operator; the API server does
             // not validate selectors inside custom resources) is treated like a peer of an
             // unknown kind: it fails closed.
             for p in &r.peers {
-                if let Some(ns) = p.namespaces {
-                    match self.peer_set(ns, None) {
-                        Some(id) => peers.pod_sets.push(id),
-                        None => unknown = true,
-                    }
-                } else if let Some(np) = p.pods {
-                    match self.peer_set(&np.namespace_selector, Some(&np.pod_selector)) {
+                if p.namespaces.is_some() || p.pods.is_some() {
+                    match keys.next().and_then(|&k| sets[k as usize]) {
                         Some(id) => peers.pod_sets.push(id),
                         None => unknown = true,
                     }
@@ -655,15 +1034,6 @@ impl Cluster {
             });
         }
         out
-    }
-
-    fn matchers(&mut self, rules: &[Vec<Rule>; 2]) -> [Option<Matcher>; 2] {
-        self.scratch.resize(self.pods.len(), 0);
-        let mut build = |r: &Vec<Rule>| {
-            (r.len() <= MAX_RULES)
-                .then(|| Matcher::build(r, &self.interner.sets, &self.addrs, &mut self.scratch))
-        };
-        [build(&rules[0]), build(&rules[1])]
     }
 }
 
@@ -736,17 +1106,23 @@ impl Snapshot {
     /// [`Compiled::problems`] (with warnings for what is used but worth knowing). The result
     /// does not depend on the order of objects within `inputs`.
     pub fn compile(inputs: &Inputs, revision: Revision) -> Compiled {
-        Self::compile_inner(inputs, revision, true)
+        Self::compile_inner(inputs, revision, true, default_workers())
     }
 
     /// [`Snapshot::compile`] for inputs whose objects were each validated already (the
     /// daemon validates an object once, when it changes, not on every snapshot) and from
     /// which invalid objects were removed. Skips validation; everything else is the same.
     pub fn compile_validated(inputs: &Inputs, revision: Revision) -> Compiled {
-        Self::compile_inner(inputs, revision, false)
+        Self::compile_inner(inputs, revision, false, default_workers())
     }
 
-    fn compile_inner(inputs: &Inputs, revision: Revision, validate: bool) -> Compiled {
+    /// `workers`: most threads to spread the large parts over (see [`balanced_ranges`]).
+    fn compile_inner(
+        inputs: &Inputs,
+        revision: Revision,
+        validate: bool,
+        workers: usize,
+    ) -> Compiled {
         let mut problems = Vec::new();
 
         // --- Namespaces.
@@ -765,7 +1141,7 @@ impl Snapshot {
             node_index: LabelIndex::default(),
             interner: Interner::default(),
             peer_memo: Default::default(),
-            scratch: Vec::new(),
+            peer_key: Vec::new(),
             addrs: PodAddrs::default(),
         };
         for (r, ns) in namespaces {
@@ -976,126 +1352,59 @@ impl Snapshot {
         // --- Policies, gathered per tier and then ordered.
         let mut policies: Vec<Policy> = Vec::new();
 
-        for (r, anp) in dedup_sorted(
-            &inputs.admin_network_policies,
-            |p| ObjectRef::cluster(Kind::AdminNetworkPolicy, meta_name(&p.metadata)),
-            &mut problems,
-        ) {
-            let start = problems.len();
-            if validate {
-                validate::admin_network_policy(anp, &mut problems);
+        // Admin- and baseline-tier objects (ANP, CNP, BANP) hold nearly all of a large
+        // input's peers: they are validated and their selector peers keyed on worker
+        // threads (`prepare_admin`); each distinct peer is then compiled once, here.
+        let mut duplicates: [Vec<Problem>; 3] = Default::default();
+        let mut admin_items: Vec<(ObjectRef, AdminObject<'_>)> = Vec::new();
+        admin_items.extend(
+            dedup_sorted(
+                &inputs.admin_network_policies,
+                |p| ObjectRef::cluster(Kind::AdminNetworkPolicy, meta_name(&p.metadata)),
+                &mut duplicates[0],
+            )
+            .into_iter()
+            .map(|(r, p)| (r, AdminObject::Anp(p))),
+        );
+        admin_items.extend(
+            dedup_sorted(
+                &inputs.cluster_network_policies,
+                |p| ObjectRef::cluster(Kind::ClusterNetworkPolicy, meta_name(&p.metadata)),
+                &mut duplicates[1],
+            )
+            .into_iter()
+            .map(|(r, p)| (r, AdminObject::Cnp(p))),
+        );
+        admin_items.extend(
+            dedup_sorted(
+                &inputs.baseline_admin_network_policies,
+                |p| ObjectRef::cluster(Kind::BaselineAdminNetworkPolicy, meta_name(&p.metadata)),
+                &mut duplicates[2],
+            )
+            .into_iter()
+            .map(|(r, p)| (r, AdminObject::Banp(p))),
+        );
+        let (prepared, dicts) = prepare_admin(&admin_items, validate, workers);
+        // Worker order, so set ids do not depend on thread timing.
+        let key_sets: Vec<Vec<Option<SetId>>> = dicts
+            .iter()
+            .map(|d| d.reps.iter().map(|&(ns, pods)| c.peer_set(ns, pods)).collect())
+            .collect();
+        // Problems per kind in input order, as for every other kind: a kind's duplicates,
+        // then its objects' validation problems.
+        let mut reported = 0;
+        for ((r, obj), p) in admin_items.into_iter().zip(prepared) {
+            while reported <= obj.order() {
+                problems.append(&mut duplicates[reported]);
+                reported += 1;
             }
-            if problems[start..].iter().any(Problem::is_error) {
-                continue;
+            problems.extend(p.problems);
+            if let Some(body) = p.body {
+                policies.push(c.admin_policy(r, body, &key_sets[p.worker]));
             }
-            let v1alpha1::AdminNetworkPolicySpec { priority, subject, ingress, egress } = &anp.spec;
-            let v1alpha1::AdminNetworkPolicySubject { namespaces, pods } = subject;
-            let subject = c.subject(namespaces, pods);
-            let ingress = ingress
-                .iter()
-                .map(|r| RawRule {
-                    name: &r.name,
-                    action: anp_action(r.action),
-                    peers: r.from.iter().map(PeerFields::anp_ingress).collect(),
-                    ports: anp_ports(&r.ports),
-                })
-                .collect();
-            let egress = egress
-                .iter()
-                .map(|r| RawRule {
-                    name: &r.name,
-                    action: anp_action(r.action),
-                    peers: r.to.iter().map(PeerFields::anp_egress).collect(),
-                    ports: anp_ports(&r.ports),
-                })
-                .collect();
-            policies.push(c.admin_policy(r, Tier::Admin, *priority, subject, ingress, egress));
         }
-
-        for (r, cnp) in dedup_sorted(
-            &inputs.cluster_network_policies,
-            |p| ObjectRef::cluster(Kind::ClusterNetworkPolicy, meta_name(&p.metadata)),
-            &mut problems,
-        ) {
-            let start = problems.len();
-            if validate {
-                validate::cluster_network_policy(cnp, &mut problems);
-            }
-            if problems[start..].iter().any(Problem::is_error) {
-                continue;
-            }
-            let v1alpha2::ClusterNetworkPolicySpec { tier, priority, subject, ingress, egress } =
-                &cnp.spec;
-            let v1alpha2::ClusterNetworkPolicySubject { namespaces, pods } = subject;
-            let subject = c.subject(namespaces, pods);
-            let ingress = ingress
-                .iter()
-                .map(|r| RawRule {
-                    name: &r.name,
-                    action: cnp_action(r.action),
-                    peers: r.from.iter().map(PeerFields::cnp_ingress).collect(),
-                    ports: cnp_ports(&r.protocols),
-                })
-                .collect();
-            let egress = egress
-                .iter()
-                .map(|r| RawRule {
-                    name: &r.name,
-                    action: cnp_action(r.action),
-                    peers: r.to.iter().map(PeerFields::cnp_egress).collect(),
-                    ports: cnp_ports(&r.protocols),
-                })
-                .collect();
-            let tier = match tier {
-                v1alpha2::Tier::Admin => Tier::Admin,
-                v1alpha2::Tier::Baseline => Tier::Baseline,
-            };
-            policies.push(c.admin_policy(r, tier, *priority, subject, ingress, egress));
-        }
-
-        for (r, banp) in dedup_sorted(
-            &inputs.baseline_admin_network_policies,
-            |p| ObjectRef::cluster(Kind::BaselineAdminNetworkPolicy, meta_name(&p.metadata)),
-            &mut problems,
-        ) {
-            let start = problems.len();
-            if validate {
-                validate::baseline_admin_network_policy(banp, &mut problems);
-            }
-            if problems[start..].iter().any(Problem::is_error) {
-                continue;
-            }
-            let v1alpha1::BaselineAdminNetworkPolicySpec { subject, ingress, egress } = &banp.spec;
-            let v1alpha1::AdminNetworkPolicySubject { namespaces, pods } = subject;
-            let subject = c.subject(namespaces, pods);
-            let ingress = ingress
-                .iter()
-                .map(|r| RawRule {
-                    name: &r.name,
-                    action: banp_action(r.action),
-                    peers: r.from.iter().map(PeerFields::anp_ingress).collect(),
-                    ports: anp_ports(&r.ports),
-                })
-                .collect();
-            let egress = egress
-                .iter()
-                .map(|r| RawRule {
-                    name: &r.name,
-                    action: banp_action(r.action),
-                    peers: r.to.iter().map(PeerFields::banp_egress).collect(),
-                    ports: anp_ports(&r.ports),
-                })
-                .collect();
-            // BANP has no priority. It is the cluster-wide default of v1alpha1, while
-            // Baseline-tier CNPs (v1alpha2) carry explicit priorities: BANP goes after them.
-            policies.push(c.admin_policy(
-                r,
-                Tier::Baseline,
-                BANP_PRIORITY,
-                subject,
-                ingress,
-                egress,
-            ));
+        for d in &mut duplicates[reported..] {
+            problems.append(d);
         }
 
         for (r, np) in dedup_sorted(
@@ -1132,6 +1441,8 @@ impl Snapshot {
                 &b.object.namespace,
             ))
         });
+
+        build_matchers(&mut policies, &c.interner.sets, &c.addrs, c.pods.len(), workers);
 
         let mut per_pod = vec![PodPolicies::default(); c.pods.len()];
         for (pid, p) in policies.iter().enumerate() {
@@ -1310,22 +1621,21 @@ fn addr_index(policies: &[Policy]) -> [AddrIndex; 2] {
 const BANP_PRIORITY: i32 = 1001;
 
 impl Cluster {
+    /// Compiles a validated admin object; its matchers come later ([`build_matchers`]).
     fn admin_policy(
         &mut self,
         object: ObjectRef,
-        tier: Tier,
-        priority: i32,
-        subject: RoaringBitmap,
-        ingress: Vec<RawRule<'_>>,
-        egress: Vec<RawRule<'_>>,
+        body: AdminBody<'_>,
+        sets: &[Option<SetId>],
     ) -> Policy {
-        let ingress = self.admin_rules(ingress);
-        let egress = self.admin_rules(egress);
+        let AdminBody { tier, priority, namespaces, pods, ingress, egress } = body;
+        let subject = self.subject(namespaces, pods);
+        let ingress = self.admin_rules(ingress, sets);
+        let egress = self.admin_rules(egress, sets);
         // "ANPs with no ingress rules do not affect ingress traffic."
         let applies = [!ingress.is_empty(), !egress.is_empty()];
         let rules = [ingress, egress];
-        let matchers = self.matchers(&rules);
-        Policy { object, tier, priority, rules, matchers, subject, applies }
+        Policy { object, tier, priority, rules, matchers: [None, None], subject, applies }
     }
 
     fn network_policy(&mut self, object: ObjectRef, np: &NetworkPolicy) -> Option<Policy> {
@@ -1426,13 +1736,12 @@ impl Cluster {
                 });
             }
         }
-        let matchers = self.matchers(&rules);
         Some(Policy {
             object,
             tier: Tier::NetworkPolicy,
             priority: 0,
             rules,
-            matchers,
+            matchers: [None, None],
             subject,
             applies,
         })
@@ -1526,4 +1835,122 @@ pub fn unreachable_rules(s: &Snapshot) -> Vec<Problem> {
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::synth::{self, Shape};
+
+    /// A cluster above [`PARALLEL_MIN_PEERS`], with duplicates, invalid objects and
+    /// warnings among the admin objects, so that every part of the parallel path runs.
+    fn large_inputs() -> Inputs {
+        let shape = Shape {
+            namespaces: 60,
+            pods: 1_200,
+            nodes: 6,
+            network_policies: 80,
+            admin_policies: 24,
+            rules_per_admin_policy: 20,
+            max_peers: 30,
+            admin_selects_all: false,
+        };
+        let mut inputs = synth::cluster(shape, 7);
+        let anps = &mut inputs.admin_network_policies;
+        // A duplicate (warning), an out-of-range priority (error: left out), and a selector
+        // value that is not a label value (a warning inside CRDs; the peer still compiles).
+        anps.push(anps[3].clone());
+        let mut bad = anps[5].clone();
+        bad.metadata.name = Some("bad-priority".into());
+        bad.spec.priority = 5000;
+        anps.insert(1, bad);
+        let mut odd = anps[8].clone();
+        odd.metadata.name = Some("odd-selector".into());
+        if let Some(p) = odd.spec.egress[0].to[0].pods.as_mut() {
+            p.pod_selector.match_labels =
+                Some(BTreeMap::from([("app".to_string(), "not a label value".to_string())]));
+        }
+        anps.push(odd);
+        inputs
+    }
+
+    #[test]
+    fn compiling_on_several_workers_gives_what_one_worker_gives() {
+        let inputs = large_inputs();
+        let one = Snapshot::compile_inner(&inputs, Revision(1), true, 1);
+        for workers in [2, 3, 4] {
+            let many = Snapshot::compile_inner(&inputs, Revision(1), true, workers);
+            assert_eq!(one.problems, many.problems, "{workers} workers: problems differ");
+            let names = |s: &Snapshot| -> Vec<ObjectRef> {
+                s.policies.iter().map(|p| p.object.clone()).collect()
+            };
+            assert_eq!(names(&one.snapshot), names(&many.snapshot));
+            let shape = Shape { namespaces: 60, pods: 1_200, nodes: 6, ..Shape::LARGE };
+            for f in synth::flows(shape, 5_000, 11) {
+                let d = many.snapshot.decide(&f);
+                assert_eq!(one.snapshot.decide(&f), d, "{workers} workers: {f:?}");
+                assert_eq!(many.snapshot.decide_reference(&f), d, "{workers} workers: {f:?}");
+            }
+        }
+        assert!(one.problems.iter().any(|p| p.object.name == "bad-priority" && p.is_error()));
+        assert!(one.problems.iter().any(|p| p.object.name == "odd-selector" && !p.is_error()));
+        assert!(one.snapshot.policies.iter().all(|p| p.object.name != "bad-priority"));
+    }
+
+    #[test]
+    fn balanced_ranges_cover_every_item_once_in_order() {
+        let weights: Vec<usize> = (0..50).map(|i| 1 + (i * 37) % 500).collect();
+        for workers in 1..=5 {
+            let ranges = balanced_ranges(&weights, workers);
+            assert!(ranges.len() <= workers.max(1));
+            assert_eq!(ranges.first().map(|r| r.start), Some(0));
+            assert_eq!(ranges.last().map(|r| r.end), Some(weights.len()));
+            assert!(ranges.windows(2).all(|w| w[0].end == w[1].start));
+        }
+        // Small inputs stay on the calling thread.
+        assert_eq!(balanced_ranges(&[1, 2, 3], 4), vec![0..3]);
+        assert_eq!(balanced_ranges(&[], 4), vec![0..0]);
+    }
+
+    #[test]
+    fn peer_keys_are_equal_exactly_when_the_selectors_are() {
+        use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelectorRequirement;
+        let labels = |pairs: &[(&str, &str)]| LabelSelector {
+            match_labels: Some(pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()),
+            match_expressions: None,
+        };
+        let expr = |values: Option<Vec<&str>>| LabelSelector {
+            match_labels: None,
+            match_expressions: Some(vec![LabelSelectorRequirement {
+                key: "k".into(),
+                operator: "In".into(),
+                values: values.map(|v| v.into_iter().map(String::from).collect()),
+            }]),
+        };
+        let distinct = [
+            labels(&[("ab", "c")]),
+            labels(&[("a", "bc")]),
+            labels(&[("a", "b"), ("c", "d")]),
+            labels(&[]),
+            LabelSelector::default(),
+            expr(None),
+            expr(Some(vec![])),
+            expr(Some(vec!["a", "b"])),
+            expr(Some(vec!["ab"])),
+        ];
+        let key = |ns: &LabelSelector, pods: Option<&LabelSelector>| {
+            let mut k = Vec::new();
+            encode_peer(&mut k, ns, pods);
+            k
+        };
+        for (i, a) in distinct.iter().enumerate() {
+            assert_eq!(key(a, None), key(&a.clone(), None));
+            for (j, b) in distinct.iter().enumerate() {
+                assert_eq!(i == j, key(a, None) == key(b, None), "{a:?} vs {b:?}");
+                assert_eq!(i == j, key(a, Some(a)) == key(b, Some(a)), "{a:?} vs {b:?}");
+                // A `namespaces` peer never shares a key with a `pods` peer.
+                assert_ne!(key(a, None), key(b, Some(a)));
+            }
+        }
+    }
 }

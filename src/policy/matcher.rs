@@ -21,7 +21,7 @@
 use std::net::IpAddr;
 
 use super::cidr::Block;
-use super::compile::{Endpoint, Rule};
+use super::compile::{Endpoint, Rule, SetId};
 use super::ports::{NamedPort, PortSpec, Protocol};
 
 /// One bit per rule of a policy direction, rule `i` = bit `i`.
@@ -300,6 +300,10 @@ impl Matcher {
         let mut ports: [Vec<Range>; 3] = Default::default();
         let mut named: Vec<(String, Option<Protocol>, RuleMask)> = Vec::new();
         let mut ranges = Vec::new();
+        // The rules of one direction name the same few pod sets over and over (a million
+        // peers, a few hundred distinct selectors): gather each set's rule mask first, then
+        // walk each distinct set's pods once.
+        let mut set_masks: rustc_hash::FxHashMap<SetId, RuleMask> = Default::default();
         for (r, rule) in rules.iter().enumerate() {
             let bit: RuleMask = 1 << r;
             let peers = &rule.peers;
@@ -307,13 +311,7 @@ impl Matcher {
                 all_peers |= bit;
             }
             for &s in &peers.pod_sets {
-                for pod in &pod_sets[s as usize] {
-                    let m = &mut scratch[pod as usize];
-                    if *m == 0 {
-                        touched.push(pod);
-                    }
-                    *m |= bit;
-                }
+                *set_masks.entry(s).or_default() |= bit;
             }
             for node in peers.nodes.iter().flatten() {
                 *node_mask.entry(node).or_default() |= bit;
@@ -343,6 +341,15 @@ impl Matcher {
                     // Numeric entries always carry a protocol (defaulted to TCP).
                     (_, None) => {}
                 }
+            }
+        }
+        for (&s, &mask) in &set_masks {
+            for pod in &pod_sets[s as usize] {
+                let m = &mut scratch[pod as usize];
+                if *m == 0 {
+                    touched.push(pod);
+                }
+                *m |= mask;
             }
         }
         // Pod peers never search the address intervals: a single-address pod's matches by
