@@ -607,35 +607,70 @@ impl<'a> PeerFields<'a> {
     }
 }
 
-/// A rule of ANP, BANP or CNP before compilation.
-struct RawRule<'a> {
+/// Compiles one ANP/BANP/CNP rule, at `index` in its direction, on a worker of
+/// [`prepare_admin`]. Its selector peers are left as keys of `dict` in
+/// `peers.pod_sets`, unsorted; [`Cluster::admin_policy`] turns them into pod set ids.
+///
+/// Implements the fail-closed rule for unknown peers (network-policy-api
+/// `ClusterNetworkPolicyEgressPeer`): "For Accept rules, 'fail closed' means: 'treat the
+/// rule as matching no traffic'. For Deny and Pass rules, 'fail closed' means: 'treat the
+/// rule as a Deny all rule'".
+fn admin_rule<'a>(
+    index: usize,
     name: &'a str,
     action: Action,
-    peers: Vec<PeerFields<'a>>,
+    peers: impl Iterator<Item = PeerFields<'a>>,
     ports: Ports,
-    /// For each `namespaces` / `pods` peer, in order: its key in the [`PeerDict`] of the
-    /// worker that prepared the rule.
-    keys: Vec<u32>,
-}
-
-impl<'a> RawRule<'a> {
-    fn new(
-        name: &'a str,
-        action: Action,
-        peers: impl Iterator<Item = PeerFields<'a>>,
-        ports: Ports,
-        dict: &mut PeerDict<'a>,
-    ) -> Self {
-        let peers: Vec<PeerFields<'a>> = peers.collect();
-        let keys = peers
-            .iter()
-            .filter_map(|p| match (p.namespaces, p.pods) {
-                (Some(ns), _) => Some(dict.key(ns, None)),
-                (None, Some(np)) => Some(dict.key(&np.namespace_selector, Some(&np.pod_selector))),
-                (None, None) => None,
-            })
-            .collect();
-        RawRule { name, action, peers, ports, keys }
+    dict: &mut PeerDict<'a>,
+    node_index: &LabelIndex,
+) -> Rule {
+    let mut out = Peers::default();
+    let mut unknown = false;
+    // A selector this engine cannot compile (an unknown operator; the API server does not
+    // validate selectors inside custom resources) is treated like a peer of an unknown
+    // kind: it fails closed.
+    for p in peers {
+        let key = match (p.namespaces, p.pods) {
+            (Some(ns), _) => Some(dict.key(ns, None)),
+            (None, Some(np)) => Some(dict.key(&np.namespace_selector, Some(&np.pod_selector))),
+            (None, None) => None,
+        };
+        if let Some(k) = key {
+            if dict.compiles[k as usize] {
+                out.pod_sets.push(k);
+            } else {
+                unknown = true;
+            }
+        } else if let Some(nodes) = p.nodes {
+            match selector(nodes) {
+                Some(s) => {
+                    let set = node_index.resolve(&s);
+                    *out.nodes.get_or_insert_with(RoaringBitmap::new) |= set;
+                }
+                None => unknown = true,
+            }
+        } else if let Some(nets) = p.networks {
+            out.blocks.extend(nets.iter().filter_map(|n| cidr::parse(n).ok()).map(Block::new));
+        } else if p.domain_names.is_some() {
+            // Not resolvable by this engine: matches no traffic (warned by validate).
+        } else {
+            unknown = true;
+        }
+    }
+    let (action, fail_closed) = match (action, unknown) {
+        (Action::Deny | Action::Pass, true) => {
+            out = Peers { all: true, ..Peers::default() };
+            (Action::Deny, true)
+        }
+        (a, _) => (a, false),
+    };
+    Rule {
+        name: (!name.is_empty()).then(|| name.to_string()),
+        index: index as u32,
+        action,
+        peers: out,
+        ports,
+        fail_closed,
     }
 }
 
@@ -646,6 +681,8 @@ struct PeerDict<'a> {
     ids: rustc_hash::FxHashMap<Box<[u8]>, u32>,
     /// One peer per key: namespace selector and, for a `pods` peer, pod selector.
     reps: Vec<(&'a LabelSelector, Option<&'a LabelSelector>)>,
+    /// Per key: whether its selectors compile (if not, the peer fails closed).
+    compiles: Vec<bool>,
     buf: Vec<u8>,
 }
 
@@ -658,6 +695,7 @@ impl<'a> PeerDict<'a> {
         }
         let id = self.reps.len() as u32;
         self.reps.push((ns, pods));
+        self.compiles.push(selector(ns).is_some() && pods.is_none_or(|p| selector(p).is_some()));
         self.ids.insert(self.buf.as_slice().into(), id);
         id
     }
@@ -710,8 +748,8 @@ struct AdminBody<'a> {
     priority: i32,
     namespaces: &'a Option<LabelSelector>,
     pods: &'a Option<NamespacedPod>,
-    ingress: Vec<RawRule<'a>>,
-    egress: Vec<RawRule<'a>>,
+    /// Rules by [`Direction`] index, selector peers as worker keys (see [`admin_rule`]).
+    rules: [Vec<Rule>; 2],
 }
 
 /// What a worker made of one admin object.
@@ -789,6 +827,7 @@ fn par_ranges<T: Sync, R: Send>(
 /// each object became, and each worker's distinct peers.
 fn prepare_admin<'a>(
     items: &[(ObjectRef, AdminObject<'a>)],
+    node_index: &LabelIndex,
     validate: bool,
     workers: usize,
 ) -> (Vec<Prepared<'a>>, Vec<PeerDict<'a>>) {
@@ -800,17 +839,35 @@ fn prepare_admin<'a>(
             .iter()
             .map(|&(_, obj)| {
                 let mut problems = Vec::new();
+                let mut rules: [Vec<Rule>; 2] = Default::default();
+                // Each rule is compiled right after it is validated, while its peers are
+                // in cache: reading them is the cost of a large input. An object found
+                // invalid is dropped whole (its peers' keys go unused).
+                let mut build = |d: Direction, i: usize| {
+                    rules[d as usize].push(admin_rule_at(obj, d, i, &mut dict, node_index));
+                };
                 if validate {
+                    let out = &mut problems;
                     match obj {
-                        AdminObject::Anp(p) => validate::admin_network_policy(p, &mut problems),
-                        AdminObject::Cnp(p) => validate::cluster_network_policy(p, &mut problems),
+                        AdminObject::Anp(p) => {
+                            validate::admin_network_policy_each_rule(p, out, &mut build)
+                        }
+                        AdminObject::Cnp(p) => {
+                            validate::cluster_network_policy_each_rule(p, out, &mut build)
+                        }
                         AdminObject::Banp(p) => {
-                            validate::baseline_admin_network_policy(p, &mut problems)
+                            validate::baseline_admin_network_policy_each_rule(p, out, &mut build)
                         }
                     }
+                } else {
+                    let [ingress, egress] = rule_counts(obj);
+                    (0..ingress).for_each(|i| build(Direction::Ingress, i));
+                    (0..egress).for_each(|i| build(Direction::Egress, i));
                 }
-                let body =
-                    (!problems.iter().any(Problem::is_error)).then(|| admin_body(obj, &mut dict));
+                let body = (!problems.iter().any(Problem::is_error)).then(|| {
+                    let (tier, priority, namespaces, pods) = admin_head(obj);
+                    AdminBody { tier, priority, namespaces, pods, rules }
+                });
                 Prepared { problems, body, worker }
             })
             .collect();
@@ -825,93 +882,86 @@ fn prepare_admin<'a>(
     (prepared, dicts)
 }
 
-/// The rules and subject of a valid admin object, with its selector peers keyed in `dict`.
-fn admin_body<'a>(obj: AdminObject<'a>, dict: &mut PeerDict<'a>) -> AdminBody<'a> {
+/// Tier, priority and subject (`namespaces`, `pods`) of an admin object.
+fn admin_head<'a>(
+    obj: AdminObject<'a>,
+) -> (Tier, i32, &'a Option<LabelSelector>, &'a Option<NamespacedPod>) {
     match obj {
-        AdminObject::Anp(anp) => {
-            let v1alpha1::AdminNetworkPolicySpec { priority, subject, ingress, egress } = &anp.spec;
-            let v1alpha1::AdminNetworkPolicySubject { namespaces, pods } = subject;
-            AdminBody {
-                tier: Tier::Admin,
-                priority: *priority,
-                namespaces,
-                pods,
-                ingress: ingress
-                    .iter()
-                    .map(|r| {
-                        let peers = r.from.iter().map(PeerFields::anp_ingress);
-                        let (action, ports) = (anp_action(r.action), anp_ports(&r.ports));
-                        RawRule::new(&r.name, action, peers, ports, dict)
-                    })
-                    .collect(),
-                egress: egress
-                    .iter()
-                    .map(|r| {
-                        let peers = r.to.iter().map(PeerFields::anp_egress);
-                        let (action, ports) = (anp_action(r.action), anp_ports(&r.ports));
-                        RawRule::new(&r.name, action, peers, ports, dict)
-                    })
-                    .collect(),
-            }
+        AdminObject::Anp(p) => {
+            let v1alpha1::AdminNetworkPolicySubject { namespaces, pods } = &p.spec.subject;
+            (Tier::Admin, p.spec.priority, namespaces, pods)
         }
-        AdminObject::Cnp(cnp) => {
-            let v1alpha2::ClusterNetworkPolicySpec { tier, priority, subject, ingress, egress } =
-                &cnp.spec;
-            let v1alpha2::ClusterNetworkPolicySubject { namespaces, pods } = subject;
-            AdminBody {
-                tier: match tier {
-                    v1alpha2::Tier::Admin => Tier::Admin,
-                    v1alpha2::Tier::Baseline => Tier::Baseline,
-                },
-                priority: *priority,
-                namespaces,
-                pods,
-                ingress: ingress
-                    .iter()
-                    .map(|r| {
-                        let peers = r.from.iter().map(PeerFields::cnp_ingress);
-                        let (action, ports) = (cnp_action(r.action), cnp_ports(&r.protocols));
-                        RawRule::new(&r.name, action, peers, ports, dict)
-                    })
-                    .collect(),
-                egress: egress
-                    .iter()
-                    .map(|r| {
-                        let peers = r.to.iter().map(PeerFields::cnp_egress);
-                        let (action, ports) = (cnp_action(r.action), cnp_ports(&r.protocols));
-                        RawRule::new(&r.name, action, peers, ports, dict)
-                    })
-                    .collect(),
-            }
+        AdminObject::Cnp(p) => {
+            let v1alpha2::ClusterNetworkPolicySubject { namespaces, pods } = &p.spec.subject;
+            let tier = match p.spec.tier {
+                v1alpha2::Tier::Admin => Tier::Admin,
+                v1alpha2::Tier::Baseline => Tier::Baseline,
+            };
+            (tier, p.spec.priority, namespaces, pods)
         }
-        AdminObject::Banp(banp) => {
-            let v1alpha1::BaselineAdminNetworkPolicySpec { subject, ingress, egress } = &banp.spec;
-            let v1alpha1::AdminNetworkPolicySubject { namespaces, pods } = subject;
-            AdminBody {
-                // BANP has no priority. It is the cluster-wide default of v1alpha1, while
-                // Baseline-tier CNPs (v1alpha2) carry explicit priorities: BANP goes after
-                // them.
-                tier: Tier::Baseline,
-                priority: BANP_PRIORITY,
-                namespaces,
-                pods,
-                ingress: ingress
-                    .iter()
-                    .map(|r| {
-                        let peers = r.from.iter().map(PeerFields::anp_ingress);
-                        let (action, ports) = (banp_action(r.action), anp_ports(&r.ports));
-                        RawRule::new(&r.name, action, peers, ports, dict)
-                    })
-                    .collect(),
-                egress: egress
-                    .iter()
-                    .map(|r| {
-                        let peers = r.to.iter().map(PeerFields::banp_egress);
-                        let (action, ports) = (banp_action(r.action), anp_ports(&r.ports));
-                        RawRule::new(&r.name, action, peers, ports, dict)
-                    })
-                    .collect(),
-            }
+        AdminObject::Banp(p) => {
+            let v1alpha1::AdminNetworkPolicySubject { namespaces, pods } = &p.spec.subject;
+            // BANP has no priority. It is the cluster-wide default of v1alpha1, while
+            // Baseline-tier CNPs (v1alpha2) carry explicit priorities: BANP goes after them.
+            (Tier::Baseline, BANP_PRIORITY, namespaces, pods)
+        }
+    }
+}
+
+/// Number of ingress and egress rules of an admin object.
+fn rule_counts(obj: AdminObject<'_>) -> [usize; 2] {
+    match obj {
+        AdminObject::Anp(p) => [p.spec.ingress.len(), p.spec.egress.len()],
+        AdminObject::Cnp(p) => [p.spec.ingress.len(), p.spec.egress.len()],
+        AdminObject::Banp(p) => [p.spec.ingress.len(), p.spec.egress.len()],
+    }
+}
+
+/// Compiles rule `i` of direction `d` of an admin object (`i` below its [`rule_counts`]),
+/// with [`admin_rule`].
+fn admin_rule_at<'a>(
+    obj: AdminObject<'a>,
+    d: Direction,
+    i: usize,
+    dict: &mut PeerDict<'a>,
+    node_index: &LabelIndex,
+) -> Rule {
+    match (obj, d) {
+        (AdminObject::Anp(p), Direction::Ingress) => {
+            let r = &p.spec.ingress[i];
+            let peers = r.from.iter().map(PeerFields::anp_ingress);
+            let (action, ports) = (anp_action(r.action), anp_ports(&r.ports));
+            admin_rule(i, &r.name, action, peers, ports, dict, node_index)
+        }
+        (AdminObject::Anp(p), Direction::Egress) => {
+            let r = &p.spec.egress[i];
+            let peers = r.to.iter().map(PeerFields::anp_egress);
+            let (action, ports) = (anp_action(r.action), anp_ports(&r.ports));
+            admin_rule(i, &r.name, action, peers, ports, dict, node_index)
+        }
+        (AdminObject::Cnp(p), Direction::Ingress) => {
+            let r = &p.spec.ingress[i];
+            let peers = r.from.iter().map(PeerFields::cnp_ingress);
+            let (action, ports) = (cnp_action(r.action), cnp_ports(&r.protocols));
+            admin_rule(i, &r.name, action, peers, ports, dict, node_index)
+        }
+        (AdminObject::Cnp(p), Direction::Egress) => {
+            let r = &p.spec.egress[i];
+            let peers = r.to.iter().map(PeerFields::cnp_egress);
+            let (action, ports) = (cnp_action(r.action), cnp_ports(&r.protocols));
+            admin_rule(i, &r.name, action, peers, ports, dict, node_index)
+        }
+        (AdminObject::Banp(p), Direction::Ingress) => {
+            let r = &p.spec.ingress[i];
+            let peers = r.from.iter().map(PeerFields::anp_ingress);
+            let (action, ports) = (banp_action(r.action), anp_ports(&r.ports));
+            admin_rule(i, &r.name, action, peers, ports, dict, node_index)
+        }
+        (AdminObject::Banp(p), Direction::Egress) => {
+            let r = &p.spec.egress[i];
+            let peers = r.to.iter().map(PeerFields::banp_egress);
+            let (action, ports) = (banp_action(r.action), anp_ports(&r.ports));
+            admin_rule(i, &r.name, action, peers, ports, dict, node_index)
         }
     }
 }
@@ -973,67 +1023,6 @@ impl Cluster {
             }
             None => RoaringBitmap::new(),
         }
-    }
-
-    /// Compiles ANP/BANP/CNP rules. Implements the fail-closed rule for unknown peers
-    /// (network-policy-api `ClusterNetworkPolicyEgressPeer`): "For Accept rules, 'fail
-    /// closed' means: 'treat the rule as matching no traffic'. For Deny and Pass rules,
-    /// 'fail closed' means: 'treat the rule as a Deny all rule'".
-    ///
-    /// `sets` maps the rules' peer keys ([`RawRule::keys`]) to pod sets (`None`: the
-    /// selector does not compile).
-    fn admin_rules(&mut self, raw: Vec<RawRule<'_>>, sets: &[Option<SetId>]) -> Vec<Rule> {
-        let mut out = Vec::with_capacity(raw.len());
-        for (index, r) in raw.into_iter().enumerate() {
-            let mut peers = Peers::default();
-            let mut unknown = false;
-            let mut keys = r.keys.iter();
-            // A selector this engine cannot compile (an unknown operator; the API server does
-            // not validate selectors inside custom resources) is treated like a peer of an
-            // unknown kind: it fails closed.
-            for p in &r.peers {
-                if p.namespaces.is_some() || p.pods.is_some() {
-                    match keys.next().and_then(|&k| sets[k as usize]) {
-                        Some(id) => peers.pod_sets.push(id),
-                        None => unknown = true,
-                    }
-                } else if let Some(nodes) = p.nodes {
-                    match selector(nodes) {
-                        Some(s) => {
-                            let set = self.node_index.resolve(&s);
-                            *peers.nodes.get_or_insert_with(RoaringBitmap::new) |= set;
-                        }
-                        None => unknown = true,
-                    }
-                } else if let Some(nets) = p.networks {
-                    peers
-                        .blocks
-                        .extend(nets.iter().filter_map(|n| cidr::parse(n).ok()).map(Block::new));
-                } else if p.domain_names.is_some() {
-                    // Not resolvable by this engine: matches no traffic (warned by validate).
-                } else {
-                    unknown = true;
-                }
-            }
-            peers.pod_sets.sort_unstable();
-            peers.pod_sets.dedup();
-            let (action, fail_closed) = match (r.action, unknown) {
-                (Action::Deny | Action::Pass, true) => {
-                    peers = Peers { all: true, ..Peers::default() };
-                    (Action::Deny, true)
-                }
-                (a, _) => (a, false),
-            };
-            out.push(Rule {
-                name: (!r.name.is_empty()).then(|| r.name.to_string()),
-                index: index as u32,
-                action,
-                peers,
-                ports: r.ports,
-                fail_closed,
-            });
-        }
-        out
     }
 }
 
@@ -1384,11 +1373,31 @@ impl Snapshot {
             .into_iter()
             .map(|(r, p)| (r, AdminObject::Banp(p))),
         );
-        let (prepared, dicts) = prepare_admin(&admin_items, validate, workers);
+        let (prepared, dicts) = prepare_admin(&admin_items, &c.node_index, validate, workers);
         // Worker order, so set ids do not depend on thread timing.
-        let key_sets: Vec<Vec<Option<SetId>>> = dicts
+        // Only keys that valid objects use get a pod set: a key whose selectors do not
+        // compile is in no rule (its peers failed closed), nor is a key only invalid
+        // objects used.
+        let mut used: Vec<Vec<bool>> = dicts.iter().map(|d| vec![false; d.reps.len()]).collect();
+        for p in &prepared {
+            for rule in p.body.iter().flat_map(|b| b.rules.iter().flatten()) {
+                for &k in &rule.peers.pod_sets {
+                    used[p.worker][k as usize] = true;
+                }
+            }
+        }
+        let key_sets: Vec<Vec<SetId>> = dicts
             .iter()
-            .map(|d| d.reps.iter().map(|&(ns, pods)| c.peer_set(ns, pods)).collect())
+            .zip(&used)
+            .map(|(d, used)| {
+                d.reps
+                    .iter()
+                    .zip(used)
+                    .map(|(&(ns, pods), &used)| {
+                        used.then(|| c.peer_set(ns, pods)).flatten().unwrap_or(SetId::MAX)
+                    })
+                    .collect()
+            })
             .collect();
         // Problems per kind in input order, as for every other kind: a kind's duplicates,
         // then its objects' validation problems.
@@ -1474,8 +1483,16 @@ impl Snapshot {
             })
             .collect();
         drop(set_ids);
-        let port_index = port_index(&policies, &c.pods);
-        let addr_index = addr_index(&policies);
+        // Two independent sweeps over every rule: side by side when there is much to sweep.
+        let (port_index, addr_index) = if workers > 1 && policies.len() >= 64 {
+            std::thread::scope(|scope| {
+                let addrs = scope.spawn(|| addr_index(&policies));
+                let ports = port_index(&policies, &c.pods);
+                (ports, addrs.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
+            })
+        } else {
+            (port_index(&policies, &c.pods), addr_index(&policies))
+        };
         let snapshot = Snapshot {
             revision,
             pods: c.pods,
@@ -1621,20 +1638,22 @@ fn addr_index(policies: &[Policy]) -> [AddrIndex; 2] {
 const BANP_PRIORITY: i32 = 1001;
 
 impl Cluster {
-    /// Compiles a validated admin object; its matchers come later ([`build_matchers`]).
-    fn admin_policy(
-        &mut self,
-        object: ObjectRef,
-        body: AdminBody<'_>,
-        sets: &[Option<SetId>],
-    ) -> Policy {
-        let AdminBody { tier, priority, namespaces, pods, ingress, egress } = body;
+    /// Finishes a validated admin object prepared by [`prepare_admin`]: resolves its
+    /// subject and turns its rules' peer keys into pod set ids (`sets`, by key). Its
+    /// matchers come later ([`build_matchers`]).
+    fn admin_policy(&mut self, object: ObjectRef, body: AdminBody<'_>, sets: &[SetId]) -> Policy {
+        let AdminBody { tier, priority, namespaces, pods, mut rules } = body;
         let subject = self.subject(namespaces, pods);
-        let ingress = self.admin_rules(ingress, sets);
-        let egress = self.admin_rules(egress, sets);
+        for rule in rules.iter_mut().flatten() {
+            let ids = &mut rule.peers.pod_sets;
+            for id in ids.iter_mut() {
+                *id = sets[*id as usize];
+            }
+            ids.sort_unstable();
+            ids.dedup();
+        }
         // "ANPs with no ingress rules do not affect ingress traffic."
-        let applies = [!ingress.is_empty(), !egress.is_empty()];
-        let rules = [ingress, egress];
+        let applies = [!rules[0].is_empty(), !rules[1].is_empty()];
         Policy { object, tier, priority, rules, matchers: [None, None], subject, applies }
     }
 

@@ -519,20 +519,35 @@ struct Spans {
 
 impl Spans {
     fn build(ranges: &mut [(u128, u128, u32)], policies: usize) -> Spans {
-        let mut active: std::collections::BTreeSet<u32> = std::collections::BTreeSet::new();
+        // The active policies as a bitset: sorted by construction, and a toggle is one
+        // bit (a tree set cost a node walk per toggle).
+        let mut active = vec![0u64; policies.div_ceil(64)];
+        let mut changed = false;
         let mut out = Spans::default();
         sweep_ranges(ranges.iter().copied(), policies, |e| match e {
-            Sweep::Toggle(p, true) => {
-                active.insert(p);
+            Sweep::Toggle(p, on) => {
+                let (w, b) = (p as usize / 64, p % 64);
+                if on {
+                    active[w] |= 1 << b;
+                } else {
+                    active[w] &= !(1 << b);
+                }
+                changed = true;
             }
-            Sweep::Toggle(p, false) => {
-                active.remove(&p);
-            }
+            // A position where only overlap counts changed continues the last interval.
+            Sweep::At(_) if !changed && !out.starts.is_empty() => {}
             Sweep::At(pos) => {
+                changed = false;
                 let offset = out.ids.len() as u32;
-                out.ids.extend(active.iter().copied());
+                for (w, &word) in active.iter().enumerate() {
+                    let mut bits = word;
+                    while bits != 0 {
+                        out.ids.push(w as u32 * 64 + bits.trailing_zeros());
+                        bits &= bits - 1;
+                    }
+                }
                 out.starts.push(pos);
-                out.spans.push((offset, active.len() as u32));
+                out.spans.push((offset, out.ids.len() as u32 - offset));
             }
         });
         out

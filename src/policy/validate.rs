@@ -43,6 +43,7 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 
 use super::api::{self, LabelSelector, NamespacedPod, v1alpha1, v1alpha2};
 use super::cidr;
+use super::compile::Direction;
 use super::problem::{Kind, ObjectRef, Problem, ProblemKind, Severity};
 
 // ---------------------------------------------------------------------------------------
@@ -719,6 +720,17 @@ fn subject(s: &mut Sink<'_>, namespaces: Option<&LabelSelector>, pods: Option<&N
 /// Source: network-policy-api `apis/v1alpha1/adminnetworkpolicy_types.go`,
 /// `shared_types.go` (v0.1.7).
 pub fn admin_network_policy(obj: &v1alpha1::AdminNetworkPolicy, out: &mut Vec<Problem>) {
+    admin_network_policy_each_rule(obj, out, &mut |_, _| {});
+}
+
+/// [`admin_network_policy`], calling `after_rule` with each rule's direction and index right after
+/// the rule is validated (whatever was found), in order: ingress rules, then egress rules.
+/// A compiler builds each rule there, while its peers are still in cache.
+pub fn admin_network_policy_each_rule(
+    obj: &v1alpha1::AdminNetworkPolicy,
+    out: &mut Vec<Problem>,
+    after_rule: &mut dyn FnMut(Direction, usize),
+) {
     let mut s = Sink::new(Kind::AdminNetworkPolicy, &obj.metadata, out);
     object_meta(&mut s, &obj.metadata, NameRule::Subdomain, false);
     let v1alpha1::AdminNetworkPolicySpec { priority: prio, subject: subj, ingress, egress } =
@@ -740,6 +752,7 @@ pub fn admin_network_policy(obj: &v1alpha1::AdminNetworkPolicy, out: &mut Vec<Pr
             v1alpha1_ingress_peer(&mut s, &from_path.index(j), peer, anp_fail(*action));
         }
         v1alpha1_ports(&mut s, &path, ports.as_deref());
+        after_rule(Direction::Ingress, i);
     }
     for (i, rule) in egress.iter().enumerate() {
         let v1alpha1::AdminNetworkPolicyEgressRule { name, action, to, ports } = rule;
@@ -809,6 +822,7 @@ pub fn admin_network_policy(obj: &v1alpha1::AdminNetworkPolicy, out: &mut Vec<Pr
             "networks/nodes/domainNames peer cannot be set with namedPorts since there are \
              no namedPorts for networks/nodes/domainNames",
         );
+        after_rule(Direction::Egress, i);
     }
 }
 
@@ -822,6 +836,17 @@ pub fn admin_network_policy(obj: &v1alpha1::AdminNetworkPolicy, out: &mut Vec<Pr
 pub fn baseline_admin_network_policy(
     obj: &v1alpha1::BaselineAdminNetworkPolicy,
     out: &mut Vec<Problem>,
+) {
+    baseline_admin_network_policy_each_rule(obj, out, &mut |_, _| {});
+}
+
+/// [`baseline_admin_network_policy`], calling `after_rule` with each rule's direction and index right after
+/// the rule is validated (whatever was found), in order: ingress rules, then egress rules.
+/// A compiler builds each rule there, while its peers are still in cache.
+pub fn baseline_admin_network_policy_each_rule(
+    obj: &v1alpha1::BaselineAdminNetworkPolicy,
+    out: &mut Vec<Problem>,
+    after_rule: &mut dyn FnMut(Direction, usize),
 ) {
     let mut s = Sink::new(Kind::BaselineAdminNetworkPolicy, &obj.metadata, out);
     object_meta(&mut s, &obj.metadata, NameRule::Subdomain, false);
@@ -856,6 +881,7 @@ pub fn baseline_admin_network_policy(
             v1alpha1_ingress_peer(&mut s, &from_path.index(j), peer, banp_fail(*action));
         }
         v1alpha1_ports(&mut s, &path, ports.as_deref());
+        after_rule(Direction::Ingress, i);
     }
     for (i, rule) in egress.iter().enumerate() {
         let v1alpha1::BaselineAdminNetworkPolicyEgressRule { name, action, to, ports } = rule;
@@ -902,6 +928,7 @@ pub fn baseline_admin_network_policy(
             "networks/nodes peer cannot be set with namedPorts since there are no namedPorts \
              for networks/nodes",
         );
+        after_rule(Direction::Egress, i);
     }
 }
 
@@ -1051,6 +1078,17 @@ fn v1alpha1_named_port_cel(
 ///
 /// Source: network-policy-api `apis/v1alpha2/clusternetworkpolicy_types.go`.
 pub fn cluster_network_policy(obj: &v1alpha2::ClusterNetworkPolicy, out: &mut Vec<Problem>) {
+    cluster_network_policy_each_rule(obj, out, &mut |_, _| {});
+}
+
+/// [`cluster_network_policy`], calling `after_rule` with each rule's direction and index right after
+/// the rule is validated (whatever was found), in order: ingress rules, then egress rules.
+/// A compiler builds each rule there, while its peers are still in cache.
+pub fn cluster_network_policy_each_rule(
+    obj: &v1alpha2::ClusterNetworkPolicy,
+    out: &mut Vec<Problem>,
+    after_rule: &mut dyn FnMut(Direction, usize),
+) {
     let mut s = Sink::new(Kind::ClusterNetworkPolicy, &obj.metadata, out);
     object_meta(&mut s, &obj.metadata, NameRule::Subdomain, false);
     let v1alpha2::ClusterNetworkPolicySpec {
@@ -1092,6 +1130,7 @@ pub fn cluster_network_policy(obj: &v1alpha2::ClusterNetworkPolicy, out: &mut Ve
             }
         }
         cnp_protocols(&mut s, &path, protocols.as_deref());
+        after_rule(Direction::Ingress, i);
     }
     for (i, rule) in egress.iter().enumerate() {
         let v1alpha2::ClusterNetworkPolicyEgressRule { name, action, to, protocols } = rule;
@@ -1166,6 +1205,7 @@ pub fn cluster_network_policy(obj: &v1alpha2::ClusterNetworkPolicy, out: &mut Ve
                 ),
             );
         }
+        after_rule(Direction::Egress, i);
     }
 }
 
