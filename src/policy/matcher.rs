@@ -157,22 +157,33 @@ pub(crate) fn protocol_index(p: Protocol) -> usize {
 struct Interner {
     masks: Vec<RuleMask>,
     ids: rustc_hash::FxHashMap<RuleMask, Class>,
+    /// The last mask interned and its class: neighbouring pods (one set's members, one
+    /// interval after another) mostly repeat it, and this skips the table.
+    last: (RuleMask, Class),
 }
 
 impl Interner {
     fn new() -> Self {
         let mut i = Interner::default();
-        i.intern(0);
+        i.ids.insert(0, 0);
+        i.masks.push(0);
         i
     }
 
     fn intern(&mut self, m: RuleMask) -> Class {
-        if let Some(&c) = self.ids.get(&m) {
-            return c;
+        if m == self.last.0 {
+            return self.last.1;
         }
-        let c = self.masks.len() as Class;
-        self.masks.push(m);
-        self.ids.insert(m, c);
+        let c = match self.ids.get(&m) {
+            Some(&c) => c,
+            None => {
+                let c = self.masks.len() as Class;
+                self.masks.push(m);
+                self.ids.insert(m, c);
+                c
+            }
+        };
+        self.last = (m, c);
         c
     }
 }

@@ -97,7 +97,16 @@ impl Selector {
 pub struct LabelIndex {
     all: RoaringBitmap,
     by_key: HashMap<String, RoaringBitmap>,
-    by_pair: HashMap<(String, String), RoaringBitmap>,
+    /// Key → value → ids: looked up by `&str` without building an owned key.
+    by_value: HashMap<String, HashMap<String, RoaringBitmap>>,
+}
+
+/// `map[key]`, inserting an empty value first if needed; clones `key` only then.
+fn slot<'m, V: Default>(map: &'m mut HashMap<String, V>, key: &str) -> &'m mut V {
+    if !map.contains_key(key) {
+        map.insert(key.to_owned(), V::default());
+    }
+    map.get_mut(key).expect("inserted above")
 }
 
 impl LabelIndex {
@@ -105,8 +114,8 @@ impl LabelIndex {
     pub fn insert(&mut self, id: u32, labels: &BTreeMap<String, String>) {
         self.all.insert(id);
         for (k, v) in labels {
-            self.by_key.entry(k.clone()).or_default().insert(id);
-            self.by_pair.entry((k.clone(), v.clone())).or_default().insert(id);
+            slot(&mut self.by_key, k).insert(id);
+            slot(slot(&mut self.by_value, k), v).insert(id);
         }
     }
 
@@ -117,9 +126,9 @@ impl LabelIndex {
 
     fn with_value(&self, key: &str, values: &[String]) -> RoaringBitmap {
         let mut out = RoaringBitmap::new();
+        let Some(by_value) = self.by_value.get(key) else { return out };
         for v in values {
-            // Allocation-free lookup would need a borrowed tuple key; compile time only.
-            if let Some(b) = self.by_pair.get(&(key.to_string(), v.clone())) {
+            if let Some(b) = by_value.get(v) {
                 out |= b;
             }
         }
