@@ -278,6 +278,8 @@ enum SetKey {
 
 /// Compile-time state: indexes over the cluster.
 struct Cluster {
+    /// See [`Cluster::pods_in_namespaces`].
+    ns_pods: HashMap<Selector, RoaringBitmap>,
     pods: Vec<PodEntry>,
     namespaces: Vec<NamespaceEntry>,
     ns_ids: HashMap<String, u32>,
@@ -390,14 +392,25 @@ impl Cluster {
         out
     }
 
+    /// The pods of the namespaces `ns` selects, memoised: the few namespace selectors of a
+    /// large policy set recur in many `pods` peers.
+    fn pods_in_namespaces(&mut self, ns: &Selector) -> &RoaringBitmap {
+        if !self.ns_pods.contains_key(ns) {
+            let pods = self.pods_in(&self.namespaces_matching(ns));
+            self.ns_pods.insert(ns.clone(), pods);
+        }
+        &self.ns_pods[ns]
+    }
+
     fn intern(&mut self, key: SetKey) -> SetId {
         if let Some(&id) = self.interner.ids.get(&key) {
             return id;
         }
         let set = match &key {
-            SetKey::Namespaces(ns) => self.pods_in(&self.namespaces_matching(ns)),
+            SetKey::Namespaces(ns) => self.pods_in_namespaces(ns).clone(),
             SetKey::Pods(ns, pods) => {
-                self.pods_in(&self.namespaces_matching(ns)) & self.pod_index.resolve(pods)
+                let in_namespaces = self.pods_in_namespaces(ns).clone();
+                in_namespaces & self.pod_index.resolve(pods)
             }
             SetKey::InNamespace(ns, pods) => {
                 &self.namespaces[*ns as usize].pods & self.pod_index.resolve(pods)
@@ -1071,42 +1084,29 @@ fn touch_next_rule(obj: AdminObject<'_>, d: Direction, i: usize) {
     }
 }
 
-/// Builds the [`Matcher`]s of every policy direction with at most [`MAX_RULES`] rules,
-/// spread over worker threads (each policy's matcher depends only on its rules and the
+/// The [`Matcher`]s of every policy direction with at most [`MAX_RULES`] rules, by
+/// policy, built on worker threads (each depends only on its policy's rules and the
 /// interned pod sets).
 fn build_matchers(
-    policies: &mut [Policy],
+    policies: &[Policy],
     sets: &[RoaringBitmap],
     addrs: &PodAddrs,
     pods: usize,
     workers: usize,
-) {
+) -> Vec<[Option<Matcher>; 2]> {
     let weights: Vec<usize> = policies
         .iter()
         .map(|p| p.rules.iter().flatten().map(|r| 1 + r.peers.pod_sets.len()).sum())
         .collect();
     let ranges = balanced_ranges(&weights, workers);
-    // Hand each worker its own slice of the policies.
-    let mut slices: Vec<std::sync::Mutex<&mut [Policy]>> = Vec::with_capacity(ranges.len());
-    let mut rest = policies;
-    for r in &ranges {
-        let (head, tail) = rest.split_at_mut(r.len());
-        slices.push(std::sync::Mutex::new(head));
-        rest = tail;
-    }
-    let one_each: Vec<std::ops::Range<usize>> = (0..slices.len()).map(|i| i..i + 1).collect();
-    par_ranges(&slices, &one_each, |_, mine| {
+    let built = par_ranges(policies, &ranges, |_, chunk| {
         let mut scratch = vec![0; pods];
-        for slot in mine {
-            let mut guard = slot.lock().unwrap_or_else(|e| e.into_inner());
-            for p in guard.iter_mut() {
-                let mut build = |r: &Vec<Rule>| {
-                    (r.len() <= MAX_RULES).then(|| Matcher::build(r, sets, addrs, &mut scratch))
-                };
-                p.matchers = [build(&p.rules[0]), build(&p.rules[1])];
-            }
-        }
+        let mut build = |r: &Vec<Rule>| {
+            (r.len() <= MAX_RULES).then(|| Matcher::build(r, sets, addrs, &mut scratch))
+        };
+        chunk.iter().map(|p| [build(&p.rules[0]), build(&p.rules[1])]).collect::<Vec<_>>()
     });
+    built.into_iter().flatten().collect()
 }
 
 impl Cluster {
@@ -1292,6 +1292,7 @@ impl Snapshot {
             &mut problems,
         );
         let mut c = Cluster {
+            ns_pods: HashMap::new(),
             pods: Vec::new(),
             namespaces: Vec::new(),
             ns_ids: HashMap::new(),
@@ -1594,7 +1595,23 @@ impl Snapshot {
             ))
         });
 
-        build_matchers(&mut policies, &c.interner.sets, &c.addrs, c.pods.len(), workers);
+        // The matchers on worker threads, and beside them (a third thread on a small
+        // machine, which the OS interleaves) the port and address indexes: independent
+        // sweeps over every rule.
+        let (matchers, (port_index, addr_index)) = std::thread::scope(|scope| {
+            let indexes = (workers > 1 && policies.len() >= 64)
+                .then(|| scope.spawn(|| (port_index(&policies, &c.pods), addr_index(&policies))));
+            let matchers =
+                build_matchers(&policies, &c.interner.sets, &c.addrs, c.pods.len(), workers);
+            let indexes = match indexes {
+                Some(h) => h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)),
+                None => (port_index(&policies, &c.pods), addr_index(&policies)),
+            };
+            (matchers, indexes)
+        });
+        for (p, m) in policies.iter_mut().zip(matchers) {
+            p.matchers = m;
+        }
 
         let mut per_pod = vec![PodPolicies::default(); c.pods.len()];
         for (pid, p) in policies.iter().enumerate() {
@@ -1626,16 +1643,6 @@ impl Snapshot {
             })
             .collect();
         drop(set_ids);
-        // Two independent sweeps over every rule: side by side when there is much to sweep.
-        let (port_index, addr_index) = if workers > 1 && policies.len() >= 64 {
-            std::thread::scope(|scope| {
-                let addrs = scope.spawn(|| addr_index(&policies));
-                let ports = port_index(&policies, &c.pods);
-                (ports, addrs.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
-            })
-        } else {
-            (port_index(&policies, &c.pods), addr_index(&policies))
-        };
         let snapshot = Snapshot {
             revision,
             pods: c.pods,
@@ -1810,8 +1817,9 @@ impl Cluster {
             // No pod lives in a namespace nobody declared: the policy selects nothing.
             None => return None,
         };
-        let spec = np.spec.clone().unwrap_or_default();
-        let NetworkPolicySpec { egress, ingress, pod_selector, policy_types } = &spec;
+        let no_spec = NetworkPolicySpec::default();
+        let NetworkPolicySpec { egress, ingress, pod_selector, policy_types } =
+            np.spec.as_ref().unwrap_or(&no_spec);
         // "This field is optional. If it is not specified, it defaults to an empty
         // selector" — which selects all pods in the namespace.
         let subject = match selector(&pod_selector.clone().unwrap_or_default()) {
