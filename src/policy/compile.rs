@@ -622,7 +622,8 @@ impl<'a> PeerFields<'a> {
 
 /// Compiles one ANP/BANP/CNP rule, at `index` in its direction, on a worker of
 /// [`prepare_admin`]. Its selector peers are left as keys of `dict` in
-/// `peers.pod_sets`, unsorted; [`Cluster::admin_policy`] turns them into pod set ids.
+/// `peers.pod_sets`, unsorted; `compile_inner` turns them into sorted pod set ids once
+/// every worker's keys are interned.
 ///
 /// Implements the fail-closed rule for unknown peers (network-policy-api
 /// `ClusterNetworkPolicyEgressPeer`): "For Accept rules, 'fail closed' means: 'treat the
@@ -832,6 +833,34 @@ fn par_ranges<T: Sync, R: Send>(
         }
         out
     })
+}
+
+/// Runs `work` on every item, the items split into `ranges` (contiguous, covering them
+/// all, from [`balanced_ranges`]): the first range on the calling thread, the others on
+/// scoped threads. A panic in a worker is resumed on the caller.
+fn par_for_each_mut<T: Send>(
+    items: &mut [T],
+    ranges: &[std::ops::Range<usize>],
+    work: impl Fn(&mut T) + Sync,
+) {
+    if ranges.len() <= 1 {
+        items.iter_mut().for_each(work);
+        return;
+    }
+    std::thread::scope(|scope| {
+        let (first, mut rest) = items.split_at_mut(ranges[0].len());
+        let mut handles = Vec::with_capacity(ranges.len() - 1);
+        for r in &ranges[1..] {
+            let (mine, tail) = std::mem::take(&mut rest).split_at_mut(r.len());
+            rest = tail;
+            let work = &work;
+            handles.push(scope.spawn(move || mine.iter_mut().for_each(work)));
+        }
+        first.iter_mut().for_each(&work);
+        for h in handles {
+            h.join().unwrap_or_else(|e| std::panic::resume_unwind(e));
+        }
+    });
 }
 
 /// Validates admin objects and keys every selector peer of their rules, spread over
@@ -1545,6 +1574,23 @@ impl Snapshot {
             .collect();
         // Problems per kind in input order, as for every other kind: a kind's duplicates,
         // then its objects' validation problems.
+        // Rules' keys become set ids, on the workers again (a million ids to sort).
+        let mut prepared = prepared;
+        let weights: Vec<usize> = prepared
+            .iter()
+            .map(|p| p.body.iter().flat_map(|b| b.rules.iter().flatten()))
+            .map(|rules| rules.map(|r| r.peers.pod_sets.len()).sum())
+            .collect();
+        par_for_each_mut(&mut prepared, &balanced_ranges(&weights, workers), |p| {
+            for rule in p.body.iter_mut().flat_map(|b| b.rules.iter_mut().flatten()) {
+                let ids = &mut rule.peers.pod_sets;
+                for id in ids.iter_mut() {
+                    *id = key_sets[p.worker][*id as usize];
+                }
+                ids.sort_unstable();
+                ids.dedup();
+            }
+        });
         let mut reported = 0;
         for ((r, obj), p) in admin_items.into_iter().zip(prepared) {
             while reported <= obj.order() {
@@ -1553,7 +1599,7 @@ impl Snapshot {
             }
             problems.extend(p.problems);
             if let Some(body) = p.body {
-                policies.push(c.admin_policy(r, body, &key_sets[p.worker]));
+                policies.push(c.admin_policy(r, body));
             }
         }
         for d in &mut duplicates[reported..] {
@@ -1788,20 +1834,12 @@ fn addr_index(policies: &[Policy]) -> [AddrIndex; 2] {
 const BANP_PRIORITY: i32 = 1001;
 
 impl Cluster {
-    /// Finishes a validated admin object prepared by [`prepare_admin`]: resolves its
-    /// subject and turns its rules' peer keys into pod set ids (`sets`, by key). Its
-    /// matchers come later ([`build_matchers`]).
-    fn admin_policy(&mut self, object: ObjectRef, body: AdminBody<'_>, sets: &[SetId]) -> Policy {
-        let AdminBody { tier, priority, namespaces, pods, mut rules } = body;
+    /// Finishes a validated admin object prepared by [`prepare_admin`], whose rules' peer
+    /// keys are already pod set ids: resolves its subject. Its matchers come later
+    /// ([`build_matchers`]).
+    fn admin_policy(&mut self, object: ObjectRef, body: AdminBody<'_>) -> Policy {
+        let AdminBody { tier, priority, namespaces, pods, rules } = body;
         let subject = self.subject(namespaces, pods);
-        for rule in rules.iter_mut().flatten() {
-            let ids = &mut rule.peers.pod_sets;
-            for id in ids.iter_mut() {
-                *id = sets[*id as usize];
-            }
-            ids.sort_unstable();
-            ids.dedup();
-        }
         // "ANPs with no ingress rules do not affect ingress traffic."
         let applies = [!rules[0].is_empty(), !rules[1].is_empty()];
         Policy { object, tier, priority, rules, matchers: [None, None], subject, applies }
