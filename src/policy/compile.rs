@@ -13,6 +13,10 @@
 //!   policies whose subject selects it and the NetworkPolicies that isolate it, so
 //!   [`Snapshot::decide`](super::eval) walks only what applies.
 //!
+//! The large parts (pods, admin objects, matchers) run on up to four threads; decisions
+//! and problems do not depend on how many, and for one thread count the snapshot does
+//! not depend on thread timing.
+//!
 //! The tier order itself lives in one place: [`super::eval::TIER_ORDER`].
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -762,7 +766,8 @@ struct AdminBody<'a> {
     priority: i32,
     namespaces: &'a Option<LabelSelector>,
     pods: &'a Option<NamespacedPod>,
-    /// Rules by [`Direction`] index, selector peers as worker keys (see [`admin_rule`]).
+    /// Rules by [`Direction`] index; selector peers are worker keys (see [`admin_rule`])
+    /// until `compile_inner` turns them into set ids.
     rules: [Vec<Rule>; 2],
 }
 
