@@ -2110,6 +2110,24 @@ mod tests {
         assert!(one.snapshot.policies.iter().all(|p| p.object.name != "bad-priority"));
     }
 
+    /// The validating path builds rules from the validator's `after_rule` visits, the
+    /// other from its own loop: both must see every rule, in order.
+    #[test]
+    fn validated_and_unvalidated_compiles_decide_alike() {
+        let shape = Shape { namespaces: 60, pods: 1_200, nodes: 6, ..Shape::LARGE };
+        let inputs = synth::cluster(Shape { admin_policies: 12, max_peers: 30, ..shape }, 3);
+        let checked = Snapshot::compile_inner(&inputs, Revision(1), true, 2);
+        assert!(checked.problems.iter().all(|p| !p.is_error()));
+        let unchecked = Snapshot::compile_inner(&inputs, Revision(1), false, 2);
+        let rules = |s: &Snapshot| -> usize {
+            s.policies.iter().flat_map(|p| &p.rules).map(Vec::len).sum()
+        };
+        assert_eq!(rules(&checked.snapshot), rules(&unchecked.snapshot));
+        for f in synth::flows(shape, 5_000, 5) {
+            assert_eq!(checked.snapshot.decide(&f), unchecked.snapshot.decide(&f), "{f:?}");
+        }
+    }
+
     #[test]
     fn balanced_ranges_cover_every_item_once_in_order() {
         let weights: Vec<usize> = (0..50).map(|i| 1 + (i * 37) % 500).collect();

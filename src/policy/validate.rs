@@ -723,9 +723,10 @@ pub fn admin_network_policy(obj: &v1alpha1::AdminNetworkPolicy, out: &mut Vec<Pr
     admin_network_policy_each_rule(obj, out, &mut |_, _| {});
 }
 
-/// [`admin_network_policy`], calling `after_rule` with each rule's direction and index right after
-/// the rule is validated (whatever was found), in order: ingress rules, then egress rules.
-/// A compiler builds each rule there, while its peers are still in cache.
+/// [`admin_network_policy`], calling `after_rule` with each rule's direction and index
+/// right after the rule is validated (whatever was found), in order: ingress rules, then
+/// egress rules. A compiler builds each rule there, while its peers are still in cache
+/// (`compile::prepare_admin`). Problems are the same as [`admin_network_policy`]'s.
 pub fn admin_network_policy_each_rule(
     obj: &v1alpha1::AdminNetworkPolicy,
     out: &mut Vec<Problem>,
@@ -840,9 +841,10 @@ pub fn baseline_admin_network_policy(
     baseline_admin_network_policy_each_rule(obj, out, &mut |_, _| {});
 }
 
-/// [`baseline_admin_network_policy`], calling `after_rule` with each rule's direction and index right after
-/// the rule is validated (whatever was found), in order: ingress rules, then egress rules.
-/// A compiler builds each rule there, while its peers are still in cache.
+/// [`baseline_admin_network_policy`], calling `after_rule` with each rule's direction and index
+/// right after the rule is validated (whatever was found), in order: ingress rules, then
+/// egress rules. A compiler builds each rule there, while its peers are still in cache
+/// (`compile::prepare_admin`). Problems are the same as [`baseline_admin_network_policy`]'s.
 pub fn baseline_admin_network_policy_each_rule(
     obj: &v1alpha1::BaselineAdminNetworkPolicy,
     out: &mut Vec<Problem>,
@@ -1081,9 +1083,10 @@ pub fn cluster_network_policy(obj: &v1alpha2::ClusterNetworkPolicy, out: &mut Ve
     cluster_network_policy_each_rule(obj, out, &mut |_, _| {});
 }
 
-/// [`cluster_network_policy`], calling `after_rule` with each rule's direction and index right after
-/// the rule is validated (whatever was found), in order: ingress rules, then egress rules.
-/// A compiler builds each rule there, while its peers are still in cache.
+/// [`cluster_network_policy`], calling `after_rule` with each rule's direction and index
+/// right after the rule is validated (whatever was found), in order: ingress rules, then
+/// egress rules. A compiler builds each rule there, while its peers are still in cache
+/// (`compile::prepare_admin`). Problems are the same as [`cluster_network_policy`]'s.
 pub fn cluster_network_policy_each_rule(
     obj: &v1alpha2::ClusterNetworkPolicy,
     out: &mut Vec<Problem>,
@@ -2598,6 +2601,36 @@ mod tests {
                 {"type": "ExternalDNS", "address": "node-1.example.com"}
             ]), vec![]),
         ]
+    }
+
+    /// The `_each_rule` variants report what the plain validators report and visit every
+    /// rule once, ingress rules then egress rules, on every admin row of the table.
+    #[test]
+    fn each_rule_variants_visit_every_rule_in_order() {
+        for Row { rule, target, edit, .. } in rows() {
+            let mut v = target.base();
+            edit(&mut v);
+            let count = |dir: &str| v["spec"][dir].as_array().map_or(0, Vec::len);
+            let want_visits: Vec<(Direction, usize)> = (0..count("ingress"))
+                .map(|i| (Direction::Ingress, i))
+                .chain((0..count("egress")).map(|i| (Direction::Egress, i)))
+                .collect();
+            let mut visits = Vec::new();
+            let mut visit = |d: Direction, i: usize| visits.push((d, i));
+            let mut out = Vec::new();
+            match target {
+                Target::Anp => admin_network_policy_each_rule(&de(v.clone()), &mut out, &mut visit),
+                Target::Banp => {
+                    baseline_admin_network_policy_each_rule(&de(v.clone()), &mut out, &mut visit)
+                }
+                Target::Cnp => {
+                    cluster_network_policy_each_rule(&de(v.clone()), &mut out, &mut visit)
+                }
+                _ => continue,
+            }
+            assert_eq!(out, target.run(v), "{rule}: problems differ");
+            assert_eq!(visits, want_visits, "{rule}: visits");
+        }
     }
 
     #[test]
