@@ -1523,34 +1523,36 @@ impl Snapshot {
         // input's peers: they are validated and their selector peers keyed on worker
         // threads (`prepare_admin`); each distinct peer is then compiled once, here.
         let mut duplicates: [Vec<Problem>; 3] = Default::default();
-        let mut admin_items: Vec<(ObjectRef, AdminObject<'_>)> = Vec::new();
-        admin_items.extend(
-            dedup_sorted(
-                &inputs.admin_network_policies,
-                |p| ObjectRef::cluster(Kind::AdminNetworkPolicy, meta_name(&p.metadata)),
-                &mut duplicates[0],
-            )
-            .into_iter()
-            .map(|(r, p)| (r, AdminObject::Anp(p))),
-        );
-        admin_items.extend(
-            dedup_sorted(
-                &inputs.cluster_network_policies,
-                |p| ObjectRef::cluster(Kind::ClusterNetworkPolicy, meta_name(&p.metadata)),
-                &mut duplicates[1],
-            )
-            .into_iter()
-            .map(|(r, p)| (r, AdminObject::Cnp(p))),
-        );
-        admin_items.extend(
-            dedup_sorted(
-                &inputs.baseline_admin_network_policies,
-                |p| ObjectRef::cluster(Kind::BaselineAdminNetworkPolicy, meta_name(&p.metadata)),
-                &mut duplicates[2],
-            )
-            .into_iter()
-            .map(|(r, p)| (r, AdminObject::Banp(p))),
-        );
+        // Cluster-scoped admin objects of one kind, deduplicated, as `AdminObject`s.
+        fn of_kind<'a, T: kube::Resource>(
+            items: &'a [T],
+            kind: Kind,
+            wrap: fn(&'a T) -> AdminObject<'a>,
+            duplicates: &mut Vec<Problem>,
+        ) -> impl Iterator<Item = (ObjectRef, AdminObject<'a>)> {
+            let key = move |p: &T| ObjectRef::cluster(kind, meta_name(p.meta()));
+            dedup_sorted(items, key, duplicates).into_iter().map(move |(r, p)| (r, wrap(p)))
+        }
+        let [anp_dups, cnp_dups, banp_dups] = &mut duplicates;
+        let admin_items: Vec<(ObjectRef, AdminObject<'_>)> = of_kind(
+            &inputs.admin_network_policies,
+            Kind::AdminNetworkPolicy,
+            AdminObject::Anp,
+            anp_dups,
+        )
+        .chain(of_kind(
+            &inputs.cluster_network_policies,
+            Kind::ClusterNetworkPolicy,
+            AdminObject::Cnp,
+            cnp_dups,
+        ))
+        .chain(of_kind(
+            &inputs.baseline_admin_network_policies,
+            Kind::BaselineAdminNetworkPolicy,
+            AdminObject::Banp,
+            banp_dups,
+        ))
+        .collect();
         let (prepared, dicts) = prepare_admin(&admin_items, &c.node_index, validate, workers);
         // Worker order, so set ids do not depend on thread timing.
         // Only keys that valid objects use get a pod set: a key whose selectors do not
