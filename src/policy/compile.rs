@@ -888,10 +888,9 @@ fn prepare_admin<'a>(
                 let mut problems = Vec::new();
                 let mut rules = rule_counts(obj).map(Vec::with_capacity);
                 // Each rule is compiled right after it is validated, while its peers are
-                // in cache: reading them is the cost of a large input. An object found
-                // invalid is dropped whole (its peers' keys go unused).
-                // Each rule's peers are touched just before it is validated (see
-                // `PeerSlice::touch`).
+                // in cache: reading them is the cost of a large input. Its peers are
+                // touched just before (`PeerSlice::touch`). An object found invalid is
+                // dropped whole (its peers' keys go unused).
                 if let Some(first) = PeerSlice::of(obj, Direction::Ingress, 0).or(PeerSlice::of(
                     obj,
                     Direction::Egress,
