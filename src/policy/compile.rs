@@ -292,13 +292,6 @@ struct Cluster {
     ns_index: LabelIndex,
     node_index: LabelIndex,
     interner: Interner,
-    /// Compiled peer selectors by content ([`encode_selector`] of the namespace and pod
-    /// selectors): a million peers name a few hundred distinct selector pairs, and
-    /// compiling one allocates. `None`: a selector does not compile, so the peer fails
-    /// closed.
-    peer_memo: rustc_hash::FxHashMap<Box<[u8]>, Option<SetId>>,
-    /// The key being built by [`Cluster::peer_set`], reused across peers.
-    peer_key: Vec<u8>,
     /// Single-address pods sorted by address, for folding address matches into pod classes.
     addrs: PodAddrs,
 }
@@ -362,28 +355,6 @@ fn encode_peer(out: &mut Vec<u8>, ns: &LabelSelector, pods: Option<&LabelSelecto
 }
 
 impl Cluster {
-    /// The pod set of a `namespaces` peer (`pods == None`) or a `pods` peer, memoised.
-    fn peer_set(&mut self, ns: &LabelSelector, pods: Option<&LabelSelector>) -> Option<SetId> {
-        let mut key = std::mem::take(&mut self.peer_key);
-        encode_peer(&mut key, ns, pods);
-        // FxHash: these keys come from the cluster's own objects, not from a remote peer,
-        // and SipHash was the largest single cost of compiling a million peers.
-        let id = match self.peer_memo.get(key.as_slice()) {
-            Some(&id) => id,
-            None => {
-                let set_key = match pods {
-                    None => selector(ns).map(SetKey::Namespaces),
-                    Some(p) => selector(ns).zip(selector(p)).map(|(n, p)| SetKey::Pods(n, p)),
-                };
-                let id = set_key.map(|k| self.intern(k));
-                self.peer_memo.insert(key.as_slice().into(), id);
-                id
-            }
-        };
-        self.peer_key = key;
-        id
-    }
-
     fn namespaces_matching(&self, sel: &Selector) -> RoaringBitmap {
         self.ns_index.resolve(sel)
     }
@@ -639,7 +610,7 @@ fn admin_rule<'a>(
     action: Action,
     peers: impl Iterator<Item = PeerFields<'a>>,
     ports: Ports,
-    dict: &mut PeerDict<'a>,
+    dict: &mut PeerDict,
     node_index: &LabelIndex,
 ) -> Rule {
     let mut out = Peers { pod_sets: Vec::with_capacity(peers.size_hint().0), ..Peers::default() };
@@ -654,7 +625,7 @@ fn admin_rule<'a>(
             (None, None) => None,
         };
         if let Some(k) = key {
-            if dict.compiles[k as usize] {
+            if dict.sets[k as usize].is_some() {
                 out.pod_sets.push(k);
             } else {
                 unknown = true;
@@ -695,25 +666,27 @@ fn admin_rule<'a>(
 /// The distinct selector peers one worker of [`prepare_admin`] met, by content: a million
 /// peers name a few hundred distinct selector pairs, so only these few are compiled.
 #[derive(Default)]
-struct PeerDict<'a> {
+struct PeerDict {
+    /// Keys by [`encode_peer`] bytes.
     ids: rustc_hash::FxHashMap<Box<[u8]>, u32>,
-    /// One peer per key: namespace selector and, for a `pods` peer, pod selector.
-    reps: Vec<(&'a LabelSelector, Option<&'a LabelSelector>)>,
-    /// Per key: whether its selectors compile (if not, the peer fails closed).
-    compiles: Vec<bool>,
+    /// Per key, the pod set it names (`None`: a selector does not compile, so the peer
+    /// fails closed).
+    sets: Vec<Option<SetKey>>,
     buf: Vec<u8>,
 }
 
-impl<'a> PeerDict<'a> {
-    fn key(&mut self, ns: &'a LabelSelector, pods: Option<&'a LabelSelector>) -> u32 {
+impl PeerDict {
+    fn key(&mut self, ns: &LabelSelector, pods: Option<&LabelSelector>) -> u32 {
         encode_peer(&mut self.buf, ns, pods);
         // FxHash: these keys come from the cluster's own objects, not from a remote peer.
         if let Some(&id) = self.ids.get(self.buf.as_slice()) {
             return id;
         }
-        let id = self.reps.len() as u32;
-        self.reps.push((ns, pods));
-        self.compiles.push(selector(ns).is_some() && pods.is_none_or(|p| selector(p).is_some()));
+        let id = self.sets.len() as u32;
+        self.sets.push(match pods {
+            None => selector(ns).map(SetKey::Namespaces),
+            Some(p) => selector(ns).zip(selector(p)).map(|(n, p)| SetKey::Pods(n, p)),
+        });
         self.ids.insert(self.buf.as_slice().into(), id);
         id
     }
@@ -877,7 +850,7 @@ fn prepare_admin<'a>(
     node_index: &LabelIndex,
     validate: bool,
     workers: usize,
-) -> (Vec<Prepared<'a>>, Vec<PeerDict<'a>>) {
+) -> (Vec<Prepared<'a>>, Vec<PeerDict>) {
     let weights: Vec<usize> = items.iter().map(|(_, o)| o.weight()).collect();
     let ranges = balanced_ranges(&weights, workers);
     let results = par_ranges(items, &ranges, |worker, chunk| {
@@ -1070,7 +1043,7 @@ fn admin_rule_at<'a>(
     obj: AdminObject<'a>,
     d: Direction,
     i: usize,
-    dict: &mut PeerDict<'a>,
+    dict: &mut PeerDict,
     node_index: &LabelIndex,
 ) -> Rule {
     let (name, action, ports) = match (obj, d) {
@@ -1334,8 +1307,6 @@ impl Snapshot {
             ns_index: LabelIndex::default(),
             node_index: LabelIndex::default(),
             interner: Interner::default(),
-            peer_memo: Default::default(),
-            peer_key: Vec::new(),
             addrs: PodAddrs::default(),
         };
         for (r, ns) in namespaces {
@@ -1557,7 +1528,7 @@ impl Snapshot {
         // Only keys that valid objects use get a pod set: a key whose selectors do not
         // compile is in no rule (its peers failed closed), nor is a key only invalid
         // objects used.
-        let mut used: Vec<Vec<bool>> = dicts.iter().map(|d| vec![false; d.reps.len()]).collect();
+        let mut used: Vec<Vec<bool>> = dicts.iter().map(|d| vec![false; d.sets.len()]).collect();
         for p in &prepared {
             for rule in p.body.iter().flat_map(|b| b.rules.iter().flatten()) {
                 for &k in &rule.peers.pod_sets {
@@ -1565,16 +1536,15 @@ impl Snapshot {
                 }
             }
         }
+        // Workers' keys naming the same set meet in the interner.
         let key_sets: Vec<Vec<SetId>> = dicts
-            .iter()
+            .into_iter()
             .zip(&used)
             .map(|(d, used)| {
-                d.reps
-                    .iter()
+                d.sets
+                    .into_iter()
                     .zip(used)
-                    .map(|(&(ns, pods), &used)| {
-                        used.then(|| c.peer_set(ns, pods)).flatten().unwrap_or(SetId::MAX)
-                    })
+                    .map(|(set, &used)| set.filter(|_| used).map_or(SetId::MAX, |k| c.intern(k)))
                     .collect()
             })
             .collect();
