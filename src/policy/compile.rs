@@ -711,25 +711,13 @@ impl AdminObject<'_> {
         }
     }
 
-    /// Peers in all rules: the work of preparing the object.
+    /// Peers in all rules (plus one): the work of preparing the object.
     fn weight(self) -> usize {
-        match self {
-            AdminObject::Anp(p) => {
-                let s = &p.spec;
-                1 + s.ingress.iter().map(|r| r.from.len()).sum::<usize>()
-                    + s.egress.iter().map(|r| r.to.len()).sum::<usize>()
-            }
-            AdminObject::Cnp(p) => {
-                let s = &p.spec;
-                1 + s.ingress.iter().map(|r| r.from.len()).sum::<usize>()
-                    + s.egress.iter().map(|r| r.to.len()).sum::<usize>()
-            }
-            AdminObject::Banp(p) => {
-                let s = &p.spec;
-                1 + s.ingress.iter().map(|r| r.from.len()).sum::<usize>()
-                    + s.egress.iter().map(|r| r.to.len()).sum::<usize>()
-            }
-        }
+        let [ingress, egress] = rule_counts(self);
+        let peers = |d: Direction, rules: usize| -> usize {
+            (0..rules).filter_map(|i| PeerSlice::of(self, d, i)).map(PeerSlice::len).sum()
+        };
+        1 + peers(Direction::Ingress, ingress) + peers(Direction::Egress, egress)
     }
 }
 
