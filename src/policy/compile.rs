@@ -217,6 +217,26 @@ pub(crate) struct Policy {
     /// Directions the policy applies to (NetworkPolicy: its defaulted `policyTypes`;
     /// others: directions with rules).
     pub(crate) applies: [bool; 2],
+    /// The object's annotations whose key starts with [`ANNOTATION_PREFIX`] (others are
+    /// not kept: `kubectl.kubernetes.io/last-applied-configuration` alone can be large).
+    pub(crate) annotations: Box<[(String, String)]>,
+}
+
+/// Prefix of the annotations a [`Snapshot`] keeps for each policy
+/// ([`Snapshot::policy_annotation`]): tierproxy's own settings on upstream objects, such as
+/// `tierproxy.io/audit` (docs/audit.md), which need no change to the CRDs.
+pub const ANNOTATION_PREFIX: &str = "tierproxy.io/";
+
+/// The annotations of `meta` whose key starts with [`ANNOTATION_PREFIX`], sorted by key.
+fn own_annotations(
+    meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
+) -> Box<[(String, String)]> {
+    meta.annotations
+        .iter()
+        .flatten()
+        .filter(|(k, _)| k.starts_with(ANNOTATION_PREFIX))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect()
 }
 
 /// Per pod and direction, the policies that apply, in evaluation order, by tier. Pods with
@@ -252,6 +272,8 @@ pub struct Snapshot {
     pub(crate) port_index: [[PortIndex; 3]; 2],
     /// Per direction: which policies can match an external address.
     pub(crate) addr_index: [AddrIndex; 2],
+    /// Pod labels, inverted ([`Snapshot::pod_label_values`]).
+    pub(crate) pod_index: LabelIndex,
 }
 
 /// The result of compiling: the snapshot and everything worth telling about the input.
@@ -700,7 +722,16 @@ enum AdminObject<'a> {
     Banp(&'a v1alpha1::BaselineAdminNetworkPolicy),
 }
 
-impl AdminObject<'_> {
+impl<'a> AdminObject<'a> {
+    /// The object's `metadata`.
+    fn metadata(self) -> &'a k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
+        match self {
+            AdminObject::Anp(o) => &o.metadata,
+            AdminObject::Cnp(o) => &o.metadata,
+            AdminObject::Banp(o) => &o.metadata,
+        }
+    }
+
     /// Position of the kind in compile order (ANP, CNP, BANP), which is also the order
     /// problems are reported in.
     fn order(self) -> usize {
@@ -1563,7 +1594,7 @@ impl Snapshot {
             }
             problems.extend(p.problems);
             if let Some(body) = p.body {
-                policies.push(c.admin_policy(r, body));
+                policies.push(c.admin_policy(r, body, own_annotations(obj.metadata())));
             }
         }
         for d in &mut duplicates[reported..] {
@@ -1667,6 +1698,7 @@ impl Snapshot {
             policy_sets,
             port_index,
             addr_index,
+            pod_index: c.pod_index,
         };
         Compiled { snapshot, problems }
     }
@@ -1801,12 +1833,26 @@ impl Cluster {
     /// Finishes a validated admin object prepared by [`prepare_admin`], whose rules' peer
     /// keys are already pod set ids: resolves its subject. Its matchers come later
     /// ([`build_matchers`]).
-    fn admin_policy(&mut self, object: ObjectRef, body: AdminBody<'_>) -> Policy {
+    fn admin_policy(
+        &mut self,
+        object: ObjectRef,
+        body: AdminBody<'_>,
+        annotations: Box<[(String, String)]>,
+    ) -> Policy {
         let AdminBody { tier, priority, namespaces, pods, rules } = body;
         let subject = self.subject(namespaces, pods);
         // "ANPs with no ingress rules do not affect ingress traffic."
         let applies = [!rules[0].is_empty(), !rules[1].is_empty()];
-        Policy { object, tier, priority, rules, matchers: [None, None], subject, applies }
+        Policy {
+            object,
+            tier,
+            priority,
+            rules,
+            matchers: [None, None],
+            subject,
+            applies,
+            annotations,
+        }
     }
 
     fn network_policy(&mut self, object: ObjectRef, np: &NetworkPolicy) -> Option<Policy> {
@@ -1916,6 +1962,7 @@ impl Cluster {
             matchers: [None, None],
             subject,
             applies,
+            annotations: own_annotations(&np.metadata),
         })
     }
 

@@ -146,6 +146,49 @@ impl Snapshot {
         }
     }
 
+    /// Pod `pod`'s namespace and name (`metadata.namespace`, `metadata.name`).
+    ///
+    /// # Panics
+    /// If `pod` is not a pod id of this snapshot (from [`Endpoint::Pod`]).
+    pub fn pod_name(&self, pod: u32) -> (&str, &str) {
+        let p = &self.pods[pod as usize];
+        (&self.namespaces[p.namespace as usize].name, &p.name)
+    }
+
+    /// Node `node`'s `metadata.name`.
+    ///
+    /// # Panics
+    /// If `node` is not a node id of this snapshot (from [`Endpoint::Node`]).
+    pub fn node_name(&self, node: u32) -> &str {
+        &self.nodes[node as usize].name
+    }
+
+    /// Each value pod label `key` takes, with the ids of the pods that carry it: one pass
+    /// gives every pod's value of `key` (audit's labels of interest). Empty when no pod has
+    /// the key.
+    pub fn pod_label_values(
+        &self,
+        key: &str,
+    ) -> impl Iterator<Item = (&str, &roaring::RoaringBitmap)> {
+        self.pod_index.values(key)
+    }
+
+    /// Number of pod-network pods; pod ids are `0..pod_count()`.
+    pub fn pod_count(&self) -> u32 {
+        self.pods.len() as u32
+    }
+
+    /// The value of annotation `key` (which starts with
+    /// [`ANNOTATION_PREFIX`](super::compile::ANNOTATION_PREFIX); others are not kept) on
+    /// the policy at `index`.
+    ///
+    /// # Panics
+    /// If `index` did not come from a decision of this snapshot.
+    pub fn policy_annotation(&self, index: u32, key: &str) -> Option<&str> {
+        let a = &self.policies[index as usize].annotations;
+        a.binary_search_by(|(k, _)| k.as_str().cmp(key)).ok().map(|i| a[i].1.as_str())
+    }
+
     /// The policy at `index` (from a [`RuleHit`] or [`Basis::Isolated`]).
     ///
     /// # Panics
@@ -416,8 +459,7 @@ impl Snapshot {
         }
     }
 
-    /// Number of compiled policies (for [`Self::first_rule_reference`]).
-    #[doc(hidden)]
+    /// Number of compiled policies; policy indexes are `0..policy_count()`.
     pub fn policy_count(&self) -> u32 {
         self.policies.len() as u32
     }

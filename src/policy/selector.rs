@@ -124,6 +124,12 @@ impl LabelIndex {
         &self.all
     }
 
+    /// Each value label `key` takes, with the ids that carry it (in no particular order;
+    /// empty when no object has the key).
+    pub fn values(&self, key: &str) -> impl Iterator<Item = (&str, &RoaringBitmap)> {
+        self.by_value.get(key).into_iter().flatten().map(|(v, ids)| (v.as_str(), ids))
+    }
+
     fn with_value(&self, key: &str, values: &[String]) -> RoaringBitmap {
         let mut out = RoaringBitmap::new();
         let Some(by_value) = self.by_value.get(key) else { return out };
