@@ -1,5 +1,6 @@
 //! tierproxy: a node-level network policy enforcer.
 pub mod agent;
+pub mod audit;
 pub mod cluster;
 pub mod config;
 pub mod explain;

@@ -1,0 +1,582 @@
+//! The audit pipeline: a bounded queue from the data path to one worker thread, which
+//! renders events, aggregates denies, applies rate limits and fans events out to the
+//! sinks' own queues.
+//!
+//! ```text
+//! NFQUEUE threads ─ decision ─┐                     ┌─► OTLP sink thread ─► collector
+//!                             ├─► queue ─► worker ──┤
+//! proxy tasks ── connection end ┘  (bounded)          └─► JSON sink thread ─► stdout / file
+//! ```
+//!
+//! [`Mode::Lossy`] (default): every queue is bounded; when one is full the event is dropped
+//! and counted ([`Stats`]), and the data path never waits. [`Mode::Lossless`]: nothing is
+//! dropped — a full queue makes the NFQUEUE reader wait, so new flows wait for audit,
+//! while established connections keep flowing (connection ends never block a proxy task:
+//! they take an overflow list whose size is bounded by the connections admitted). The OTLP
+//! sink retries a failed export until it succeeds. On shutdown the pipeline flushes
+//! within a deadline and counts what it could not deliver.
+//!
+//! Source: issue #4 "Delivery".
+
+use std::collections::VecDeque;
+use std::net::IpAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant, SystemTime};
+
+use anyhow::Context as _;
+use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TrySendError};
+
+use super::Mode;
+use super::event::{self, ConnectionEnd, Context, Event, FlowInfo, Labels};
+use super::limit::{Admit, Aggregator, Limits, RateLimiter};
+use super::select::{Defaults, Plan};
+use super::sink::{self, SinkConfig};
+use crate::policy::compile::Direction;
+use crate::policy::eval::{Decision, Verdict};
+use crate::policy::{Protocol, Snapshot};
+
+/// Everything the pipeline needs.
+#[derive(Debug, Clone)]
+pub struct AuditConfig {
+    /// Node name and pod label keys reported.
+    pub context: Context,
+    /// What is logged where no annotation says.
+    pub defaults: Defaults,
+    /// Lossy or lossless.
+    pub mode: Mode,
+    /// Events the data-path queue and each sink queue hold.
+    pub queue_capacity: usize,
+    /// Identical denies within this window become one event (`Duration::ZERO`: none).
+    pub deny_window: Duration,
+    /// Rate limits.
+    pub limits: Limits,
+    /// Where events go; empty: auditing is off.
+    pub sinks: Vec<SinkConfig>,
+    /// How long shutdown waits for the sinks to deliver what is queued.
+    pub flush_timeout: Duration,
+}
+
+impl AuditConfig {
+    /// Defaults for node `node` with `sinks`.
+    pub fn new(node: &str, sinks: Vec<SinkConfig>) -> Self {
+        AuditConfig {
+            context: Context { node: node.to_string(), label_keys: Vec::new() },
+            defaults: Defaults::default(),
+            mode: Mode::Lossy,
+            queue_capacity: DEFAULT_QUEUE_CAPACITY,
+            deny_window: DEFAULT_DENY_WINDOW,
+            limits: Limits::default(),
+            sinks,
+            flush_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// Default capacity of each audit queue (events).
+pub const DEFAULT_QUEUE_CAPACITY: usize = 65_536;
+/// Default deny aggregation window.
+pub const DEFAULT_DENY_WINDOW: Duration = Duration::from_secs(5);
+/// Most deny windows open at once.
+const MAX_DENY_WINDOWS: usize = 65_536;
+/// How often the worker closes aggregation windows and reports suppressed events.
+const TICK: Duration = Duration::from_millis(100);
+
+/// Counters of the pipeline since start (for metrics and tests).
+#[derive(Debug, Default)]
+pub struct Stats {
+    /// Records the data path handed over (decisions with at least one audited direction,
+    /// connection ends).
+    pub submitted: AtomicU64,
+    /// Events handed to the sinks (each event once, whatever the number of sinks).
+    pub emitted: AtomicU64,
+    /// Denies folded into another event's count.
+    pub aggregated: AtomicU64,
+    /// Events suppressed by a per-rule limit.
+    pub rate_limited_rule: AtomicU64,
+    /// Events suppressed by the node limit.
+    pub rate_limited_node: AtomicU64,
+    /// Records dropped because the data-path queue was full (lossy).
+    pub dropped_queue: AtomicU64,
+    /// Per sink, in [`AuditConfig::sinks`] order.
+    pub sinks: Vec<Arc<SinkStats>>,
+}
+
+/// Counters of one sink.
+#[derive(Debug, Default)]
+pub struct SinkStats {
+    /// `otlp` or `json`.
+    pub name: &'static str,
+    /// Events delivered (exported, or written).
+    pub exported: AtomicU64,
+    /// Events dropped because the sink's queue was full (lossy).
+    pub dropped_queue: AtomicU64,
+    /// Events whose export or write failed and were given up.
+    pub failed: AtomicU64,
+    /// Failed exports retried (lossless).
+    pub retries: AtomicU64,
+}
+
+enum Pending {
+    Decision {
+        flow: FlowInfo,
+        decision: Arc<Decision>,
+        snapshot: Arc<Snapshot>,
+        dirs: [bool; 2],
+    },
+    End {
+        flow: FlowInfo,
+        decision: Arc<Decision>,
+        snapshot: Arc<Snapshot>,
+        end: ConnectionEnd,
+    },
+    /// Finish: deliver what is queued and stop.
+    Shutdown,
+}
+
+struct Shared {
+    tx: Sender<Pending>,
+    /// Lossless connection ends that found the queue full.
+    overflow: Mutex<VecDeque<Pending>>,
+    mode: Mode,
+    stats: Arc<Stats>,
+    close: bool,
+}
+
+/// The data path's handle on the pipeline. Cheap to share; every method returns without
+/// waiting in lossy mode.
+pub struct Auditor {
+    shared: Option<Arc<Shared>>,
+    worker: Mutex<Option<JoinHandle<()>>>,
+    sinks: Mutex<Vec<sink::Running>>,
+    flush_deadline: Arc<Mutex<Option<Instant>>>,
+    flush_timeout: Duration,
+    stats: Arc<Stats>,
+    /// The sinks' queues, for their depth (a receiver does not keep a queue open).
+    sink_rx: Vec<Receiver<Arc<Event>>>,
+}
+
+impl std::fmt::Debug for Auditor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Auditor").field("enabled", &self.shared.is_some()).finish()
+    }
+}
+
+/// Where a connection end came from: the flow and the decision that admitted it.
+#[derive(Debug, Clone)]
+pub struct Admitted {
+    /// The flow.
+    pub flow: FlowInfo,
+    /// Its decision.
+    pub decision: Arc<Decision>,
+}
+
+impl Auditor {
+    /// An auditor that logs nothing.
+    pub fn disabled() -> Self {
+        Auditor {
+            shared: None,
+            worker: Mutex::new(None),
+            sinks: Mutex::new(Vec::new()),
+            flush_deadline: Arc::new(Mutex::new(None)),
+            flush_timeout: Duration::ZERO,
+            stats: Arc::new(Stats::default()),
+            sink_rx: Vec::new(),
+        }
+    }
+
+    /// Starts the sinks and the worker. With no sinks, returns [`Auditor::disabled`].
+    ///
+    /// # Errors
+    /// A sink that cannot start (an OTLP exporter that cannot be built from its
+    /// configuration, a JSON file that cannot be opened), naming it.
+    pub fn start(config: AuditConfig) -> anyhow::Result<Self> {
+        if config.sinks.is_empty() {
+            return Ok(Self::disabled());
+        }
+        let capacity = config.queue_capacity.max(1);
+        let flush_deadline = Arc::new(Mutex::new(None));
+        let mut sink_tx = Vec::new();
+        let mut running = Vec::new();
+        let mut sink_stats = Vec::new();
+        let mut sink_rx = Vec::new();
+        for s in &config.sinks {
+            let (tx, rx) = crossbeam_channel::bounded::<Arc<Event>>(capacity);
+            sink_rx.push(rx.clone());
+            let stats = Arc::new(SinkStats { name: s.name(), ..SinkStats::default() });
+            let r = match s {
+                SinkConfig::Otlp(o) => sink::start_otlp(
+                    o.clone(),
+                    &config.context.node,
+                    config.mode,
+                    rx,
+                    stats.clone(),
+                    flush_deadline.clone(),
+                ),
+                SinkConfig::Json(t) => {
+                    sink::start_json(t.clone(), &config.context.node, rx, stats.clone())
+                }
+            }
+            .with_context(|| format!("audit sink {}", s.name()))?;
+            running.push(r);
+            sink_tx.push((tx, stats.clone()));
+            sink_stats.push(stats);
+        }
+        let stats = Arc::new(Stats { sinks: sink_stats, ..Stats::default() });
+        let (tx, rx) = crossbeam_channel::bounded(capacity);
+        let shared = Arc::new(Shared {
+            tx,
+            overflow: Mutex::new(VecDeque::new()),
+            mode: config.mode,
+            stats: stats.clone(),
+            close: config.defaults.close,
+        });
+        let worker = Worker {
+            ctx: config.context.clone(),
+            mode: config.mode,
+            rx,
+            shared: Arc::downgrade(&shared),
+            sinks: sink_tx,
+            stats: stats.clone(),
+            labels: Labels::default(),
+            denies: Aggregator::new(config.deny_window, MAX_DENY_WINDOWS),
+            limiter: RateLimiter::new(config.limits, Instant::now()),
+        };
+        let worker = std::thread::Builder::new()
+            .name("audit".into())
+            .spawn(move || worker.run())
+            .context("starting the audit thread")?;
+        Ok(Auditor {
+            shared: Some(shared),
+            worker: Mutex::new(Some(worker)),
+            sinks: Mutex::new(running),
+            flush_deadline,
+            flush_timeout: config.flush_timeout,
+            stats,
+            sink_rx,
+        })
+    }
+
+    /// Whether any sink is configured.
+    pub fn enabled(&self) -> bool {
+        self.shared.is_some()
+    }
+
+    /// The counters.
+    pub fn stats(&self) -> &Arc<Stats> {
+        &self.stats
+    }
+
+    /// Events waiting in each sink's queue, in [`AuditConfig::sinks`] order.
+    pub fn sink_depths(&self) -> Vec<usize> {
+        self.sink_rx.iter().map(Receiver::len).collect()
+    }
+
+    /// Events waiting in the data-path queue.
+    pub fn queue_depth(&self) -> usize {
+        self.shared
+            .as_ref()
+            .map_or(0, |s| s.tx.len() + s.overflow.lock().unwrap_or_else(|p| p.into_inner()).len())
+    }
+
+    /// Audits the decision of a new flow's first packet under `plan` (built for
+    /// `snapshot`). Returns whether the flow is audited (its connection's end is then
+    /// audited too). Lossy: never waits. Lossless: waits while the queue is full.
+    pub fn decision(
+        &self,
+        plan: &Plan,
+        snapshot: &Arc<Snapshot>,
+        flow: FlowInfo,
+        decision: &Arc<Decision>,
+    ) -> bool {
+        let Some(s) = &self.shared else { return false };
+        let dirs = plan.select(snapshot, decision);
+        if dirs == [false, false] {
+            return false;
+        }
+        let p = Pending::Decision {
+            flow,
+            decision: decision.clone(),
+            snapshot: snapshot.clone(),
+            dirs,
+        };
+        s.stats.submitted.fetch_add(1, Ordering::Relaxed);
+        match s.mode {
+            Mode::Lossy => {
+                if s.tx.try_send(p).is_err() {
+                    s.stats.dropped_queue.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+            Mode::Lossless => {
+                let _ = s.tx.send(p);
+            }
+        }
+        true
+    }
+
+    /// Audits the end of a connection whose decision was audited (the caller checks), or
+    /// any connection cut by a policy change. `snapshot` names its ends (the current one).
+    /// Never waits.
+    pub fn connection_end(
+        &self,
+        snapshot: &Arc<Snapshot>,
+        admitted: &Admitted,
+        end: ConnectionEnd,
+    ) {
+        let Some(s) = &self.shared else { return };
+        if !s.close {
+            return;
+        }
+        let p = Pending::End {
+            flow: admitted.flow,
+            decision: admitted.decision.clone(),
+            snapshot: snapshot.clone(),
+            end,
+        };
+        s.stats.submitted.fetch_add(1, Ordering::Relaxed);
+        match s.tx.try_send(p) {
+            Ok(()) => {}
+            Err(TrySendError::Full(p) | TrySendError::Disconnected(p)) => match s.mode {
+                Mode::Lossy => {
+                    s.stats.dropped_queue.fetch_add(1, Ordering::Relaxed);
+                }
+                Mode::Lossless => s.overflow.lock().unwrap_or_else(|e| e.into_inner()).push_back(p),
+            },
+        }
+    }
+
+    /// Stops accepting events, lets the worker and the sinks deliver what is queued
+    /// (within the flush timeout), and returns. Later calls do nothing.
+    pub fn shutdown(&self) {
+        let deadline = Instant::now() + self.flush_timeout;
+        *self.flush_deadline.lock().unwrap_or_else(|p| p.into_inner()) = Some(deadline);
+        // The worker ends when every sender is gone; the data path may still hold
+        // clones of `self`, so the worker is told through `shared` going away.
+        let worker = self.worker.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(s) = &self.shared {
+            let _ = s.tx.send_timeout(Pending::Shutdown, self.flush_timeout);
+        }
+        if let Some(w) = worker {
+            join_until(w, deadline);
+        }
+        for r in self.sinks.lock().unwrap_or_else(|p| p.into_inner()).drain(..) {
+            join_until(r.thread, deadline);
+        }
+        let undelivered: usize = self.sink_depths().iter().sum::<usize>() + self.queue_depth();
+        if undelivered > 0 {
+            tracing::warn!(
+                events = undelivered,
+                "audit events not delivered by the flush deadline"
+            );
+        }
+    }
+}
+
+fn join_until(h: JoinHandle<()>, deadline: Instant) {
+    while !h.is_finished() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    if h.is_finished() {
+        let _ = h.join();
+    }
+}
+
+/// The key under which identical denies are folded: direction and flow less the source
+/// port, in one revision.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct DenyKey {
+    dir: Direction,
+    src: IpAddr,
+    dst: IpAddr,
+    dst_port: u16,
+    protocol: Protocol,
+    revision: u64,
+}
+
+/// The key of a rate limit: the rule (`ruleset`, `rule`) or a fixed name.
+type RuleKey = (String, String);
+
+struct Worker {
+    ctx: Context,
+    mode: Mode,
+    rx: Receiver<Pending>,
+    shared: std::sync::Weak<Shared>,
+    sinks: Vec<(Sender<Arc<Event>>, Arc<SinkStats>)>,
+    stats: Arc<Stats>,
+    labels: Labels,
+    denies: Aggregator<DenyKey, (Event, RuleKey)>,
+    limiter: RateLimiter<RuleKey>,
+}
+
+fn rule_key(e: &Event) -> RuleKey {
+    let s = |k| e.str(k).unwrap_or("").to_string();
+    match e.name {
+        event::DECISION if e.str(event::attr::RULESET).is_some() => (
+            s(event::attr::RULESET),
+            format!("{}/{}", s(event::attr::DIRECTION), s(event::attr::RULE_NAME)),
+        ),
+        event::DECISION => ("default".into(), s(event::attr::BASIS)),
+        _ => (String::new(), e.name.to_string()),
+    }
+}
+
+impl Worker {
+    fn run(mut self) {
+        let mut next_tick = Instant::now() + TICK;
+        loop {
+            // Lossless overflow first: those ends waited longest.
+            if let Some(shared) = self.shared.upgrade() {
+                let mut overflow: Vec<Pending> = {
+                    let mut o = shared.overflow.lock().unwrap_or_else(|p| p.into_inner());
+                    o.drain(..).collect()
+                };
+                drop(shared);
+                for p in overflow.drain(..) {
+                    self.handle(p);
+                }
+            }
+            match self.rx.recv_deadline(next_tick) {
+                Ok(Pending::Shutdown) => break,
+                Ok(p) => self.handle(p),
+                Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) => break,
+            }
+            let now = Instant::now();
+            if now >= next_tick {
+                self.tick(now);
+                next_tick = now + TICK;
+            }
+        }
+        // Shutdown: what is still queued, every open deny window, the last summaries.
+        while let Ok(p) = self.rx.try_recv() {
+            self.handle(p);
+        }
+        if let Some(shared) = self.shared.upgrade() {
+            let rest: Vec<Pending> =
+                shared.overflow.lock().unwrap_or_else(|p| p.into_inner()).drain(..).collect();
+            drop(shared);
+            for p in rest {
+                self.handle(p);
+            }
+        }
+        let now = Instant::now();
+        for a in self.denies.drain() {
+            self.emit_counted(a, now);
+        }
+        self.summaries();
+        // Dropping the sink senders lets the sinks finish.
+    }
+
+    fn labels_for(&mut self, snapshot: &Snapshot) {
+        if !self.ctx.label_keys.is_empty() && self.labels.revision() != snapshot.revision().0 {
+            self.labels = Labels::new(snapshot, &self.ctx.label_keys);
+        }
+    }
+
+    fn handle(&mut self, p: Pending) {
+        let now = Instant::now();
+        match p {
+            Pending::Decision { flow, decision, snapshot, dirs } => {
+                self.labels_for(&snapshot);
+                for dir in Direction::BOTH {
+                    if !dirs[dir as usize] {
+                        continue;
+                    }
+                    let e =
+                        event::decision(&self.ctx, &snapshot, &self.labels, &flow, &decision, dir);
+                    let key = rule_key(&e);
+                    let denied = match dir {
+                        Direction::Ingress => decision.ingress.as_ref(),
+                        Direction::Egress => decision.egress.as_ref(),
+                    }
+                    .is_some_and(|o| o.verdict == Verdict::Deny);
+                    if denied {
+                        let k = DenyKey {
+                            dir,
+                            src: flow.src.ip(),
+                            dst: flow.dst.ip(),
+                            dst_port: flow.dst.port(),
+                            protocol: flow.protocol,
+                            revision: decision.revision.0,
+                        };
+                        if !self.denies.offer(k, (e, key), now) {
+                            self.stats.aggregated.fetch_add(1, Ordering::Relaxed);
+                        }
+                    } else {
+                        self.emit(e, &key, now);
+                    }
+                }
+            }
+            Pending::End { flow, decision, snapshot, end } => {
+                self.labels_for(&snapshot);
+                let e = event::connection_end(
+                    &self.ctx,
+                    &snapshot,
+                    &self.labels,
+                    &flow,
+                    &decision,
+                    &end,
+                );
+                let key = rule_key(&e);
+                self.emit(e, &key, now);
+            }
+            Pending::Shutdown => {}
+        }
+    }
+
+    fn tick(&mut self, now: Instant) {
+        for a in self.denies.due(now) {
+            self.emit_counted(a, now);
+        }
+        self.summaries();
+    }
+
+    fn emit_counted(&mut self, a: super::limit::Aggregated<(Event, RuleKey)>, now: Instant) {
+        let (mut e, key) = a.item;
+        let last = SystemTime::now() - now.saturating_duration_since(a.last);
+        e.set_count(a.count, last.max(e.time));
+        self.emit(e, &key, now);
+    }
+
+    /// A summary event per rule (and for the node) that suppressed events since the last.
+    fn summaries(&mut self) {
+        let (by_rule, node) = self.limiter.take_suppressed();
+        let now = SystemTime::now();
+        for ((ruleset, rule), n) in by_rule {
+            self.stats.rate_limited_rule.fetch_add(n, Ordering::Relaxed);
+            let e = event::suppressed(&self.ctx, now, "rule", Some(&ruleset), Some(&rule), n);
+            self.send(e);
+        }
+        if node > 0 {
+            self.stats.rate_limited_node.fetch_add(node, Ordering::Relaxed);
+            let e = event::suppressed(&self.ctx, now, "node", None, None, node);
+            self.send(e);
+        }
+    }
+
+    fn emit(&mut self, e: Event, key: &RuleKey, now: Instant) {
+        match self.limiter.check(key, now) {
+            Admit::Yes => self.send(e),
+            // Counted by the limiter; reported by the next summary.
+            Admit::RuleLimited | Admit::NodeLimited => {}
+        }
+    }
+
+    fn send(&mut self, e: Event) {
+        self.stats.emitted.fetch_add(1, Ordering::Relaxed);
+        let e = Arc::new(e);
+        for (tx, stats) in &self.sinks {
+            match self.mode {
+                Mode::Lossy => {
+                    if tx.try_send(e.clone()).is_err() {
+                        stats.dropped_queue.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+                Mode::Lossless => {
+                    let _ = tx.send(e.clone());
+                }
+            }
+        }
+    }
+}
