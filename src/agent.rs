@@ -20,8 +20,10 @@ use std::time::Duration;
 
 use anyhow::{Context, bail};
 
+use crate::audit::{self, AuditConfig, Auditor};
 use crate::cluster::manifest;
 use crate::config::RedirectConfig;
+use crate::metrics::{Metrics, Sample, Scraped};
 use crate::policy::{Revision, Snapshot};
 use crate::proxy::decider::{Current, Decider, DeciderLimits};
 use crate::proxy::queue::{self, QueueConfig};
@@ -68,11 +70,21 @@ pub struct AgentOptions {
     pub max_connections: usize,
     /// Drain grace on shutdown.
     pub drain_grace: Duration,
+    /// Audit: what is logged, where to, lossy or lossless (no sinks: off).
+    pub audit: AuditConfig,
+    /// Where to serve `/metrics`, `/healthz` and `/readyz` (`None`: not served).
+    pub metrics_addr: Option<SocketAddr>,
+    /// A network namespace (a path such as `/run/netns/NAME`, or a name under
+    /// `/run/netns`) to enforce in, entered after the audit sinks are started: the sinks
+    /// keep the namespace the agent started in, as a hostNetwork pod's would, while the
+    /// data path works in this one. The lab uses it to reach an OTLP endpoint on the host.
+    pub netns: Option<PathBuf>,
 }
 
 impl AgentOptions {
     /// Options with every default, for node `node` and `manifests`.
     pub fn new(node: String, manifests: Vec<PathBuf>) -> Self {
+        let audit = AuditConfig::new(&node, Vec::new());
         AgentOptions {
             node,
             manifests,
@@ -84,6 +96,9 @@ impl AgentOptions {
             idle_timeout: DEFAULT_IDLE_TIMEOUT,
             max_connections: DEFAULT_MAX_CONNECTIONS,
             drain_grace: DEFAULT_DRAIN_GRACE,
+            audit,
+            metrics_addr: None,
+            netns: None,
         }
     }
 }
@@ -93,7 +108,12 @@ impl AgentOptions {
 /// # Errors
 /// A file that cannot be read or parsed, or a node missing from the manifests. Invalid
 /// objects are not errors: they are logged and compiled as their API says (fail closed).
-pub fn load(manifests: &[PathBuf], node: &str, revision: Revision) -> anyhow::Result<Current> {
+pub fn load(
+    manifests: &[PathBuf],
+    node: &str,
+    revision: Revision,
+    audit_defaults: audit::Defaults,
+) -> anyhow::Result<Current> {
     let loaded = manifest::load(manifests);
     if let Some(e) = loaded.errors.first() {
         bail!("{}", crate::explain::error_chain(e));
@@ -109,11 +129,15 @@ pub fn load(manifests: &[PathBuf], node: &str, revision: Revision) -> anyhow::Re
             tracing::warn!("{p}");
         }
     }
-    let snapshot = compiled.snapshot;
+    let snapshot = Arc::new(compiled.snapshot);
     let Some(node_id) = snapshot.find_node(node) else {
         bail!("node {node:?} is not among the Nodes in the manifests");
     };
-    Ok(Current { snapshot, node: node_id })
+    let (plan, errors) = audit::Plan::new(&snapshot, audit_defaults);
+    for e in errors {
+        tracing::warn!("{e}");
+    }
+    Ok(Current { snapshot, node: node_id, audit: plan })
 }
 
 /// What the agent would install for `opts`, without touching the node: the backend, why
@@ -123,7 +147,7 @@ pub fn load(manifests: &[PathBuf], node: &str, revision: Revision) -> anyhow::Re
 /// Invalid configuration, manifests that cannot be read, a node missing from them.
 pub fn dry_run(opts: &AgentOptions) -> anyhow::Result<String> {
     opts.redirect.validate().context("redirect configuration")?;
-    let current = load(&opts.manifests, &opts.node, Revision(1))?;
+    let current = load(&opts.manifests, &opts.node, Revision(1), opts.audit.defaults)?;
     let spec = RulesetSpec::new(
         opts.redirect.clone(),
         current.snapshot.local_pod_ips(current.node),
@@ -146,7 +170,15 @@ pub fn dry_run(opts: &AgentOptions) -> anyhow::Result<String> {
 /// ruleset is removed again if start-up fails after installing it.
 pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
     opts.redirect.validate().context("redirect configuration")?;
-    let current = load(&opts.manifests, &opts.node, Revision(1))?;
+    // Audit sinks first: their threads (and sockets) stay in the namespace the agent
+    // started in.
+    let mut audit_config = opts.audit.clone();
+    audit_config.context.node = opts.node.clone();
+    let auditor = Arc::new(Auditor::start(audit_config).context("starting audit")?);
+    if let Some(ns) = &opts.netns {
+        enter_netns(ns)?;
+    }
+    let current = load(&opts.manifests, &opts.node, Revision(1), opts.audit.defaults)?;
     let local: Vec<IpAddr> = current.snapshot.local_pod_ips(current.node);
     let node_addrs: Vec<IpAddr> = current.snapshot.node_addrs(current.node).to_vec();
     tracing::info!(
@@ -157,7 +189,22 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
     );
     let spec = RulesetSpec::new(opts.redirect.clone(), local, node_addrs)
         .context("redirect configuration")?;
-    let decider = Arc::new(Decider::new(current, DeciderLimits::default()));
+    let registry = Arc::new(Registry::default());
+    let decider_slot: Arc<std::sync::OnceLock<Arc<Decider>>> = Arc::default();
+    let metrics = Arc::new(Metrics::new(scraped(
+        auditor.clone(),
+        registry.clone(),
+        decider_slot.clone(),
+        &opts.audit,
+    )));
+    let decider = Arc::new(Decider::new(
+        current,
+        DeciderLimits::default(),
+        auditor.clone(),
+        metrics.data_path.clone(),
+    ));
+    let _ = decider_slot.set(decider.clone());
+    let ready = Arc::new(std::sync::atomic::AtomicBool::new(false));
 
     let r = &opts.redirect;
     queue::start(
@@ -207,6 +254,10 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
         SocketAddr::new(IpAddr::V6(r.tproxy_addr_v6), r.tproxy_port),
     ];
     let listeners = runtime.block_on(async { tcp::bind(&addrs) })?;
+    if let Some(addr) = opts.metrics_addr {
+        runtime.block_on(crate::metrics::serve(addr, metrics.clone(), ready.clone()))?;
+        tracing::info!(%addr, "serving /metrics, /healthz, /readyz");
+    }
 
     let selection = redirect::select(r.backend);
     let backend = selection.backend;
@@ -219,9 +270,9 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
         std::fs::write(path, b"")
             .with_context(|| format!("writing the ready file {}", path.display()))?;
     }
-    tracing::info!(node = %opts.node, "enforcing");
+    ready.store(true, std::sync::atomic::Ordering::Relaxed);
+    tracing::info!(node = %opts.node, audit = auditor.enabled(), "enforcing");
 
-    let registry = Arc::new(Registry::default());
     runtime.block_on(async {
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
         let serving = tokio::spawn(tcp::serve(listeners, proxy, decider, registry, stop_rx));
@@ -230,11 +281,138 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
         let _ = stop_tx.send(true);
         let _ = serving.await;
     });
+    ready.store(false, std::sync::atomic::Ordering::Relaxed);
+    // Connection ends are queued by now: flush them with the rest.
+    auditor.shutdown();
     if let Some(path) = &opts.ready_file {
         let _ = std::fs::remove_file(path);
     }
     drop(installed);
     Ok(())
+}
+
+/// Moves the calling thread (the agent's main thread, before it starts any other) into
+/// network namespace `ns`: a path, or a name under `/run/netns`.
+fn enter_netns(ns: &std::path::Path) -> anyhow::Result<()> {
+    let path = if ns.components().count() == 1 && !ns.is_absolute() {
+        std::path::Path::new("/run/netns").join(ns)
+    } else {
+        ns.to_path_buf()
+    };
+    let f = std::fs::File::open(&path)
+        .with_context(|| format!("opening network namespace {}", path.display()))?;
+    nix::sched::setns(&f, nix::sched::CloneFlags::CLONE_NEWNET)
+        .with_context(|| format!("entering network namespace {}", path.display()))?;
+    Ok(())
+}
+
+/// The values read at each scrape: audit counters and queue depths, live connections,
+/// kernel queue drops, the snapshot revision, decision cache hits.
+fn scraped(
+    auditor: Arc<Auditor>,
+    registry: Arc<Registry>,
+    decider: Arc<std::sync::OnceLock<Arc<Decider>>>,
+    config: &AuditConfig,
+) -> Scraped {
+    use std::sync::atomic::Ordering::Relaxed;
+    let sink_names: Vec<&'static str> = config.sinks.iter().map(|s| s.name()).collect();
+    Scraped(Box::new(move || {
+        let st = auditor.stats();
+        let c = |name, help, labels: Vec<(&'static str, String)>, value| Sample {
+            name,
+            help,
+            counter: true,
+            labels,
+            value,
+        };
+        let g =
+            |name, help, labels, value| Sample { counter: false, ..c(name, help, labels, value) };
+        let ev = "Audit events, by outcome: emitted, aggregated (folded into another deny's \
+                  count), rate_limited_rule, rate_limited_node, dropped_queue (lossy, queue full)";
+        let mut out = vec![
+            c("audit_events", ev, vec![("outcome", "emitted".into())], st.emitted.load(Relaxed)),
+            c(
+                "audit_events",
+                ev,
+                vec![("outcome", "aggregated".into())],
+                st.aggregated.load(Relaxed),
+            ),
+            c(
+                "audit_events",
+                ev,
+                vec![("outcome", "rate_limited_rule".into())],
+                st.rate_limited_rule.load(Relaxed),
+            ),
+            c(
+                "audit_events",
+                ev,
+                vec![("outcome", "rate_limited_node".into())],
+                st.rate_limited_node.load(Relaxed),
+            ),
+            c(
+                "audit_events",
+                ev,
+                vec![("outcome", "dropped_queue".into())],
+                st.dropped_queue.load(Relaxed),
+            ),
+            g(
+                "audit_queue_depth",
+                "Audit records waiting for the audit thread",
+                vec![],
+                auditor.queue_depth() as u64,
+            ),
+            g("connections_active", "Live proxied connections", vec![], registry.len() as u64),
+        ];
+        let sk = "Audit events per sink, by outcome: exported, dropped_queue (lossy), failed";
+        for ((s, name), depth) in st.sinks.iter().zip(&sink_names).zip(auditor.sink_depths()) {
+            let l = |o: &str| vec![("sink", (*name).to_string()), ("outcome", o.to_string())];
+            out.push(c("audit_sink_events", sk, l("exported"), s.exported.load(Relaxed)));
+            out.push(c("audit_sink_events", sk, l("dropped_queue"), s.dropped_queue.load(Relaxed)));
+            out.push(c("audit_sink_events", sk, l("failed"), s.failed.load(Relaxed)));
+            out.push(c(
+                "audit_sink_retries",
+                "Failed exports retried (lossless)",
+                vec![("sink", (*name).to_string())],
+                s.retries.load(Relaxed),
+            ));
+            out.push(g(
+                "audit_sink_queue_depth",
+                "Audit events waiting for a sink",
+                vec![("sink", (*name).to_string())],
+                depth as u64,
+            ));
+        }
+        let nq = "Packets the kernel dropped at an NFQUEUE, by reason: queue_full, undeliverable";
+        for (q, full, undeliverable) in crate::metrics::nfqueue_drops() {
+            out.push(c(
+                "nfqueue_dropped",
+                nq,
+                vec![("queue", q.to_string()), ("reason", "queue_full".into())],
+                full,
+            ));
+            out.push(c(
+                "nfqueue_dropped",
+                nq,
+                vec![("queue", q.to_string()), ("reason", "undeliverable".into())],
+                undeliverable,
+            ));
+        }
+        if let Some(d) = decider.get() {
+            out.push(g(
+                "snapshot_revision",
+                "Revision of the snapshot in force",
+                vec![],
+                d.current().snapshot.revision().0,
+            ));
+            out.push(c(
+                "decision_cache_hits",
+                "First packets decided from the cache",
+                vec![],
+                d.stats.cache_hits.load(Relaxed),
+            ));
+        }
+        out
+    }))
 }
 
 /// Removes the ruleset when dropped (start-up failure, or the end of `run`), unless it is

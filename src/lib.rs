@@ -6,6 +6,7 @@ pub mod config;
 pub mod explain;
 pub mod lab;
 pub mod loadgen;
+pub mod metrics;
 pub mod policy;
 pub mod proxy;
 pub mod redirect;

@@ -46,7 +46,7 @@ enum Command {
     /// Enforce policy on this node: NFQUEUE first-packet decisions, TPROXY into the
     /// transparent proxy, splice relay. Runs until SIGTERM/SIGINT, then drains and removes
     /// its ruleset. Needs CAP_NET_ADMIN (and root for the ruleset tools).
-    Agent(AgentArgs),
+    Agent(Box<AgentArgs>),
     /// Measure request/response latency or connection rate against a lab echo server
     /// (run inside a pod with `tierproxy lab exec`). Prints one JSON object.
     #[command(hide = true)]
@@ -150,6 +150,16 @@ struct AgentArgs {
     /// changes nothing on the node.
     #[arg(long)]
     dry_run: bool,
+    /// Serve /metrics (Prometheus), /healthz and /readyz on this address.
+    #[arg(long)]
+    metrics_addr: Option<std::net::SocketAddr>,
+    /// Enforce in this network namespace (a path, or a name under /run/netns), entered
+    /// after the audit sinks start: they keep the agent's starting namespace, as a
+    /// hostNetwork pod's would. The lab uses it.
+    #[arg(long)]
+    netns: Option<PathBuf>,
+    #[command(flatten)]
+    audit: tierproxy::audit::cli::AuditArgs,
 }
 
 fn run_agent(a: AgentArgs) -> ExitCode {
@@ -172,7 +182,17 @@ fn run_agent(a: AgentArgs) -> ExitCode {
         .with_writer(writer)
         .with_ansi(false)
         .init();
+    let audit = match a.audit.config(&a.node) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            return ExitCode::from(2);
+        }
+    };
     let mut opts = tierproxy::agent::AgentOptions::new(a.node, a.manifests);
+    opts.audit = audit;
+    opts.metrics_addr = a.metrics_addr;
+    opts.netns = a.netns;
     opts.ready_file = a.ready_file;
     opts.redirect.backend = a.redirect_backend;
     opts.redirect.queue_bypass = a.fail_open;
@@ -248,7 +268,7 @@ fn main() -> ExitCode {
         }
         Command::Agent(args) => {
             drop((out, err));
-            return run_agent(args);
+            return run_agent(*args);
         }
         Command::Lab(args) => tierproxy::lab::cli::main(args, &mut out, &mut err),
     };

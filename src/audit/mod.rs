@@ -18,6 +18,7 @@
 //! Sources: KEP-2091 "Future work: Audit Logging"; issue #4; OpenTelemetry Logs Data
 //! Model and OTLP exporter specification.
 
+pub mod cli;
 pub mod event;
 pub mod limit;
 pub mod pipeline;

@@ -120,6 +120,9 @@ pub fn flatten(req: &ExportLogsServiceRequest) -> Vec<Received> {
     out
 }
 
+/// A callback given each export request's records.
+pub type OnRecords = Box<dyn Fn(&[Received]) + Send + Sync>;
+
 /// What every handler shares.
 #[derive(Default)]
 struct State {
@@ -128,7 +131,7 @@ struct State {
     delay_ms: AtomicU64,
     requests: AtomicU64,
     /// Called with each request's records (e.g. to print them).
-    on_records: Option<Box<dyn Fn(&[Received]) + Send + Sync>>,
+    on_records: Option<OnRecords>,
 }
 
 impl State {
@@ -210,7 +213,7 @@ impl Receiver {
     pub fn start_with(
         protocol: OtlpProtocol,
         addr: SocketAddr,
-        on_records: Option<Box<dyn Fn(&[Received]) + Send + Sync>>,
+        on_records: Option<OnRecords>,
     ) -> anyhow::Result<Self> {
         let state = Arc::new(State { on_records, ..State::default() });
         let listener = std::net::TcpListener::bind(addr)

@@ -260,7 +260,7 @@ impl Plan {
         ];
         let sampled = w.contains(&Want::Sampled) && {
             let n = u64::from(self.defaults.allow_sample.max(1));
-            self.sample.fetch_add(1, Ordering::Relaxed) % n == 0
+            self.sample.fetch_add(1, Ordering::Relaxed).is_multiple_of(n)
         };
         w.map(|w| w == Want::Always || (w == Want::Sampled && sampled))
     }

@@ -8,21 +8,38 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use arc_swap::ArcSwap;
 
 use super::packet::FlowKey;
+use crate::audit::{self, Auditor, FlowInfo};
+use crate::metrics::DataPathMetrics;
 use crate::policy::eval::{Decision, Flow, Verdict};
 use crate::policy::{Revision, Snapshot};
 
-/// What the deciders read: a compiled snapshot and this node's id in it.
+/// What the deciders read: a compiled snapshot, this node's id in it, and the audit
+/// selection built for it.
 #[derive(Debug)]
 pub struct Current {
     /// The snapshot; its revision keys the decision cache.
-    pub snapshot: Snapshot,
+    pub snapshot: Arc<Snapshot>,
     /// This node's id in `snapshot` ([`Snapshot::find_node`]).
     pub node: u32,
+    /// What is audited under `snapshot` ([`audit::Plan::new`]).
+    pub audit: Arc<audit::Plan>,
+}
+
+/// A decision handed from the first packet to the proxy: the decision, and whether the
+/// flow is audited (its connection's end is audited too).
+#[derive(Debug, Clone)]
+pub struct Admission {
+    /// The decision.
+    pub decision: Arc<Decision>,
+    /// The flow's decision went to audit.
+    pub audited: bool,
+    /// When the first packet was decided.
+    pub time: SystemTime,
 }
 
 /// Decision cache and hand-over sizes.
@@ -66,15 +83,24 @@ pub struct DecisionStats {
 pub struct Decider {
     current: ArcSwap<Current>,
     cache: moka::sync::Cache<(Flow, Revision), Arc<Decision>>,
-    pending: moka::sync::Cache<FlowKey, Arc<Decision>>,
+    pending: moka::sync::Cache<FlowKey, Admission>,
+    auditor: Arc<Auditor>,
+    metrics: Arc<DataPathMetrics>,
     /// Counters, for logs and tests.
     pub stats: DecisionStats,
 }
 
 impl Decider {
-    /// A decider over `current`.
-    pub fn new(current: Current, limits: DeciderLimits) -> Self {
+    /// A decider over `current`, auditing through `auditor` and counting in `metrics`.
+    pub fn new(
+        current: Current,
+        limits: DeciderLimits,
+        auditor: Arc<Auditor>,
+        metrics: Arc<DataPathMetrics>,
+    ) -> Self {
         Decider {
+            auditor,
+            metrics,
             current: ArcSwap::from_pointee(current),
             cache: moka::sync::Cache::new(limits.cache_entries),
             pending: moka::sync::Cache::builder()
@@ -110,26 +136,61 @@ impl Decider {
         d
     }
 
-    /// Decides the first packet of the flow `key` and, when it is allowed, keeps the
-    /// decision for [`Decider::take`] (the proxy attaches it to the connection it accepts).
+    /// The auditor decisions go to.
+    pub fn auditor(&self) -> &Arc<Auditor> {
+        &self.auditor
+    }
+
+    /// The data path's metrics.
+    pub fn metrics(&self) -> &DataPathMetrics {
+        &self.metrics
+    }
+
+    /// Decides the first packet of the flow `key`, audits the decision, and, when it is
+    /// allowed, keeps it for [`Decider::take`] (the proxy attaches it to the connection it
+    /// accepts). In lossless audit mode this waits while the audit queue is full.
     pub fn first_packet(&self, key: FlowKey) -> Arc<Decision> {
-        let d = self.decide(key.flow());
+        let started = std::time::Instant::now();
+        let current = self.current.load();
+        let cache_key = (key.flow(), current.snapshot.revision());
+        let d = match self.cache.get(&cache_key) {
+            Some(d) => {
+                self.stats.cache_hits.fetch_add(1, Ordering::Relaxed);
+                d
+            }
+            None => {
+                let d = Arc::new(current.snapshot.decide_on_node(&cache_key.0, current.node));
+                self.cache.insert(cache_key, d.clone());
+                d
+            }
+        };
+        let time = SystemTime::now();
+        let audited = self.auditor.enabled()
+            && (d.egress.is_some() || d.ingress.is_some())
+            && self.auditor.decision(
+                &current.audit,
+                &current.snapshot,
+                FlowInfo { src: key.src, dst: key.dst, protocol: key.protocol, time },
+                &d,
+            );
         match d.verdict {
             Verdict::Allow => {
                 self.stats.allowed.fetch_add(1, Ordering::Relaxed);
-                self.pending.insert(key, d.clone());
+                self.pending.insert(key, Admission { decision: d.clone(), audited, time });
             }
             Verdict::Deny => {
                 self.stats.denied.fetch_add(1, Ordering::Relaxed);
             }
         }
+        self.metrics.decision(&d);
+        self.metrics.decision_seconds.observe(started.elapsed().as_secs_f64());
         d
     }
 
-    /// The decision that admitted the flow `key`, removed from the hand-over map; `None`
-    /// when none is waiting (it aged out, or the flow was admitted before this process
-    /// started — the caller then decides again with [`Decider::decide`]).
-    pub fn take(&self, key: &FlowKey) -> Option<Arc<Decision>> {
+    /// The admission of the flow `key`, removed from the hand-over map; `None` when none
+    /// is waiting (it aged out, or the flow was admitted before this process started —
+    /// the caller then decides again with [`Decider::decide`]).
+    pub fn take(&self, key: &FlowKey) -> Option<Admission> {
         self.pending.remove(key)
     }
 }

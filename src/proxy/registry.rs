@@ -7,7 +7,7 @@
 //! Source: issue #3 "The proxy" (registry), DESIGN §5.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
@@ -30,8 +30,34 @@ pub struct Tracked {
     pub decision: OnceLock<Arc<Decision>>,
     /// Bytes moved each way so far.
     pub counters: Counters,
-    /// Notified to make the relay end (reason `Stopped`, both sides reset).
+    /// Notified to make the relay end (reason `Stopped`, both sides reset); see
+    /// [`Tracked::stop_reason`] for why.
     pub stop: Notify,
+    /// Why it was told to stop: [`STOP_SHUTDOWN`] or [`STOP_POLICY_CHANGE`]; 0 if not.
+    pub stop_why: AtomicU8,
+}
+
+/// [`Tracked::stop_why`]: the agent is shutting down.
+pub const STOP_SHUTDOWN: u8 = 1;
+/// [`Tracked::stop_why`]: a new snapshot denies the connection (issue #5).
+pub const STOP_POLICY_CHANGE: u8 = 2;
+
+impl Tracked {
+    /// Tells the connection to stop, for `why` ([`STOP_SHUTDOWN`], [`STOP_POLICY_CHANGE`]).
+    pub fn stop(&self, why: u8) {
+        let _ = self.stop_why.compare_exchange(0, why, Ordering::Relaxed, Ordering::Relaxed);
+        self.stop.notify_one();
+    }
+
+    /// The audited reason of a stop: `shutdown` or `policy-change` (`None` if not told
+    /// to stop).
+    pub fn stop_reason(&self) -> Option<crate::audit::CloseReason> {
+        match self.stop_why.load(Ordering::Relaxed) {
+            STOP_SHUTDOWN => Some(crate::audit::CloseReason::Shutdown),
+            STOP_POLICY_CHANGE => Some(crate::audit::CloseReason::PolicyChange),
+            _ => None,
+        }
+    }
 }
 
 /// The registry. Cheap to share (`Arc`); a mutex-guarded map touched twice per
@@ -72,6 +98,7 @@ impl Registry {
             decision: OnceLock::new(),
             counters: Counters::default(),
             stop: Notify::new(),
+            stop_why: AtomicU8::new(0),
         });
         self.lock().insert(tracked.id, tracked.clone());
         Registration { registry: self.clone(), tracked }
@@ -92,11 +119,11 @@ impl Registry {
         self.lock().values().cloned().collect()
     }
 
-    /// Tells every live connection to stop. A connection whose relay has not started yet
-    /// stops as soon as it does (the notification is stored).
+    /// Tells every live connection to stop (shutdown). A connection whose relay has not
+    /// started yet stops as soon as it does (the notification is stored).
     pub fn stop_all(&self) {
         for t in self.connections() {
-            t.stop.notify_one();
+            t.stop(STOP_SHUTDOWN);
         }
     }
 }

@@ -29,10 +29,11 @@ use socket2::{Domain, Socket, Type};
 use tokio::net::{TcpListener, TcpSocket, TcpStream};
 use tokio::sync::{Semaphore, watch};
 
-use super::decider::Decider;
+use super::decider::{Admission, Decider};
 use super::packet::FlowKey;
 use super::registry::Registry;
 use super::relay::{self, RelayConfig};
+use crate::audit::{Admitted, CloseReason, ConnectionEnd, FlowInfo};
 use crate::policy::eval::Verdict;
 use crate::policy::ports::Protocol;
 
@@ -205,15 +206,48 @@ async fn proxy(
     let key = FlowKey { src: unmap(peer), dst: unmap(original), protocol: Protocol::Tcp };
     let registration = registry.register(key);
     let tracked = &registration.tracked;
-    // The decision made on the first packet; decide again if it is gone (aged out, or
-    // admitted before this process started).
-    let decision = decider.take(&key).unwrap_or_else(|| decider.decide(key.flow()));
+    let admission = decider.take(&key).unwrap_or_else(|| Admission {
+        decision: decider.decide(key.flow()),
+        // Admitted before this process started or aged out of the hand-over: its first
+        // packet's decision was audited then, if at all.
+        audited: false,
+        time: std::time::SystemTime::now(),
+    });
+    let decision = admission.decision.clone();
     let _ = tracked.decision.set(decision.clone());
     if decision.verdict == Verdict::Deny {
         tracing::warn!(src = %key.src, dst = %key.dst, "connection reached the proxy but policy denies it; reset");
         reset(&client);
         return;
     }
+    decider.metrics().connections_opened.inc();
+    let ended = |reason: CloseReason| {
+        decider.metrics().closed(
+            reason,
+            tracked.counters.to_server.load(Ordering::Relaxed),
+            tracked.counters.to_client.load(Ordering::Relaxed),
+        );
+        let auditor = decider.auditor();
+        if !auditor.enabled() || !(admission.audited || reason == CloseReason::PolicyChange) {
+            return;
+        }
+        let admitted = Admitted {
+            flow: FlowInfo {
+                src: key.src,
+                dst: key.dst,
+                protocol: key.protocol,
+                time: admission.time,
+            },
+            decision: decision.clone(),
+        };
+        let end = ConnectionEnd {
+            reason,
+            to_server: tracked.counters.to_server.load(Ordering::Relaxed),
+            to_client: tracked.counters.to_client.load(Ordering::Relaxed),
+            duration: tracked.accepted.elapsed(),
+        };
+        auditor.connection_end(&decider.current().snapshot, &admitted, end);
+    };
     let _ = client.set_nodelay(true);
     let to_self = key.dst.ip().is_loopback() || config.local_addrs.contains(&key.dst.ip());
     let source = (config.preserve_source && !to_self).then_some(key.src.ip());
@@ -227,11 +261,13 @@ async fn proxy(
         Ok(Err(e)) => {
             tracing::debug!(error = %e, dst = %key.dst, "upstream connect failed");
             reset(&client);
+            ended(CloseReason::UpstreamUnreachable);
             return;
         }
         Err(_) => {
             tracing::debug!(dst = %key.dst, "upstream connect timed out");
             reset(&client);
+            ended(CloseReason::UpstreamUnreachable);
             return;
         }
     };
@@ -246,9 +282,14 @@ async fn proxy(
         to_client = tracked.counters.to_client.load(Ordering::Relaxed),
         "connection closed"
     );
+    ended(match reason {
+        relay::CloseReason::Normal => CloseReason::Normal,
+        relay::CloseReason::Reset => CloseReason::Reset,
+        relay::CloseReason::Timeout => CloseReason::Timeout,
+        relay::CloseReason::Stopped => tracked.stop_reason().unwrap_or(CloseReason::Shutdown),
+    });
 }
 
-/// An IPv4-mapped IPv6 address as the IPv4 address it maps.
 fn unmap(a: SocketAddr) -> SocketAddr {
     match a {
         SocketAddr::V6(v6) => match v6.ip().to_ipv4_mapped() {

@@ -1,0 +1,284 @@
+//! Prometheus metrics and health endpoints of the agent.
+//!
+//! The data path updates pre-resolved counters ([`DataPathMetrics`]: one atomic add per
+//! event, no label lookup); values that already exist elsewhere (audit counters, live
+//! connections, kernel queue drops) are read at scrape time by a [`Scraped`] collector.
+//! [`serve`] answers `GET /metrics` (Prometheus text format), `/healthz` (the process
+//! serves) and `/readyz` (the node is enforcing).
+//!
+//! Sources: issue #4 "Delivery" (the metric list); Prometheus exposition format;
+//! `/proc/net/netfilter/nfnetlink_queue` columns (net/netfilter/nfnetlink_queue.c,
+//! `seq_show`: queue, peer port id, queue total, copy mode, copy range, queue dropped,
+//! user dropped, id sequence, 1).
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use anyhow::Context as _;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+use crate::policy::compile::{Direction, Tier};
+use crate::policy::eval::{Basis, Decision, Verdict};
+
+type Labels = Vec<(&'static str, &'static str)>;
+
+/// Counters the data path updates.
+#[derive(Debug)]
+pub struct DataPathMetrics {
+    /// By `[direction][verdict][tier]` (tiers as [`TIERS`]).
+    directions: [[[Counter; 4]; 2]; 2],
+    /// By verdict (allow, deny).
+    flows: [Counter; 2],
+    /// Seconds to decide a first packet (cache and audit hand-over included).
+    pub decision_seconds: Histogram,
+    /// Proxied connections accepted.
+    pub connections_opened: Counter,
+    /// Proxied connections closed, by reason (as `CLOSE_REASONS`).
+    closed: [Counter; 6],
+    /// Bytes relayed client → server and server → client.
+    pub bytes: [Counter; 2],
+}
+
+const TIERS: [&str; 4] = ["admin", "networkpolicy", "baseline", "default"];
+const CLOSE_REASONS: [crate::audit::CloseReason; 6] = {
+    use crate::audit::CloseReason as R;
+    [R::Normal, R::Reset, R::Timeout, R::PolicyChange, R::Shutdown, R::UpstreamUnreachable]
+};
+
+/// Position of the deciding tier in [`TIERS`]: isolation is the NetworkPolicy tier's; no
+/// policy and the own node count as `default`.
+fn tier_index(basis: &Basis) -> usize {
+    let t = match basis {
+        Basis::Rule { tier, .. } => *tier,
+        Basis::Isolated { .. } => Tier::NetworkPolicy,
+        Basis::NoPolicy | Basis::OwnNode => return 3,
+    };
+    match t {
+        Tier::Admin => 0,
+        Tier::NetworkPolicy => 1,
+        Tier::Baseline => 2,
+    }
+}
+
+impl DataPathMetrics {
+    /// Counts one decided flow: each direction by verdict and deciding tier, the flow
+    /// by verdict.
+    pub fn decision(&self, d: &Decision) {
+        for (dir, o) in [(Direction::Ingress, &d.ingress), (Direction::Egress, &d.egress)] {
+            if let Some(o) = o {
+                let v = usize::from(o.verdict == Verdict::Deny);
+                let t = tier_index(&o.basis);
+                self.directions[dir as usize][v][t].inc();
+            }
+        }
+        self.flows[usize::from(d.verdict == Verdict::Deny)].inc();
+    }
+
+    /// Counts a closed connection.
+    pub fn closed(&self, reason: crate::audit::CloseReason, to_server: u64, to_client: u64) {
+        if let Some(i) = CLOSE_REASONS.iter().position(|r| *r == reason) {
+            self.closed[i].inc();
+        }
+        self.bytes[0].inc_by(to_server);
+        self.bytes[1].inc_by(to_client);
+    }
+}
+
+/// The agent's metrics: a registry and the data path's counters in it.
+#[derive(Debug)]
+pub struct Metrics {
+    registry: Registry,
+    /// What the data path updates.
+    pub data_path: Arc<DataPathMetrics>,
+}
+
+impl Metrics {
+    /// A registry with every data-path metric and `scraped` (values read per scrape).
+    pub fn new(scraped: impl prometheus_client::collector::Collector) -> Self {
+        let mut registry = Registry::with_prefix("tierproxy");
+        let directions: Family<Labels, Counter> = Family::default();
+        let flows: Family<Labels, Counter> = Family::default();
+        let closed: Family<Labels, Counter> = Family::default();
+        let bytes: Family<Labels, Counter> = Family::default();
+        let decision_seconds = Histogram::new(exponential_buckets(1e-7, 2.0, 20));
+        let connections_opened = Counter::default();
+        let dir_counters = [Direction::Ingress, Direction::Egress].map(|dir| {
+            ["allow", "deny"].map(|verdict| {
+                TIERS.map(|tier| {
+                    directions
+                        .get_or_create(&vec![
+                            ("direction", dir.as_str()),
+                            ("verdict", verdict),
+                            ("tier", tier),
+                        ])
+                        .clone()
+                })
+            })
+        });
+        let flow_counters =
+            ["allow", "deny"].map(|v| flows.get_or_create(&vec![("verdict", v)]).clone());
+        let closed_counters =
+            CLOSE_REASONS.map(|r| closed.get_or_create(&vec![("reason", r.as_str())]).clone());
+        let byte_counters = ["to_server", "to_client"]
+            .map(|d| bytes.get_or_create(&vec![("direction", d)]).clone());
+        registry.register(
+            "direction_decisions",
+            "Decided directions of new flows, by direction, verdict and deciding tier",
+            directions,
+        );
+        registry.register("decisions", "Decided new flows, by verdict", flows);
+        registry.register(
+            "decision_duration_seconds",
+            "Time to decide a new flow's first packet (cache and audit hand-over included)",
+            decision_seconds.clone(),
+        );
+        registry.register(
+            "connections_opened",
+            "Proxied connections accepted",
+            connections_opened.clone(),
+        );
+        registry.register("connections_closed", "Proxied connections closed, by reason", closed);
+        registry.register("relayed_bytes", "Bytes relayed, by direction", bytes);
+        registry.register_collector(Box::new(scraped));
+        Metrics {
+            registry,
+            data_path: Arc::new(DataPathMetrics {
+                directions: dir_counters,
+                flows: flow_counters,
+                decision_seconds,
+                connections_opened,
+                closed: closed_counters,
+                bytes: byte_counters,
+            }),
+        }
+    }
+
+    /// The registry in the Prometheus text format.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        // Writing to a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        out
+    }
+}
+
+/// One value read at scrape time.
+#[derive(Debug, Clone)]
+pub struct Sample {
+    /// Metric name without the `tierproxy_` prefix (counters without `_total`).
+    pub name: &'static str,
+    /// Help text.
+    pub help: &'static str,
+    /// Counter or gauge.
+    pub counter: bool,
+    /// Labels.
+    pub labels: Vec<(&'static str, String)>,
+    /// The value.
+    pub value: u64,
+}
+
+/// A collector whose samples come from a closure run at each scrape.
+pub struct Scraped(pub Box<dyn Fn() -> Vec<Sample> + Send + Sync>);
+
+impl std::fmt::Debug for Scraped {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Scraped")
+    }
+}
+
+impl prometheus_client::collector::Collector for Scraped {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let mut samples = (self.0)();
+        samples.sort_by_key(|s| s.name);
+        let mut i = 0;
+        while i < samples.len() {
+            let j = i + samples[i..].iter().take_while(|s| s.name == samples[i].name).count();
+            let first = &samples[i];
+            let name = format!("tierproxy_{}", first.name);
+            let ty = if first.counter { MetricType::Counter } else { MetricType::Gauge };
+            let mut m = encoder.encode_descriptor(&name, first.help, None, ty)?;
+            for s in &samples[i..j] {
+                let labels: Vec<(&str, &str)> =
+                    s.labels.iter().map(|(k, v)| (*k, v.as_str())).collect();
+                let f = m.encode_family(&labels)?;
+                if s.counter {
+                    ConstCounter::new(s.value).encode(f)?;
+                } else {
+                    ConstGauge::new(i64::try_from(s.value).unwrap_or(i64::MAX)).encode(f)?;
+                }
+            }
+            i = j;
+        }
+        Ok(())
+    }
+}
+
+/// Per kernel queue: (queue number, dropped because the queue was full, dropped because
+/// the message could not be delivered to the reader), from
+/// `/proc/net/netfilter/nfnetlink_queue` of the caller's network namespace.
+pub fn nfqueue_drops() -> Vec<(u16, u64, u64)> {
+    let Ok(text) = std::fs::read_to_string("/proc/net/netfilter/nfnetlink_queue") else {
+        return Vec::new();
+    };
+    text.lines()
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            Some((f.first()?.parse().ok()?, f.get(5)?.parse().ok()?, f.get(6)?.parse().ok()?))
+        })
+        .collect()
+}
+
+/// Serves `/metrics`, `/healthz` and `/readyz` on `addr` until the runtime stops.
+///
+/// # Errors
+/// The address cannot be bound.
+pub async fn serve(
+    addr: SocketAddr,
+    metrics: Arc<Metrics>,
+    ready: Arc<AtomicBool>,
+) -> anyhow::Result<()> {
+    use axum::http::{StatusCode, header};
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("binding the metrics address {addr}"))?;
+    let app = axum::Router::new()
+        .route(
+            "/metrics",
+            axum::routing::get(move || {
+                let m = metrics.clone();
+                async move {
+                    (
+                        [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
+                        m.encode(),
+                    )
+                }
+            }),
+        )
+        .route("/healthz", axum::routing::get(|| async { "ok\n" }))
+        .route(
+            "/readyz",
+            axum::routing::get(move || {
+                let ready = ready.load(Ordering::Relaxed);
+                async move {
+                    if ready {
+                        (StatusCode::OK, "ready\n")
+                    } else {
+                        (StatusCode::SERVICE_UNAVAILABLE, "not enforcing yet\n")
+                    }
+                }
+            }),
+        );
+    tokio::spawn(async move {
+        if let Err(e) = axum::serve(listener, app).await {
+            tracing::error!(error = %e, "metrics server stopped");
+        }
+    });
+    Ok(())
+}
