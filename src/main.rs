@@ -46,6 +46,7 @@ enum Command {
     /// Enforce policy on this node: NFQUEUE first-packet decisions, TPROXY into the
     /// transparent proxy, splice relay. Runs until SIGTERM/SIGINT, then drains and removes
     /// its ruleset. Needs CAP_NET_ADMIN (and root for the ruleset tools).
+    #[command(args_override_self = true)]
     Agent(Box<AgentArgs>),
     /// Measure request/response latency or connection rate against a lab echo server
     /// (run inside a pod with `tierproxy lab exec`). Prints one JSON object.

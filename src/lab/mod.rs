@@ -358,6 +358,7 @@ fn build(
                 &state.manifests,
                 &log,
                 &ready,
+                &procs::audit_file(&state.dir, &node.name),
                 agent_args,
             );
             let child = procs::spawn_detached(cmd, &out)?;
@@ -508,6 +509,20 @@ pub fn probe_lab(
             Job { netns, flow: *flow }
         })
         .collect();
+    let audit_files: Vec<(PathBuf, u64)> = if state.agents {
+        state
+            .plan
+            .nodes
+            .iter()
+            .map(|n| procs::audit_file(&state.dir, &n.name))
+            .map(|f| {
+                let len = std::fs::metadata(&f).map_or(0, |m| m.len());
+                (f, len)
+            })
+            .collect()
+    } else {
+        Vec::new()
+    };
     let observations = probe::run_all(&jobs, opts.timeout, interrupted());
     let rows: Vec<Row> = pairs
         .into_iter()
@@ -532,9 +547,26 @@ pub fn probe_lab(
         Output::Matrix => report::write_matrix(&rows, out),
     };
     let _ = written;
+    if opts.output != Output::Json && !audit_files.is_empty() {
+        let _ = write_audit(&audit_files, out);
+    }
     stop_requested()?;
     let code = report::Summary::of(&rows).exit_code();
     Ok((rows, code))
+}
+
+/// Prints what the agents audited while the probes ran: the JSON Lines appended to each
+/// agent's audit file since `files`' lengths were taken. Waits for the deny aggregation
+/// window first, so the probes' denies are in.
+fn write_audit(files: &[(PathBuf, u64)], out: &mut dyn Write) -> std::io::Result<()> {
+    std::thread::sleep(Duration::from_millis(procs::LAB_DENY_WINDOW_MS + 400));
+    writeln!(out, "\naudit events (JSON Lines from each agent; docs/audit.md):")?;
+    for (f, from) in files {
+        let Ok(bytes) = std::fs::read(f) else { continue };
+        let new = bytes.get(*from as usize..).unwrap_or_default();
+        out.write_all(new)?;
+    }
+    Ok(())
 }
 
 /// Runs `command` (program and arguments) inside the namespace of `target` (`namespace/pod`,

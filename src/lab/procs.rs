@@ -81,9 +81,25 @@ pub fn serve_command(exe: &Path, server: &ServerPlan, ready: &Path) -> Command {
     c
 }
 
-/// The agent command for one node: inside the node's namespace,
-/// `<exe> agent --node <node> --manifests <paths...> --log <log> --ready-file <ready>
-/// <extra...>` (`extra`: `lab up --agent-arg`, e.g. `--max-connections=10`).
+/// Deny aggregation window of the lab's agents (milliseconds): short, so a demo's denies
+/// are printed soon after its probes.
+pub const LAB_DENY_WINDOW_MS: u64 = 1000;
+
+/// The agent's audit file in state directory `dir`.
+pub fn audit_file(dir: &Path, node: &str) -> PathBuf {
+    dir.join(format!("audit-{node}.jsonl"))
+}
+
+/// The agent command for one node: `<exe> agent --netns <netns> --node <node> --manifests
+/// <paths...> --log <log> --ready-file <ready> --audit-json <audit> --audit-allow-sample 1
+/// --audit-deny-window-ms 1000 <extra...>` (`extra`: `lab up --agent-arg`, e.g.
+/// `--max-connections=10`; a later option overrides an earlier one).
+///
+/// The agent starts in the host's namespace and enters the node's after starting its
+/// audit sinks, as a hostNetwork pod's sockets live on the node: an OTLP endpoint on the
+/// host (`OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:4318`, inherited from the
+/// environment of `lab up`) is reached from every node. Every decision is audited to
+/// `audit` (JSON Lines; `lab probe` prints what the probes caused).
 ///
 /// Contract with `tierproxy agent`: it enforces policy for node `node` from the manifests
 /// (absolute paths), logs to `log`, and creates `ready` (`<state dir>/agent-<node>.ready`)
@@ -97,12 +113,15 @@ pub fn agent_command(
     manifests: &[PathBuf],
     log: &Path,
     ready: &Path,
+    audit: &Path,
     extra: &[String],
 ) -> Command {
-    let mut c = Command::new("ip");
-    c.args(["netns", "exec", netns]).arg(exe).args(["agent", "--node", node, "--manifests"]);
+    let mut c = Command::new(exe);
+    c.args(["agent", "--netns", netns, "--node", node, "--manifests"]);
     c.args(manifests);
     c.arg("--log").arg(log).arg("--ready-file").arg(ready);
+    c.arg("--audit-json").arg(audit);
+    c.args(["--audit-allow-sample", "1", "--audit-deny-window-ms", &LAB_DENY_WINDOW_MS.to_string()]);
     // After `--`-free flags only: each extra argument is one `tierproxy agent` option.
     c.args(extra);
     c
