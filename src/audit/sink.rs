@@ -418,27 +418,44 @@ pub(crate) fn start_json(
         }
     };
     let resource = resource_attrs(node);
+    // Lines are written in chunks of whole lines; a file is rotated after the chunk that
+    // takes it past its size, so chunks stay small against the size.
+    let chunk = match &target {
+        JsonTarget::Stdout => 64 << 10,
+        JsonTarget::File { max_bytes, .. } => (max_bytes / 8).clamp(1, 64 << 10),
+    };
     let thread = std::thread::Builder::new()
         .name("audit-json".into())
         .spawn(move || {
             let mut warned = false;
-            while let Some(batch) = gather(&rx, 1024, Duration::ZERO) {
-                // One write per batch of whole lines: rotation never splits a line.
-                let mut buf = String::new();
-                for e in &batch {
-                    buf.push_str(&event::to_json(e, &resource));
-                    buf.push('\n');
-                }
+            let mut write = |buf: &mut String, lines: u64| {
                 match out.write_all(buf.as_bytes()).and_then(|()| out.flush()) {
                     Ok(()) => {
-                        stats.exported.fetch_add(batch.len() as u64, Ordering::Relaxed);
+                        stats.exported.fetch_add(lines, Ordering::Relaxed);
                     }
                     Err(e) => {
-                        stats.failed.fetch_add(batch.len() as u64, Ordering::Relaxed);
+                        stats.failed.fetch_add(lines, Ordering::Relaxed);
                         if !std::mem::replace(&mut warned, true) {
                             tracing::error!(error = %e, "writing audit JSON failed");
                         }
                     }
+                }
+                buf.clear();
+            };
+            let mut buf = String::new();
+            while let Some(batch) = gather(&rx, 1024, Duration::ZERO) {
+                let mut lines = 0;
+                for e in &batch {
+                    buf.push_str(&event::to_json(e, &resource));
+                    buf.push('\n');
+                    lines += 1;
+                    if buf.len() >= chunk {
+                        write(&mut buf, lines);
+                        lines = 0;
+                    }
+                }
+                if lines > 0 {
+                    write(&mut buf, lines);
                 }
             }
         })

@@ -356,9 +356,11 @@ fn build(
                 &node.netns,
                 &node.name,
                 &state.manifests,
-                &log,
-                &ready,
-                &procs::audit_file(&state.dir, &node.name),
+                &procs::AgentFiles {
+                    log: log.clone(),
+                    ready: ready.clone(),
+                    audit: procs::audit_file(&state.dir, &node.name),
+                },
                 agent_args,
             );
             let child = procs::spawn_detached(cmd, &out)?;

@@ -90,6 +90,17 @@ pub fn audit_file(dir: &Path, node: &str) -> PathBuf {
     dir.join(format!("audit-{node}.jsonl"))
 }
 
+/// The files of one lab agent, in the lab's state directory.
+#[derive(Debug, Clone)]
+pub struct AgentFiles {
+    /// Its log (`--log`).
+    pub log: PathBuf,
+    /// Created once it enforces (`--ready-file`).
+    pub ready: PathBuf,
+    /// Its audit events, JSON Lines (`--audit-json`; [`audit_file`]).
+    pub audit: PathBuf,
+}
+
 /// The agent command for one node: `<exe> agent --netns <netns> --node <node> --manifests
 /// <paths...> --log <log> --ready-file <ready> --audit-json <audit> --audit-allow-sample 1
 /// --audit-deny-window-ms 1000 <extra...>` (`extra`: `lab up --agent-arg`, e.g.
@@ -111,17 +122,21 @@ pub fn agent_command(
     netns: &str,
     node: &str,
     manifests: &[PathBuf],
-    log: &Path,
-    ready: &Path,
-    audit: &Path,
+    files: &AgentFiles,
     extra: &[String],
 ) -> Command {
+    let AgentFiles { log, ready, audit } = files;
     let mut c = Command::new(exe);
     c.args(["agent", "--netns", netns, "--node", node, "--manifests"]);
     c.args(manifests);
     c.arg("--log").arg(log).arg("--ready-file").arg(ready);
     c.arg("--audit-json").arg(audit);
-    c.args(["--audit-allow-sample", "1", "--audit-deny-window-ms", &LAB_DENY_WINDOW_MS.to_string()]);
+    c.args([
+        "--audit-allow-sample",
+        "1",
+        "--audit-deny-window-ms",
+        &LAB_DENY_WINDOW_MS.to_string(),
+    ]);
     // After `--`-free flags only: each extra argument is one `tierproxy agent` option.
     c.args(extra);
     c
