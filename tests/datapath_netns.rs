@@ -665,3 +665,144 @@ fn without_source_preservation_the_server_sees_the_node_address() {
     // Same node: the proxy connects from n1's own address (the route's source).
     assert!(line.starts_with("tierproxy-lab 172.31.0.2 "), "{line}");
 }
+
+/// `lab up` of [`CLUSTER`] with agents whose extra options are `agent_args`.
+fn lab_with_agent_args(short: &str, agent_args: &[String]) -> Lab {
+    let lab = Lab::new(short);
+    let cluster = lab.file("cluster.yaml", CLUSTER);
+    let probes = lab.file("probes.jsonl", PROBES);
+    let mut args = vec!["up", "--manifests", cluster.to_str().unwrap()];
+    args.extend(["--probes", probes.to_str().unwrap()]);
+    let extra: Vec<String> = agent_args.iter().map(|a| format!("--agent-arg={a}")).collect();
+    args.extend(extra.iter().map(String::as_str));
+    let o = lab.lab(&args);
+    assert!(o.status.success(), "lab up failed: {}", text(&o));
+    lab
+}
+
+/// The probe line of `from` → `to`:`port`.
+fn probe_line<'a>(lines: &'a [Value], from: &str, to: &str, port: u64) -> &'a Value {
+    lines
+        .iter()
+        .find(|l| l["from"] == from && l["to"] == to && l["port"] == port)
+        .unwrap_or_else(|| panic!("no probe {from} -> {to}:{port} in {lines:#?}"))
+}
+
+#[test]
+fn every_agent_audits_allow_deny_pass_and_close_to_an_otlp_receiver_on_the_host() {
+    use tierproxy::audit::OtlpProtocol;
+    use tierproxy::audit::event::{CONNECTION_END, DECISION, attr};
+    use tierproxy::audit::receiver::{Received, Receiver};
+    if !netns_available(
+        "every_agent_audits_allow_deny_pass_and_close_to_an_otlp_receiver_on_the_host",
+    ) {
+        return;
+    }
+    // The receiver listens on the host's loopback: agents reach it because their sinks
+    // stay in the namespace they started in (--netns), as a hostNetwork pod's would.
+    let receiver = Receiver::start(OtlpProtocol::Grpc, "127.0.0.1:0".parse().unwrap()).unwrap();
+    let lab = lab_with_agent_args(
+        "audit",
+        &[
+            format!("--audit-otlp-endpoint={}", receiver.endpoint()),
+            "--audit-otlp-protocol=grpc".into(),
+        ],
+    );
+    let (lines, code, o) = lab.probe(&lab.file("probes.jsonl", PROBES));
+    assert_eq!(code, Some(0), "{}", text(&o));
+    // Stopping the agents flushes their audit (and the deny windows).
+    let down = lab.lab(&["down"]);
+    assert!(down.status.success(), "{}", text(&down));
+    let recs = receiver
+        .wait_for(Duration::from_secs(10), |r| r.iter().any(|x| x.event_name == CONNECTION_END));
+    let one = |node: &str, event: &str, pred: &dyn Fn(&Received) -> bool| -> Received {
+        let found: Vec<&Received> = recs
+            .iter()
+            .filter(|r| r.event_name == event && r.str(attr::NODE) == Some(node) && pred(r))
+            .collect();
+        assert_eq!(found.len(), 1, "one {event} from {node} expected: {found:#?}\nall: {recs:#?}");
+        found[0].clone()
+    };
+
+    // Allowed across nodes after a Pass: the client's node decides the server's ingress
+    // (and logs the Pass chain), and the connection's end carries its bytes. Each proxy's
+    // upstream leg has a source port of its own (the client's address is kept), so the
+    // three legs are told apart by node.
+    let pass = probe_line(&lines, "a/client", "b/remote", 8080);
+    assert_eq!(pass["observed"], "allow");
+    let to_remote = |r: &Received| {
+        r.str(attr::SRC_ADDR) == Some("10.60.1.2")
+            && r.str(attr::DST_ADDR) == Some("10.60.2.2")
+            && r.int(attr::DST_PORT) == Some(8080)
+    };
+    let r = one("n1", DECISION, &|r| to_remote(r) && r.str(attr::DIRECTION) == Some("ingress"));
+    let sport = r.int(attr::SRC_PORT).expect("source.port");
+    assert_eq!(r.str(attr::VERDICT), Some("allow"));
+    assert_eq!(r.str(attr::RULESET), Some("b/allow-a"));
+    assert_eq!(r.str(attr::SRC_ADDR), Some("10.60.1.2"));
+    assert_eq!(r.str(attr::DST_ADDR), Some("10.60.2.2"));
+    assert_eq!(r.int(attr::DST_PORT), Some(8080));
+    assert_eq!(
+        r.attributes[attr::PASS_CHAIN],
+        serde_json::json!(["AdminNetworkPolicy b-guard: 8080-to-namespace-owners"])
+    );
+    assert_eq!(r.resource["k8s.node.name"], "n1");
+    let end = one("n1", CONNECTION_END, &|r| r.int(attr::SRC_PORT) == Some(sport));
+    assert_eq!(end.str(attr::CLOSE_REASON), Some("normal"));
+    assert!(end.int(attr::BYTES_TO_SERVER) > Some(0) && end.int(attr::BYTES_TO_CLIENT) > Some(0));
+    // The server's node decides its ingress again and proxies its side too.
+    let n2 = one("n2", DECISION, &|r| to_remote(r));
+    assert_eq!(n2.str(attr::VERDICT), Some("allow"));
+    assert_ne!(n2.int(attr::SRC_PORT), Some(sport), "n1's upstream leg has its own port");
+    let n2_end = one("n2", CONNECTION_END, &|r| to_remote(r));
+    assert_eq!(n2_end.int(attr::SRC_PORT), n2.int(attr::SRC_PORT));
+
+    // Denied by the ANP at the client's node: one event (the SYN retransmits are folded
+    // into its count), naming the rule; the server's node never saw the flow.
+    let denies: Vec<&Received> = recs
+        .iter()
+        .filter(|r| r.int(attr::DST_PORT) == Some(9090) && r.str(attr::VERDICT) == Some("deny"))
+        .filter(|r| r.str(attr::SRC_ADDR) == Some("10.60.1.2"))
+        .collect();
+    assert!(!denies.is_empty(), "{recs:#?}");
+    for d in &denies {
+        assert_eq!(d.str(attr::NODE), Some("n1"));
+        assert_eq!(d.str(attr::RULE_NAME), Some("no-9090-from-a"));
+        assert_eq!(d.str(attr::TIER), Some("admin"));
+        assert!(d.int(attr::COUNT) >= Some(1));
+        assert_eq!(d.severity, "WARN");
+    }
+    // Denied by the BANP, decided at the client's node n2 (the server's node never sees
+    // the flow). Retransmitted SYNs after the lab's 1 s window are events of their own.
+    let banp: Vec<&Received> =
+        recs.iter().filter(|r| r.str(attr::RULE_NAME) == Some("not-from-b")).collect();
+    assert!(!banp.is_empty(), "{recs:#?}");
+    for b in banp {
+        assert_eq!(b.str(attr::NODE), Some("n2"));
+        assert_eq!(b.str(attr::SRC_ADDR), Some("10.60.2.2"));
+        assert_eq!(b.str(attr::POLICY_KIND), Some("BaselineAdminNetworkPolicy"));
+        assert_eq!(b.str("tierproxy.destination.k8s.pod.name"), Some("server"));
+    }
+    // No denied flow has a connection end: it never reached the proxy.
+    assert!(
+        !recs.iter().any(|r| r.event_name == CONNECTION_END && r.int(attr::DST_PORT) == Some(9090))
+    );
+}
+
+#[test]
+fn a_dead_collector_neither_stalls_nor_changes_enforcement() {
+    if !netns_available("a_dead_collector_neither_stalls_nor_changes_enforcement") {
+        return;
+    }
+    let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+    let lab = lab_with_agent_args(
+        "deadotlp",
+        &[format!("--audit-otlp-endpoint=http://{dead}"), "--audit-queue=8".into()],
+    );
+    let (lines, code, o) = lab.probe(&lab.file("probes.jsonl", PROBES));
+    assert_eq!(lines.len(), 7, "{}", text(&o));
+    for line in &lines {
+        assert_eq!(line["observed"], line["expect"], "{line}");
+    }
+    assert_eq!(code, Some(0), "{}", text(&o));
+}
