@@ -48,6 +48,19 @@ enum Command {
     /// its ruleset. Needs CAP_NET_ADMIN (and root for the ruleset tools).
     #[command(args_override_self = true)]
     Agent(Box<AgentArgs>),
+    /// Receive OTLP logs (a stand-in collector for trying audit out and for load tests):
+    /// prints each record as one JSON object per line, until SIGTERM/SIGINT.
+    OtlpReceive {
+        /// Address to listen on.
+        #[arg(long, default_value = "127.0.0.1:4318")]
+        listen: std::net::SocketAddr,
+        /// grpc or http/protobuf.
+        #[arg(long, default_value = "http/protobuf")]
+        protocol: String,
+        /// Print nothing per record; on exit print the number of records received.
+        #[arg(long)]
+        count_only: bool,
+    },
     /// Measure request/response latency or connection rate against a lab echo server
     /// (run inside a pod with `tierproxy lab exec`). Prints one JSON object.
     #[command(hide = true)]
@@ -228,6 +241,56 @@ fn run_agent(a: AgentArgs) -> ExitCode {
     }
 }
 
+fn otlp_receive(listen: std::net::SocketAddr, protocol: &str, count_only: bool) -> ExitCode {
+    use tierproxy::audit::receiver::{OnRecords, Receiver};
+    let protocol = match tierproxy::audit::OtlpProtocol::parse(protocol) {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            return ExitCode::from(2);
+        }
+    };
+    let print: Option<OnRecords> = (!count_only).then(|| {
+        Box::new(|recs: &[tierproxy::audit::receiver::Received]| {
+            let mut o = std::io::stdout().lock();
+            for r in recs {
+                let _ = writeln!(o, "{}", r.to_json());
+            }
+            let _ = o.flush();
+        }) as OnRecords
+    });
+    let receiver = match Receiver::start_with(protocol, listen, print, false) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            return ExitCode::from(1);
+        }
+    };
+    eprintln!("receiving OTLP ({protocol:?}) on {}", receiver.addr);
+    let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    rt.block_on(async {
+        use tokio::signal::unix::{SignalKind, signal};
+        if let (Ok(mut term), Ok(mut int)) =
+            (signal(SignalKind::terminate()), signal(SignalKind::interrupt()))
+        {
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = int.recv() => {}
+            }
+        }
+    });
+    if count_only {
+        println!("{}", receiver.count());
+    }
+    ExitCode::SUCCESS
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let mut out = std::io::stdout().lock();
@@ -270,6 +333,10 @@ fn main() -> ExitCode {
         Command::Agent(args) => {
             drop((out, err));
             return run_agent(*args);
+        }
+        Command::OtlpReceive { listen, protocol, count_only } => {
+            drop((out, err));
+            return otlp_receive(listen, &protocol, count_only);
         }
         Command::Lab(args) => tierproxy::lab::cli::main(args, &mut out, &mut err),
     };

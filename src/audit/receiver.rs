@@ -130,6 +130,10 @@ struct State {
     /// Delay before answering each request (milliseconds): a slow receiver.
     delay_ms: AtomicU64,
     requests: AtomicU64,
+    /// Records received (kept or not).
+    seen: AtomicU64,
+    /// Keep the records for [`Receiver::records`] (off for long runs: memory).
+    keep: bool,
     /// Called with each request's records (e.g. to print them).
     on_records: Option<OnRecords>,
 }
@@ -145,7 +149,10 @@ impl State {
             f(&recs);
         }
         self.requests.fetch_add(1, Ordering::Relaxed);
-        self.records.lock().unwrap_or_else(|p| p.into_inner()).extend(recs);
+        self.seen.fetch_add(recs.len() as u64, Ordering::Relaxed);
+        if self.keep {
+            self.records.lock().unwrap_or_else(|p| p.into_inner()).extend(recs);
+        }
     }
 }
 
@@ -203,10 +210,11 @@ impl Receiver {
     /// # Errors
     /// The address cannot be bound.
     pub fn start(protocol: OtlpProtocol, addr: SocketAddr) -> anyhow::Result<Self> {
-        Self::start_with(protocol, addr, None)
+        Self::start_with(protocol, addr, None, true)
     }
 
-    /// [`Receiver::start`], calling `on_records` with each request's records.
+    /// [`Receiver::start`], calling `on_records` with each request's records, and keeping
+    /// them for [`Receiver::records`] only if `keep` ([`Receiver::count`] counts anyway).
     ///
     /// # Errors
     /// The address cannot be bound.
@@ -214,8 +222,9 @@ impl Receiver {
         protocol: OtlpProtocol,
         addr: SocketAddr,
         on_records: Option<OnRecords>,
+        keep: bool,
     ) -> anyhow::Result<Self> {
-        let state = Arc::new(State { on_records, ..State::default() });
+        let state = Arc::new(State { on_records, keep, ..State::default() });
         let listener = std::net::TcpListener::bind(addr)
             .with_context(|| format!("binding the OTLP receiver to {addr}"))?;
         listener.set_nonblocking(true)?;
@@ -276,9 +285,9 @@ impl Receiver {
         self.state.records.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
-    /// Number of records received so far.
-    pub fn count(&self) -> usize {
-        self.state.records.lock().unwrap_or_else(|p| p.into_inner()).len()
+    /// Number of records received so far (kept or not).
+    pub fn count(&self) -> u64 {
+        self.state.seen.load(Ordering::Relaxed)
     }
 
     /// Export requests answered so far.

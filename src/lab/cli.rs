@@ -70,6 +70,10 @@ enum LabCommand {
         /// (`--agent-arg=--max-connections=10`); repeatable.
         #[arg(long = "agent-arg", allow_hyphen_values = true)]
         agent_args: Vec<String>,
+        /// Start the agents without audit (by default each audits every decision to
+        /// `<state dir>/audit-<node>.jsonl`, and `lab probe` prints what its probes caused).
+        #[arg(long)]
+        no_audit: bool,
         #[command(flatten)]
         common: Common,
     },
@@ -170,11 +174,12 @@ pub fn main(args: LabArgs, out: &mut dyn Write, err: &mut dyn Write) -> u8 {
                 probes: Some(probes),
                 agents: !a.no_agents,
                 agent_args: Vec::new(),
+                audit: true,
             };
             let timeout = Duration::from_millis(a.timeout_ms);
             super::run(&opts, timeout, table_or(a.output, Output::Matrix), out, err)
         }
-        Some(LabCommand::Up { manifests, probes, no_agents, agent_args, common }) => {
+        Some(LabCommand::Up { manifests, probes, no_agents, agent_args, no_audit, common }) => {
             install_signals(err);
             let opts = UpOptions {
                 prefix: common.prefix,
@@ -183,6 +188,7 @@ pub fn main(args: LabArgs, out: &mut dyn Write, err: &mut dyn Write) -> u8 {
                 probes,
                 agents: !no_agents,
                 agent_args,
+                audit: !no_audit,
             };
             match super::up(&opts, err) {
                 Ok(state) => {
@@ -240,6 +246,7 @@ pub fn main(args: LabArgs, out: &mut dyn Write, err: &mut dyn Write) -> u8 {
                 probes: Some(probes),
                 agents: !no_agents,
                 agent_args: Vec::new(),
+                audit: true,
             };
             let timeout = Duration::from_millis(timeout_ms);
             super::run(&opts, timeout, table_or(output, Output::Table), out, err)

@@ -190,6 +190,8 @@ pub struct UpOptions {
     pub agents: bool,
     /// Extra `tierproxy agent` options for every agent (`--agent-arg`).
     pub agent_args: Vec<String>,
+    /// Agents audit every decision to `<state dir>/audit-<node>.jsonl`.
+    pub audit: bool,
 }
 
 fn absolute(p: &Path) -> Result<PathBuf, LabError> {
@@ -267,7 +269,7 @@ pub fn up(opts: &UpOptions, err: &mut dyn Write) -> Result<State, LabError> {
         processes: Vec::new(),
     };
     let mut children = Vec::new();
-    match build(&mut state, &mut children, &opts.agent_args) {
+    match build(&mut state, &mut children, &opts.agent_args, opts.audit) {
         Ok(()) => Ok(state),
         Err(e) => {
             if let Err(d) = down(&opts.state_root, &opts.prefix) {
@@ -295,6 +297,7 @@ fn build(
     state: &mut State,
     children: &mut Vec<Child>,
     agent_args: &[String],
+    audit: bool,
 ) -> Result<(), LabError> {
     // Saved first: a crash from here on leaves a state file naming what was planned.
     state.save()?;
@@ -359,7 +362,7 @@ fn build(
                 &procs::AgentFiles {
                     log: log.clone(),
                     ready: ready.clone(),
-                    audit: procs::audit_file(&state.dir, &node.name),
+                    audit: audit.then(|| procs::audit_file(&state.dir, &node.name)),
                 },
                 agent_args,
             );
@@ -517,9 +520,9 @@ pub fn probe_lab(
             .nodes
             .iter()
             .map(|n| procs::audit_file(&state.dir, &n.name))
-            .map(|f| {
-                let len = std::fs::metadata(&f).map_or(0, |m| m.len());
-                (f, len)
+            .filter_map(|f| {
+                let len = std::fs::metadata(&f).ok()?.len();
+                Some((f, len))
             })
             .collect()
     } else {

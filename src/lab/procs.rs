@@ -97,13 +97,14 @@ pub struct AgentFiles {
     pub log: PathBuf,
     /// Created once it enforces (`--ready-file`).
     pub ready: PathBuf,
-    /// Its audit events, JSON Lines (`--audit-json`; [`audit_file`]).
-    pub audit: PathBuf,
+    /// Its audit events, JSON Lines (`--audit-json`; [`audit_file`]); `None`: no audit.
+    pub audit: Option<PathBuf>,
 }
 
 /// The agent command for one node: `<exe> agent --netns <netns> --node <node> --manifests
 /// <paths...> --log <log> --ready-file <ready> --audit-json <audit> --audit-allow-sample 1
-/// --audit-deny-window-ms 1000 <extra...>` (`extra`: `lab up --agent-arg`, e.g.
+/// --audit-deny-window-ms 1000 <extra...>` (the audit options unless `lab up --no-audit`;
+/// `extra`: `lab up --agent-arg`, e.g.
 /// `--max-connections=10`; a later option overrides an earlier one).
 ///
 /// The agent starts in the host's namespace and enters the node's after starting its
@@ -130,13 +131,11 @@ pub fn agent_command(
     c.args(["agent", "--netns", netns, "--node", node, "--manifests"]);
     c.args(manifests);
     c.arg("--log").arg(log).arg("--ready-file").arg(ready);
-    c.arg("--audit-json").arg(audit);
-    c.args([
-        "--audit-allow-sample",
-        "1",
-        "--audit-deny-window-ms",
-        &LAB_DENY_WINDOW_MS.to_string(),
-    ]);
+    if let Some(audit) = audit {
+        c.arg("--audit-json").arg(audit);
+        c.args(["--audit-allow-sample", "1"]);
+        c.args(["--audit-deny-window-ms", &LAB_DENY_WINDOW_MS.to_string()]);
+    }
     // After `--`-free flags only: each extra argument is one `tierproxy agent` option.
     c.args(extra);
     c
