@@ -173,7 +173,8 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
     // Audit sinks first: their threads (and sockets) stay in the namespace the agent
     // started in.
     let mut audit_config = opts.audit.clone();
-    audit_config.context.node = opts.node.clone();
+    audit_config.context =
+        audit::event::Context::new(&opts.node, audit_config.context.label_keys().to_vec());
     let auditor = Arc::new(Auditor::start(audit_config).context("starting audit")?);
     if let Some(ns) = &opts.netns {
         enter_netns(ns)?;

@@ -145,7 +145,7 @@ fn config(sink: SinkConfig) -> AuditConfig {
     c.defaults = Defaults { allow_sample: 1, deny: true, pass: true, close: true };
     c.deny_window = Duration::ZERO;
     c.limits = Limits { per_rule: 0.0, node: 0.0 };
-    c.context.label_keys = vec!["app".into(), "team".into()];
+    c.context = tierproxy::audit::event::Context::new("n1", vec!["app".into(), "team".into()]);
     c.flush_timeout = Duration::from_secs(10);
     c
 }

@@ -164,12 +164,8 @@ impl AuditArgs {
             bail!("--audit-rate-per-rule and --audit-rate-node must be 0 or more");
         }
         c.limits = Limits { per_rule: self.audit_rate_per_rule, node: self.audit_rate_node };
-        c.context.label_keys = self
-            .audit_pod_labels
-            .iter()
-            .map(|s| s.trim().to_string())
-            .filter(|s| !s.is_empty())
-            .collect();
+        let keys = self.audit_pod_labels.iter().map(|s| s.trim().to_string());
+        c.context = super::event::Context::new(node, keys.filter(|s| !s.is_empty()).collect());
         c.flush_timeout = Duration::from_secs(self.audit_flush_timeout_secs);
         Ok(c)
     }

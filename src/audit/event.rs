@@ -11,10 +11,10 @@
 //! name, body, attributes, severity); semantic conventions `network.*`, `source.*`,
 //! `destination.*`, `security_rule.*`, `k8s.*` (v1.3x).
 
-use std::borrow::Cow;
+use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::net::{IpAddr, SocketAddr};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use crate::policy::compile::{Action, Direction, Endpoint};
@@ -31,15 +31,16 @@ pub const SUPPRESSED: &str = "tierproxy.audit.suppressed";
 /// Prefix of tierproxy's own attributes.
 pub const PREFIX: &str = "tierproxy.";
 
-/// An attribute value.
+/// An attribute value. Strings are shared: names repeat from event to event, and every
+/// sink reads the same event.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Value {
     /// A string.
-    Str(String),
+    Str(Arc<str>),
     /// An integer.
     Int(i64),
     /// A list of strings (the Pass chain).
-    List(Vec<String>),
+    List(Vec<Arc<str>>),
 }
 
 /// OpenTelemetry severity of an event (Logs Data Model `SeverityNumber`: INFO = 9,
@@ -74,13 +75,13 @@ pub struct Event {
     /// A short human sentence.
     pub body: String,
     /// Everything else, in a stable order.
-    pub attributes: Vec<(Cow<'static, str>, Value)>,
+    pub attributes: Vec<(&'static str, Value)>,
 }
 
 impl Event {
     /// The value of attribute `key`, if present.
     pub fn attr(&self, key: &str) -> Option<&Value> {
-        self.attributes.iter().find(|(k, _)| k == key).map(|(_, v)| v)
+        self.attributes.iter().find(|(k, _)| *k == key).map(|(_, v)| v)
     }
 
     /// The string value of attribute `key`, if present and a string.
@@ -91,11 +92,11 @@ impl Event {
         }
     }
 
-    fn push(&mut self, key: impl Into<Cow<'static, str>>, value: Value) {
-        self.attributes.push((key.into(), value));
+    fn push(&mut self, key: &'static str, value: Value) {
+        self.attributes.push((key, value));
     }
 
-    fn str_attr(&mut self, key: &'static str, value: impl Into<String>) {
+    fn str_attr(&mut self, key: &'static str, value: impl Into<Arc<str>>) {
         self.push(key, Value::Str(value.into()));
     }
 
@@ -107,7 +108,7 @@ impl Event {
     /// (see [`super::limit::Aggregator`]), and the time of the last one.
     pub fn set_count(&mut self, count: u64, last: SystemTime) {
         self.int_attr(attr::COUNT, i64::try_from(count).unwrap_or(i64::MAX));
-        self.str_attr(attr::LAST_SEEN, rfc3339(last));
+        self.str_attr(attr::LAST_SEEN, rfc3339(last).as_str());
     }
 }
 
@@ -176,27 +177,95 @@ pub mod attr {
     pub const SUPPRESSED_BY: &str = "tierproxy.suppressed.by";
 }
 
-/// Node-wide context of rendering.
+/// Node-wide context of rendering: the node's name and the pod label keys reported.
 #[derive(Debug, Clone, Default)]
 pub struct Context {
     /// This node's name.
-    pub node: String,
-    /// Pod label keys reported on both ends (`tierproxy.source.k8s.pod.label.<key>`).
-    pub label_keys: Vec<String>,
+    pub node: Arc<str>,
+    label_keys: Vec<String>,
+    /// Per label key: its source and destination attribute names.
+    label_attrs: Vec<[&'static str; 2]>,
 }
 
-/// The pods' labels of interest for one snapshot: by key, each pod's value.
+/// Interns an attribute name built at start-up (label keys): a handful per process, kept
+/// for its life, so events carry `&'static str` keys.
+fn intern(name: String) -> &'static str {
+    static NAMES: Mutex<Vec<&'static str>> = Mutex::new(Vec::new());
+    let mut names = NAMES.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(n) = names.iter().find(|n| **n == name) {
+        return n;
+    }
+    let n: &'static str = Box::leak(name.into_boxed_str());
+    names.push(n);
+    n
+}
+
+impl Context {
+    /// Context for node `node`, reporting pod labels `label_keys` on both ends as
+    /// `tierproxy.source.k8s.pod.label.<key>` / `tierproxy.destination.k8s.pod.label.<key>`.
+    pub fn new(node: &str, label_keys: Vec<String>) -> Self {
+        let label_attrs = label_keys
+            .iter()
+            .map(|k| {
+                [
+                    intern(format!("{PREFIX}source.k8s.pod.label.{k}")),
+                    intern(format!("{PREFIX}destination.k8s.pod.label.{k}")),
+                ]
+            })
+            .collect();
+        Context { node: node.into(), label_keys, label_attrs }
+    }
+
+    /// The pod label keys reported.
+    pub fn label_keys(&self) -> &[String] {
+        &self.label_keys
+    }
+}
+
+/// Names of one policy, shared by its events.
+#[derive(Debug, Clone)]
+struct PolicyNames {
+    kind: &'static str,
+    namespace: Option<Arc<str>>,
+    name: Arc<str>,
+    /// `name` or `namespace/name`.
+    ruleset: Arc<str>,
+    tier: &'static str,
+}
+
+/// Most addresses whose text is kept; beyond it the cache starts over.
+const MAX_CACHED_IPS: usize = 65_536;
+
+/// The strings of one snapshot, made once and shared by every event that names them:
+/// pod, node, policy and rule names, the pods' labels of interest, and address texts.
+/// Renewed when the snapshot's revision changes ([`Names::refresh`]).
 #[derive(Debug, Default)]
-pub struct Labels {
-    revision: u64,
-    /// By key (as [`Context::label_keys`]): by pod id.
-    values: Vec<Vec<Option<Arc<str>>>>,
+pub struct Names {
+    revision: Option<u64>,
+    pods: HashMap<u32, [Arc<str>; 2]>,
+    nodes: HashMap<u32, Arc<str>>,
+    policies: HashMap<u32, PolicyNames>,
+    rules: HashMap<(u32, Direction, u32), Arc<str>>,
+    /// By label key (as [`Context::label_keys`]): by pod id.
+    labels: Vec<Vec<Option<Arc<str>>>>,
+    ips: HashMap<IpAddr, Arc<str>>,
 }
 
-impl Labels {
-    /// Projects `snapshot`'s pod labels onto `keys` (one pass per key).
-    pub fn new(snapshot: &Snapshot, keys: &[String]) -> Self {
-        let values = keys
+impl Names {
+    /// Makes these the names of `snapshot` (a no-op when they already are): projects the
+    /// pods' labels of interest (one pass per key) and forgets the previous snapshot's.
+    pub fn refresh(&mut self, snapshot: &Snapshot, ctx: &Context) {
+        let rev = snapshot.revision().0;
+        if self.revision == Some(rev) {
+            return;
+        }
+        self.revision = Some(rev);
+        self.pods.clear();
+        self.nodes.clear();
+        self.policies.clear();
+        self.rules.clear();
+        self.labels = ctx
+            .label_keys
             .iter()
             .map(|k| {
                 let mut v = vec![None; snapshot.pod_count() as usize];
@@ -209,12 +278,61 @@ impl Labels {
                 v
             })
             .collect();
-        Labels { revision: snapshot.revision().0, values }
     }
 
-    /// The revision these labels were projected from.
-    pub fn revision(&self) -> u64 {
-        self.revision
+    fn ip(&mut self, ip: IpAddr) -> Arc<str> {
+        if self.ips.len() >= MAX_CACHED_IPS {
+            self.ips.clear();
+        }
+        self.ips.entry(ip).or_insert_with(|| ip.to_string().into()).clone()
+    }
+
+    fn pod(&mut self, s: &Snapshot, pod: u32) -> [Arc<str>; 2] {
+        self.pods
+            .entry(pod)
+            .or_insert_with(|| {
+                let (ns, name) = s.pod_name(pod);
+                [ns.into(), name.into()]
+            })
+            .clone()
+    }
+
+    fn node(&mut self, s: &Snapshot, node: u32) -> Arc<str> {
+        self.nodes.entry(node).or_insert_with(|| s.node_name(node).into()).clone()
+    }
+
+    fn policy(&mut self, s: &Snapshot, policy: u32) -> PolicyNames {
+        self.policies
+            .entry(policy)
+            .or_insert_with(|| {
+                let o = s.policy_ref(policy);
+                let ruleset: Arc<str> = match &o.namespace {
+                    Some(ns) => format!("{ns}/{}", o.name).into(),
+                    None => o.name.as_str().into(),
+                };
+                PolicyNames {
+                    kind: o.kind.as_str(),
+                    namespace: o.namespace.as_deref().map(Arc::from),
+                    name: o.name.as_str().into(),
+                    ruleset,
+                    tier: s.policy_tier(policy).as_str(),
+                }
+            })
+            .clone()
+    }
+
+    /// The rule's `name`, or `ingress[i]` / `egress[i]` when it has none.
+    fn rule(&mut self, s: &Snapshot, dir: Direction, hit: RuleHit) -> Arc<str> {
+        self.rules
+            .entry((hit.policy, dir, hit.rule))
+            .or_insert_with(|| {
+                let info = s.rule_info(dir, hit);
+                match info.name {
+                    Some(n) => n.into(),
+                    None => format!("{}[{}]", dir.as_str(), info.index).into(),
+                }
+            })
+            .clone()
     }
 }
 
@@ -240,63 +358,68 @@ fn transport(p: Protocol) -> &'static str {
     }
 }
 
-fn flow_attrs(e: &mut Event, ctx: &Context, flow: &FlowInfo) {
+fn flow_attrs(e: &mut Event, ctx: &Context, names: &mut Names, flow: &FlowInfo) {
     e.str_attr(attr::TRANSPORT, transport(flow.protocol));
     e.str_attr(attr::NETWORK_TYPE, if flow.src.is_ipv4() { "ipv4" } else { "ipv6" });
-    e.str_attr(attr::SRC_ADDR, flow.src.ip().to_string());
+    e.push(attr::SRC_ADDR, Value::Str(names.ip(flow.src.ip())));
     e.int_attr(attr::SRC_PORT, i64::from(flow.src.port()));
-    e.str_attr(attr::DST_ADDR, flow.dst.ip().to_string());
+    e.push(attr::DST_ADDR, Value::Str(names.ip(flow.dst.ip())));
     e.int_attr(attr::DST_PORT, i64::from(flow.dst.port()));
-    e.str_attr(attr::NODE, ctx.node.clone());
+    e.push(attr::NODE, Value::Str(ctx.node.clone()));
 }
+
+/// The attribute names of one end of a flow.
+struct Side {
+    kind: &'static str,
+    namespace: &'static str,
+    pod: &'static str,
+    node: &'static str,
+    /// Index into a label's `[source, destination]` attribute names.
+    index: usize,
+}
+
+const SOURCE: Side = Side {
+    kind: "tierproxy.source.kind",
+    namespace: "tierproxy.source.k8s.namespace.name",
+    pod: "tierproxy.source.k8s.pod.name",
+    node: "tierproxy.source.k8s.node.name",
+    index: 0,
+};
+
+const DESTINATION: Side = Side {
+    kind: "tierproxy.destination.kind",
+    namespace: "tierproxy.destination.k8s.namespace.name",
+    pod: "tierproxy.destination.k8s.pod.name",
+    node: "tierproxy.destination.k8s.node.name",
+    index: 1,
+};
 
 /// `pod`, `node` or `external`, and the names of that end.
 fn endpoint_attrs(
     e: &mut Event,
     ctx: &Context,
-    side: &'static str,
+    side: &Side,
     snapshot: &Snapshot,
-    labels: &Labels,
+    names: &mut Names,
     ip: IpAddr,
 ) {
-    let key = |rest: &str| -> Cow<'static, str> { format!("{PREFIX}{side}.{rest}").into() };
     match snapshot.endpoint(ip) {
         Endpoint::Pod(p) => {
-            let (ns, name) = snapshot.pod_name(p);
-            e.push(key("kind"), Value::Str("pod".into()));
-            e.push(key("k8s.namespace.name"), Value::Str(ns.into()));
-            e.push(key("k8s.pod.name"), Value::Str(name.into()));
-            if labels.revision == snapshot.revision().0 {
-                for (k, by_pod) in ctx.label_keys.iter().zip(&labels.values) {
-                    if let Some(Some(v)) = by_pod.get(p as usize) {
-                        e.push(key(&format!("k8s.pod.label.{k}")), Value::Str(v.to_string()));
-                    }
+            let [ns, name] = names.pod(snapshot, p);
+            e.str_attr(side.kind, "pod");
+            e.push(side.namespace, Value::Str(ns));
+            e.push(side.pod, Value::Str(name));
+            for (keys, by_pod) in ctx.label_attrs.iter().zip(&names.labels) {
+                if let Some(Some(v)) = by_pod.get(p as usize) {
+                    e.push(keys[side.index], Value::Str(v.clone()));
                 }
             }
         }
         Endpoint::Node(n) => {
-            e.push(key("kind"), Value::Str("node".into()));
-            e.push(key("k8s.node.name"), Value::Str(snapshot.node_name(n).into()));
+            e.str_attr(side.kind, "node");
+            e.push(side.node, Value::Str(names.node(snapshot, n)));
         }
-        Endpoint::External => e.push(key("kind"), Value::Str("external".into())),
-    }
-}
-
-/// `name` or `namespace/name`.
-fn policy_name(snapshot: &Snapshot, policy: u32) -> String {
-    let o = snapshot.policy_ref(policy);
-    match &o.namespace {
-        Some(ns) => format!("{ns}/{}", o.name),
-        None => o.name.clone(),
-    }
-}
-
-/// The rule's `name`, or `ingress[i]` / `egress[i]` when it has none.
-fn rule_name(snapshot: &Snapshot, dir: Direction, hit: RuleHit) -> String {
-    let info = snapshot.rule_info(dir, hit);
-    match info.name {
-        Some(n) => n.to_string(),
-        None => format!("{}[{}]", dir.as_str(), info.index),
+        Endpoint::External => e.str_attr(side.kind, "external"),
     }
 }
 
@@ -309,13 +432,14 @@ fn action_word(kind: Kind, action: Action) -> &'static str {
 }
 
 /// The record for direction `dir` of `decision` (which must have an outcome for `dir`).
+/// `names` must have been refreshed for `snapshot` ([`Names::refresh`]).
 ///
 /// # Panics
 /// If `decision` has no outcome for `dir`, or did not come from `snapshot`.
 pub fn decision(
     ctx: &Context,
     snapshot: &Snapshot,
-    labels: &Labels,
+    names: &mut Names,
     flow: &FlowInfo,
     decision: &Decision,
     dir: Direction,
@@ -331,50 +455,43 @@ pub fn decision(
         time: flow.time,
         severity,
         body: String::new(),
-        attributes: vec![],
+        attributes: Vec::with_capacity(32),
     };
-    flow_attrs(&mut e, ctx, flow);
+    flow_attrs(&mut e, ctx, names, flow);
     e.str_attr(attr::DIRECTION, dir.as_str());
     e.str_attr(attr::VERDICT, o.verdict.as_str());
     e.str_attr(attr::FLOW_VERDICT, decision.verdict.as_str());
-    let subject = match dir {
-        Direction::Egress => flow.src,
-        Direction::Ingress => flow.dst,
-    };
     let mut why = String::new();
-    let policy_attrs = |e: &mut Event, policy: u32| {
-        let o = snapshot.policy_ref(policy);
-        e.str_attr(attr::POLICY_KIND, o.kind.as_str());
-        if let Some(ns) = &o.namespace {
-            e.str_attr(attr::POLICY_NAMESPACE, ns.clone());
+    let policy_attrs = |e: &mut Event, p: &PolicyNames| {
+        e.str_attr(attr::POLICY_KIND, p.kind);
+        if let Some(ns) = &p.namespace {
+            e.push(attr::POLICY_NAMESPACE, Value::Str(ns.clone()));
         }
-        e.str_attr(attr::POLICY_NAME, o.name.clone());
-        e.str_attr(attr::RULESET, policy_name(snapshot, policy));
-        e.str_attr(attr::TIER, snapshot.policy_tier(policy).as_str());
+        e.push(attr::POLICY_NAME, Value::Str(p.name.clone()));
+        e.push(attr::RULESET, Value::Str(p.ruleset.clone()));
+        e.str_attr(attr::TIER, p.tier);
     };
     match o.basis {
         Basis::Rule { hit, .. } => {
             e.str_attr(attr::BASIS, "rule");
-            policy_attrs(&mut e, hit.policy);
+            let p = names.policy(snapshot, hit.policy);
+            policy_attrs(&mut e, &p);
             let info = snapshot.rule_info(dir, hit);
-            let name = rule_name(snapshot, dir, hit);
+            let name = names.rule(snapshot, dir, hit);
             let kind = snapshot.policy_ref(hit.policy).kind;
-            e.str_attr(attr::RULE_NAME, name.clone());
+            e.push(attr::RULE_NAME, Value::Str(name.clone()));
             e.int_attr(attr::RULE_INDEX, i64::from(info.index));
             e.str_attr(attr::RULE_ACTION, action_word(kind, info.action));
             if info.fail_closed {
-                e.push(attr::FAIL_CLOSED, Value::Str("true".into()));
+                e.str_attr(attr::FAIL_CLOSED, "true");
             }
-            let _ = write!(why, "{kind} {} rule {name}", policy_name(snapshot, hit.policy));
+            let _ = write!(why, "{} {} rule {name}", p.kind, p.ruleset);
         }
         Basis::Isolated { policy } => {
             e.str_attr(attr::BASIS, "isolation");
-            policy_attrs(&mut e, policy);
-            let _ = write!(
-                why,
-                "isolated by NetworkPolicy {} and no rule allows it",
-                policy_name(snapshot, policy)
-            );
+            let p = names.policy(snapshot, policy);
+            policy_attrs(&mut e, &p);
+            let _ = write!(why, "isolated by NetworkPolicy {} and no rule allows it", p.ruleset);
         }
         Basis::NoPolicy => {
             e.str_attr(attr::BASIS, "default");
@@ -386,38 +503,46 @@ pub fn decision(
         }
     }
     if !o.passed.is_empty() {
-        let chain: Vec<String> = o
+        let chain: Vec<Arc<str>> = o
             .passed
             .iter()
             .map(|&h| {
-                let kind = snapshot.policy_ref(h.policy).kind;
-                format!(
-                    "{kind} {}: {}",
-                    policy_name(snapshot, h.policy),
-                    rule_name(snapshot, dir, h)
-                )
+                let p = names.policy(snapshot, h.policy);
+                format!("{} {}: {}", p.kind, p.ruleset, names.rule(snapshot, dir, h)).into()
             })
             .collect();
-        let _ = write!(why, ", after Pass by {}", chain.join(" then "));
+        why.push_str(", after Pass by ");
+        for (i, c) in chain.iter().enumerate() {
+            if i > 0 {
+                why.push_str(" then ");
+            }
+            why.push_str(c);
+        }
         e.push(attr::PASS_CHAIN, Value::List(chain));
     }
     e.int_attr(attr::REVISION, i64::try_from(decision.revision.0).unwrap_or(i64::MAX));
-    endpoint_attrs(&mut e, ctx, "source", snapshot, labels, flow.src.ip());
-    endpoint_attrs(&mut e, ctx, "destination", snapshot, labels, flow.dst.ip());
+    endpoint_attrs(&mut e, ctx, &SOURCE, snapshot, names, flow.src.ip());
+    endpoint_attrs(&mut e, ctx, &DESTINATION, snapshot, names, flow.dst.ip());
+    let subject = match dir {
+        Direction::Egress => flow.src.ip(),
+        Direction::Ingress => flow.dst.ip(),
+    };
+    let subject = match snapshot.endpoint(subject) {
+        Endpoint::Pod(p) => {
+            let [ns, name] = names.pod(snapshot, p);
+            format!("{ns}/{name}")
+        }
+        ep => snapshot.endpoint_name(ep),
+    };
     e.body = format!(
-        "{} {} {} -> {} ({} of {}): {why}",
+        "{} {} {} -> {} ({} of {subject}): {why}",
         o.verdict.as_str(),
         transport(flow.protocol),
         flow.src,
         flow.dst,
         dir.as_str(),
-        snapshot_name(snapshot, subject.ip()),
     );
     e
-}
-
-fn snapshot_name(snapshot: &Snapshot, ip: IpAddr) -> String {
-    snapshot.endpoint_name(snapshot.endpoint(ip))
 }
 
 /// How a proxied connection ended, as audited.
@@ -465,11 +590,12 @@ pub struct ConnectionEnd {
     pub duration: Duration,
 }
 
-/// The record of a connection's end; `decision` is the one that admitted it.
+/// The record of a connection's end; `decision` is the one that admitted it. `names`
+/// must have been refreshed for `snapshot` (which names the ends).
 pub fn connection_end(
     ctx: &Context,
     snapshot: &Snapshot,
-    labels: &Labels,
+    names: &mut Names,
     flow: &FlowInfo,
     decision: &Decision,
     end: &ConnectionEnd,
@@ -489,17 +615,17 @@ pub fn connection_end(
             end.to_server,
             end.to_client
         ),
-        attributes: vec![],
+        attributes: Vec::with_capacity(24),
     };
-    flow_attrs(&mut e, ctx, flow);
+    flow_attrs(&mut e, ctx, names, flow);
     e.str_attr(attr::CLOSE_REASON, end.reason.as_str());
     e.int_attr(attr::BYTES_TO_SERVER, i64::try_from(end.to_server).unwrap_or(i64::MAX));
     e.int_attr(attr::BYTES_TO_CLIENT, i64::try_from(end.to_client).unwrap_or(i64::MAX));
     e.int_attr(attr::DURATION_MS, i64::try_from(end.duration.as_millis()).unwrap_or(i64::MAX));
     e.str_attr(attr::FLOW_VERDICT, decision.verdict.as_str());
     e.int_attr(attr::REVISION, i64::try_from(decision.revision.0).unwrap_or(i64::MAX));
-    endpoint_attrs(&mut e, ctx, "source", snapshot, labels, flow.src.ip());
-    endpoint_attrs(&mut e, ctx, "destination", snapshot, labels, flow.dst.ip());
+    endpoint_attrs(&mut e, ctx, &SOURCE, snapshot, names, flow.src.ip());
+    endpoint_attrs(&mut e, ctx, &DESTINATION, snapshot, names, flow.dst.ip());
     e
 }
 
@@ -527,14 +653,14 @@ pub fn suppressed(
         },
         attributes: vec![],
     };
-    e.str_attr(attr::NODE, ctx.node.clone());
+    e.push(attr::NODE, Value::Str(ctx.node.clone()));
     e.str_attr(attr::SUPPRESSED_BY, by);
     e.int_attr(attr::SUPPRESSED_COUNT, i64::try_from(count).unwrap_or(i64::MAX));
     if let Some(rs) = ruleset {
-        e.str_attr(attr::RULESET, rs.to_string());
+        e.str_attr(attr::RULESET, rs);
     }
     if let Some(r) = rule {
-        e.str_attr(attr::RULE_NAME, r.to_string());
+        e.str_attr(attr::RULE_NAME, r);
     }
     e
 }
@@ -544,29 +670,74 @@ pub fn rfc3339(t: SystemTime) -> String {
     humantime::format_rfc3339_nanos(t).to_string()
 }
 
-/// The JSON Lines form of `event` (one object, no newline): `time`, `event`,
-/// `severity`, `body`, `attributes` (an object, in the event's order) and `resource`.
+/// The resource as a JSON object, serialised once per sink ([`write_json`]).
+pub fn resource_json(resource: &[(&'static str, String)]) -> String {
+    let m: serde_json::Map<String, serde_json::Value> = resource
+        .iter()
+        .map(|(k, v)| ((*k).to_string(), serde_json::Value::from(v.as_str())))
+        .collect();
+    serde_json::Value::Object(m).to_string()
+}
+
+fn json_str(out: &mut Vec<u8>, s: &str) {
+    // Writing to a Vec cannot fail; serde_json quotes and escapes.
+    let _ = serde_json::to_writer(&mut *out, s);
+}
+
+/// Appends the JSON Lines form of `event` to `out` (one object, no newline): `time`,
+/// `event`, `severity`, `body`, `attributes` (an object, in the event's order) and
+/// `resource` (`resource_json`, from [`resource_json`]).
+pub fn write_json(event: &Event, resource_json: &str, out: &mut Vec<u8>) {
+    out.extend_from_slice(b"{\"time\":\"");
+    out.extend_from_slice(rfc3339(event.time).as_bytes());
+    out.extend_from_slice(b"\",\"event\":");
+    json_str(out, event.name);
+    out.extend_from_slice(b",\"severity\":\"");
+    out.extend_from_slice(event.severity.as_str().as_bytes());
+    out.extend_from_slice(b"\",\"body\":");
+    json_str(out, &event.body);
+    out.extend_from_slice(b",\"attributes\":{");
+    for (i, (k, v)) in event.attributes.iter().enumerate() {
+        if i > 0 {
+            out.push(b',');
+        }
+        json_str(out, k);
+        out.push(b':');
+        match v {
+            Value::Str(s) => json_str(out, s),
+            Value::Int(n) => {
+                let _ = write!(JsonInt(out), "{n}");
+            }
+            Value::List(l) => {
+                out.push(b'[');
+                for (j, s) in l.iter().enumerate() {
+                    if j > 0 {
+                        out.push(b',');
+                    }
+                    json_str(out, s);
+                }
+                out.push(b']');
+            }
+        }
+    }
+    out.extend_from_slice(b"},\"resource\":");
+    out.extend_from_slice(resource_json.as_bytes());
+    out.push(b'}');
+}
+
+/// `fmt::Write` into a byte buffer (integers).
+struct JsonInt<'a>(&'a mut Vec<u8>);
+
+impl std::fmt::Write for JsonInt<'_> {
+    fn write_str(&mut self, s: &str) -> std::fmt::Result {
+        self.0.extend_from_slice(s.as_bytes());
+        Ok(())
+    }
+}
+
+/// The JSON Lines form of `event` as a string ([`write_json`]).
 pub fn to_json(event: &Event, resource: &[(&'static str, String)]) -> String {
-    use serde_json::{Map, Value as J};
-    let mut attrs = Map::with_capacity(event.attributes.len());
-    for (k, v) in &event.attributes {
-        let v = match v {
-            Value::Str(s) => J::String(s.clone()),
-            Value::Int(i) => J::from(*i),
-            Value::List(l) => J::Array(l.iter().cloned().map(J::String).collect()),
-        };
-        attrs.insert(k.to_string(), v);
-    }
-    let mut res = Map::new();
-    for (k, v) in resource {
-        res.insert((*k).to_string(), J::String(v.clone()));
-    }
-    let mut m = Map::new();
-    m.insert("time".into(), J::String(rfc3339(event.time)));
-    m.insert("event".into(), J::String(event.name.into()));
-    m.insert("severity".into(), J::String(event.severity.as_str().into()));
-    m.insert("body".into(), J::String(event.body.clone()));
-    m.insert("attributes".into(), J::Object(attrs));
-    m.insert("resource".into(), J::Object(res));
-    J::Object(m).to_string()
+    let mut out = Vec::new();
+    write_json(event, &resource_json(resource), &mut out);
+    String::from_utf8(out).unwrap_or_default()
 }

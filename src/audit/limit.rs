@@ -202,10 +202,12 @@ impl<K: Hash + Eq + Clone> RateLimiter<K> {
         }
     }
 
-    /// Whether an event of rule `key` may be emitted at `now`; counts it if not.
-    pub fn check(&mut self, key: &K, now: Instant) -> Admit {
+    /// Whether an event of the rule `key()` names may be emitted at `now`; counts it if
+    /// not. `key` is called only when a per-rule limit is set.
+    pub fn check(&mut self, key: impl FnOnce() -> K, now: Instant) -> Admit {
         if self.limits.per_rule > 0.0 {
-            if !self.rules.contains_key(key) && self.rules.len() >= MAX_RULE_BUCKETS {
+            let key = key();
+            if !self.rules.contains_key(&key) && self.rules.len() >= MAX_RULE_BUCKETS {
                 self.rules.retain(|_, b| b.tokens < b.burst);
             }
             let rate = self.limits.per_rule;
@@ -214,7 +216,7 @@ impl<K: Hash + Eq + Clone> RateLimiter<K> {
                 .entry(key.clone())
                 .or_insert_with(|| Bucket::new(rate, burst(rate), now));
             if !b.take(now) {
-                *self.suppressed_rule.entry(key.clone()).or_default() += 1;
+                *self.suppressed_rule.entry(key).or_default() += 1;
                 return Admit::RuleLimited;
             }
         }
@@ -291,22 +293,22 @@ mod tests {
     fn buckets_refill_at_their_rate_and_count_what_they_suppress() {
         let t0 = Instant::now();
         let mut r: RateLimiter<&str> = RateLimiter::new(Limits { per_rule: 2.0, node: 3.0 }, t0);
-        assert_eq!(r.check(&"a", t0), Admit::Yes);
-        assert_eq!(r.check(&"a", t0), Admit::Yes);
-        assert_eq!(r.check(&"a", t0), Admit::RuleLimited);
-        assert_eq!(r.check(&"b", t0), Admit::Yes);
+        assert_eq!(r.check(|| "a", t0), Admit::Yes);
+        assert_eq!(r.check(|| "a", t0), Admit::Yes);
+        assert_eq!(r.check(|| "a", t0), Admit::RuleLimited);
+        assert_eq!(r.check(|| "b", t0), Admit::Yes);
         // The node's 3 tokens are gone.
-        assert_eq!(r.check(&"c", t0), Admit::NodeLimited);
+        assert_eq!(r.check(|| "c", t0), Admit::NodeLimited);
         let (mut by_rule, node) = r.take_suppressed();
         by_rule.sort();
         assert_eq!((by_rule, node), (vec![("a", 1)], 1));
         assert_eq!(r.take_suppressed(), (vec![], 0));
         // Half a second later: one token for rule a (rate 2/s), 1.5 for the node.
         let t1 = t0 + Duration::from_millis(500);
-        assert_eq!(r.check(&"a", t1), Admit::Yes);
-        assert_eq!(r.check(&"a", t1), Admit::RuleLimited);
+        assert_eq!(r.check(|| "a", t1), Admit::Yes);
+        assert_eq!(r.check(|| "a", t1), Admit::RuleLimited);
         // Unlimited when the rates are 0.
         let mut u: RateLimiter<u8> = RateLimiter::new(Limits { per_rule: 0.0, node: 0.0 }, t0);
-        assert!((0..10_000).all(|_| u.check(&1, t0) == Admit::Yes));
+        assert!((0..10_000).all(|_| u.check(|| 1, t0) == Admit::Yes));
     }
 }

@@ -29,7 +29,7 @@ use anyhow::Context as _;
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TrySendError};
 
 use super::Mode;
-use super::event::{self, ConnectionEnd, Context, Event, FlowInfo, Labels};
+use super::event::{self, ConnectionEnd, Context, Event, FlowInfo, Names, Value};
 use super::limit::{Admit, Aggregator, Limits, RateLimiter};
 use super::select::{Defaults, Plan};
 use super::sink::{self, SinkConfig};
@@ -62,7 +62,7 @@ impl AuditConfig {
     /// Defaults for node `node` with `sinks`.
     pub fn new(node: &str, sinks: Vec<SinkConfig>) -> Self {
         AuditConfig {
-            context: Context { node: node.to_string(), label_keys: Vec::new() },
+            context: Context::new(node, Vec::new()),
             defaults: Defaults::default(),
             mode: Mode::Lossy,
             queue_capacity: DEFAULT_QUEUE_CAPACITY,
@@ -239,7 +239,8 @@ impl Auditor {
             shared: Arc::downgrade(&shared),
             sinks: sink_tx,
             stats: stats.clone(),
-            labels: Labels::default(),
+            names: Names::default(),
+            aggregate: !config.deny_window.is_zero(),
             denies: Aggregator::new(config.deny_window, MAX_DENY_WINDOWS),
             limiter: RateLimiter::new(config.limits, Instant::now()),
         };
@@ -394,8 +395,9 @@ struct DenyKey {
     revision: u64,
 }
 
-/// The key of a rate limit: the rule (`ruleset`, `rule`) or a fixed name.
-type RuleKey = (String, String);
+/// The key of a rate limit: the rule (`ruleset`, `direction/rule`), `default` and the
+/// basis for decisions no policy made, or the event name.
+type RuleKey = (Arc<str>, Arc<str>);
 
 struct Worker {
     ctx: Context,
@@ -404,20 +406,25 @@ struct Worker {
     shared: std::sync::Weak<Shared>,
     sinks: Vec<(Sender<Arc<Event>>, Arc<SinkStats>)>,
     stats: Arc<Stats>,
-    labels: Labels,
-    denies: Aggregator<DenyKey, (Event, RuleKey)>,
+    names: Names,
+    /// Deny aggregation is on (a window above zero).
+    aggregate: bool,
+    denies: Aggregator<DenyKey, Event>,
     limiter: RateLimiter<RuleKey>,
 }
 
 fn rule_key(e: &Event) -> RuleKey {
-    let s = |k| e.str(k).unwrap_or("").to_string();
+    let s = |k| match e.attr(k) {
+        Some(Value::Str(s)) => s.clone(),
+        _ => Arc::from(""),
+    };
     match e.name {
         event::DECISION if e.str(event::attr::RULESET).is_some() => (
             s(event::attr::RULESET),
-            format!("{}/{}", s(event::attr::DIRECTION), s(event::attr::RULE_NAME)),
+            format!("{}/{}", s(event::attr::DIRECTION), s(event::attr::RULE_NAME)).into(),
         ),
-        event::DECISION => ("default".into(), s(event::attr::BASIS)),
-        _ => (String::new(), e.name.to_string()),
+        event::DECISION => (Arc::from("default"), s(event::attr::BASIS)),
+        _ => (Arc::from(""), Arc::from(e.name)),
     }
 }
 
@@ -468,30 +475,29 @@ impl Worker {
         // Dropping the sink senders lets the sinks finish.
     }
 
-    fn labels_for(&mut self, snapshot: &Snapshot) {
-        if !self.ctx.label_keys.is_empty() && self.labels.revision() != snapshot.revision().0 {
-            self.labels = Labels::new(snapshot, &self.ctx.label_keys);
-        }
-    }
-
     fn handle(&mut self, p: Pending) {
         let now = Instant::now();
         match p {
             Pending::Decision { flow, decision, snapshot, dirs } => {
-                self.labels_for(&snapshot);
+                self.names.refresh(&snapshot, &self.ctx);
                 for dir in Direction::BOTH {
                     if !dirs[dir as usize] {
                         continue;
                     }
-                    let e =
-                        event::decision(&self.ctx, &snapshot, &self.labels, &flow, &decision, dir);
-                    let key = rule_key(&e);
+                    let e = event::decision(
+                        &self.ctx,
+                        &snapshot,
+                        &mut self.names,
+                        &flow,
+                        &decision,
+                        dir,
+                    );
                     let denied = match dir {
                         Direction::Ingress => decision.ingress.as_ref(),
                         Direction::Egress => decision.egress.as_ref(),
                     }
                     .is_some_and(|o| o.verdict == Verdict::Deny);
-                    if denied {
+                    if denied && self.aggregate {
                         let k = DenyKey {
                             dir,
                             src: flow.src.ip(),
@@ -500,26 +506,29 @@ impl Worker {
                             protocol: flow.protocol,
                             revision: decision.revision.0,
                         };
-                        if !self.denies.offer(k, (e, key), now) {
+                        if !self.denies.offer(k, e, now) {
                             self.stats.aggregated.fetch_add(1, Ordering::Relaxed);
                         }
+                    } else if denied {
+                        let mut e = e;
+                        e.set_count(1, flow.time);
+                        self.emit(e, now);
                     } else {
-                        self.emit(e, &key, now);
+                        self.emit(e, now);
                     }
                 }
             }
             Pending::End { flow, decision, snapshot, end } => {
-                self.labels_for(&snapshot);
+                self.names.refresh(&snapshot, &self.ctx);
                 let e = event::connection_end(
                     &self.ctx,
                     &snapshot,
-                    &self.labels,
+                    &mut self.names,
                     &flow,
                     &decision,
                     &end,
                 );
-                let key = rule_key(&e);
-                self.emit(e, &key, now);
+                self.emit(e, now);
             }
             Pending::Shutdown => {}
         }
@@ -532,11 +541,11 @@ impl Worker {
         self.summaries();
     }
 
-    fn emit_counted(&mut self, a: super::limit::Aggregated<(Event, RuleKey)>, now: Instant) {
-        let (mut e, key) = a.item;
+    fn emit_counted(&mut self, a: super::limit::Aggregated<Event>, now: Instant) {
+        let mut e = a.item;
         let last = SystemTime::now() - now.saturating_duration_since(a.last);
         e.set_count(a.count, last.max(e.time));
-        self.emit(e, &key, now);
+        self.emit(e, now);
     }
 
     /// A summary event per rule (and for the node) that suppressed events since the last.
@@ -555,8 +564,8 @@ impl Worker {
         }
     }
 
-    fn emit(&mut self, e: Event, key: &RuleKey, now: Instant) {
-        match self.limiter.check(key, now) {
+    fn emit(&mut self, e: Event, now: Instant) {
+        match self.limiter.check(|| rule_key(&e), now) {
             Admit::Yes => self.send(e),
             // Counted by the limiter; reported by the next summary.
             Admit::RuleLimited | Admit::NodeLimited => {}

@@ -313,11 +313,7 @@ pub(crate) fn to_record(logger: &SdkLogger, e: &Event) -> SdkLogRecord {
     r.set_severity_text(text);
     r.set_body(AnyValue::String(e.body.clone().into()));
     for (k, v) in &e.attributes {
-        let key = match k {
-            std::borrow::Cow::Borrowed(s) => Key::from_static_str(s),
-            std::borrow::Cow::Owned(s) => Key::from(s.clone()),
-        };
-        r.add_attribute(key, any_value(v));
+        r.add_attribute(Key::from_static_str(k), any_value(v));
     }
     r
 }
@@ -417,7 +413,7 @@ pub(crate) fn start_json(
             ))
         }
     };
-    let resource = resource_attrs(node);
+    let resource = event::resource_json(&resource_attrs(node));
     // Lines are written in chunks of whole lines; a file is rotated after the chunk that
     // takes it past its size, so chunks stay small against the size.
     let chunk = match &target {
@@ -428,8 +424,8 @@ pub(crate) fn start_json(
         .name("audit-json".into())
         .spawn(move || {
             let mut warned = false;
-            let mut write = |buf: &mut String, lines: u64| {
-                match out.write_all(buf.as_bytes()).and_then(|()| out.flush()) {
+            let mut write = |buf: &mut Vec<u8>, lines: u64| {
+                match out.write_all(buf).and_then(|()| out.flush()) {
                     Ok(()) => {
                         stats.exported.fetch_add(lines, Ordering::Relaxed);
                     }
@@ -442,12 +438,12 @@ pub(crate) fn start_json(
                 }
                 buf.clear();
             };
-            let mut buf = String::new();
+            let mut buf = Vec::with_capacity(chunk + 4096);
             while let Some(batch) = gather(&rx, 1024, Duration::ZERO) {
                 let mut lines = 0;
                 for e in &batch {
-                    buf.push_str(&event::to_json(e, &resource));
-                    buf.push('\n');
+                    event::write_json(e, &resource, &mut buf);
+                    buf.push(b'\n');
                     lines += 1;
                     if buf.len() >= chunk {
                         write(&mut buf, lines);
