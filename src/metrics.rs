@@ -201,9 +201,9 @@ impl prometheus_client::collector::Collector for Scraped {
         while i < samples.len() {
             let j = i + samples[i..].iter().take_while(|s| s.name == samples[i].name).count();
             let first = &samples[i];
-            let name = format!("tierproxy_{}", first.name);
+            // The registry adds its `tierproxy_` prefix.
             let ty = if first.counter { MetricType::Counter } else { MetricType::Gauge };
-            let mut m = encoder.encode_descriptor(&name, first.help, None, ty)?;
+            let mut m = encoder.encode_descriptor(first.name, first.help, None, ty)?;
             for s in &samples[i..j] {
                 let labels: Vec<(&str, &str)> =
                     s.labels.iter().map(|(k, v)| (*k, v.as_str())).collect();

@@ -666,16 +666,18 @@ fn without_source_preservation_the_server_sees_the_node_address() {
     assert!(line.starts_with("tierproxy-lab 172.31.0.2 "), "{line}");
 }
 
-/// `lab up` of [`CLUSTER`] with agents whose extra options are `agent_args`.
-fn lab_with_agent_args(short: &str, agent_args: &[String]) -> Lab {
+/// `lab up` of [`CLUSTER`] with agents whose extra options are `agent_args`, with `env`
+/// set for `lab up` (the agents inherit it).
+fn lab_with_agent_args(short: &str, agent_args: &[String], env: &[(&str, String)]) -> Lab {
     let lab = Lab::new(short);
     let cluster = lab.file("cluster.yaml", CLUSTER);
     let probes = lab.file("probes.jsonl", PROBES);
-    let mut args = vec!["up", "--manifests", cluster.to_str().unwrap()];
-    args.extend(["--probes", probes.to_str().unwrap()]);
-    let extra: Vec<String> = agent_args.iter().map(|a| format!("--agent-arg={a}")).collect();
-    args.extend(extra.iter().map(String::as_str));
-    let o = lab.lab(&args);
+    let mut c = bin();
+    c.args(["lab", "up", "--prefix", &lab.prefix, "--manifests", cluster.to_str().unwrap()]);
+    c.args(["--probes", probes.to_str().unwrap()]);
+    c.args(agent_args.iter().map(|a| format!("--agent-arg={a}")));
+    c.envs(env.iter().map(|(k, v)| (k, v)));
+    let o = c.output().expect("tierproxy runs");
     assert!(o.status.success(), "lab up failed: {}", text(&o));
     lab
 }
@@ -699,17 +701,54 @@ fn every_agent_audits_allow_deny_pass_and_close_to_an_otlp_receiver_on_the_host(
         return;
     }
     // The receiver listens on the host's loopback: agents reach it because their sinks
-    // stay in the namespace they started in (--netns), as a hostNetwork pod's would.
+    // stay in the namespace they started in (--netns), as a hostNetwork pod's would. They
+    // learn the endpoint from the standard variables, set for `lab up` only.
     let receiver = Receiver::start(OtlpProtocol::Grpc, "127.0.0.1:0".parse().unwrap()).unwrap();
     let lab = lab_with_agent_args(
         "audit",
+        &["--metrics-addr=127.0.0.1:9464".into()],
         &[
-            format!("--audit-otlp-endpoint={}", receiver.endpoint()),
-            "--audit-otlp-protocol=grpc".into(),
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint()),
+            ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc".into()),
         ],
     );
     let (lines, code, o) = lab.probe(&lab.file("probes.jsonl", PROBES));
     assert_eq!(code, Some(0), "{}", text(&o));
+    // Each agent serves its metrics in its node's namespace.
+    let n1 = netns_of_node(&lab, "n1");
+    let get = |path: &str| -> String {
+        in_netns(&n1, || {
+            let mut s = std::net::TcpStream::connect("127.0.0.1:9464").map_err(io(&n1))?;
+            s.set_read_timeout(Some(Duration::from_secs(5))).map_err(io(&n1))?;
+            write!(s, "GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").map_err(io(&n1))?;
+            let mut body = String::new();
+            s.read_to_string(&mut body).map_err(io(&n1))?;
+            Ok(body)
+        })
+        .expect("metrics reachable in the node's namespace")
+    };
+    let metrics = get("/metrics");
+    let value = |line_start: &str| -> f64 {
+        metrics
+            .lines()
+            .find(|l| l.starts_with(line_start))
+            .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+            .unwrap_or_else(|| panic!("no {line_start} in\n{metrics}"))
+    };
+    assert!(value("tierproxy_decisions_total{verdict=\"allow\"}") >= 1.0);
+    assert!(value("tierproxy_decisions_total{verdict=\"deny\"}") >= 1.0);
+    assert!(value("tierproxy_connections_opened_total") >= 1.0);
+    assert!(value("tierproxy_audit_events_total{outcome=\"emitted\"}") >= 1.0);
+    assert_eq!(value("tierproxy_audit_events_total{outcome=\"dropped_queue\"}"), 0.0);
+    assert!(
+        value(
+            "tierproxy_direction_decisions_total{direction=\"ingress\",verdict=\"deny\",tier=\"admin\"}"
+        ) >= 1.0
+    );
+    assert!(metrics.contains("tierproxy_decision_duration_seconds_bucket"), "{metrics}");
+    assert!(metrics.contains("tierproxy_nfqueue_dropped_total{queue="), "{metrics}");
+    assert!(get("/readyz").starts_with("HTTP/1.0 200"), "ready");
+    assert!(get("/healthz").starts_with("HTTP/1.0 200"), "healthy");
     // Stopping the agents flushes their audit (and the deny windows).
     let down = lab.lab(&["down"]);
     assert!(down.status.success(), "{}", text(&down));
@@ -798,6 +837,7 @@ fn a_dead_collector_neither_stalls_nor_changes_enforcement() {
     let lab = lab_with_agent_args(
         "deadotlp",
         &[format!("--audit-otlp-endpoint=http://{dead}"), "--audit-queue=8".into()],
+        &[],
     );
     let (lines, code, o) = lab.probe(&lab.file("probes.jsonl", PROBES));
     assert_eq!(lines.len(), 7, "{}", text(&o));
