@@ -278,11 +278,12 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
         let serving = tokio::spawn(tcp::serve(listeners, proxy, decider, registry, stop_rx));
         wait_for_signal().await;
+        // Not ready from here on: a load balancer or probe stops counting on this node.
+        ready.store(false, std::sync::atomic::Ordering::Relaxed);
         tracing::info!("shutting down: no new connections; draining");
         let _ = stop_tx.send(true);
         let _ = serving.await;
     });
-    ready.store(false, std::sync::atomic::Ordering::Relaxed);
     // Connection ends are queued by now: flush them with the rest.
     auditor.shutdown();
     if let Some(path) = &opts.ready_file {
