@@ -154,6 +154,9 @@ fn otlp(protocol: OtlpProtocol, endpoint: String) -> SinkConfig {
     SinkConfig::Otlp(OtlpConfig {
         protocol: Some(protocol),
         endpoint: Some(endpoint),
+        // Compressed, with a header: the receiver must still read every record.
+        gzip: Some(true),
+        headers: vec![("x-tenant".into(), "audit-test".into())],
         batch_size: 64,
         batch_delay: Duration::from_millis(20),
         timeout: Some(Duration::from_secs(2)),
@@ -504,6 +507,16 @@ fn within<T: Send + 'static>(limit: Duration, f: impl FnOnce() -> T + Send + 'st
     rx.recv_timeout(limit).ok()
 }
 
+/// Joins `t`, failing the test if it has not finished within `limit` (a stall).
+fn join_within(t: std::thread::JoinHandle<()>, limit: Duration) {
+    let until = std::time::Instant::now() + limit;
+    while !t.is_finished() && std::time::Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(t.is_finished(), "still waiting after {limit:?}: events are not being delivered");
+    t.join().unwrap();
+}
+
 fn ports_received(r: &Receiver) -> BTreeSet<i64> {
     r.records().iter().filter_map(|x| x.int(attr::SRC_PORT)).collect()
 }
@@ -560,9 +573,8 @@ fn lossless_waits_and_delivers_every_event_when_the_receiver_comes_back_or_resta
     assert!(!submitter.is_finished(), "lossless: new flows wait while audit cannot deliver");
     // The receiver comes up on the endpoint: everything is delivered.
     let mut receiver = Receiver::start(OtlpProtocol::Grpc, addr).unwrap();
-    let got = receiver.wait_for(Duration::from_secs(60), |r| r.len() >= 300);
-    assert!(submitter.is_finished() || got.len() >= 300);
-    submitter.join().unwrap();
+    receiver.wait_for(Duration::from_secs(60), |r| r.len() >= 300);
+    join_within(submitter, Duration::from_secs(60));
     assert_eq!(ports_received(&receiver), (1000..1300).collect());
 
     // Killed mid-stream: stop it while events flow, restart it, nothing is lost.
@@ -575,7 +587,7 @@ fn lossless_waits_and_delivers_every_event_when_the_receiver_comes_back_or_resta
     let before = ports_received(&receiver);
     std::thread::sleep(Duration::from_millis(500));
     let receiver = Receiver::start(OtlpProtocol::Grpc, addr).unwrap();
-    submitter.join().unwrap();
+    join_within(submitter, Duration::from_secs(60));
     auditor.shutdown();
     // Delivered at least once: a batch cut mid-request may be delivered twice.
     let mut all = before;
@@ -588,4 +600,45 @@ fn lossless_waits_and_delivers_every_event_when_the_receiver_comes_back_or_resta
     assert_eq!(st.sinks[0].failed.load(Ordering::Relaxed), 0);
     assert!(st.sinks[0].retries.load(Ordering::Relaxed) > 0);
     assert!(st.sinks[0].exported.load(Ordering::Relaxed) >= 600);
+}
+
+#[test]
+fn lossy_survives_a_receiver_killed_mid_stream_and_lossless_waits_out_a_slow_one() {
+    // Lossy, killed mid-stream: the data path never waits; what could not be delivered is
+    // counted.
+    let mut receiver = Receiver::start(OtlpProtocol::HttpProtobuf, loopback()).unwrap();
+    let mut c = config(otlp(OtlpProtocol::HttpProtobuf, receiver.endpoint()));
+    c.queue_capacity = 64;
+    c.flush_timeout = Duration::from_millis(500);
+    let s = snapshot();
+    let (plan, _) = Plan::new(&s, c.defaults);
+    let auditor = Arc::new(Auditor::start(c).unwrap());
+    submit(&auditor, &s, &plan, 1000, 200);
+    receiver.wait_for(Duration::from_secs(10), |r| !r.is_empty());
+    receiver.stop();
+    let got_before = receiver.count();
+    let (a, s2, p2) = (auditor.clone(), s.clone(), plan.clone());
+    let done = within(Duration::from_secs(60), move || submit(&a, &s2, &p2, 2000, 20_000));
+    assert!(done.is_some(), "the data path waited on a dead collector");
+    auditor.shutdown();
+    let st = auditor.stats();
+    let lost = st.dropped_queue.load(Ordering::Relaxed)
+        + st.sinks[0].dropped_queue.load(Ordering::Relaxed)
+        + st.sinks[0].failed.load(Ordering::Relaxed);
+    assert!(got_before > 0);
+    assert!(lost > 0, "drops after the kill are counted");
+
+    // Lossless, slow: every event arrives, in batches answered 200 ms apart.
+    let receiver = Receiver::start(OtlpProtocol::Grpc, loopback()).unwrap();
+    receiver.set_delay(Duration::from_millis(200));
+    let mut c = config(otlp(OtlpProtocol::Grpc, receiver.endpoint()));
+    c.mode = Mode::Lossless;
+    c.queue_capacity = 16;
+    let auditor = Arc::new(Auditor::start(c).unwrap());
+    let (a, s2, p2) = (auditor.clone(), s.clone(), plan.clone());
+    let done = within(Duration::from_secs(60), move || submit(&a, &s2, &p2, 3000, 400));
+    assert!(done.is_some(), "lossless against a slow receiver did not finish");
+    auditor.shutdown();
+    assert_eq!(ports_received(&receiver), (3000..3400).collect());
+    assert_eq!(auditor.stats().sinks[0].failed.load(Ordering::Relaxed), 0);
 }

@@ -250,7 +250,10 @@ impl Receiver {
                 let serve = async {
                     match protocol {
                         OtlpProtocol::Grpc => tonic::transport::Server::builder()
-                            .add_service(LogsServiceServer::new(Grpc(st)))
+                            .add_service(
+                                LogsServiceServer::new(Grpc(st))
+                                    .accept_compressed(tonic::codec::CompressionEncoding::Gzip),
+                            )
                             .serve_with_incoming(Accept(listener))
                             .await
                             .map_err(anyhow::Error::from),
