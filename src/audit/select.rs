@@ -158,6 +158,17 @@ pub fn parse(value: &str) -> Result<PolicySwitches, String> {
     Ok(out)
 }
 
+/// A rule as a `rule:NAME` switch names it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RuleRef<'a> {
+    /// The rule's `name`, if it has one.
+    pub name: Option<&'a str>,
+    /// Its direction.
+    pub dir: Direction,
+    /// Its position in the policy's list for `dir`.
+    pub index: u32,
+}
+
 /// Whether one rule hit is logged.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Want {
@@ -207,17 +218,32 @@ impl Plan {
         self.defaults
     }
 
-    /// Whether a hit of `action` — by rule `rule` (its `name`) of policy `policy`, or by
-    /// no policy (default allow, isolation without a rule name) — is logged.
-    pub fn want(&self, policy: Option<u32>, rule: Option<&str>, action: Action) -> Want {
+    /// Whether a hit of `action` — by rule `rule` of policy `policy`, or by no policy
+    /// (default allow) or no rule (isolation) — is logged. A `rule:NAME` switch names a
+    /// rule by its `name`, or an unnamed rule as audit events do: `ingress[i]`,
+    /// `egress[i]`.
+    pub fn want(&self, policy: Option<u32>, rule: Option<RuleRef<'_>>, action: Action) -> Want {
         let a = action_index(action);
         let s = policy.and_then(|p| self.policies.get(p as usize)).and_then(Option::as_ref);
         let said = s.and_then(|s| {
-            rule.and_then(|r| {
-                s.rules.binary_search_by(|(n, _)| n.as_str().cmp(r)).ok().map(|i| s.rules[i].1)
-            })
-            .or(s.actions[a])
-            .or(s.all)
+            let by_rule = match rule {
+                Some(r) if !s.rules.is_empty() => {
+                    let unnamed;
+                    let name = match r.name {
+                        Some(n) => n,
+                        None => {
+                            unnamed = format!("{}[{}]", r.dir.as_str(), r.index);
+                            &unnamed
+                        }
+                    };
+                    s.rules
+                        .binary_search_by(|(n, _)| n.as_str().cmp(name))
+                        .ok()
+                        .map(|i| s.rules[i].1)
+                }
+                _ => None,
+            };
+            by_rule.or(s.actions[a]).or(s.all)
         });
         match said {
             Some(true) => Want::Always,
@@ -238,7 +264,8 @@ impl Plan {
     pub fn want_outcome(&self, snapshot: &Snapshot, dir: Direction, o: &Outcome) -> Want {
         let hit = |h: crate::policy::RuleHit| {
             let info = snapshot.rule_info(dir, h);
-            self.want(Some(h.policy), info.name, info.action)
+            let rule = RuleRef { name: info.name, dir, index: info.index };
+            self.want(Some(h.policy), Some(rule), info.action)
         };
         let last = match o.basis {
             Basis::Rule { hit: h, .. } => hit(h),
@@ -299,13 +326,15 @@ mod tests {
                 Some(parse("off, deny=on, rule:r1=on").unwrap()),
                 None,
                 Some(parse("allow=on").unwrap()),
+                Some(parse("allow=off, rule:egress[2]=on").unwrap()),
             ],
             sample: AtomicU64::new(0),
         };
+        let named = |n| Some(RuleRef { name: Some(n), dir: Direction::Ingress, index: 0 });
         // Policy 0: rule beats action beats bare switch.
-        assert_eq!(plan.want(Some(0), Some("r1"), Action::Allow), Want::Always);
-        assert_eq!(plan.want(Some(0), Some("r2"), Action::Deny), Want::Always);
-        assert_eq!(plan.want(Some(0), Some("r2"), Action::Allow), Want::Never);
+        assert_eq!(plan.want(Some(0), named("r1"), Action::Allow), Want::Always);
+        assert_eq!(plan.want(Some(0), named("r2"), Action::Deny), Want::Always);
+        assert_eq!(plan.want(Some(0), named("r2"), Action::Allow), Want::Never);
         assert_eq!(plan.want(Some(0), None, Action::Pass), Want::Never);
         // Policy 1 (no annotation) and no policy: the node's defaults.
         assert_eq!(plan.want(Some(1), None, Action::Allow), Want::Sampled);
@@ -313,8 +342,13 @@ mod tests {
         assert_eq!(plan.want(Some(1), None, Action::Pass), Want::Never);
         assert_eq!(plan.want(None, None, Action::Allow), Want::Sampled);
         // Policy 2 logs every allow; its denies follow the node.
-        assert_eq!(plan.want(Some(2), Some("x"), Action::Allow), Want::Always);
-        assert_eq!(plan.want(Some(2), Some("x"), Action::Deny), Want::Always);
+        assert_eq!(plan.want(Some(2), named("x"), Action::Allow), Want::Always);
+        assert_eq!(plan.want(Some(2), named("x"), Action::Deny), Want::Always);
+        // An unnamed rule (NetworkPolicy) is named as its events name it.
+        let unnamed = |dir, index| Some(RuleRef { name: None, dir, index });
+        assert_eq!(plan.want(Some(3), unnamed(Direction::Egress, 2), Action::Allow), Want::Always);
+        assert_eq!(plan.want(Some(3), unnamed(Direction::Ingress, 2), Action::Allow), Want::Never);
+        assert_eq!(plan.want(Some(3), unnamed(Direction::Egress, 1), Action::Allow), Want::Never);
         // Sampling 0 and 1.
         let never = Plan::defaults_only(Defaults { allow_sample: 0, ..defaults });
         assert_eq!(never.want(None, None, Action::Allow), Want::Never);
