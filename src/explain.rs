@@ -437,6 +437,10 @@ pub fn check(manifests: &[PathBuf], format: Format, out: &mut dyn Write) -> u8 {
     problems.extend(compiled.problems.iter().cloned());
     problems.extend(compile::priority_conflicts(s));
     problems.extend(compile::unreachable_rules(s));
+    // The audit annotation is tierproxy's own: a value that does not parse is a warning
+    // (the policy is enforced as written, and audited in full).
+    let (_, audit) = crate::audit::Plan::new(s, crate::audit::Defaults::default());
+    problems.extend(audit.iter().map(crate::audit::select::AnnotationError::to_problem));
     let invalid = !loaded.errors.is_empty() || problems.iter().any(Problem::is_error);
     match format {
         Format::Json => {

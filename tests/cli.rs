@@ -270,6 +270,39 @@ spec:
 }
 
 #[test]
+fn check_warns_of_an_audit_annotation_that_does_not_parse() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = write(
+        dir.path(),
+        "p.yaml",
+        r#"
+apiVersion: v1
+kind: Namespace
+metadata: {name: a}
+---
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {name: quiet, namespace: a, annotations: {tierproxy.io/audit: "deny=off"}}
+spec: {podSelector: {}}
+---
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {name: loud, namespace: a, annotations: {tierproxy.io/audit: "deny=loud"}}
+spec: {podSelector: {}}
+"#,
+    );
+    let o = run(&["check", "-m", m.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(0), "a warning: the policy is enforced as written");
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        out.contains("NetworkPolicy a/loud: metadata.annotations[tierproxy.io/audit]: \"deny=loud\" is invalid: \"deny=loud\" is not on, off"),
+        "{out}"
+    );
+    assert!(out.contains("the policy is audited in full"), "{out}");
+    assert!(!out.contains("a/quiet: metadata.annotations"), "{out}");
+}
+
+#[test]
 fn priority_ties_are_decided_by_name_and_reported() {
     let ex = examples();
     let manifests = [

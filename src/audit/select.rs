@@ -32,7 +32,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::policy::compile::{Action, Direction};
 use crate::policy::eval::{Basis, Decision, Outcome};
-use crate::policy::{ObjectRef, Snapshot};
+use crate::policy::{ObjectRef, Problem, ProblemKind, Snapshot};
 
 /// The annotation read on AdminNetworkPolicy, BaselineAdminNetworkPolicy,
 /// ClusterNetworkPolicy and NetworkPolicy objects.
@@ -76,8 +76,25 @@ pub struct PolicySwitches {
 pub struct AnnotationError {
     /// The policy object.
     pub object: ObjectRef,
+    /// The annotation's value.
+    pub value: String,
     /// What is wrong, quoting the offending item.
     pub message: String,
+}
+
+impl AnnotationError {
+    /// The error as a [`Problem`] (a warning: the policy is enforced as written), for
+    /// `tierproxy check`.
+    pub fn to_problem(&self) -> Problem {
+        Problem::warning(
+            &self.object,
+            format!("metadata.annotations[{ANNOTATION}]"),
+            ProblemKind::Invalid {
+                value: self.value.clone(),
+                reason: format!("{}; the policy is audited in full", self.message),
+            },
+        )
+    }
 }
 
 impl fmt::Display for AnnotationError {
@@ -199,8 +216,11 @@ impl Plan {
             .map(|p| {
                 let value = snapshot.policy_annotation(p, ANNOTATION)?;
                 Some(parse(value).unwrap_or_else(|message| {
-                    errors
-                        .push(AnnotationError { object: snapshot.policy_ref(p).clone(), message });
+                    errors.push(AnnotationError {
+                        object: snapshot.policy_ref(p).clone(),
+                        value: value.to_string(),
+                        message,
+                    });
                     PolicySwitches { all: Some(true), ..PolicySwitches::default() }
                 }))
             })
