@@ -642,3 +642,41 @@ fn lossy_survives_a_receiver_killed_mid_stream_and_lossless_waits_out_a_slow_one
     assert_eq!(ports_received(&receiver), (3000..3400).collect());
     assert_eq!(auditor.stats().sinks[0].failed.load(Ordering::Relaxed), 0);
 }
+
+#[test]
+fn otlp_over_grpc_with_tls_trusts_the_given_ca_and_only_it() {
+    let cert = rcgen::generate_simple_self_signed(vec!["localhost".to_string()]).unwrap();
+    let (cert_pem, key_pem) = (cert.cert.pem(), cert.signing_key.serialize_pem());
+    let dir = tempfile::tempdir().unwrap();
+    let ca = dir.path().join("ca.pem");
+    std::fs::write(&ca, &cert_pem).unwrap();
+    let receiver =
+        Receiver::start_grpc_tls(loopback(), cert_pem.as_bytes(), key_pem.as_bytes()).unwrap();
+    let endpoint = format!("https://localhost:{}", receiver.addr.port());
+    let s = snapshot();
+    for trusted in [true, false] {
+        let mut sink = otlp(OtlpProtocol::Grpc, endpoint.clone());
+        if let SinkConfig::Otlp(o) = &mut sink {
+            o.ca_file = trusted.then(|| ca.clone());
+        }
+        let mut c = config(sink);
+        c.flush_timeout = Duration::from_secs(5);
+        let (plan, _) = Plan::new(&s, c.defaults);
+        let auditor = Auditor::start(c).unwrap();
+        let first: u16 = if trusted { 5000 } else { 6000 };
+        submit(&auditor, &s, &plan, first, 20);
+        auditor.shutdown();
+        let got: BTreeSet<i64> = ports_received(&receiver)
+            .into_iter()
+            .filter(|p| (i64::from(first)..i64::from(first) + 20).contains(p))
+            .collect();
+        let st = &auditor.stats().sinks[0];
+        if trusted {
+            assert_eq!(got.len(), 20, "the CA file is trusted");
+        } else {
+            // The system's roots do not include the test's self-signed certificate.
+            assert!(got.is_empty(), "an untrusted certificate is refused");
+            assert_eq!(st.failed.load(Ordering::Relaxed), 20, "and the loss is counted");
+        }
+    }
+}

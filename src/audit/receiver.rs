@@ -224,6 +224,37 @@ impl Receiver {
         on_records: Option<OnRecords>,
         keep: bool,
     ) -> anyhow::Result<Self> {
+        Self::start_inner(protocol, addr, on_records, keep, None)
+    }
+
+    /// A gRPC receiver serving TLS with certificate `cert_pem` and key `key_pem` (PEM):
+    /// for tests of the exporter's TLS settings. Keeps what it receives.
+    ///
+    /// # Errors
+    /// The address cannot be bound, or the identity is unusable.
+    pub fn start_grpc_tls(
+        addr: SocketAddr,
+        cert_pem: &[u8],
+        key_pem: &[u8],
+    ) -> anyhow::Result<Self> {
+        let identity = tonic::transport::Identity::from_pem(cert_pem, key_pem);
+        Self::start_inner(OtlpProtocol::Grpc, addr, None, true, Some(identity))
+    }
+
+    fn start_inner(
+        protocol: OtlpProtocol,
+        addr: SocketAddr,
+        on_records: Option<OnRecords>,
+        keep: bool,
+        tls: Option<tonic::transport::Identity>,
+    ) -> anyhow::Result<Self> {
+        let mut grpc = tonic::transport::Server::builder();
+        if let Some(identity) = tls {
+            super::sink::ensure_crypto_provider();
+            grpc = grpc
+                .tls_config(tonic::transport::ServerTlsConfig::new().identity(identity))
+                .context("receiver TLS identity")?;
+        }
         let state = Arc::new(State { on_records, keep, ..State::default() });
         let listener = std::net::TcpListener::bind(addr)
             .with_context(|| format!("binding the OTLP receiver to {addr}"))?;
@@ -249,7 +280,7 @@ impl Receiver {
                 };
                 let serve = async {
                     match protocol {
-                        OtlpProtocol::Grpc => tonic::transport::Server::builder()
+                        OtlpProtocol::Grpc => grpc
                             .add_service(
                                 LogsServiceServer::new(Grpc(st))
                                     .accept_compressed(tonic::codec::CompressionEncoding::Gzip),

@@ -150,6 +150,17 @@ pub fn resource_attrs(node: &str) -> Vec<(&'static str, String)> {
     ]
 }
 
+/// Installs rustls' process-wide crypto provider (ring) unless one is installed. The
+/// exporters' dependencies enable both of rustls' providers (ring for tonic, aws-lc-rs for
+/// reqwest), and rustls then refuses to guess: without this, the first TLS connection
+/// panics.
+pub(crate) fn ensure_crypto_provider() {
+    if rustls::crypto::CryptoProvider::get_default().is_none() {
+        // Losing a race to another thread installing it is fine.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+    }
+}
+
 /// A started sink thread.
 pub(crate) struct Running {
     pub(crate) thread: JoinHandle<()>,
@@ -165,6 +176,7 @@ pub(crate) fn start_otlp(
     stats: Arc<SinkStats>,
     flush_deadline: Arc<std::sync::Mutex<Option<Instant>>>,
 ) -> anyhow::Result<Running> {
+    ensure_crypto_provider();
     let protocol = match config.protocol {
         Some(p) => p,
         None => OtlpProtocol::from_env()?,
