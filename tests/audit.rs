@@ -680,3 +680,43 @@ fn otlp_over_grpc_with_tls_trusts_the_given_ca_and_only_it() {
         }
     }
 }
+
+#[test]
+fn with_connection_ends_off_a_cut_by_policy_change_is_still_reported() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("audit.jsonl");
+    let mut c = config(SinkConfig::Json(JsonTarget::File {
+        path: path.clone(),
+        max_bytes: 1 << 30,
+        keep: 1,
+    }));
+    c.defaults.close = false;
+    let s = snapshot();
+    let auditor = Auditor::start(c).unwrap();
+    let flow = Flow {
+        src: CLIENT.parse().unwrap(),
+        dst: SERVER.parse().unwrap(),
+        protocol: Protocol::Tcp,
+        dst_port: 8080,
+    };
+    let decision = Arc::new(s.decide(&flow));
+    for (port, reason) in [(100, CloseReason::Normal), (101, CloseReason::PolicyChange)] {
+        let admitted = tierproxy::audit::Admitted {
+            flow: FlowInfo {
+                src: sa(CLIENT, port),
+                dst: sa(SERVER, 8080),
+                protocol: Protocol::Tcp,
+                time: SystemTime::now(),
+            },
+            decision: decision.clone(),
+        };
+        let end = ConnectionEnd { reason, to_server: 1, to_client: 2, duration: Duration::ZERO };
+        auditor.connection_end(&s, &admitted, end);
+    }
+    auditor.shutdown();
+    let lines = json_lines(&path);
+    assert_eq!(lines.len(), 1, "{lines:#?}");
+    assert_eq!(lines[0]["event"], event::CONNECTION_END);
+    assert_eq!(lines[0]["attributes"][attr::CLOSE_REASON], "policy-change");
+    assert_eq!(lines[0]["attributes"][attr::SRC_PORT], 101);
+}

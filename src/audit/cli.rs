@@ -80,7 +80,8 @@ pub struct AuditArgs {
     /// Log decisions that took a Pass rule where no policy annotation says.
     #[arg(long, value_enum, default_value = "on")]
     pub audit_pass: Switch,
-    /// Log the end of each proxied connection whose decision was logged.
+    /// Log the end of each proxied connection whose decision was logged (a connection cut
+    /// by a policy change is reported either way).
     #[arg(long, value_enum, default_value = "on")]
     pub audit_close: Switch,
     /// Identical denies (same flow but source port) within this window become one event

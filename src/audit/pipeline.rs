@@ -334,7 +334,9 @@ impl Auditor {
         end: ConnectionEnd,
     ) {
         let Some(s) = &self.shared else { return };
-        if !s.close {
+        // A cut by a policy change is always reported: it is enforcement acting on a live
+        // connection.
+        if !s.close && end.reason != super::CloseReason::PolicyChange {
             return;
         }
         let p = Pending::End(Box::new(PendingEnd {
@@ -360,8 +362,8 @@ impl Auditor {
     pub fn shutdown(&self) {
         let deadline = Instant::now() + self.flush_timeout;
         *self.flush_deadline.lock().unwrap_or_else(|p| p.into_inner()) = Some(deadline);
-        // The worker ends when every sender is gone; the data path may still hold
-        // clones of `self`, so the worker is told through `shared` going away.
+        // The worker finishes what is queued before the marker, then the open deny
+        // windows; the sinks finish when the worker drops their queues.
         let worker = self.worker.lock().unwrap_or_else(|p| p.into_inner()).take();
         if let Some(s) = &self.shared {
             let _ = s.tx.send_timeout(Pending::Shutdown, self.flush_timeout);

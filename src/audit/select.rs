@@ -49,8 +49,8 @@ pub struct Defaults {
     pub deny: bool,
     /// Log decisions that took a Pass rule.
     pub pass: bool,
-    /// Log the end of each proxied connection whose decision was logged (always when it
-    /// was cut by a policy change).
+    /// Log the end of each proxied connection whose decision was logged. A connection cut
+    /// by a policy change is reported whatever this says.
     pub close: bool,
 }
 

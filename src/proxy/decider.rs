@@ -125,7 +125,11 @@ impl Decider {
     /// Decides `flow` as this node enforces it ([`Snapshot::decide_on_node`]), through the
     /// cache.
     pub fn decide(&self, flow: Flow) -> Arc<Decision> {
-        let current = self.current.load();
+        self.decide_in(&self.current.load(), flow)
+    }
+
+    /// [`Decider::decide`] against `current`.
+    fn decide_in(&self, current: &Current, flow: Flow) -> Arc<Decision> {
         let key = (flow, current.snapshot.revision());
         if let Some(d) = self.cache.get(&key) {
             self.stats.cache_hits.fetch_add(1, Ordering::Relaxed);
@@ -152,18 +156,7 @@ impl Decider {
     pub fn first_packet(&self, key: FlowKey) -> Arc<Decision> {
         let started = std::time::Instant::now();
         let current = self.current.load();
-        let cache_key = (key.flow(), current.snapshot.revision());
-        let d = match self.cache.get(&cache_key) {
-            Some(d) => {
-                self.stats.cache_hits.fetch_add(1, Ordering::Relaxed);
-                d
-            }
-            None => {
-                let d = Arc::new(current.snapshot.decide_on_node(&cache_key.0, current.node));
-                self.cache.insert(cache_key, d.clone());
-                d
-            }
-        };
+        let d = self.decide_in(&current, key.flow());
         let time = SystemTime::now();
         let audited = self.auditor.enabled()
             && (d.egress.is_some() || d.ingress.is_some())
