@@ -35,6 +35,8 @@ pub const PREFIX: &str = "tierproxy.";
 /// sink reads the same event.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Value {
+    /// A string known at build time (`tcp`, `allow`, a kind): no allocation.
+    Static(&'static str),
     /// A string.
     Str(Arc<str>),
     /// An integer.
@@ -87,6 +89,7 @@ impl Event {
     /// The string value of attribute `key`, if present and a string.
     pub fn str(&self, key: &str) -> Option<&str> {
         match self.attr(key)? {
+            Value::Static(s) => Some(s),
             Value::Str(s) => Some(s),
             _ => None,
         }
@@ -96,7 +99,13 @@ impl Event {
         self.attributes.push((key, value));
     }
 
-    fn str_attr(&mut self, key: &'static str, value: impl Into<Arc<str>>) {
+    /// A string attribute whose value is known at build time.
+    fn str_attr(&mut self, key: &'static str, value: &'static str) {
+        self.push(key, Value::Static(value));
+    }
+
+    /// A string attribute made at run time.
+    fn string_attr(&mut self, key: &'static str, value: impl Into<Arc<str>>) {
         self.push(key, Value::Str(value.into()));
     }
 
@@ -108,7 +117,7 @@ impl Event {
     /// (see [`super::limit::Aggregator`]), and the time of the last one.
     pub fn set_count(&mut self, count: u64, last: SystemTime) {
         self.int_attr(attr::COUNT, i64::try_from(count).unwrap_or(i64::MAX));
-        self.str_attr(attr::LAST_SEEN, rfc3339(last).as_str());
+        self.string_attr(attr::LAST_SEEN, rfc3339(last).as_str());
     }
 }
 
@@ -657,10 +666,10 @@ pub fn suppressed(
     e.str_attr(attr::SUPPRESSED_BY, by);
     e.int_attr(attr::SUPPRESSED_COUNT, i64::try_from(count).unwrap_or(i64::MAX));
     if let Some(rs) = ruleset {
-        e.str_attr(attr::RULESET, rs);
+        e.string_attr(attr::RULESET, rs);
     }
     if let Some(r) = rule {
-        e.str_attr(attr::RULE_NAME, r);
+        e.string_attr(attr::RULE_NAME, r);
     }
     e
 }
@@ -704,6 +713,7 @@ pub fn write_json(event: &Event, resource_json: &str, out: &mut Vec<u8>) {
         json_str(out, k);
         out.push(b':');
         match v {
+            Value::Static(s) => json_str(out, s),
             Value::Str(s) => json_str(out, s),
             Value::Int(n) => {
                 let _ = write!(JsonInt(out), "{n}");

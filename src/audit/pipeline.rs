@@ -426,6 +426,7 @@ struct Worker {
 fn rule_key(e: &Event) -> RuleKey {
     let s = |k| match e.attr(k) {
         Some(Value::Str(s)) => s.clone(),
+        Some(Value::Static(s)) => Arc::from(*s),
         _ => Arc::from(""),
     };
     match e.name {

@@ -303,6 +303,7 @@ fn build_exporter(
 
 fn any_value(v: &Value) -> AnyValue {
     match v {
+        Value::Static(s) => AnyValue::String((*s).into()),
         Value::Str(s) => AnyValue::String(s.clone().into()),
         Value::Int(i) => AnyValue::Int(*i),
         Value::List(l) => AnyValue::ListAny(Box::new(
