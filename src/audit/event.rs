@@ -74,8 +74,8 @@ pub struct Event {
     pub time: SystemTime,
     /// Severity.
     pub severity: Severity,
-    /// A short human sentence.
-    pub body: String,
+    /// A short human sentence (shared by the sinks).
+    pub body: Arc<str>,
     /// Everything else, in a stable order.
     pub attributes: Vec<(&'static str, Value)>,
 }
@@ -463,7 +463,7 @@ pub fn decision(
         name: DECISION,
         time: flow.time,
         severity,
-        body: String::new(),
+        body: Arc::from(""),
         attributes: Vec::with_capacity(32),
     };
     flow_attrs(&mut e, ctx, names, flow);
@@ -550,7 +550,8 @@ pub fn decision(
         flow.src,
         flow.dst,
         dir.as_str(),
-    );
+    )
+    .into();
     e
 }
 
@@ -623,7 +624,8 @@ pub fn connection_end(
             end.duration.as_secs_f64(),
             end.to_server,
             end.to_client
-        ),
+        )
+        .into(),
         attributes: Vec::with_capacity(24),
     };
     flow_attrs(&mut e, ctx, names, flow);
@@ -659,7 +661,8 @@ pub fn suppressed(
                 )
             }
             _ => format!("{count} audit events suppressed by the {by} rate limit"),
-        },
+        }
+        .into(),
         attributes: vec![],
     };
     e.push(attr::NODE, Value::Str(ctx.node.clone()));
