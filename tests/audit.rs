@@ -377,6 +377,11 @@ fn allow_sampling_is_one_flow_in_n_and_keeps_both_directions_of_a_flow_together(
     assert!(picks.iter().all(|p| p[0] == p[1]), "{picks:?}");
 }
 
+/// A JSON Lines sink into `path`, never rotated.
+fn json_file(path: &Path) -> SinkConfig {
+    SinkConfig::Json(JsonTarget::File { path: path.to_path_buf(), max_bytes: 1 << 30, keep: 1 })
+}
+
 fn json_lines(path: &Path) -> Vec<serde_json::Value> {
     std::fs::read_to_string(path)
         .unwrap_or_default()
@@ -389,11 +394,7 @@ fn json_lines(path: &Path) -> Vec<serde_json::Value> {
 fn identical_denies_in_a_window_become_one_event_with_their_count() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("audit.jsonl");
-    let mut c = config(SinkConfig::Json(JsonTarget::File {
-        path: path.clone(),
-        max_bytes: 1 << 30,
-        keep: 1,
-    }));
+    let mut c = config(json_file(&path));
     c.deny_window = Duration::from_secs(30);
     let s = snapshot();
     let (plan, _) = Plan::new(&s, c.defaults);
@@ -428,11 +429,7 @@ fn identical_denies_in_a_window_become_one_event_with_their_count() {
 fn rate_limits_suppress_per_rule_and_report_every_suppressed_event() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("audit.jsonl");
-    let mut c = config(SinkConfig::Json(JsonTarget::File {
-        path: path.clone(),
-        max_bytes: 1 << 30,
-        keep: 1,
-    }));
+    let mut c = config(json_file(&path));
     c.limits = Limits { per_rule: 5.0, node: 0.0 };
     c.defaults.allow_sample = 0;
     let s = snapshot();
@@ -685,11 +682,7 @@ fn otlp_over_grpc_with_tls_trusts_the_given_ca_and_only_it() {
 fn with_connection_ends_off_a_cut_by_policy_change_is_still_reported() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("audit.jsonl");
-    let mut c = config(SinkConfig::Json(JsonTarget::File {
-        path: path.clone(),
-        max_bytes: 1 << 30,
-        keep: 1,
-    }));
+    let mut c = config(json_file(&path));
     c.defaults.close = false;
     let s = snapshot();
     let auditor = Auditor::start(c).unwrap();
