@@ -659,7 +659,8 @@ fn otlp_over_grpc_with_tls_trusts_the_given_ca_and_only_it() {
             o.ca_file = trusted.then(|| ca.clone());
         }
         let mut c = config(sink);
-        c.flush_timeout = Duration::from_secs(5);
+        // Long enough for the exporter's own retries of a failed handshake.
+        c.flush_timeout = Duration::from_secs(30);
         let (plan, _) = Plan::new(&s, c.defaults);
         let auditor = Auditor::start(c).unwrap();
         let first: u16 = if trusted { 5000 } else { 6000 };
