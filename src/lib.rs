@@ -1,4 +1,21 @@
-//! tierproxy: a node-level network policy enforcer.
+//! tierproxy: a node-level network policy enforcer for Kubernetes clusters without eBPF.
+//!
+//! # Layout
+//!
+//! - [`policy`]: pure policy engine: API types, validation, compiled snapshots, `decide`
+//!   (no tokio, no kube client, no netfilter, no OTel).
+//! - [`cluster`]: where cluster state comes from (today: manifest files).
+//! - [`redirect`]: the netfilter ruleset as a value and its backends; decides nothing.
+//! - [`proxy`]: NFQUEUE first-packet decisions, the transparent proxy and its relay, the
+//!   registry of live connections.
+//! - [`audit`]: OpenTelemetry audit events, their selection, limits and sinks; the data
+//!   path never waits on it in lossy mode.
+//! - [`metrics`]: Prometheus metrics and health endpoints.
+//! - [`agent`]: the wiring of one node's enforcement; [`config`] its typed settings.
+//! - [`explain`]: `explain` and `check`; [`lab`]: the network-namespace lab; [`loadgen`]
+//!   and [`synth`]: load and synthetic clusters for measurements.
+//!
+//! `docs/architecture.md` has the data flow and the decisions behind it.
 pub mod agent;
 pub mod audit;
 pub mod cluster;
