@@ -65,7 +65,7 @@ impl Default for Defaults {
 pub struct PolicySwitches {
     /// A bare `on`/`off`.
     pub all: Option<bool>,
-    /// `allow=`, `deny=`, `pass=`, by [`action_index`].
+    /// `allow=`, `deny=`, `pass=`, in that order.
     pub actions: [Option<bool>; 3],
     /// `rule:NAME=`, sorted by name.
     pub rules: Vec<(String, bool)>,
