@@ -168,7 +168,7 @@ pub fn spawn_detached(mut command: Command, log: &Path) -> Result<Child, LabErro
     command.spawn().map_err(|source| LabError::Spawn { command: shown, source })
 }
 
-/// The last `LOG_TAIL` (4 KiB) bytes of `log`, for error messages.
+/// The last `LOG_TAIL` (2,000) bytes of `log`, for error messages.
 pub fn log_tail(log: &Path) -> String {
     let text = match std::fs::read(log) {
         Ok(t) => t,
