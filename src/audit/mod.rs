@@ -21,6 +21,7 @@
 pub mod cli;
 pub mod event;
 pub mod limit;
+pub mod otlp;
 pub mod pipeline;
 pub mod receiver;
 pub mod select;

@@ -1,17 +1,16 @@
-//! Where audit events go: OTLP (gRPC or HTTP/protobuf, through `opentelemetry-otlp`) and
-//! JSON Lines (stdout, or a file rotated by size).
+//! Where audit events go: OTLP (gRPC or HTTP/protobuf, encoded and sent by [`super::otlp`])
+//! and JSON Lines (stdout, or a file rotated by size).
 //!
 //! Each sink runs on its own thread behind its own bounded queue, so a slow sink never
 //! holds up another. The OTLP sink batches records (up to [`OtlpConfig::batch_size`], or
-//! what arrived within [`OtlpConfig::batch_delay`]) and calls the exporter itself rather
-//! than through the SDK's batch processor: the processor drops silently when its queue is
-//! full, and tierproxy must count every drop (lossy) or never drop (lossless).
+//! what arrived within [`OtlpConfig::batch_delay`]), counts every batch it gives up on
+//! (lossy: after one retry), and never gives up in lossless mode before the flush
+//! deadline.
 //!
 //! Sources: OpenTelemetry Protocol Exporter specification (`OTEL_EXPORTER_OTLP_ENDPOINT`,
 //! `_PROTOCOL`, `_HEADERS`, `_COMPRESSION`, `_TIMEOUT`, `_CERTIFICATE`, their `_LOGS_`
 //! variants; default protocol `http/protobuf`; HTTP path `/v1/logs`).
 
-use std::collections::HashMap;
 use std::io::Write;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -21,12 +20,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
 use crossbeam_channel::{Receiver, RecvTimeoutError};
-use opentelemetry::logs::{AnyValue, LogRecord as _, Logger as _, LoggerProvider as _};
-use opentelemetry::{InstrumentationScope, Key};
-use opentelemetry_sdk::logs::{LogBatch, LogExporter as _, SdkLogRecord, SdkLogger};
 
 use super::Mode;
-use super::event::{self, Event, Severity, Value};
+use super::event::{self, Event};
+use super::otlp;
 use super::pipeline::SinkStats;
 
 /// OTLP transport.
@@ -52,27 +49,13 @@ impl OtlpProtocol {
             }
         }
     }
-
-    /// `OTEL_EXPORTER_OTLP_LOGS_PROTOCOL`, else `OTEL_EXPORTER_OTLP_PROTOCOL`, else
-    /// `http/protobuf`.
-    ///
-    /// # Errors
-    /// A set variable with an unsupported value.
-    pub fn from_env() -> anyhow::Result<Self> {
-        for var in ["OTEL_EXPORTER_OTLP_LOGS_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"] {
-            if let Ok(v) = std::env::var(var) {
-                return Self::parse(&v).with_context(|| format!("${var}"));
-            }
-        }
-        Ok(OtlpProtocol::HttpProtobuf)
-    }
 }
 
-/// The OTLP sink. Unset fields come from the standard environment variables, read by
-/// `opentelemetry-otlp` (endpoint, headers, compression, timeout) or here (protocol, CA).
+/// The OTLP sink. Unset fields come from the standard environment variables
+/// ([`otlp::Target::resolve`]).
 #[derive(Debug, Clone, Default)]
 pub struct OtlpConfig {
-    /// Transport; `None`: [`OtlpProtocol::from_env`].
+    /// Transport; `None`: `OTEL_EXPORTER_OTLP_[LOGS_]PROTOCOL`, else `http/protobuf`.
     pub protocol: Option<OtlpProtocol>,
     /// Base endpoint (`http://collector:4318`; for HTTP `/v1/logs` is appended, as for
     /// `OTEL_EXPORTER_OTLP_ENDPOINT`); `None`: the environment, else the default
@@ -166,8 +149,8 @@ pub(crate) struct Running {
     pub(crate) thread: JoinHandle<()>,
 }
 
-/// Starts the OTLP sink reading `rx`. Returns once the exporter is built, so a bad
-/// configuration fails the start.
+/// Starts the OTLP sink reading `rx`. Returns once the target is resolved and the client
+/// built, so a bad configuration fails the start.
 pub(crate) fn start_otlp(
     config: OtlpConfig,
     node: &str,
@@ -176,28 +159,8 @@ pub(crate) fn start_otlp(
     stats: Arc<SinkStats>,
     flush_deadline: Arc<std::sync::Mutex<Option<Instant>>>,
 ) -> anyhow::Result<Running> {
-    ensure_crypto_provider();
-    let protocol = match config.protocol {
-        Some(p) => p,
-        None => OtlpProtocol::from_env()?,
-    };
-    let ca = match &config.ca_file {
-        Some(p) => Some(p.clone()),
-        None => std::env::var_os("OTEL_EXPORTER_OTLP_LOGS_CERTIFICATE")
-            .or_else(|| std::env::var_os("OTEL_EXPORTER_OTLP_CERTIFICATE"))
-            .map(PathBuf::from),
-    };
-    let ca_pem = match &ca {
-        Some(p) => Some(
-            std::fs::read(p).with_context(|| format!("reading OTLP CA file {}", p.display()))?,
-        ),
-        None => None,
-    };
-    let resource = opentelemetry_sdk::Resource::builder()
-        .with_attributes(
-            resource_attrs(node).into_iter().map(|(k, v)| opentelemetry::KeyValue::new(k, v)),
-        )
-        .build();
+    let target = otlp::Target::resolve(&config, &|v| std::env::var(v).ok())?;
+    let resource = resource_attrs(node);
     let (ready_tx, ready_rx) = std::sync::mpsc::sync_channel::<anyhow::Result<()>>(1);
     let thread = std::thread::Builder::new()
         .name("audit-otlp".into())
@@ -209,23 +172,15 @@ pub(crate) fn start_otlp(
                     return;
                 }
             };
-            let built = rt.block_on(async { build_exporter(&config, protocol, ca_pem) });
-            let mut exporter = match built {
-                Ok(e) => e,
+            let client = match rt.block_on(async { otlp::Client::new(target) }) {
+                Ok(c) => c,
                 Err(e) => {
                     let _ = ready_tx.send(Err(e));
                     return;
                 }
             };
-            opentelemetry_sdk::logs::LogExporter::set_resource(&mut exporter, &resource);
             let _ = ready_tx.send(Ok(()));
-            let provider = opentelemetry_sdk::logs::SdkLoggerProvider::builder().build();
-            let scope = InstrumentationScope::builder("tierproxy.audit")
-                .with_version(env!("CARGO_PKG_VERSION"))
-                .build();
-            let logger = provider.logger_with_scope(scope.clone());
-            run_otlp(&rt, &exporter, &logger, &scope, &config, mode, &rx, &stats, &flush_deadline);
-            let _ = opentelemetry_sdk::logs::LogExporter::shutdown(&exporter);
+            run_otlp(&rt, &client, &resource, &config, mode, &rx, &stats, &flush_deadline);
         })
         .context("starting the OTLP sink thread")?;
     match ready_rx.recv() {
@@ -235,105 +190,8 @@ pub(crate) fn start_otlp(
     }
 }
 
-fn build_exporter(
-    config: &OtlpConfig,
-    protocol: OtlpProtocol,
-    ca_pem: Option<Vec<u8>>,
-) -> anyhow::Result<opentelemetry_otlp::LogExporter> {
-    use opentelemetry_otlp::{WithExportConfig, WithHttpConfig, WithTonicConfig};
-    let compression = config.gzip.map(|g| g.then_some(opentelemetry_otlp::Compression::Gzip));
-    let e = match protocol {
-        OtlpProtocol::Grpc => {
-            let mut b = opentelemetry_otlp::LogExporter::builder().with_tonic();
-            if let Some(ep) = &config.endpoint {
-                b = b.with_endpoint(ep.clone());
-            }
-            if let Some(t) = config.timeout {
-                b = b.with_timeout(t);
-            }
-            if let Some(Some(c)) = compression {
-                b = b.with_compression(c);
-            }
-            if !config.headers.is_empty() {
-                let mut md = tonic::metadata::MetadataMap::new();
-                for (k, v) in &config.headers {
-                    let key =
-                        tonic::metadata::MetadataKey::from_bytes(k.to_ascii_lowercase().as_bytes())
-                            .with_context(|| format!("OTLP header name {k:?}"))?;
-                    let val = v.parse().with_context(|| format!("OTLP header {k:?} value"))?;
-                    md.insert(key, val);
-                }
-                b = b.with_metadata(md);
-            }
-            if let Some(pem) = ca_pem {
-                b = b.with_tls_config(
-                    tonic::transport::ClientTlsConfig::new()
-                        .ca_certificate(tonic::transport::Certificate::from_pem(pem)),
-                );
-            }
-            b.build()
-        }
-        OtlpProtocol::HttpProtobuf => {
-            let mut b = opentelemetry_otlp::LogExporter::builder()
-                .with_http()
-                .with_protocol(opentelemetry_otlp::Protocol::HttpBinary);
-            if let Some(ep) = &config.endpoint {
-                b = b.with_endpoint(format!("{}/v1/logs", ep.trim_end_matches('/')));
-            }
-            if let Some(t) = config.timeout {
-                b = b.with_timeout(t);
-            }
-            if let Some(Some(c)) = compression {
-                b = b.with_compression(c);
-            }
-            if !config.headers.is_empty() {
-                b = b.with_headers(config.headers.iter().cloned().collect::<HashMap<_, _>>());
-            }
-            if ca_pem.is_some() {
-                bail!(
-                    "a CA file is supported for OTLP over gRPC only; for http/protobuf add the \
-                     CA to the system's trust store"
-                );
-            }
-            b.build()
-        }
-    };
-    e.context("building the OTLP log exporter")
-}
-
-fn any_value(v: &Value) -> AnyValue {
-    match v {
-        Value::Static(s) => AnyValue::String((*s).into()),
-        Value::Str(s) => AnyValue::String(s.clone().into()),
-        Value::Int(i) => AnyValue::Int(*i),
-        Value::List(l) => AnyValue::ListAny(Box::new(
-            l.iter().map(|s| AnyValue::String(s.clone().into())).collect(),
-        )),
-    }
-}
-
-/// The OpenTelemetry log record of `e`.
-pub(crate) fn to_record(logger: &SdkLogger, e: &Event) -> SdkLogRecord {
-    let mut r = logger.create_log_record();
-    r.set_event_name(e.name);
-    r.set_timestamp(e.time);
-    r.set_observed_timestamp(std::time::SystemTime::now());
-    let (number, text) = match e.severity {
-        Severity::Info => (opentelemetry::logs::Severity::Info, "INFO"),
-        Severity::Warn => (opentelemetry::logs::Severity::Warn, "WARN"),
-    };
-    r.set_severity_number(number);
-    r.set_severity_text(text);
-    r.set_body(AnyValue::String(e.body.clone().into()));
-    for (k, v) in &e.attributes {
-        r.add_attribute(Key::from_static_str(k), any_value(v));
-    }
-    r
-}
-
-/// Gathers a batch: blocks for the first event (or until the flush deadline passes),
-/// then takes what arrives within `delay`, up to `max`. `None` when the queue is closed
-/// and empty.
+/// Gathers a batch: blocks for the first event, then takes what arrives within `delay`,
+/// up to `max`. `None` when the queue is closed and empty.
 fn gather(rx: &Receiver<Arc<Event>>, max: usize, delay: Duration) -> Option<Vec<Arc<Event>>> {
     let first = rx.recv().ok()?;
     let mut batch = Vec::with_capacity(max.min(1024));
@@ -351,9 +209,8 @@ fn gather(rx: &Receiver<Arc<Event>>, max: usize, delay: Duration) -> Option<Vec<
 #[allow(clippy::too_many_arguments)]
 fn run_otlp(
     rt: &tokio::runtime::Runtime,
-    exporter: &opentelemetry_otlp::LogExporter,
-    logger: &SdkLogger,
-    scope: &InstrumentationScope,
+    client: &otlp::Client,
+    resource: &[(&'static str, String)],
     config: &OtlpConfig,
     mode: Mode,
     rx: &Receiver<Arc<Event>>,
@@ -362,13 +219,17 @@ fn run_otlp(
 ) {
     let mut warned = Instant::now() - Duration::from_secs(3600);
     let deadline = || *flush_deadline.lock().unwrap_or_else(|p| p.into_inner());
+    let mut encoder = otlp::Encoder::default();
+    let mut body = Vec::new();
     while let Some(batch) = gather(rx, config.batch_size.max(1), config.batch_delay) {
-        let records: Vec<SdkLogRecord> = batch.iter().map(|e| to_record(logger, e)).collect();
-        let refs: Vec<(&SdkLogRecord, &InstrumentationScope)> =
-            records.iter().map(|r| (r, scope)).collect();
+        encoder.request(&batch, resource, env!("CARGO_PKG_VERSION"), &mut body);
         let mut backoff = Duration::from_millis(100);
+        // Lossy: one retry (a collector restarting); lossless: until delivered or the
+        // flush deadline passes.
+        let mut attempts = 0;
         loop {
-            match rt.block_on(exporter.export(LogBatch::new(&refs))) {
+            attempts += 1;
+            match rt.block_on(client.export(body.clone())) {
                 Ok(()) => {
                     stats.exported.fetch_add(batch.len() as u64, Ordering::Relaxed);
                     break;
@@ -379,7 +240,7 @@ fn run_otlp(
                         tracing::warn!(error = %e, events = batch.len(), "OTLP export failed");
                     }
                     let past_deadline = deadline().is_some_and(|d| Instant::now() >= d);
-                    if mode == Mode::Lossy || past_deadline {
+                    if (mode == Mode::Lossy && attempts >= 2) || past_deadline {
                         stats.failed.fetch_add(batch.len() as u64, Ordering::Relaxed);
                         break;
                     }
