@@ -48,7 +48,7 @@ pub struct AuditArgs {
     /// OTLP compression: gzip or none.
     #[arg(long)]
     pub audit_otlp_compression: Option<String>,
-    /// PEM file of CA certificates for an https OTLP endpoint (gRPC).
+    /// PEM file of CA certificates to trust for an https OTLP endpoint.
     #[arg(long)]
     pub audit_otlp_ca: Option<PathBuf>,
     /// Timeout of one OTLP export request, milliseconds.
