@@ -397,6 +397,27 @@ impl Client {
     /// An invalid URL or CA, or an https endpoint whose TLS setup fails.
     pub fn new(target: Target) -> anyhow::Result<Self> {
         super::sink::ensure_crypto_provider();
+        // A header that cannot be sent is a configuration error now, not a failure of
+        // every export later (which lossless mode would retry for ever).
+        for (k, v) in &target.headers {
+            let ok = match target.protocol {
+                OtlpProtocol::HttpProtobuf => {
+                    reqwest::header::HeaderName::from_bytes(k.as_bytes()).is_ok()
+                        && reqwest::header::HeaderValue::from_str(v).is_ok()
+                }
+                OtlpProtocol::Grpc => {
+                    tonic::metadata::MetadataKey::<tonic::metadata::Ascii>::from_bytes(
+                        k.to_ascii_lowercase().as_bytes(),
+                    )
+                    .is_ok()
+                        && v.parse::<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>()
+                            .is_ok()
+                }
+            };
+            if !ok {
+                bail!("OTLP header {k:?}: not a valid header name and value");
+            }
+        }
         match target.protocol {
             OtlpProtocol::HttpProtobuf => {
                 let mut b = reqwest::Client::builder().timeout(target.timeout);
@@ -580,6 +601,22 @@ mod tests {
         let t = Target::resolve(&OtlpConfig::from_env(), &none).unwrap();
         assert_eq!(t.url, "http://localhost:4318/v1/logs");
         assert!(!t.gzip && t.headers.is_empty() && t.ca_pem.is_none());
+    }
+
+    #[test]
+    fn a_header_that_cannot_be_sent_fails_the_start() {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        for protocol in [OtlpProtocol::HttpProtobuf, OtlpProtocol::Grpc] {
+            let config = OtlpConfig {
+                protocol: Some(protocol),
+                endpoint: Some("http://127.0.0.1:1".into()),
+                headers: vec![("bad name".into(), "v".into())],
+                ..OtlpConfig::from_env()
+            };
+            let t = Target::resolve(&config, &|_| None).unwrap();
+            let e = rt.block_on(async { Client::new(t) }).expect_err("refused");
+            assert!(e.to_string().contains("\"bad name\""), "{e}");
+        }
     }
 
     #[test]
