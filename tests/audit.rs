@@ -643,18 +643,24 @@ fn lossy_survives_a_receiver_killed_mid_stream_and_lossless_waits_out_a_slow_one
 }
 
 #[test]
-fn otlp_over_grpc_with_tls_trusts_the_given_ca_and_only_it() {
+fn otlp_with_tls_trusts_the_given_ca_and_only_it_over_grpc_and_http() {
+    for protocol in [OtlpProtocol::Grpc, OtlpProtocol::HttpProtobuf] {
+        otlp_with_tls(protocol);
+    }
+}
+
+fn otlp_with_tls(protocol: OtlpProtocol) {
     let cert = rcgen::generate_simple_self_signed(vec!["localhost".to_string()]).unwrap();
     let (cert_pem, key_pem) = (cert.cert.pem(), cert.signing_key.serialize_pem());
     let dir = tempfile::tempdir().unwrap();
     let ca = dir.path().join("ca.pem");
     std::fs::write(&ca, &cert_pem).unwrap();
     let receiver =
-        Receiver::start_grpc_tls(loopback(), cert_pem.as_bytes(), key_pem.as_bytes()).unwrap();
+        Receiver::start_tls(protocol, loopback(), cert_pem.as_bytes(), key_pem.as_bytes()).unwrap();
     let endpoint = format!("https://localhost:{}", receiver.addr.port());
     let s = snapshot();
     for trusted in [true, false] {
-        let mut sink = otlp(OtlpProtocol::Grpc, endpoint.clone());
+        let mut sink = otlp(protocol, endpoint.clone());
         if let SinkConfig::Otlp(o) = &mut sink {
             o.ca_file = trusted.then(|| ca.clone());
         }
@@ -672,11 +678,11 @@ fn otlp_over_grpc_with_tls_trusts_the_given_ca_and_only_it() {
             .collect();
         let st = &auditor.stats().sinks[0];
         if trusted {
-            assert_eq!(got.len(), 20, "the CA file is trusted");
+            assert_eq!(got.len(), 20, "{protocol:?}: the CA file is trusted");
         } else {
             // The system's roots do not include the test's self-signed certificate.
-            assert!(got.is_empty(), "an untrusted certificate is refused");
-            assert_eq!(st.failed.load(Ordering::Relaxed), 20, "and the loss is counted");
+            assert!(got.is_empty(), "{protocol:?}: an untrusted certificate is refused");
+            assert_eq!(st.failed.load(Ordering::Relaxed), 20, "{protocol:?}: the loss is counted");
         }
     }
 }

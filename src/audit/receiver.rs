@@ -237,8 +237,22 @@ impl Receiver {
         cert_pem: &[u8],
         key_pem: &[u8],
     ) -> anyhow::Result<Self> {
+        Self::start_tls(OtlpProtocol::Grpc, addr, cert_pem, key_pem)
+    }
+
+    /// A receiver of `protocol` serving TLS with certificate `cert_pem` and key `key_pem`
+    /// (PEM): for tests of the exporter's TLS settings. Keeps what it receives.
+    ///
+    /// # Errors
+    /// The address cannot be bound, or the identity is unusable.
+    pub fn start_tls(
+        protocol: OtlpProtocol,
+        addr: SocketAddr,
+        cert_pem: &[u8],
+        key_pem: &[u8],
+    ) -> anyhow::Result<Self> {
         let identity = tonic::transport::Identity::from_pem(cert_pem, key_pem);
-        Self::start_inner(OtlpProtocol::Grpc, addr, None, true, Some(identity))
+        Self::start_inner(protocol, addr, None, true, Some(identity))
     }
 
     fn start_inner(
@@ -248,6 +262,7 @@ impl Receiver {
         keep: bool,
         tls: Option<tonic::transport::Identity>,
     ) -> anyhow::Result<Self> {
+        let tls_on = tls.is_some();
         let mut grpc = tonic::transport::Server::builder();
         if let Some(identity) = tls {
             super::sink::ensure_crypto_provider();
@@ -292,7 +307,16 @@ impl Receiver {
                             let app = axum::Router::new()
                                 .route("/v1/logs", axum::routing::post(http_logs))
                                 .with_state(st);
-                            axum::serve(listener, app).await.map_err(anyhow::Error::from)
+                            if tls_on {
+                                // tonic's server brings the TLS; it serves HTTP/1.1 too.
+                                grpc.accept_http1(true)
+                                    .add_routes(tonic::service::Routes::from(app))
+                                    .serve_with_incoming(Accept(listener))
+                                    .await
+                                    .map_err(anyhow::Error::from)
+                            } else {
+                                axum::serve(listener, app).await.map_err(anyhow::Error::from)
+                            }
                         }
                     }
                 };
