@@ -331,32 +331,17 @@ fn scraped(
             |name, help, labels, value| Sample { counter: false, ..c(name, help, labels, value) };
         let ev = "Audit events, by outcome: emitted, aggregated (folded into another deny's \
                   count), rate_limited_rule, rate_limited_node, dropped_queue (lossy, queue full)";
-        let mut out = vec![
-            c("audit_events", ev, vec![("outcome", "emitted".into())], st.emitted.load(Relaxed)),
-            c(
-                "audit_events",
-                ev,
-                vec![("outcome", "aggregated".into())],
-                st.aggregated.load(Relaxed),
-            ),
-            c(
-                "audit_events",
-                ev,
-                vec![("outcome", "rate_limited_rule".into())],
-                st.rate_limited_rule.load(Relaxed),
-            ),
-            c(
-                "audit_events",
-                ev,
-                vec![("outcome", "rate_limited_node".into())],
-                st.rate_limited_node.load(Relaxed),
-            ),
-            c(
-                "audit_events",
-                ev,
-                vec![("outcome", "dropped_queue".into())],
-                st.dropped_queue.load(Relaxed),
-            ),
+        let mut out: Vec<Sample> = [
+            ("emitted", &st.emitted),
+            ("aggregated", &st.aggregated),
+            ("rate_limited_rule", &st.rate_limited_rule),
+            ("rate_limited_node", &st.rate_limited_node),
+            ("dropped_queue", &st.dropped_queue),
+        ]
+        .into_iter()
+        .map(|(o, n)| c("audit_events", ev, vec![("outcome", o.to_string())], n.load(Relaxed)))
+        .collect();
+        out.extend([
             g(
                 "audit_queue_depth",
                 "Audit records waiting for the audit thread",
@@ -364,7 +349,7 @@ fn scraped(
                 auditor.queue_depth() as u64,
             ),
             g("connections_active", "Live proxied connections", vec![], registry.len() as u64),
-        ];
+        ]);
         let sk = "Audit events per sink, by outcome: exported, dropped_queue (lossy), failed";
         for ((s, name), depth) in st.sinks.iter().zip(&sink_names).zip(auditor.sink_depths()) {
             let l = |o: &str| vec![("sink", (*name).to_string()), ("outcome", o.to_string())];

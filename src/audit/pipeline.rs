@@ -444,16 +444,7 @@ impl Worker {
         let mut next_tick = Instant::now() + TICK;
         loop {
             // Lossless overflow first: those ends waited longest.
-            if let Some(shared) = self.shared.upgrade() {
-                let mut overflow: Vec<Pending> = {
-                    let mut o = shared.overflow.lock().unwrap_or_else(|p| p.into_inner());
-                    o.drain(..).collect()
-                };
-                drop(shared);
-                for p in overflow.drain(..) {
-                    self.handle(p);
-                }
-            }
+            self.drain_overflow();
             match self.rx.recv_deadline(next_tick) {
                 Ok(Pending::Shutdown) => break,
                 Ok(p) => self.handle(p),
@@ -470,20 +461,28 @@ impl Worker {
         while let Ok(p) = self.rx.try_recv() {
             self.handle(p);
         }
-        if let Some(shared) = self.shared.upgrade() {
-            let rest: Vec<Pending> =
-                shared.overflow.lock().unwrap_or_else(|p| p.into_inner()).drain(..).collect();
-            drop(shared);
-            for p in rest {
-                self.handle(p);
-            }
-        }
+        self.drain_overflow();
         let now = Instant::now();
         for a in self.denies.drain() {
             self.emit_counted(a, now);
         }
         self.summaries();
         // Dropping the sink senders lets the sinks finish.
+    }
+
+    /// Handles the connection ends that found the queue full (lossless mode only: lossy
+    /// drops them, so there is nothing to look at).
+    fn drain_overflow(&mut self) {
+        if self.mode != Mode::Lossless {
+            return;
+        }
+        let Some(shared) = self.shared.upgrade() else { return };
+        let rest: Vec<Pending> =
+            shared.overflow.lock().unwrap_or_else(|p| p.into_inner()).drain(..).collect();
+        drop(shared);
+        for p in rest {
+            self.handle(p);
+        }
     }
 
     fn handle(&mut self, p: Pending) {
