@@ -30,6 +30,7 @@ use crate::proxy::queue::{self, QueueConfig};
 use crate::proxy::registry::Registry;
 use crate::proxy::relay::{RelayConfig, RelayMode};
 use crate::proxy::tcp::{self, ProxyConfig};
+use crate::proxy::udp::{self, UdpConfig};
 use crate::redirect::{self, RulesetSpec};
 
 /// Default upstream connect timeout.
@@ -40,6 +41,11 @@ pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(3600);
 /// Default most live proxied connections.
 pub const DEFAULT_MAX_CONNECTIONS: usize = 65_536;
+/// Default idle timeout of a UDP flow: 60 s, Envoy's UDP proxy default, between the
+/// kernel's conntrack timeouts for unreplied (30 s) and replied (120 s) UDP.
+pub const DEFAULT_UDP_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+/// Default most live UDP flows (two sockets each).
+pub const DEFAULT_MAX_UDP_FLOWS: usize = 16_384;
 /// Default drain grace on shutdown.
 pub const DEFAULT_DRAIN_GRACE: Duration = Duration::from_secs(5);
 /// Default relay pipe size per direction (DESIGN §7: 1 MiB measured best here).
@@ -70,6 +76,10 @@ pub struct AgentOptions {
     pub max_connections: usize,
     /// Drain grace on shutdown.
     pub drain_grace: Duration,
+    /// Idle timeout of a UDP flow.
+    pub udp_idle_timeout: Duration,
+    /// Most live UDP flows.
+    pub max_udp_flows: usize,
     /// Audit: what is logged, where to, lossy or lossless (no sinks: off).
     pub audit: AuditConfig,
     /// Where to serve `/metrics`, `/healthz` and `/readyz` (`None`: not served).
@@ -96,6 +106,8 @@ impl AgentOptions {
             idle_timeout: DEFAULT_IDLE_TIMEOUT,
             max_connections: DEFAULT_MAX_CONNECTIONS,
             drain_grace: DEFAULT_DRAIN_GRACE,
+            udp_idle_timeout: DEFAULT_UDP_IDLE_TIMEOUT,
+            max_udp_flows: DEFAULT_MAX_UDP_FLOWS,
             audit,
             metrics_addr: None,
             netns: None,
@@ -170,6 +182,7 @@ pub fn dry_run(opts: &AgentOptions) -> anyhow::Result<String> {
 /// ruleset is removed again if start-up fails after installing it.
 pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
     opts.redirect.validate().context("redirect configuration")?;
+    raise_fd_limit();
     // Audit sinks first: their threads (and sockets) stay in the namespace the agent
     // started in.
     let mut audit_config = opts.audit.clone();
@@ -255,6 +268,14 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
         SocketAddr::new(IpAddr::V6(r.tproxy_addr_v6), r.tproxy_port),
     ];
     let listeners = runtime.block_on(async { tcp::bind(&addrs) })?;
+    let udp_listeners = runtime.block_on(async { udp::bind(&addrs) })?;
+    let udp_config = UdpConfig {
+        bypass_mark: r.bypass_mark.value,
+        preserve_source: opts.preserve_source,
+        local_addrs: proxy.local_addrs.clone(),
+        idle_timeout: opts.udp_idle_timeout,
+        max_flows: opts.max_udp_flows,
+    };
     if let Some(addr) = opts.metrics_addr {
         runtime.block_on(crate::metrics::serve(addr, metrics.clone(), ready.clone()))?;
         tracing::info!(%addr, "serving /metrics, /healthz, /readyz");
@@ -276,6 +297,13 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
 
     runtime.block_on(async {
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+        let udp_serving = tokio::spawn(udp::serve(
+            udp_listeners,
+            udp_config,
+            decider.clone(),
+            registry.clone(),
+            stop_rx.clone(),
+        ));
         let serving = tokio::spawn(tcp::serve(listeners, proxy, decider, registry, stop_rx));
         wait_for_signal().await;
         // Not ready from here on: a load balancer or probe stops counting on this node.
@@ -283,6 +311,7 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
         tracing::info!("shutting down: no new connections; draining");
         let _ = stop_tx.send(true);
         let _ = serving.await;
+        let _ = udp_serving.await;
     });
     // Connection ends are queued by now: flush them with the rest.
     auditor.shutdown();
@@ -291,6 +320,21 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
     }
     drop(installed);
     Ok(())
+}
+
+/// Raises the soft limit of open files to the hard limit: a proxied TCP connection holds
+/// six descriptors (two sockets, two splice pipes) and a UDP flow two, so the usual soft
+/// limit of 1,024 would cap the proxy near 170 connections (getrlimit(2)).
+fn raise_fd_limit() {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    match getrlimit(Resource::RLIMIT_NOFILE) {
+        Ok((soft, hard)) if soft < hard => match setrlimit(Resource::RLIMIT_NOFILE, hard, hard) {
+            Ok(()) => tracing::debug!(from = soft, to = hard, "open files limit raised"),
+            Err(e) => tracing::warn!(error = %e, soft, "cannot raise the open files limit"),
+        },
+        Ok(_) => {}
+        Err(e) => tracing::warn!(error = %e, "cannot read the open files limit"),
+    }
 }
 
 /// Moves the calling thread (the agent's main thread, before it starts any other) into

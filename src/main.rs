@@ -157,6 +157,12 @@ struct AgentArgs {
     /// Most live proxied connections; at the limit new ones wait in the listen backlog.
     #[arg(long, default_value_t = tierproxy::agent::DEFAULT_MAX_CONNECTIONS)]
     max_connections: usize,
+    /// Close a UDP flow after this many seconds without a datagram either way.
+    #[arg(long, default_value_t = tierproxy::agent::DEFAULT_UDP_IDLE_TIMEOUT.as_secs())]
+    udp_idle_timeout_secs: u64,
+    /// Most live UDP flows; at the limit the first datagram of a new flow is dropped.
+    #[arg(long, default_value_t = tierproxy::agent::DEFAULT_MAX_UDP_FLOWS)]
+    max_udp_flows: usize,
     /// Seconds live connections may finish after shutdown begins.
     #[arg(long, default_value_t = tierproxy::agent::DEFAULT_DRAIN_GRACE.as_secs())]
     drain_grace_secs: u64,
@@ -219,6 +225,8 @@ fn run_agent(a: AgentArgs) -> ExitCode {
     opts.connect_timeout = Duration::from_millis(a.connect_timeout_ms);
     opts.max_connections = a.max_connections;
     opts.drain_grace = Duration::from_secs(a.drain_grace_secs);
+    opts.udp_idle_timeout = Duration::from_secs(a.udp_idle_timeout_secs);
+    opts.max_udp_flows = a.max_udp_flows;
     if a.dry_run {
         return match tierproxy::agent::dry_run(&opts) {
             Ok(text) => {

@@ -229,7 +229,7 @@ fn iptables_lifecycle(test: &str, cmds: IptablesCommands) {
         (&cmds.ip6tables_restore, &cmds.ip6tables_save),
     ] {
         let expected = rendered_rules(&rendered, restore);
-        assert_eq!(expected.len(), 11, "{restore} section of:\n{rendered}");
+        assert_eq!(expected.len(), 13, "{restore} section of:\n{rendered}");
         let saved = ns.sh(&[save, "-t", "mangle"]);
         let ours: Vec<&str> = saved.lines().filter(|l| l.starts_with("-A TIERPROXY")).collect();
         assert_eq!(ours, expected, "{save}");
@@ -370,7 +370,7 @@ fn nftables_apply_update_remove() {
         // The failed transaction left no table behind.
         assert!(!ns.sh(&["nft", "list", "tables"]).contains("tierproxy"));
         let (json, dropped) = without_queue_rules(&backend.ruleset_json(&s));
-        assert_eq!(dropped, 4, "egress and ingress × 2 families");
+        assert_eq!(dropped, 8, "(TCP+SCTP, UDP) × egress and ingress × 2 families");
         let mut child = Command::new("ip")
             .args(["netns", "exec", &ns.name, "nft", "-j", "-f", "-"])
             .stdin(std::process::Stdio::piped())

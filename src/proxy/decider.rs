@@ -13,7 +13,8 @@ use std::time::{Duration, SystemTime};
 use arc_swap::ArcSwap;
 
 use super::packet::FlowKey;
-use crate::audit::{self, Auditor, FlowInfo};
+use super::registry::Tracked;
+use crate::audit::{self, Admitted, Auditor, CloseReason, ConnectionEnd, FlowInfo};
 use crate::metrics::DataPathMetrics;
 use crate::policy::eval::{Decision, Flow, Verdict};
 use crate::policy::{Revision, Snapshot};
@@ -178,6 +179,31 @@ impl Decider {
         self.metrics.decision(&d);
         self.metrics.decision_seconds.observe(started.elapsed().as_secs_f64());
         d
+    }
+
+    /// Counts and (when its flow was audited, or a policy change cut it) audits the end of
+    /// the connection or UDP flow `tracked`, admitted by `admission`, for `reason`. Never
+    /// waits on audit (connection ends are dropped when the audit queue is full).
+    pub fn ended(&self, admission: &Admission, tracked: &Tracked, reason: CloseReason) {
+        let to_server = tracked.counters.to_server.load(Ordering::Relaxed);
+        let to_client = tracked.counters.to_client.load(Ordering::Relaxed);
+        self.metrics.closed(reason, to_server, to_client);
+        if !self.auditor.enabled() || !(admission.audited || reason == CloseReason::PolicyChange) {
+            return;
+        }
+        let key = tracked.key;
+        let admitted = Admitted {
+            flow: FlowInfo {
+                src: key.src,
+                dst: key.dst,
+                protocol: key.protocol,
+                time: admission.time,
+            },
+            decision: admission.decision.clone(),
+        };
+        let end =
+            ConnectionEnd { reason, to_server, to_client, duration: tracked.accepted.elapsed() };
+        self.auditor.connection_end(&self.current().snapshot, &admitted, end);
     }
 
     /// The admission of the flow `key`, removed from the hand-over map; `None` when none

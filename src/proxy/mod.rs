@@ -17,3 +17,4 @@ pub mod queue;
 pub mod registry;
 pub mod relay;
 pub mod tcp;
+pub mod udp;

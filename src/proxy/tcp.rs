@@ -33,7 +33,7 @@ use super::decider::{Admission, Decider};
 use super::packet::FlowKey;
 use super::registry::Registry;
 use super::relay::{self, RelayConfig};
-use crate::audit::{Admitted, CloseReason, ConnectionEnd, FlowInfo};
+use crate::audit::CloseReason;
 use crate::policy::eval::Verdict;
 use crate::policy::ports::Protocol;
 
@@ -213,41 +213,14 @@ async fn proxy(
         audited: false,
         time: std::time::SystemTime::now(),
     });
-    let decision = admission.decision.clone();
-    let _ = tracked.decision.set(decision.clone());
-    if decision.verdict == Verdict::Deny {
+    let _ = tracked.decision.set(admission.decision.clone());
+    if admission.decision.verdict == Verdict::Deny {
         tracing::warn!(src = %key.src, dst = %key.dst, "connection reached the proxy but policy denies it; reset");
         reset(&client);
         return;
     }
     decider.metrics().connections_opened.inc();
-    let ended = |reason: CloseReason| {
-        decider.metrics().closed(
-            reason,
-            tracked.counters.to_server.load(Ordering::Relaxed),
-            tracked.counters.to_client.load(Ordering::Relaxed),
-        );
-        let auditor = decider.auditor();
-        if !auditor.enabled() || !(admission.audited || reason == CloseReason::PolicyChange) {
-            return;
-        }
-        let admitted = Admitted {
-            flow: FlowInfo {
-                src: key.src,
-                dst: key.dst,
-                protocol: key.protocol,
-                time: admission.time,
-            },
-            decision: decision.clone(),
-        };
-        let end = ConnectionEnd {
-            reason,
-            to_server: tracked.counters.to_server.load(Ordering::Relaxed),
-            to_client: tracked.counters.to_client.load(Ordering::Relaxed),
-            duration: tracked.accepted.elapsed(),
-        };
-        auditor.connection_end(&decider.current().snapshot, &admitted, end);
-    };
+    let ended = |reason: CloseReason| decider.ended(&admission, tracked, reason);
     let _ = client.set_nodelay(true);
     let to_self = key.dst.ip().is_loopback() || config.local_addrs.contains(&key.dst.ip());
     let source = (config.preserve_source && !to_self).then_some(key.src.ip());

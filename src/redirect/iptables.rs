@@ -20,8 +20,8 @@ use std::net::IpAddr;
 
 use super::exec::Cmd;
 use super::{
-    Backend, BackendKind, Names, QUEUED_PROTOCOLS, RedirectError, RulesetSpec, TPROXY_PROTOCOLS,
-    by_family, routing,
+    Backend, BackendKind, NEW_ONLY_PROTOCOLS, Names, QUEUED_PROTOCOLS, RedirectError, RulesetSpec,
+    TPROXY_PROTOCOLS, by_family, routing,
 };
 use crate::config::RedirectConfig;
 
@@ -229,21 +229,34 @@ fn restore_input(spec: &RulesetSpec, fam: Family) -> String {
         "-A {chain} -m comment --comment \"tierproxy: from the node itself\" \
          -m set --match-set {nodes} src -j RETURN"
     );
-    // Rule 4: first packet of a new pod flow, egress then ingress → queue.
+    // Rule 3b: UDP to the node's own addresses is forwarded by the kernel after its first
+    // packet's decision (the proxy cannot take a hostNetwork server's address and port).
+    let _ = writeln!(
+        o,
+        "-A {chain} -p udp -m comment --comment \"tierproxy: UDP to the node itself, decided\" \
+         -m set --match-set {nodes} dst -m conntrack ! --ctstate NEW -j RETURN"
+    );
+    // Rule 4: packets of pod flows not owned by a proxy socket, egress then ingress → the
+    // queue chain (TCP and SCTP: first packet only).
     for (dir, words) in [("src", "from"), ("dst", "to")] {
         let _ = writeln!(
             o,
-            "-A {chain} -m comment --comment \"tierproxy: new flow {words} a local pod\" \
-             -m mark ! --mark {decided} -m conntrack --ctstate NEW \
-             -m set --match-set {pods} {dir} -j {queue}"
+            "-A {chain} -m comment --comment \"tierproxy: flow {words} a local pod\" \
+             -m mark ! --mark {decided} -m set --match-set {pods} {dir} -j {queue}"
         );
     }
-    // Rule 5: decided packets of terminated protocols → the proxy's listener.
+    // Rule 5: decided packets of terminated protocols → the proxy's listener (UDP: not to
+    // the node's own addresses, see rule 3b).
     for proto in TPROXY_PROTOCOLS {
+        let not_node = if *proto == "udp" {
+            format!(" -m set ! --match-set {nodes} dst")
+        } else {
+            String::new()
+        };
         let _ = writeln!(
             o,
             "-A {chain} -p {proto} -m comment --comment \"tierproxy: decided, to the proxy\" \
-             -m mark --mark {decided} -j TPROXY --on-port {port} --on-ip {on_ip} \
+             -m mark --mark {decided}{not_node} -j TPROXY --on-port {port} --on-ip {on_ip} \
              --tproxy-mark {route}",
             port = c.tproxy_port
         );
@@ -258,7 +271,10 @@ fn restore_input(spec: &RulesetSpec, fam: Family) -> String {
     };
     let bypass_flag = if c.queue_bypass { " --queue-bypass" } else { "" };
     for proto in QUEUED_PROTOCOLS {
-        let _ = writeln!(o, "-A {queue} -p {proto} -j NFQUEUE {queue_target}{bypass_flag}");
+        let new_only =
+            if NEW_ONLY_PROTOCOLS.contains(&proto) { " -m conntrack --ctstate NEW" } else { "" };
+        let _ =
+            writeln!(o, "-A {queue} -p {proto}{new_only} -j NFQUEUE {queue_target}{bypass_flag}");
     }
     o.push_str("COMMIT\n");
     o

@@ -31,27 +31,33 @@
 //!    of flows already decided never queue again, and without it upstream connects time out.
 //! 3. **From the node's own addresses → return.** Kubelet probes and other traffic from the
 //!    node to its pods is always allowed (DESIGN §2); no queue trip.
-//! 4. **New flow (`ctstate NEW`) of TCP, UDP or SCTP whose source or destination is a local
-//!    pod, without the decided mark → NFQUEUE.** The first packet of every pod flow, egress
-//!    (source is a local pod) and ingress (destination is a local pod), goes to userspace
-//!    before any handshake, so a denied connection times out (DESIGN §3). Flows are balanced
-//!    over the configured queues by flow hash (`--queue-balance first:last`; nft
-//!    `queue num first-last`). `--queue-bypass` (nft `bypass`) only when
-//!    [`RedirectConfig::queue_bypass`] is set: then the kernel accepts packets while no
-//!    program reads the queue (fail-open); otherwise it drops them (fail-closed)
-//!    (iptables-extensions(8), "NFQUEUE"). The decider answers an allowed packet with the
-//!    REPEAT verdict and the decided mark, so the packet walks the hook again and this rule
-//!    skips it (an ACCEPT verdict would end the walk before rule 5).
-//! 5. **TCP with the decided mark → TPROXY** to the listener
+//! 3b. **UDP to the node's own addresses, not `ctstate NEW` → return.** The proxy cannot
+//!    take a hostNetwork server's address and port for its reply socket, so UDP to the node
+//!    is decided on its first packet (rule 4) and then forwarded by the kernel, like SCTP.
+//! 4. **A packet of TCP, UDP or SCTP whose source or destination is a local pod, without
+//!    the decided mark → NFQUEUE**; TCP and SCTP only when `ctstate NEW`, UDP whenever no
+//!    proxy socket took it in rule 2 (a datagram of a flow the proxy closed, idle or denied
+//!    by a new snapshot, must be decided again rather than forwarded by the kernel on a
+//!    conntrack entry that outlived the flow; [`NEW_ONLY_PROTOCOLS`]). The first packet of
+//!    every pod flow, egress (source is a local pod) and ingress (destination is a local
+//!    pod), goes to userspace before any handshake, so a denied connection times out
+//!    (DESIGN §3). Flows are balanced over the configured queues by flow hash
+//!    (`--queue-balance first:last`; nft `queue num first-last`). `--queue-bypass` (nft
+//!    `bypass`) only when [`RedirectConfig::queue_bypass`] is set: then the kernel accepts
+//!    packets while no program reads the queue (fail-open); otherwise it drops them
+//!    (fail-closed) (iptables-extensions(8), "NFQUEUE"). The decider answers an allowed
+//!    packet with the REPEAT verdict and the decided mark, so the packet walks the hook
+//!    again and this rule skips it (an ACCEPT verdict would end the walk before rule 5).
+//! 5. **TCP and UDP with the decided mark → TPROXY** ([`TPROXY_PROTOCOLS`]; UDP not to the
+//!    node's own addresses) to the listeners
 //!    (`--on-ip` [`RedirectConfig::tproxy_addr_v4`]/`_v6`, `--on-port`
 //!    [`RedirectConfig::tproxy_port`]) with `--tproxy-mark` = route mark, so policy routing
 //!    delivers it locally (tproxy.rst, "TPROXY target"; iptables-extensions(8), "TPROXY").
 //!    xt TPROXY drops a packet for which no listener exists; nft's `tproxy` continues with
 //!    the next rule instead, so the nftables backend follows it with a drop of decided TCP
-//!    to behave the same (fail-closed). Decided UDP and SCTP are not TPROXY'd yet: they are
-//!    accepted and forwarded by the kernel. UDP joins TPROXY in a later issue by adding it to
-//!    [`TPROXY_PROTOCOLS`].
-//!
+//!    and UDP to behave the same (fail-closed). Decided SCTP is accepted and forwarded by
+//!    the kernel (the proxy does not terminate SCTP; denied associations time out).
+
 //! Policy routing (`ip rule fwmark ROUTE/MASK lookup TABLE priority P`, `ip route local
 //! default dev lo table TABLE`, both families) is installed and removed with the ruleset,
 //! see `routing.rs`.
@@ -111,9 +117,16 @@ pub use self::nft::NftablesBackend;
 pub const QUEUED_PROTOCOLS: [&str; 3] = ["tcp", "udp", "sctp"];
 
 /// Protocols whose decided packets are TPROXY'd to the listener (rule 5). Decided packets of
-/// other [`QUEUED_PROTOCOLS`] are accepted and forwarded by the kernel; UDP is added here
-/// when the proxy terminates UDP (a later issue).
-pub const TPROXY_PROTOCOLS: &[&str] = &["tcp"];
+/// other [`QUEUED_PROTOCOLS`] (SCTP) are accepted and forwarded by the kernel, as is
+/// decided UDP to the node's own addresses (rule 3b).
+pub const TPROXY_PROTOCOLS: &[&str] = &["tcp", "udp"];
+
+/// [`QUEUED_PROTOCOLS`] queued on their first packet only (`ctstate NEW`): a connection's
+/// later packets belong to the proxy's sockets (TCP) or to the kernel (SCTP). UDP is queued
+/// whenever no proxy socket took the packet (rule 2): a datagram of a flow the proxy has
+/// closed (idle, or denied by a new snapshot) must be decided again, not forwarded by the
+/// kernel on a conntrack entry that outlived the flow.
+pub const NEW_ONLY_PROTOCOLS: [&str; 2] = ["tcp", "sctp"];
 
 /// A failure to install, change or remove the ruleset.
 #[derive(Debug, thiserror::Error)]

@@ -29,8 +29,8 @@ use ::nftables::types::{NfChainPolicy, NfChainType, NfFamily, NfHook};
 
 use super::exec::Cmd;
 use super::{
-    Backend, BackendKind, Names, QUEUED_PROTOCOLS, RedirectError, RulesetSpec, TPROXY_PROTOCOLS,
-    by_family, routing,
+    Backend, BackendKind, NEW_ONLY_PROTOCOLS, Names, QUEUED_PROTOCOLS, RedirectError, RulesetSpec,
+    TPROXY_PROTOCOLS, by_family, routing,
 };
 use crate::config::{Mark, RedirectConfig};
 
@@ -130,6 +130,11 @@ fn socket(key: SocketAttr, value: u32) -> Statement<'static> {
         Operator::EQ,
         Expression::Number(value),
     )
+}
+
+/// `ct state`.
+fn ct_state() -> Expression<'static> {
+    Expression::Named(NamedExpression::CT(CT { key: "state".into(), family: None, dir: None }))
 }
 
 fn l4proto_in(protos: &[&'static str]) -> Statement<'static> {
@@ -264,59 +269,93 @@ fn apply_batch(spec: &RulesetSpec) -> Nftables<'static> {
             ],
         );
     }
-    // Rule 4: first packet of a new pod flow, egress then ingress → queue.
+    // Rule 3b: UDP to the node's own addresses is forwarded by the kernel after its first
+    // packet's decision (the proxy cannot take a hostNetwork server's address and port).
+    for fam in [V4, V6] {
+        b.rule(
+            "tierproxy: UDP to the node itself, decided",
+            vec![
+                l4proto_in(&["udp"]),
+                is(payload(fam.proto, "daddr"), Operator::EQ, str_expr(format!("@{}", fam.nodes))),
+                is(ct_state(), Operator::NEQ, str_expr("new")),
+                Statement::Return(None),
+            ],
+        );
+    }
+    // Rule 4: packets of pod flows not owned by a proxy socket, egress then ingress → queue
+    // (TCP and SCTP: the first packet only; UDP: every packet no proxy socket took).
     for fam in [V4, V6] {
         for (field, comment) in [
-            ("saddr", "tierproxy: new flow from a local pod"),
-            ("daddr", "tierproxy: new flow to a local pod"),
+            ("saddr", "tierproxy: flow from a local pod"),
+            ("daddr", "tierproxy: flow to a local pod"),
         ] {
+            let pods =
+                || is(payload(fam.proto, field), Operator::EQ, str_expr(format!("@{}", fam.pods)));
             b.rule(
                 comment,
                 vec![
                     mark_unset(c.decided_mark),
-                    is(
-                        Expression::Named(NamedExpression::CT(CT {
-                            key: "state".into(),
-                            family: None,
-                            dir: None,
-                        })),
-                        Operator::IN,
-                        str_expr("new"),
-                    ),
-                    l4proto_in(&QUEUED_PROTOCOLS),
-                    is(payload(fam.proto, field), Operator::EQ, str_expr(format!("@{}", fam.pods))),
+                    is(ct_state(), Operator::IN, str_expr("new")),
+                    l4proto_in(&NEW_ONLY_PROTOCOLS),
+                    pods(),
                     queue(c),
                 ],
             );
+            let any_state: Vec<&'static str> = QUEUED_PROTOCOLS
+                .iter()
+                .copied()
+                .filter(|p| !NEW_ONLY_PROTOCOLS.contains(p))
+                .collect();
+            b.rule(
+                comment,
+                vec![mark_unset(c.decided_mark), l4proto_in(&any_state), pods(), queue(c)],
+            );
         }
     }
-    // Rule 5: decided packets of terminated protocols → the proxy's listener, then a drop
-    // for those nft's tproxy found no listener for (xt TPROXY drops them itself).
+    // Rule 5: decided packets of terminated protocols → the proxy's listener (UDP: not to
+    // the node's own addresses, see rule 3b), then a drop for those nft's tproxy found no
+    // listener for (xt TPROXY drops them itself).
+    let decided = |fam: Fam, proto: &'static str| {
+        let mut expr = vec![
+            mark_set(c.decided_mark),
+            is(meta(MetaKey::Nfproto), Operator::EQ, str_expr(fam.nfproto)),
+            l4proto_in(&[proto]),
+        ];
+        if proto == "udp" {
+            expr.push(is(
+                payload(fam.proto, "daddr"),
+                Operator::NEQ,
+                str_expr(format!("@{}", fam.nodes)),
+            ));
+        }
+        expr
+    };
     for fam in [V4, V6] {
         let addr = match fam.proto {
             "ip" => c.tproxy_addr_v4.to_string(),
             _ => c.tproxy_addr_v6.to_string(),
         };
-        b.rule(
-            "tierproxy: decided, to the proxy",
-            vec![
-                mark_set(c.decided_mark),
-                is(meta(MetaKey::Nfproto), Operator::EQ, str_expr(fam.nfproto)),
-                l4proto_in(TPROXY_PROTOCOLS),
+        for &proto in TPROXY_PROTOCOLS {
+            let mut expr = decided(fam, proto);
+            expr.extend([
                 Statement::TProxy(TProxy {
                     family: Some(fam.proto.into()),
                     port: c.tproxy_port,
-                    addr: Some(addr.into()),
+                    addr: Some(addr.clone().into()),
                 }),
                 set_mark(c.route_mark),
                 Statement::Accept(None),
-            ],
-        );
+            ]);
+            b.rule("tierproxy: decided, to the proxy", expr);
+        }
     }
-    b.rule(
-        "tierproxy: decided but no proxy listener",
-        vec![mark_set(c.decided_mark), l4proto_in(TPROXY_PROTOCOLS), Statement::Drop(None)],
-    );
+    for fam in [V4, V6] {
+        for &proto in TPROXY_PROTOCOLS {
+            let mut expr = decided(fam, proto);
+            expr.push(Statement::Drop(None));
+            b.rule("tierproxy: decided but no proxy listener", expr);
+        }
+    }
     b.batch.to_nftables()
 }
 

@@ -1,0 +1,467 @@
+//! The transparent UDP proxy: receives the datagrams TPROXY hands it with their original
+//! destination, attaches the first datagram's decision, and relays each flow through a pair
+//! of sockets until it goes idle.
+//!
+//! - Listener: an `IP_TRANSPARENT` (`IPV6_TRANSPARENT`) socket on the TPROXY address and
+//!   port with `IP_RECVORIGDSTADDR` (`IPV6_RECVORIGDSTADDR`): each datagram arrives with
+//!   its original destination in an `IP_ORIGDSTADDR` control message (kernel
+//!   Documentation/networking/tproxy.rst; ip(7)).
+//! - A flow is (client address, original destination). Its first datagram creates:
+//!   - an **upstream socket**: `SO_MARK` = the bypass mark, `IP_TRANSPARENT`, bound to the
+//!     client's IP (port chosen by the kernel) and connected to the original destination,
+//!     so the server sees the client's address; the server's replies match the ruleset's
+//!     `socket --transparent` rule and come back to it;
+//!   - a **reply socket**: `IP_TRANSPARENT` and `SO_REUSEADDR`, bound to the original
+//!     destination and connected to the client, so replies leave from the address the
+//!     client sent to. The client's later datagrams match `socket --transparent` on this
+//!     socket and arrive on it directly, not through the listener.
+//! - A flow ends when no datagram crossed it either way for the idle timeout, when it is
+//!   told to stop (shutdown, or a new snapshot denies it), or when the destination answers
+//!   with ICMP port unreachable (`ECONNREFUSED` on the connected upstream socket). Its
+//!   sockets close; a later datagram of the same 4-tuple is queued and decided again (the
+//!   ruleset queues UDP whenever no proxy socket takes it).
+//! - Datagrams are relayed without a buffer per flow: a task waits for readiness, then
+//!   reads into its thread's scratch buffer and sends at once; a datagram the other socket
+//!   cannot take now (`EWOULDBLOCK`) is dropped, as a congested router would.
+//! - The flow table is bounded: at the limit, the first datagram of a new flow is dropped
+//!   and counted, and the limit is logged once per episode.
+//!
+//! UDP to the node's own addresses is not proxied (the proxy cannot bind a hostNetwork
+//! server's address and port): the ruleset lets the kernel forward it after its first
+//! datagram's decision (`redirect`, rule 3b).
+//!
+//! Source: issue #5 "Protocols"; DESIGN §3.
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::io;
+use std::net::{IpAddr, SocketAddr};
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use socket2::{Domain, Socket, Type};
+use tokio::io::Interest;
+use tokio::net::UdpSocket;
+use tokio::sync::watch;
+
+use super::decider::{Admission, Decider};
+use super::packet::FlowKey;
+use super::registry::{Registry, Tracked};
+use crate::audit::CloseReason;
+use crate::policy::eval::Verdict;
+use crate::policy::ports::Protocol;
+
+/// Largest datagram relayed, in bytes (the largest UDP payload over IPv4; IPv6 jumbograms
+/// are not supported). A larger one is dropped.
+pub const MAX_DATAGRAM: usize = 65_507;
+
+/// UDP proxy settings.
+#[derive(Debug, Clone)]
+pub struct UdpConfig {
+    /// `SO_MARK` of upstream sockets (the ruleset's bypass mark).
+    pub bypass_mark: u32,
+    /// Send upstream from the client's IP (`IP_TRANSPARENT` bind); when false, from the
+    /// node's own address.
+    pub preserve_source: bool,
+    /// This node's own addresses: upstream to one of them is sent from the node's address
+    /// (as for TCP, see [`super::tcp::ProxyConfig::local_addrs`]).
+    pub local_addrs: Arc<[IpAddr]>,
+    /// A flow with no datagram either way for this long is closed.
+    pub idle_timeout: Duration,
+    /// Most live flows; the first datagram of a flow over it is dropped.
+    pub max_flows: usize,
+}
+
+/// Counters of the UDP proxy since start.
+#[derive(Debug, Default)]
+pub struct UdpStats {
+    /// Flows opened.
+    pub flows: AtomicU64,
+    /// Datagrams dropped: flow table full, socket setup failed, too large, or the other
+    /// socket could not take them.
+    pub dropped: AtomicU64,
+}
+
+/// One live flow, as the listener sees it.
+#[derive(Debug)]
+struct Flow {
+    upstream: Arc<UdpSocket>,
+    tracked: Arc<Tracked>,
+    /// Milliseconds since the table's epoch of the last datagram either way.
+    last: AtomicU64,
+}
+
+/// The flow table: (client, original destination) → flow.
+#[derive(Debug)]
+struct Table {
+    flows: Mutex<HashMap<(SocketAddr, SocketAddr), Arc<Flow>>>,
+    epoch: Instant,
+    stats: UdpStats,
+}
+
+impl Table {
+    fn now_ms(&self) -> u64 {
+        self.epoch.elapsed().as_millis() as u64
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<(SocketAddr, SocketAddr), Arc<Flow>>> {
+        // Single inserts and removes: a panic elsewhere cannot leave the map inconsistent.
+        self.flows.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+thread_local! {
+    /// Scratch buffer of each runtime thread: datagrams are read and sent without an await
+    /// in between, so one buffer per thread serves every flow.
+    static SCRATCH: RefCell<Vec<u8>> = RefCell::new(vec![0; MAX_DATAGRAM + 1]);
+}
+
+/// Binds the transparent UDP listeners on `addrs` (the TPROXY `--on-ip` addresses with the
+/// TPROXY port). The first address is required; the others are skipped with a warning when
+/// they cannot be bound (a node without IPv6).
+///
+/// # Errors
+/// When the first listener cannot be created, made transparent (needs CAP_NET_ADMIN),
+/// asked for original destinations, or bound. Must be called inside a tokio runtime.
+pub fn bind(addrs: &[SocketAddr]) -> anyhow::Result<Vec<UdpSocket>> {
+    let mut out = Vec::new();
+    for (i, &addr) in addrs.iter().enumerate() {
+        match listener(addr) {
+            Ok(l) => out.push(l),
+            Err(e) if i == 0 => {
+                return Err(e).with_context(|| format!("transparent UDP listener on {addr}"));
+            }
+            Err(e) => tracing::warn!(error = %e, %addr, "transparent UDP listener skipped"),
+        }
+    }
+    Ok(out)
+}
+
+fn listener(addr: SocketAddr) -> io::Result<UdpSocket> {
+    use nix::sys::socket::{setsockopt, sockopt};
+    let s = Socket::new(Domain::for_address(addr), Type::DGRAM, Some(socket2::Protocol::UDP))?;
+    match addr {
+        SocketAddr::V4(_) => {
+            s.set_ip_transparent_v4(true)?;
+            setsockopt(&s, sockopt::Ipv4OrigDstAddr, &true)?;
+        }
+        SocketAddr::V6(_) => {
+            s.set_only_v6(true)?;
+            s.set_ip_transparent_v6(true)?;
+            setsockopt(&s, sockopt::Ipv6OrigDstAddr, &true)?;
+        }
+    }
+    s.set_reuse_address(true)?;
+    s.set_nonblocking(true)?;
+    s.bind(&addr.into())?;
+    UdpSocket::from_std(s.into())
+}
+
+/// Relays the flows of datagrams arriving on `listeners` until `shutdown` turns true; then
+/// stops taking new flows and returns. Live flows end on their own (idle), or when the
+/// registry tells them to stop (the TCP proxy's drain does so for every registered flow).
+pub async fn serve(
+    listeners: Vec<UdpSocket>,
+    config: UdpConfig,
+    decider: Arc<Decider>,
+    registry: Arc<Registry>,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let table = Arc::new(Table {
+        flows: Mutex::new(HashMap::new()),
+        epoch: Instant::now(),
+        stats: UdpStats::default(),
+    });
+    let config = Arc::new(config);
+    let mut tasks = Vec::new();
+    for l in listeners {
+        let (table, config, decider, registry) =
+            (table.clone(), config.clone(), decider.clone(), registry.clone());
+        tasks.push(tokio::spawn(async move {
+            listen(l, &table, &config, &decider, &registry).await;
+        }));
+    }
+    let _ = shutdown.wait_for(|stop| *stop).await;
+    for t in tasks {
+        t.abort();
+    }
+}
+
+/// Reads datagrams from one listener for ever.
+async fn listen(
+    listener: UdpSocket,
+    table: &Arc<Table>,
+    config: &Arc<UdpConfig>,
+    decider: &Arc<Decider>,
+    registry: &Arc<Registry>,
+) {
+    let fd = listener.as_raw_fd();
+    let mut full = false;
+    loop {
+        if let Err(e) = listener.readable().await {
+            tracing::error!(error = %e, "UDP listener failed");
+            return;
+        }
+        // Drain what is queued; `try_io` clears readiness on EWOULDBLOCK.
+        loop {
+            let got = SCRATCH.with_borrow_mut(|buf| {
+                let r = listener.try_io(Interest::READABLE, || recv_original(fd, buf));
+                r.map(|(src, dst, n)| {
+                    datagram(src, dst, &buf[..n], table, config, decider, registry, &mut full);
+                })
+            });
+            match got {
+                Ok(()) => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == io::ErrorKind::InvalidData => {
+                    table.stats.dropped.fetch_add(1, Ordering::Relaxed);
+                    tracing::debug!(error = %e, "UDP datagram dropped");
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "UDP receive failed");
+                    break;
+                }
+            }
+        }
+    }
+}
+
+/// One datagram from the listener: to its flow, or the first of a new flow.
+#[allow(clippy::too_many_arguments)]
+fn datagram(
+    src: SocketAddr,
+    dst: SocketAddr,
+    payload: &[u8],
+    table: &Arc<Table>,
+    config: &Arc<UdpConfig>,
+    decider: &Arc<Decider>,
+    registry: &Arc<Registry>,
+    full: &mut bool,
+) {
+    let (src, dst) = (unmap(src), unmap(dst));
+    let existing = table.lock().get(&(src, dst)).cloned();
+    if let Some(flow) = existing {
+        forward(&flow.upstream, payload, &flow.tracked.counters.to_server, table);
+        flow.last.store(table.now_ms(), Ordering::Relaxed);
+        return;
+    }
+    if table.lock().len() >= config.max_flows {
+        table.stats.dropped.fetch_add(1, Ordering::Relaxed);
+        if !std::mem::replace(full, true) {
+            tracing::warn!(max = config.max_flows, "UDP flow limit reached; new flows dropped");
+        }
+        return;
+    }
+    *full = false;
+    let key = FlowKey { src, dst, protocol: Protocol::Udp };
+    let admission = decider.take(&key).unwrap_or_else(|| Admission {
+        decision: decider.decide(key.flow()),
+        // Decided before this process started or aged out of the hand-over: its first
+        // datagram's decision was audited then, if at all.
+        audited: false,
+        time: std::time::SystemTime::now(),
+    });
+    if admission.decision.verdict == Verdict::Deny {
+        // A datagram of a flow the kernel queued but a newer snapshot denies.
+        table.stats.dropped.fetch_add(1, Ordering::Relaxed);
+        return;
+    }
+    let (upstream, reply) = match open(src, dst, config) {
+        Ok(pair) => pair,
+        Err(e) => {
+            table.stats.dropped.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(error = %e, %src, %dst, "UDP flow not opened; datagram dropped");
+            return;
+        }
+    };
+    let registration = registry.register(key);
+    let tracked = registration.tracked.clone();
+    let _ = tracked.decision.set(admission.decision.clone());
+    let flow = Arc::new(Flow {
+        upstream: Arc::new(upstream),
+        tracked,
+        last: AtomicU64::new(table.now_ms()),
+    });
+    table.lock().insert((src, dst), flow.clone());
+    table.stats.flows.fetch_add(1, Ordering::Relaxed);
+    decider.metrics().connections_opened.inc();
+    forward(&flow.upstream, payload, &flow.tracked.counters.to_server, table);
+    let (table, config, decider) = (table.clone(), config.clone(), decider.clone());
+    tokio::spawn(async move {
+        let reason = relay(&flow, &reply, &table, &config).await;
+        {
+            let mut flows = table.lock();
+            if flows.get(&(src, dst)).is_some_and(|f| Arc::ptr_eq(f, &flow)) {
+                flows.remove(&(src, dst));
+            }
+        }
+        tracing::debug!(%src, %dst, reason = reason.as_str(), "UDP flow closed");
+        decider.ended(&admission, &flow.tracked, reason);
+        drop(registration);
+    });
+}
+
+/// Sends `payload` on `to` now, or drops it; counts what was sent in `bytes`. The send is
+/// made straight on the non-blocking socket, not through tokio's readiness (which a socket
+/// just created does not have yet, and a UDP send does not need).
+fn forward(to: &UdpSocket, payload: &[u8], bytes: &AtomicU64, table: &Table) {
+    match socket2::SockRef::from(to).send(payload) {
+        Ok(n) => {
+            bytes.fetch_add(n as u64, Ordering::Relaxed);
+        }
+        Err(e) => {
+            table.stats.dropped.fetch_add(1, Ordering::Relaxed);
+            tracing::trace!(error = %e, "UDP datagram not sent");
+        }
+    }
+}
+
+/// Relays one flow until it ends; returns why.
+async fn relay(flow: &Flow, reply: &UdpSocket, table: &Table, config: &UdpConfig) -> CloseReason {
+    let client = flow.tracked.key.src;
+    let counters = &flow.tracked.counters;
+    let idle_ms = config.idle_timeout.as_millis() as u64;
+    loop {
+        let last = flow.last.load(Ordering::Relaxed);
+        let idle_at = table.epoch + Duration::from_millis(last.saturating_add(idle_ms));
+        tokio::select! {
+            r = flow.upstream.readable() => {
+                if r.is_err() {
+                    return CloseReason::Reset;
+                }
+                // Replies from the original destination → the client.
+                loop {
+                    let r = SCRATCH.with_borrow_mut(|buf| {
+                        flow.upstream.try_recv(buf).map(|n| {
+                            if n <= MAX_DATAGRAM {
+                                forward(reply, &buf[..n], &counters.to_client, table);
+                            }
+                        })
+                    });
+                    match r {
+                        Ok(()) => flow.last.store(table.now_ms(), Ordering::Relaxed),
+                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                        // ICMP port unreachable from the destination.
+                        Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {
+                            return CloseReason::UpstreamUnreachable;
+                        }
+                        Err(_) => return CloseReason::Reset,
+                    }
+                }
+            }
+            r = reply.readable() => {
+                if r.is_err() {
+                    return CloseReason::Reset;
+                }
+                // The client's later datagrams, delivered to this socket by the ruleset's
+                // `socket --transparent` rule → the original destination.
+                loop {
+                    let r = SCRATCH.with_borrow_mut(|buf| {
+                        reply.try_recv_from(buf).map(|(n, from)| {
+                            // Before `connect` the bound socket could take another client's
+                            // datagram; only the flow's own are relayed.
+                            if unmap(from) == client && n <= MAX_DATAGRAM {
+                                forward(&flow.upstream, &buf[..n], &counters.to_server, table);
+                            }
+                        })
+                    });
+                    match r {
+                        Ok(()) => flow.last.store(table.now_ms(), Ordering::Relaxed),
+                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                        // The client's port is closed (ICMP from the client): nothing more
+                        // to deliver to it.
+                        Err(_) => return CloseReason::Reset,
+                    }
+                }
+            }
+            _ = tokio::time::sleep_until(idle_at.into()) => {
+                if table.now_ms().saturating_sub(flow.last.load(Ordering::Relaxed)) >= idle_ms {
+                    return CloseReason::Timeout;
+                }
+            }
+            _ = flow.tracked.stop.notified() => {
+                return flow.tracked.stop_reason().unwrap_or(CloseReason::Shutdown);
+            }
+        }
+    }
+}
+
+/// The upstream and reply sockets of the flow `client` → `original`.
+fn open(
+    client: SocketAddr,
+    original: SocketAddr,
+    config: &UdpConfig,
+) -> io::Result<(UdpSocket, UdpSocket)> {
+    let transparent = |s: &Socket, ip: IpAddr| match ip {
+        IpAddr::V4(_) => s.set_ip_transparent_v4(true),
+        IpAddr::V6(_) => s.set_ip_transparent_v6(true),
+    };
+    let domain = Domain::for_address(original);
+    let upstream = Socket::new(domain, Type::DGRAM, Some(socket2::Protocol::UDP))?;
+    upstream.set_mark(config.bypass_mark)?;
+    upstream.set_nonblocking(true)?;
+    let to_self = original.ip().is_loopback() || config.local_addrs.contains(&original.ip());
+    if config.preserve_source && !to_self {
+        transparent(&upstream, client.ip())?;
+        upstream.bind(&SocketAddr::new(client.ip(), 0).into())?;
+    }
+    upstream.connect(&original.into())?;
+    let reply =
+        Socket::new(Domain::for_address(client), Type::DGRAM, Some(socket2::Protocol::UDP))?;
+    transparent(&reply, original.ip())?;
+    reply.set_reuse_address(true)?;
+    reply.set_nonblocking(true)?;
+    reply.bind(&original.into())?;
+    reply.connect(&client.into())?;
+    Ok((UdpSocket::from_std(upstream.into())?, UdpSocket::from_std(reply.into())?))
+}
+
+/// `recvmsg(2)` one datagram into `buf`: (source, original destination, length).
+///
+/// # Errors
+/// `WouldBlock` when nothing is queued; `InvalidData` for a datagram without an original
+/// destination or larger than [`MAX_DATAGRAM`]; other socket errors as they come.
+fn recv_original(fd: i32, buf: &mut [u8]) -> io::Result<(SocketAddr, SocketAddr, usize)> {
+    use nix::sys::socket::{
+        ControlMessageOwned, MsgFlags, SockaddrIn, SockaddrIn6, SockaddrStorage, recvmsg,
+    };
+    let mut iov = [io::IoSliceMut::new(buf)];
+    let mut cmsg = nix::cmsg_space!(nix::libc::sockaddr_in6);
+    let msg = recvmsg::<SockaddrStorage>(fd, &mut iov, Some(&mut cmsg), MsgFlags::MSG_DONTWAIT)
+        .map_err(io::Error::from)?;
+    let invalid = |what: &str| io::Error::new(io::ErrorKind::InvalidData, what.to_string());
+    if msg.flags.contains(MsgFlags::MSG_TRUNC) || msg.bytes > MAX_DATAGRAM {
+        return Err(invalid("datagram larger than the relay's limit"));
+    }
+    let src = msg
+        .address
+        .and_then(|a| {
+            a.as_sockaddr_in()
+                .map(|v4| SocketAddr::from(*v4))
+                .or_else(|| a.as_sockaddr_in6().map(|v6| SocketAddr::from(*v6)))
+        })
+        .ok_or_else(|| invalid("datagram without a source address"))?;
+    let mut dst = None;
+    for c in msg.cmsgs().map_err(io::Error::from)? {
+        match c {
+            ControlMessageOwned::Ipv4OrigDstAddr(a) => dst = Some(SockaddrIn::from(a).into()),
+            ControlMessageOwned::Ipv6OrigDstAddr(a) => dst = Some(SockaddrIn6::from(a).into()),
+            _ => {}
+        }
+    }
+    let dst = dst.ok_or_else(|| invalid("datagram without an original destination"))?;
+    Ok((src, dst, msg.bytes))
+}
+
+fn unmap(a: SocketAddr) -> SocketAddr {
+    match a {
+        SocketAddr::V6(v6) => match v6.ip().to_ipv4_mapped() {
+            Some(v4) => SocketAddr::new(IpAddr::V4(v4), v6.port()),
+            None => a,
+        },
+        v4 => v4,
+    }
+}
