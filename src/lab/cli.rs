@@ -138,6 +138,10 @@ enum LabCommand {
         /// UDP ports, comma-separated.
         #[arg(long, value_delimiter = ',')]
         udp: Vec<u16>,
+        /// SCTP ports, comma-separated (kernel SCTP sockets, else raw IP sockets that
+        /// answer INITs).
+        #[arg(long, value_delimiter = ',')]
+        sctp: Vec<u16>,
         /// File written once every port is bound.
         #[arg(long)]
         ready_file: Option<PathBuf>,
@@ -251,8 +255,8 @@ pub fn main(args: LabArgs, out: &mut dyn Write, err: &mut dyn Write) -> u8 {
             let timeout = Duration::from_millis(timeout_ms);
             super::run(&opts, timeout, table_or(output, Output::Table), out, err)
         }
-        Some(LabCommand::Serve { bind, tcp, udp, ready_file }) => {
-            match super::serve::run(&bind, &tcp, &udp, ready_file.as_deref()) {
+        Some(LabCommand::Serve { bind, tcp, udp, sctp, ready_file }) => {
+            match super::serve::run(&bind, &tcp, &udp, &sctp, ready_file.as_deref()) {
                 Ok(()) => 0,
                 Err(e) => {
                     let _ = writeln!(err, "error: {}", explain::error_chain(&e));

@@ -8,6 +8,7 @@
 //! - [`procs`]: background processes (echo servers, agents: [`procs::agent_command`]),
 //!   readiness, stopping, Ctrl-C.
 //! - [`serve`]: the echo server protocol (`tierproxy lab serve`).
+//! - [`sctp`]: SCTP INIT / INIT ACK / ABORT packets on raw sockets (kernels without SCTP).
 //! - [`probe`]: real connections from inside namespaces.
 //! - [`report`]: table, matrix and JSON output.
 //! - [`state`]: the state file (`/run/tierproxy-lab/<prefix>/state.json`).
@@ -23,6 +24,7 @@ pub mod plan;
 pub mod probe;
 pub mod procs;
 pub mod report;
+pub mod sctp;
 pub mod serve;
 pub mod state;
 

@@ -15,11 +15,14 @@ pub const NETNS_DIR: &str = "/run/netns";
 
 /// Capability bits (linux/capability.h) the lab needs.
 const CAP_NET_ADMIN: u32 = 12;
+const CAP_NET_RAW: u32 = 13;
 const CAP_SYS_ADMIN: u32 = 21;
 
 /// The capabilities the lab needs that this process lacks, by name (`CAP_NET_ADMIN` for
 /// links, addresses, routes and sysctls; `CAP_SYS_ADMIN` for `ip netns add` (a mount) and
-/// `setns`). Read from `CapEff` in `/proc/self/status`; unreadable counts as lacking both.
+/// `setns`; `CAP_NET_RAW` for the raw sockets that serve and probe SCTP where the kernel
+/// has no SCTP sockets). Read from `CapEff` in `/proc/self/status`; unreadable counts as
+/// lacking all.
 pub fn missing_capabilities() -> Vec<&'static str> {
     let eff = std::fs::read_to_string("/proc/self/status").ok().and_then(|s| {
         s.lines()
@@ -33,6 +36,9 @@ pub fn missing_capabilities() -> Vec<&'static str> {
     }
     if !has(CAP_SYS_ADMIN) {
         out.push("CAP_SYS_ADMIN");
+    }
+    if !has(CAP_NET_RAW) {
+        out.push("CAP_NET_RAW");
     }
     out
 }

@@ -113,6 +113,10 @@ pub struct ServerPlan {
     pub tcp: Vec<u16>,
     /// UDP ports, ascending.
     pub udp: Vec<u16>,
+    /// SCTP ports, ascending (absent in the state files of labs built before SCTP was
+    /// served: none).
+    #[serde(default)]
+    pub sctp: Vec<u16>,
 }
 
 /// Something in the manifests the lab left out, and why.
@@ -191,23 +195,44 @@ fn first_v4(addrs: &[IpAddr]) -> Option<Ipv4Addr> {
     })
 }
 
-/// Ports a pod declares in its containers, by protocol (SCTP is left out: the lab does not
-/// serve it yet).
-fn declared_ports(pod: &crate::policy::api::Pod) -> (Vec<u16>, Vec<u16>) {
-    let (mut tcp, mut udp) = (Vec::new(), Vec::new());
+/// Ports one namespace serves, by protocol.
+#[derive(Debug, Default)]
+struct Ports {
+    tcp: BTreeSet<u16>,
+    udp: BTreeSet<u16>,
+    sctp: BTreeSet<u16>,
+}
+
+impl Ports {
+    fn insert(&mut self, protocol: Protocol, port: u16) {
+        match protocol {
+            Protocol::Tcp => self.tcp.insert(port),
+            Protocol::Udp => self.udp.insert(port),
+            Protocol::Sctp => self.sctp.insert(port),
+        };
+    }
+
+    fn extend(&mut self, other: Ports) {
+        self.tcp.extend(other.tcp);
+        self.udp.extend(other.udp);
+        self.sctp.extend(other.sctp);
+    }
+}
+
+/// Ports a pod declares in its containers, by protocol (unknown protocols left out).
+fn declared_ports(pod: &crate::policy::api::Pod) -> Ports {
+    let mut out = Ports::default();
     let containers = pod.spec.as_ref().map(|s| s.containers.as_slice()).unwrap_or_default();
     for port in containers.iter().flat_map(|c| c.ports.iter().flatten()) {
         let Ok(n) = u16::try_from(port.container_port) else { continue };
         if n == 0 {
             continue;
         }
-        match port.protocol.as_deref().unwrap_or("TCP") {
-            "TCP" => tcp.push(n),
-            "UDP" => udp.push(n),
-            _ => {}
+        if let Ok(protocol) = port.protocol.as_deref().unwrap_or("TCP").parse::<Protocol>() {
+            out.insert(protocol, n);
         }
     }
-    (tcp, udp)
+    out
 }
 
 impl Plan {
@@ -284,7 +309,7 @@ impl Plan {
         }
 
         // Ports to serve, per namespace.
-        let mut ports: BTreeMap<String, (BTreeSet<u16>, BTreeSet<u16>)> = BTreeMap::new();
+        let mut ports: BTreeMap<String, Ports> = BTreeMap::new();
         let mut seen_pods = BTreeSet::new();
         for pod in &loaded.inputs.pods {
             let ns = pod.metadata.namespace.clone().unwrap_or_else(|| "default".into());
@@ -316,12 +341,10 @@ impl Plan {
                 continue;
             };
             let (node_netns, node_v4) = (node.netns.clone(), node.next_hop_v4);
-            let (tcp, udp) = declared_ports(pod);
+            let declared = declared_ports(pod);
             if spec.and_then(|s| s.host_network).unwrap_or(false) {
                 plan.host_pods.insert(what.clone(), node_name.clone());
-                let e = ports.entry(node_netns).or_default();
-                e.0.extend(tcp);
-                e.1.extend(udp);
+                ports.entry(node_netns).or_default().extend(declared);
                 continue;
             }
             let ips: Vec<IpAddr> = snapshot
@@ -348,9 +371,7 @@ impl Plan {
             }
             let k = plan.pods.len();
             let netns = netns_name(prefix, "pod", &[&ns, &name]);
-            let e = ports.entry(netns.clone()).or_default();
-            e.0.extend(tcp);
-            e.1.extend(udp);
+            ports.entry(netns.clone()).or_default().extend(declared);
             plan.pods.push(PodPlan {
                 namespace: ns,
                 name,
@@ -390,15 +411,10 @@ impl Plan {
             if f.dst_port == 0 {
                 continue;
             }
-            let e = ports.entry(netns).or_default();
-            match f.protocol {
-                Protocol::Tcp => e.0.insert(f.dst_port),
-                Protocol::Udp => e.1.insert(f.dst_port),
-                Protocol::Sctp => false,
-            };
+            ports.entry(netns).or_default().insert(f.protocol, f.dst_port);
         }
-        for (netns, (tcp, udp)) in ports {
-            if tcp.is_empty() && udp.is_empty() {
+        for (netns, Ports { tcp, udp, sctp }) in ports {
+            if tcp.is_empty() && udp.is_empty() && sctp.is_empty() {
                 continue;
             }
             let bind = plan.addresses_of(&netns);
@@ -407,6 +423,7 @@ impl Plan {
                 bind,
                 tcp: tcp.into_iter().collect(),
                 udp: udp.into_iter().collect(),
+                sctp: sctp.into_iter().collect(),
             });
         }
         Ok(plan)
@@ -450,7 +467,7 @@ impl Plan {
                 && match protocol {
                     Protocol::Tcp => s.tcp.contains(&port),
                     Protocol::Udp => s.udp.contains(&port),
-                    Protocol::Sctp => false,
+                    Protocol::Sctp => s.sctp.contains(&port),
                 }
         })
     }
@@ -726,7 +743,12 @@ status: {podIP: 10.0.8.8}
         let a = server("t1_pod_x_a");
         assert_eq!(a.bind, ["10.0.1.2".parse::<IpAddr>().unwrap(), "fd00::1:2".parse().unwrap()]);
         assert_eq!((a.tcp.as_slice(), a.udp.as_slice()), (&[80][..], &[53, 5353][..]));
+        // Declared SCTP port 9 on a; probed SCTP 38412 on a too.
+        assert_eq!(a.sctp, [9, 38412]);
+        assert!(p.serves("10.0.1.2".parse().unwrap(), Protocol::Sctp, 38412));
+        assert!(!p.serves("10.0.1.2".parse().unwrap(), Protocol::Sctp, 80));
         assert_eq!(server("t1_pod_x_b").tcp, [8080]);
+        assert!(server("t1_pod_x_b").sctp.is_empty());
         let n2 = server("t1_node_n2");
         assert_eq!((n2.tcp.as_slice(), n2.bind.len()), (&[9100, 10250][..], 1));
         // External: probe ends nobody owns; a skipped pod's IP is not external.

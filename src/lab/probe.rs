@@ -1,17 +1,23 @@
 //! Real connections for probes: from inside a namespace, bound to the probe's source
 //! address, with a timeout. No process per probe: worker threads enter the namespace with
 //! `setns(CLONE_NEWNET)` and open their sockets there.
+//!
+//! SCTP, on kernels without SCTP sockets (these machines'), is probed on a raw IP socket
+//! ([`probe_sctp_raw`]): an INIT from a random source port, answered by the lab's server
+//! with an INIT ACK that names the address it saw ([`super::sctp`]). On kernels with SCTP
+//! sockets a one-to-one SCTP socket is used as a TCP socket is (untested here).
 
 use std::io::{ErrorKind, Read, Write};
 use std::net::{IpAddr, Shutdown, SocketAddr, TcpStream, UdpSocket};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde::Serialize;
 use socket2::{Domain, Socket, Type};
 
 use super::netns;
+use super::sctp::{self, Chunk, IPPROTO_SCTP, Packet};
 use super::serve::parse_greeting;
 use crate::policy::{Flow, Protocol};
 
@@ -26,6 +32,11 @@ pub const MAX_PARALLEL: usize = 16;
 const PAYLOAD: &[u8] = b"tierproxy-lab probe\n";
 /// Longest greeting line read, in bytes (an IPv6 address and a port fit easily).
 const MAX_GREETING: usize = 128;
+/// How often an SCTP probe sends its INIT again while it waits: RFC 9260's initial RTO
+/// (§15: RTO.Initial 1 s), as a TCP probe relies on the kernel resending its SYN after 1 s.
+const INIT_RESEND: Duration = Duration::from_secs(1);
+/// Receive buffer of an SCTP probe's raw socket, in bytes: the largest IP packet.
+const RAW_BUFFER: usize = 65_535;
 
 /// What happened on the wire.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -38,7 +49,8 @@ pub enum Observed {
     /// Anything else (refused, reset, unreachable, a broken echo): never a valid outcome
     /// of policy, which denies by dropping.
     Error,
-    /// Not tried (SCTP: the lab has no SCTP server).
+    /// Not tried. Nothing produces it since SCTP is probed too (issue #5); kept for
+    /// reports of a protocol the lab cannot probe.
     Untested,
 }
 
@@ -112,7 +124,19 @@ fn read_line(stream: &mut TcpStream) -> std::io::Result<String> {
 /// `timeout`, read the greeting, send a payload, half-close, expect the payload back and
 /// the server's half-close.
 pub fn probe_tcp(src: IpAddr, dst: SocketAddr, timeout: Duration) -> Observation {
-    let socket = match Socket::new(Domain::for_address(dst), Type::STREAM, None) {
+    probe_stream(src, dst, timeout, None)
+}
+
+/// [`probe_tcp`] on a `SOCK_STREAM` socket of `protocol` (None: TCP; SCTP: a one-to-one
+/// SCTP socket, which gets no half-close: SCTP has none, it only reads the echo back).
+fn probe_stream(
+    src: IpAddr,
+    dst: SocketAddr,
+    timeout: Duration,
+    protocol: Option<socket2::Protocol>,
+) -> Observation {
+    let half_close = protocol.is_none();
+    let socket = match Socket::new(Domain::for_address(dst), Type::STREAM, protocol) {
         Ok(s) => s,
         Err(e) => return Observation::new(Observed::Error, format!("socket: {e}")),
     };
@@ -151,11 +175,16 @@ pub fn probe_tcp(src: IpAddr, dst: SocketAddr, timeout: Duration) -> Observation
         }
     };
     let obs = |observed, detail: String| Observation { observed, detail, seen_source: Some(seen) };
-    if let Err(e) = stream.write_all(PAYLOAD).and_then(|()| stream.shutdown(Shutdown::Write)) {
+    let sent = stream
+        .write_all(PAYLOAD)
+        .and_then(|()| if half_close { stream.shutdown(Shutdown::Write) } else { Ok(()) });
+    if let Err(e) = sent {
         return obs(Observed::Error, format!("greeted, send failed: {}", error_word(&e)));
     }
     let mut echo = Vec::new();
-    match (&mut stream).take(PAYLOAD.len() as u64 + 1).read_to_end(&mut echo) {
+    // With a half-close, read to the server's (one byte more shows a longer echo).
+    let limit = PAYLOAD.len() as u64 + u64::from(half_close);
+    match (&mut stream).take(limit).read_to_end(&mut echo) {
         Ok(_) if echo == PAYLOAD => obs(Observed::Allow, format!("connected; server saw {seen}")),
         Ok(_) => {
             obs(Observed::Error, format!("echo differs: {:?}", String::from_utf8_lossy(&echo)))
@@ -205,9 +234,104 @@ pub fn probe_udp(src: IpAddr, dst: SocketAddr, timeout: Duration) -> Observation
     }
 }
 
-/// Whether this kernel can open SCTP sockets (these machines' cannot: CONFIG_IP_SCTP unset).
-fn kernel_has_sctp() -> bool {
-    Socket::new(Domain::IPV4, Type::STREAM, Some(socket2::Protocol::from(132))).is_ok()
+/// An SCTP probe in the calling thread's namespace: with kernel SCTP sockets as
+/// [`probe_tcp`] does (greeting, echo; no half-close), else [`probe_sctp_raw`].
+pub fn probe_sctp(src: IpAddr, dst: SocketAddr, timeout: Duration) -> Observation {
+    if sctp::kernel_has_sctp() {
+        probe_stream(src, dst, timeout, Some(socket2::Protocol::from(IPPROTO_SCTP)))
+    } else {
+        probe_sctp_raw(src, dst, timeout)
+    }
+}
+
+/// An SCTP probe on a raw IP socket (protocol 132) in the calling thread's namespace,
+/// bound to `src` and connected to `dst`'s address (the kernel then passes up only packets
+/// from it, and reports ICMP errors about it). Sends an INIT from a random source port
+/// with a random initiate tag, again every [`INIT_RESEND`], and waits up to `timeout` for
+/// the answer from `dst` to that port carrying that tag (other SCTP packets the socket
+/// sees are skipped):
+/// - an INIT ACK whose State Cookie is the lab's greeting: `allow`, with `seen_source`;
+/// - an ABORT (nothing serves the port), ICMP protocol or port unreachable (nothing
+///   serves SCTP at that address): `error`, `refused`;
+/// - nothing: `deny`, `timeout`.
+pub fn probe_sctp_raw(src: IpAddr, dst: SocketAddr, timeout: Duration) -> Observation {
+    let socket = match sctp::raw_socket(src) {
+        Ok(s) => s,
+        Err(e) => {
+            return Observation::new(
+                Observed::Error,
+                format!("raw SCTP socket bound to {src}: {e}"),
+            );
+        }
+    };
+    if let Err(e) = socket.connect(&SocketAddr::new(dst.ip(), 0).into()) {
+        return Observation::new(Observed::Error, sctp_error_word(&e));
+    }
+    let (port, tag) = match sctp::random_port().and_then(|p| Ok((p, sctp::random_tag()?))) {
+        Ok(pt) => pt,
+        Err(e) => return Observation::new(Observed::Error, format!("random source: {e}")),
+    };
+    let init = Packet::init(port, dst.port(), tag).to_bytes();
+    let deadline = Instant::now() + timeout;
+    let mut next_send = Instant::now();
+    let mut buf = vec![0u8; RAW_BUFFER];
+    loop {
+        let now = Instant::now();
+        if now >= deadline {
+            return Observation::new(Observed::Deny, "timeout");
+        }
+        if now >= next_send {
+            if let Err(e) = socket.send(&init) {
+                return Observation::new(Observed::Error, sctp_error_word(&e));
+            }
+            next_send = now + INIT_RESEND;
+        }
+        let wait = deadline.min(next_send).saturating_duration_since(now);
+        if let Err(e) = socket.set_read_timeout(Some(wait.max(Duration::from_millis(1)))) {
+            return Observation::new(Observed::Error, format!("socket: {e}"));
+        }
+        let packet = match sctp::recv(&socket, &mut buf) {
+            Ok(Some((from, p)))
+                if from == dst.ip()
+                    && p.src_port == dst.port()
+                    && p.dst_port == port
+                    && p.verification_tag == tag =>
+            {
+                p
+            }
+            Ok(_) => continue,
+            Err(e) if timed_out(&e) => continue,
+            Err(e) => return Observation::new(Observed::Error, sctp_error_word(&e)),
+        };
+        return match packet.chunk {
+            Chunk::InitAck { cookie, .. } => {
+                let text = String::from_utf8_lossy(&cookie);
+                match parse_greeting(&text) {
+                    Some(seen) => Observation {
+                        observed: Observed::Allow,
+                        detail: format!("answered (INIT ACK); server saw {seen}"),
+                        seen_source: Some(seen),
+                    },
+                    None => Observation::new(
+                        Observed::Error,
+                        format!("INIT ACK without a lab greeting: {text:?}"),
+                    ),
+                }
+            }
+            Chunk::Abort { .. } => Observation::new(Observed::Error, "refused"),
+            other => Observation::new(Observed::Error, format!("unexpected answer {other:?}")),
+        };
+    }
+}
+
+/// [`error_word`] for a raw SCTP socket: ICMP protocol unreachable (IPv4: ENOPROTOOPT) or
+/// unknown next header (IPv6: EPROTO) means no SCTP endpoint at the address, which an SCTP
+/// stack would answer with an ABORT: `refused`, as TCP's reset.
+fn sctp_error_word(e: &std::io::Error) -> String {
+    match nix::errno::Errno::from_raw(e.raw_os_error().unwrap_or(0)) {
+        nix::errno::Errno::ENOPROTOOPT | nix::errno::Errno::EPROTO => "refused".into(),
+        _ => error_word(e),
+    }
 }
 
 /// Makes one probe in the calling thread, which is first moved into the job's namespace.
@@ -216,21 +340,14 @@ pub fn observe(job: &Job, timeout: Duration) -> Observation {
         Ok(ns) => ns,
         Err(why) => return Observation::new(Observed::Error, why.clone()),
     };
-    if job.flow.protocol == Protocol::Sctp {
-        let why = if kernel_has_sctp() {
-            "the lab has no SCTP server yet"
-        } else {
-            "this kernel has no SCTP sockets"
-        };
-        return Observation::new(Observed::Untested, why);
-    }
     if let Err(e) = netns::enter(ns) {
         return Observation::new(Observed::Error, crate::explain::error_chain(&e));
     }
     let dst = SocketAddr::new(job.flow.dst, job.flow.dst_port);
     match job.flow.protocol {
         Protocol::Tcp => probe_tcp(job.flow.src, dst, timeout),
-        Protocol::Udp | Protocol::Sctp => probe_udp(job.flow.src, dst, timeout),
+        Protocol::Udp => probe_udp(job.flow.src, dst, timeout),
+        Protocol::Sctp => probe_sctp(job.flow.src, dst, timeout),
     }
 }
 
@@ -322,19 +439,106 @@ mod tests {
     }
 
     #[test]
-    fn jobs_without_a_namespace_and_sctp_jobs_are_reported_not_run() {
-        let flow = |protocol| Flow { src: localhost(), dst: localhost(), protocol, dst_port: 1 };
-        let jobs = [
-            Job { netns: Err("no namespace holds 10.9.9.9".into()), flow: flow(Protocol::Tcp) },
-            Job { netns: Ok("unused".into()), flow: flow(Protocol::Sctp) },
-        ];
+    fn jobs_without_a_namespace_are_reported_not_run() {
+        let flow =
+            Flow { src: localhost(), dst: localhost(), protocol: Protocol::Sctp, dst_port: 1 };
+        let jobs = [Job { netns: Err("no namespace holds 10.9.9.9".into()), flow }];
         let o = run_all(&jobs, T, &AtomicBool::new(false));
         assert_eq!(
             (o[0].observed, o[0].detail.as_str()),
             (Observed::Error, "no namespace holds 10.9.9.9")
         );
-        assert_eq!(o[1].observed, Observed::Untested);
-        let stopped = run_all(&jobs[..1], T, &AtomicBool::new(true));
+        let stopped = run_all(&jobs, T, &AtomicBool::new(true));
         assert_eq!(stopped[0].detail, "interrupted");
+    }
+
+    /// Whether this process may open raw sockets (CAP_NET_RAW); prints the skip line, or
+    /// panics when network tests are required (`TIERPROXY_REQUIRE_NETNS=1`, as in CI).
+    fn raw_sockets(test: &str) -> bool {
+        match sctp::raw_socket(localhost()) {
+            Ok(_) => true,
+            Err(e) => {
+                if std::env::var("TIERPROXY_REQUIRE_NETNS").as_deref() == Ok("1") {
+                    panic!("{test}: needs CAP_NET_RAW ({e}) and TIERPROXY_REQUIRE_NETNS=1");
+                }
+                let _ = writeln!(std::io::stderr(), "SKIPPED: {test}: needs CAP_NET_RAW ({e})");
+                false
+            }
+        }
+    }
+
+    /// A raw SCTP server on loopback address `ip` (each test its own: every raw socket
+    /// bound to an address sees every SCTP packet sent to it) serving `ports`.
+    fn sctp_server(ip: &str, ports: &'static [u16]) -> IpAddr {
+        let ip: IpAddr = ip.parse().unwrap();
+        let s = sctp::raw_socket(ip).unwrap();
+        std::thread::spawn(move || super::super::serve::serve_sctp_raw(s, ports));
+        ip
+    }
+
+    #[test]
+    fn sctp_probe_is_answered_by_the_raw_server_with_the_source_it_saw() {
+        if !raw_sockets("sctp_probe_is_answered_by_the_raw_server_with_the_source_it_saw") {
+            return;
+        }
+        let server = sctp_server("127.0.0.11", &[38412]);
+        let o = probe_sctp_raw(localhost(), SocketAddr::new(server, 38412), T);
+        assert_eq!(o.observed, Observed::Allow, "{o:?}");
+        let seen = o.seen_source.unwrap();
+        assert_eq!(seen.ip(), localhost());
+        assert!(seen.port() >= 49_152, "a dynamic source port: {seen}");
+        assert_eq!(o.detail, format!("answered (INIT ACK); server saw {seen}"));
+        // Another port on the same address: the server aborts, the probe is refused.
+        let o = probe_sctp_raw(localhost(), SocketAddr::new(server, 38413), T);
+        assert_eq!((o.observed, o.detail.as_str()), (Observed::Error, "refused"), "{o:?}");
+    }
+
+    #[test]
+    fn sctp_probe_over_ipv6_loopback() {
+        if !raw_sockets("sctp_probe_over_ipv6_loopback") {
+            return;
+        }
+        // ::1 is the only IPv6 loopback address: this test alone uses it.
+        let server = sctp_server("::1", &[9899]);
+        let o = probe_sctp_raw(server, SocketAddr::new(server, 9899), T);
+        assert_eq!(o.observed, Observed::Allow, "{o:?}");
+        assert_eq!(o.seen_source.map(|a| a.ip()), Some(server));
+        let o = probe_sctp_raw(server, SocketAddr::new(server, 9898), T);
+        assert_eq!((o.observed, o.detail.as_str()), (Observed::Error, "refused"), "{o:?}");
+    }
+
+    #[test]
+    fn sctp_probe_denies_on_silence_and_is_refused_where_nothing_takes_sctp() {
+        if !raw_sockets("sctp_probe_denies_on_silence_and_is_refused_where_nothing_takes_sctp") {
+            return;
+        }
+        // A raw socket that takes the INIT and never answers (as a policy drop looks):
+        // the probe waits out its timeout, resending once.
+        let silent = sctp::raw_socket("127.0.0.12".parse().unwrap()).unwrap();
+        let start = Instant::now();
+        let o = probe_sctp_raw(
+            localhost(),
+            "127.0.0.12:38412".parse().unwrap(),
+            Duration::from_millis(1300),
+        );
+        assert_eq!((o.observed, o.detail.as_str()), (Observed::Deny, "timeout"), "{o:?}");
+        assert!(start.elapsed() < Duration::from_secs(3), "{:?}", start.elapsed());
+        let mut buf = vec![0u8; RAW_BUFFER];
+        silent.set_read_timeout(Some(T)).unwrap();
+        let mut inits = Vec::new();
+        while let Ok(Some((from, p))) = sctp::recv(&silent, &mut buf) {
+            inits.push((from, p));
+            if inits.len() == 2 {
+                break;
+            }
+        }
+        assert_eq!(inits.len(), 2, "the INIT and its resend after 1 s");
+        let (from, p) = &inits[0];
+        assert_eq!((*from, p.dst_port, p.verification_tag), (localhost(), 38412, 0));
+        assert!(matches!(p.chunk, Chunk::Init(f) if f.initiate_tag != 0), "{p:?}");
+        assert_eq!(inits[0].1, inits[1].1, "the resend is the same INIT");
+        // No raw socket at all on 127.0.0.13: the kernel answers ICMP protocol unreachable.
+        let o = probe_sctp_raw(localhost(), "127.0.0.13:38412".parse().unwrap(), T);
+        assert_eq!((o.observed, o.detail.as_str()), (Observed::Error, "refused"), "{o:?}");
     }
 }

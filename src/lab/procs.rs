@@ -77,6 +77,9 @@ pub fn serve_command(exe: &Path, server: &ServerPlan, ready: &Path) -> Command {
     if !server.udp.is_empty() {
         c.arg("--udp").arg(join(&server.udp));
     }
+    if !server.sctp.is_empty() {
+        c.arg("--sctp").arg(join(&server.sctp));
+    }
     c.arg("--ready-file").arg(ready);
     c
 }

@@ -5,14 +5,27 @@
 //!   echoes everything it reads until EOF, then shuts down its write side (so a half-close
 //!   is visible end to end) and closes.
 //! - UDP: every datagram is answered with the same line followed by the datagram's payload.
+//! - SCTP, where the kernel has no SCTP sockets (these machines: CONFIG_IP_SCTP unset): one
+//!   raw IP socket (protocol 132) per bound address receives every SCTP packet sent to
+//!   that address. An INIT to a served port is answered with an INIT ACK whose State Cookie
+//!   is the greeting line (see [`super::sctp`]); an INIT to another port with an ABORT,
+//!   as an SCTP stack answers an INIT nobody listens for (the client reports `refused`).
+//!   Nothing else is answered, and no association is set up.
+//! - SCTP where the kernel has SCTP sockets: one-to-one (`SOCK_STREAM`) SCTP sockets that
+//!   behave as the TCP server does (greeting, then echo). Untested: no machine of this
+//!   project has an SCTP kernel.
 
 use std::io::{Read, Write};
 use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream, UdpSocket};
 use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use socket2::{Domain, Socket, Type};
 
 use super::LabError;
+use super::sctp::{self, IPPROTO_SCTP};
 
 /// First word of the greeting line.
 pub const GREETING_WORD: &str = "tierproxy-lab";
@@ -25,6 +38,12 @@ pub const MAX_CONNECTIONS: usize = 4096;
 const BUFFER: usize = 64 << 10;
 /// Stack of a connection thread: it only holds a heap buffer and a few frames.
 const CONNECTION_STACK: usize = 128 << 10;
+/// Receive buffer of a raw SCTP socket, in bytes: the largest IP packet.
+const RAW_BUFFER: usize = 65_535;
+/// Pause after a failed receive on a raw socket, so a persistent error cannot spin a core.
+const RAW_ERROR_PAUSE: Duration = Duration::from_millis(100);
+/// Listen backlog of a kernel SCTP socket (as for TCP: far above what probes need).
+const SCTP_BACKLOG: i32 = 1024;
 
 /// The greeting line for a client seen as `peer`, newline included.
 pub fn greeting(peer: SocketAddr) -> String {
@@ -112,20 +131,65 @@ pub fn serve_udp(socket: UdpSocket) {
     }
 }
 
-/// Binds every TCP and UDP port on every address, writes `ready_file` (containing the
-/// pid) once all are bound, then serves forever.
+/// Answers SCTP INITs arriving on raw socket `socket` (bound to one address) forever: an
+/// INIT to one of `ports` gets an INIT ACK carrying the greeting for the sender's address
+/// and source port, an INIT to another port an ABORT. Everything else is ignored.
+pub fn serve_sctp_raw(socket: Socket, ports: &[u16]) {
+    let mut buf = vec![0u8; RAW_BUFFER];
+    loop {
+        let (from, packet) = match sctp::recv(&socket, &mut buf) {
+            Ok(Some(received)) => received,
+            Ok(None) => continue,
+            Err(e) => {
+                eprintln!("raw SCTP socket: {e}");
+                std::thread::sleep(RAW_ERROR_PAUSE);
+                continue;
+            }
+        };
+        let reply = if ports.contains(&packet.dst_port) {
+            let Ok(tag) = sctp::random_tag() else { continue };
+            packet.init_ack(tag, greeting(SocketAddr::new(from, packet.src_port)).as_bytes())
+        } else {
+            packet.abort()
+        };
+        if let Some(reply) = reply {
+            let _ = socket.send_to(&reply.to_bytes(), &SocketAddr::new(from, 0).into());
+        }
+    }
+}
+
+/// A listening one-to-one SCTP socket on `addr`, for kernels with SCTP sockets; served by
+/// [`serve_tcp`] (the calls are the same).
+fn sctp_listener(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    let socket = Socket::new(
+        Domain::for_address(addr),
+        Type::STREAM,
+        Some(socket2::Protocol::from(IPPROTO_SCTP)),
+    )?;
+    socket.set_reuse_address(true)?;
+    socket.bind(&addr.into())?;
+    socket.listen(SCTP_BACKLOG)?;
+    Ok(socket.into())
+}
+
+/// Binds every TCP, UDP and SCTP port on every address, writes `ready_file` (containing
+/// the pid) once all are bound, then serves forever. SCTP uses kernel SCTP sockets where
+/// the kernel has them, else one raw socket per address ([`serve_sctp_raw`]).
 ///
 /// # Errors
-/// [`LabError::Bind`] naming the address and port that could not be bound,
-/// [`LabError::State`] if the ready file cannot be written.
+/// [`LabError::Bind`] naming the address and port (0 for a raw socket) that could not be
+/// bound, [`LabError::State`] if the ready file cannot be written.
 pub fn run(
     bind: &[IpAddr],
     tcp: &[u16],
     udp: &[u16],
+    sctp_ports: &[u16],
     ready_file: Option<&Path>,
 ) -> Result<(), LabError> {
     let mut tcp_listeners = Vec::new();
     let mut udp_sockets = Vec::new();
+    let mut raw_sockets = Vec::new();
+    let kernel_sctp = sctp::kernel_has_sctp();
     for ip in bind {
         for port in tcp {
             let addr = SocketAddr::new(*ip, *port);
@@ -145,14 +209,38 @@ pub fn run(
             })?;
             udp_sockets.push(s);
         }
+        if kernel_sctp {
+            for port in sctp_ports {
+                let addr = SocketAddr::new(*ip, *port);
+                let l = sctp_listener(addr).map_err(|source| LabError::Bind {
+                    addr,
+                    protocol: "SCTP",
+                    source,
+                })?;
+                tcp_listeners.push(l);
+            }
+        } else if !sctp_ports.is_empty() {
+            let s = sctp::raw_socket(*ip).map_err(|source| LabError::Bind {
+                addr: SocketAddr::new(*ip, 0),
+                protocol: "raw IP protocol 132 (SCTP)",
+                source,
+            })?;
+            raw_sockets.push(s);
+        }
     }
-    eprintln!("serving TCP {tcp:?} UDP {udp:?} on {bind:?}");
+    let how = if kernel_sctp { "SCTP sockets" } else { "raw sockets" };
+    eprintln!("serving TCP {tcp:?} UDP {udp:?} SCTP {sctp_ports:?} ({how}) on {bind:?}");
     let mut threads = Vec::new();
     for l in tcp_listeners {
         threads.push(std::thread::spawn(move || serve_tcp(l)));
     }
     for s in udp_sockets {
         threads.push(std::thread::spawn(move || serve_udp(s)));
+    }
+    let sctp_ports: Arc<[u16]> = sctp_ports.into();
+    for s in raw_sockets {
+        let ports = Arc::clone(&sctp_ports);
+        threads.push(std::thread::spawn(move || serve_sctp_raw(s, &ports)));
     }
     if let Some(path) = ready_file {
         std::fs::write(path, format!("{}\n", std::process::id()))
