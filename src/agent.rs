@@ -295,23 +295,64 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
     ready.store(true, std::sync::atomic::Ordering::Relaxed);
     tracing::info!(node = %opts.node, audit = auditor.enabled(), "enforcing");
 
-    runtime.block_on(async {
-        let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-        let udp_serving = tokio::spawn(udp::serve(
-            udp_listeners,
-            udp_config,
-            decider.clone(),
-            registry.clone(),
-            stop_rx.clone(),
-        ));
-        let serving = tokio::spawn(tcp::serve(listeners, proxy, decider, registry, stop_rx));
-        wait_for_signal().await;
-        // Not ready from here on: a load balancer or probe stops counting on this node.
-        ready.store(false, std::sync::atomic::Ordering::Relaxed);
-        tracing::info!("shutting down: no new connections; draining");
-        let _ = stop_tx.send(true);
-        let _ = serving.await;
-        let _ = udp_serving.await;
+    // Live change: the manifests are watched; each change becomes a new snapshot.
+    let watch = match manifest::watch(&opts.manifests, manifest::DEFAULT_DEBOUNCE) {
+        Ok(w) => Some(w),
+        Err(e) => {
+            tracing::error!(
+                error = %crate::explain::error_chain(&e),
+                "cannot watch the manifests; enforcing revision 1 until restarted"
+            );
+            None
+        }
+    };
+    std::thread::scope(|scope| {
+        let (watch, changes) = match watch {
+            Some((w, rx)) => (Some(w), Some(rx)),
+            None => (None, None),
+        };
+        if let Some(changes) = changes {
+            let reloader = Reloader {
+                opts: &opts,
+                decider: &decider,
+                registry: &registry,
+                backend: &*backend,
+                spec: spec.clone(),
+                revision: 1,
+            };
+            let spawned = std::thread::Builder::new()
+                .name("tierproxy-reload".into())
+                .spawn_scoped(scope, move || reloader.run(&changes));
+            if let Err(e) = spawned {
+                tracing::error!(error = %e, "cannot start the manifest reloader");
+            }
+        }
+        runtime.block_on(async {
+            let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+            let udp_serving = tokio::spawn(udp::serve(
+                udp_listeners,
+                udp_config,
+                decider.clone(),
+                registry.clone(),
+                stop_rx.clone(),
+            ));
+            let serving = tokio::spawn(tcp::serve(
+                listeners,
+                proxy,
+                decider.clone(),
+                registry.clone(),
+                stop_rx,
+            ));
+            wait_for_signal().await;
+            // Not ready from here on: a load balancer or probe stops counting on this node.
+            ready.store(false, std::sync::atomic::Ordering::Relaxed);
+            tracing::info!("shutting down: no new connections; draining");
+            let _ = stop_tx.send(true);
+            let _ = serving.await;
+            let _ = udp_serving.await;
+        });
+        // Ends the watch; its channel closes and the reloader returns.
+        drop(watch);
     });
     // Connection ends are queued by now: flush them with the rest.
     auditor.shutdown();
@@ -320,6 +361,98 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
     }
     drop(installed);
     Ok(())
+}
+
+/// Applies manifest changes: each batch of changed paths becomes a new snapshot (the next
+/// revision), which is published to the deciders, every live connection is decided again
+/// (those now denied are cut), and the interception sets follow the node's pods.
+struct Reloader<'a> {
+    opts: &'a AgentOptions,
+    decider: &'a Decider,
+    registry: &'a Registry,
+    backend: &'a dyn redirect::Backend,
+    /// The ruleset installed now.
+    spec: RulesetSpec,
+    /// The revision in force.
+    revision: u64,
+}
+
+impl Reloader<'_> {
+    /// Reloads on every change until the channel closes (the watch was dropped).
+    fn run(mut self, changes: &std::sync::mpsc::Receiver<Vec<PathBuf>>) {
+        while let Ok(paths) = changes.recv() {
+            // Changes that queued up while the last reload ran are covered by this one.
+            let more = changes.try_iter().map(|p| p.len()).sum::<usize>();
+            tracing::debug!(paths = paths.len() + more, first = ?paths.first(), "manifests changed");
+            self.reload();
+        }
+    }
+
+    /// One reload. A manifest set that cannot be read or parsed, or that lost this node,
+    /// leaves the last good snapshot in force (and says so); invalid objects are reported
+    /// by [`load`] and fail closed as their API says.
+    fn reload(&mut self) {
+        let started = std::time::Instant::now();
+        let next = Revision(self.revision + 1);
+        let current = match load(
+            &self.opts.manifests,
+            &self.opts.node,
+            next,
+            self.opts.audit.defaults,
+        ) {
+            Ok(c) => c,
+            Err(e) => {
+                self.decider.stats.reload_errors.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                tracing::error!(
+                    error = %format!("{e:#}"),
+                    revision = self.revision,
+                    "manifests changed but cannot be used; the last good snapshot stays in force"
+                );
+                return;
+            }
+        };
+        let local = current.snapshot.local_pod_ips(current.node);
+        let node_addrs = current.snapshot.node_addrs(current.node).to_vec();
+        self.decider.publish(current);
+        self.revision = next.0;
+        let compiled = started.elapsed();
+        let redecided = self.decider.redecide(self.registry);
+        let spec = match RulesetSpec::new(self.opts.redirect.clone(), local, node_addrs) {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::error!(error = %e, "ruleset for the new snapshot is invalid; kept the old one");
+                self.spec.clone()
+            }
+        };
+        let (added, removed) = (
+            spec.local_pods().difference(self.spec.local_pods()).copied().collect::<Vec<_>>(),
+            self.spec.local_pods().difference(spec.local_pods()).copied().collect::<Vec<_>>(),
+        );
+        let outcome = if spec.node_addrs() != self.spec.node_addrs() {
+            self.backend.apply(&spec)
+        } else if !added.is_empty() || !removed.is_empty() {
+            self.backend.update_pods(spec.config(), &added, &removed)
+        } else {
+            Ok(())
+        };
+        match outcome {
+            Ok(()) => self.spec = spec,
+            Err(e) => tracing::error!(
+                error = %crate::explain::error_chain(&e),
+                "updating the interception sets failed; they will be retried on the next change"
+            ),
+        }
+        tracing::info!(
+            revision = self.revision,
+            compile_ms = compiled.as_millis() as u64,
+            total_ms = started.elapsed().as_millis() as u64,
+            live = redecided.checked,
+            cut = redecided.cut,
+            pods_added = added.len(),
+            pods_removed = removed.len(),
+            "snapshot applied"
+        );
+    }
 }
 
 /// Raises the soft limit of open files to the hard limit: a proxied TCP connection holds
@@ -440,6 +573,18 @@ fn scraped(
                 "First packets decided from the cache",
                 vec![],
                 d.stats.cache_hits.load(Relaxed),
+            ));
+            out.push(c(
+                "policy_change_cuts",
+                "Live connections and UDP flows closed because a new snapshot denies them",
+                vec![],
+                d.stats.policy_cuts.load(Relaxed),
+            ));
+            out.push(c(
+                "manifest_reload_errors",
+                "Manifest changes that could not be used (the last good snapshot stayed)",
+                vec![],
+                d.stats.reload_errors.load(Relaxed),
             ));
         }
         out

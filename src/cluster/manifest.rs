@@ -104,6 +104,90 @@ pub fn load(paths: &[PathBuf]) -> Loaded {
     out
 }
 
+/// How long the manifest files must stay quiet before a change is reported: an editor's
+/// save, a `kubectl cp` or a ConfigMap update (a symlink swap) is several file events
+/// within a few milliseconds, and one reload should see all of them.
+pub const DEFAULT_DEBOUNCE: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// A running watch of manifest paths (inotify through the `notify` crate); dropping it stops
+/// the watch and closes its channel.
+pub struct Watch {
+    _debouncer: notify_debouncer_mini::Debouncer<notify_debouncer_mini::notify::RecommendedWatcher>,
+}
+
+impl fmt::Debug for Watch {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Watch")
+    }
+}
+
+/// Watches `paths` (the files and directories given to [`load`]) and sends the changed
+/// paths on the returned channel once they have been quiet for `debounce`. A directory is
+/// watched recursively. A file is watched through its parent directory (editors and
+/// ConfigMap volumes replace files by renaming, which a watch on the file itself would
+/// lose), and only events for its own name and for the `..data` symlinks of a ConfigMap
+/// volume are reported. Errors of the watch itself (an overflowing inotify queue) are
+/// reported as a change of every path, so the caller reloads rather than misses one.
+///
+/// # Errors
+/// A path that cannot be watched (missing, no permission, the inotify watch limit
+/// `fs.inotify.max_user_watches` reached), naming the path.
+pub fn watch(
+    paths: &[PathBuf],
+    debounce: std::time::Duration,
+) -> Result<(Watch, std::sync::mpsc::Receiver<Vec<PathBuf>>), LoadError> {
+    use notify_debouncer_mini::notify::RecursiveMode;
+    use notify_debouncer_mini::{DebounceEventResult, new_debouncer};
+    // (watched directory, file name filter): None = everything below the directory.
+    let mut targets: Vec<(PathBuf, Option<std::ffi::OsString>)> = Vec::new();
+    for p in paths {
+        let abs =
+            std::path::absolute(p).map_err(|source| LoadError::Io { path: p.clone(), source })?;
+        if abs.is_dir() {
+            targets.push((abs, None));
+        } else {
+            let parent = abs.parent().map(Path::to_path_buf).unwrap_or_else(|| PathBuf::from("/"));
+            targets.push((parent, abs.file_name().map(|n| n.to_os_string())));
+        }
+    }
+    let filter = targets.clone();
+    let all: Vec<PathBuf> = paths.to_vec();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let mut debouncer = new_debouncer(debounce, move |res: DebounceEventResult| {
+        let changed: Vec<PathBuf> = match res {
+            Ok(events) => events
+                .into_iter()
+                .map(|e| e.path)
+                .filter(|path| {
+                    filter.iter().any(|(dir, name)| match name {
+                        None => path.starts_with(dir),
+                        Some(name) => {
+                            path.parent() == Some(dir.as_path())
+                                && path.file_name().is_some_and(|n| {
+                                    n == name.as_os_str() || n.to_string_lossy().starts_with("..")
+                                })
+                        }
+                    })
+                })
+                .collect(),
+            Err(_) => all.clone(),
+        };
+        if !changed.is_empty() {
+            let _ = tx.send(changed);
+        }
+    })
+    .map_err(|e| LoadError::Io { path: PathBuf::new(), source: std::io::Error::other(e) })?;
+    for (dir, name) in &targets {
+        let mode =
+            if name.is_none() { RecursiveMode::Recursive } else { RecursiveMode::NonRecursive };
+        debouncer
+            .watcher()
+            .watch(dir, mode)
+            .map_err(|e| LoadError::Io { path: dir.clone(), source: std::io::Error::other(e) })?;
+    }
+    Ok((Watch { _debouncer: debouncer }, rx))
+}
+
 /// Parses manifest text (YAML, any number of documents; JSON is YAML too) from `origin`.
 ///
 /// # Errors
@@ -116,7 +200,10 @@ pub fn parse_str(origin: &Path, text: &str) -> Result<Loaded, LoadError> {
     Ok(out)
 }
 
-fn files(path: &Path, errors: &mut Vec<LoadError>) -> Vec<PathBuf> {
+/// The files [`load`] reads for `path`, in the order it reads them: `path` itself if it is
+/// not a directory, else every `.yaml`, `.yml` and `.json` file below it, in name order.
+/// Directory walk failures are pushed to `errors`.
+pub fn files(path: &Path, errors: &mut Vec<LoadError>) -> Vec<PathBuf> {
     if !path.is_dir() {
         // Named explicitly: read whatever the extension (and report if missing).
         return vec![path.to_path_buf()];

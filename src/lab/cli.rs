@@ -77,6 +77,17 @@ enum LabCommand {
         #[command(flatten)]
         common: Common,
     },
+    /// Replace a running lab's manifests: its agents apply the change live (cutting live
+    /// connections the new policies deny) and `lab probe` explains against them. Waits
+    /// until every agent reports the new snapshot. Exit status: 0 every agent applied it,
+    /// 1 some agent kept its last good snapshot or did not answer, 3 no such lab.
+    Apply {
+        /// Manifest files or directories (as `lab up -m`).
+        #[arg(long, short = 'm', required = true, num_args = 1..)]
+        manifests: Vec<PathBuf>,
+        #[command(flatten)]
+        common: Common,
+    },
     /// Remove the lab: processes, namespaces, state (also after a crash).
     Down {
         #[command(flatten)]
@@ -148,6 +159,11 @@ enum LabCommand {
     },
 }
 
+/// An agent log line without its timestamp and level.
+fn log_message(line: &str) -> &str {
+    line.split_once("tierproxy::agent: ").map_or(line, |(_, m)| m)
+}
+
 fn report_error(err: &mut dyn Write, e: &LabError) -> u8 {
     let _ = writeln!(err, "error: {}", explain::error_chain(e));
     e.exit_code()
@@ -198,6 +214,34 @@ pub fn main(args: LabArgs, out: &mut dyn Write, err: &mut dyn Write) -> u8 {
                 Ok(state) => {
                     let _ = writeln!(out, "{}", super::up_summary(&state));
                     0
+                }
+                Err(e) => report_error(err, &e),
+            }
+        }
+        Some(LabCommand::Apply { manifests, common }) => {
+            match super::apply(&common.state_root, &common.prefix, &manifests, err) {
+                Ok(applied) => {
+                    let mut code = 0;
+                    if applied.is_empty() {
+                        let _ = writeln!(
+                            out,
+                            "lab {:?}: manifests replaced (no agents)",
+                            common.prefix
+                        );
+                    }
+                    for a in applied {
+                        match a.outcome {
+                            Ok(line) => {
+                                let _ = writeln!(out, "{}: {}", a.node, log_message(&line));
+                            }
+                            Err(why) => {
+                                code = 1;
+                                let _ =
+                                    writeln!(out, "{}: NOT APPLIED: {}", a.node, log_message(&why));
+                            }
+                        }
+                    }
+                    code
                 }
                 Err(e) => report_error(err, &e),
             }

@@ -261,10 +261,12 @@ pub fn up(opts: &UpOptions, err: &mut dyn Write) -> Result<State, LabError> {
     }
     std::fs::create_dir_all(&dir)
         .map_err(|source| LabError::State { path: dir.clone(), source })?;
+    // Agents and `lab probe` read a copy that `lab apply` replaces.
+    let staged = stage_manifests(&manifests, &dir)?;
     let mut state = State {
         version: STATE_VERSION,
         dir,
-        manifests,
+        manifests: vec![staged],
         probes,
         agents: opts.agents,
         plan,
@@ -683,4 +685,156 @@ pub fn examples_dir() -> PathBuf {
 /// `probes.jsonl`.
 pub fn example_inputs(dir: &Path) -> (Vec<PathBuf>, PathBuf) {
     (vec![dir.join("cluster.yaml"), dir.join("policies")], dir.join("probes.jsonl"))
+}
+
+/// Name of the directory in a lab's state directory that holds the manifests its agents
+/// read (and `lab probe` explains against): copies of the files given to `lab up`, replaced
+/// by `lab apply`.
+pub const STAGED_MANIFESTS: &str = "manifests";
+
+/// Copies every manifest file under `paths` (as the manifest loader finds them) into
+/// `dir/manifests/` as `NNNN-<file name>`, keeping the loader's order, and removes what
+/// else was there. Files are written under temporary names the loader skips and then
+/// renamed into place, and stale files are removed last, so a watcher sees complete files
+/// only. Returns the directory.
+///
+/// # Errors
+/// A path that cannot be read, or the staging directory that cannot be written.
+pub fn stage_manifests(paths: &[PathBuf], dir: &Path) -> Result<PathBuf, LabError> {
+    let staged = dir.join(STAGED_MANIFESTS);
+    std::fs::create_dir_all(&staged)
+        .map_err(|source| LabError::State { path: staged.clone(), source })?;
+    let mut errors = Vec::new();
+    let files: Vec<PathBuf> =
+        paths.iter().flat_map(|p| crate::cluster::manifest::files(p, &mut errors)).collect();
+    if let Some(e) = errors.into_iter().next() {
+        return Err(LabError::Invalid(explain::error_chain(&e)));
+    }
+    let mut keep = std::collections::BTreeSet::new();
+    for (i, file) in files.iter().enumerate() {
+        let name = file.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        // The loader reads a named file whatever its extension, a directory's files only
+        // with a manifest extension: keep one it will read.
+        let ext = if name.ends_with(".yaml") || name.ends_with(".yml") || name.ends_with(".json") {
+            ""
+        } else {
+            ".yaml"
+        };
+        let target = format!("{i:04}-{name}{ext}");
+        let text =
+            std::fs::read(file).map_err(|source| LabError::State { path: file.clone(), source })?;
+        let tmp = staged.join(format!(".{target}.tmp"));
+        std::fs::write(&tmp, text)
+            .map_err(|source| LabError::State { path: tmp.clone(), source })?;
+        std::fs::rename(&tmp, staged.join(&target))
+            .map_err(|source| LabError::State { path: tmp.clone(), source })?;
+        keep.insert(target);
+    }
+    let entries = std::fs::read_dir(&staged)
+        .map_err(|source| LabError::State { path: staged.clone(), source })?;
+    for e in entries.flatten() {
+        if !keep.contains(&*e.file_name().to_string_lossy()) {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
+    Ok(staged)
+}
+
+/// How long `lab apply` waits for every agent to report the new snapshot.
+pub const APPLY_TIMEOUT: Duration = Duration::from_secs(15);
+
+/// One agent's answer to `lab apply`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Applied {
+    /// The node.
+    pub node: String,
+    /// The agent's log line for the new snapshot (`snapshot applied ...`), or why there is
+    /// none (the manifests could not be used, or no answer within [`APPLY_TIMEOUT`]).
+    pub outcome: Result<String, String>,
+}
+
+/// Replaces a running lab's manifests with those under `manifests` (`tierproxy lab apply`):
+/// the agents watch them and apply the change live (issue #5), cutting connections the new
+/// policies deny; `lab probe` explains against them from then on. Waits until every agent
+/// logged the new snapshot, or its refusal. The topology is not rebuilt: pods added here
+/// have no namespace (the agents still intercept their addresses).
+///
+/// # Errors
+/// [`LabError`]: no such lab, manifests that cannot be read (parse errors are not refused:
+/// the agents keep their last good snapshot, which is what a user may want to see).
+pub fn apply(
+    state_root: &Path,
+    prefix: &str,
+    manifests: &[PathBuf],
+    err: &mut dyn Write,
+) -> Result<Vec<Applied>, LabError> {
+    let state = State::load(state_root, prefix)?;
+    let manifests = manifests.iter().map(|p| absolute(p)).collect::<Result<Vec<_>, _>>()?;
+    let (loaded, _compiled, invalid) = explain::load_and_compile(&manifests, err);
+    if invalid {
+        let _ = writeln!(
+            err,
+            "note: lab apply: the manifests have errors (above); agents report what they cannot use"
+        );
+    }
+    let planned: std::collections::BTreeSet<(String, String)> =
+        state.plan.pods.iter().map(|p| (p.namespace.clone(), p.name.clone())).collect();
+    for pod in &loaded.inputs.pods {
+        let key = (
+            pod.metadata.namespace.clone().unwrap_or_else(|| "default".into()),
+            pod.metadata.name.clone().unwrap_or_default(),
+        );
+        if !planned.contains(&key) {
+            let _ = writeln!(
+                err,
+                "note: lab apply: pod {}/{} is new: the agents intercept its addresses, but it has no namespace until `lab up` is run again",
+                key.0, key.1
+            );
+        }
+    }
+    let logs: Vec<(String, PathBuf, usize)> = if state.agents {
+        state
+            .plan
+            .nodes
+            .iter()
+            .map(|n| {
+                let log = state.dir.join(format!("agent-{}.log", n.name));
+                let seen = reload_lines(&log).len();
+                (n.name.clone(), log, seen)
+            })
+            .collect()
+    } else {
+        Vec::new()
+    };
+    stage_manifests(&manifests, &state.dir)?;
+    let deadline = std::time::Instant::now() + APPLY_TIMEOUT;
+    let mut out = Vec::new();
+    for (node, log, seen) in logs {
+        let outcome = loop {
+            let lines = reload_lines(&log);
+            if let Some(line) = lines.get(seen) {
+                break if line.contains("snapshot applied") {
+                    Ok(line.clone())
+                } else {
+                    Err(line.clone())
+                };
+            }
+            if std::time::Instant::now() >= deadline {
+                break Err(format!("no answer within {} s", APPLY_TIMEOUT.as_secs()));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        out.push(Applied { node, outcome });
+    }
+    Ok(out)
+}
+
+/// The lines of an agent's log that answer a manifest change: applied, or refused.
+fn reload_lines(log: &Path) -> Vec<String> {
+    std::fs::read_to_string(log)
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.contains("snapshot applied") || l.contains("the last good snapshot stays"))
+        .map(str::to_string)
+        .collect()
 }

@@ -13,7 +13,7 @@ use std::time::{Duration, SystemTime};
 use arc_swap::ArcSwap;
 
 use super::packet::FlowKey;
-use super::registry::Tracked;
+use super::registry::{Registry, STOP_POLICY_CHANGE, Tracked};
 use crate::audit::{self, Admitted, Auditor, CloseReason, ConnectionEnd, FlowInfo};
 use crate::metrics::DataPathMetrics;
 use crate::policy::eval::{Decision, Flow, Verdict};
@@ -75,6 +75,19 @@ pub struct DecisionStats {
     pub denied: AtomicU64,
     /// Decisions answered from the cache.
     pub cache_hits: AtomicU64,
+    /// Live connections and UDP flows closed because a new snapshot denies them.
+    pub policy_cuts: AtomicU64,
+    /// Manifest changes that could not be used (the last good snapshot stayed in force).
+    pub reload_errors: AtomicU64,
+}
+
+/// What one re-decision of the live connections did ([`Decider::redecide`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Redecided {
+    /// Live connections and UDP flows decided again.
+    pub checked: usize,
+    /// Those now denied, told to stop.
+    pub cut: usize,
 }
 
 /// Decides flows for one node. Shared by the NFQUEUE workers (which decide) and the proxy
@@ -204,6 +217,60 @@ impl Decider {
         let end =
             ConnectionEnd { reason, to_server, to_client, duration: tracked.accepted.elapsed() };
         self.auditor.connection_end(&self.current().snapshot, &admitted, end);
+    }
+
+    /// Decides every live connection and UDP flow in `registry` again against the current
+    /// snapshot, and tells those now denied to stop ([`STOP_POLICY_CHANGE`]: TCP resets
+    /// both sides, a UDP flow closes its sockets). Each denying decision is audited like a
+    /// first packet's (it names the rule that now denies); the end follows with reason
+    /// `policy-change`. Call after [`Decider::publish`]: a connection registered while this
+    /// runs checks its own admission ([`Decider::recheck`]).
+    ///
+    /// Source: NetworkPolicy ("should terminate and block the existing connection as soon
+    /// as can be expected"), issue #5 "Live change", DESIGN §5.
+    pub fn redecide(&self, registry: &Registry) -> Redecided {
+        let current = self.current.load_full();
+        let mut out = Redecided::default();
+        for t in registry.connections() {
+            out.checked += 1;
+            let d = self.decide_in(&current, t.key.flow());
+            if d.verdict == Verdict::Deny {
+                self.cut(&current, &t, &d);
+                out.cut += 1;
+            }
+        }
+        out
+    }
+
+    /// For a connection just registered as `tracked` with `admission`: when a snapshot
+    /// newer than the admission's is in force and denies it, audits that decision, marks
+    /// the connection stopped for a policy change and returns `false`.
+    pub fn recheck(&self, admission: &Admission, tracked: &Tracked) -> bool {
+        let current = self.current.load_full();
+        if admission.decision.revision == current.snapshot.revision() {
+            return true;
+        }
+        let d = self.decide_in(&current, tracked.key.flow());
+        if d.verdict == Verdict::Allow {
+            return true;
+        }
+        self.cut(&current, tracked, &d);
+        false
+    }
+
+    fn cut(&self, current: &Current, tracked: &Tracked, d: &Arc<Decision>) {
+        if self.auditor.enabled() {
+            let key = tracked.key;
+            let flow = FlowInfo {
+                src: key.src,
+                dst: key.dst,
+                protocol: key.protocol,
+                time: SystemTime::now(),
+            };
+            self.auditor.decision(&current.audit, &current.snapshot, flow, d);
+        }
+        self.stats.policy_cuts.fetch_add(1, Ordering::Relaxed);
+        tracked.stop(STOP_POLICY_CHANGE);
     }
 
     /// The admission of the flow `key`, removed from the hand-over map; `None` when none

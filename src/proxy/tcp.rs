@@ -221,6 +221,13 @@ async fn proxy(
     }
     decider.metrics().connections_opened.inc();
     let ended = |reason: CloseReason| decider.ended(&admission, tracked, reason);
+    // Admitted under an older snapshot than the one now in force, and registered too late
+    // for the re-decision walk: decide it again here.
+    if !decider.recheck(&admission, tracked) {
+        reset(&client);
+        ended(CloseReason::PolicyChange);
+        return;
+    }
     let _ = client.set_nodelay(true);
     let to_self = key.dst.ip().is_loopback() || config.local_addrs.contains(&key.dst.ip());
     let source = (config.preserve_source && !to_self).then_some(key.src.ip());

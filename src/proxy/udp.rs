@@ -28,7 +28,7 @@
 //!
 //! UDP to the node's own addresses is not proxied (the proxy cannot bind a hostNetwork
 //! server's address and port): the ruleset lets the kernel forward it after its first
-//! datagram's decision (`redirect`, rule 3b).
+//! datagram's decision (`redirect`, rule 4).
 //!
 //! Source: issue #5 "Protocols"; DESIGN §3.
 
@@ -288,7 +288,11 @@ fn datagram(
     table.lock().insert((src, dst), flow.clone());
     table.stats.flows.fetch_add(1, Ordering::Relaxed);
     decider.metrics().connections_opened.inc();
-    forward(&flow.upstream, payload, &flow.tracked.counters.to_server, table);
+    // Admitted under an older snapshot than the one now in force: the relay sees the stop
+    // at once and the flow ends with reason `policy-change`.
+    if decider.recheck(&admission, &flow.tracked) {
+        forward(&flow.upstream, payload, &flow.tracked.counters.to_server, table);
+    }
     let (table, config, decider) = (table.clone(), config.clone(), decider.clone());
     tokio::spawn(async move {
         let reason = relay(&flow, &reply, &table, &config).await;

@@ -229,14 +229,14 @@ fn restore_input(spec: &RulesetSpec, fam: Family) -> String {
         "-A {chain} -m comment --comment \"tierproxy: from the node itself\" \
          -m set --match-set {nodes} src -j RETURN"
     );
-    // Rule 3b: UDP to the node's own addresses is forwarded by the kernel after its first
+    // Rule 4: UDP to the node's own addresses is forwarded by the kernel after its first
     // packet's decision (the proxy cannot take a hostNetwork server's address and port).
     let _ = writeln!(
         o,
         "-A {chain} -p udp -m comment --comment \"tierproxy: UDP to the node itself, decided\" \
          -m set --match-set {nodes} dst -m conntrack ! --ctstate NEW -j RETURN"
     );
-    // Rule 4: packets of pod flows not owned by a proxy socket, egress then ingress → the
+    // Rule 5: packets of pod flows not owned by a proxy socket, egress then ingress → the
     // queue chain (TCP and SCTP: first packet only).
     for (dir, words) in [("src", "from"), ("dst", "to")] {
         let _ = writeln!(
@@ -245,8 +245,8 @@ fn restore_input(spec: &RulesetSpec, fam: Family) -> String {
              -m mark ! --mark {decided} -m set --match-set {pods} {dir} -j {queue}"
         );
     }
-    // Rule 5: decided packets of terminated protocols → the proxy's listener (UDP: not to
-    // the node's own addresses, see rule 3b).
+    // Rule 6: decided packets of terminated protocols → the proxy's listener (UDP: not to
+    // the node's own addresses, see rule 4).
     for proto in TPROXY_PROTOCOLS {
         let not_node = if *proto == "udp" {
             format!(" -m set ! --match-set {nodes} dst")

@@ -31,10 +31,10 @@
 //!    of flows already decided never queue again, and without it upstream connects time out.
 //! 3. **From the node's own addresses → return.** Kubelet probes and other traffic from the
 //!    node to its pods is always allowed (DESIGN §2); no queue trip.
-//! 3b. **UDP to the node's own addresses, not `ctstate NEW` → return.** The proxy cannot
+//! 4. **UDP to the node's own addresses, not `ctstate NEW` → return.** The proxy cannot
 //!    take a hostNetwork server's address and port for its reply socket, so UDP to the node
-//!    is decided on its first packet (rule 4) and then forwarded by the kernel, like SCTP.
-//! 4. **A packet of TCP, UDP or SCTP whose source or destination is a local pod, without
+//!    is decided on its first packet (rule 5) and then forwarded by the kernel, like SCTP.
+//! 5. **A packet of TCP, UDP or SCTP whose source or destination is a local pod, without
 //!    the decided mark → NFQUEUE**; TCP and SCTP only when `ctstate NEW`, UDP whenever no
 //!    proxy socket took it in rule 2 (a datagram of a flow the proxy closed, idle or denied
 //!    by a new snapshot, must be decided again rather than forwarded by the kernel on a
@@ -47,8 +47,8 @@
 //!    packets while no program reads the queue (fail-open); otherwise it drops them
 //!    (fail-closed) (iptables-extensions(8), "NFQUEUE"). The decider answers an allowed
 //!    packet with the REPEAT verdict and the decided mark, so the packet walks the hook
-//!    again and this rule skips it (an ACCEPT verdict would end the walk before rule 5).
-//! 5. **TCP and UDP with the decided mark → TPROXY** ([`TPROXY_PROTOCOLS`]; UDP not to the
+//!    again and this rule skips it (an ACCEPT verdict would end the walk before rule 6).
+//! 6. **TCP and UDP with the decided mark → TPROXY** ([`TPROXY_PROTOCOLS`]; UDP not to the
 //!    node's own addresses) to the listeners
 //!    (`--on-ip` [`RedirectConfig::tproxy_addr_v4`]/`_v6`, `--on-port`
 //!    [`RedirectConfig::tproxy_port`]) with `--tproxy-mark` = route mark, so policy routing
@@ -57,7 +57,7 @@
 //!    the next rule instead, so the nftables backend follows it with a drop of decided TCP
 //!    and UDP to behave the same (fail-closed). Decided SCTP is accepted and forwarded by
 //!    the kernel (the proxy does not terminate SCTP; denied associations time out).
-
+//!
 //! Policy routing (`ip rule fwmark ROUTE/MASK lookup TABLE priority P`, `ip route local
 //! default dev lo table TABLE`, both families) is installed and removed with the ruleset,
 //! see `routing.rs`.
@@ -113,12 +113,12 @@ use crate::config::{BackendChoice, ConfigError, RedirectConfig};
 pub use self::iptables::{IptablesBackend, IptablesCommands};
 pub use self::nft::NftablesBackend;
 
-/// Protocols whose new flows are sent to NFQUEUE (rule 4), in rule order.
+/// Protocols whose new flows are sent to NFQUEUE (rule 5), in rule order.
 pub const QUEUED_PROTOCOLS: [&str; 3] = ["tcp", "udp", "sctp"];
 
-/// Protocols whose decided packets are TPROXY'd to the listener (rule 5). Decided packets of
+/// Protocols whose decided packets are TPROXY'd to the listener (rule 6). Decided packets of
 /// other [`QUEUED_PROTOCOLS`] (SCTP) are accepted and forwarded by the kernel, as is
-/// decided UDP to the node's own addresses (rule 3b).
+/// decided UDP to the node's own addresses (rule 4).
 pub const TPROXY_PROTOCOLS: &[&str] = &["tcp", "udp"];
 
 /// [`QUEUED_PROTOCOLS`] queued on their first packet only (`ctstate NEW`): a connection's

@@ -269,7 +269,7 @@ fn apply_batch(spec: &RulesetSpec) -> Nftables<'static> {
             ],
         );
     }
-    // Rule 3b: UDP to the node's own addresses is forwarded by the kernel after its first
+    // Rule 4: UDP to the node's own addresses is forwarded by the kernel after its first
     // packet's decision (the proxy cannot take a hostNetwork server's address and port).
     for fam in [V4, V6] {
         b.rule(
@@ -282,7 +282,7 @@ fn apply_batch(spec: &RulesetSpec) -> Nftables<'static> {
             ],
         );
     }
-    // Rule 4: packets of pod flows not owned by a proxy socket, egress then ingress → queue
+    // Rule 5: packets of pod flows not owned by a proxy socket, egress then ingress → queue
     // (TCP and SCTP: the first packet only; UDP: every packet no proxy socket took).
     for fam in [V4, V6] {
         for (field, comment) in [
@@ -312,8 +312,8 @@ fn apply_batch(spec: &RulesetSpec) -> Nftables<'static> {
             );
         }
     }
-    // Rule 5: decided packets of terminated protocols → the proxy's listener (UDP: not to
-    // the node's own addresses, see rule 3b), then a drop for those nft's tproxy found no
+    // Rule 6: decided packets of terminated protocols → the proxy's listener (UDP: not to
+    // the node's own addresses, see rule 4), then a drop for those nft's tproxy found no
     // listener for (xt TPROXY drops them itself).
     let decided = |fam: Fam, proto: &'static str| {
         let mut expr = vec![

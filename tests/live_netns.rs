@@ -1,0 +1,445 @@
+//! End-to-end tests of the UDP proxy and of live change (issue #5): `tierproxy lab` with an
+//! agent on every node, manifests replaced with `lab apply` while connections and UDP
+//! flows are live.
+//!
+//! They need CAP_NET_ADMIN and CAP_SYS_ADMIN (root). Without them each test prints
+//! `SKIPPED: <test>: needs CAP_NET_ADMIN (...)` to stderr and returns, unless
+//! `TIERPROXY_REQUIRE_NETNS=1`, which turns that into a failure (CI sets it).
+//!
+//! Every test builds its own lab under its own prefix; a guard runs `lab down` when the
+//! test ends, also when it panics. Traffic stays inside the namespaces the test created,
+//! and every wait is bounded.
+
+use std::io::{BufRead, BufReader, ErrorKind, Read, Write};
+use std::net::{TcpStream, UdpSocket};
+use std::path::Path;
+use std::process::Output;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use tierproxy::lab::LabError;
+use tierproxy::lab::netns::in_netns;
+
+mod common;
+use common::*;
+
+/// Two nodes. Namespace `a`: client and server on n1. Namespace `b`: remote on n2.
+/// Namespace `a` carries no `team` label yet, pod `a/server` no `quarantine` label: the
+/// two ANPs below match nothing until a change adds those labels.
+const NODES_AND_NAMESPACES: &str = r#"
+apiVersion: v1
+kind: Node
+metadata: {name: n1}
+status: {addresses: [{type: InternalIP, address: 172.31.0.2}]}
+---
+apiVersion: v1
+kind: Node
+metadata: {name: n2}
+status: {addresses: [{type: InternalIP, address: 172.31.0.3}]}
+---
+apiVersion: v1
+kind: Namespace
+metadata: {name: b, labels: {kubernetes.io/metadata.name: b}}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: client, namespace: a}
+spec: {nodeName: n1, containers: [{name: c}]}
+status: {podIP: 10.61.1.2}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: remote, namespace: b}
+spec: {nodeName: n2, containers: [{name: c, ports: [{containerPort: 8080}, {containerPort: 7070}, {containerPort: 5353, protocol: UDP}]}]}
+status: {podIP: 10.61.2.2}
+---
+apiVersion: policy.networking.k8s.io/v1alpha1
+kind: AdminNetworkPolicy
+metadata: {name: deny-blue-to-b}
+spec:
+  priority: 10
+  subject: {namespaces: {matchLabels: {kubernetes.io/metadata.name: b}}}
+  ingress:
+  - name: no-8080-from-blue
+    action: Deny
+    from: [{namespaces: {matchLabels: {team: blue}}}]
+    ports: [{portNumber: {protocol: TCP, port: 8080}}]
+---
+apiVersion: policy.networking.k8s.io/v1alpha1
+kind: AdminNetworkPolicy
+metadata: {name: quarantine}
+spec:
+  priority: 20
+  subject: {pods: {namespaceSelector: {}, podSelector: {matchLabels: {quarantine: "true"}}}}
+  ingress:
+  - name: nothing-in
+    action: Deny
+    from: [{namespaces: {}}]
+"#;
+
+/// Namespace `a` and pod `a/server`, without (`false`) or with (`true`) the labels the
+/// ANPs of [`NODES_AND_NAMESPACES`] select.
+fn labelled(on: bool) -> String {
+    let (team, quarantine) = if on { (", team: blue", "true") } else { ("", "false") };
+    format!(
+        r#"
+apiVersion: v1
+kind: Namespace
+metadata: {{name: a, labels: {{kubernetes.io/metadata.name: a{team}}}}}
+---
+apiVersion: v1
+kind: Pod
+metadata: {{name: server, namespace: a, labels: {{quarantine: "{quarantine}"}}}}
+spec: {{nodeName: n1, containers: [{{name: c, ports: [{{containerPort: 8080}}, {{containerPort: 5353, protocol: UDP}}]}}]}}
+status: {{podIP: 10.61.1.3}}
+"#
+    )
+}
+
+/// A NetworkPolicy isolating `b/remote` for ingress with no rule: denies everything in.
+const ISOLATE_REMOTE: &str = r#"
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {name: isolate, namespace: b}
+spec:
+  podSelector: {}
+  policyTypes: [Ingress]
+"#;
+
+fn netns_of_pod(lab: &Lab, ns: &str, pod: &str) -> String {
+    format!("{}_pod_{ns}_{pod}", lab.prefix)
+}
+
+fn netns_of_node(lab: &Lab, node: &str) -> String {
+    format!("{}_node_{node}", lab.prefix)
+}
+
+fn io(what: &str) -> impl Fn(std::io::Error) -> LabError + '_ {
+    move |e| LabError::Netns { netns: what.to_string(), what: "test I/O".into(), source: e }
+}
+
+/// A lab with agents over `base` and `labelled(false)`.
+fn live_lab(short: &str) -> Lab {
+    let lab = Lab::new(short);
+    let base = lab.file("base.yaml", NODES_AND_NAMESPACES);
+    let a = lab.file("a.yaml", &labelled(false));
+    lab.up_with(true, &[&base, &a], None);
+    lab
+}
+
+/// `lab apply -m files...`, asserting every agent applied the change.
+fn apply(lab: &Lab, files: &[&Path]) -> Output {
+    let mut args = vec!["apply", "-m"];
+    args.extend(files.iter().map(|p| p.to_str().unwrap()));
+    let o = lab.lab(&args);
+    assert!(o.status.success(), "lab apply: {}", text(&o));
+    o
+}
+
+/// A TCP connection to a lab echo server from `netns`, past its greeting line.
+fn open(netns: &str, to: &str) -> BufReader<TcpStream> {
+    in_netns(netns, || {
+        let s = TcpStream::connect_timeout(&to.parse().unwrap(), Duration::from_secs(5))
+            .map_err(io("connect"))?;
+        s.set_read_timeout(Some(Duration::from_secs(5))).map_err(io("timeout"))?;
+        let mut r = BufReader::new(s);
+        let mut greeting = String::new();
+        r.read_line(&mut greeting).map_err(io("greeting"))?;
+        assert!(greeting.starts_with("tierproxy-lab "), "{greeting:?}");
+        Ok(r)
+    })
+    .expect("connect through the proxies")
+}
+
+/// Whether `conn` still echoes a line.
+fn echoes(conn: &mut BufReader<TcpStream>) -> bool {
+    if conn.get_mut().write_all(b"ping\n").is_err() {
+        return false;
+    }
+    let mut line = String::new();
+    conn.read_line(&mut line).is_ok() && line == "ping\n"
+}
+
+/// How long until a read on `conn` fails or ends (the connection was cut), at most `limit`.
+fn cut_within(conn: &mut BufReader<TcpStream>, limit: Duration) -> Option<Duration> {
+    let started = Instant::now();
+    conn.get_ref().set_read_timeout(Some(limit)).expect("timeout");
+    let mut buf = [0u8; 64];
+    match conn.read(&mut buf) {
+        Ok(0) => Some(started.elapsed()),
+        Err(e) if e.kind() == ErrorKind::WouldBlock || e.kind() == ErrorKind::TimedOut => None,
+        Err(_) => Some(started.elapsed()),
+        Ok(_) => panic!("unexpected data on an idle connection"),
+    }
+}
+
+/// Whether a new TCP connection from `netns` to `to` is made within `timeout`.
+fn connects(netns: &str, to: &str, timeout: Duration) -> bool {
+    in_netns(netns, || Ok(TcpStream::connect_timeout(&to.parse().unwrap(), timeout).is_ok()))
+        .expect("netns")
+}
+
+/// The audit events of `node` (JSON Lines file of the lab's agent).
+fn audit_events(lab: &Lab, node: &str) -> Vec<Value> {
+    let path =
+        Path::new("/run/tierproxy-lab").join(&lab.prefix).join(format!("audit-{node}.jsonl"));
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect()
+}
+
+/// Waits (bounded) until `node`'s audit file holds an event for which `f` holds.
+fn wait_for_event(lab: &Lab, node: &str, f: impl Fn(&Value) -> bool) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        if let Some(e) = audit_events(lab, node).into_iter().find(|e| f(e)) {
+            return e;
+        }
+        assert!(Instant::now() < deadline, "no such audit event on {node}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn a_live_connection_is_cut_within_a_second_of_a_denying_policy_and_others_are_untouched() {
+    if !netns_available(
+        "a_live_connection_is_cut_within_a_second_of_a_denying_policy_and_others_are_untouched",
+    ) {
+        return;
+    }
+    let lab = live_lab("cut");
+    let client = netns_of_pod(&lab, "a", "client");
+    let mut doomed = open(&client, "10.61.2.2:8080");
+    let mut spared = open(&client, "10.61.2.2:7070");
+    let mut local = open(&client, "10.61.1.3:8080");
+    assert!(echoes(&mut doomed) && echoes(&mut spared) && echoes(&mut local));
+
+    // A NetworkPolicy that lets b/remote take 7070 only.
+    let base = lab.file("base.yaml", NODES_AND_NAMESPACES);
+    let a = lab.file("a.yaml", &labelled(false));
+    let np = lab.file(
+        "np.yaml",
+        r#"
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {name: only-7070, namespace: b}
+spec:
+  podSelector: {}
+  ingress: [{ports: [{port: 7070}]}]
+"#,
+    );
+    let written = Instant::now();
+    let watcher = std::thread::spawn(move || {
+        let took = cut_within(&mut doomed, Duration::from_secs(3));
+        (took, doomed)
+    });
+    let o = apply(&lab, &[&base, &a, &np]);
+    let (took, _) = watcher.join().expect("watcher");
+    let since_write = written.elapsed();
+    let took = took.unwrap_or_else(|| panic!("not cut within 3 s; apply said {}", text(&o)));
+    eprintln!("cut {took:?} after the read began; apply returned after {since_write:?}");
+    assert!(took < Duration::from_secs(1), "cut after {took:?}");
+    assert!(echoes(&mut spared), "the connection the new policy allows is untouched");
+    assert!(echoes(&mut local), "a connection the change does not concern is untouched");
+    assert!(!connects(&client, "10.61.2.2:8080", Duration::from_millis(1500)), "new ones denied");
+
+    let end = wait_for_event(&lab, "n1", |e| {
+        e["event"] == "tierproxy.connection.end"
+            && e["attributes"]["tierproxy.connection.close_reason"] == "policy-change"
+    });
+    assert_eq!(end["attributes"]["destination.port"], 8080, "{end}");
+    let why = wait_for_event(&lab, "n1", |e| {
+        e["event"] == "tierproxy.policy.decision"
+            && e["attributes"]["tierproxy.revision"] == 2
+            && e["attributes"]["tierproxy.verdict"] == "deny"
+            && e["attributes"]["destination.port"] == 8080
+    });
+    assert_eq!(why["attributes"]["tierproxy.policy.name"], "only-7070", "{why}");
+}
+
+#[test]
+fn label_changes_on_a_namespace_and_a_pod_cut_what_they_must() {
+    if !netns_available("label_changes_on_a_namespace_and_a_pod_cut_what_they_must") {
+        return;
+    }
+    let lab = live_lab("labels");
+    let client = netns_of_pod(&lab, "a", "client");
+    // Peer side: namespace a (the client's) becomes team=blue → ANP deny-blue-to-b denies
+    // 8080 into b. Subject side: pod a/server becomes quarantined → nothing may come in.
+    let mut peer_side = open(&client, "10.61.2.2:8080");
+    let mut subject_side = open(&client, "10.61.1.3:8080");
+    let mut other_port = open(&client, "10.61.2.2:7070");
+    assert!(echoes(&mut peer_side) && echoes(&mut subject_side) && echoes(&mut other_port));
+
+    let base = lab.file("base.yaml", NODES_AND_NAMESPACES);
+    let a = lab.file("a.yaml", &labelled(true));
+    apply(&lab, &[&base, &a]);
+    assert!(cut_within(&mut peer_side, Duration::from_secs(2)).is_some(), "namespace label");
+    assert!(cut_within(&mut subject_side, Duration::from_secs(2)).is_some(), "pod label");
+    assert!(echoes(&mut other_port), "7070 is not what deny-blue-to-b denies");
+
+    // And back: the labels removed, new connections are allowed again.
+    let a = lab.file("a.yaml", &labelled(false));
+    apply(&lab, &[&base, &a]);
+    assert!(connects(&client, "10.61.2.2:8080", Duration::from_secs(3)));
+    assert!(connects(&client, "10.61.1.3:8080", Duration::from_secs(3)));
+}
+
+#[test]
+fn an_invalid_file_or_object_does_not_disturb_enforcement() {
+    if !netns_available("an_invalid_file_or_object_does_not_disturb_enforcement") {
+        return;
+    }
+    let lab = live_lab("invalid");
+    let client = netns_of_pod(&lab, "a", "client");
+    let mut live = open(&client, "10.61.2.2:8080");
+
+    // A file that cannot be parsed: every agent keeps revision 1 and says why.
+    let staged =
+        Path::new("/run/tierproxy-lab").join(&lab.prefix).join("manifests").join("9999-bad.yaml");
+    std::fs::write(&staged, "kind: [unclosed\n").expect("write bad file");
+    let log = Path::new("/run/tierproxy-lab").join(&lab.prefix).join("agent-n1.log");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !std::fs::read_to_string(&log).unwrap_or_default().contains("last good snapshot") {
+        assert!(Instant::now() < deadline, "the agent did not report the bad file");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let said = std::fs::read_to_string(&log).unwrap();
+    assert!(said.contains("9999-bad.yaml"), "names the file: {said}");
+    assert!(echoes(&mut live), "live connection untouched");
+    assert!(connects(&client, "10.61.2.2:8080", Duration::from_secs(3)), "still allowed");
+    std::fs::remove_file(&staged).expect("remove bad file");
+
+    // An invalid object among valid ones: reported by name and field; the valid isolation
+    // is enforced, the invalid ANP (priority out of range) is left out.
+    let base = lab.file("base.yaml", NODES_AND_NAMESPACES);
+    let a = lab.file("a.yaml", &labelled(false));
+    let isolate = lab.file("isolate.yaml", ISOLATE_REMOTE);
+    let bad = lab.file(
+        "bad-anp.yaml",
+        r#"
+apiVersion: policy.networking.k8s.io/v1alpha1
+kind: AdminNetworkPolicy
+metadata: {name: out-of-range}
+spec:
+  priority: 5000
+  subject: {namespaces: {}}
+  ingress: [{name: x, action: Allow, from: [{namespaces: {}}]}]
+"#,
+    );
+    apply(&lab, &[&base, &a, &isolate, &bad]);
+    assert!(cut_within(&mut live, Duration::from_secs(2)).is_some(), "isolation enforced");
+    let n2_log = std::fs::read_to_string(
+        Path::new("/run/tierproxy-lab").join(&lab.prefix).join("agent-n2.log"),
+    )
+    .unwrap();
+    assert!(
+        n2_log.contains("out-of-range") && n2_log.contains("spec.priority"),
+        "the invalid ANP is named with its field: {n2_log}"
+    );
+}
+
+/// One datagram exchange on `s`: the server's answer (greeting line + payload).
+fn ask(s: &UdpSocket, payload: &[u8]) -> Option<String> {
+    s.send(payload).ok()?;
+    let mut buf = [0u8; 512];
+    let n = s.recv(&mut buf).ok()?;
+    Some(String::from_utf8_lossy(&buf[..n]).into_owned())
+}
+
+#[test]
+fn udp_flows_are_proxied_with_the_client_address_and_cut_by_a_policy_change() {
+    if !netns_available("udp_flows_are_proxied_with_the_client_address_and_cut_by_a_policy_change")
+    {
+        return;
+    }
+    let lab = live_lab("udp");
+    let client = netns_of_pod(&lab, "a", "client");
+    let (cross, local) = in_netns(&client, || {
+        let mk = |to: &str| -> Result<UdpSocket, LabError> {
+            let s = UdpSocket::bind("10.61.1.2:0").map_err(io("bind"))?;
+            s.connect(to).map_err(io("connect"))?;
+            s.set_read_timeout(Some(Duration::from_secs(2))).map_err(io("timeout"))?;
+            Ok(s)
+        };
+        Ok((mk("10.61.2.2:5353")?, mk("10.61.1.3:5353")?))
+    })
+    .expect("sockets");
+    // Several exchanges on one flow: the first datagram through the listener, the later
+    // ones straight to the flow's reply socket; replies from the original destination.
+    for i in 0..5 {
+        let answer = ask(&cross, format!("q{i}").as_bytes()).expect("cross-node answer");
+        assert_eq!(answer, format!("tierproxy-lab 10.61.1.2 {}\nq{i}", port_seen(&answer)));
+        let answer = ask(&local, b"x").expect("same-node answer");
+        assert!(answer.starts_with("tierproxy-lab 10.61.1.2 "), "{answer}");
+    }
+
+    let base = lab.file("base.yaml", NODES_AND_NAMESPACES);
+    let a = lab.file("a.yaml", &labelled(false));
+    let isolate = lab.file("isolate.yaml", ISOLATE_REMOTE);
+    apply(&lab, &[&base, &a, &isolate]);
+    assert_eq!(ask(&cross, b"after"), None, "the flow is cut and its datagrams dropped");
+    assert!(ask(&local, b"z").is_some(), "the same-node flow is untouched");
+    let end = wait_for_event(&lab, "n1", |e| {
+        e["event"] == "tierproxy.connection.end"
+            && e["attributes"]["network.transport"] == "udp"
+            && e["attributes"]["tierproxy.connection.close_reason"] == "policy-change"
+    });
+    assert!(
+        end["attributes"]["tierproxy.connection.bytes_to_server"].as_u64().unwrap() > 0,
+        "{end}"
+    );
+}
+
+/// The client port the lab's UDP echo saw, from its answer's greeting line.
+fn port_seen(answer: &str) -> u16 {
+    answer
+        .lines()
+        .next()
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|p| p.parse().ok())
+        .unwrap_or(0)
+}
+
+#[test]
+fn interception_follows_pods_added_and_removed_without_rebuilding_the_ruleset() {
+    if !netns_available(
+        "interception_follows_pods_added_and_removed_without_rebuilding_the_ruleset",
+    ) {
+        return;
+    }
+    let lab = live_lab("pods");
+    let node = netns_of_node(&lab, "n1");
+    let members = || {
+        let o = std::process::Command::new("ip")
+            .args(["netns", "exec", &node, "ipset", "list", "tierproxy-pods-v4"])
+            .output()
+            .expect("ipset");
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    };
+    let chain = || {
+        let o = std::process::Command::new("ip")
+            .args(["netns", "exec", &node, "iptables-save", "-t", "mangle"])
+            .output()
+            .expect("iptables-save");
+        String::from_utf8_lossy(&o.stdout)
+            .lines()
+            .filter(|l| l.starts_with("-A TIERPROXY"))
+            .map(str::to_string)
+            .collect::<Vec<_>>()
+    };
+    let rules_before = chain();
+    assert!(members().contains("10.61.1.3") && !members().contains("10.61.1.9"));
+    let base = lab.file("base.yaml", NODES_AND_NAMESPACES);
+    // a/server gone, a/newcomer on n1.
+    let without_server =
+        labelled(false).replace("name: server", "name: newcomer").replace("10.61.1.3", "10.61.1.9");
+    let moved = lab.file("a.yaml", &without_server);
+    let o = apply(&lab, &[&base, &moved]);
+    assert!(String::from_utf8_lossy(&o.stderr).contains("a/newcomer is new"), "{}", text(&o));
+    let now = members();
+    assert!(now.contains("10.61.1.9") && !now.contains("10.61.1.3"), "{now}");
+    assert_eq!(chain(), rules_before, "only set elements changed");
+}
