@@ -463,6 +463,84 @@ fn sctp_probes_are_answered_on_one_node_across_nodes_and_over_ipv6_with_source_p
     assert_eq!(code, Some(1));
 }
 
+/// IPv4 only: `lab up --dual-stack` adds the IPv6 addresses (fd74:6972::/96 + IPv4).
+const CLUSTER_V4: &str = r#"
+apiVersion: v1
+kind: Node
+metadata: {name: n1}
+status: {addresses: [{type: InternalIP, address: 172.30.0.2}]}
+---
+apiVersion: v1
+kind: Node
+metadata: {name: n2}
+status: {addresses: [{type: InternalIP, address: 172.30.0.3}]}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: client, namespace: a}
+spec: {nodeName: n1, containers: [{name: c}]}
+status: {podIP: 10.50.1.2}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: server, namespace: a}
+spec: {nodeName: n1, containers: [{name: c, ports: [{containerPort: 8080}, {containerPort: 5353, protocol: UDP}]}]}
+status: {podIP: 10.50.1.3}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: remote, namespace: b}
+spec: {nodeName: n2, containers: [{name: c, ports: [{containerPort: 8080}, {containerPort: 5353, protocol: UDP}, {containerPort: 38412, protocol: SCTP}]}]}
+status: {podIP: 10.50.2.2}
+"#;
+
+#[test]
+fn a_dual_stack_lab_serves_each_pod_over_ipv4_and_ipv6_with_the_source_of_each_family() {
+    if !netns_available(
+        "a_dual_stack_lab_serves_each_pod_over_ipv4_and_ipv6_with_the_source_of_each_family",
+    ) {
+        return;
+    }
+    let lab = Lab::new("dual");
+    let cluster = lab.file("cluster.yaml", CLUSTER_V4);
+    let o =
+        lab.lab(&["up", "--no-agents", "--dual-stack", "--manifests", cluster.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("--dual-stack: 5 IPv6 addresses added"),
+        "{}",
+        text(&o)
+    );
+    // The pods hold both addresses; `lab probe` explains against the augmented manifests.
+    let o = lab.lab(&["exec", "a/client", "--", "ip", "-o", "addr"]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.contains("inet 10.50.1.2/32"), "{}", text(&o));
+    assert!(out.contains("inet6 fd74:6972::a32:102/128"), "{}", text(&o));
+    // The same pods by name (IPv4, the first family) and by mapped address (IPv6: the
+    // client end then resolves to its IPv6 address too).
+    let probes = r#"{"from": "a/client", "to": "a/server", "port": 8080}
+{"from": "a/client", "to": "fd74:6972::a32:103", "port": 8080}
+{"from": "a/client", "to": "a/server", "port": 5353, "protocol": "UDP"}
+{"from": "a/client", "to": "fd74:6972::a32:103", "port": 5353, "protocol": "UDP"}
+{"from": "a/client", "to": "b/remote", "port": 8080}
+{"from": "a/client", "to": "fd74:6972::a32:202", "port": 8080}
+{"from": "a/client", "to": "b/remote", "port": 5353, "protocol": "UDP"}
+{"from": "a/client", "to": "fd74:6972::a32:202", "port": 5353, "protocol": "UDP"}
+{"from": "a/client", "to": "fd74:6972::a32:202", "port": 38412, "protocol": "SCTP"}
+{"from": "node/n1", "to": "fd74:6972::a32:202", "port": 8080}
+"#;
+    let (lines, code, o) = lab.probe(&lab.file("probes.jsonl", probes));
+    assert_eq!(lines.len(), 10, "{}", text(&o));
+    let (v4, v6) = ("10.50.1.2", "fd74:6972::a32:102");
+    let expected_source = [v4, v6, v4, v6, v4, v6, v4, v6, v6, "fd74:6972::ac1e:2"];
+    for (line, source) in lines.iter().zip(expected_source) {
+        assert_eq!(line["observed"], "allow", "{line}");
+        assert_eq!(seen_ip(line), source, "{line}");
+        assert_eq!(line["addresses"]["from"], source, "{line}");
+    }
+    assert_eq!(code, Some(0), "{}", text(&o));
+}
+
 /// Regression: the skip line went through `eprintln!`, which libtest captures for passing
 /// tests, so an unprivileged run passed silently. Re-runs one network-namespace test of
 /// this binary as an unprivileged user (needs root to drop to it): the skip must show, and

@@ -74,6 +74,11 @@ enum LabCommand {
         /// `<state dir>/audit-<node>.jsonl`, and `lab probe` prints what its probes caused).
         #[arg(long)]
         no_audit: bool,
+        /// Give every pod and node with only IPv4 addresses an IPv6 address too:
+        /// fd74:6972::/96 + its IPv4 address (10.0.1.2 → fd74:6972::a00:102). Agents and
+        /// `lab probe` read the augmented manifests (`<state dir>/dual-stack.json`).
+        #[arg(long)]
+        dual_stack: bool,
         #[command(flatten)]
         common: Common,
     },
@@ -195,11 +200,20 @@ pub fn main(args: LabArgs, out: &mut dyn Write, err: &mut dyn Write) -> u8 {
                 agents: !a.no_agents,
                 agent_args: Vec::new(),
                 audit: true,
+                dual_stack: false,
             };
             let timeout = Duration::from_millis(a.timeout_ms);
             super::run(&opts, timeout, table_or(a.output, Output::Matrix), out, err)
         }
-        Some(LabCommand::Up { manifests, probes, no_agents, agent_args, no_audit, common }) => {
+        Some(LabCommand::Up {
+            manifests,
+            probes,
+            no_agents,
+            agent_args,
+            no_audit,
+            dual_stack,
+            common,
+        }) => {
             install_signals(err);
             let opts = UpOptions {
                 prefix: common.prefix,
@@ -209,6 +223,7 @@ pub fn main(args: LabArgs, out: &mut dyn Write, err: &mut dyn Write) -> u8 {
                 agents: !no_agents,
                 agent_args,
                 audit: !no_audit,
+                dual_stack,
             };
             match super::up(&opts, err) {
                 Ok(state) => {
@@ -295,6 +310,7 @@ pub fn main(args: LabArgs, out: &mut dyn Write, err: &mut dyn Write) -> u8 {
                 agents: !no_agents,
                 agent_args: Vec::new(),
                 audit: true,
+                dual_stack: false,
             };
             let timeout = Duration::from_millis(timeout_ms);
             super::run(&opts, timeout, table_or(output, Output::Table), out, err)

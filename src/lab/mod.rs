@@ -4,6 +4,7 @@
 //!
 //! Layout:
 //! - [`plan`]: manifests (+ probes) → topology value and its `ip -batch` scripts (pure).
+//! - [`dualstack`]: `lab up --dual-stack`: IPv6 addresses for IPv4-only pods and nodes.
 //! - [`netns`]: privileges, `ip`, namespaces, `setns`, sysctls.
 //! - [`procs`]: background processes (echo servers, agents: [`procs::agent_command`]),
 //!   readiness, stopping, Ctrl-C.
@@ -19,6 +20,7 @@
 //! `lab down` finds a lab's namespaces by name alone, also without its state file.
 
 pub mod cli;
+pub mod dualstack;
 pub mod netns;
 pub mod plan;
 pub mod probe;
@@ -194,6 +196,9 @@ pub struct UpOptions {
     pub agent_args: Vec<String>,
     /// Agents audit every decision to `<state dir>/audit-<node>.jsonl`.
     pub audit: bool,
+    /// Give every IPv4-only pod and node an IPv6 address too (`--dual-stack`: the plan,
+    /// the agents and `lab probe` read the augmented manifests; see [`dualstack`]).
+    pub dual_stack: bool,
 }
 
 fn absolute(p: &Path) -> Result<PathBuf, LabError> {
@@ -249,6 +254,15 @@ pub fn up(opts: &UpOptions, err: &mut dyn Write) -> Result<State, LabError> {
     if invalid {
         return Err(LabError::Invalid("invalid manifests (see above); no lab built".into()));
     }
+    // `--dual-stack`: from here on, the manifests with IPv6 addresses added.
+    let (loaded, compiled, dual_stack) = if opts.dual_stack {
+        let d = dualstack::DualStack::new(&loaded.inputs, &dir)
+            .map_err(|e| LabError::Invalid(explain::error_chain(&e)))?;
+        d.note(err);
+        (d.loaded, d.compiled, Some((d.path, d.text)))
+    } else {
+        (loaded, compiled, None)
+    };
     let flows: Vec<Flow> = match &probes {
         Some(p) => {
             resolve_probes(&loaded, &compiled.snapshot, p)?.into_iter().map(|(_, f)| f).collect()
@@ -261,6 +275,14 @@ pub fn up(opts: &UpOptions, err: &mut dyn Write) -> Result<State, LabError> {
     }
     std::fs::create_dir_all(&dir)
         .map_err(|source| LabError::State { path: dir.clone(), source })?;
+    let manifests = match dual_stack {
+        Some((path, text)) => {
+            std::fs::write(&path, text)
+                .map_err(|source| LabError::State { path: path.clone(), source })?;
+            vec![path]
+        }
+        None => manifests,
+    };
     // Agents and `lab probe` read a copy that `lab apply` replaces.
     let staged = stage_manifests(&manifests, &dir)?;
     let mut state = State {
