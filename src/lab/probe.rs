@@ -247,9 +247,9 @@ pub fn probe_sctp(src: IpAddr, dst: SocketAddr, timeout: Duration) -> Observatio
 /// An SCTP probe on a raw IP socket (protocol 132) in the calling thread's namespace,
 /// bound to `src` and connected to `dst`'s address (the kernel then passes up only packets
 /// from it, and reports ICMP errors about it). Sends an INIT from a random source port
-/// with a random initiate tag, again every [`INIT_RESEND`], and waits up to `timeout` for
-/// the answer from `dst` to that port carrying that tag (other SCTP packets the socket
-/// sees are skipped):
+/// with a random initiate tag, again every second (`INIT_RESEND`), and waits up to
+/// `timeout` for the answer from `dst` to that port carrying that tag (other SCTP packets
+/// the socket sees are skipped):
 /// - an INIT ACK whose State Cookie is the lab's greeting: `allow`, with `seen_source`;
 /// - an ABORT (nothing serves the port), ICMP protocol or port unreachable (nothing
 ///   serves SCTP at that address): `error`, `refused`;
