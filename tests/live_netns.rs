@@ -443,3 +443,77 @@ fn interception_follows_pods_added_and_removed_without_rebuilding_the_ruleset() 
     assert!(now.contains("10.61.1.9") && !now.contains("10.61.1.3"), "{now}");
     assert_eq!(chain(), rules_before, "only set elements changed");
 }
+
+/// The established TCP sockets of namespace `netns` as (local, peer) address strings.
+fn established(netns: &str) -> Vec<(String, String)> {
+    let o = std::process::Command::new("ip")
+        .args(["netns", "exec", netns, "ss", "-tnH", "state", "established"])
+        .output()
+        .expect("ss");
+    String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .filter_map(|l| {
+            let w: Vec<&str> = l.split_whitespace().collect();
+            (w.len() >= 4).then(|| (w[2].to_string(), w[3].to_string()))
+        })
+        .collect()
+}
+
+/// The proxy binds its upstream leg to the client's address, so the node's conntrack table
+/// can hold a client's 4-tuple before the client uses it. Such a client SYN is not
+/// `ctstate NEW`; the first ruleset queued on NEW only, so the connection went to the
+/// server undecided and unproxied, and no policy change could cut it (found by
+/// `loadtest/live-change`: 25–90 of 1,000 connections never cut from the second round on).
+#[test]
+fn a_client_reusing_the_4_tuple_of_a_proxy_upstream_is_still_decided_and_proxied() {
+    if !netns_available(
+        "a_client_reusing_the_4_tuple_of_a_proxy_upstream_is_still_decided_and_proxied",
+    ) {
+        return;
+    }
+    let lab = live_lab("tuple");
+    let client = netns_of_pod(&lab, "a", "client");
+    let node = netns_of_node(&lab, "n1");
+    let mut first = open(&client, "10.61.2.2:8080");
+    assert!(echoes(&mut first));
+    // The upstream leg of `first` on n1: local 10.61.1.2:<q>, peer 10.61.2.2:8080.
+    let upstream_port: u16 = established(&node)
+        .iter()
+        .find(|(local, peer)| local.starts_with("10.61.1.2:") && peer == "10.61.2.2:8080")
+        .and_then(|(local, _)| local.rsplit(':').next()?.parse().ok())
+        .expect("the proxy's upstream socket on n1");
+    let first_port = first.get_ref().local_addr().unwrap().port();
+    assert_ne!(upstream_port, first_port, "the kernel chose another port upstream");
+    // A second connection from exactly that 4-tuple.
+    let mut second = in_netns(&client, || {
+        let s = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)
+            .map_err(io("socket"))?;
+        s.bind(
+            &format!("10.61.1.2:{upstream_port}").parse::<std::net::SocketAddr>().unwrap().into(),
+        )
+        .map_err(io("bind"))?;
+        s.connect_timeout(
+            &"10.61.2.2:8080".parse::<std::net::SocketAddr>().unwrap().into(),
+            Duration::from_secs(5),
+        )
+        .map_err(io("connect"))?;
+        let s: TcpStream = s.into();
+        s.set_read_timeout(Some(Duration::from_secs(5))).map_err(io("timeout"))?;
+        let mut r = BufReader::new(s);
+        let mut greeting = String::new();
+        r.read_line(&mut greeting).map_err(io("greeting"))?;
+        Ok(r)
+    })
+    .expect("second connection");
+    assert!(echoes(&mut second));
+    let proxied = established(&node).iter().any(|(local, peer)| {
+        local == "10.61.2.2:8080" && *peer == format!("10.61.1.2:{upstream_port}")
+    });
+    assert!(proxied, "n1's proxy accepted the second connection: {:?}", established(&node));
+    let base = lab.file("base.yaml", NODES_AND_NAMESPACES);
+    let a = lab.file("a.yaml", &labelled(false));
+    let isolate = lab.file("isolate.yaml", ISOLATE_REMOTE);
+    apply(&lab, &[&base, &a, &isolate]);
+    assert!(cut_within(&mut first, Duration::from_secs(2)).is_some());
+    assert!(cut_within(&mut second, Duration::from_secs(2)).is_some(), "the second is cut too");
+}

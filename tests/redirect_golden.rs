@@ -127,7 +127,7 @@ fn fail_open_only_adds_queue_bypass() {
             }
         }
     }
-    assert_eq!(bypass_flags, 8, "(TCP+SCTP, UDP) × egress and ingress × 2 families");
+    assert_eq!(bypass_flags, 12, "3 protocols × egress and ingress × 2 families");
     assert_eq!(o, c);
 }
 

@@ -370,7 +370,7 @@ fn nftables_apply_update_remove() {
         // The failed transaction left no table behind.
         assert!(!ns.sh(&["nft", "list", "tables"]).contains("tierproxy"));
         let (json, dropped) = without_queue_rules(&backend.ruleset_json(&s));
-        assert_eq!(dropped, 8, "(TCP+SCTP, UDP) × egress and ingress × 2 families");
+        assert_eq!(dropped, 12, "3 protocols × egress and ingress × 2 families");
         let mut child = Command::new("ip")
             .args(["netns", "exec", &ns.name, "nft", "-j", "-f", "-"])
             .stdin(std::process::Stdio::piped())

@@ -20,7 +20,7 @@ use std::net::IpAddr;
 
 use super::exec::Cmd;
 use super::{
-    Backend, BackendKind, NEW_ONLY_PROTOCOLS, Names, QUEUED_PROTOCOLS, RedirectError, RulesetSpec,
+    Backend, BackendKind, Names, QUEUED_PROTOCOLS, QueueWhen, RedirectError, RulesetSpec,
     TPROXY_PROTOCOLS, by_family, routing,
 };
 use crate::config::RedirectConfig;
@@ -237,7 +237,7 @@ fn restore_input(spec: &RulesetSpec, fam: Family) -> String {
          -m set --match-set {nodes} dst -m conntrack ! --ctstate NEW -j RETURN"
     );
     // Rule 5: packets of pod flows not owned by a proxy socket, egress then ingress → the
-    // queue chain (TCP and SCTP: first packet only).
+    // queue chain, which queues by protocol ([`QueueWhen`]).
     for (dir, words) in [("src", "from"), ("dst", "to")] {
         let _ = writeln!(
             o,
@@ -271,8 +271,11 @@ fn restore_input(spec: &RulesetSpec, fam: Family) -> String {
     };
     let bypass_flag = if c.queue_bypass { " --queue-bypass" } else { "" };
     for proto in QUEUED_PROTOCOLS {
-        let new_only =
-            if NEW_ONLY_PROTOCOLS.contains(&proto) { " -m conntrack --ctstate NEW" } else { "" };
+        let new_only = match super::queue_when(proto) {
+            QueueWhen::Syn => " -m tcp --tcp-flags FIN,SYN,RST,ACK SYN",
+            QueueWhen::Always => "",
+            QueueWhen::New => " -m conntrack --ctstate NEW",
+        };
         let _ =
             writeln!(o, "-A {queue} -p {proto}{new_only} -j NFQUEUE {queue_target}{bypass_flag}");
     }

@@ -35,10 +35,8 @@
 //!    take a hostNetwork server's address and port for its reply socket, so UDP to the node
 //!    is decided on its first packet (rule 5) and then forwarded by the kernel, like SCTP.
 //! 5. **A packet of TCP, UDP or SCTP whose source or destination is a local pod, without
-//!    the decided mark → NFQUEUE**; TCP and SCTP only when `ctstate NEW`, UDP whenever no
-//!    proxy socket took it in rule 2 (a datagram of a flow the proxy closed, idle or denied
-//!    by a new snapshot, must be decided again rather than forwarded by the kernel on a
-//!    conntrack entry that outlived the flow; [`NEW_ONLY_PROTOCOLS`]). The first packet of
+//!    the decided mark → NFQUEUE**: TCP SYNs, SCTP when `ctstate NEW`, every UDP datagram
+//!    no proxy socket took in rule 2 ([`QueueWhen`] says why each). The first packet of
 //!    every pod flow, egress (source is a local pod) and ingress (destination is a local
 //!    pod), goes to userspace before any handshake, so a denied connection times out
 //!    (DESIGN §3). Flows are balanced over the configured queues by flow hash
@@ -121,12 +119,34 @@ pub const QUEUED_PROTOCOLS: [&str; 3] = ["tcp", "udp", "sctp"];
 /// decided UDP to the node's own addresses (rule 4).
 pub const TPROXY_PROTOCOLS: &[&str] = &["tcp", "udp"];
 
-/// [`QUEUED_PROTOCOLS`] queued on their first packet only (`ctstate NEW`): a connection's
-/// later packets belong to the proxy's sockets (TCP) or to the kernel (SCTP). UDP is queued
-/// whenever no proxy socket took the packet (rule 2): a datagram of a flow the proxy has
-/// closed (idle, or denied by a new snapshot) must be decided again, not forwarded by the
-/// kernel on a conntrack entry that outlived the flow.
-pub const NEW_ONLY_PROTOCOLS: [&str; 2] = ["tcp", "sctp"];
+/// Which packets of each of [`QUEUED_PROTOCOLS`] rule 5 queues, when no proxy socket took
+/// them in rule 2.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QueueWhen {
+    /// TCP: every SYN (SYN set; ACK, RST, FIN clear), whatever conntrack says. A connection
+    /// is never established without a decision: a client's SYN whose 4-tuple equals one of
+    /// the proxy's own upstream connections (the proxy binds the client's address, so the
+    /// node's conntrack table can hold that tuple already) is `ctstate ESTABLISHED` to
+    /// conntrack, and a `ctstate NEW` match would let it be forwarded undecided. Later
+    /// packets belong to the proxy's sockets.
+    Syn,
+    /// UDP: every datagram. One of a flow the proxy has closed (idle, or denied by a new
+    /// snapshot) is decided again, not forwarded by the kernel on a conntrack entry that
+    /// outlived the flow.
+    Always,
+    /// SCTP: `ctstate NEW` (the INIT); the kernel forwards the rest of an allowed
+    /// association.
+    New,
+}
+
+/// When rule 5 queues a packet of `proto` (one of [`QUEUED_PROTOCOLS`]).
+pub fn queue_when(proto: &str) -> QueueWhen {
+    match proto {
+        "tcp" => QueueWhen::Syn,
+        "udp" => QueueWhen::Always,
+        _ => QueueWhen::New,
+    }
+}
 
 /// A failure to install, change or remove the ruleset.
 #[derive(Debug, thiserror::Error)]

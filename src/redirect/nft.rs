@@ -29,13 +29,19 @@ use ::nftables::types::{NfChainPolicy, NfChainType, NfFamily, NfHook};
 
 use super::exec::Cmd;
 use super::{
-    Backend, BackendKind, NEW_ONLY_PROTOCOLS, Names, QUEUED_PROTOCOLS, RedirectError, RulesetSpec,
+    Backend, BackendKind, Names, QUEUED_PROTOCOLS, QueueWhen, RedirectError, RulesetSpec,
     TPROXY_PROTOCOLS, by_family, routing,
 };
 use crate::config::{Mark, RedirectConfig};
 
 /// Name of the base chain in tierproxy's table.
 pub const CHAIN: &str = "prerouting";
+
+/// TCP header flag bits (RFC 9293 §3.1).
+const TCP_FIN: u32 = 0x01;
+const TCP_SYN: u32 = 0x02;
+const TCP_RST: u32 = 0x04;
+const TCP_ACK: u32 = 0x10;
 
 /// nftables' `mangle` priority (nft(8), "Standard priority names").
 const PRIORITY_MANGLE: i32 = -150;
@@ -283,7 +289,7 @@ fn apply_batch(spec: &RulesetSpec) -> Nftables<'static> {
         );
     }
     // Rule 5: packets of pod flows not owned by a proxy socket, egress then ingress → queue
-    // (TCP and SCTP: the first packet only; UDP: every packet no proxy socket took).
+    // (TCP SYNs, SCTP when new, every UDP datagram: [`QueueWhen`]).
     for fam in [V4, V6] {
         for (field, comment) in [
             ("saddr", "tierproxy: flow from a local pod"),
@@ -291,25 +297,24 @@ fn apply_batch(spec: &RulesetSpec) -> Nftables<'static> {
         ] {
             let pods =
                 || is(payload(fam.proto, field), Operator::EQ, str_expr(format!("@{}", fam.pods)));
-            b.rule(
-                comment,
-                vec![
-                    mark_unset(c.decided_mark),
-                    is(ct_state(), Operator::IN, str_expr("new")),
-                    l4proto_in(&NEW_ONLY_PROTOCOLS),
-                    pods(),
-                    queue(c),
-                ],
-            );
-            let any_state: Vec<&'static str> = QUEUED_PROTOCOLS
-                .iter()
-                .copied()
-                .filter(|p| !NEW_ONLY_PROTOCOLS.contains(p))
-                .collect();
-            b.rule(
-                comment,
-                vec![mark_unset(c.decided_mark), l4proto_in(&any_state), pods(), queue(c)],
-            );
+            for proto in QUEUED_PROTOCOLS {
+                let mut expr = vec![mark_unset(c.decided_mark), l4proto_in(&[proto])];
+                match super::queue_when(proto) {
+                    // `tcp flags & (fin|syn|rst|ack) == syn`, iptables' `--syn`.
+                    QueueWhen::Syn => expr.push(is(
+                        Expression::BinaryOperation(Box::new(BinaryOperation::AND(
+                            payload("tcp", "flags"),
+                            Expression::Number(TCP_FIN | TCP_SYN | TCP_RST | TCP_ACK),
+                        ))),
+                        Operator::EQ,
+                        Expression::Number(TCP_SYN),
+                    )),
+                    QueueWhen::Always => {}
+                    QueueWhen::New => expr.push(is(ct_state(), Operator::IN, str_expr("new"))),
+                }
+                expr.extend([pods(), queue(c)]);
+                b.rule(comment, expr);
+            }
         }
     }
     // Rule 6: decided packets of terminated protocols → the proxy's listener (UDP: not to
