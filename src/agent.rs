@@ -192,6 +192,7 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
     if let Some(ns) = &opts.netns {
         enter_netns(ns)?;
     }
+    let initial_fingerprint = manifest::fingerprint(&opts.manifests);
     let current = load(&opts.manifests, &opts.node, Revision(1), opts.audit.defaults)?;
     let local: Vec<IpAddr> = current.snapshot.local_pod_ips(current.node);
     let node_addrs: Vec<IpAddr> = current.snapshot.node_addrs(current.node).to_vec();
@@ -319,6 +320,7 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
                 backend: &*backend,
                 spec: spec.clone(),
                 revision: 1,
+                fingerprint: initial_fingerprint,
             };
             let spawned = std::thread::Builder::new()
                 .name("tierproxy-reload".into())
@@ -375,6 +377,8 @@ struct Reloader<'a> {
     spec: RulesetSpec,
     /// The revision in force.
     revision: u64,
+    /// [`manifest::fingerprint`] of the manifests the revision in force was built from.
+    fingerprint: u64,
 }
 
 impl Reloader<'_> {
@@ -393,6 +397,11 @@ impl Reloader<'_> {
     /// by [`load`] and fail closed as their API says.
     fn reload(&mut self) {
         let started = std::time::Instant::now();
+        let fingerprint = manifest::fingerprint(&self.opts.manifests);
+        if fingerprint == self.fingerprint {
+            tracing::debug!(revision = self.revision, "manifests unchanged; nothing to apply");
+            return;
+        }
         let next = Revision(self.revision + 1);
         let current = match load(
             &self.opts.manifests,
@@ -415,6 +424,7 @@ impl Reloader<'_> {
         let node_addrs = current.snapshot.node_addrs(current.node).to_vec();
         self.decider.publish(current);
         self.revision = next.0;
+        self.fingerprint = fingerprint;
         let compiled = started.elapsed();
         let redecided = self.decider.redecide(self.registry);
         let spec = match RulesetSpec::new(self.opts.redirect.clone(), local, node_addrs) {
@@ -444,8 +454,8 @@ impl Reloader<'_> {
         }
         tracing::info!(
             revision = self.revision,
-            compile_ms = compiled.as_millis() as u64,
-            total_ms = started.elapsed().as_millis() as u64,
+            compile_us = compiled.as_micros() as u64,
+            total_us = started.elapsed().as_micros() as u64,
             live = redecided.checked,
             cut = redecided.cut,
             pods_added = added.len(),
@@ -458,7 +468,7 @@ impl Reloader<'_> {
 /// Raises the soft limit of open files to the hard limit: a proxied TCP connection holds
 /// six descriptors (two sockets, two splice pipes) and a UDP flow two, so the usual soft
 /// limit of 1,024 would cap the proxy near 170 connections (getrlimit(2)).
-fn raise_fd_limit() {
+pub fn raise_fd_limit() {
     use nix::sys::resource::{Resource, getrlimit, setrlimit};
     match getrlimit(Resource::RLIMIT_NOFILE) {
         Ok((soft, hard)) if soft < hard => match setrlimit(Resource::RLIMIT_NOFILE, hard, hard) {

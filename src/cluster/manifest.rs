@@ -104,6 +104,28 @@ pub fn load(paths: &[PathBuf]) -> Loaded {
     out
 }
 
+/// A 64-bit hash of what [`load`] would read under `paths`: each file's path and bytes, in
+/// reading order (a file that cannot be read hashes its error). Equal fingerprints mean an
+/// event changed nothing (a `touch`, a rewrite with the same content), so a watcher can
+/// skip the reload. Not cryptographic; an accidental collision would only delay a reload
+/// to the next change.
+pub fn fingerprint(paths: &[PathBuf]) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    let mut errors = Vec::new();
+    for path in paths {
+        for file in files(path, &mut errors) {
+            file.hash(&mut h);
+            match std::fs::read(&file) {
+                Ok(bytes) => bytes.hash(&mut h),
+                Err(e) => e.kind().hash(&mut h),
+            }
+        }
+    }
+    errors.len().hash(&mut h);
+    h.finish()
+}
+
 /// How long the manifest files must stay quiet before a change is reported: an editor's
 /// save, a `kubectl cp` or a ConfigMap update (a symlink swap) is several file events
 /// within a few milliseconds, and one reload should see all of them.
@@ -112,7 +134,7 @@ pub const DEFAULT_DEBOUNCE: std::time::Duration = std::time::Duration::from_mill
 /// A running watch of manifest paths (inotify through the `notify` crate); dropping it stops
 /// the watch and closes its channel.
 pub struct Watch {
-    _debouncer: notify_debouncer_mini::Debouncer<notify_debouncer_mini::notify::RecommendedWatcher>,
+    _watcher: notify::RecommendedWatcher,
 }
 
 impl fmt::Debug for Watch {
@@ -121,13 +143,28 @@ impl fmt::Debug for Watch {
     }
 }
 
+/// Whether a file event can change what [`load`] reads: creations, writes, renames,
+/// removals and metadata changes. Reads and opens (the watcher's own reloads, and every
+/// other agent reading the same files) are not changes; reacting to them would reload for
+/// ever.
+fn is_change(kind: &notify::EventKind) -> bool {
+    use notify::EventKind;
+    use notify::event::{MetadataKind, ModifyKind};
+    match kind {
+        EventKind::Create(_) | EventKind::Remove(_) | EventKind::Any => true,
+        EventKind::Modify(m) => !matches!(m, ModifyKind::Metadata(MetadataKind::AccessTime)),
+        EventKind::Access(_) | EventKind::Other => false,
+    }
+}
+
 /// Watches `paths` (the files and directories given to [`load`]) and sends the changed
-/// paths on the returned channel once they have been quiet for `debounce`. A directory is
+/// paths on the returned channel once no change has come for `debounce`. A directory is
 /// watched recursively. A file is watched through its parent directory (editors and
 /// ConfigMap volumes replace files by renaming, which a watch on the file itself would
 /// lose), and only events for its own name and for the `..data` symlinks of a ConfigMap
-/// volume are reported. Errors of the watch itself (an overflowing inotify queue) are
-/// reported as a change of every path, so the caller reloads rather than misses one.
+/// volume are reported. Reads are not changes ([`is_change`]). Errors of the watch itself
+/// (an overflowing inotify queue) are reported as a change of every path, so the caller
+/// reloads rather than misses one.
 ///
 /// # Errors
 /// A path that cannot be watched (missing, no permission, the inotify watch limit
@@ -136,8 +173,7 @@ pub fn watch(
     paths: &[PathBuf],
     debounce: std::time::Duration,
 ) -> Result<(Watch, std::sync::mpsc::Receiver<Vec<PathBuf>>), LoadError> {
-    use notify_debouncer_mini::notify::RecursiveMode;
-    use notify_debouncer_mini::{DebounceEventResult, new_debouncer};
+    use notify::{RecursiveMode, Watcher};
     // (watched directory, file name filter): None = everything below the directory.
     let mut targets: Vec<(PathBuf, Option<std::ffi::OsString>)> = Vec::new();
     for p in paths {
@@ -152,40 +188,60 @@ pub fn watch(
     }
     let filter = targets.clone();
     let all: Vec<PathBuf> = paths.to_vec();
-    let (tx, rx) = std::sync::mpsc::channel();
-    let mut debouncer = new_debouncer(debounce, move |res: DebounceEventResult| {
-        let changed: Vec<PathBuf> = match res {
-            Ok(events) => events
-                .into_iter()
-                .map(|e| e.path)
-                .filter(|path| {
-                    filter.iter().any(|(dir, name)| match name {
-                        None => path.starts_with(dir),
-                        Some(name) => {
-                            path.parent() == Some(dir.as_path())
-                                && path.file_name().is_some_and(|n| {
-                                    n == name.as_os_str() || n.to_string_lossy().starts_with("..")
-                                })
-                        }
+    let relevant = move |path: &Path| {
+        filter.iter().any(|(dir, name)| match name {
+            None => path.starts_with(dir),
+            Some(name) => {
+                path.parent() == Some(dir.as_path())
+                    && path.file_name().is_some_and(|n| {
+                        n == name.as_os_str() || n.to_string_lossy().starts_with("..")
                     })
-                })
-                .collect(),
+            }
+        })
+    };
+    // The watcher's callback feeds raw changes to a debouncing thread, which sends a batch
+    // once changes stop for `debounce`; it ends when the watcher (and its sender) is gone.
+    let (raw_tx, raw_rx) = std::sync::mpsc::channel::<Vec<PathBuf>>();
+    let mut watcher = notify::recommended_watcher(move |res: notify::Result<notify::Event>| {
+        let changed: Vec<PathBuf> = match res {
+            Ok(e) if is_change(&e.kind) => e.paths.into_iter().filter(|p| relevant(p)).collect(),
+            Ok(_) => Vec::new(),
             Err(_) => all.clone(),
         };
         if !changed.is_empty() {
-            let _ = tx.send(changed);
+            let _ = raw_tx.send(changed);
         }
     })
     .map_err(|e| LoadError::Io { path: PathBuf::new(), source: std::io::Error::other(e) })?;
     for (dir, name) in &targets {
         let mode =
             if name.is_none() { RecursiveMode::Recursive } else { RecursiveMode::NonRecursive };
-        debouncer
-            .watcher()
+        watcher
             .watch(dir, mode)
             .map_err(|e| LoadError::Io { path: dir.clone(), source: std::io::Error::other(e) })?;
     }
-    Ok((Watch { _debouncer: debouncer }, rx))
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::Builder::new()
+        .name("tierproxy-watch".into())
+        .spawn(move || {
+            use std::sync::mpsc::RecvTimeoutError;
+            while let Ok(mut batch) = raw_rx.recv() {
+                loop {
+                    match raw_rx.recv_timeout(debounce) {
+                        Ok(more) => batch.extend(more),
+                        Err(RecvTimeoutError::Timeout) => break,
+                        Err(RecvTimeoutError::Disconnected) => break,
+                    }
+                }
+                batch.sort();
+                batch.dedup();
+                if tx.send(batch).is_err() {
+                    return;
+                }
+            }
+        })
+        .map_err(|source| LoadError::Io { path: PathBuf::new(), source })?;
+    Ok((Watch { _watcher: watcher }, rx))
 }
 
 /// Parses manifest text (YAML, any number of documents; JSON is YAML too) from `origin`.
@@ -501,5 +557,66 @@ mod tests {
         let l = parse("just a string\n---\napiVersion: v1\nkind: Namespace\nmetadata: {name: a}\n");
         assert_eq!(l.inputs.namespaces.len(), 1);
         assert_eq!(l.notes.len(), 1);
+    }
+}
+
+#[cfg(test)]
+mod watch_tests {
+    use super::*;
+    use std::time::Duration;
+
+    const QUIET: Duration = Duration::from_millis(50);
+
+    /// Reads are not changes (the reloads of every agent reading the same directory would
+    /// otherwise trigger each other for ever, as a first version did); a write, a new file
+    /// and a rename are, each reported once after the debounce.
+    #[test]
+    fn reads_are_not_changes_and_writes_renames_and_new_files_are() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("a.yaml");
+        std::fs::write(&file, "kind: Namespace\n").unwrap();
+        let (_watch, rx) = watch(&[dir.path().to_path_buf()], QUIET).unwrap();
+        let _ = std::fs::read(&file).unwrap();
+        let _ = load(&[dir.path().to_path_buf()]);
+        assert!(rx.recv_timeout(Duration::from_millis(400)).is_err(), "a read is no change");
+        std::fs::write(&file, "kind: Namespace\nmetadata: {name: x}\n").unwrap();
+        let batch = rx.recv_timeout(Duration::from_secs(5)).expect("write reported");
+        assert_eq!(batch, vec![file.clone()]);
+        let tmp = dir.path().join(".b.yaml.tmp");
+        std::fs::write(&tmp, "{}").unwrap();
+        std::fs::rename(&tmp, dir.path().join("b.yaml")).unwrap();
+        let batch = rx.recv_timeout(Duration::from_secs(5)).expect("rename reported");
+        assert!(batch.contains(&dir.path().join("b.yaml")), "{batch:?}");
+        assert!(rx.recv_timeout(Duration::from_millis(300)).is_err(), "one batch per burst");
+    }
+
+    /// A watched file is watched through its directory: a sibling's change is not reported,
+    /// the file's replacement by rename is.
+    #[test]
+    fn a_watched_file_ignores_its_siblings_and_sees_its_replacement() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("policy.yaml");
+        std::fs::write(&file, "{}").unwrap();
+        let (_watch, rx) = watch(std::slice::from_ref(&file), QUIET).unwrap();
+        std::fs::write(dir.path().join("other.log"), "noise").unwrap();
+        assert!(rx.recv_timeout(Duration::from_millis(400)).is_err(), "sibling ignored");
+        let tmp = dir.path().join("policy.yaml.new");
+        std::fs::write(&tmp, "kind: Namespace\n").unwrap();
+        std::fs::rename(&tmp, &file).unwrap();
+        let batch = rx.recv_timeout(Duration::from_secs(5)).expect("replacement reported");
+        assert!(batch.contains(&file), "{batch:?}");
+    }
+
+    #[test]
+    fn fingerprint_changes_with_content_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("a.yaml");
+        std::fs::write(&file, "x: 1\n").unwrap();
+        let paths = [dir.path().to_path_buf()];
+        let first = fingerprint(&paths);
+        std::fs::write(&file, "x: 1\n").unwrap();
+        assert_eq!(fingerprint(&paths), first, "same bytes rewritten");
+        std::fs::write(&file, "x: 2\n").unwrap();
+        assert_ne!(fingerprint(&paths), first);
     }
 }

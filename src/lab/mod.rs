@@ -828,7 +828,16 @@ pub fn apply(
     } else {
         Vec::new()
     };
+    let staged = state.dir.join(STAGED_MANIFESTS);
+    let before = crate::cluster::manifest::fingerprint(std::slice::from_ref(&staged));
     stage_manifests(&manifests, &state.dir)?;
+    if crate::cluster::manifest::fingerprint(std::slice::from_ref(&staged)) == before {
+        // The agents skip a change that changes nothing; there is nothing to wait for.
+        return Ok(logs
+            .into_iter()
+            .map(|(node, ..)| Applied { node, outcome: Ok("manifests unchanged".into()) })
+            .collect());
+    }
     let deadline = std::time::Instant::now() + APPLY_TIMEOUT;
     let mut out = Vec::new();
     for (node, log, seen) in logs {
