@@ -20,6 +20,9 @@ pub enum Mode {
     Rr,
     /// Connect, read the greeting, one request/response of `size` bytes, close.
     Crr,
+    /// Open `max_count` connections, then hold them and record when each is cut (live
+    /// re-decision measurements, issue #5); see [`hold`].
+    Hold,
 }
 
 /// A run's settings.
@@ -89,6 +92,7 @@ fn one_client(o: LoadOptions, deadline: Instant, max: u64) -> anyhow::Result<Vec
                 lat.push(t.elapsed().as_micros() as u32);
             }
         }
+        Mode::Hold => bail!("hold is run by loadgen::hold"),
         Mode::Crr => {
             while Instant::now() < deadline && (lat.len() as u64) < max {
                 let t = Instant::now();
@@ -142,4 +146,73 @@ pub fn run(o: LoadOptions) -> anyhow::Result<Report> {
         p99_us: at(0.99),
         seconds,
     })
+}
+
+/// What [`hold`] saw.
+#[derive(Debug, Clone, Serialize)]
+pub struct HoldReport {
+    /// Connections opened and held.
+    pub held: usize,
+    /// Connections cut (reset or closed by the other end) while held.
+    pub cut: usize,
+    /// Wall-clock time of the first cut, microseconds since the Unix epoch.
+    pub first_cut_unix_us: Option<u64>,
+    /// Wall-clock time of the last cut, microseconds since the Unix epoch.
+    pub last_cut_unix_us: Option<u64>,
+}
+
+fn unix_us() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as u64)
+}
+
+/// Opens `count` connections to the lab echo server `to` (each past its greeting), writes
+/// `{"held": N, "at_unix_us": T}` and a newline to `ready` once all are open, then waits
+/// up to `duration` (or until every one is cut) and reports when they were cut. One thread
+/// polls every socket (poll(2)); a cut is a socket that turns readable or hung up (an RST
+/// or FIN from the proxy: the echo server never writes unasked).
+///
+/// # Errors
+/// A connection that cannot be opened or greeted; a failing poll(2).
+pub fn hold(
+    to: SocketAddr,
+    count: usize,
+    duration: Duration,
+    ready: &mut dyn Write,
+) -> anyhow::Result<HoldReport> {
+    use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+    use std::os::fd::AsFd;
+    let mut conns = Vec::with_capacity(count);
+    for i in 0..count {
+        let s = connect(to).with_context(|| format!("connection {i}"))?;
+        greeting(&s)?;
+        conns.push(s);
+    }
+    writeln!(ready, "{{\"held\": {count}, \"at_unix_us\": {}}}", unix_us())?;
+    ready.flush()?;
+    let deadline = Instant::now() + duration;
+    let mut live: Vec<bool> = vec![true; conns.len()];
+    let (mut cut, mut first, mut last) = (0, None, None);
+    while cut < conns.len() && Instant::now() < deadline {
+        let idx: Vec<usize> = (0..conns.len()).filter(|&i| live[i]).collect();
+        let mut fds: Vec<PollFd> =
+            idx.iter().map(|&i| PollFd::new(conns[i].as_fd(), PollFlags::POLLIN)).collect();
+        let left = deadline.saturating_duration_since(Instant::now());
+        let ms = u16::try_from(left.as_millis().min(1000)).unwrap_or(1000);
+        let n = poll(&mut fds, PollTimeout::from(ms)).context("poll")?;
+        if n == 0 {
+            continue;
+        }
+        let now = unix_us();
+        for (k, fd) in fds.iter().enumerate() {
+            if fd.revents().is_some_and(|r| !r.is_empty()) {
+                live[idx[k]] = false;
+                cut += 1;
+                first.get_or_insert(now);
+                last = Some(now);
+            }
+        }
+    }
+    Ok(HoldReport { held: conns.len(), cut, first_cut_unix_us: first, last_cut_unix_us: last })
 }

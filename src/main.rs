@@ -65,7 +65,8 @@ enum Command {
     /// (run inside a pod with `tierproxy lab exec`). Prints one JSON object.
     #[command(hide = true)]
     Loadgen {
-        /// rr: request/response over one connection; crr: a connection per request.
+        /// rr: request/response over one connection; crr: a connection per request; hold:
+        /// open --max-count connections and report when they are cut.
         #[arg(long, value_enum)]
         mode: tierproxy::loadgen::Mode,
         /// The echo server, IP:PORT.
@@ -327,6 +328,20 @@ fn main() -> ExitCode {
                 max_count,
                 concurrency,
             };
+            if mode == tierproxy::loadgen::Mode::Hold {
+                let count = usize::try_from(max_count).unwrap_or(usize::MAX).min(100_000);
+                tierproxy::agent::raise_fd_limit();
+                return match tierproxy::loadgen::hold(to, count, opts.duration, &mut out) {
+                    Ok(r) => {
+                        let _ = writeln!(out, "{}", serde_json::to_string(&r).unwrap_or_default());
+                        ExitCode::SUCCESS
+                    }
+                    Err(e) => {
+                        let _ = writeln!(err, "error: {e:#}");
+                        ExitCode::from(1)
+                    }
+                };
+            }
             match tierproxy::loadgen::run(opts) {
                 Ok(r) => {
                     let _ = writeln!(out, "{}", serde_json::to_string(&r).unwrap_or_default());
