@@ -51,6 +51,10 @@ pub struct Probe {
     /// `TCP` (default), `UDP` or `SCTP`.
     #[serde(default = "tcp")]
     pub protocol: String,
+    /// `IPv4` or `IPv6`: both ends take their address of this family (default: the first
+    /// family both ends have, `from`'s order; dual-stack pods list IPv4 first).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub family: Option<String>,
     /// Expected final verdict, `allow` or `deny`; checked when present.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub expect: Option<String>,
@@ -201,8 +205,23 @@ pub fn resolve(s: &Snapshot, loaded: &Loaded, line: usize, p: &Probe) -> Result<
         .protocol
         .parse()
         .map_err(|e: crate::policy::ports::UnknownProtocol| bad(e.to_string()))?;
-    let from = candidates(s, loaded, &p.from).map_err(bad)?;
-    let to = candidates(s, loaded, &p.to).map_err(bad)?;
+    let mut from = candidates(s, loaded, &p.from).map_err(bad)?;
+    let mut to = candidates(s, loaded, &p.to).map_err(bad)?;
+    if let Some(family) = &p.family {
+        let v4 = match family.as_str() {
+            "IPv4" => true,
+            "IPv6" => false,
+            other => {
+                return Err(bad(format!("family must be \"IPv4\" or \"IPv6\", not {other:?}")));
+            }
+        };
+        for (end, addrs) in [(&p.from, &mut from), (&p.to, &mut to)] {
+            addrs.retain(|a| a.is_ipv4() == v4);
+            if addrs.is_empty() {
+                return Err(bad(format!("{end} has no {family} address")));
+            }
+        }
+    }
     let pair = from
         .iter()
         .find_map(|f| to.iter().find(|t| t.is_ipv4() == f.is_ipv4()).map(|t| (*f, *t)))
@@ -471,4 +490,60 @@ pub fn check(manifests: &[PathBuf], format: Format, out: &mut dyn Write) -> u8 {
         }
     }
     if invalid { EXIT_INVALID } else { EXIT_OK }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const PODS: &str = r#"
+apiVersion: v1
+kind: Pod
+metadata: {name: a, namespace: x}
+spec: {nodeName: n1, containers: [{name: c}]}
+status: {podIP: 10.0.0.1, podIPs: [{ip: 10.0.0.1}, {ip: "fd00::1"}]}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: b, namespace: x}
+spec: {nodeName: n1, containers: [{name: c}]}
+status: {podIP: 10.0.0.2, podIPs: [{ip: 10.0.0.2}, {ip: "fd00::2"}]}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: four, namespace: x}
+spec: {nodeName: n1, containers: [{name: c}]}
+status: {podIP: 10.0.0.4}
+"#;
+
+    #[test]
+    fn family_picks_both_ends_address_of_that_family() {
+        let loaded = manifest::parse_str(Path::new("t.yaml"), PODS).unwrap();
+        let s = Snapshot::compile(&loaded.inputs, Revision(1)).snapshot;
+        let probe = |to: &str, family: Option<&str>| Probe {
+            from: "x/a".into(),
+            to: to.into(),
+            port: 80,
+            protocol: "TCP".into(),
+            family: family.map(str::to_string),
+            expect: None,
+            note: None,
+        };
+        let ends =
+            |p: &Probe| resolve(&s, &loaded, 1, p).map(|f| (f.src.to_string(), f.dst.to_string()));
+        let pair = |a: &str, b: &str| (a.to_string(), b.to_string());
+        assert_eq!(ends(&probe("x/b", None)).unwrap(), pair("10.0.0.1", "10.0.0.2"));
+        assert_eq!(ends(&probe("x/b", Some("IPv4"))).unwrap(), pair("10.0.0.1", "10.0.0.2"));
+        assert_eq!(ends(&probe("x/b", Some("IPv6"))).unwrap(), pair("fd00::1", "fd00::2"));
+        let e = ends(&probe("x/four", Some("IPv6"))).unwrap_err();
+        assert_eq!(e.to_string(), "probe 1: x/four has no IPv6 address");
+        let e = ends(&probe("x/b", Some("ipv6"))).unwrap_err();
+        assert!(e.to_string().contains("family must be \"IPv4\" or \"IPv6\""), "{e}");
+        // The field round-trips through the probe file format, and stays out when unset.
+        let p: Probe =
+            serde_json::from_str(r#"{"from": "x/a", "to": "x/b", "port": 80, "family": "IPv6"}"#)
+                .unwrap();
+        assert_eq!(p.family.as_deref(), Some("IPv6"));
+        assert!(!serde_json::to_string(&probe("x/b", None)).unwrap().contains("family"));
+    }
 }

@@ -104,7 +104,7 @@ enum Command {
     ///
     /// Exit status: 0 every observation agrees with explain, 1 some does not (a refused or
     /// reset connection counts: policy only drops), 2 invalid input, 3 the lab could not be
-    /// built or used (needs CAP_NET_ADMIN and CAP_SYS_ADMIN, and iproute2's `ip`).
+    /// built or used (needs CAP_NET_ADMIN, CAP_SYS_ADMIN and CAP_NET_RAW, and iproute2's `ip`).
     Lab(tierproxy::lab::cli::LabArgs),
 }
 
@@ -308,9 +308,15 @@ fn main() -> ExitCode {
         Command::Explain { manifests, probes, from, to, port, protocol, output } => {
             let source = match (probes, from, to, port) {
                 (Some(path), ..) => ProbeSource::File(path),
-                (None, Some(from), Some(to), Some(port)) => {
-                    ProbeSource::One(Probe { from, to, port, protocol, expect: None, note: None })
-                }
+                (None, Some(from), Some(to), Some(port)) => ProbeSource::One(Probe {
+                    from,
+                    to,
+                    port,
+                    protocol,
+                    family: None,
+                    expect: None,
+                    note: None,
+                }),
                 _ => {
                     let _ = writeln!(err, "error: give --probes FILE or --from X --to Y --port N");
                     return ExitCode::from(explain::EXIT_INVALID);

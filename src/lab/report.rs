@@ -238,6 +238,7 @@ mod tests {
                 to: to.into(),
                 port,
                 protocol: "TCP".into(),
+                family: None,
                 expect: None,
                 note: None,
             },
