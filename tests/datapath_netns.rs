@@ -197,19 +197,17 @@ fn the_examples_with_agents_match_explain_on_every_probe() {
         .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
         .collect();
     assert_eq!(lines.len(), 68, "{}", text(&o));
-    let mut decided = 0;
+    // Every probe is made, UDP proxied and SCTP (raw INIT) decided then kernel-forwarded.
+    let mut by_protocol = std::collections::BTreeMap::<String, usize>::new();
     for line in &lines {
-        if line["observed"] == "untested" {
-            assert_eq!(line["protocol"], "SCTP", "only SCTP is untested: {line}");
-            continue;
-        }
-        decided += 1;
+        *by_protocol.entry(line["protocol"].as_str().unwrap_or("?").to_string()).or_default() += 1;
         assert_eq!(line["observed"], line["verdict"], "{line}");
         if let Some(expect) = line.get("expect") {
             assert_eq!(&line["observed"], expect, "{line}");
         }
     }
-    assert_eq!(decided, 66);
+    assert!(by_protocol.get("UDP").is_some_and(|&n| n >= 5), "{by_protocol:?}");
+    assert!(by_protocol.get("SCTP").is_some_and(|&n| n >= 2), "{by_protocol:?}");
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
 }
 

@@ -517,3 +517,79 @@ fn a_client_reusing_the_4_tuple_of_a_proxy_upstream_is_still_decided_and_proxied
     assert!(cut_within(&mut first, Duration::from_secs(2)).is_some());
     assert!(cut_within(&mut second, Duration::from_secs(2)).is_some(), "the second is cut too");
 }
+
+/// The v4 CIDR admits the client's IPv4 address only; the v6 CIDR (the lab's dual-stack
+/// mapping `fd74:6972::/96` + IPv4 of namespace a's pods) its IPv6 address only.
+const FAMILY_POLICIES: &str = r#"
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {name: v4-clients-only, namespace: b}
+spec:
+  podSelector: {}
+  ingress:
+  - from: [{ipBlock: {cidr: 10.61.1.0/24}}]
+    ports: [{port: 8080}, {port: 5353, protocol: UDP}]
+---
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {name: v6-clients-only, namespace: a}
+spec:
+  podSelector: {}
+  ingress:
+  - from: [{ipBlock: {cidr: "fd74:6972::a3d:100/120"}}]
+"#;
+
+const FAMILY_PROBES: &str = r#"{"from": "a/client", "to": "b/remote", "port": 8080, "family": "IPv4", "expect": "allow"}
+{"from": "a/client", "to": "b/remote", "port": 8080, "family": "IPv6", "expect": "deny", "note": "an IPv4 CIDR never matches an IPv6 address"}
+{"from": "a/client", "to": "b/remote", "port": 5353, "protocol": "UDP", "family": "IPv4", "expect": "allow"}
+{"from": "a/client", "to": "b/remote", "port": 5353, "protocol": "UDP", "family": "IPv6", "expect": "deny"}
+{"from": "a/client", "to": "a/server", "port": 8080, "family": "IPv6", "expect": "allow"}
+{"from": "a/client", "to": "a/server", "port": 8080, "family": "IPv4", "expect": "deny", "note": "an IPv6 CIDR never matches an IPv4 address"}
+{"from": "a/client", "to": "a/server", "port": 5353, "protocol": "UDP", "family": "IPv6", "expect": "allow"}
+{"from": "b/remote", "to": "a/server", "port": 8080, "family": "IPv6", "expect": "deny"}
+"#;
+
+#[test]
+fn dual_stack_pods_are_enforced_per_family_and_cidrs_never_cross_families() {
+    if !netns_available("dual_stack_pods_are_enforced_per_family_and_cidrs_never_cross_families") {
+        return;
+    }
+    let lab = Lab::new("dual");
+    let base = lab.file("base.yaml", NODES_AND_NAMESPACES);
+    let a = lab.file("a.yaml", &labelled(false));
+    let np = lab.file("np.yaml", FAMILY_POLICIES);
+    let probes = lab.file("probes.jsonl", FAMILY_PROBES);
+    let o = lab.lab(&[
+        "up",
+        "--dual-stack",
+        "--manifests",
+        base.to_str().unwrap(),
+        a.to_str().unwrap(),
+        np.to_str().unwrap(),
+        "--probes",
+        probes.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "lab up --dual-stack: {}", text(&o));
+    let (lines, code, o) = lab.probe(&probes);
+    assert_eq!(lines.len(), 8, "{}", text(&o));
+    for line in &lines {
+        assert_eq!(line["observed"], line["expect"], "{line}");
+        assert_eq!(line["observed"], line["verdict"], "{line}");
+        if line["observed"] == "allow" {
+            // The server saw the client's own address, of the probe's family.
+            assert_eq!(line["seen_source"].as_str().map(|s| s.contains(':')), Some(true), "{line}");
+        }
+    }
+    assert_eq!(code, Some(0), "{}", text(&o));
+    // A live IPv6 connection is cut by a change too.
+    let client = netns_of_pod(&lab, "a", "client");
+    let mut live = open(&client, "[fd74:6972::a3d:103]:8080");
+    assert!(echoes(&mut live));
+    let isolate_a = lab.file(
+        "isolate-a.yaml",
+        "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: none, namespace: a}\nspec: {podSelector: {}, policyTypes: [Ingress], ingress: []}\n",
+    );
+    let np_b_only = lab.file("np.yaml", FAMILY_POLICIES.split("\n---\n").next().unwrap());
+    apply(&lab, &[&base, &a, &np_b_only, &isolate_a]);
+    assert!(cut_within(&mut live, Duration::from_secs(2)).is_some(), "IPv6 connection cut");
+}

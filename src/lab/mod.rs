@@ -275,6 +275,7 @@ pub fn up(opts: &UpOptions, err: &mut dyn Write) -> Result<State, LabError> {
     }
     std::fs::create_dir_all(&dir)
         .map_err(|source| LabError::State { path: dir.clone(), source })?;
+    let is_dual_stack = dual_stack.is_some();
     let manifests = match dual_stack {
         Some((path, text)) => {
             std::fs::write(&path, text)
@@ -291,6 +292,7 @@ pub fn up(opts: &UpOptions, err: &mut dyn Write) -> Result<State, LabError> {
         manifests: vec![staged],
         probes,
         agents: opts.agents,
+        dual_stack: is_dual_stack,
         plan,
         processes: Vec::new(),
     };
@@ -827,6 +829,22 @@ pub fn apply(
             .collect()
     } else {
         Vec::new()
+    };
+    // A dual-stack lab gets the IPv6 addresses of `lab up --dual-stack` added again.
+    let manifests = if state.dual_stack {
+        let d = dualstack::DualStack::new(&loaded.inputs, &state.dir)
+            .map_err(|e| LabError::Invalid(explain::error_chain(&e)))?;
+        std::fs::write(&d.path, &d.text)
+            .map_err(|source| LabError::State { path: d.path.clone(), source })?;
+        if invalid {
+            let _ = writeln!(
+                err,
+                "note: lab apply: dual-stack lab: only the objects that could be read are applied"
+            );
+        }
+        vec![d.path]
+    } else {
+        manifests
     };
     let staged = state.dir.join(STAGED_MANIFESTS);
     let before = crate::cluster::manifest::fingerprint(std::slice::from_ref(&staged));

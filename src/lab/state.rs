@@ -50,6 +50,9 @@ pub struct State {
     pub probes: Option<PathBuf>,
     /// Whether agents were started.
     pub agents: bool,
+    /// Whether the lab was built `--dual-stack` (`lab apply` adds the IPv6 addresses too).
+    #[serde(default)]
+    pub dual_stack: bool,
     /// The topology: namespaces, interface names, addresses, servers.
     pub plan: Plan,
     /// Background processes.
