@@ -206,10 +206,12 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
         .context("redirect configuration")?;
     let registry = Arc::new(Registry::default());
     let decider_slot: Arc<std::sync::OnceLock<Arc<Decider>>> = Arc::default();
+    let udp_stats = Arc::new(udp::UdpStats::default());
     let metrics = Arc::new(Metrics::new(scraped(
         auditor.clone(),
         registry.clone(),
         decider_slot.clone(),
+        udp_stats.clone(),
         &opts.audit,
     )));
     let decider = Arc::new(Decider::new(
@@ -336,6 +338,7 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
                 udp_config,
                 decider.clone(),
                 registry.clone(),
+                udp_stats.clone(),
                 stop_rx.clone(),
             ));
             let serving = tokio::spawn(tcp::serve(
@@ -501,6 +504,7 @@ fn scraped(
     auditor: Arc<Auditor>,
     registry: Arc<Registry>,
     decider: Arc<std::sync::OnceLock<Arc<Decider>>>,
+    udp: Arc<udp::UdpStats>,
     config: &AuditConfig,
 ) -> Scraped {
     use std::sync::atomic::Ordering::Relaxed;
@@ -535,7 +539,20 @@ fn scraped(
                 vec![],
                 auditor.queue_depth() as u64,
             ),
-            g("connections_active", "Live proxied connections", vec![], registry.len() as u64),
+            g(
+                "connections_active",
+                "Live proxied connections and UDP flows",
+                vec![],
+                registry.len() as u64,
+            ),
+            c("udp_flows", "UDP flows opened by the proxy", vec![], udp.flows.load(Relaxed)),
+            c(
+                "udp_datagrams_dropped",
+                "UDP datagrams the proxy dropped: flow table full, flow setup failed, too \
+                 large, or the other socket could not take them",
+                vec![],
+                udp.dropped.load(Relaxed),
+            ),
         ]);
         let sk = "Audit events per sink, by outcome: exported, dropped_queue (lossy), failed";
         for ((s, name), depth) in st.sinks.iter().zip(&sink_names).zip(auditor.sink_depths()) {

@@ -745,6 +745,11 @@ fn every_agent_audits_allow_deny_pass_and_close_to_an_otlp_receiver_on_the_host(
     );
     assert!(metrics.contains("tierproxy_decision_duration_seconds_bucket"), "{metrics}");
     assert!(metrics.contains("tierproxy_nfqueue_dropped_total{queue="), "{metrics}");
+    assert_eq!(value("tierproxy_snapshot_revision"), 1.0);
+    assert_eq!(value("tierproxy_policy_change_cuts_total"), 0.0);
+    assert_eq!(value("tierproxy_manifest_reload_errors_total"), 0.0);
+    assert_eq!(value("tierproxy_udp_datagrams_dropped_total"), 0.0);
+    assert!(value("tierproxy_udp_flows_total") >= 0.0);
     assert!(get("/readyz").starts_with("HTTP/1.0 200"), "ready");
     assert!(get("/healthz").starts_with("HTTP/1.0 200"), "healthy");
     // Stopping the agents flushes their audit (and the deny windows).

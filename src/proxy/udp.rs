@@ -99,7 +99,7 @@ struct Flow {
 struct Table {
     flows: Mutex<HashMap<(SocketAddr, SocketAddr), Arc<Flow>>>,
     epoch: Instant,
-    stats: UdpStats,
+    stats: Arc<UdpStats>,
 }
 
 impl Table {
@@ -163,18 +163,16 @@ fn listener(addr: SocketAddr) -> io::Result<UdpSocket> {
 /// Relays the flows of datagrams arriving on `listeners` until `shutdown` turns true; then
 /// stops taking new flows and returns. Live flows end on their own (idle), or when the
 /// registry tells them to stop (the TCP proxy's drain does so for every registered flow).
+/// Counts in `stats`.
 pub async fn serve(
     listeners: Vec<UdpSocket>,
     config: UdpConfig,
     decider: Arc<Decider>,
     registry: Arc<Registry>,
+    stats: Arc<UdpStats>,
     mut shutdown: watch::Receiver<bool>,
 ) {
-    let table = Arc::new(Table {
-        flows: Mutex::new(HashMap::new()),
-        epoch: Instant::now(),
-        stats: UdpStats::default(),
-    });
+    let table = Arc::new(Table { flows: Mutex::new(HashMap::new()), epoch: Instant::now(), stats });
     let config = Arc::new(config);
     let mut tasks = Vec::new();
     for l in listeners {
