@@ -21,10 +21,10 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 
 use crate::audit::{self, AuditConfig, Auditor};
-use crate::cluster::manifest;
+use crate::cluster::{self, manifest};
 use crate::config::RedirectConfig;
 use crate::metrics::{Metrics, Sample, Scraped};
-use crate::policy::{Revision, Snapshot};
+use crate::policy::{ObjectRef, Revision, Snapshot};
 use crate::proxy::decider::{Current, Decider, DeciderLimits};
 use crate::proxy::queue::{self, QueueConfig};
 use crate::proxy::registry::Registry;
@@ -115,7 +115,10 @@ impl AgentOptions {
     }
 }
 
-/// Reads and compiles the manifests for node `node`.
+/// Reads and compiles the manifests for node `node` as `revision`. With `last` (the policies
+/// of the snapshot in force), a policy whose new version is invalid keeps its last good
+/// version ([`cluster::keep_last_good`]). Returns the snapshot and the policies to fall back
+/// on at the next change.
 ///
 /// # Errors
 /// A file that cannot be read or parsed, or a node missing from the manifests. Invalid
@@ -125,7 +128,8 @@ pub fn load(
     node: &str,
     revision: Revision,
     audit_defaults: audit::Defaults,
-) -> anyhow::Result<Current> {
+    last: Option<&cluster::LastGood>,
+) -> anyhow::Result<(Current, cluster::LastGood)> {
     let loaded = manifest::load(manifests);
     if let Some(e) = loaded.errors.first() {
         bail!("{}", crate::explain::error_chain(e));
@@ -133,7 +137,8 @@ pub fn load(
     for n in &loaded.notes {
         tracing::info!("{n}");
     }
-    let compiled = Snapshot::compile(&loaded.inputs, revision);
+    let mut inputs = loaded.inputs;
+    let mut compiled = Snapshot::compile(&inputs, revision);
     for p in loaded.problems.iter().chain(&compiled.problems) {
         if p.is_error() {
             tracing::error!("{p}");
@@ -141,6 +146,28 @@ pub fn load(
             tracing::warn!("{p}");
         }
     }
+    let mut invalid: Vec<ObjectRef> = loaded
+        .problems
+        .iter()
+        .chain(&compiled.problems)
+        .filter(|p| p.is_error())
+        .map(|p| p.object.clone())
+        .collect();
+    invalid.dedup();
+    let kept = match last {
+        Some(last) => cluster::keep_last_good(&mut inputs, last, &invalid),
+        None => Vec::new(),
+    };
+    if !kept.is_empty() {
+        for r in &kept {
+            tracing::warn!(
+                "{r}: the new version is invalid (see above); its last good version stays in force"
+            );
+        }
+        compiled = Snapshot::compile(&inputs, revision);
+    }
+    invalid.retain(|r| !kept.contains(r));
+    let last_good = cluster::LastGood::new(&inputs, &invalid);
     let snapshot = Arc::new(compiled.snapshot);
     let Some(node_id) = snapshot.find_node(node) else {
         bail!("node {node:?} is not among the Nodes in the manifests");
@@ -149,7 +176,7 @@ pub fn load(
     for e in errors {
         tracing::warn!("{e}");
     }
-    Ok(Current { snapshot, node: node_id, audit: plan })
+    Ok((Current { snapshot, node: node_id, audit: plan }, last_good))
 }
 
 /// What the agent would install for `opts`, without touching the node: the backend, why
@@ -159,7 +186,7 @@ pub fn load(
 /// Invalid configuration, manifests that cannot be read, a node missing from them.
 pub fn dry_run(opts: &AgentOptions) -> anyhow::Result<String> {
     opts.redirect.validate().context("redirect configuration")?;
-    let current = load(&opts.manifests, &opts.node, Revision(1), opts.audit.defaults)?;
+    let (current, _) = load(&opts.manifests, &opts.node, Revision(1), opts.audit.defaults, None)?;
     let spec = RulesetSpec::new(
         opts.redirect.clone(),
         current.snapshot.local_pod_ips(current.node),
@@ -193,7 +220,8 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
         enter_netns(ns)?;
     }
     let initial_fingerprint = manifest::fingerprint(&opts.manifests);
-    let current = load(&opts.manifests, &opts.node, Revision(1), opts.audit.defaults)?;
+    let (current, last_good) =
+        load(&opts.manifests, &opts.node, Revision(1), opts.audit.defaults, None)?;
     let local: Vec<IpAddr> = current.snapshot.local_pod_ips(current.node);
     let node_addrs: Vec<IpAddr> = current.snapshot.node_addrs(current.node).to_vec();
     tracing::info!(
@@ -323,6 +351,7 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
                 spec: spec.clone(),
                 revision: 1,
                 fingerprint: initial_fingerprint,
+                last_good,
             };
             let spawned = std::thread::Builder::new()
                 .name("tierproxy-reload".into())
@@ -382,6 +411,8 @@ struct Reloader<'a> {
     revision: u64,
     /// [`manifest::fingerprint`] of the manifests the revision in force was built from.
     fingerprint: u64,
+    /// The policies of the revision in force, for a policy whose next version is invalid.
+    last_good: cluster::LastGood,
 }
 
 impl Reloader<'_> {
@@ -406,13 +437,18 @@ impl Reloader<'_> {
             return;
         }
         let next = Revision(self.revision + 1);
-        let current = match load(
+        let loaded = load(
             &self.opts.manifests,
             &self.opts.node,
             next,
             self.opts.audit.defaults,
-        ) {
-            Ok(c) => c,
+            Some(&self.last_good),
+        );
+        let current = match loaded {
+            Ok((c, last_good)) => {
+                self.last_good = last_good;
+                c
+            }
             Err(e) => {
                 self.decider.stats.reload_errors.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 tracing::error!(

@@ -339,6 +339,28 @@ spec:
         n2_log.contains("out-of-range") && n2_log.contains("spec.priority"),
         "the invalid ANP is named with its field: {n2_log}"
     );
+
+    // The isolating policy turns invalid: its last good version stays in force, as an API
+    // server would have refused the update; without that, b/remote would be open again.
+    let broken =
+        lab.file("isolate.yaml", &ISOLATE_REMOTE.replace("podSelector: {}", "podSelector: 5"));
+    apply(&lab, &[&base, &a, &broken]);
+    assert!(
+        !connects(&client, "10.61.2.2:8080", Duration::from_millis(1500)),
+        "still isolated by the last good version"
+    );
+    let n1_log = std::fs::read_to_string(
+        Path::new("/run/tierproxy-lab").join(&lab.prefix).join("agent-n1.log"),
+    )
+    .unwrap();
+    assert!(
+        n1_log.contains("NetworkPolicy b/isolate")
+            && n1_log.contains("its last good version stays in force"),
+        "{n1_log}"
+    );
+    // Removed for real, it is gone.
+    apply(&lab, &[&base, &a]);
+    assert!(connects(&client, "10.61.2.2:8080", Duration::from_secs(3)), "open again");
 }
 
 /// One datagram exchange on `s`: the server's answer (greeting line + payload).
