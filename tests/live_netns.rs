@@ -67,6 +67,18 @@ spec:
 ---
 apiVersion: policy.networking.k8s.io/v1alpha1
 kind: AdminNetworkPolicy
+metadata: {name: blue-no-udp-to-b}
+spec:
+  priority: 15
+  subject: {namespaces: {matchLabels: {team: blue}}}
+  egress:
+  - name: no-5353
+    action: Deny
+    to: [{namespaces: {matchLabels: {kubernetes.io/metadata.name: b}}}]
+    ports: [{portNumber: {protocol: UDP, port: 5353}}]
+---
+apiVersion: policy.networking.k8s.io/v1alpha1
+kind: AdminNetworkPolicy
 metadata: {name: quarantine}
 spec:
   priority: 20
@@ -190,14 +202,26 @@ fn audit_events(lab: &Lab, node: &str) -> Vec<Value> {
         .collect()
 }
 
-/// Waits (bounded) until `node`'s audit file holds an event for which `f` holds.
-fn wait_for_event(lab: &Lab, node: &str, f: impl Fn(&Value) -> bool) -> Value {
+/// Waits (bounded) until the audit file of one of `nodes` holds an event for which `f`
+/// holds.
+fn wait_for_event_on(lab: &Lab, nodes: &[&str], f: impl Fn(&Value) -> bool) -> Value {
     let deadline = Instant::now() + Duration::from_secs(5);
+    let node = nodes.join(", ");
     loop {
-        if let Some(e) = audit_events(lab, node).into_iter().find(|e| f(e)) {
+        let all: Vec<Value> = nodes.iter().flat_map(|n| audit_events(lab, n)).collect();
+        if let Some(e) = all.into_iter().find(|e| f(e)) {
             return e;
         }
-        assert!(Instant::now() < deadline, "no such audit event on {node}");
+        assert!(
+            Instant::now() < deadline,
+            "no such audit event on {node}; it has:\n{}",
+            nodes
+                .iter()
+                .flat_map(|n| audit_events(lab, n))
+                .map(|e| e.to_string())
+                .collect::<Vec<_>>()
+                .join("\n")
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
 }
@@ -245,12 +269,14 @@ spec:
     assert!(echoes(&mut local), "a connection the change does not concern is untouched");
     assert!(!connects(&client, "10.61.2.2:8080", Duration::from_millis(1500)), "new ones denied");
 
-    let end = wait_for_event(&lab, "n1", |e| {
+    // Both nodes track the connection; whichever applies the change first cuts it (the
+    // other then sees its leg reset), so the policy-change end is on one of them.
+    let end = wait_for_event_on(&lab, &["n1", "n2"], |e| {
         e["event"] == "tierproxy.connection.end"
             && e["attributes"]["tierproxy.connection.close_reason"] == "policy-change"
     });
     assert_eq!(end["attributes"]["destination.port"], 8080, "{end}");
-    let why = wait_for_event(&lab, "n1", |e| {
+    let why = wait_for_event_on(&lab, &["n1", "n2"], |e| {
         e["event"] == "tierproxy.policy.decision"
             && e["attributes"]["tierproxy.revision"] == 2
             && e["attributes"]["tierproxy.verdict"] == "deny"
@@ -272,6 +298,15 @@ fn label_changes_on_a_namespace_and_a_pod_cut_what_they_must() {
     let mut subject_side = open(&client, "10.61.1.3:8080");
     let mut other_port = open(&client, "10.61.2.2:7070");
     assert!(echoes(&mut peer_side) && echoes(&mut subject_side) && echoes(&mut other_port));
+    // Egress, subject side: namespace a becoming blue denies its UDP 5353 to b.
+    let udp = in_netns(&client, || {
+        let s = UdpSocket::bind("10.61.1.2:0").map_err(io("bind"))?;
+        s.connect("10.61.2.2:5353").map_err(io("connect"))?;
+        s.set_read_timeout(Some(Duration::from_secs(2))).map_err(io("timeout"))?;
+        Ok(s)
+    })
+    .expect("udp socket");
+    assert!(ask(&udp, b"before").is_some(), "UDP flow up");
 
     let base = lab.file("base.yaml", NODES_AND_NAMESPACES);
     let a = lab.file("a.yaml", &labelled(true));
@@ -279,6 +314,7 @@ fn label_changes_on_a_namespace_and_a_pod_cut_what_they_must() {
     assert!(cut_within(&mut peer_side, Duration::from_secs(2)).is_some(), "namespace label");
     assert!(cut_within(&mut subject_side, Duration::from_secs(2)).is_some(), "pod label");
     assert!(echoes(&mut other_port), "7070 is not what deny-blue-to-b denies");
+    assert_eq!(ask(&udp, b"after"), None, "egress of the relabelled namespace denied");
 
     // And back: the labels removed, new connections are allowed again.
     let a = lab.file("a.yaml", &labelled(false));
@@ -404,7 +440,7 @@ fn udp_flows_are_proxied_with_the_client_address_and_cut_by_a_policy_change() {
     apply(&lab, &[&base, &a, &isolate]);
     assert_eq!(ask(&cross, b"after"), None, "the flow is cut and its datagrams dropped");
     assert!(ask(&local, b"z").is_some(), "the same-node flow is untouched");
-    let end = wait_for_event(&lab, "n1", |e| {
+    let end = wait_for_event_on(&lab, &["n1", "n2"], |e| {
         e["event"] == "tierproxy.connection.end"
             && e["attributes"]["network.transport"] == "udp"
             && e["attributes"]["tierproxy.connection.close_reason"] == "policy-change"
