@@ -7,11 +7,17 @@
 //! 3. install the ruleset (iptables or nftables backend) and policy routing;
 //! 4. signal readiness (an optional ready file), then serve until SIGTERM or SIGINT.
 //!
+//! While serving, the manifests are watched (issue #5, live change): each change is loaded
+//! and compiled as the next revision on a reloader thread, published to the deciders, every
+//! live connection and UDP flow is decided again (those now denied are cut), and the pod
+//! sets of the ruleset follow the node's pods. A change that cannot be used leaves the last
+//! good snapshot in force; a policy that turns invalid keeps its last good version.
+//!
 //! Shutdown: stop accepting, let live connections finish for the drain grace period, stop
 //! the rest, then remove the ruleset (unless configured to keep it: with fail-closed
 //! queues a node then stays closed while the agent is away).
 //!
-//! Sources: issue #3; DESIGN §3 (data path), §5 (shared state).
+//! Sources: issues #3 and #5; DESIGN §3 (data path), §5 (shared state).
 
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;

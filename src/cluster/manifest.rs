@@ -162,7 +162,7 @@ fn is_change(kind: &notify::EventKind) -> bool {
 /// watched recursively. A file is watched through its parent directory (editors and
 /// ConfigMap volumes replace files by renaming, which a watch on the file itself would
 /// lose), and only events for its own name and for the `..data` symlinks of a ConfigMap
-/// volume are reported. Reads are not changes ([`is_change`]). Errors of the watch itself
+/// volume are reported. Reads and opens are not changes. Errors of the watch itself
 /// (an overflowing inotify queue) are reported as a change of every path, so the caller
 /// reloads rather than misses one.
 ///

@@ -18,6 +18,10 @@
 //! Names: every namespace is `<prefix>_fabric`, `<prefix>_node_<node>` or
 //! `<prefix>_pod_<namespace>_<pod>`; `_` never occurs in a prefix or a Kubernetes name, so
 //! `lab down` finds a lab's namespaces by name alone, also without its state file.
+//!
+//! Agents and `lab probe` read a staged copy of the manifests, `<state dir>/manifests/`
+//! ([`stage_manifests`]); `lab apply` ([`apply`]) replaces it, and the agents apply the
+//! change live (issue #5).
 
 pub mod cli;
 pub mod dualstack;
