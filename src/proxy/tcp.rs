@@ -270,7 +270,9 @@ async fn proxy(
     });
 }
 
-fn unmap(a: SocketAddr) -> SocketAddr {
+/// `a` with an IPv4-mapped IPv6 address (`::ffff:a.b.c.d`) written as IPv4: policy and
+/// audit see the client as the IPv4 address it is.
+pub(crate) fn unmap(a: SocketAddr) -> SocketAddr {
     match a {
         SocketAddr::V6(v6) => match v6.ip().to_ipv4_mapped() {
             Some(v4) => SocketAddr::new(IpAddr::V4(v4), v6.port()),

@@ -50,6 +50,7 @@ use tokio::sync::watch;
 use super::decider::{Admission, Decider};
 use super::packet::FlowKey;
 use super::registry::{Registry, Tracked};
+use super::tcp::unmap;
 use crate::audit::CloseReason;
 use crate::policy::eval::Verdict;
 use crate::policy::ports::Protocol;
@@ -456,14 +457,4 @@ fn recv_original(fd: i32, buf: &mut [u8]) -> io::Result<(SocketAddr, SocketAddr,
     }
     let dst = dst.ok_or_else(|| invalid("datagram without an original destination"))?;
     Ok((src, dst, msg.bytes))
-}
-
-fn unmap(a: SocketAddr) -> SocketAddr {
-    match a {
-        SocketAddr::V6(v6) => match v6.ip().to_ipv4_mapped() {
-            Some(v4) => SocketAddr::new(IpAddr::V4(v4), v6.port()),
-            None => a,
-        },
-        v4 => v4,
-    }
 }
