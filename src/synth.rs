@@ -55,6 +55,13 @@ impl Shape {
         max_peers: 100,
         admin_selects_all: false,
     };
+
+    /// [`Shape::LARGE`] with at most 10 peers per admin rule: issue #7's load-test policy
+    /// set (10,000 pods, 1,000 NetworkPolicies, 100 ANPs × 100 rules). With up to 100 peers
+    /// per rule the manifests hold a million peers (about 100 MB of JSON), beyond what a
+    /// manifest file may be ([`crate::cluster::manifest::MAX_FILE_BYTES`]) and beyond real
+    /// policies, which name a few peers per rule.
+    pub const LOAD_TEST: Shape = Shape { max_peers: 10, ..Shape::LARGE };
 }
 
 const TEAMS: usize = 50;

@@ -93,6 +93,20 @@ enum LabCommand {
         #[command(flatten)]
         common: Common,
     },
+    /// Write a lab's manifests plus a large synthetic policy set the lab does not build
+    /// (10,000 pods, 1,000 NetworkPolicies, 100 AdminNetworkPolicies × 100 rules): load
+    /// tests "with a large policy set loaded" run `lab up -m OUT`.
+    Synth {
+        /// The lab's own manifests (the pods that carry traffic).
+        #[arg(long, short = 'm', required = true, num_args = 1..)]
+        manifests: Vec<PathBuf>,
+        /// Directory to write `traffic.json` and `synthetic.json` to.
+        #[arg(long)]
+        out: PathBuf,
+        /// Seed of the synthetic cluster (the same seed, the same cluster).
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+    },
     /// Remove the lab: processes, namespaces, state (also after a crash).
     Down {
         #[command(flatten)]
@@ -257,6 +271,27 @@ pub fn main(args: LabArgs, out: &mut dyn Write, err: &mut dyn Write) -> u8 {
                         }
                     }
                     code
+                }
+                Err(e) => report_error(err, &e),
+            }
+        }
+        Some(LabCommand::Synth { manifests, out: dir, seed }) => {
+            match super::synth::write(&manifests, &dir, crate::synth::Shape::LOAD_TEST, seed) {
+                Ok(w) => {
+                    let _ = writeln!(
+                        out,
+                        "wrote {} ({} pods, {} NetworkPolicies, {} AdminNetworkPolicies); `lab up -m {}` builds only the given manifests' pods",
+                        w.files
+                            .iter()
+                            .map(|f| f.display().to_string())
+                            .collect::<Vec<_>>()
+                            .join(", "),
+                        w.pods,
+                        w.network_policies,
+                        w.admin_policies,
+                        dir.display()
+                    );
+                    0
                 }
                 Err(e) => report_error(err, &e),
             }

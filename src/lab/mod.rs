@@ -9,6 +9,7 @@
 //! - [`procs`]: background processes (echo servers, agents: [`procs::agent_command`]),
 //!   readiness, stopping, Ctrl-C.
 //! - [`serve`]: the echo server protocol (`tierproxy lab serve`).
+//! - [`synth`]: `lab synth`: a lab's manifests plus a large policy set it does not build.
 //! - [`sctp`]: SCTP INIT / INIT ACK / ABORT packets on raw sockets (kernels without SCTP).
 //! - [`probe`]: real connections from inside namespaces.
 //! - [`report`]: table, matrix and JSON output.
@@ -33,6 +34,7 @@ pub mod report;
 pub mod sctp;
 pub mod serve;
 pub mod state;
+pub mod synth;
 
 use std::io::Write;
 use std::net::SocketAddr;
@@ -276,6 +278,16 @@ pub fn up(opts: &UpOptions, err: &mut dyn Write) -> Result<State, LabError> {
     let plan = Plan::build(&opts.prefix, &loaded, &compiled.snapshot, &flows)?;
     for s in &plan.skipped {
         let _ = writeln!(err, "note: lab: skipped {}: {}", s.object, s.reason);
+    }
+    let u = plan.uninstantiated;
+    if u.pods + u.nodes > 0 {
+        let _ = writeln!(
+            err,
+            "note: lab: {} pods and {} nodes not built ({}: \"false\"); the agents still see them",
+            u.pods,
+            u.nodes,
+            plan::INSTANTIATE_ANNOTATION
+        );
     }
     std::fs::create_dir_all(&dir)
         .map_err(|source| LabError::State { path: dir.clone(), source })?;

@@ -147,6 +147,32 @@ pub struct Plan {
     pub servers: Vec<ServerPlan>,
     /// Pods and nodes left out, with the reason.
     pub skipped: Vec<Skipped>,
+    /// Pods and nodes left out on purpose ([`INSTANTIATE_ANNOTATION`]): counted, not
+    /// listed (a large synthetic policy set has thousands).
+    #[serde(default)]
+    pub uninstantiated: Uninstantiated,
+}
+
+/// Annotation on a Pod or Node: `"false"` keeps the lab from building it (no namespace,
+/// no veth, no server, no agent), while everything reading the manifests (agents,
+/// `explain`) still sees it. Pods on a node left out are left out too. This is how a load
+/// test loads a large policy set over 10,000 pods without building 10,000 namespaces
+/// (`tierproxy lab synth`).
+pub const INSTANTIATE_ANNOTATION: &str = "lab.tierproxy.io/instantiate";
+
+/// How many pods and nodes [`INSTANTIATE_ANNOTATION`] left out.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Uninstantiated {
+    /// Pods left out (annotated, or on a node left out).
+    pub pods: usize,
+    /// Nodes left out.
+    pub nodes: usize,
+}
+
+/// Whether `meta` asks the lab to leave its object out.
+fn left_out(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> bool {
+    meta.annotations.as_ref().and_then(|a| a.get(INSTANTIATE_ANNOTATION)).map(String::as_str)
+        == Some("false")
 }
 
 /// The `<prefix>_` every namespace name of the lab starts with. `_` cannot occur in a
@@ -262,8 +288,10 @@ impl Plan {
             external: Vec::new(),
             servers: Vec::new(),
             skipped: Vec::new(),
+            uninstantiated: Uninstantiated::default(),
         };
         let reserved = IpAddr::V4(FABRIC_GATEWAY_V4);
+        let mut left_out_nodes = BTreeSet::new();
         // Who owns each address so far: for conflicts, and to find external addresses.
         let mut owner: BTreeMap<IpAddr, String> = BTreeMap::new();
         let mut seen_nodes = BTreeSet::new();
@@ -271,6 +299,11 @@ impl Plan {
             let name = node.metadata.name.clone().unwrap_or_default();
             if !seen_nodes.insert(name.clone()) {
                 continue; // A duplicate: the compiler reported it, the first one counts.
+            }
+            if left_out(&node.metadata) {
+                plan.uninstantiated.nodes += 1;
+                left_out_nodes.insert(name);
+                continue;
             }
             let addrs: Vec<IpAddr> = snapshot
                 .find_node(&name)
@@ -322,6 +355,12 @@ impl Plan {
                 plan.skipped.push(Skipped { object: format!("pod {what}"), reason });
             };
             let spec = pod.spec.as_ref();
+            let on_left_out_node =
+                spec.and_then(|s| s.node_name.as_ref()).is_some_and(|n| left_out_nodes.contains(n));
+            if left_out(&pod.metadata) || on_left_out_node {
+                plan.uninstantiated.pods += 1;
+                continue;
+            }
             let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
             if let Some(p @ ("Succeeded" | "Failed")) = phase {
                 skip(&mut plan, format!("not running (phase {p})"));
@@ -715,6 +754,38 @@ status: {podIP: 10.0.8.8}
 
     fn flow(src: &str, dst: &str, protocol: Protocol, port: u16) -> Flow {
         Flow { src: src.parse().unwrap(), dst: dst.parse().unwrap(), protocol, dst_port: port }
+    }
+
+    #[test]
+    fn annotated_pods_and_nodes_are_counted_not_built() {
+        let extra = r#"
+---
+apiVersion: v1
+kind: Node
+metadata: {name: far, annotations: {lab.tierproxy.io/instantiate: "false"}}
+status: {addresses: [{type: InternalIP, address: 172.30.9.9}]}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: on-far, namespace: x}
+spec: {nodeName: far, containers: [{name: c}]}
+status: {podIP: 10.0.7.1}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: ghost, namespace: x, annotations: {lab.tierproxy.io/instantiate: "false"}}
+spec: {nodeName: n1, containers: [{name: c}]}
+status: {podIP: 10.0.7.2}
+"#;
+        let text = format!("{CLUSTER}{extra}");
+        let loaded = manifest::parse_str(Path::new("t.yaml"), &text).unwrap();
+        let compiled = Snapshot::compile(&loaded.inputs, Revision(1));
+        let p = Plan::build("t1", &loaded, &compiled.snapshot, &[]).unwrap();
+        let base = plan(&[]);
+        assert_eq!(p.uninstantiated, Uninstantiated { pods: 2, nodes: 1 });
+        assert_eq!(p.nodes, base.nodes, "the annotated node is not built");
+        assert_eq!(p.pods, base.pods, "neither annotated pod nor the far node's is built");
+        assert_eq!(p.skipped, base.skipped, "left out on purpose, not reported one by one");
     }
 
     #[test]
