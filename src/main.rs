@@ -66,7 +66,9 @@ enum Command {
     #[command(hide = true)]
     Loadgen {
         /// rr: request/response over one connection; crr: a connection per request; hold:
-        /// open --max-count connections and report when they are cut.
+        /// open --max-count connections and report when they are cut; udp-rr: UDP
+        /// request/response over a connected socket per client (lost answers are counted
+        /// as timeouts).
         #[arg(long, value_enum)]
         mode: tierproxy::loadgen::Mode,
         /// The echo server, IP:PORT.
