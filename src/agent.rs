@@ -90,6 +90,9 @@ pub struct AgentOptions {
     pub audit: AuditConfig,
     /// Where to serve `/metrics`, `/healthz` and `/readyz` (`None`: not served).
     pub metrics_addr: Option<SocketAddr>,
+    /// Set `net.ipv4.tcp_tw_reuse` to 1 in the enforcing namespace while running (the old
+    /// value is put back on exit); see [`TcpTwReuse`].
+    pub tcp_tw_reuse: bool,
     /// A network namespace (a path such as `/run/netns/NAME`, or a name under
     /// `/run/netns`) to enforce in, entered after the audit sinks are started: the sinks
     /// keep the namespace the agent started in, as a hostNetwork pod's would, while the
@@ -116,6 +119,7 @@ impl AgentOptions {
             max_udp_flows: DEFAULT_MAX_UDP_FLOWS,
             audit,
             metrics_addr: None,
+            tcp_tw_reuse: true,
             netns: None,
         }
     }
@@ -225,6 +229,7 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
     if let Some(ns) = &opts.netns {
         enter_netns(ns)?;
     }
+    let _tw_reuse = opts.tcp_tw_reuse.then(TcpTwReuse::enable);
     let initial_fingerprint = manifest::fingerprint(&opts.manifests);
     let (current, last_good) =
         load(&opts.manifests, &opts.node, Revision(1), opts.audit.defaults, None)?;
@@ -507,6 +512,66 @@ impl Reloader<'_> {
             pods_removed = removed.len(),
             "snapshot applied"
         );
+    }
+}
+
+/// `net.ipv4.tcp_tw_reuse = 1` in the agent's network namespace (the node's) while it
+/// runs; the old value is written back when this is dropped.
+///
+/// Why: the proxy's upstream connections carry their client's address, so when clients
+/// close first, the upstream legs' TIME_WAITs (60 s each) pile up per client and
+/// destination, and the kernel's search for a free source port at every connect grows
+/// with them. Measured in the lab at 8 connecting clients: 2,659 connections/s over 2 s
+/// fell to 1,167/s over 8 s (p99 25 ms); with reuse on, 2,802/s over 8 s (p99 2.4 ms).
+/// Reuse (value 1) lets an outgoing connection take a TIME_WAIT's 4-tuple once it is
+/// older than 1 s, with TCP timestamps guarding against old segments (ip-sysctl.rst,
+/// `tcp_tw_reuse`); the kernel's default (2) allows it on loopback only. It applies to
+/// every outgoing connection of the node, which is why the agent says so in its log and
+/// `--no-tcp-tw-reuse` leaves the setting alone.
+pub struct TcpTwReuse {
+    old: Option<String>,
+}
+
+/// The sysctl [`TcpTwReuse`] sets.
+const TW_REUSE: &str = "/proc/sys/net/ipv4/tcp_tw_reuse";
+
+impl TcpTwReuse {
+    /// Sets the sysctl to 1 if it is not, remembering the old value. Failures are logged
+    /// (the agent runs on without it).
+    pub fn enable() -> TcpTwReuse {
+        let old = match std::fs::read_to_string(TW_REUSE) {
+            Ok(v) => v.trim().to_string(),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot read net.ipv4.tcp_tw_reuse");
+                return TcpTwReuse { old: None };
+            }
+        };
+        if old == "1" {
+            return TcpTwReuse { old: None };
+        }
+        match std::fs::write(TW_REUSE, "1") {
+            Ok(()) => {
+                tracing::info!(
+                    was = %old,
+                    "set net.ipv4.tcp_tw_reuse=1 for this node's outgoing connections while the agent runs (upstream legs carry client addresses; --no-tcp-tw-reuse leaves it alone)"
+                );
+                TcpTwReuse { old: Some(old) }
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot set net.ipv4.tcp_tw_reuse=1");
+                TcpTwReuse { old: None }
+            }
+        }
+    }
+}
+
+impl Drop for TcpTwReuse {
+    fn drop(&mut self) {
+        if let Some(old) = &self.old
+            && let Err(e) = std::fs::write(TW_REUSE, old)
+        {
+            tracing::warn!(error = %e, "cannot restore net.ipv4.tcp_tw_reuse={old}");
+        }
     }
 }
 

@@ -166,6 +166,11 @@ struct AgentArgs {
     /// Most live UDP flows; at the limit the first datagram of a new flow is dropped.
     #[arg(long, default_value_t = tierproxy::agent::DEFAULT_MAX_UDP_FLOWS)]
     max_udp_flows: usize,
+    /// Leave net.ipv4.tcp_tw_reuse as it is (by default the agent sets it to 1 in the node's
+    /// namespace while it runs: upstream connections carry client addresses, and their
+    /// TIME_WAITs slow every connect under connection churn).
+    #[arg(long)]
+    no_tcp_tw_reuse: bool,
     /// Seconds live connections may finish after shutdown begins.
     #[arg(long, default_value_t = tierproxy::agent::DEFAULT_DRAIN_GRACE.as_secs())]
     drain_grace_secs: u64,
@@ -230,6 +235,7 @@ fn run_agent(a: AgentArgs) -> ExitCode {
     opts.drain_grace = Duration::from_secs(a.drain_grace_secs);
     opts.udp_idle_timeout = Duration::from_secs(a.udp_idle_timeout_secs);
     opts.max_udp_flows = a.max_udp_flows;
+    opts.tcp_tw_reuse = !a.no_tcp_tw_reuse;
     if a.dry_run {
         return match tierproxy::agent::dry_run(&opts) {
             Ok(text) => {

@@ -488,6 +488,13 @@ fn interception_follows_pods_added_and_removed_without_rebuilding_the_ruleset() 
             .map(str::to_string)
             .collect::<Vec<_>>()
     };
+    // The agent turned TIME_WAIT reuse on in its node's namespace (upstream legs carry
+    // client addresses; see agent::TcpTwReuse).
+    let tw = std::process::Command::new("ip")
+        .args(["netns", "exec", &node, "sysctl", "-n", "net.ipv4.tcp_tw_reuse"])
+        .output()
+        .expect("sysctl");
+    assert_eq!(String::from_utf8_lossy(&tw.stdout).trim(), "1");
     let rules_before = chain();
     assert!(members().contains("10.61.1.3") && !members().contains("10.61.1.9"));
     let base = lab.file("base.yaml", NODES_AND_NAMESPACES);

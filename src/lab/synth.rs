@@ -25,7 +25,7 @@ use crate::cluster::manifest;
 use crate::policy::{Inputs, Snapshot};
 use crate::synth::Shape;
 
-/// What [`write`] produced.
+/// What [`write()`] produced.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Written {
     /// `traffic.json` and `synthetic.json` under the output directory.
