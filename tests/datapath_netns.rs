@@ -17,7 +17,6 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use tierproxy::lab::LabError;
 use tierproxy::lab::netns::in_netns;
 
 mod common;
@@ -119,14 +118,6 @@ const PROBES: &str = r#"{"from": "a/client", "to": "a/server", "port": 8080, "ex
 {"from": "node/n1", "to": "b/remote", "port": 9090, "expect": "deny", "note": "another node: isolated by the NetworkPolicy"}
 "#;
 
-fn netns_of_pod(lab: &Lab, ns: &str, pod: &str) -> String {
-    format!("{}_pod_{ns}_{pod}", lab.prefix)
-}
-
-fn netns_of_node(lab: &Lab, node: &str) -> String {
-    format!("{}_node_{node}", lab.prefix)
-}
-
 /// A lab of [`CLUSTER`] with agents, serving the ports of [`PROBES`].
 fn lab_with_agents(short: &str) -> Lab {
     let lab = Lab::new(short);
@@ -134,10 +125,6 @@ fn lab_with_agents(short: &str) -> Lab {
     let probes = lab.file("probes.jsonl", PROBES);
     lab.up_with(true, &[&cluster], Some(&probes));
     lab
-}
-
-fn io(what: &str) -> impl Fn(std::io::Error) -> LabError + '_ {
-    move |e| LabError::Netns { netns: what.to_string(), what: "test I/O".into(), source: e }
 }
 
 /// The agents' pids, by the node namespace they run in.
@@ -383,12 +370,6 @@ fn wait_gone(pid: i32) {
         assert!(Instant::now() < deadline, "agent {pid} did not exit");
         std::thread::sleep(Duration::from_millis(50));
     }
-}
-
-/// A connect from `netns` to `to`: `true` when it connects within `timeout`.
-fn connects(netns: &str, to: &str, timeout: Duration) -> bool {
-    in_netns(netns, || Ok(TcpStream::connect_timeout(&to.parse().unwrap(), timeout).is_ok()))
-        .expect("netns")
 }
 
 #[test]

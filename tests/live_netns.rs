@@ -118,18 +118,6 @@ spec:
   policyTypes: [Ingress]
 "#;
 
-fn netns_of_pod(lab: &Lab, ns: &str, pod: &str) -> String {
-    format!("{}_pod_{ns}_{pod}", lab.prefix)
-}
-
-fn netns_of_node(lab: &Lab, node: &str) -> String {
-    format!("{}_node_{node}", lab.prefix)
-}
-
-fn io(what: &str) -> impl Fn(std::io::Error) -> LabError + '_ {
-    move |e| LabError::Netns { netns: what.to_string(), what: "test I/O".into(), source: e }
-}
-
 /// A lab with agents over `base` and `labelled(false)`.
 fn live_lab(short: &str) -> Lab {
     let lab = Lab::new(short);
@@ -183,12 +171,6 @@ fn cut_within(conn: &mut BufReader<TcpStream>, limit: Duration) -> Option<Durati
         Err(_) => Some(started.elapsed()),
         Ok(_) => panic!("unexpected data on an idle connection"),
     }
-}
-
-/// Whether a new TCP connection from `netns` to `to` is made within `timeout`.
-fn connects(netns: &str, to: &str, timeout: Duration) -> bool {
-    in_netns(netns, || Ok(TcpStream::connect_timeout(&to.parse().unwrap(), timeout).is_ok()))
-        .expect("netns")
 }
 
 /// The audit events of `node` (JSON Lines file of the lab's agent).

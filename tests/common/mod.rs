@@ -40,6 +40,33 @@ pub fn prefix(short: &str) -> String {
     format!("t{}-{short}", std::process::id() % 100_000)
 }
 
+/// The namespace of pod `ns/pod` in `lab`.
+pub fn netns_of_pod(lab: &Lab, ns: &str, pod: &str) -> String {
+    format!("{}_pod_{ns}_{pod}", lab.prefix)
+}
+
+/// The namespace of node `node` in `lab`.
+pub fn netns_of_node(lab: &Lab, node: &str) -> String {
+    format!("{}_node_{node}", lab.prefix)
+}
+
+/// Wraps a test's I/O error as a [`LabError`] naming `what`, for `in_netns` closures.
+pub fn io(what: &str) -> impl Fn(std::io::Error) -> tierproxy::lab::LabError + '_ {
+    move |e| tierproxy::lab::LabError::Netns {
+        netns: what.to_string(),
+        what: "test I/O".into(),
+        source: e,
+    }
+}
+
+/// Whether a new TCP connection from `netns` to `to` is made within `timeout`.
+pub fn connects(netns: &str, to: &str, timeout: std::time::Duration) -> bool {
+    tierproxy::lab::netns::in_netns(netns, || {
+        Ok(std::net::TcpStream::connect_timeout(&to.parse().unwrap(), timeout).is_ok())
+    })
+    .expect("netns")
+}
+
 pub fn text(o: &Output) -> String {
     format!(
         "status {:?}\nstdout:\n{}\nstderr:\n{}",
