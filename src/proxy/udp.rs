@@ -241,13 +241,16 @@ fn datagram(
     full: &mut bool,
 ) {
     let (src, dst) = (unmap(src), unmap(dst));
-    let existing = table.lock().get(&(src, dst)).cloned();
+    let (existing, live) = {
+        let flows = table.lock();
+        (flows.get(&(src, dst)).cloned(), flows.len())
+    };
     if let Some(flow) = existing {
         forward(&flow.upstream, payload, &flow.tracked.counters.to_server, table);
         flow.last.store(table.now_ms(), Ordering::Relaxed);
         return;
     }
-    if table.lock().len() >= config.max_flows {
+    if live >= config.max_flows {
         table.stats.dropped.fetch_add(1, Ordering::Relaxed);
         if !std::mem::replace(full, true) {
             tracing::warn!(max = config.max_flows, "UDP flow limit reached; new flows dropped");
