@@ -730,7 +730,8 @@ fn every_agent_audits_allow_deny_pass_and_close_to_an_otlp_receiver_on_the_host(
     assert_eq!(value("tierproxy_policy_change_cuts_total"), 0.0);
     assert_eq!(value("tierproxy_manifest_reload_errors_total"), 0.0);
     assert_eq!(value("tierproxy_udp_datagrams_dropped_total"), 0.0);
-    assert!(value("tierproxy_udp_flows_total") >= 0.0);
+    // Present (value() panics on a missing sample); no UDP probe runs here.
+    value("tierproxy_udp_flows_total");
     assert!(get("/readyz").starts_with("HTTP/1.0 200"), "ready");
     assert!(get("/healthz").starts_with("HTTP/1.0 200"), "healthy");
     // Stopping the agents flushes their audit (and the deny windows).
