@@ -64,8 +64,13 @@ pub const QUEUE_MAX_LEN: u32 = 4096;
 pub struct AgentOptions {
     /// This node's `metadata.name` (the downward API's `spec.nodeName` on a cluster).
     pub node: String,
-    /// Manifest files or directories: cluster state and policies.
+    /// Manifest files or directories: cluster state and policies (may be empty with
+    /// [`AgentOptions::kube`]; given with it, their objects are merged in, the API server's
+    /// winning where both have an object).
     pub manifests: Vec<PathBuf>,
+    /// Read cluster state and policies from the API server too (issue #6); `None`: from
+    /// the manifests only.
+    pub kube: Option<KubeOptions>,
     /// Created (empty) once the node is enforcing; removed on exit.
     pub ready_file: Option<PathBuf>,
     /// Redirection (marks, queues, ports, backend, fail-open, keep rules).
@@ -107,6 +112,7 @@ impl AgentOptions {
         AgentOptions {
             node,
             manifests,
+            kube: None,
             ready_file: None,
             redirect: RedirectConfig::default(),
             relay: RelayMode::Splice,
@@ -125,14 +131,30 @@ impl AgentOptions {
     }
 }
 
-/// Reads and compiles the manifests for node `node` as `revision`. With `last` (the policies
-/// of the snapshot in force), a policy whose new version is invalid keeps its last good
-/// version ([`cluster::keep_last_good`]). Returns the snapshot and the policies to fall back
-/// on at the next change.
+/// The API-server side of the agent (issue #6).
+#[derive(Debug, Clone, Default)]
+pub struct KubeOptions {
+    /// Debounce, backoff and paging of the watchers.
+    pub source: cluster::apiserver::SourceConfig,
+    /// Take part in the election of the policy status writer (`None`: never write status).
+    pub status: Option<cluster::status::StatusOptions>,
+}
+
+/// One build of the node's snapshot.
+#[derive(Debug)]
+pub struct Built {
+    /// What the deciders use.
+    pub current: Current,
+    /// The policies to fall back on at the next change.
+    pub last_good: cluster::LastGood,
+    /// Each policy's acceptance, for the status writer.
+    pub report: cluster::status::Report,
+}
+
+/// Reads and compiles the manifests for node `node` as `revision`; see [`build`].
 ///
 /// # Errors
-/// A file that cannot be read or parsed, or a node missing from the manifests. Invalid
-/// objects are not errors: they are logged and compiled as their API says (fail closed).
+/// As [`build`].
 pub fn load(
     manifests: &[PathBuf],
     node: &str,
@@ -140,7 +162,55 @@ pub fn load(
     audit_defaults: audit::Defaults,
     last: Option<&cluster::LastGood>,
 ) -> anyhow::Result<(Current, cluster::LastGood)> {
-    let loaded = manifest::load(manifests);
+    let b = build(manifest::load(manifests), node, revision, audit_defaults, last)?;
+    Ok((b.current, b.last_good))
+}
+
+/// Reads `manifests` and adds the API server's objects from `kube` (an object in both: the
+/// API server's wins), as one [`manifest::Loaded`].
+pub fn gather(
+    manifests: &[PathBuf],
+    kube: Option<&cluster::apiserver::ApiSource>,
+) -> manifest::Loaded {
+    /// `api` added to `files`, replacing a file's object of the same namespace and name.
+    fn merge<T: kube::Resource>(files: &mut Vec<T>, api: Vec<T>) {
+        if !files.is_empty() {
+            let key = |o: &T| (o.meta().namespace.clone(), o.meta().name.clone());
+            let theirs: std::collections::HashSet<_> = api.iter().map(key).collect();
+            files.retain(|o| !theirs.contains(&key(o)));
+        }
+        files.extend(api);
+    }
+    let mut loaded = manifest::load(manifests);
+    if let Some(source) = kube {
+        let api = source.inputs();
+        let i = &mut loaded.inputs;
+        merge(&mut i.namespaces, api.namespaces);
+        merge(&mut i.nodes, api.nodes);
+        merge(&mut i.pods, api.pods);
+        merge(&mut i.network_policies, api.network_policies);
+        merge(&mut i.admin_network_policies, api.admin_network_policies);
+        merge(&mut i.baseline_admin_network_policies, api.baseline_admin_network_policies);
+        merge(&mut i.cluster_network_policies, api.cluster_network_policies);
+    }
+    loaded
+}
+
+/// Compiles `loaded` (manifests and API-server objects) for node `node` as `revision`.
+/// With `last` (the policies of the snapshot in force), a policy whose new version is
+/// invalid keeps its last good version ([`cluster::keep_last_good`]).
+///
+/// # Errors
+/// A file that could not be read or parsed, or a node missing from the Nodes. Invalid
+/// objects are not errors: they are logged, compiled as their API says (fail closed) and
+/// named in [`Built::report`].
+pub fn build(
+    loaded: manifest::Loaded,
+    node: &str,
+    revision: Revision,
+    audit_defaults: audit::Defaults,
+    last: Option<&cluster::LastGood>,
+) -> anyhow::Result<Built> {
     if let Some(e) = loaded.errors.first() {
         bail!("{}", crate::explain::error_chain(e));
     }
@@ -156,13 +226,12 @@ pub fn load(
             tracing::warn!("{p}");
         }
     }
-    let mut invalid: Vec<ObjectRef> = loaded
-        .problems
-        .iter()
-        .chain(&compiled.problems)
-        .filter(|p| p.is_error())
-        .map(|p| p.object.clone())
-        .collect();
+    // The problems of the objects as given (a recompile with last good versions put back
+    // no longer sees the invalid ones).
+    let mut problems = loaded.problems;
+    problems.append(&mut compiled.problems);
+    let mut invalid: Vec<ObjectRef> =
+        problems.iter().filter(|p| p.is_error()).map(|p| p.object.clone()).collect();
     invalid.dedup();
     let kept = match last {
         Some(last) => cluster::keep_last_good(&mut inputs, last, &invalid),
@@ -178,15 +247,18 @@ pub fn load(
     }
     invalid.retain(|r| !kept.contains(r));
     let last_good = cluster::LastGood::new(&inputs, &invalid);
+    drop(inputs);
     let snapshot = Arc::new(compiled.snapshot);
     let Some(node_id) = snapshot.find_node(node) else {
-        bail!("node {node:?} is not among the Nodes in the manifests");
+        bail!("node {node:?} is not among the Nodes (manifests, API server)");
     };
     let (plan, errors) = audit::Plan::new(&snapshot, audit_defaults);
     for e in errors {
         tracing::warn!("{e}");
     }
-    Ok((Current { snapshot, node: node_id, audit: plan }, last_good))
+    problems.extend(crate::policy::compile::priority_conflicts(&snapshot));
+    let report = cluster::status::Report::new(revision.0, &problems, &kept);
+    Ok(Built { current: Current { snapshot, node: node_id, audit: plan }, last_good, report })
 }
 
 /// What the agent would install for `opts`, without touching the node: the backend, why
@@ -196,7 +268,13 @@ pub fn load(
 /// Invalid configuration, manifests that cannot be read, a node missing from them.
 pub fn dry_run(opts: &AgentOptions) -> anyhow::Result<String> {
     opts.redirect.validate().context("redirect configuration")?;
-    let (current, _) = load(&opts.manifests, &opts.node, Revision(1), opts.audit.defaults, None)?;
+    let (triggers, _) = std::sync::mpsc::channel();
+    let kube = opts.kube.as_ref().map(|k| KubeSide::start(k, triggers)).transpose()?;
+    if let Some(k) = &kube {
+        k.wait_initialized();
+    }
+    let loaded = gather(&opts.manifests, kube.as_ref().map(|k| &k.source));
+    let current = build(loaded, &opts.node, Revision(1), opts.audit.defaults, None)?.current;
     let spec = RulesetSpec::new(
         opts.redirect.clone(),
         current.snapshot.local_pod_ips(current.node),
@@ -226,13 +304,31 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
     audit_config.context =
         audit::event::Context::new(&opts.node, audit_config.context.label_keys().to_vec());
     let auditor = Arc::new(Auditor::start(audit_config).context("starting audit")?);
+    // Every source of change (manifest watch, API-server watchers) wakes the reloader
+    // through this channel.
+    let (triggers, changes) = std::sync::mpsc::channel::<()>();
+    // The API-server side, like audit, keeps the namespace the agent started in.
+    let kube = opts.kube.as_ref().map(|k| KubeSide::start(k, triggers.clone())).transpose()?;
     if let Some(ns) = &opts.netns {
         enter_netns(ns)?;
     }
     let _tw_reuse = opts.tcp_tw_reuse.then(TcpTwReuse::enable);
+    if let Some(k) = &kube {
+        k.wait_initialized();
+    }
     let initial_fingerprint = manifest::fingerprint(&opts.manifests);
-    let (current, last_good) =
-        load(&opts.manifests, &opts.node, Revision(1), opts.audit.defaults, None)?;
+    let initial_generation = kube.as_ref().map_or(0, |k| k.source.generation());
+    let built = build(
+        gather(&opts.manifests, kube.as_ref().map(|k| &k.source)),
+        &opts.node,
+        Revision(1),
+        opts.audit.defaults,
+        None,
+    )?;
+    if let Some(k) = &kube {
+        k.reports.send_replace(Arc::new(built.report));
+    }
+    let (current, last_good) = (built.current, built.last_good);
     let local: Vec<IpAddr> = current.snapshot.local_pod_ips(current.node);
     let node_addrs: Vec<IpAddr> = current.snapshot.node_addrs(current.node).to_vec();
     tracing::info!(
@@ -251,6 +347,7 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
         registry.clone(),
         decider_slot.clone(),
         udp_stats.clone(),
+        kube.as_ref().map(|k| k.source.clone()),
         &opts.audit,
     )));
     let decider = Arc::new(Decider::new(
@@ -337,39 +434,60 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
     ready.store(true, std::sync::atomic::Ordering::Relaxed);
     tracing::info!(node = %opts.node, audit = auditor.enabled(), "enforcing");
 
-    // Live change: the manifests are watched; each change becomes a new snapshot.
-    let watch = match manifest::watch(&opts.manifests, manifest::DEFAULT_DEBOUNCE) {
-        Ok(w) => Some(w),
-        Err(e) => {
-            tracing::error!(
-                error = %crate::explain::error_chain(&e),
-                "cannot watch the manifests; enforcing revision 1 until restarted"
-            );
-            None
+    // Live change: the manifests are watched (and the API server, by the watchers); each
+    // change becomes a new snapshot.
+    let watch = if opts.manifests.is_empty() {
+        None
+    } else {
+        match manifest::watch(&opts.manifests, manifest::DEFAULT_DEBOUNCE) {
+            Ok((w, rx)) => {
+                let triggers = triggers.clone();
+                // Forwards until the watch is dropped and its channel closes.
+                let forward = std::thread::Builder::new()
+                    .name("tierproxy-mwatch".into())
+                    .spawn(move || {
+                        while let Ok(paths) = rx.recv() {
+                            tracing::debug!(paths = paths.len(), first = ?paths.first(), "manifests changed");
+                            if triggers.send(()).is_err() {
+                                return;
+                            }
+                        }
+                    });
+                if let Err(e) = forward {
+                    tracing::error!(error = %e, "cannot start the manifest watch");
+                }
+                Some(w)
+            }
+            Err(e) => {
+                tracing::error!(
+                    error = %crate::explain::error_chain(&e),
+                    "cannot watch the manifests; their changes are not seen until restarted"
+                );
+                None
+            }
         }
     };
+    // The reloader ends when every sender is gone: the manifest forwarder's (when the
+    // watch is dropped), the API-server side's (when it stops), and this one.
+    drop(triggers);
     std::thread::scope(|scope| {
-        let (watch, changes) = match watch {
-            Some((w, rx)) => (Some(w), Some(rx)),
-            None => (None, None),
+        let reloader = Reloader {
+            opts: &opts,
+            decider: &decider,
+            registry: &registry,
+            backend: &*backend,
+            kube: kube.as_ref(),
+            spec: spec.clone(),
+            revision: 1,
+            fingerprint: initial_fingerprint,
+            generation: initial_generation,
+            last_good,
         };
-        if let Some(changes) = changes {
-            let reloader = Reloader {
-                opts: &opts,
-                decider: &decider,
-                registry: &registry,
-                backend: &*backend,
-                spec: spec.clone(),
-                revision: 1,
-                fingerprint: initial_fingerprint,
-                last_good,
-            };
-            let spawned = std::thread::Builder::new()
-                .name("tierproxy-reload".into())
-                .spawn_scoped(scope, move || reloader.run(&changes));
-            if let Err(e) = spawned {
-                tracing::error!(error = %e, "cannot start the manifest reloader");
-            }
+        let spawned = std::thread::Builder::new()
+            .name("tierproxy-reload".into())
+            .spawn_scoped(scope, move || reloader.run(&changes));
+        if let Err(e) = spawned {
+            tracing::error!(error = %e, "cannot start the reloader; enforcing revision 1");
         }
         runtime.block_on(async {
             let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
@@ -396,8 +514,12 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
             let _ = serving.await;
             let _ = udp_serving.await;
         });
-        // Ends the watch; its channel closes and the reloader returns.
+        // Ends the watch and the API-server side; the reloader's channel closes and it
+        // returns.
         drop(watch);
+        if let Some(k) = &kube {
+            k.stop();
+        }
     });
     // Connection ends are queued by now: flush them with the rest.
     auditor.shutdown();
@@ -408,6 +530,115 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The API-server side of the agent: a thread with its own single-threaded runtime running
+/// the watchers ([`cluster::apiserver`]) and, if enabled, the status writer
+/// ([`cluster::status`]). Started before the agent enters another network namespace
+/// (`--netns`, the lab), so that its connections keep the namespace the agent started in,
+/// as audit's do; and apart from the proxy's runtime, so the data path never waits on it.
+struct KubeSide {
+    source: cluster::apiserver::ApiSource,
+    /// Each build's policy report, for the status writer.
+    reports: tokio::sync::watch::Sender<Arc<cluster::status::Report>>,
+    stop: std::sync::Mutex<Option<tokio::sync::oneshot::Sender<()>>>,
+    thread: std::sync::Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+impl KubeSide {
+    /// Connects (in-cluster configuration, else `KUBECONFIG` / `~/.kube/config`) and starts
+    /// the watchers; each debounced change sends `()` on `changes`.
+    ///
+    /// # Errors
+    /// No usable client configuration, or the thread cannot start. An API server that
+    /// does not answer is not an error here: the watchers retry.
+    fn start(opts: &KubeOptions, changes: std::sync::mpsc::Sender<()>) -> anyhow::Result<KubeSide> {
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+        let (reports, reports_rx) =
+            tokio::sync::watch::channel(Arc::new(cluster::status::Report::default()));
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let opts = opts.clone();
+        let thread = std::thread::Builder::new()
+            .name("tierproxy-kube".into())
+            .spawn(move || {
+                let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+                    Ok(rt) => rt,
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(anyhow::Error::new(e)));
+                        return;
+                    }
+                };
+                rt.block_on(async move {
+                    let client = match cluster::apiserver::client(None).await {
+                        Ok(c) => c,
+                        Err(e) => {
+                            let e = anyhow::Error::new(e).context(
+                                "configuring the API-server client (in-cluster service account, \
+                                 else KUBECONFIG or ~/.kube/config)",
+                            );
+                            let _ = ready_tx.send(Err(e));
+                            return;
+                        }
+                    };
+                    let source = cluster::apiserver::ApiSource::start(
+                        client.clone(),
+                        opts.source,
+                        move || {
+                            let _ = changes.send(());
+                        },
+                    );
+                    let _ = ready_tx.send(Ok(source.clone()));
+                    if let Some(status) = opts.status {
+                        tokio::spawn(cluster::status::run(client, source, status, reports_rx));
+                    }
+                    let _ = stop_rx.await;
+                });
+            })
+            .context("starting the API-server thread")?;
+        let source = ready_rx.recv().context("the API-server thread ended")??;
+        Ok(KubeSide {
+            source,
+            reports,
+            stop: std::sync::Mutex::new(Some(stop_tx)),
+            thread: std::sync::Mutex::new(Some(thread)),
+        })
+    }
+
+    /// Blocks until every watcher has finished its initial list, logging the kinds still
+    /// missing every 10 s (the node is not enforcing yet: no ruleset, not ready).
+    fn wait_initialized(&self) {
+        let started = std::time::Instant::now();
+        let mut next_log = Duration::from_secs(10);
+        while !self.source.initialized() {
+            std::thread::sleep(Duration::from_millis(20));
+            if started.elapsed() >= next_log {
+                next_log += Duration::from_secs(10);
+                let pending: Vec<String> =
+                    self.source.pending().iter().map(|k| k.to_string()).collect();
+                tracing::warn!(
+                    waiting_secs = started.elapsed().as_secs(),
+                    pending = %pending.join(","),
+                    "waiting for the API server's initial lists before the first snapshot"
+                );
+            }
+        }
+    }
+
+    /// Stops the watchers and the status writer and waits for the thread.
+    fn stop(&self) {
+        if let Some(tx) = self.stop.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            let _ = tx.send(());
+        }
+        if let Some(t) = self.thread.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for KubeSide {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
 /// Applies manifest changes: each batch of changed paths becomes a new snapshot (the next
 /// revision), which is published to the deciders, every live connection is decided again
 /// (those now denied are cut), and the interception sets follow the node's pods.
@@ -416,23 +647,27 @@ struct Reloader<'a> {
     decider: &'a Decider,
     registry: &'a Registry,
     backend: &'a dyn redirect::Backend,
+    /// The API-server side, if the agent reads it.
+    kube: Option<&'a KubeSide>,
     /// The ruleset installed now.
     spec: RulesetSpec,
     /// The revision in force.
     revision: u64,
     /// [`manifest::fingerprint`] of the manifests the revision in force was built from.
     fingerprint: u64,
+    /// [`cluster::apiserver::ApiSource::generation`] the revision in force was built from.
+    generation: u64,
     /// The policies of the revision in force, for a policy whose next version is invalid.
     last_good: cluster::LastGood,
 }
 
 impl Reloader<'_> {
-    /// Reloads on every change until the channel closes (the watch was dropped).
-    fn run(mut self, changes: &std::sync::mpsc::Receiver<Vec<PathBuf>>) {
-        while let Ok(paths) = changes.recv() {
+    /// Reloads on every change until the channel closes (every source stopped).
+    fn run(mut self, changes: &std::sync::mpsc::Receiver<()>) {
+        while changes.recv().is_ok() {
             // Changes that queued up while the last reload ran are covered by this one.
-            let more = changes.try_iter().map(|p| p.len()).sum::<usize>();
-            tracing::debug!(paths = paths.len() + more, first = ?paths.first(), "manifests changed");
+            let more = changes.try_iter().count();
+            tracing::debug!(queued = more, "change reported");
             self.reload();
         }
     }
@@ -443,29 +678,34 @@ impl Reloader<'_> {
     fn reload(&mut self) {
         let started = std::time::Instant::now();
         let fingerprint = manifest::fingerprint(&self.opts.manifests);
-        if fingerprint == self.fingerprint {
-            tracing::debug!(revision = self.revision, "manifests unchanged; nothing to apply");
+        // Read before the stores are: a change after this point triggers another reload.
+        let generation = self.kube.map_or(0, |k| k.source.generation());
+        if fingerprint == self.fingerprint && generation == self.generation {
+            tracing::debug!(revision = self.revision, "inputs unchanged; nothing to apply");
             return;
         }
         let next = Revision(self.revision + 1);
-        let loaded = load(
-            &self.opts.manifests,
+        let loaded = build(
+            gather(&self.opts.manifests, self.kube.map(|k| &k.source)),
             &self.opts.node,
             next,
             self.opts.audit.defaults,
             Some(&self.last_good),
         );
         let current = match loaded {
-            Ok((c, last_good)) => {
-                self.last_good = last_good;
-                c
+            Ok(b) => {
+                self.last_good = b.last_good;
+                if let Some(k) = self.kube {
+                    k.reports.send_replace(Arc::new(b.report));
+                }
+                b.current
             }
             Err(e) => {
                 self.decider.stats.reload_errors.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 tracing::error!(
                     error = %format!("{e:#}"),
                     revision = self.revision,
-                    "manifests changed but cannot be used; the last good snapshot stays in force"
+                    "the inputs changed but cannot be used; the last good snapshot stays in force"
                 );
                 return;
             }
@@ -475,6 +715,7 @@ impl Reloader<'_> {
         self.decider.publish(current);
         self.revision = next.0;
         self.fingerprint = fingerprint;
+        self.generation = generation;
         let compiled = started.elapsed();
         let redecided = self.decider.redecide(self.registry);
         let spec = match RulesetSpec::new(self.opts.redirect.clone(), local, node_addrs) {
@@ -612,6 +853,7 @@ fn scraped(
     registry: Arc<Registry>,
     decider: Arc<std::sync::OnceLock<Arc<Decider>>>,
     udp: Arc<udp::UdpStats>,
+    kube: Option<cluster::apiserver::ApiSource>,
     config: &AuditConfig,
 ) -> Scraped {
     use std::sync::atomic::Ordering::Relaxed;
@@ -694,6 +936,29 @@ fn scraped(
                 vec![("queue", q.to_string()), ("reason", "undeliverable".into())],
                 undeliverable,
             ));
+        }
+        if let Some(k) = &kube {
+            out.push(g(
+                "kube_stale_seconds",
+                "Seconds some API-server watcher has been failing (0: all healthy); the \
+                 snapshot in force may miss changes made since",
+                vec![],
+                k.stale_for().map_or(0, |d| d.as_secs()),
+            ));
+            out.push(c(
+                "kube_watch_errors",
+                "API-server watch errors (each retried with backoff)",
+                vec![],
+                k.errors(),
+            ));
+            for (kind, h) in k.health() {
+                out.push(g(
+                    "kube_resource_served",
+                    "Whether the API server serves the resource (0: its CRD is not installed)",
+                    vec![("resource", kind.plural().to_string())],
+                    u64::from(h.initialized && !h.absent),
+                ));
+            }
         }
         if let Some(d) = decider.get() {
             out.push(g(

@@ -114,12 +114,37 @@ enum Command {
 /// constants.
 #[derive(clap::Args)]
 struct AgentArgs {
-    /// This node's name (`metadata.name` of a Node in the manifests).
+    /// This node's name (`metadata.name` of its Node; on a cluster, `spec.nodeName` from
+    /// the downward API). Only pods with this `spec.nodeName` are intercepted.
     #[arg(long, env = "NODE_NAME")]
     node: String,
-    /// Manifest files or directories: cluster state and policies.
-    #[arg(long, short = 'm', required = true, num_args = 1..)]
+    /// Manifest files or directories: cluster state and policies. With --kube, their
+    /// objects are merged with the API server's (the API server's win).
+    #[arg(long, short = 'm', required_unless_present = "kube", num_args = 1..)]
     manifests: Vec<PathBuf>,
+    /// Read Pods, Namespaces, Nodes, NetworkPolicies, AdminNetworkPolicies,
+    /// BaselineAdminNetworkPolicies and ClusterNetworkPolicies from the Kubernetes API
+    /// server (in-cluster service account, else KUBECONFIG or ~/.kube/config).
+    #[arg(long)]
+    kube: bool,
+    /// With --kube: never write policy status. By default the agent holding the Lease
+    /// writes the `tierproxy.io/Accepted` condition on each ANP/BANP/CNP and an Event for
+    /// each invalid one.
+    #[arg(long, requires = "kube")]
+    no_policy_status: bool,
+    /// Namespace of the status writer's Lease (the agent's own).
+    #[arg(long, env = "POD_NAMESPACE", default_value = "kube-system")]
+    lease_namespace: String,
+    /// Name of the status writer's Lease.
+    #[arg(long, default_value = tierproxy::cluster::status::DEFAULT_LEASE_NAME)]
+    lease_name: String,
+    /// This agent's identity in the Lease (default: the node name).
+    #[arg(long, env = "POD_NAME")]
+    identity: Option<String>,
+    /// Longest retry delay of a failing API-server watch, milliseconds; also the longest
+    /// time before a CRD installed later is noticed.
+    #[arg(long, default_value_t = tierproxy::cluster::apiserver::DEFAULT_BACKOFF_MAX.as_millis() as u64)]
+    kube_retry_max_ms: u64,
     /// Create this (empty) file once the node is enforcing; removed on exit.
     #[arg(long)]
     ready_file: Option<PathBuf>,
@@ -236,6 +261,23 @@ fn run_agent(a: AgentArgs) -> ExitCode {
     opts.udp_idle_timeout = Duration::from_secs(a.udp_idle_timeout_secs);
     opts.max_udp_flows = a.max_udp_flows;
     opts.tcp_tw_reuse = !a.no_tcp_tw_reuse;
+    if a.kube {
+        use tierproxy::cluster::{apiserver, status};
+        let max = Duration::from_millis(a.kube_retry_max_ms.max(1));
+        opts.kube = Some(tierproxy::agent::KubeOptions {
+            source: apiserver::SourceConfig {
+                backoff_max: max,
+                backoff_initial: apiserver::DEFAULT_BACKOFF_INITIAL.min(max),
+                ..apiserver::SourceConfig::default()
+            },
+            status: (!a.no_policy_status).then(|| status::StatusOptions {
+                lease_namespace: a.lease_namespace.clone(),
+                lease_name: a.lease_name.clone(),
+                identity: a.identity.clone().unwrap_or_else(|| opts.node.clone()),
+                lease_seconds: status::DEFAULT_LEASE_SECONDS,
+            }),
+        });
+    }
     if a.dry_run {
         return match tierproxy::agent::dry_run(&opts) {
             Ok(text) => {

@@ -1,6 +1,12 @@
-//! Where cluster state and policies come from. Today: manifest files ([`manifest`]); the
-//! kube-rs watchers (issue #6) will feed the same [`crate::policy::Inputs`].
+//! Where cluster state and policies come from: manifest files ([`manifest`], issue #5) and
+//! the API server ([`apiserver`], kube-rs watchers with reflector stores, issue #6). Both
+//! feed the same [`crate::policy::Inputs`] and one snapshot builder (the agent's reloader);
+//! [`status`] writes back, from one elected agent, whether each policy was accepted.
+//!
+//! This module is the only user of the kube client (DESIGN §4).
+pub mod apiserver;
 pub mod manifest;
+pub mod status;
 
 use crate::policy::compile::meta_namespace;
 use crate::policy::{Inputs, Kind, ObjectRef};

@@ -3,6 +3,8 @@
 //! dropped, also when the test panics.
 #![allow(dead_code)] // each test binary uses a different subset
 
+pub mod apiserver;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 

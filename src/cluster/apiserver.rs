@@ -1,0 +1,735 @@
+//! The API-server source: kube-rs watchers with reflector stores for the seven kinds the
+//! engine reads (issue #6, "Cluster source").
+//!
+//! - **What is watched.** Pods, Namespaces and Nodes (`v1`), NetworkPolicies
+//!   (`networking.k8s.io/v1`), AdminNetworkPolicies and BaselineAdminNetworkPolicies
+//!   (`policy.networking.k8s.io/v1alpha1`) and ClusterNetworkPolicies
+//!   (`policy.networking.k8s.io/v1alpha2`), cluster-wide: a pod anywhere may be a peer.
+//! - **CRDs that are not installed.** The three policy kinds are custom resources. A list
+//!   that the API server answers with 404 means the CRD (or that API version) is not
+//!   installed: the kind counts as listed and empty ([`KindHealth::absent`]), and the
+//!   watcher keeps retrying with backoff, so a CRD installed later is picked up at the next
+//!   retry (at most [`SourceConfig::backoff_max`] later). Neither API version is required.
+//! - **Memory.** Each object is cut to the fields the engine reads before it is stored (a
+//!   projection, [`project_pod`] and friends): a Pod keeps its name, namespace, labels, node,
+//!   hostNetwork, named container ports, phase and IPs; `managedFields` and the
+//!   `last-applied-configuration` annotation go everywhere.
+//! - **Initial lists.** [`ApiSource::initialized`] is true once every watcher has finished
+//!   its first list (kube-runtime's `InitDone`, or 404 for a CRD); the agent builds its
+//!   first snapshot only then.
+//! - **Changes.** Every applied or deleted object, and every relist, bumps
+//!   [`ApiSource::generation`] and, after [`SourceConfig::debounce`] of quiet (at most
+//!   [`SourceConfig::max_delay`] after the first change of a burst), calls the trigger the
+//!   agent gave: one rebuild covers a burst such as a Deployment rollout.
+//! - **Errors.** A watch error (API server unreachable, 4xx/5xx) leaves the stores as
+//!   they were, so the snapshot in force stays the last good one; the watcher retries with
+//!   exponential backoff and relists. [`ApiSource::stale_for`] says for how long some
+//!   watcher has been failing (a metric and a log line in the agent). 410 Gone (the
+//!   watch's resourceVersion was compacted away) is a routine relist, not a failure.
+//!
+//! Sources: issue #6; kube-runtime `watcher` and `reflector` (kube 5); the Kubernetes API
+//! concepts "Efficient detection of changes" (list, then watch from the list's
+//! resourceVersion; 410 Gone means relist).
+use std::fmt;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures_util::StreamExt;
+use kube::api::Api;
+use kube::runtime::reflector::{self, Store};
+use kube::runtime::utils::Backoff;
+use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Client, Resource};
+use serde::de::DeserializeOwned;
+
+use crate::policy::Inputs;
+use crate::policy::api::{Namespace, NetworkPolicy, Node, Pod, v1alpha1, v1alpha2};
+use crate::policy::compile::ANNOTATION_PREFIX;
+
+/// Default quiet time before a change is reported: 100 ms, as for the manifest source.
+pub const DEFAULT_DEBOUNCE: Duration = Duration::from_millis(100);
+/// Default longest wait from a burst's first change to its report: 1 s, so a steady churn
+/// (a large rollout) cannot hold back new snapshots forever.
+pub const DEFAULT_MAX_DELAY: Duration = Duration::from_secs(1);
+/// Default first retry delay after a watch error (kube-runtime's default is 800 ms).
+pub const DEFAULT_BACKOFF_INITIAL: Duration = Duration::from_millis(800);
+/// Default longest retry delay after repeated watch errors (kube-runtime's default, 30 s).
+/// Also the longest time before a CRD installed later is noticed.
+pub const DEFAULT_BACKOFF_MAX: Duration = Duration::from_secs(30);
+
+/// A client of the API server: `config` if given, else the in-cluster service account
+/// (`KUBERNETES_SERVICE_HOST` and the mounted token), else `KUBECONFIG` or
+/// `~/.kube/config` (kube's `Config::infer`), with kube's built-in retry of 429/503/504
+/// off (the watchers back off themselves, and an outage must show as staleness). TLS uses rustls with the `ring`
+/// provider, installed here as the process default if none is.
+///
+/// # Errors
+/// No usable configuration (not in a cluster and no kubeconfig), or a configuration the
+/// client cannot use (bad certificates, an unsupported auth plugin).
+pub async fn client(config: Option<kube::Config>) -> Result<Client, kube::Error> {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let mut config = match config {
+        Some(c) => c,
+        None => kube::Config::infer().await.map_err(kube::Error::InferConfig)?,
+    };
+    // kube's own retry of 429/503/504 (15 tries, minutes in all) would hide an outage from
+    // the watchers: they retry with their own backoff and report staleness instead.
+    config.default_retry = false;
+    Client::try_from(config)
+}
+
+/// One of the watched kinds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum WatchedKind {
+    /// `v1` Pod.
+    Pod,
+    /// `v1` Namespace.
+    Namespace,
+    /// `v1` Node.
+    Node,
+    /// `networking.k8s.io/v1` NetworkPolicy.
+    NetworkPolicy,
+    /// `policy.networking.k8s.io/v1alpha1` AdminNetworkPolicy (a CRD).
+    AdminNetworkPolicy,
+    /// `policy.networking.k8s.io/v1alpha1` BaselineAdminNetworkPolicy (a CRD).
+    BaselineAdminNetworkPolicy,
+    /// `policy.networking.k8s.io/v1alpha2` ClusterNetworkPolicy (a CRD).
+    ClusterNetworkPolicy,
+}
+
+impl WatchedKind {
+    /// Every kind, in the order they are reported.
+    pub const ALL: [WatchedKind; 7] = [
+        WatchedKind::Pod,
+        WatchedKind::Namespace,
+        WatchedKind::Node,
+        WatchedKind::NetworkPolicy,
+        WatchedKind::AdminNetworkPolicy,
+        WatchedKind::BaselineAdminNetworkPolicy,
+        WatchedKind::ClusterNetworkPolicy,
+    ];
+
+    /// The resource's plural name, as in its API path and RBAC rules.
+    pub fn plural(self) -> &'static str {
+        match self {
+            WatchedKind::Pod => "pods",
+            WatchedKind::Namespace => "namespaces",
+            WatchedKind::Node => "nodes",
+            WatchedKind::NetworkPolicy => "networkpolicies",
+            WatchedKind::AdminNetworkPolicy => "adminnetworkpolicies",
+            WatchedKind::BaselineAdminNetworkPolicy => "baselineadminnetworkpolicies",
+            WatchedKind::ClusterNetworkPolicy => "clusternetworkpolicies",
+        }
+    }
+
+    /// Whether the kind is a custom resource that may not be installed.
+    pub fn optional(self) -> bool {
+        matches!(
+            self,
+            WatchedKind::AdminNetworkPolicy
+                | WatchedKind::BaselineAdminNetworkPolicy
+                | WatchedKind::ClusterNetworkPolicy
+        )
+    }
+
+    fn index(self) -> usize {
+        self as usize
+    }
+}
+
+impl fmt::Display for WatchedKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.plural())
+    }
+}
+
+/// Tunables of the source; [`Default`] gives the documented defaults.
+#[derive(Debug, Clone)]
+pub struct SourceConfig {
+    /// Quiet time before a change is reported ([`DEFAULT_DEBOUNCE`]).
+    pub debounce: Duration,
+    /// Longest wait from a burst's first change to its report ([`DEFAULT_MAX_DELAY`]).
+    pub max_delay: Duration,
+    /// First retry delay after a watch error ([`DEFAULT_BACKOFF_INITIAL`]).
+    pub backoff_initial: Duration,
+    /// Longest retry delay ([`DEFAULT_BACKOFF_MAX`]).
+    pub backoff_max: Duration,
+    /// Objects per page of a list (the API server's `limit`); kube-runtime's default 500.
+    pub page_size: u32,
+}
+
+impl Default for SourceConfig {
+    fn default() -> Self {
+        SourceConfig {
+            debounce: DEFAULT_DEBOUNCE,
+            max_delay: DEFAULT_MAX_DELAY,
+            backoff_initial: DEFAULT_BACKOFF_INITIAL,
+            backoff_max: DEFAULT_BACKOFF_MAX,
+            page_size: 500,
+        }
+    }
+}
+
+/// What one watcher has seen, for readiness, staleness and logs.
+#[derive(Debug, Clone, Default)]
+pub struct KindHealth {
+    /// The first list finished (or was answered 404 for a CRD).
+    pub initialized: bool,
+    /// The API server answered 404 for the kind's list: its CRD (or this API version) is
+    /// not installed; the kind contributes nothing.
+    pub absent: bool,
+    /// When the current run of errors began (`None`: the watcher is healthy).
+    pub failing_since: Option<Instant>,
+    /// The last error, as text.
+    pub last_error: Option<String>,
+    /// Errors seen since start.
+    pub errors: u64,
+}
+
+/// State shared between the watcher tasks and the readers.
+struct Shared {
+    health: Mutex<[KindHealth; 7]>,
+    generation: AtomicU64,
+    initialized: AtomicBool,
+    changed: tokio::sync::Notify,
+    errors: AtomicU64,
+}
+
+impl Shared {
+    fn health<R>(&self, f: impl FnOnce(&mut [KindHealth; 7]) -> R) -> R {
+        let mut h = self.health.lock().unwrap_or_else(|e| e.into_inner());
+        f(&mut h)
+    }
+
+    fn bump(&self) {
+        self.generation.fetch_add(1, Ordering::Release);
+        self.changed.notify_one();
+    }
+}
+
+/// The reflector stores of the seven kinds.
+#[derive(Clone)]
+struct Stores {
+    pods: Store<Pod>,
+    namespaces: Store<Namespace>,
+    nodes: Store<Node>,
+    network_policies: Store<NetworkPolicy>,
+    admin_network_policies: Store<v1alpha1::AdminNetworkPolicy>,
+    baseline_admin_network_policies: Store<v1alpha1::BaselineAdminNetworkPolicy>,
+    cluster_network_policies: Store<v1alpha2::ClusterNetworkPolicy>,
+}
+
+/// A running API-server source. Cheap to clone; the watchers stop when the runtime they
+/// were spawned on stops.
+#[derive(Clone)]
+pub struct ApiSource {
+    stores: Stores,
+    shared: Arc<Shared>,
+}
+
+impl fmt::Debug for ApiSource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ApiSource")
+            .field("generation", &self.generation())
+            .field("initialized", &self.initialized())
+            .finish_non_exhaustive()
+    }
+}
+
+impl ApiSource {
+    /// Starts the seven watchers (and the debouncer) on the current tokio runtime, with
+    /// `client`. `on_change` is called, from a runtime task, after each debounced burst of
+    /// changes once every watcher has finished its first list (and once when that
+    /// happens); it must not block.
+    ///
+    /// Must be called from within a tokio runtime.
+    pub fn start(
+        client: Client,
+        config: SourceConfig,
+        on_change: impl Fn() + Send + Sync + 'static,
+    ) -> ApiSource {
+        let shared = Arc::new(Shared {
+            health: Mutex::new(Default::default()),
+            generation: AtomicU64::new(0),
+            initialized: AtomicBool::new(false),
+            changed: tokio::sync::Notify::new(),
+            errors: AtomicU64::new(0),
+        });
+        let c = &config;
+        let s = &shared;
+        let stores = Stores {
+            pods: spawn_watch(Api::all(client.clone()), WatchedKind::Pod, project_pod, c, s),
+            namespaces: spawn_watch(
+                Api::all(client.clone()),
+                WatchedKind::Namespace,
+                project_namespace,
+                c,
+                s,
+            ),
+            nodes: spawn_watch(Api::all(client.clone()), WatchedKind::Node, project_node, c, s),
+            network_policies: spawn_watch(
+                Api::all(client.clone()),
+                WatchedKind::NetworkPolicy,
+                project_meta,
+                c,
+                s,
+            ),
+            admin_network_policies: spawn_watch(
+                Api::all(client.clone()),
+                WatchedKind::AdminNetworkPolicy,
+                project_meta,
+                c,
+                s,
+            ),
+            baseline_admin_network_policies: spawn_watch(
+                Api::all(client.clone()),
+                WatchedKind::BaselineAdminNetworkPolicy,
+                project_meta,
+                c,
+                s,
+            ),
+            cluster_network_policies: spawn_watch(
+                Api::all(client),
+                WatchedKind::ClusterNetworkPolicy,
+                project_meta,
+                c,
+                s,
+            ),
+        };
+        tokio::spawn(debounce(shared.clone(), config, on_change));
+        ApiSource { stores, shared }
+    }
+
+    /// Whether every watcher has finished its first list.
+    pub fn initialized(&self) -> bool {
+        self.shared.initialized.load(Ordering::Acquire)
+    }
+
+    /// The kinds whose first list has not finished yet.
+    pub fn pending(&self) -> Vec<WatchedKind> {
+        self.shared.health(|h| {
+            WatchedKind::ALL.into_iter().filter(|k| !h[k.index()].initialized).collect()
+        })
+    }
+
+    /// Increases with every change the watchers apply to the stores: equal values mean
+    /// nothing changed in between.
+    pub fn generation(&self) -> u64 {
+        self.shared.generation.load(Ordering::Acquire)
+    }
+
+    /// Each kind's health, in [`WatchedKind::ALL`] order.
+    pub fn health(&self) -> Vec<(WatchedKind, KindHealth)> {
+        self.shared.health(|h| WatchedKind::ALL.into_iter().zip(h.iter().cloned()).collect())
+    }
+
+    /// How long the longest-failing watcher has been failing (`None`: all healthy). While
+    /// it is `Some`, the stores (and the snapshot in force) may miss changes made since.
+    pub fn stale_for(&self) -> Option<Duration> {
+        self.shared.health(|h| h.iter().filter_map(|k| k.failing_since).min()).map(|t| t.elapsed())
+    }
+
+    /// Watch errors seen since start, over all kinds.
+    pub fn errors(&self) -> u64 {
+        self.shared.errors.load(Ordering::Relaxed)
+    }
+
+    /// A copy of the stores' objects, as compiler input. Kinds whose CRD is not installed
+    /// contribute nothing.
+    pub fn inputs(&self) -> Inputs {
+        fn all<K: Clone + Resource<DynamicType = ()> + 'static>(s: &Store<K>) -> Vec<K> {
+            s.state().iter().map(|o| (**o).clone()).collect()
+        }
+        let absent = self.shared.health(|h| h.each_ref().map(|k| k.absent));
+        let optional = |kind: WatchedKind| !absent[kind.index()];
+        let s = &self.stores;
+        Inputs {
+            namespaces: all(&s.namespaces),
+            nodes: all(&s.nodes),
+            pods: all(&s.pods),
+            network_policies: all(&s.network_policies),
+            admin_network_policies: if optional(WatchedKind::AdminNetworkPolicy) {
+                all(&s.admin_network_policies)
+            } else {
+                Vec::new()
+            },
+            baseline_admin_network_policies: if optional(WatchedKind::BaselineAdminNetworkPolicy) {
+                all(&s.baseline_admin_network_policies)
+            } else {
+                Vec::new()
+            },
+            cluster_network_policies: if optional(WatchedKind::ClusterNetworkPolicy) {
+                all(&s.cluster_network_policies)
+            } else {
+                Vec::new()
+            },
+        }
+    }
+
+    /// The stored AdminNetworkPolicies (for the status writer).
+    pub fn admin_network_policies(&self) -> Vec<Arc<v1alpha1::AdminNetworkPolicy>> {
+        self.stores.admin_network_policies.state()
+    }
+
+    /// The stored BaselineAdminNetworkPolicies (for the status writer).
+    pub fn baseline_admin_network_policies(
+        &self,
+    ) -> Vec<Arc<v1alpha1::BaselineAdminNetworkPolicy>> {
+        self.stores.baseline_admin_network_policies.state()
+    }
+
+    /// The stored ClusterNetworkPolicies (for the status writer).
+    pub fn cluster_network_policies(&self) -> Vec<Arc<v1alpha2::ClusterNetworkPolicy>> {
+        self.stores.cluster_network_policies.state()
+    }
+}
+
+/// Exponential backoff between watch retries: `initial`, doubling up to `max`, with up to
+/// 10% jitter (so a thousand agents do not relist in step after an API server restart);
+/// reset after a success.
+struct RetryBackoff {
+    initial: Duration,
+    max: Duration,
+    next: Duration,
+}
+
+impl Iterator for RetryBackoff {
+    type Item = Duration;
+
+    fn next(&mut self) -> Option<Duration> {
+        let d = self.next;
+        self.next = (self.next * 2).min(self.max);
+        let mut b = [0u8; 2];
+        let jitter = match getrandom::fill(&mut b) {
+            Ok(()) => d.mul_f64(f64::from(u16::from_le_bytes(b)) / f64::from(u16::MAX) * 0.1),
+            Err(_) => Duration::ZERO,
+        };
+        Some(d + jitter)
+    }
+}
+
+impl Backoff for RetryBackoff {
+    fn reset(&mut self) {
+        self.next = self.initial;
+    }
+}
+
+/// Whether `e` is the API server saying the resource does not exist (404).
+fn not_found(e: &watcher::Error) -> bool {
+    match e {
+        watcher::Error::InitialListFailed(kube::Error::Api(s))
+        | watcher::Error::WatchStartFailed(kube::Error::Api(s)) => s.code == 404,
+        watcher::Error::WatchError(s) => s.code == 404,
+        _ => false,
+    }
+}
+
+/// Spawns one kind's watcher, projected by `project`, into a new store.
+///
+/// After an error the watcher is dropped and, after the backoff, started again from a
+/// fresh list: the end of that list (`InitDone`) is the proof that the store is current
+/// again, which a re-watch from the old resourceVersion could not give (an idle watch
+/// sends nothing). The store keeps its content until the new list is complete (the
+/// reflector swaps it in at `InitDone`). 410 Gone is handled inside kube's watcher (a
+/// relist) and is no failure.
+fn spawn_watch<K>(
+    api: Api<K>,
+    kind: WatchedKind,
+    project: fn(&mut K),
+    config: &SourceConfig,
+    shared: &Arc<Shared>,
+) -> Store<K>
+where
+    K: Resource<DynamicType = ()> + Clone + DeserializeOwned + fmt::Debug + Send + Sync + 'static,
+{
+    let (store, mut writer) = reflector::store();
+    let mut backoff = RetryBackoff {
+        initial: config.backoff_initial,
+        max: config.backoff_max,
+        next: config.backoff_initial,
+    };
+    let wc = watcher::Config::default().page_size(config.page_size);
+    let shared = shared.clone();
+    tokio::spawn(async move {
+        loop {
+            let mut stream = std::pin::pin!(watcher(api.clone(), wc.clone()).modify(project));
+            while let Some(event) = stream.next().await {
+                match event {
+                    Ok(ev) => {
+                        writer.apply_watcher_event(&ev);
+                        match ev {
+                            watcher::Event::Init | watcher::Event::InitApply(_) => {}
+                            watcher::Event::InitDone => {
+                                backoff.reset();
+                                recovered(&shared, kind);
+                                shared.bump();
+                            }
+                            watcher::Event::Apply(_) | watcher::Event::Delete(_) => shared.bump(),
+                        }
+                    }
+                    Err(watcher::Error::WatchError(s)) if s.code == 410 => {
+                        // The watch's resourceVersion is older than the API server's
+                        // history (etcd compaction): kube's watcher relists; no failure.
+                        tracing::debug!(kind = %kind, "resourceVersion expired (410 Gone); relisting");
+                    }
+                    Err(e) if kind.optional() && not_found(&e) => {
+                        absent(&shared, kind);
+                        break;
+                    }
+                    Err(e) => {
+                        failed(&shared, kind, &e);
+                        break;
+                    }
+                }
+            }
+            tokio::time::sleep(backoff.next().unwrap_or(DEFAULT_BACKOFF_MAX)).await;
+        }
+    });
+    store
+}
+
+/// Records that `kind` is not served (404: its CRD is not installed).
+fn absent(shared: &Shared, kind: WatchedKind) {
+    let newly = shared.health(|h| {
+        let k = &mut h[kind.index()];
+        let newly = !k.absent || !k.initialized;
+        k.absent = true;
+        k.initialized = true;
+        k.failing_since = None;
+        newly
+    });
+    if newly {
+        tracing::info!(
+            kind = %kind,
+            "not served by the API server (its CRD is not installed); watching for it to appear"
+        );
+        update_initialized(shared);
+        shared.bump();
+    }
+}
+
+/// Records a watch error of `kind`.
+fn failed(shared: &Shared, kind: WatchedKind, e: &watcher::Error) {
+    shared.errors.fetch_add(1, Ordering::Relaxed);
+    let text = crate::explain::error_chain(e);
+    let since = shared.health(|h| {
+        let k = &mut h[kind.index()];
+        k.errors += 1;
+        k.last_error = Some(text.clone());
+        *k.failing_since.get_or_insert_with(Instant::now)
+    });
+    tracing::warn!(
+        kind = %kind,
+        error = %text,
+        stale_secs = since.elapsed().as_secs(),
+        "watch failed; enforcing the last good snapshot and retrying with backoff"
+    );
+}
+
+/// Records the end of a (re)list of `kind`: its store is current.
+fn recovered(shared: &Shared, kind: WatchedKind) {
+    let (was_failing, was_absent) = shared.health(|h| {
+        let k = &mut h[kind.index()];
+        let was = (k.failing_since.take(), k.absent);
+        k.absent = false;
+        k.initialized = true;
+        was
+    });
+    if let Some(since) = was_failing {
+        tracing::info!(
+            kind = %kind,
+            after_secs = since.elapsed().as_secs_f32(),
+            "watch recovered; the store is current again"
+        );
+    }
+    if was_absent {
+        tracing::info!(kind = %kind, "now served by the API server; watching it");
+    }
+    update_initialized(shared);
+}
+
+fn update_initialized(shared: &Shared) {
+    let all = shared.health(|h| h.iter().all(|k| k.initialized));
+    if all && !shared.initialized.swap(true, Ordering::AcqRel) {
+        tracing::info!("every watcher has finished its initial list");
+    }
+}
+
+/// Reports bursts of changes: `on_change` after `debounce` of quiet, at most `max_delay`
+/// after the burst's first change; nothing before every initial list is done.
+async fn debounce(shared: Arc<Shared>, config: SourceConfig, on_change: impl Fn()) {
+    loop {
+        shared.changed.notified().await;
+        let first = tokio::time::Instant::now();
+        loop {
+            let deadline =
+                (tokio::time::Instant::now() + config.debounce).min(first + config.max_delay);
+            match tokio::time::timeout_at(deadline, shared.changed.notified()).await {
+                Ok(()) if tokio::time::Instant::now() < first + config.max_delay => continue,
+                _ => break,
+            }
+        }
+        if shared.initialized.load(Ordering::Acquire) {
+            on_change();
+        }
+    }
+}
+
+/// Drops what no kind needs from `meta`: `managedFields` (often the largest part of an
+/// object), and annotations other than tierproxy's own (policies' audit settings).
+fn trim_meta(meta: &mut k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) {
+    meta.managed_fields = None;
+    meta.owner_references = None;
+    meta.finalizers = None;
+    if let Some(a) = meta.annotations.as_mut() {
+        a.retain(|k, _| k.starts_with(ANNOTATION_PREFIX));
+        if a.is_empty() {
+            meta.annotations = None;
+        }
+    }
+}
+
+/// The projection of a policy object: its metadata trimmed ([`trim_meta`]); spec and
+/// status are kept whole.
+pub fn project_meta<K: Resource>(o: &mut K) {
+    trim_meta(o.meta_mut());
+}
+
+/// The projection of a Pod: name, namespace, labels, `spec.nodeName`, `spec.hostNetwork`,
+/// the named ports of `spec.containers` (named ports resolve on them), `status.phase`,
+/// `status.podIP` and `status.podIPs`. Everything else is dropped.
+pub fn project_pod(p: &mut Pod) {
+    use k8s_openapi::api::core::v1::{Container, PodSpec, PodStatus};
+    trim_meta(&mut p.metadata);
+    p.metadata.annotations = None;
+    p.metadata.generate_name = None;
+    if let Some(spec) = p.spec.take() {
+        let containers = spec
+            .containers
+            .into_iter()
+            .filter_map(|c| {
+                let ports: Vec<_> = c
+                    .ports
+                    .unwrap_or_default()
+                    .into_iter()
+                    .filter(|p| p.name.as_deref().is_some_and(|n| !n.is_empty()))
+                    .collect();
+                (!ports.is_empty()).then(|| Container {
+                    name: c.name,
+                    ports: Some(ports),
+                    ..Container::default()
+                })
+            })
+            .collect();
+        p.spec = Some(PodSpec {
+            containers,
+            node_name: spec.node_name,
+            host_network: spec.host_network,
+            ..PodSpec::default()
+        });
+    }
+    if let Some(status) = p.status.take() {
+        p.status = Some(PodStatus {
+            phase: status.phase,
+            pod_ip: status.pod_ip,
+            pod_ips: status.pod_ips,
+            ..PodStatus::default()
+        });
+    }
+}
+
+/// The projection of a Namespace: name and labels.
+pub fn project_namespace(n: &mut Namespace) {
+    trim_meta(&mut n.metadata);
+    n.metadata.annotations = None;
+    n.spec = None;
+    n.status = None;
+}
+
+/// The projection of a Node: name, labels and `status.addresses`.
+pub fn project_node(n: &mut Node) {
+    use k8s_openapi::api::core::v1::NodeStatus;
+    trim_meta(&mut n.metadata);
+    n.metadata.annotations = None;
+    n.spec = None;
+    if let Some(status) = n.status.take() {
+        n.status = Some(NodeStatus { addresses: status.addresses, ..NodeStatus::default() });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_pod_keeps_what_the_engine_reads_and_nothing_else() {
+        let mut pod: Pod = serde_json::from_value(serde_json::json!({
+            "metadata": {
+                "name": "web-1", "namespace": "shop", "labels": {"app": "web"},
+                "annotations": {"kubectl.kubernetes.io/last-applied-configuration": "{...}"},
+                "managedFields": [{"manager": "kubectl"}],
+                "ownerReferences": [{"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "web", "uid": "u"}]
+            },
+            "spec": {
+                "nodeName": "node-a",
+                "containers": [
+                    {"name": "app", "image": "nginx", "env": [{"name": "A", "value": "1"}],
+                     "ports": [{"name": "http", "containerPort": 80}, {"containerPort": 9090}]},
+                    {"name": "sidecar", "image": "envoy"}
+                ],
+                "volumes": [{"name": "v", "emptyDir": {}}]
+            },
+            "status": {"phase": "Running", "podIP": "10.0.0.5", "podIPs": [{"ip": "10.0.0.5"}],
+                       "conditions": [{"type": "Ready", "status": "True"}]}
+        }))
+        .unwrap();
+        project_pod(&mut pod);
+        let v = serde_json::to_value(&pod).unwrap();
+        assert_eq!(
+            v,
+            serde_json::json!({
+                "apiVersion": "v1", "kind": "Pod",
+                "metadata": {"name": "web-1", "namespace": "shop", "labels": {"app": "web"}},
+                "spec": {"nodeName": "node-a", "containers": [
+                    {"name": "app", "ports": [{"name": "http", "containerPort": 80}]}
+                ]},
+                "status": {"phase": "Running", "podIP": "10.0.0.5", "podIPs": [{"ip": "10.0.0.5"}]}
+            })
+        );
+    }
+
+    #[test]
+    fn a_policy_keeps_its_own_annotations_only() {
+        let mut np: NetworkPolicy = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "p", "namespace": "n", "annotations": {
+                "tierproxy.io/audit": "all", "kubectl.kubernetes.io/last-applied-configuration": "{}"
+            }, "managedFields": [{"manager": "kubectl"}]},
+            "spec": {"podSelector": {}}
+        }))
+        .unwrap();
+        project_meta(&mut np);
+        assert_eq!(
+            np.metadata.annotations,
+            Some([("tierproxy.io/audit".to_string(), "all".to_string())].into())
+        );
+        assert!(np.metadata.managed_fields.is_none());
+        assert!(np.spec.is_some());
+    }
+
+    #[test]
+    fn backoff_doubles_to_its_limit_and_resets() {
+        let mut b = RetryBackoff {
+            initial: Duration::from_millis(100),
+            max: Duration::from_millis(350),
+            next: Duration::from_millis(100),
+        };
+        let got: Vec<u128> = (0..4).map(|_| b.next().unwrap().as_millis()).collect();
+        // Each delay is its base plus at most 10% jitter.
+        for (g, base) in got.iter().zip([100u128, 200, 350, 350]) {
+            assert!((base..=base + base / 10).contains(g), "{got:?}");
+        }
+        b.reset();
+        assert!(b.next().unwrap() < Duration::from_millis(111));
+    }
+}

@@ -1,0 +1,465 @@
+//! Policy status: one agent of the cluster, elected with a `coordination.k8s.io` Lease,
+//! writes a condition on each AdminNetworkPolicy, BaselineAdminNetworkPolicy and
+//! ClusterNetworkPolicy saying whether tierproxy accepted it, and a Kubernetes Event
+//! (`events.k8s.io/v1`, type Warning, reason `InvalidPolicy`) for each invalid one
+//! (issue #6, "Status").
+//!
+//! - **The condition.** Type [`CONDITION_TYPE`] (`tierproxy.io/Accepted`; KEP-2091 leaves
+//!   condition names to implementations, and a domain-qualified type cannot collide with
+//!   another implementation's). `status: "True"` with reason `Accepted`, or with reason
+//!   `PriorityConflict` and a message naming the policies that share its priority (it is
+//!   enforced, ordered after them by name); `status: "False"` with reason `Invalid` and the
+//!   validation error (the policy is left out, failing closed as its API says), or reason
+//!   `InvalidUpdate` when its last good version stays in force. `observedGeneration` is
+//!   the object's `metadata.generation`; `lastTransitionTime` changes only when `status`
+//!   does.
+//! - **How it is written.** Server-side apply of the status subresource with field manager
+//!   `tierproxy`, so the condition is ours alone and other implementations' conditions are
+//!   untouched (the upstream CRDs key `status.conditions` by `type`). A status is written
+//!   only when it differs from the stored one: a steady cluster causes no writes.
+//! - **Who writes it.** The holder of the Lease (`kube-lease-manager`); every other agent
+//!   only enforces. A leader that loses the lease stops writing at once.
+//!
+//! Sources: issue #6; KEP-2091 "Monitoring Requirements" (status conditions);
+//! Kubernetes API conventions, "Typical status properties" (`metav1.Condition`).
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use kube::api::{Api, Patch, PatchParams};
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::{Client, Resource, ResourceExt};
+
+use super::apiserver::ApiSource;
+use crate::policy::api::{v1alpha1, v1alpha2};
+use crate::policy::problem::ProblemKind;
+use crate::policy::{Kind, ObjectRef, Problem};
+
+/// The condition type tierproxy writes.
+pub const CONDITION_TYPE: &str = "tierproxy.io/Accepted";
+/// The field manager of tierproxy's status writes (server-side apply).
+pub const FIELD_MANAGER: &str = "tierproxy";
+/// Default name of the Lease that elects the status writer.
+pub const DEFAULT_LEASE_NAME: &str = "tierproxy-policy-status";
+/// Default Lease duration (seconds): a leader that stops renewing is replaced after it.
+pub const DEFAULT_LEASE_SECONDS: u64 = 15;
+/// How often the leader compares every policy's status with what it should be, besides
+/// after each new snapshot (catches a status someone else overwrote).
+pub const RESYNC: Duration = Duration::from_secs(60);
+
+/// What tierproxy makes of one policy in the snapshot in force.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Acceptance {
+    /// Valid and enforced.
+    Accepted,
+    /// Valid and enforced, but its priority equals another's whose subjects overlap; the
+    /// tie is broken by name. The message names the others.
+    PriorityConflict(String),
+    /// Invalid and left out of the snapshot (failing closed as its API says). The
+    /// validation errors.
+    Invalid(String),
+    /// The latest version is invalid; its last good version stays in force.
+    InvalidUpdate(String),
+}
+
+/// Each policy's [`Acceptance`], from one snapshot's build.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Report {
+    /// The snapshot's revision.
+    pub revision: u64,
+    /// By policy; a policy of the three status-carrying kinds that is missing here was
+    /// valid and had no conflict.
+    pub policies: BTreeMap<ObjectRef, Acceptance>,
+}
+
+impl Report {
+    /// Builds the report of one snapshot from its problems (decoding, validation and
+    /// [`crate::policy::compile::priority_conflicts`]) and the policies whose last good
+    /// version was kept ([`super::keep_last_good`]).
+    pub fn new(revision: u64, problems: &[Problem], kept: &[ObjectRef]) -> Report {
+        let mut policies: BTreeMap<ObjectRef, Acceptance> = BTreeMap::new();
+        let mut errors: BTreeMap<&ObjectRef, Vec<String>> = BTreeMap::new();
+        let mut conflicts: BTreeMap<&ObjectRef, Vec<String>> = BTreeMap::new();
+        for p in problems.iter().filter(|p| carries_status(p.object.kind)) {
+            let text = if p.field.is_empty() {
+                p.kind.to_string()
+            } else {
+                format!("{}: {}", p.field, p.kind)
+            };
+            if p.is_error() {
+                errors.entry(&p.object).or_default().push(text);
+            } else if matches!(p.kind, ProblemKind::PriorityConflict { .. }) {
+                conflicts.entry(&p.object).or_default().push(text);
+            }
+        }
+        for (object, texts) in conflicts {
+            policies.insert(object.clone(), Acceptance::PriorityConflict(texts.join("; ")));
+        }
+        for (object, texts) in errors {
+            let text = texts.join("; ");
+            let a = if kept.contains(object) {
+                Acceptance::InvalidUpdate(text)
+            } else {
+                Acceptance::Invalid(text)
+            };
+            policies.insert(object.clone(), a);
+        }
+        Report { revision, policies }
+    }
+
+    /// The acceptance of `object` (missing: [`Acceptance::Accepted`]).
+    pub fn of(&self, object: &ObjectRef) -> Acceptance {
+        self.policies.get(object).cloned().unwrap_or(Acceptance::Accepted)
+    }
+}
+
+/// Whether tierproxy writes a status condition on objects of `kind`.
+pub fn carries_status(kind: Kind) -> bool {
+    matches!(
+        kind,
+        Kind::AdminNetworkPolicy | Kind::BaselineAdminNetworkPolicy | Kind::ClusterNetworkPolicy
+    )
+}
+
+/// The condition `acceptance` calls for on an object at `generation`, or `None` when
+/// `existing` (the object's conditions) already says so. `now` is the transition time of a
+/// new status.
+pub fn desired_condition(
+    acceptance: &Acceptance,
+    generation: Option<i64>,
+    existing: &[Condition],
+    now: Time,
+) -> Option<Condition> {
+    let (status, reason, message) = match acceptance {
+        Acceptance::Accepted => ("True", "Accepted", "enforced by tierproxy".to_string()),
+        Acceptance::PriorityConflict(m) => (
+            "True",
+            "PriorityConflict",
+            format!(
+                "enforced by tierproxy; equal priority with overlapping subjects, ordered by name: {m}"
+            ),
+        ),
+        Acceptance::Invalid(m) => {
+            ("False", "Invalid", format!("not enforced (fails closed as its API says): {m}"))
+        }
+        Acceptance::InvalidUpdate(m) => (
+            "False",
+            "InvalidUpdate",
+            format!("this version is invalid; its last good version stays in force: {m}"),
+        ),
+    };
+    // metav1.Condition's message is at most 32768 bytes.
+    let mut message = message;
+    if message.len() > 32_768 {
+        let mut cut = 32_765;
+        while !message.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        message.truncate(cut);
+        message.push_str("...");
+    }
+    let old = existing.iter().find(|c| c.type_ == CONDITION_TYPE);
+    if let Some(c) = old
+        && c.status == status
+        && c.reason == reason
+        && c.message == message
+        && c.observed_generation == generation
+    {
+        return None;
+    }
+    let last_transition_time = match old {
+        Some(c) if c.status == status => c.last_transition_time.clone(),
+        _ => now,
+    };
+    Some(Condition {
+        type_: CONDITION_TYPE.to_string(),
+        status: status.to_string(),
+        reason: reason.to_string(),
+        message,
+        observed_generation: generation,
+        last_transition_time,
+    })
+}
+
+/// Where and as whom the status writer takes part in the election.
+#[derive(Debug, Clone)]
+pub struct StatusOptions {
+    /// Namespace of the Lease (the agent's own; `POD_NAMESPACE` from the downward API).
+    pub lease_namespace: String,
+    /// Name of the Lease ([`DEFAULT_LEASE_NAME`]).
+    pub lease_name: String,
+    /// This agent's identity in the Lease (`POD_NAME`; the node name if unset).
+    pub identity: String,
+    /// Lease duration in seconds ([`DEFAULT_LEASE_SECONDS`]).
+    pub lease_seconds: u64,
+}
+
+/// Runs the status writer until the runtime stops: takes part in the Lease election and,
+/// while leading, writes conditions and Events after every new [`Report`] and every
+/// [`RESYNC`]. Errors are logged and retried; none stops enforcement.
+pub async fn run(
+    client: Client,
+    source: ApiSource,
+    options: StatusOptions,
+    mut reports: tokio::sync::watch::Receiver<Arc<Report>>,
+) {
+    let manager = loop {
+        let built =
+            kube_lease_manager::LeaseManagerBuilder::new(client.clone(), &options.lease_name)
+                .with_namespace(&options.lease_namespace)
+                .with_identity(&options.identity)
+                .with_duration(options.lease_seconds)
+                .with_grace(options.lease_seconds.div_ceil(3).max(1))
+                .with_field_manager(FIELD_MANAGER)
+                .build()
+                .await;
+        match built {
+            Ok(m) => break m,
+            Err(e) => {
+                tracing::warn!(error = %e, lease = %options.lease_name, "cannot set up the status election; retrying in 10 s");
+                tokio::time::sleep(Duration::from_secs(10)).await;
+            }
+        }
+    };
+    let (mut leading, _task) = manager.watch().await;
+    let mut writer = Writer {
+        client: client.clone(),
+        recorder: Recorder::new(
+            client,
+            Reporter { controller: "tierproxy".into(), instance: Some(options.identity.clone()) },
+        ),
+        announced: HashMap::new(),
+        written: HashMap::new(),
+    };
+    let mut resync = tokio::time::interval(RESYNC);
+    loop {
+        tokio::select! {
+            r = leading.changed() => {
+                if r.is_err() {
+                    tracing::warn!("the status election ended; no longer writing policy status");
+                    return;
+                }
+                let now = *leading.borrow_and_update();
+                tracing::info!(leading = now, lease = %options.lease_name, "policy status writer election");
+            }
+            r = reports.changed() => if r.is_err() { return },
+            _ = resync.tick() => {}
+        }
+        if *leading.borrow() {
+            let report = reports.borrow().clone();
+            writer.sync(&source, &report).await;
+        }
+    }
+}
+
+/// The leader's writes.
+struct Writer {
+    client: Client,
+    recorder: Recorder,
+    /// The invalid policies already announced by an Event: (object, generation) → message.
+    announced: HashMap<(ObjectRef, Option<i64>), String>,
+    /// The last condition written per policy, with the object's resourceVersion in the
+    /// store at that time: until the store has seen the write (its resourceVersion moves),
+    /// the same condition is not written again.
+    written: HashMap<ObjectRef, (Option<String>, Condition)>,
+}
+
+impl Writer {
+    /// Writes every status that differs from `report`, and Events for newly invalid
+    /// policies.
+    async fn sync(&mut self, source: &ApiSource, report: &Report) {
+        if report.revision == 0 {
+            return;
+        }
+        for p in source.admin_network_policies() {
+            self.one::<v1alpha1::AdminNetworkPolicy>(&p, Kind::AdminNetworkPolicy, report, |p| {
+                p.status.as_ref().map(|s| s.conditions.as_slice()).unwrap_or_default()
+            })
+            .await;
+        }
+        for p in source.baseline_admin_network_policies() {
+            self.one::<v1alpha1::BaselineAdminNetworkPolicy>(
+                &p,
+                Kind::BaselineAdminNetworkPolicy,
+                report,
+                |p| p.status.as_ref().map(|s| s.conditions.as_slice()).unwrap_or_default(),
+            )
+            .await;
+        }
+        for p in source.cluster_network_policies() {
+            self.one::<v1alpha2::ClusterNetworkPolicy>(
+                &p,
+                Kind::ClusterNetworkPolicy,
+                report,
+                |p| p.status.as_ref().map(|s| s.conditions.as_slice()).unwrap_or_default(),
+            )
+            .await;
+        }
+    }
+
+    async fn one<K>(
+        &mut self,
+        obj: &K,
+        kind: Kind,
+        report: &Report,
+        conditions: impl Fn(&K) -> &[Condition],
+    ) where
+        K: Resource<DynamicType = ()> + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+    {
+        let name = obj.name_any();
+        let object = ObjectRef::cluster(kind, name.clone());
+        let acceptance = report.of(&object);
+        let generation = obj.meta().generation;
+        let now = Time(k8s_openapi::jiff::Timestamp::now());
+        let version = obj.meta().resource_version.clone();
+        let pending = |c: &Condition| {
+            self.written.get(&object).is_some_and(|(v, w)| {
+                *v == version
+                    && (&w.status, &w.reason, &w.message, w.observed_generation)
+                        == (&c.status, &c.reason, &c.message, c.observed_generation)
+            })
+        };
+        if let Some(cond) = desired_condition(&acceptance, generation, conditions(obj), now)
+            && !pending(&cond)
+        {
+            let api: Api<K> = Api::all(self.client.clone());
+            let patch = serde_json::json!({
+                "apiVersion": K::api_version(&()),
+                "kind": K::kind(&()),
+                "status": { "conditions": [cond] },
+            });
+            match api
+                .patch_status(
+                    &name,
+                    &PatchParams::apply(FIELD_MANAGER).force(),
+                    &Patch::Apply(&patch),
+                )
+                .await
+            {
+                Ok(_) => {
+                    tracing::info!(object = %object, status = %cond.status, reason = %cond.reason, "policy status written");
+                    self.written.insert(object.clone(), (version, cond));
+                }
+                Err(e) => {
+                    tracing::warn!(object = %object, error = %e, "cannot write policy status; retried at the next change or resync")
+                }
+            }
+        }
+        if let Acceptance::Invalid(m) | Acceptance::InvalidUpdate(m) = &acceptance {
+            let key = (object.clone(), generation);
+            if self.announced.get(&key) != Some(m) {
+                let event = Event {
+                    type_: EventType::Warning,
+                    reason: "InvalidPolicy".into(),
+                    note: Some(truncate(format!("{object}: {m}"), 1024)),
+                    action: "Validate".into(),
+                    secondary: None,
+                };
+                match self.recorder.publish(&event, &obj.object_ref(&())).await {
+                    Ok(()) => {
+                        self.announced.insert(key, m.clone());
+                    }
+                    Err(e) => {
+                        tracing::warn!(object = %object, error = %e, "cannot publish the InvalidPolicy event")
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// `s` cut to at most `max` bytes (an Event's note is at most 1 kB).
+fn truncate(mut s: String, max: usize) -> String {
+    if s.len() > max {
+        let mut cut = max - 3;
+        while !s.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        s.truncate(cut);
+        s.push_str("...");
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::Problem;
+
+    fn t(s: i64) -> Time {
+        Time(k8s_openapi::jiff::Timestamp::from_second(s).unwrap())
+    }
+
+    #[test]
+    fn report_names_errors_updates_and_conflicts() {
+        let bad = ObjectRef::cluster(Kind::AdminNetworkPolicy, "bad");
+        let kept = ObjectRef::cluster(Kind::AdminNetworkPolicy, "kept");
+        let tie = ObjectRef::cluster(Kind::AdminNetworkPolicy, "tie");
+        let np = ObjectRef::namespaced(Kind::NetworkPolicy, "ns", "np");
+        let problems = vec![
+            Problem::error(
+                &bad,
+                "spec.priority",
+                ProblemKind::OutOfRange { value: 1001, min: 0, max: 1000 },
+            ),
+            Problem::error(&kept, "spec.subject", ProblemKind::Required),
+            Problem::warning(
+                &tie,
+                "spec.priority",
+                ProblemKind::PriorityConflict { priority: 5, other: bad.clone(), overlap: 2 },
+            ),
+            Problem::error(&np, "spec", ProblemKind::Required),
+        ];
+        let r = Report::new(3, &problems, std::slice::from_ref(&kept));
+        assert_eq!(
+            r.of(&bad),
+            Acceptance::Invalid("spec.priority: 1001 is out of range 0..=1000".into())
+        );
+        assert!(
+            matches!(r.of(&kept), Acceptance::InvalidUpdate(m) if m.starts_with("spec.subject"))
+        );
+        assert!(matches!(r.of(&tie), Acceptance::PriorityConflict(_)));
+        assert_eq!(
+            r.of(&ObjectRef::cluster(Kind::AdminNetworkPolicy, "good")),
+            Acceptance::Accepted
+        );
+        assert!(!r.policies.contains_key(&np), "NetworkPolicies carry no tierproxy status");
+    }
+
+    #[test]
+    fn a_condition_is_written_only_when_it_changes() {
+        let c = desired_condition(&Acceptance::Accepted, Some(2), &[], t(100)).unwrap();
+        assert_eq!(
+            (c.status.as_str(), c.reason.as_str(), c.observed_generation),
+            ("True", "Accepted", Some(2))
+        );
+        // Unchanged: nothing to write.
+        assert!(
+            desired_condition(&Acceptance::Accepted, Some(2), std::slice::from_ref(&c), t(200))
+                .is_none()
+        );
+        // New generation, same status: written, transition time kept.
+        let c3 =
+            desired_condition(&Acceptance::Accepted, Some(3), std::slice::from_ref(&c), t(300))
+                .unwrap();
+        assert_eq!(c3.last_transition_time, t(100));
+        // Status flips: new transition time.
+        let bad = Acceptance::Invalid("spec.priority: too big".into());
+        let c4 = desired_condition(&bad, Some(4), std::slice::from_ref(&c3), t(400)).unwrap();
+        assert_eq!((c4.status.as_str(), c4.reason.as_str()), ("False", "Invalid"));
+        assert_eq!(c4.last_transition_time, t(400));
+        assert!(c4.message.contains("spec.priority: too big"));
+        // Someone else's condition is not ours.
+        let other = Condition { type_: "Ready-In-Zone-a".into(), ..c4.clone() };
+        assert!(desired_condition(&bad, Some(4), &[other], t(500)).is_some());
+    }
+
+    #[test]
+    fn long_messages_are_cut_on_a_char_boundary() {
+        let m = "é".repeat(20_000);
+        let c = desired_condition(&Acceptance::Invalid(m), None, &[], t(1)).unwrap();
+        assert!(c.message.len() <= 32_768 && c.message.ends_with("..."));
+        assert!(truncate("ü".repeat(600), 1024).len() <= 1024);
+    }
+}

@@ -1,0 +1,294 @@
+//! The API-server source ([`tierproxy::cluster::apiserver`]) and the status writer
+//! ([`tierproxy::cluster::status`]) against a scripted API server over real HTTP
+//! (`common::apiserver`): initial list, add/modify/delete, relist after a watch error and
+//! an outage, a CRD installed later, and status conditions and Events from the elected
+//! writer. No privileges needed.
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use common::apiserver::FakeApi;
+use serde_json::{Value, json};
+use tierproxy::cluster::apiserver::{ApiSource, SourceConfig, WatchedKind};
+use tierproxy::cluster::status::{self, Report, StatusOptions};
+use tierproxy::policy::{Kind, ObjectRef, Problem};
+
+const ANP: &str = "policy.networking.k8s.io/v1alpha1";
+
+fn ns(name: &str, labels: Value) -> Value {
+    json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name, "labels": labels}})
+}
+
+fn pod(ns: &str, name: &str, ip: &str, labels: Value) -> Value {
+    json!({"apiVersion": "v1", "kind": "Pod",
+           "metadata": {"name": name, "namespace": ns, "labels": labels,
+                        "annotations": {"kubectl.kubernetes.io/last-applied-configuration": "x".repeat(2000)}},
+           "spec": {"nodeName": "node-a", "containers": [{"name": "c", "image": "nginx",
+                    "ports": [{"name": "http", "containerPort": 80}]}]},
+           "status": {"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}]}})
+}
+
+fn anp(name: &str, priority: i64) -> Value {
+    json!({"apiVersion": ANP, "kind": "AdminNetworkPolicy", "metadata": {"name": name},
+           "spec": {"priority": priority, "subject": {"namespaces": {}},
+                    "ingress": [{"action": "Deny", "from": [{"namespaces": {}}]}]}})
+}
+
+/// A client of `api`.
+async fn client(api: &FakeApi) -> kube::Client {
+    let config = kube::Config::new(format!("http://{}", api.addr).parse().unwrap());
+    tierproxy::cluster::apiserver::client(Some(config)).await.unwrap()
+}
+
+fn fast() -> SourceConfig {
+    SourceConfig {
+        debounce: Duration::from_millis(20),
+        max_delay: Duration::from_millis(200),
+        backoff_initial: Duration::from_millis(50),
+        backoff_max: Duration::from_millis(200),
+        page_size: 500,
+    }
+}
+
+/// Waits (at most 10 s) for `f` to hold.
+async fn until(what: &str, f: impl Fn() -> bool) {
+    let start = Instant::now();
+    while !f() {
+        assert!(start.elapsed() < Duration::from_secs(10), "timed out waiting for: {what}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+async fn start(api: &FakeApi) -> (ApiSource, Arc<AtomicUsize>) {
+    let changes = Arc::new(AtomicUsize::new(0));
+    let c = changes.clone();
+    let source = ApiSource::start(client(api).await, fast(), move || {
+        c.fetch_add(1, Ordering::SeqCst);
+    });
+    (source, changes)
+}
+
+fn pod_names(s: &ApiSource) -> Vec<String> {
+    let mut v: Vec<String> =
+        s.inputs().pods.iter().map(|p| p.metadata.name.clone().unwrap_or_default()).collect();
+    v.sort();
+    v
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn initial_list_then_adds_modifies_and_deletes_reach_the_inputs() {
+    let api = FakeApi::start();
+    api.apply(ns("shop", json!({"env": "prod"})));
+    api.apply(pod("shop", "web-1", "10.0.0.5", json!({"app": "web"})));
+    api.apply(anp("deny-all", 10));
+    let (source, changes) = start(&api).await;
+    until("initial lists", || source.initialized()).await;
+    until("the first report", || changes.load(Ordering::SeqCst) >= 1).await;
+    let inputs = source.inputs();
+    assert_eq!(inputs.namespaces.len(), 1);
+    assert_eq!(pod_names(&source), ["web-1"]);
+    assert_eq!(inputs.admin_network_policies.len(), 1);
+    // The projection: the big annotation and the image are not stored.
+    let p = &inputs.pods[0];
+    assert!(p.metadata.annotations.is_none());
+    assert!(p.spec.as_ref().unwrap().containers[0].image.is_none());
+    assert_eq!(p.status.as_ref().unwrap().pod_ip.as_deref(), Some("10.0.0.5"));
+
+    // Add, modify, delete: each reaches the stores and is reported.
+    let before = changes.load(Ordering::SeqCst);
+    let g0 = source.generation();
+    api.apply(pod("shop", "web-2", "10.0.0.6", json!({"app": "web"})));
+    until("web-2 added", || pod_names(&source) == ["web-1", "web-2"]).await;
+    api.apply(pod("shop", "web-2", "10.0.0.6", json!({"app": "db"})));
+    until("web-2 relabelled", || {
+        source.inputs().pods.iter().any(|p| {
+            p.metadata.labels.as_ref().and_then(|l| l.get("app")).map(String::as_str) == Some("db")
+        })
+    })
+    .await;
+    api.delete("v1", "Pod", Some("shop"), "web-1");
+    until("web-1 deleted", || pod_names(&source) == ["web-2"]).await;
+    assert!(source.generation() >= g0 + 3);
+    until("the changes reported", || changes.load(Ordering::SeqCst) > before).await;
+    assert!(source.stale_for().is_none());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_watch_error_and_an_outage_keep_the_stores_and_end_in_a_relist() {
+    let api = FakeApi::start();
+    api.apply(ns("shop", json!({})));
+    api.apply(pod("shop", "web-1", "10.0.0.5", json!({})));
+    let (source, _changes) = start(&api).await;
+    until("initial lists", || source.initialized()).await;
+
+    // The history is compacted and the watches end: the watchers' next watch gets 410
+    // Gone and they relist (and go on watching from the new list).
+    let lists = || {
+        api.requests()
+            .iter()
+            .filter(|r| r.starts_with("GET /api/v1/pods?") && !r.contains("watch=true"))
+            .count()
+    };
+    assert_eq!(lists(), 1);
+    api.compact();
+    api.close_watches();
+    until("relist after 410", || lists() >= 2).await;
+    api.apply(pod("shop", "web-2", "10.0.0.6", json!({})));
+
+    until("the change made after compaction", || pod_names(&source) == ["web-1", "web-2"]).await;
+    assert!(source.stale_for().is_none(), "410 Gone is a routine relist, not staleness");
+    assert_eq!(source.errors(), 0);
+
+    // An outage: the stores keep what they had, staleness shows, errors are counted.
+    let errors = source.errors();
+    api.set_down(true);
+    until("the outage seen", || source.stale_for().is_some()).await;
+    assert_eq!(pod_names(&source), ["web-1", "web-2"], "the stores are kept during an outage");
+    assert!(source.errors() > errors);
+    let pods_error = || {
+        let h = source.health().into_iter().find(|(k, _)| *k == WatchedKind::Pod).unwrap().1;
+        h.failing_since.is_some() && h.last_error.as_deref().is_some_and(|e| e.contains("503"))
+    };
+    until("the pods watcher failing with the 503", pods_error).await;
+    // Changes made during the outage are seen once it ends.
+    api.set_down(false);
+    api.delete("v1", "Pod", Some("shop"), "web-1");
+    until("recovered", || source.stale_for().is_none() && pod_names(&source) == ["web-2"]).await;
+
+    // Plain 500s on the list are retried too.
+    api.fail_next(3);
+    api.close_watches();
+    api.apply(pod("shop", "web-3", "10.0.0.7", json!({})));
+    until("after 500s", || pod_names(&source) == ["web-2", "web-3"]).await;
+    assert!(lists() >= 4, "the pods were listed again after the errors: {}", lists());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crd_installed_later_is_watched_once_it_appears() {
+    let api = FakeApi::start();
+    api.uninstall(ANP, "AdminNetworkPolicy");
+    api.uninstall("policy.networking.k8s.io/v1alpha2", "ClusterNetworkPolicy");
+    let (source, changes) = start(&api).await;
+    // Not installed is not an error: the lists count as done, and empty.
+    until("initial lists without the CRDs", || source.initialized()).await;
+    assert!(source.inputs().admin_network_policies.is_empty());
+    let h = source.health();
+    assert!(
+        h.iter().any(|(k, h)| *k == WatchedKind::AdminNetworkPolicy && h.absent && h.initialized)
+    );
+    assert!(h.iter().any(|(k, h)| *k == WatchedKind::BaselineAdminNetworkPolicy && !h.absent));
+    assert!(source.stale_for().is_none(), "a missing CRD is not staleness");
+
+    // The CRD is installed and a policy created: picked up within the retry backoff.
+    let before = changes.load(Ordering::SeqCst);
+    api.install(ANP, "AdminNetworkPolicy");
+    api.apply(anp("deny-all", 10));
+    until("the ANP", || source.inputs().admin_network_policies.len() == 1).await;
+    until("reported", || changes.load(Ordering::SeqCst) > before).await;
+    assert!(
+        source.health().iter().any(|(k, h)| *k == WatchedKind::AdminNetworkPolicy && !h.absent)
+    );
+
+    // Uninstalled again: the kind contributes nothing.
+    api.uninstall(ANP, "AdminNetworkPolicy");
+    until("the ANP gone", || source.inputs().admin_network_policies.is_empty()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_elected_writer_sets_conditions_and_events_and_only_when_they_change() {
+    let api = FakeApi::start();
+    api.apply(anp("good", 10));
+    api.apply(anp("bad", 1001));
+    let (source, _) = start(&api).await;
+    until("initial lists", || source.initialized()).await;
+    let (reports, rx) = tokio::sync::watch::channel(Arc::new(Report::default()));
+    let options = StatusOptions {
+        lease_namespace: "tierproxy-system".into(),
+        lease_name: "tierproxy-policy-status".into(),
+        identity: "node-a".into(),
+        lease_seconds: 5,
+    };
+    let writer = tokio::spawn(status::run(client(&api).await, source.clone(), options, rx));
+    let bad = ObjectRef::cluster(Kind::AdminNetworkPolicy, "bad");
+    let problem = Problem::error(
+        &bad,
+        "spec.priority",
+        tierproxy::policy::problem::ProblemKind::OutOfRange { value: 1001, min: 0, max: 1000 },
+    );
+    reports.send_replace(Arc::new(Report::new(1, std::slice::from_ref(&problem), &[])));
+    let cond = |name: &str| {
+        api.get(ANP, "AdminNetworkPolicy", None, name).and_then(|o| {
+            o["status"]["conditions"]
+                .as_array()
+                .and_then(|cs| cs.iter().find(|c| c["type"] == status::CONDITION_TYPE).cloned())
+        })
+    };
+    until("both conditions written", || cond("good").is_some() && cond("bad").is_some()).await;
+    let good = cond("good").unwrap();
+    assert_eq!(
+        (good["status"].as_str(), good["reason"].as_str()),
+        (Some("True"), Some("Accepted"))
+    );
+    assert_eq!(good["observedGeneration"], 1);
+    let badc = cond("bad").unwrap();
+    assert_eq!(
+        (badc["status"].as_str(), badc["reason"].as_str()),
+        (Some("False"), Some("Invalid"))
+    );
+    assert!(
+        badc["message"].as_str().unwrap().contains("spec.priority: 1001 is out of range"),
+        "{badc}"
+    );
+
+    // The lease is held by this agent.
+    let lease = api.get(
+        "coordination.k8s.io/v1",
+        "Lease",
+        Some("tierproxy-system"),
+        "tierproxy-policy-status",
+    );
+    assert_eq!(
+        lease.as_ref().map(|l| l["spec"]["holderIdentity"].clone()),
+        Some(json!("node-a")),
+        "{lease:?}"
+    );
+    // An Event for the invalid policy, none for the valid one.
+    let events: Vec<Value> = api
+        .writes()
+        .into_iter()
+        .filter(|(m, p, _)| m == "POST" && p.contains("/events"))
+        .map(|(_, _, b)| b)
+        .collect();
+    assert_eq!(events.len(), 1, "{events:?}");
+    assert_eq!(events[0]["reason"], "InvalidPolicy");
+    assert_eq!(events[0]["regarding"]["name"], "bad");
+    assert_eq!(events[0]["type"], "Warning");
+
+    // The status writes are server-side apply patches of the status subresource, by the
+    // field manager "tierproxy".
+    let status_writes = || {
+        api.requests().iter().filter(|r| r.starts_with("PATCH") && r.contains("/status")).count()
+    };
+    let n = status_writes();
+    assert!(
+        api.requests().iter().any(|r| r.contains("/adminnetworkpolicies/bad/status")
+            && r.contains("fieldManager=tierproxy"))
+    );
+    // The same report again: nothing to write.
+    reports.send_replace(Arc::new(Report::new(2, &[problem], &[])));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(status_writes(), n, "an unchanged status is not written again");
+
+    // The policy is fixed: its condition flips, with a new transition time.
+    api.apply(anp("bad", 20));
+    until("the fixed policy in the store", || {
+        source.admin_network_policies().iter().any(|p| p.spec.priority == 20)
+    })
+    .await;
+    reports.send_replace(Arc::new(Report::new(3, &[], &[])));
+    until("condition flipped", || cond("bad").is_some_and(|c| c["status"] == "True")).await;
+    assert_eq!(cond("bad").unwrap()["observedGeneration"], 2);
+    writer.abort();
+}
