@@ -335,7 +335,7 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
         node = %opts.node,
         local_pods = local.len(),
         revision = %current.snapshot.revision(),
-        "manifests compiled"
+        "first snapshot compiled"
     );
     let spec = RulesetSpec::new(opts.redirect.clone(), local, node_addrs)
         .context("redirect configuration")?;

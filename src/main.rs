@@ -230,7 +230,11 @@ fn run_agent(a: AgentArgs) -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("TIERPROXY_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+                // kube's client logs every failed request at ERROR; the watchers report
+                // each failure themselves, with the resource and the backoff.
+                .unwrap_or_else(|_| {
+                    tracing_subscriber::EnvFilter::new("info,kube_client::client::builder=off")
+                }),
         )
         .with_writer(writer)
         .with_ansi(false)

@@ -113,6 +113,21 @@ async fn initial_list_then_adds_modifies_and_deletes_reach_the_inputs() {
     assert!(source.generation() >= g0 + 3);
     until("the changes reported", || changes.load(Ordering::SeqCst) > before).await;
     assert!(source.stale_for().is_none());
+
+    // Changes the engine cannot see count for nothing: a pod's readiness (dropped by the
+    // projection) and a policy's status (what the status writer writes). A namespace added
+    // after them marks when they have been processed.
+    let g = source.generation();
+    let mut unready = pod("shop", "web-2", "10.0.0.6", json!({"app": "db"}));
+    unready["status"]["conditions"] = json!([{"type": "Ready", "status": "False"}]);
+    api.apply(unready);
+    let mut with_status = anp("deny-all", 10);
+    with_status["status"] = json!({"conditions": [{"type": "tierproxy.io/Accepted", "status": "True",
+        "reason": "Accepted", "message": "", "lastTransitionTime": "2026-11-24T00:00:00Z"}]});
+    api.apply(with_status);
+    api.apply(ns("marker", json!({})));
+    until("the marker", || source.inputs().namespaces.len() == 2).await;
+    assert_eq!(source.generation(), g + 1, "only the new namespace counted as a change");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

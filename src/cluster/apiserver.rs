@@ -185,6 +185,8 @@ pub struct KindHealth {
     pub last_error: Option<String>,
     /// Errors seen since start.
     pub errors: u64,
+    /// When the last WARN about this kind's failures was logged.
+    last_warned: Option<Instant>,
 }
 
 /// State shared between the watcher tasks and the readers.
@@ -441,9 +443,17 @@ fn spawn_watch<K>(
     shared: &Arc<Shared>,
 ) -> Store<K>
 where
-    K: Resource<DynamicType = ()> + Clone + DeserializeOwned + fmt::Debug + Send + Sync + 'static,
+    K: Resource<DynamicType = ()>
+        + Clone
+        + DeserializeOwned
+        + serde::Serialize
+        + fmt::Debug
+        + Send
+        + Sync
+        + 'static,
 {
     let (store, mut writer) = reflector::store();
+    let reader = store.clone();
     let mut backoff = RetryBackoff {
         initial: config.backoff_initial,
         max: config.backoff_max,
@@ -457,6 +467,14 @@ where
             while let Some(event) = stream.next().await {
                 match event {
                     Ok(ev) => {
+                        // A change the engine cannot see (a policy's status, a pod's
+                        // readiness: fields the projection dropped) triggers no rebuild.
+                        let seen = match &ev {
+                            watcher::Event::Apply(new) => reader
+                                .get(&reflector::ObjectRef::from_obj(new))
+                                .is_none_or(|old| !same(&*old, new, kind)),
+                            _ => true,
+                        };
                         writer.apply_watcher_event(&ev);
                         match ev {
                             watcher::Event::Init | watcher::Event::InitApply(_) => {}
@@ -465,6 +483,7 @@ where
                                 recovered(&shared, kind);
                                 shared.bump();
                             }
+                            watcher::Event::Apply(_) if !seen => {}
                             watcher::Event::Apply(_) | watcher::Event::Delete(_) => shared.bump(),
                         }
                     }
@@ -489,6 +508,28 @@ where
     store
 }
 
+/// Whether `old` and `new` (projected) are equal for the engine: equal but for
+/// `metadata.resourceVersion`, and, for the policy kinds, `status` (written by the status
+/// writer) and `metadata.generation`.
+fn same<K: serde::Serialize>(old: &K, new: &K, kind: WatchedKind) -> bool {
+    let strip = |o: &K| {
+        let mut v = serde_json::to_value(o).unwrap_or(serde_json::Value::Null);
+        if let Some(m) = v.get_mut("metadata").and_then(|m| m.as_object_mut()) {
+            m.remove("resourceVersion");
+            if kind.optional() || kind == WatchedKind::NetworkPolicy {
+                m.remove("generation");
+            }
+        }
+        if kind.optional()
+            && let Some(o) = v.as_object_mut()
+        {
+            o.remove("status");
+        }
+        v
+    };
+    strip(old) == strip(new)
+}
+
 /// Records that `kind` is not served (404: its CRD is not installed).
 fn absent(shared: &Shared, kind: WatchedKind) {
     let newly = shared.health(|h| {
@@ -509,22 +550,54 @@ fn absent(shared: &Shared, kind: WatchedKind) {
     }
 }
 
-/// Records a watch error of `kind`.
+/// How often a watcher that keeps failing says so again at WARN (each retry logs at
+/// DEBUG in between).
+const FAILURE_LOG_EVERY: Duration = Duration::from_secs(30);
+
+/// `e` in one line: `HTTP 503 ServiceUnavailable: message` for an API status, the error
+/// chain otherwise.
+fn describe(e: &watcher::Error) -> String {
+    let (what, inner) = match e {
+        watcher::Error::InitialListFailed(i) => ("list", i),
+        watcher::Error::WatchStartFailed(i) => ("watch", i),
+        watcher::Error::WatchFailed(i) => ("watch stream", i),
+        watcher::Error::WatchError(s) => {
+            return format!("watch: HTTP {} {}: {}", s.code, s.reason, s.message);
+        }
+        watcher::Error::NoResourceVersion => return e.to_string(),
+    };
+    match inner {
+        kube::Error::Api(s) => format!("{what}: HTTP {} {}: {}", s.code, s.reason, s.message),
+        other => format!("{what}: {}", crate::explain::error_chain(other)),
+    }
+}
+
+/// Records a watch error of `kind`: WARN on the first of a run and every
+/// [`FAILURE_LOG_EVERY`] after, DEBUG otherwise.
 fn failed(shared: &Shared, kind: WatchedKind, e: &watcher::Error) {
     shared.errors.fetch_add(1, Ordering::Relaxed);
-    let text = crate::explain::error_chain(e);
-    let since = shared.health(|h| {
+    let text = describe(e);
+    let (since, warn) = shared.health(|h| {
         let k = &mut h[kind.index()];
         k.errors += 1;
         k.last_error = Some(text.clone());
-        *k.failing_since.get_or_insert_with(Instant::now)
+        let since = *k.failing_since.get_or_insert_with(Instant::now);
+        let warn = k.last_warned.is_none_or(|t| t.elapsed() >= FAILURE_LOG_EVERY);
+        if warn {
+            k.last_warned = Some(Instant::now());
+        }
+        (since, warn)
     });
-    tracing::warn!(
-        kind = %kind,
-        error = %text,
-        stale_secs = since.elapsed().as_secs(),
-        "watch failed; enforcing the last good snapshot and retrying with backoff"
-    );
+    if warn {
+        tracing::warn!(
+            kind = %kind,
+            error = %text,
+            stale_secs = since.elapsed().as_secs(),
+            "watch failed; enforcing the last good snapshot and retrying with backoff"
+        );
+    } else {
+        tracing::debug!(kind = %kind, error = %text, "watch failed again");
+    }
 }
 
 /// Records the end of a (re)list of `kind`: its store is current.
@@ -532,6 +605,7 @@ fn recovered(shared: &Shared, kind: WatchedKind) {
     let (was_failing, was_absent) = shared.health(|h| {
         let k = &mut h[kind.index()];
         let was = (k.failing_since.take(), k.absent);
+        k.last_warned = None;
         k.absent = false;
         k.initialized = true;
         was

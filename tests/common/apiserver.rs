@@ -187,9 +187,11 @@ impl State {
         let generation = if spec_changed { old_gen + 1 } else { old_gen.max(1) };
         obj["metadata"]["resourceVersion"] = json!(self.rv.to_string());
         obj["metadata"]["generation"] = json!(generation);
-        if obj["metadata"]["uid"].is_null() {
-            obj["metadata"]["uid"] = json!(format!("uid-{}", self.rv));
-        }
+        // An update keeps the object's identity.
+        obj["metadata"]["uid"] = match old {
+            Some(o) => o["metadata"]["uid"].clone(),
+            None => json!(format!("uid-{}", self.rv)),
+        };
         coll.objects.insert(k, obj.clone());
         let c = Change { collection: collection.to_string(), rv: self.rv, kind, object: obj };
         self.history.push(c.clone());
@@ -364,10 +366,14 @@ impl FakeApi {
 
 impl Drop for FakeApi {
     fn drop(&mut self) {
+        // Refuse new requests first: a client re-watching on a kept-alive connection after
+        // the close below would otherwise hold the graceful shutdown for its whole
+        // timeoutSeconds.
+        self.with(|s| s.down = true);
+        self.close_watches();
         if let Some(s) = self.stop.take() {
             let _ = s.send(());
         }
-        self.close_watches();
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }

@@ -1,0 +1,201 @@
+//! End to end with the API-server source (issue #6): `tierproxy lab` builds the topology,
+//! its agents run with `--kube` against a scripted API server on loopback
+//! (`common::apiserver`), and enforce what the API says: policies that exist only in the
+//! API, their changes, an outage (the last good snapshot stays in force), and the elected
+//! agent's policy status and Events.
+//!
+//! Needs CAP_NET_ADMIN and CAP_SYS_ADMIN (root). Without them the test prints
+//! `SKIPPED: <test>: needs CAP_NET_ADMIN (...)` to stderr and returns, unless
+//! `TIERPROXY_REQUIRE_NETNS=1`, which turns that into a failure (CI sets it). A guard runs
+//! `lab down` when the test ends, also when it panics; traffic stays inside the lab's
+//! namespaces, every wait is bounded.
+
+use std::process::Output;
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+
+mod common;
+use common::apiserver::FakeApi;
+use common::*;
+
+const ANP: &str = "policy.networking.k8s.io/v1alpha1";
+
+/// Two nodes; `a/client` and `a/server` on n1, `b/remote` on n2.
+fn topology() -> Vec<Value> {
+    let node = |name: &str, ip: &str| {
+        json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": name},
+               "status": {"addresses": [{"type": "InternalIP", "address": ip}]}})
+    };
+    let ns = |name: &str| {
+        json!({"apiVersion": "v1", "kind": "Namespace",
+               "metadata": {"name": name, "labels": {"kubernetes.io/metadata.name": name}}})
+    };
+    let pod = |ns: &str, name: &str, node: &str, ip: &str| {
+        json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": ns},
+               "spec": {"nodeName": node, "containers": [{"name": "c", "ports": [
+                   {"containerPort": 8080}, {"containerPort": 7070}]}]},
+               "status": {"phase": "Running", "podIP": ip}})
+    };
+    vec![
+        node("n1", "172.31.0.2"),
+        node("n2", "172.31.0.3"),
+        ns("a"),
+        ns("b"),
+        pod("a", "client", "n1", "10.61.1.2"),
+        pod("a", "server", "n1", "10.61.1.3"),
+        pod("b", "remote", "n2", "10.61.2.2"),
+    ]
+}
+
+/// An ANP that denies egress from every pod to namespace `b` on TCP 8080.
+fn deny_b_8080(priority: i64) -> Value {
+    json!({"apiVersion": ANP, "kind": "AdminNetworkPolicy", "metadata": {"name": "deny-b-8080"},
+           "spec": {"priority": priority, "subject": {"namespaces": {}},
+                    "egress": [{"name": "no-8080", "action": "Deny",
+                                "to": [{"namespaces": {"matchLabels": {"kubernetes.io/metadata.name": "b"}}}],
+                                "ports": [{"portNumber": {"protocol": "TCP", "port": 8080}}]}]}})
+}
+
+/// Waits up to `limit` for `f`; false if it never held.
+fn eventually(limit: Duration, f: impl Fn() -> bool) -> bool {
+    let start = Instant::now();
+    loop {
+        if f() {
+            return true;
+        }
+        if start.elapsed() > limit {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn condition(api: &FakeApi, name: &str) -> Option<Value> {
+    api.get(ANP, "AdminNetworkPolicy", None, name).and_then(|o| {
+        o["status"]["conditions"]
+            .as_array()
+            .and_then(|cs| cs.iter().find(|c| c["type"] == "tierproxy.io/Accepted").cloned())
+    })
+}
+
+fn agent_log(lab: &Lab, node: &str) -> String {
+    let path = format!("/run/tierproxy-lab/{}/agent-{node}.log", lab.prefix);
+    std::fs::read_to_string(path).unwrap_or_default()
+}
+
+#[test]
+fn agents_enforce_what_the_api_server_says_and_write_policy_status() {
+    if !netns_available("agents_enforce_what_the_api_server_says_and_write_policy_status") {
+        return;
+    }
+    let api = FakeApi::start();
+    for o in topology() {
+        api.apply(o);
+    }
+    api.apply(deny_b_8080(10));
+    let lab = Lab::new("kube");
+    let kubeconfig = api.kubeconfig(lab.dir.path());
+    // The lab builds the topology from the same objects; the policies exist only in the
+    // API server.
+    let list = json!({"apiVersion": "v1", "kind": "List", "items": topology()});
+    let topo = lab.file("topology.json", &list.to_string());
+    let o: Output = bin()
+        .env("KUBECONFIG", &kubeconfig)
+        .args(["lab", "up", "--prefix", &lab.prefix, "--manifests", topo.to_str().unwrap()])
+        .args(["--agent-arg=--kube", "--agent-arg=--kube-retry-max-ms=300"])
+        .args(["--agent-arg=--lease-namespace=tierproxy-system"])
+        .output()
+        .expect("tierproxy runs");
+    assert!(o.status.success(), "lab up: {}", text(&o));
+    let client = netns_of_pod(&lab, "a", "client");
+    let t = Duration::from_millis(1500);
+
+    // The API's ANP is enforced: 8080 to namespace b denied, 7070 and same-node allowed.
+    assert!(!connects(&client, "10.61.2.2:8080", t), "denied by the API's ANP");
+    assert!(connects(&client, "10.61.2.2:7070", t));
+    assert!(connects(&client, "10.61.1.3:8080", t));
+    // Both agents list every watched resource from the API.
+    let requests = api.requests();
+    for r in ["/api/v1/pods?", "/api/v1/nodes?", "/apis/networking.k8s.io/v1/networkpolicies?"] {
+        assert!(
+            requests.iter().filter(|q| q.contains(r) && !q.contains("watch=true")).count() >= 2,
+            "{r}"
+        );
+    }
+
+    // One agent holds the Lease and writes the ANP's condition.
+    assert!(
+        eventually(Duration::from_secs(10), || condition(&api, "deny-b-8080").is_some()),
+        "status written: {}",
+        agent_log(&lab, "n1") + &agent_log(&lab, "n2")
+    );
+    let c = condition(&api, "deny-b-8080").unwrap();
+    assert_eq!((c["status"].as_str(), c["reason"].as_str()), (Some("True"), Some("Accepted")));
+    let lease = api.get(
+        "coordination.k8s.io/v1",
+        "Lease",
+        Some("tierproxy-system"),
+        "tierproxy-policy-status",
+    );
+    let holder =
+        lease.as_ref().and_then(|l| l["spec"]["holderIdentity"].as_str().map(str::to_string));
+    assert!(matches!(holder.as_deref(), Some("n1" | "n2")), "{lease:?}");
+
+    // Changes in the API: the ANP goes, an isolating NetworkPolicy comes. Enforced within
+    // the debounce and a rebuild (bounded at 5 s here).
+    api.delete(ANP, "AdminNetworkPolicy", None, "deny-b-8080");
+    api.apply(json!({"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+                     "metadata": {"name": "isolate", "namespace": "b"},
+                     "spec": {"podSelector": {}, "policyTypes": ["Ingress"]}}));
+    assert!(
+        eventually(Duration::from_secs(5), || !connects(&client, "10.61.2.2:8080", t)
+            && !connects(&client, "10.61.2.2:7070", t)),
+        "the NetworkPolicy from the API isolates b/remote"
+    );
+    api.delete("networking.k8s.io/v1", "NetworkPolicy", Some("b"), "isolate");
+    assert!(
+        eventually(Duration::from_secs(5), || connects(&client, "10.61.2.2:8080", t)),
+        "open again once the API deletes it"
+    );
+
+    // An invalid ANP: reported on its status (False, Invalid) and by an Event; nothing
+    // else changes.
+    api.apply(json!({"apiVersion": ANP, "kind": "AdminNetworkPolicy", "metadata": {"name": "bad"},
+                     "spec": {"priority": 1001, "subject": {"namespaces": {}}}}));
+    assert!(eventually(Duration::from_secs(10), || {
+        condition(&api, "bad").is_some_and(|c| c["status"] == "False" && c["reason"] == "Invalid")
+    }));
+    assert!(condition(&api, "bad").unwrap()["message"].as_str().unwrap().contains("spec.priority"));
+    assert!(eventually(Duration::from_secs(5), || {
+        api.writes().iter().any(|(m, p, b)| {
+            m == "POST"
+                && p.contains("/events")
+                && b["reason"] == "InvalidPolicy"
+                && b["regarding"]["name"] == "bad"
+        })
+    }));
+    assert!(connects(&client, "10.61.2.2:8080", t));
+
+    // An outage: the agents keep enforcing the last good snapshot and say so; a change
+    // made in the API after it ends is enforced.
+    api.apply(deny_b_8080(10));
+    assert!(eventually(Duration::from_secs(5), || !connects(&client, "10.61.2.2:8080", t)));
+    api.set_down(true);
+    assert!(
+        eventually(Duration::from_secs(5), || agent_log(&lab, "n1")
+            .contains("watch failed; enforcing the last good snapshot")),
+        "{}",
+        agent_log(&lab, "n1")
+    );
+    assert!(!connects(&client, "10.61.2.2:8080", t), "still denied during the outage");
+    assert!(connects(&client, "10.61.2.2:7070", t), "still allowed during the outage");
+    api.set_down(false);
+    api.delete(ANP, "AdminNetworkPolicy", None, "deny-b-8080");
+    assert!(
+        eventually(Duration::from_secs(10), || connects(&client, "10.61.2.2:8080", t)),
+        "a change after the outage is enforced: {}",
+        agent_log(&lab, "n1")
+    );
+    assert!(agent_log(&lab, "n1").contains("watch recovered"));
+}
