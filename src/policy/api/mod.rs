@@ -10,6 +10,9 @@
 //! These types mirror the wire format field for field and carry no defaults beyond what
 //! serde needs; defaulting and validation (the CRD schemas' `Minimum`, `MaxItems`,
 //! `MinProperties`/`MaxProperties` unions and CEL rules) live in [`crate::policy::validate`].
+//! The same limits and rules are also written on the types as `schemars` attributes, for
+//! the JSON schema only: they shape the CRDs [`crate::crds`] builds (`tierproxy crds`) and
+//! change nothing in decoding.
 //! A field these types do not know is ignored by serde and reported as a warning by the
 //! manifest loader, because newer upstream versions add fields.
 
