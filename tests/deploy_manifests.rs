@@ -305,3 +305,95 @@ fn entrypoint_follows_kubelets_iptables_flavour() {
     assert_eq!(out.status.code(), Some(2), "{}", text(&out));
     assert!(String::from_utf8_lossy(&out.stderr).contains("must be auto, nft or legacy"));
 }
+
+/// `tierproxy agent --help`.
+fn agent_help() -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_tierproxy")).args(["agent", "--help"]).output();
+    let out = out.expect("running tierproxy agent --help");
+    assert!(out.status.success(), "{}", text(&out));
+    String::from_utf8(out.stdout).expect("UTF-8")
+}
+
+/// The `[default: N]` of flag `flag` in `help`, in seconds.
+fn default_secs(help: &str, flag: &str) -> u64 {
+    let at = help.find(flag).unwrap_or_else(|| panic!("{flag} not in agent --help"));
+    let rest = &help[at..];
+    let d = rest.find("[default: ").expect("a default") + "[default: ".len();
+    rest[d..].split(']').next().unwrap().parse().expect("a number of seconds")
+}
+
+#[test]
+fn daemonset_keeps_what_deploy_readme_promises() {
+    let text = std::fs::read_to_string(root().join("deploy/daemonset.yaml")).unwrap();
+    let ds: serde_json::Value = serde_saphyr::from_str(&text).expect("daemonset.yaml");
+    let pod = &ds["spec"]["template"]["spec"];
+    let c = &pod["containers"][0];
+    let sc = &c["securityContext"];
+    assert_eq!(pod["hostNetwork"], true);
+    assert_eq!(sc["privileged"], false);
+    assert_eq!(sc["allowPrivilegeEscalation"], false);
+    assert_eq!(sc["readOnlyRootFilesystem"], true);
+    assert_eq!(sc["capabilities"]["drop"], serde_json::json!(["ALL"]));
+    assert_eq!(sc["capabilities"]["add"], serde_json::json!(["NET_ADMIN", "NET_RAW"]));
+    // No surge: two agents cannot share a node (queues, TPROXY port, ruleset).
+    let ru = &ds["spec"]["updateStrategy"]["rollingUpdate"];
+    assert_eq!((ru["maxUnavailable"].as_i64(), ru["maxSurge"].as_i64()), (Some(1), Some(0)));
+    assert_eq!(pod["tolerations"], serde_json::json!([{"operator": "Exists"}]));
+
+    // The grace period covers the drain and the audit flush at their defaults.
+    let help = agent_help();
+    let needed = default_secs(&help, "--drain-grace-secs")
+        + default_secs(&help, "--audit-flush-timeout-secs");
+    let grace = pod["terminationGracePeriodSeconds"].as_u64().expect("a grace period");
+    assert!(grace > needed, "terminationGracePeriodSeconds {grace} <= drain + flush {needed}");
+
+    // The probes ask the port the agent serves them on.
+    let args: Vec<&str> =
+        c["args"].as_array().unwrap().iter().map(|a| a.as_str().unwrap()).collect();
+    let metrics =
+        args.iter().find_map(|a| a.strip_prefix("--metrics-addr=")).expect("--metrics-addr");
+    let port: u16 = metrics.rsplit(':').next().unwrap().parse().unwrap();
+    let ports = c["ports"].as_array().unwrap();
+    let named = ports.iter().find(|p| p["name"] == "metrics").expect("a metrics port");
+    assert_eq!(named["containerPort"].as_u64(), Some(u64::from(port)));
+    for (probe, path) in
+        [("startupProbe", "/healthz"), ("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")]
+    {
+        assert_eq!(c[probe]["httpGet"]["path"], path, "{probe}");
+        assert_eq!(c[probe]["httpGet"]["port"], "metrics", "{probe}");
+    }
+    // The TPROXY listeners' port is declared for both protocols.
+    for proto in ["TCP", "UDP"] {
+        assert!(
+            ports.iter().any(|p| p["containerPort"].as_u64()
+                == Some(u64::from(tierproxy::config::DEFAULT_TPROXY_PORT))
+                && p["protocol"] == proto),
+            "TPROXY port {proto} not declared"
+        );
+    }
+
+    // Every flag the DaemonSet and agent.env give exists. `--kube` is the API-server mode
+    // issue #6 adds beside this work: checked once the agent has it.
+    let env = std::fs::read_to_string(root().join("deploy/agent.env")).unwrap();
+    let flags_line = env
+        .lines()
+        .find_map(|l| l.strip_prefix("TIERPROXY_AGENT_FLAGS="))
+        .expect("TIERPROXY_AGENT_FLAGS in agent.env");
+    assert!(flags_line.split_whitespace().any(|f| f == "--keep-rules"), "{flags_line}");
+    let flags = args
+        .iter()
+        .copied()
+        .chain(flags_line.split_whitespace())
+        .filter(|a| a.starts_with("--"))
+        .map(|a| a.split('=').next().unwrap());
+    for flag in flags {
+        if flag == "--kube" && !help.contains("--kube") {
+            let _ = writeln!(std::io::stderr(), "note: agent --kube is not in this build yet");
+            continue;
+        }
+        assert!(
+            help.contains(&format!("{flag} ")) || help.contains(&format!("{flag}\n")),
+            "{flag} is not an agent flag"
+        );
+    }
+}
