@@ -34,7 +34,7 @@ pub const V1ALPHA2_APPROVAL: &str =
     "https://github.com/kubernetes-sigs/network-policy-api/pull/300";
 
 /// The annotation saying which upstream release and channel a CRD corresponds to.
-pub const UPSTREAM_ANNOTATION: &str = "tierproxy.dev/upstream";
+pub const UPSTREAM_ANNOTATION: &str = "tierproxy.io/upstream";
 
 /// One CRD and the file name it is committed under in `deploy/crds/`.
 #[derive(Debug, Clone)]

@@ -27,7 +27,7 @@ fn text(o: &Output) -> String {
     )
 }
 
-/// `false` (after printing SKIPPED) when `what` is missing, or a panic under
+/// `false` after printing `SKIPPED: <test>: <why>`, or a panic under
 /// TIERPROXY_REQUIRE_TOOLS=1.
 fn skip(test: &str, why: &str) -> bool {
     if std::env::var("TIERPROXY_REQUIRE_TOOLS").as_deref() == Ok("1") {
