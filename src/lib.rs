@@ -20,6 +20,7 @@ pub mod agent;
 pub mod audit;
 pub mod cluster;
 pub mod config;
+pub mod crds;
 pub mod explain;
 pub mod lab;
 pub mod loadgen;

@@ -108,6 +108,17 @@ enum Command {
     /// reset connection counts: policy only drops), 2 invalid input, 3 the lab could not be
     /// built or used (needs CAP_NET_ADMIN, CAP_SYS_ADMIN and CAP_NET_RAW, and iproute2's `ip`).
     Lab(tierproxy::lab::cli::LabArgs),
+    /// Print the CustomResourceDefinitions of AdminNetworkPolicy, BaselineAdminNetworkPolicy
+    /// (v1alpha1) and ClusterNetworkPolicy (v1alpha2), built from tierproxy's own types, as
+    /// one multi-document YAML stream (what `deploy/crds/` holds).
+    ///
+    /// Exit status: 0 written, 1 the files could not be written.
+    Crds {
+        /// Write one file per CRD into this directory (`policy.networking.k8s.io_<plural>.yaml`)
+        /// instead of printing them.
+        #[arg(long)]
+        out_dir: Option<PathBuf>,
+    },
 }
 
 /// `tierproxy agent` options; defaults are `tierproxy::config` and `tierproxy::agent`
@@ -354,6 +365,32 @@ fn otlp_receive(listen: std::net::SocketAddr, protocol: &str, count_only: bool) 
     ExitCode::SUCCESS
 }
 
+/// `tierproxy crds`: the CRDs to standard output, or one file each under `out_dir`.
+fn crds(out_dir: Option<&std::path::Path>, out: &mut dyn Write, err: &mut dyn Write) -> u8 {
+    let result = (|| -> anyhow::Result<()> {
+        use anyhow::Context as _;
+        match out_dir {
+            None => out.write_all(tierproxy::crds::to_yaml_stream()?.as_bytes())?,
+            Some(dir) => {
+                for crd in tierproxy::crds::crds() {
+                    let path = dir.join(&crd.file_name);
+                    std::fs::write(&path, tierproxy::crds::to_yaml(&crd)?)
+                        .with_context(|| format!("writing {}", path.display()))?;
+                    writeln!(out, "wrote {}", path.display())?;
+                }
+            }
+        }
+        Ok(())
+    })();
+    match result {
+        Ok(()) => 0,
+        Err(e) => {
+            let _ = writeln!(err, "error: {e:#}");
+            1
+        }
+    }
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let mut out = std::io::stdout().lock();
@@ -422,6 +459,7 @@ fn main() -> ExitCode {
             return otlp_receive(listen, &protocol, count_only);
         }
         Command::Lab(args) => tierproxy::lab::cli::main(args, &mut out, &mut err),
+        Command::Crds { out_dir } => crds(out_dir.as_deref(), &mut out, &mut err),
     };
     let _ = out.flush();
     ExitCode::from(code)

@@ -10,6 +10,9 @@
 //! These types mirror the wire format field for field and carry no defaults beyond what
 //! serde needs; defaulting and validation (the CRD schemas' `Minimum`, `MaxItems`,
 //! `MinProperties`/`MaxProperties` unions and CEL rules) live in [`crate::policy::validate`].
+//! The same limits and rules are also written on the types as `schemars` attributes, for
+//! the JSON schema only: they shape the CRDs [`crate::crds`] builds (`tierproxy crds`) and
+//! change nothing in decoding.
 //! A field these types do not know is ignored by serde and reported as a warning by the
 //! manifest loader, because newer upstream versions add fields.
 
@@ -39,4 +42,101 @@ pub struct NamespacedPod {
     pub namespace_selector: LabelSelector,
     /// Selects pods within the selected namespaces; empty selects all pods.
     pub pod_selector: LabelSelector,
+}
+
+// ---------------------------------------------------------------------------------------
+// Schema transforms for the CRDs (`tierproxy crds`)
+//
+// They shape only the JSON schema the `JsonSchema` derives produce (and so the CRDs that
+// `kube::CustomResourceExt::crd()` builds from them); serde and `policy::validate`, which
+// checks the same limits on manifests, do not use them.
+// ---------------------------------------------------------------------------------------
+
+/// The `DomainName` pattern of network-policy-api (v1alpha1 and v1alpha2), which
+/// [`crate::policy::validate::is_domain_name`] implements.
+pub const DOMAIN_NAME_PATTERN: &str = r"^(\*\.)?([a-zA-z0-9]([-a-zA-Z0-9_]*[a-zA-Z0-9])?\.)+[a-zA-z0-9]([-a-zA-Z0-9_]*[a-zA-Z0-9])?\.?$";
+
+/// Appends one CEL rule (`x-kubernetes-validations`, apiextensions `ValidationRule`) to a
+/// schema.
+fn add_cel_rule(schema: &mut schemars::Schema, rule: &str, message: &str) {
+    let entry = serde_json::json!({"rule": rule, "message": message});
+    match schema.get_mut("x-kubernetes-validations").and_then(|v| v.as_array_mut()) {
+        Some(rules) => rules.push(entry),
+        None => {
+            schema.insert("x-kubernetes-validations".to_owned(), serde_json::json!([entry]));
+        }
+    }
+}
+
+/// `networks` (`[]CIDR`): `+listType=set`, `MinItems=1`, `MaxItems=25`; each item
+/// `MaxLength=43` with the CEL rule `isCIDR(self)` ("Invalid CIDR format provided";
+/// `isCIDR` needs Kubernetes 1.31+).
+fn cidr_list(schema: &mut schemars::Schema) {
+    schema.insert("minItems".to_owned(), 1.into());
+    schema.insert("maxItems".to_owned(), 25.into());
+    schema.insert("x-kubernetes-list-type".to_owned(), "set".into());
+    if let Some(item) = schema.get_mut("items").and_then(|i| i.as_object_mut()) {
+        item.insert("maxLength".to_owned(), 43.into());
+        item.insert(
+            "x-kubernetes-validations".to_owned(),
+            serde_json::json!([{"rule": "isCIDR(self)", "message": "Invalid CIDR format provided"}]),
+        );
+    }
+}
+
+/// `domainNames` (`[]DomainName`): `+listType=set`, `MinItems=1`, `MaxItems=25`; each item
+/// matches [`DOMAIN_NAME_PATTERN`].
+fn domain_name_list(schema: &mut schemars::Schema) {
+    schema.insert("minItems".to_owned(), 1.into());
+    schema.insert("maxItems".to_owned(), 25.into());
+    schema.insert("x-kubernetes-list-type".to_owned(), "set".into());
+    if let Some(item) = schema.get_mut("items").and_then(|i| i.as_object_mut()) {
+        item.insert("pattern".to_owned(), DOMAIN_NAME_PATTERN.into());
+    }
+}
+
+/// `status.conditions`: `+listType=map`, `+listMapKey=type` (one condition per type).
+fn condition_list(schema: &mut schemars::Schema) {
+    schema.insert("x-kubernetes-list-type".to_owned(), "map".into());
+    schema.insert("x-kubernetes-list-map-keys".to_owned(), serde_json::json!(["type"]));
+}
+
+/// The CEL rule of an AdminNetworkPolicy egress rule: named ports cannot go with peers
+/// that have none (networks, nodes, domainNames).
+fn anp_egress_rule_cel(schema: &mut schemars::Schema) {
+    add_cel_rule(
+        schema,
+        "!(self.to.exists(peer, has(peer.networks) || has(peer.nodes) || has(peer.domainNames)) \
+         && has(self.ports) && self.ports.exists(port, has(port.namedPort)))",
+        "networks/nodes/domainNames peer cannot be set with namedPorts since there are no \
+         namedPorts for networks/nodes/domainNames",
+    );
+}
+
+/// The same rule for a BaselineAdminNetworkPolicy egress rule (no domainNames peers).
+fn banp_egress_rule_cel(schema: &mut schemars::Schema) {
+    add_cel_rule(
+        schema,
+        "!(self.to.exists(peer, has(peer.networks) || has(peer.nodes)) && has(self.ports) && \
+         self.ports.exists(port, has(port.namedPort)))",
+        "networks/nodes peer cannot be set with namedPorts since there are no namedPorts for \
+         networks/nodes",
+    );
+}
+
+/// The same rule for a ClusterNetworkPolicy egress rule, on `destinationNamedPort`.
+fn cnp_egress_rule_cel(schema: &mut schemars::Schema) {
+    add_cel_rule(
+        schema,
+        "!(self.to.exists(peer, has(peer.networks) || has(peer.nodes) || has(peer.domainNames)) \
+         && has(self.protocols) && self.protocols.exists(protocol, \
+         has(protocol.destinationNamedPort)))",
+        "networks/nodes/domainNames peer cannot be set with namedPorts since there are no \
+         namedPorts for networks/nodes/domainNames",
+    );
+}
+
+/// v1alpha2 `PortRange`: `self.start < self.end` ("Start port must be less than End port").
+fn port_range_cel(schema: &mut schemars::Schema) {
+    add_cel_rule(schema, "self.start < self.end", "Start port must be less than End port");
 }

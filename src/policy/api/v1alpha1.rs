@@ -18,6 +18,7 @@ use super::{Condition, LabelSelector, NamespacedPod};
     group = "policy.networking.k8s.io",
     version = "v1alpha1",
     kind = "AdminNetworkPolicy",
+    doc = "AdminNetworkPolicy: cluster-scoped rules that take precedence over NetworkPolicy (policy.networking.k8s.io/v1alpha1).",
     plural = "adminnetworkpolicies",
     shortname = "anp",
     status = "AdminNetworkPolicyStatus",
@@ -28,14 +29,17 @@ use super::{Condition, LabelSelector, NamespacedPod};
 pub struct AdminNetworkPolicySpec {
     /// 0–1000; lower values take precedence. Upstream: "The behavior is undefined if two ANP
     /// objects have same priority"; tierproxy orders ties by name and reports a conflict.
+    #[schemars(range(min = 0, max = 1000))]
     pub priority: i32,
     /// The pods this policy applies to.
     pub subject: AdminNetworkPolicySubject,
     /// Ingress rules (≤ 100), evaluated in written order.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 100))]
     pub ingress: Vec<AdminNetworkPolicyIngressRule>,
     /// Egress rules (≤ 100), evaluated in written order.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 100))]
     pub egress: Vec<AdminNetworkPolicyEgressRule>,
 }
 
@@ -44,6 +48,7 @@ pub struct AdminNetworkPolicySpec {
 pub struct AdminNetworkPolicyStatus {
     /// `metav1.Condition`s, keyed by `type`.
     #[serde(default)]
+    #[schemars(transform = super::condition_list)]
     pub conditions: Vec<Condition>,
 }
 
@@ -51,6 +56,7 @@ pub struct AdminNetworkPolicyStatus {
 /// `MaxProperties=1`). Host-network pods are never selected.
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
+#[schemars(extend("minProperties" = 1, "maxProperties" = 1))]
 pub struct AdminNetworkPolicySubject {
     /// All pods in the namespaces this selector matches.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -77,29 +83,36 @@ pub enum AdminNetworkPolicyRuleAction {
 pub struct AdminNetworkPolicyIngressRule {
     /// Optional rule name (≤ 100 characters), used in audit and `explain`.
     #[serde(default, skip_serializing_if = "String::is_empty")]
+    #[schemars(length(max = 100))]
     pub name: String,
     /// What to do with matching traffic.
     pub action: AdminNetworkPolicyRuleAction,
     /// Sources (1–100); the rule matches if any matches.
+    #[schemars(length(min = 1, max = 100))]
     pub from: Vec<AdminNetworkPolicyIngressPeer>,
     /// Destination ports on the subject (≤ 100); absent matches all ports and protocols.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 100))]
     pub ports: Option<Vec<AdminNetworkPolicyPort>>,
 }
 
 /// An ANP egress rule.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
+#[schemars(transform = super::anp_egress_rule_cel)]
 pub struct AdminNetworkPolicyEgressRule {
     /// Optional rule name (≤ 100 characters).
     #[serde(default, skip_serializing_if = "String::is_empty")]
+    #[schemars(length(max = 100))]
     pub name: String,
     /// What to do with matching traffic.
     pub action: AdminNetworkPolicyRuleAction,
     /// Destinations (1–100); the rule matches if any matches.
+    #[schemars(length(min = 1, max = 100))]
     pub to: Vec<AdminNetworkPolicyEgressPeer>,
     /// Destination ports on the peer (≤ 100); absent matches all ports and protocols.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 100))]
     pub ports: Option<Vec<AdminNetworkPolicyPort>>,
 }
 
@@ -107,6 +120,7 @@ pub struct AdminNetworkPolicyEgressRule {
 /// is set a consumer "must assume an unknown option has been specified and fail closed".
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
+#[schemars(extend("minProperties" = 1, "maxProperties" = 1))]
 pub struct AdminNetworkPolicyIngressPeer {
     /// All pods in matching namespaces (never host-network pods).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -119,6 +133,7 @@ pub struct AdminNetworkPolicyIngressPeer {
 /// A destination of egress traffic. Exactly one field must be set; none known ⇒ fail closed.
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
+#[schemars(extend("minProperties" = 1, "maxProperties" = 1))]
 pub struct AdminNetworkPolicyEgressPeer {
     /// All pods in matching namespaces.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -131,15 +146,18 @@ pub struct AdminNetworkPolicyEgressPeer {
     pub nodes: Option<LabelSelector>,
     /// CIDRs (1–25); match any address in them, pod and node IPs included.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(transform = super::cidr_list)]
     pub networks: Option<Vec<String>>,
     /// Domain names (1–25), `*.` prefix allowed; Allow rules only (experimental).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(transform = super::domain_name_list)]
     pub domain_names: Option<Vec<String>>,
 }
 
 /// A port selector. Exactly one field must be set.
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
+#[schemars(extend("minProperties" = 1, "maxProperties" = 1))]
 pub struct AdminNetworkPolicyPort {
     /// One protocol and port.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -158,8 +176,10 @@ pub struct AdminNetworkPolicyPort {
 pub struct Port {
     /// `TCP`, `UDP` or `SCTP`; the CRD defaults it to `TCP`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("default" = "TCP"))]
     pub protocol: Option<String>,
     /// 1–65535.
+    #[schemars(range(min = 1, max = 65535))]
     pub port: i32,
 }
 
@@ -169,10 +189,13 @@ pub struct Port {
 pub struct PortRange {
     /// `TCP`, `UDP` or `SCTP`; the CRD defaults it to `TCP`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("default" = "TCP"))]
     pub protocol: Option<String>,
     /// First port, 1–65535.
+    #[schemars(range(min = 1, max = 65535))]
     pub start: i32,
     /// Last port (inclusive), 1–65535.
+    #[schemars(range(min = 1, max = 65535))]
     pub end: i32,
 }
 
@@ -183,6 +206,7 @@ pub struct PortRange {
     group = "policy.networking.k8s.io",
     version = "v1alpha1",
     kind = "BaselineAdminNetworkPolicy",
+    doc = "BaselineAdminNetworkPolicy: the cluster default that NetworkPolicy can override; a singleton named default (policy.networking.k8s.io/v1alpha1).",
     plural = "baselineadminnetworkpolicies",
     shortname = "banp",
     status = "BaselineAdminNetworkPolicyStatus",
@@ -194,9 +218,11 @@ pub struct BaselineAdminNetworkPolicySpec {
     pub subject: AdminNetworkPolicySubject,
     /// Ingress rules (≤ 100), evaluated in written order.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 100))]
     pub ingress: Vec<BaselineAdminNetworkPolicyIngressRule>,
     /// Egress rules (≤ 100), evaluated in written order.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 100))]
     pub egress: Vec<BaselineAdminNetworkPolicyEgressRule>,
 }
 
@@ -205,6 +231,7 @@ pub struct BaselineAdminNetworkPolicySpec {
 pub struct BaselineAdminNetworkPolicyStatus {
     /// `metav1.Condition`s, keyed by `type`.
     #[serde(default)]
+    #[schemars(transform = super::condition_list)]
     pub conditions: Vec<Condition>,
 }
 
@@ -223,35 +250,43 @@ pub enum BaselineAdminNetworkPolicyRuleAction {
 pub struct BaselineAdminNetworkPolicyIngressRule {
     /// Optional rule name (≤ 100 characters).
     #[serde(default, skip_serializing_if = "String::is_empty")]
+    #[schemars(length(max = 100))]
     pub name: String,
     /// What to do with matching traffic.
     pub action: BaselineAdminNetworkPolicyRuleAction,
     /// Sources (1–100).
+    #[schemars(length(min = 1, max = 100))]
     pub from: Vec<AdminNetworkPolicyIngressPeer>,
     /// Destination ports (≤ 100); absent matches all.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 100))]
     pub ports: Option<Vec<AdminNetworkPolicyPort>>,
 }
 
 /// A BANP egress rule.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
+#[schemars(transform = super::banp_egress_rule_cel)]
 pub struct BaselineAdminNetworkPolicyEgressRule {
     /// Optional rule name (≤ 100 characters).
     #[serde(default, skip_serializing_if = "String::is_empty")]
+    #[schemars(length(max = 100))]
     pub name: String,
     /// What to do with matching traffic.
     pub action: BaselineAdminNetworkPolicyRuleAction,
     /// Destinations (1–100).
+    #[schemars(length(min = 1, max = 100))]
     pub to: Vec<BaselineAdminNetworkPolicyEgressPeer>,
     /// Destination ports (≤ 100); absent matches all.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 100))]
     pub ports: Option<Vec<AdminNetworkPolicyPort>>,
 }
 
 /// A BANP egress destination: like [`AdminNetworkPolicyEgressPeer`] without `domainNames`.
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
+#[schemars(extend("minProperties" = 1, "maxProperties" = 1))]
 pub struct BaselineAdminNetworkPolicyEgressPeer {
     /// All pods in matching namespaces.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -264,5 +299,6 @@ pub struct BaselineAdminNetworkPolicyEgressPeer {
     pub nodes: Option<LabelSelector>,
     /// CIDRs (1–25).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(transform = super::cidr_list)]
     pub networks: Option<Vec<String>>,
 }
