@@ -372,8 +372,7 @@ fn daemonset_keeps_what_deploy_readme_promises() {
         );
     }
 
-    // Every flag the DaemonSet and agent.env give exists. `--kube` is the API-server mode
-    // issue #6 adds beside this work: checked once the agent has it.
+    // Every flag the DaemonSet and agent.env give exists.
     let env = std::fs::read_to_string(root().join("deploy/agent.env")).unwrap();
     let flags_line = env
         .lines()
@@ -387,10 +386,6 @@ fn daemonset_keeps_what_deploy_readme_promises() {
         .filter(|a| a.starts_with("--"))
         .map(|a| a.split('=').next().unwrap());
     for flag in flags {
-        if flag == "--kube" && !help.contains("--kube") {
-            let _ = writeln!(std::io::stderr(), "note: agent --kube is not in this build yet");
-            continue;
-        }
         assert!(
             help.contains(&format!("{flag} ")) || help.contains(&format!("{flag}\n")),
             "{flag} is not an agent flag"
