@@ -460,6 +460,25 @@ mod tests {
     }
 
     #[test]
+    fn dual_stack_cluster_ips_take_backends_of_their_own_family() {
+        let mut lab = lab_with(&[("web", "a", "10.0.0.1")]);
+        lab.pods[0].ips.push("fd00::1".parse().expect("ip"));
+        let svc = service(
+            "metadata: {name: s, namespace: web}\n\
+             spec: {clusterIPs: [10.96.0.10, 'fd00:96::10'], selector: {app: web}, \
+             ports: [{port: 80, targetPort: 8080, protocol: SCTP}]}\n",
+        );
+        let (planned, _) = plan(&[svc], &[pod(WEB_A)], &lab).expect("plan");
+        let ports = &planned[0].ports;
+        assert_eq!(ports.len(), 2);
+        assert_eq!(ports[0].backends[0].addr, "10.0.0.1:8080".parse().expect("addr"));
+        assert_eq!(ports[1].backends[0].addr, "[fd00::1]:8080".parse().expect("addr"));
+        let script = nft_script(&planned);
+        assert!(script.contains("ip6 daddr fd00:96::10 sctp dport 80 jump svc0-1"), "{script}");
+        assert!(script.contains("meta l4proto sctp dnat ip6 to [fd00::1]:8080"), "{script}");
+    }
+
+    #[test]
     fn other_types_and_headless_are_skipped_bad_fields_are_errors() {
         let lab = lab_with(&[]);
         let np = service(
