@@ -300,8 +300,8 @@ fn restore_input(spec: &RulesetSpec, fam: Family) -> String {
     let _ = writeln!(o, "-A {divert} -j MARK --set-xmark {route}");
     let _ = writeln!(o, "-A {divert} -j MARK --set-xmark {decided}");
     let _ = writeln!(o, "-A {divert} -j ACCEPT");
-    // Rule 6, the intercept chain: TCP SYNs (their connection marked for rule 3) and UDP not to the node's own
-    // addresses → the proxy's listener.
+    // Rule 6, the intercept chain: TCP SYNs (their connection marked for rule 3) and UDP not
+    // to the node's own addresses → the proxy's listener.
     let tproxy =
         format!("-j TPROXY --on-port {} --on-ip {on_ip} --tproxy-mark {route}", c.tproxy_port);
     for proto in TPROXY_PROTOCOLS {

@@ -106,8 +106,9 @@
 //!
 //! * [`IptablesBackend`]: ipset `hash:ip` sets filled by `ipset restore` and swapped in
 //!   atomically, tierproxy's own chains replaced by one `iptables-restore --noflush` per
-//!   family, one jump from `mangle PREROUTING` inserted when missing. Works on every kernel
-//!   with xt NFQUEUE/TPROXY/socket and ipset; this is the backend CI exercises.
+//!   family, jumps from `mangle PREROUTING`, `INPUT` and `FORWARD` inserted when missing.
+//!   Works on every kernel with xt NFQUEUE/TPROXY/socket/connmark and ipset; this is the
+//!   backend CI exercises.
 //! * [`NftablesBackend`]: one `inet` table built in one transaction through the `nftables`
 //!   crate's typed JSON API. Needs CONFIG_NFT_QUEUE, which the development machines lack.
 //!
@@ -118,6 +119,7 @@
 //!   (iproute2 with `-j`); kernel options CONFIG_NETFILTER_XT_TARGET_NFQUEUE,
 //!   CONFIG_NETFILTER_XT_TARGET_TPROXY, CONFIG_NETFILTER_XT_MATCH_SOCKET,
 //!   CONFIG_NETFILTER_XT_MATCH_CONNTRACK, CONFIG_NETFILTER_XT_MATCH_MARK,
+//!   CONFIG_NETFILTER_XT_CONNMARK (`connmark` match, `CONNMARK` target),
 //!   CONFIG_NETFILTER_XT_TARGET_MARK, CONFIG_NETFILTER_XT_MATCH_COMMENT,
 //!   CONFIG_NETFILTER_XT_SET with CONFIG_IP_SET_HASH_IP, CONFIG_NETFILTER_NETLINK_QUEUE, and
 //!   with the nf_tables flavour CONFIG_NFT_COMPAT; IPv6 enabled; `lo` up.
