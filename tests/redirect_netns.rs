@@ -229,13 +229,18 @@ fn iptables_lifecycle(test: &str, cmds: IptablesCommands) {
         (&cmds.ip6tables_restore, &cmds.ip6tables_save),
     ] {
         let expected = rendered_rules(&rendered, restore);
-        assert_eq!(expected.len(), 13, "{restore} section of:\n{rendered}");
+        assert_eq!(expected.len(), 22, "{restore} section of:\n{rendered}");
         let saved = ns.sh(&[save, "-t", "mangle"]);
         let ours: Vec<&str> = saved.lines().filter(|l| l.starts_with("-A TIERPROXY")).collect();
         assert_eq!(ours, expected, "{save}");
         let prerouting: Vec<&str> =
             saved.lines().filter(|l| l.starts_with("-A PREROUTING")).collect();
         assert_eq!(prerouting, ["-A PREROUTING -j TIERPROXY", "-A PREROUTING -p tcp -j RETURN"]);
+        for hook in ["INPUT", "FORWARD"] {
+            let jumps: Vec<&str> =
+                saved.lines().filter(|l| l.starts_with(&format!("-A {hook} "))).collect();
+            assert_eq!(jumps, [format!("-A {hook} -j TIERPROXY-DECIDE")], "{save}");
+        }
         assert!(saved.contains(":FOREIGN - "), "{saved}");
     }
     assert_eq!(members(&ns, "tierproxy-pods-v4"), ["10.244.1.11", "10.244.1.12"]);
@@ -380,7 +385,11 @@ fn nftables_apply_update_remove() {
         assert!(child.wait().expect("nft").success(), "ruleset without queue rules applies");
         let listing = ns.sh(&["nft", "list", "table", "inet", "tierproxy"]);
         for needle in [
-            "socket transparent 1 socket wildcard 0 meta mark set meta mark | 0x00002000 accept",
+            "socket transparent 1 socket wildcard 0 meta mark set meta mark | 0x00002000 \
+             meta mark set meta mark | 0x00001000 accept",
+            "ct direction original ct mark & 0x00002000 == 0x00002000",
+            "ct mark set ct mark | 0x00002000 tproxy ip to 127.0.0.1:15001",
+            "jump decide",
             "tproxy ip to 127.0.0.1:15001 meta mark set meta mark | 0x00002000 accept",
             "tproxy ip6 to [::1]:15001",
             "ip saddr @nodes-v4 return",
@@ -496,7 +505,10 @@ fn queued_packets(ns: &Netns, fam: Family) -> u64 {
 
 /// With nothing reading the queue, a new connection from a local pod is dropped when the
 /// queue is fail-closed (the client times out, never refused) and passes when it is
-/// fail-open (`--queue-bypass`). Both families.
+/// fail-open (`--queue-bypass`): interception comes first (TPROXY in PREROUTING, the queue
+/// in INPUT), so it passes to the transparent listener, here a stand-in for the agent's,
+/// whose proxy then decides the flow itself. Without a listener, xt TPROXY drops the SYN
+/// in either mode. Both families.
 #[test]
 fn fail_closed_drops_and_fail_open_passes_unread_queue() {
     let test = "fail_closed_drops_and_fail_open_passes_unread_queue";
@@ -517,27 +529,55 @@ fn fail_closed_drops_and_fail_open_passes_unread_queue() {
             topo.connect(server, timeout).unwrap_or_else(|e| panic!("{phase}: {server}: {e}"));
         }
     };
+    let times_out = |phase: &str, fam: Family, server: SocketAddr| {
+        let started = Instant::now();
+        let err = topo.connect(server, timeout).expect_err(phase);
+        assert_eq!(
+            err.kind(),
+            ErrorKind::TimedOut,
+            "{phase}, {}: a timeout, not a refusal",
+            fam.name
+        );
+        assert!(started.elapsed() >= timeout, "{phase}, {}: dropped silently", fam.name);
+    };
 
     connect_all("control, before any rule");
 
+    topo.node.run(|| backend.apply(&open)).expect("apply fail-open");
+    for (fam, server) in [V4, V6].into_iter().zip(servers) {
+        times_out("no transparent listener: TPROXY drops", fam, server);
+        assert_eq!(queued_packets(&topo.node, fam), 0, "{}: dropped before the queue", fam.name);
+    }
+    let stand_ins = topo.node.run(|| {
+        [V4, V6].map(|fam| {
+            let l = TcpListener::bind(sockaddr(fam.loopback, 15001))
+                .unwrap_or_else(|e| panic!("{}: listener: {e}", fam.name));
+            setsockopt(&l, sockopt::IpTransparent, &true)
+                .unwrap_or_else(|e| panic!("{}: IP_TRANSPARENT: {e}", fam.name));
+            l
+        })
+    });
+
     topo.node.run(|| backend.apply(&closed)).expect("apply fail-closed");
     for (fam, server) in [V4, V6].into_iter().zip(servers) {
-        let started = Instant::now();
-        let err = topo.connect(server, timeout).expect_err("fail-closed must drop the SYN");
-        assert_eq!(err.kind(), ErrorKind::TimedOut, "{}: a timeout, not a refusal", fam.name);
-        assert!(started.elapsed() >= timeout, "{}: dropped silently", fam.name);
+        times_out("fail-closed must drop the SYN", fam, server);
         assert!(queued_packets(&topo.node, fam) >= 1, "{}: the SYN went to the queue", fam.name);
     }
 
     topo.node.run(|| backend.apply(&open)).expect("apply fail-open");
     connect_all("fail-open lets the SYN pass an unread queue");
+    for (l, server) in stand_ins.iter().zip(servers) {
+        let (conn, _) = l.accept().expect("the stand-in accepted the fail-open connection");
+        assert_eq!(conn.local_addr().expect("local"), server, "original destination");
+    }
 
+    drop(stand_ins);
     topo.node.run(|| backend.remove(open.config())).expect("remove");
     connect_all("after remove");
 }
 
-/// A TCP SYN carrying the decided mark (as the queue's REPEAT verdict leaves it) skips the
-/// queue, is TPROXY'd to the transparent listener with its original destination intact, and
+/// A TCP SYN is TPROXY'd to the transparent listener; carrying the decided mark in INPUT (as
+/// the queue's REPEAT verdict leaves it) it skips the queue and reaches the listener with its original destination intact, and
 /// the rest of the flow reaches the accepted socket through the `socket --transparent` rule
 /// and policy routing. Both families.
 #[test]
@@ -556,14 +596,15 @@ fn decided_tcp_is_tproxied_to_the_listener() {
 }
 
 fn tproxy_round_trip(topo: &Topology, fam: Family) {
-    // Stand-in for the decider: mark new TCP flows to port 9999 as decided, ahead of the jump.
+    // Stand-in for the decider: mark new TCP flows to port 9999 as decided, ahead of the jump
+    // to the decide chain (INPUT: the flow is TPROXY'd, so delivered locally).
     topo.node.sh(&[
         fam.iptables,
         "-w",
         "-t",
         "mangle",
         "-I",
-        "PREROUTING",
+        "INPUT",
         "1",
         "-p",
         "tcp",

@@ -283,6 +283,16 @@ pub fn files(path: &Path, errors: &mut Vec<LoadError>) -> Vec<PathBuf> {
     out
 }
 
+/// The documents of one manifest file as [`load`] reads them (size limit, YAML 1.2 core
+/// booleans, concatenated JSON objects), before any kind is looked at. For readers of kinds
+/// the policy loader skips (the lab reads `v1` Services with it).
+///
+/// # Errors
+/// [`LoadError::Io`], [`LoadError::TooLarge`] or [`LoadError::Syntax`].
+pub fn documents(path: &Path) -> Result<Vec<Value>, LoadError> {
+    read(path)
+}
+
 fn read(path: &Path) -> Result<Vec<Value>, LoadError> {
     let io = |source| LoadError::Io { path: path.to_path_buf(), source };
     let size = std::fs::metadata(path).map_err(io)?.len();

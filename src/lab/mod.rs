@@ -9,6 +9,8 @@
 //! - [`procs`]: background processes (echo servers, agents: [`procs::agent_command`]),
 //!   readiness, stopping, Ctrl-C.
 //! - [`serve`]: the echo server protocol (`tierproxy lab serve`).
+//! - [`service`]: ClusterIP Services from the manifests → kube-proxy-like nftables DNAT in
+//!   every node namespace.
 //! - [`synth`]: `lab synth`: a lab's manifests plus a large policy set it does not build.
 //! - [`sctp`]: SCTP INIT / INIT ACK / ABORT packets on raw sockets (kernels without SCTP).
 //! - [`probe`]: real connections from inside namespaces.
@@ -33,6 +35,7 @@ pub mod procs;
 pub mod report;
 pub mod sctp;
 pub mod serve;
+pub mod service;
 pub mod state;
 pub mod synth;
 
@@ -275,7 +278,15 @@ pub fn up(opts: &UpOptions, err: &mut dyn Write) -> Result<State, LabError> {
         }
         None => Vec::new(),
     };
-    let plan = Plan::build(&opts.prefix, &loaded, &compiled.snapshot, &flows)?;
+    let mut plan = Plan::build(&opts.prefix, &loaded, &compiled.snapshot, &flows)?;
+    // Services are read from the files given (a `--dual-stack` copy holds the policy
+    // inputs only); the policy loader skips them.
+    let services =
+        service::read(&manifests).map_err(|e| LabError::Invalid(explain::error_chain(&e)))?;
+    let (services, skipped) = service::plan(&services, &loaded.inputs.pods, &plan)
+        .map_err(|e| LabError::Invalid(explain::error_chain(&e)))?;
+    plan.services = services;
+    plan.skipped.extend(skipped);
     for s in &plan.skipped {
         let _ = writeln!(err, "note: lab: skipped {}: {}", s.object, s.reason);
     }
@@ -367,6 +378,13 @@ fn build(
     netns::ip_batch(None, &plan.link_script())?;
     for (ns, script) in plan.netns_scripts() {
         netns::ip_batch(Some(&ns), &script)?;
+    }
+    // kube-proxy's part: ClusterIP DNAT on every node, before anything sends.
+    if !plan.services.is_empty() {
+        let script = service::nft_script(&plan.services);
+        for node in &plan.nodes {
+            netns::ip(&["netns", "exec", &node.netns, "nft", "-f", "-"], Some(&script))?;
+        }
     }
     stop_requested()?;
 
@@ -710,7 +728,15 @@ pub fn up_summary(state: &State) -> String {
         p.servers.len(),
         if state.agents { "agents on every node" } else { "no agents (kernel forwarding)" },
         state.dir.display()
-    )
+    ) + &if p.services.is_empty() {
+        String::new()
+    } else {
+        format!(
+            "; {} ClusterIP Services (nftables table inet {})",
+            p.services.len(),
+            service::TABLE
+        )
+    }
 }
 
 /// Where the built-in example lives: `$TIERPROXY_EXAMPLES`, else `examples/` of the source

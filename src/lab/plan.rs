@@ -151,6 +151,11 @@ pub struct Plan {
     /// listed (a large synthetic policy set has thousands).
     #[serde(default)]
     pub uninstantiated: Uninstantiated,
+    /// ClusterIP Services, installed as DNAT in every node namespace
+    /// ([`super::service`]); filled by `lab up` after [`Plan::build`] (absent in the state
+    /// files of labs built before Services: none).
+    #[serde(default)]
+    pub services: Vec<super::service::ServicePlan>,
 }
 
 /// Annotation on a Pod or Node: `"false"` keeps the lab from building it (no namespace,
@@ -289,6 +294,7 @@ impl Plan {
             servers: Vec::new(),
             skipped: Vec::new(),
             uninstantiated: Uninstantiated::default(),
+            services: Vec::new(),
         };
         let reserved = IpAddr::V4(FABRIC_GATEWAY_V4);
         let mut left_out_nodes = BTreeSet::new();

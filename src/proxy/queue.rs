@@ -3,10 +3,12 @@
 //!
 //! - Deny: `NF_DROP`. No RST, no ICMP: the client times out, as upstream conformance
 //!   requires of a denied connection.
-//! - Allow: `NF_REPEAT` with the decided mark added to the packet mark. With iptables the
-//!   queue rule and the TPROXY rule share mangle PREROUTING, and an `NF_ACCEPT` would end
-//!   the packet's walk through the hook before TPROXY; the repeated packet skips the queue
-//!   rule because it carries the decided mark (DESIGN §3).
+//! - Allow: `NF_REPEAT` with the decided mark added to the packet mark. The queue rule sits
+//!   at the top of mangle INPUT / FORWARD (after the DNAT of a ClusterIP, see `redirect`),
+//!   and an `NF_ACCEPT` would end the packet's walk through that table's chain there,
+//!   skipping the rules other software has after tierproxy's jump; the repeated packet
+//!   walks the chain again and skips the queue rule because it carries the decided mark
+//!   (DESIGN §3).
 //! - A packet that cannot be named (truncated, fragment, not TCP/UDP/SCTP): dropped.
 //!
 //! Each reader waits for a packet, takes whatever else is already queued (up to

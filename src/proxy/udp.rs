@@ -28,7 +28,7 @@
 //!
 //! UDP to the node's own addresses is not proxied (the proxy cannot bind a hostNetwork
 //! server's address and port): the ruleset lets the kernel forward it after its first
-//! datagram's decision (`redirect`, rule 4).
+//! datagram's decision (`redirect`, rule 5).
 //!
 //! Source: issue #5 "Protocols"; DESIGN §3.
 

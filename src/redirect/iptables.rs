@@ -1,5 +1,6 @@
 //! The iptables backend: ipset sets, tierproxy's own chains in the mangle table of both
-//! families, one jump from `mangle PREROUTING`, and policy routing.
+//! families, jumps from `mangle PREROUTING` (interception) and from `mangle INPUT` and
+//! `mangle FORWARD` (the decision), and policy routing.
 //!
 //! * Sets (`hash:ip`, family `inet`/`inet6`; ipset(8)) are filled under a temporary name and
 //!   exchanged with `swap`, which is atomic: a packet never sees a half-filled set. All set
@@ -7,8 +8,9 @@
 //! * Chains are replaced by `iptables-restore --noflush`: declaring `:CHAIN - [0:0]` flushes
 //!   tierproxy's chain and the rules that follow refill it, in one transaction, while every
 //!   other chain keeps its rules (iptables-restore(8)).
-//! * The jump `-I PREROUTING 1 -j TIERPROXY` is inserted at the top only when
-//!   `iptables -C` finds it missing, so re-applying never duplicates it.
+//! * The jumps `-I PREROUTING 1 -j TIERPROXY`, `-I INPUT 1 -j TIERPROXY-DECIDE` and
+//!   `-I FORWARD 1 -j TIERPROXY-DECIDE` are inserted at the top only when `iptables -C`
+//!   finds them missing, so re-applying never duplicates them.
 //!
 //! Rules are written in `iptables-save`'s canonical order (`-p` first, matches in order,
 //! comments quoted), so the rendered lines equal what `iptables-save` prints back; the netns
@@ -145,19 +147,19 @@ impl IptablesBackend {
         Cmd::new(&self.cmds.ipset, ["restore", "-exist"])
     }
 
-    fn jump_cmd(&self, fam: Family, op: &str, names: &Names) -> Cmd {
-        let mut args = vec!["-w", "-t", "mangle", op, "PREROUTING"];
+    fn jump_cmd(&self, fam: Family, op: &str, hook: &str, target: &str) -> Cmd {
+        let mut args = vec!["-w", "-t", "mangle", op, hook];
         if op == "-I" {
             args.push("1");
         }
-        args.extend(["-j", names.chain.as_str()]);
+        args.extend(["-j", target]);
         Cmd::new(self.iptables(fam), args)
     }
 
-    /// Whether the jump from `mangle PREROUTING` exists (`iptables -C`, exit status 1 =
-    /// missing).
-    fn has_jump(&self, fam: Family, names: &Names) -> Result<bool, RedirectError> {
-        let cmd = self.jump_cmd(fam, "-C", names);
+    /// Whether the jump from `mangle <hook>` to `target` exists (`iptables -C`, exit status
+    /// 1 = missing).
+    fn has_jump(&self, fam: Family, hook: &str, target: &str) -> Result<bool, RedirectError> {
+        let cmd = self.jump_cmd(fam, "-C", hook, target);
         let out = cmd.output(None)?;
         match out.status.code() {
             Some(0) => Ok(true),
@@ -165,6 +167,16 @@ impl IptablesBackend {
             _ => Err(cmd.failed(&out)),
         }
     }
+}
+
+/// The jumps into tierproxy's chains, `(built-in mangle chain, tierproxy's chain)`:
+/// PREROUTING intercepts, INPUT and FORWARD decide (see the module docs of `redirect`).
+fn hooks(names: &Names) -> [(&'static str, &str); 3] {
+    [
+        ("PREROUTING", names.chain.as_str()),
+        ("INPUT", names.decide_chain.as_str()),
+        ("FORWARD", names.decide_chain.as_str()),
+    ]
 }
 
 /// The `ipset restore` input that makes the four sets hold exactly the spec's addresses:
@@ -205,13 +217,17 @@ fn restore_input(spec: &RulesetSpec, fam: Family) -> String {
         Family::V4 => (&n.pods_v4, &n.nodes_v4, c.tproxy_addr_v4.to_string()),
         Family::V6 => (&n.pods_v6, &n.nodes_v6, c.tproxy_addr_v6.to_string()),
     };
-    let (chain, divert, queue) = (&n.chain, &n.divert_chain, &n.queue_chain);
+    let (chain, divert, intercept, decide, queue) =
+        (&n.chain, &n.divert_chain, &n.intercept_chain, &n.decide_chain, &n.queue_chain);
     let (bypass, decided, route) = (c.bypass_mark, c.decided_mark, c.route_mark);
+    const SYN: &str = "-m tcp --tcp-flags FIN,SYN,RST,ACK SYN";
     let mut o = String::from("*mangle\n");
-    for ch in [chain, divert, queue] {
+    // Declared, and their rules written, in name order: `iptables-save` lists chains so
+    // (legacy sorts them; nf_tables lists them in creation order, which this is).
+    for ch in [chain, decide, divert, intercept, queue] {
         let _ = writeln!(o, ":{ch} - [0:0]");
     }
-    // Rule 1: the proxy's own upstream packets are never touched.
+    // PREROUTING, rule 1: the proxy's own upstream packets are never touched.
     let _ = writeln!(
         o,
         "-A {chain} -m comment --comment \"tierproxy: proxy upstream sockets (bypass mark)\" \
@@ -223,46 +239,86 @@ fn restore_input(spec: &RulesetSpec, fam: Family) -> String {
         "-A {chain} -m comment --comment \"tierproxy: established transparent socket\" \
          -m socket --transparent -j {divert}"
     );
-    // Rule 3: traffic from the node itself is always allowed.
+    // Rule 3: later packets of a proxied TCP connection whose destination a DNAT after this
+    // hook rewrites (a ClusterIP): rule 2 looks the socket up by the header as it is here,
+    // before the DNAT, and misses; the conntrack mark set with the TPROXY (rule 6) finds them.
+    let _ = writeln!(
+        o,
+        "-A {chain} -p tcp -m comment --comment \"tierproxy: proxied connection (conntrack mark)\" \
+         -m tcp ! --tcp-flags FIN,SYN,RST,ACK SYN -m conntrack --ctdir ORIGINAL \
+         -m connmark --mark {route} -j {divert}"
+    );
+    // Rule 4: traffic from the node itself is always allowed.
     let _ = writeln!(
         o,
         "-A {chain} -m comment --comment \"tierproxy: from the node itself\" \
          -m set --match-set {nodes} src -j RETURN"
     );
-    // Rule 4: UDP to the node's own addresses is forwarded by the kernel after its first
+    // Rule 5: UDP to the node's own addresses is forwarded by the kernel after its first
     // packet's decision (the proxy cannot take a hostNetwork server's address and port).
-    let _ = writeln!(
-        o,
-        "-A {chain} -p udp -m comment --comment \"tierproxy: UDP to the node itself, decided\" \
+    let udp_to_node = format!(
+        "-p udp -m comment --comment \"tierproxy: UDP to the node itself, decided\" \
          -m set --match-set {nodes} dst -m conntrack ! --ctstate NEW -j RETURN"
     );
-    // Rule 5: packets of pod flows not owned by a proxy socket, egress then ingress → the
-    // queue chain, which queues by protocol ([`QueueWhen`]).
+    let _ = writeln!(o, "-A {chain} {udp_to_node}");
+    // Rule 6: packets of pod flows not owned by a proxy socket, egress then ingress → the
+    // intercept chain, which TPROXYs TCP SYNs and UDP; the decision follows after
+    // the DNAT, in INPUT.
     for (dir, words) in [("src", "from"), ("dst", "to")] {
         let _ = writeln!(
             o,
             "-A {chain} -m comment --comment \"tierproxy: flow {words} a local pod\" \
-             -m mark ! --mark {decided} -m set --match-set {pods} {dir} -j {queue}"
+             -m set --match-set {pods} {dir} -j {intercept}"
         );
     }
-    // Rule 6: decided packets of terminated protocols → the proxy's listener (UDP: not to
-    // the node's own addresses, see rule 4).
-    for proto in TPROXY_PROTOCOLS {
-        let not_node = if *proto == "udp" {
-            format!(" -m set ! --match-set {nodes} dst")
-        } else {
-            String::new()
-        };
+    // INPUT and FORWARD, rule 7: the decision, on the header after kube-proxy's DNAT (nat
+    // PREROUTING, priority -100, after mangle's -150): a flow to a ClusterIP is decided on
+    // the backend pod and its target port. Packets rule 2 or 3 took, and repeated ones, carry
+    // the decided mark.
+    let _ = writeln!(
+        o,
+        "-A {decide} -m comment --comment \"tierproxy: proxy upstream sockets (bypass mark)\" \
+         -m mark --mark {bypass} -j RETURN"
+    );
+    let _ = writeln!(
+        o,
+        "-A {decide} -m comment --comment \"tierproxy: decided\" -m mark --mark {decided} -j RETURN"
+    );
+    let _ = writeln!(
+        o,
+        "-A {decide} -m comment --comment \"tierproxy: from the node itself\" \
+         -m set --match-set {nodes} src -j RETURN"
+    );
+    let _ = writeln!(o, "-A {decide} {udp_to_node}");
+    for (dir, words) in [("src", "from"), ("dst", "to")] {
         let _ = writeln!(
             o,
-            "-A {chain} -p {proto} -m comment --comment \"tierproxy: decided, to the proxy\" \
-             -m mark --mark {decided}{not_node} -j TPROXY --on-port {port} --on-ip {on_ip} \
-             --tproxy-mark {route}",
-            port = c.tproxy_port
+            "-A {decide} -m comment --comment \"tierproxy: flow {words} a local pod\" \
+             -m set --match-set {pods} {dir} -j {queue}"
         );
     }
     let _ = writeln!(o, "-A {divert} -j MARK --set-xmark {route}");
+    let _ = writeln!(o, "-A {divert} -j MARK --set-xmark {decided}");
     let _ = writeln!(o, "-A {divert} -j ACCEPT");
+    // Rule 6, the intercept chain: TCP SYNs (their connection marked for rule 3) and UDP not
+    // to the node's own addresses → the proxy's listener.
+    let tproxy =
+        format!("-j TPROXY --on-port {} --on-ip {on_ip} --tproxy-mark {route}", c.tproxy_port);
+    for proto in TPROXY_PROTOCOLS {
+        match super::queue_when(proto) {
+            QueueWhen::Syn => {
+                let _ =
+                    writeln!(o, "-A {intercept} -p {proto} {SYN} -j CONNMARK --set-xmark {route}");
+                let _ = writeln!(o, "-A {intercept} -p {proto} {SYN} {tproxy}");
+            }
+            _ => {
+                let _ = writeln!(
+                    o,
+                    "-A {intercept} -p {proto} -m set ! --match-set {nodes} dst {tproxy}"
+                );
+            }
+        }
+    }
     let queue_target = match c.queue_last() {
         Some(last) if last != c.queue_first => {
             format!("--queue-balance {}:{last}", c.queue_first)
@@ -272,9 +328,9 @@ fn restore_input(spec: &RulesetSpec, fam: Family) -> String {
     let bypass_flag = if c.queue_bypass { " --queue-bypass" } else { "" };
     for proto in QUEUED_PROTOCOLS {
         let new_only = match super::queue_when(proto) {
-            QueueWhen::Syn => " -m tcp --tcp-flags FIN,SYN,RST,ACK SYN",
-            QueueWhen::Always => "",
-            QueueWhen::New => " -m conntrack --ctstate NEW",
+            QueueWhen::Syn => format!(" {SYN}"),
+            QueueWhen::Always => String::new(),
+            QueueWhen::New => " -m conntrack --ctstate NEW".to_owned(),
         };
         let _ =
             writeln!(o, "-A {queue} -p {proto}{new_only} -j NFQUEUE {queue_target}{bypass_flag}");
@@ -283,21 +339,28 @@ fn restore_input(spec: &RulesetSpec, fam: Family) -> String {
     o
 }
 
-/// What of tierproxy's `iptables-save -t mangle` shows: jumps from PREROUTING and which of
-/// its chains exist.
+/// What of tierproxy's `iptables-save -t mangle` shows: the jumps from the built-in chains
+/// into its chains (as `-D` arguments, one per copy) and which of its chains exist.
 #[derive(Debug, Default, PartialEq, Eq)]
 struct Installed {
-    jumps: usize,
+    jumps: Vec<String>,
     chains: Vec<String>,
 }
 
 fn parse_save(save: &str, names: &Names) -> Installed {
-    let ours = [&names.chain, &names.divert_chain, &names.queue_chain];
-    let jump = format!("-A PREROUTING -j {}", names.chain);
+    let ours = [
+        &names.chain,
+        &names.divert_chain,
+        &names.intercept_chain,
+        &names.decide_chain,
+        &names.queue_chain,
+    ];
+    let jumps: Vec<String> =
+        hooks(names).iter().map(|(hook, target)| format!("{hook} -j {target}")).collect();
     let mut found = Installed::default();
     for line in save.lines() {
-        if line == jump {
-            found.jumps += 1;
+        if let Some(rule) = line.strip_prefix("-A ").filter(|r| jumps.iter().any(|j| j == r)) {
+            found.jumps.push(rule.to_owned());
         } else if let Some(decl) = line.strip_prefix(':') {
             let name = decl.split(' ').next().unwrap_or_default();
             if ours.iter().any(|o| o.as_str() == name) {
@@ -310,13 +373,13 @@ fn parse_save(save: &str, names: &Names) -> Installed {
 
 /// The `iptables-restore --noflush` input that deletes the jumps and tierproxy's chains
 /// found in `installed`, or `None` when nothing is installed.
-fn removal_input(installed: &Installed, names: &Names) -> Option<String> {
-    if installed.jumps == 0 && installed.chains.is_empty() {
+fn removal_input(installed: &Installed) -> Option<String> {
+    if installed.jumps.is_empty() && installed.chains.is_empty() {
         return None;
     }
     let mut o = String::from("*mangle\n");
-    for _ in 0..installed.jumps {
-        let _ = writeln!(o, "-D PREROUTING -j {}", names.chain);
+    for jump in &installed.jumps {
+        let _ = writeln!(o, "-D {jump}");
     }
     // Declaring a chain flushes it, so no reference is left when the chains are deleted.
     for ch in &installed.chains {
@@ -360,12 +423,14 @@ impl Backend for IptablesBackend {
             let _ = writeln!(o, "### {line}");
         }
         for fam in [Family::V4, Family::V6] {
-            let _ = writeln!(
-                o,
-                "### {}   (only when `{}` fails)",
-                self.jump_cmd(fam, "-I", &names).line(),
-                self.jump_cmd(fam, "-C", &names).line()
-            );
+            for (hook, target) in hooks(&names) {
+                let _ = writeln!(
+                    o,
+                    "### {}   (only when `{}` fails)",
+                    self.jump_cmd(fam, "-I", hook, target).line(),
+                    self.jump_cmd(fam, "-C", hook, target).line()
+                );
+            }
         }
         o
     }
@@ -380,8 +445,10 @@ impl Backend for IptablesBackend {
         // Routing before the jump: once the jump exists, TPROXY'd packets need the route.
         routing::install(spec.config(), &self.cmds.ip)?;
         for fam in [Family::V4, Family::V6] {
-            if !self.has_jump(fam, &names)? {
-                self.jump_cmd(fam, "-I", &names).run(None)?;
+            for (hook, target) in hooks(&names) {
+                if !self.has_jump(fam, hook, target)? {
+                    self.jump_cmd(fam, "-I", hook, target).run(None)?;
+                }
             }
         }
         Ok(())
@@ -408,7 +475,7 @@ impl Backend for IptablesBackend {
         // Jumps and chains first: a set referenced by a rule cannot be destroyed.
         for fam in [Family::V4, Family::V6] {
             let save = self.save_cmd(fam).run(None)?;
-            if let Some(input) = removal_input(&parse_save(&save, &names), &names) {
+            if let Some(input) = removal_input(&parse_save(&save, &names)) {
                 self.restore_cmd(fam).run(Some(&input))?;
             }
         }
@@ -437,19 +504,29 @@ mod tests {
     fn parse_save_finds_jumps_and_own_chains_only() {
         let names = Names::new(&RedirectConfig::default());
         let save = "*mangle\n:PREROUTING ACCEPT [0:0]\n:TIERPROXY - [0:0]\n\
-                    :TIERPROXY-QUEUE - [0:0]\n:TIERPROXYX - [0:0]\n\
+                    :TIERPROXY-QUEUE - [0:0]\n:TIERPROXY-DECIDE - [0:0]\n:TIERPROXYX - [0:0]\n\
                     -A PREROUTING -j TIERPROXY\n-A PREROUTING -j TIERPROXY\n\
-                    -A PREROUTING -j TIERPROXYX\nCOMMIT\n";
+                    -A PREROUTING -j TIERPROXYX\n-A INPUT -j TIERPROXY-DECIDE\n\
+                    -A INPUT -j TIERPROXY\n-A FORWARD -j TIERPROXY-DECIDE\nCOMMIT\n";
         let found = parse_save(save, &names);
-        assert_eq!(found.jumps, 2);
-        assert_eq!(found.chains, ["TIERPROXY", "TIERPROXY-QUEUE"]);
         assert_eq!(
-            removal_input(&found, &names).unwrap(),
-            "*mangle\n-D PREROUTING -j TIERPROXY\n-D PREROUTING -j TIERPROXY\n\
-             :TIERPROXY - [0:0]\n:TIERPROXY-QUEUE - [0:0]\n-X TIERPROXY\n-X TIERPROXY-QUEUE\n\
-             COMMIT\n"
+            found.jumps,
+            [
+                "PREROUTING -j TIERPROXY",
+                "PREROUTING -j TIERPROXY",
+                "INPUT -j TIERPROXY-DECIDE",
+                "FORWARD -j TIERPROXY-DECIDE"
+            ]
         );
-        assert_eq!(removal_input(&Installed::default(), &names), None);
+        assert_eq!(found.chains, ["TIERPROXY", "TIERPROXY-QUEUE", "TIERPROXY-DECIDE"]);
+        assert_eq!(
+            removal_input(&found).unwrap(),
+            "*mangle\n-D PREROUTING -j TIERPROXY\n-D PREROUTING -j TIERPROXY\n\
+             -D INPUT -j TIERPROXY-DECIDE\n-D FORWARD -j TIERPROXY-DECIDE\n\
+             :TIERPROXY - [0:0]\n:TIERPROXY-QUEUE - [0:0]\n:TIERPROXY-DECIDE - [0:0]\n\
+             -X TIERPROXY\n-X TIERPROXY-QUEUE\n-X TIERPROXY-DECIDE\nCOMMIT\n"
+        );
+        assert_eq!(removal_input(&Installed::default()), None);
     }
 
     #[test]

@@ -11,50 +11,92 @@
 //!
 //! # The rules, in order
 //!
-//! All rules sit in the mangle PREROUTING hook (iptables: chain `TIERPROXY`, jumped to from the
-//! top of `mangle PREROUTING`; nftables: base chain `prerouting` of table `inet tierproxy`
-//! at priority `mangle`, -150). Only packets entering the node take PREROUTING; packets the
-//! node itself sends take OUTPUT, which tierproxy does not hook.
+//! Interception sits in the mangle PREROUTING hook, the decision in mangle INPUT and
+//! FORWARD (iptables: chain `TIERPROXY` jumped to from the top of `mangle PREROUTING`, chain
+//! `TIERPROXY-DECIDE` from the top of `mangle INPUT` and `mangle FORWARD`; nftables: base
+//! chains `prerouting`, `input` and `forward` of table `inet tierproxy` at priority
+//! `mangle`, -150, the last two jumping to chain `decide`). Only packets entering the node
+//! take PREROUTING; packets the node itself sends take OUTPUT, which tierproxy does not hook.
+//!
+//! **Why the decision comes after routing (issue #6, Services).** kube-proxy rewrites a
+//! connection to a ClusterIP into one to a backend pod in nat PREROUTING (iptables) or a
+//! `dstnat` chain (nftables, priority -100), i.e. after mangle PREROUTING (-150) and before
+//! routing. A decision in PREROUTING saw the ClusterIP; in INPUT (TPROXY'd and node-bound
+//! packets) and FORWARD (everything the kernel forwards: SCTP, flows not intercepted) the
+//! header carries the backend pod and its target port, so policy is decided on the backend
+//! pod, as the upstream e2e suite expects. Measured in namespaces (a TPROXY rule in
+//! PREROUTING, an nft DNAT at -100, a transparent listener): the SYN is TPROXY'd before the
+//! DNAT and the DNAT still applies, so the accepted socket's local address (`getsockname`,
+//! the original destination) is the backend's `podIP:targetPort`, and conntrack un-NATs the
+//! replies of that socket, so the client sees them come from `ClusterIP:port`. But the
+//! later packets of the client's connection reach PREROUTING still addressed to the
+//! ClusterIP: `socket --transparent` (rule 2), which looks the socket up by the header,
+//! misses them and the handshake never completes (the client's connect succeeded, its data
+//! timed out). Rule 3 catches them by a conntrack mark set with the TPROXY; with it the same
+//! test passes. UDP needs no such rule: a datagram of a flow to a ClusterIP misses rule 2
+//! too, is TPROXY'd to the listener (with its post-DNAT original destination, by which the
+//! proxy finds the flow) and decided again (a cache hit). Tested end to end by
+//! `tests/service_netns.rs` with the lab's kube-proxy-like DNAT. The alternative, resolving
+//! Services from EndpointSlices in tierproxy, would have to pick the backend itself (the
+//! proxy would be kube-proxy) to decide on the pod the connection really reaches.
+//!
+//! kube-proxy's IPVS mode is not covered: IPVS rewrites in LOCAL_IN after mangle INPUT
+//! (at `NF_IP_PRI_NAT_SRC - 2`), so the decision still sees the ClusterIP there.
+//!
+//! PREROUTING (`TIERPROXY`, nft `prerouting`):
 //!
 //! 1. **Bypass mark → return untouched.** The proxy's upstream sockets carry `SO_MARK` =
 //!    bypass mark; when such a packet re-enters PREROUTING (delivery over `lo`) nothing of
 //!    tierproxy may touch it, or the proxy would intercept itself. First, so no later rule
 //!    sees it.
-//! 2. **`socket --transparent` → set route mark, accept.** A packet belonging to an
+//! 2. **`socket --transparent` → route and decided mark, accept.** A packet belonging to an
 //!    established transparent socket of this host: the client leg of a proxied connection
 //!    (the listener's accepted sockets inherit `IP_TRANSPARENT`), and the replies to the
 //!    proxy's source-preserving upstream leg, whose socket is bound to the client's address.
 //!    Their destination is not local, so the route mark sends them to the local routing table
 //!    (Documentation/networking/tproxy.rst, "Redirecting traffic"; iptables-extensions(8),
 //!    "socket": `--transparent`; listening sockets bound to the any-address are ignored, as
-//!    without `--nowildcard`, nft: `socket wildcard 0`). It precedes the queue rule so packets
-//!    of flows already decided never queue again, and without it upstream connects time out.
-//! 3. **From the node's own addresses → return.** Kubelet probes and other traffic from the
+//!    without `--nowildcard`, nft: `socket wildcard 0`). The decided mark keeps them out of
+//!    the queue in INPUT; without this rule upstream connects time out.
+//! 3. **TCP, not a SYN, original direction, conntrack mark = route mark → as rule 2.** The
+//!    client leg of a proxied connection whose destination a DNAT after this hook rewrites
+//!    (see above). The conntrack mark is set by rule 6 with the TPROXY (iptables `CONNMARK`,
+//!    nft `ct mark set`); it reuses the route mark's bit in the conntrack mark.
+//! 4. **From the node's own addresses → return.** Kubelet probes and other traffic from the
 //!    node to its pods is always allowed (DESIGN §2); no queue trip.
-//! 4. **UDP to the node's own addresses, not `ctstate NEW` → return.** The proxy cannot
+//! 5. **UDP to the node's own addresses, not `ctstate NEW` → return.** The proxy cannot
 //!    take a hostNetwork server's address and port for its reply socket, so UDP to the node
-//!    is decided on its first packet (rule 5) and then forwarded by the kernel, like SCTP.
-//! 5. **A packet of TCP, UDP or SCTP whose source or destination is a local pod, without
-//!    the decided mark → NFQUEUE**: TCP SYNs, SCTP when `ctstate NEW`, every UDP datagram
-//!    no proxy socket took in rule 2 ([`QueueWhen`] says why each). The first packet of
-//!    every pod flow, egress (source is a local pod) and ingress (destination is a local
-//!    pod), goes to userspace before any handshake, so a denied connection times out
-//!    (DESIGN §3). Flows are balanced over the configured queues by flow hash
-//!    (`--queue-balance first:last`; nft `queue num first-last`). `--queue-bypass` (nft
-//!    `bypass`) only when [`RedirectConfig::queue_bypass`] is set: then the kernel accepts
-//!    packets while no program reads the queue (fail-open); otherwise it drops them
-//!    (fail-closed) (iptables-extensions(8), "NFQUEUE"). The decider answers an allowed
+//!    is decided on its first packet (rule 7) and then delivered by the kernel, like SCTP.
+//! 6. **Source or destination a local pod → intercept** (iptables chain
+//!    `TIERPROXY-INTERCEPT`): TCP SYNs (first their conntrack mark, rule 3) and UDP not to the
+//!    node's own addresses ([`TPROXY_PROTOCOLS`]) are TPROXY'd to the listeners (`--on-ip`
+//!    [`RedirectConfig::tproxy_addr_v4`]/`_v6`, `--on-port` [`RedirectConfig::tproxy_port`])
+//!    with `--tproxy-mark` = route mark, so policy routing delivers them locally (tproxy.rst,
+//!    "TPROXY target"; iptables-extensions(8), "TPROXY"). xt TPROXY drops a packet for which
+//!    no listener exists; nft's `tproxy` continues with the next rule instead, so the
+//!    nftables backend follows it with a drop (fail-closed only: with
+//!    [`RedirectConfig::queue_bypass`] such packets pass).
+//!
+//! INPUT and FORWARD (`TIERPROXY-DECIDE`, nft `decide`):
+//!
+//! 7. **Bypass mark, decided mark, from the node, UDP to the node not NEW → return** (as
+//!    rules 1, 2/3, 4, 5); then **a packet of TCP, UDP or SCTP whose source or destination is
+//!    a local pod → NFQUEUE**: TCP SYNs, SCTP when `ctstate NEW`, every UDP datagram
+//!    ([`QueueWhen`] says why each). The first packet of every pod flow, egress (source is a
+//!    local pod) and ingress (destination is a local pod), goes to userspace before any
+//!    handshake, so a denied connection times out (DESIGN §3): a TPROXY'd SYN is queued in
+//!    INPUT before the TCP stack sees it. Flows are balanced over the configured queues by
+//!    flow hash (`--queue-balance first:last`; nft `queue num first-last`). `--queue-bypass`
+//!    (nft `bypass`) only when [`RedirectConfig::queue_bypass`] is set: then the kernel
+//!    accepts packets while no program reads the queue (fail-open; the proxy then decides a
+//!    TCP or UDP flow itself when it accepts it); otherwise it drops them (fail-closed)
+//!    (iptables-extensions(8), "NFQUEUE"). Because interception now precedes the decision,
+//!    fail-open no longer covers a node whose agent is gone but whose iptables rules stay:
+//!    xt TPROXY drops intercepted packets without a listener. The decider answers an allowed
 //!    packet with the REPEAT verdict and the decided mark, so the packet walks the hook
-//!    again and this rule skips it (an ACCEPT verdict would end the walk before rule 6).
-//! 6. **TCP and UDP with the decided mark → TPROXY** ([`TPROXY_PROTOCOLS`]; UDP not to the
-//!    node's own addresses) to the listeners
-//!    (`--on-ip` [`RedirectConfig::tproxy_addr_v4`]/`_v6`, `--on-port`
-//!    [`RedirectConfig::tproxy_port`]) with `--tproxy-mark` = route mark, so policy routing
-//!    delivers it locally (tproxy.rst, "TPROXY target"; iptables-extensions(8), "TPROXY").
-//!    xt TPROXY drops a packet for which no listener exists; nft's `tproxy` continues with
-//!    the next rule instead, so the nftables backend follows it with a drop of decided TCP
-//!    and UDP to behave the same (fail-closed). Decided SCTP is accepted and forwarded by
-//!    the kernel (the proxy does not terminate SCTP; denied associations time out).
+//!    again and this chain returns it; a decided SCTP INIT (and anything not intercepted)
+//!    is then forwarded by the kernel (the proxy does not terminate SCTP; denied
+//!    associations time out).
 //!
 //! Policy routing (`ip rule fwmark ROUTE/MASK lookup TABLE priority P`, `ip route local
 //! default dev lo table TABLE`, both families) is installed and removed with the ruleset,
@@ -64,8 +106,9 @@
 //!
 //! * [`IptablesBackend`]: ipset `hash:ip` sets filled by `ipset restore` and swapped in
 //!   atomically, tierproxy's own chains replaced by one `iptables-restore --noflush` per
-//!   family, one jump from `mangle PREROUTING` inserted when missing. Works on every kernel
-//!   with xt NFQUEUE/TPROXY/socket and ipset; this is the backend CI exercises.
+//!   family, jumps from `mangle PREROUTING`, `INPUT` and `FORWARD` inserted when missing.
+//!   Works on every kernel with xt NFQUEUE/TPROXY/socket/connmark and ipset; this is the
+//!   backend CI exercises.
 //! * [`NftablesBackend`]: one `inet` table built in one transaction through the `nftables`
 //!   crate's typed JSON API. Needs CONFIG_NFT_QUEUE, which the development machines lack.
 //!
@@ -76,6 +119,7 @@
 //!   (iproute2 with `-j`); kernel options CONFIG_NETFILTER_XT_TARGET_NFQUEUE,
 //!   CONFIG_NETFILTER_XT_TARGET_TPROXY, CONFIG_NETFILTER_XT_MATCH_SOCKET,
 //!   CONFIG_NETFILTER_XT_MATCH_CONNTRACK, CONFIG_NETFILTER_XT_MATCH_MARK,
+//!   CONFIG_NETFILTER_XT_CONNMARK (`connmark` match, `CONNMARK` target),
 //!   CONFIG_NETFILTER_XT_TARGET_MARK, CONFIG_NETFILTER_XT_MATCH_COMMENT,
 //!   CONFIG_NETFILTER_XT_SET with CONFIG_IP_SET_HASH_IP, CONFIG_NETFILTER_NETLINK_QUEUE, and
 //!   with the nf_tables flavour CONFIG_NFT_COMPAT; IPv6 enabled; `lo` up.
@@ -111,16 +155,16 @@ use crate::config::{BackendChoice, ConfigError, RedirectConfig};
 pub use self::iptables::{IptablesBackend, IptablesCommands};
 pub use self::nft::NftablesBackend;
 
-/// Protocols whose new flows are sent to NFQUEUE (rule 5), in rule order.
+/// Protocols whose new flows are sent to NFQUEUE (rule 7), in rule order.
 pub const QUEUED_PROTOCOLS: [&str; 3] = ["tcp", "udp", "sctp"];
 
-/// Protocols whose decided packets are TPROXY'd to the listener (rule 6). Decided packets of
-/// other [`QUEUED_PROTOCOLS`] (SCTP) are accepted and forwarded by the kernel, as is
-/// decided UDP to the node's own addresses (rule 4).
+/// Protocols whose new flows are TPROXY'd to the listener (rule 6) before their decision.
+/// Decided packets of other [`QUEUED_PROTOCOLS`] (SCTP) are accepted and forwarded by the
+/// kernel, as is decided UDP to the node's own addresses (rule 5).
 pub const TPROXY_PROTOCOLS: &[&str] = &["tcp", "udp"];
 
-/// Which packets of each of [`QUEUED_PROTOCOLS`] rule 5 queues, when no proxy socket took
-/// them in rule 2.
+/// Which packets of each of [`QUEUED_PROTOCOLS`] rule 7 queues, when no proxy socket took
+/// them in rule 2 or 3.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum QueueWhen {
     /// TCP: every SYN (SYN set; ACK, RST, FIN clear), whatever conntrack says. A connection
@@ -139,7 +183,7 @@ pub enum QueueWhen {
     New,
 }
 
-/// When rule 5 queues a packet of `proto` (one of [`QUEUED_PROTOCOLS`]).
+/// When rule 7 queues a packet of `proto` (one of [`QUEUED_PROTOCOLS`]).
 pub fn queue_when(proto: &str) -> QueueWhen {
     match proto {
         "tcp" => QueueWhen::Syn,
@@ -190,6 +234,11 @@ pub struct Names {
     pub chain: String,
     /// iptables chain that sets the route mark and accepts, e.g. `TIERPROXY-DIVERT`.
     pub divert_chain: String,
+    /// iptables chain that TPROXYs a pod flow's TCP SYNs and UDP, e.g. `TIERPROXY-INTERCEPT`.
+    pub intercept_chain: String,
+    /// iptables chain jumped to from `mangle INPUT` and `mangle FORWARD` that sends a pod
+    /// flow's undecided packets to the queue chain, e.g. `TIERPROXY-DECIDE`.
+    pub decide_chain: String,
     /// iptables chain that queues by protocol, e.g. `TIERPROXY-QUEUE`.
     pub queue_chain: String,
     /// Set of local pod IPv4 addresses, e.g. `tierproxy-pods-v4` (nftables: `pods-v4`).
@@ -213,6 +262,8 @@ impl Names {
         Names {
             chain: up.clone(),
             divert_chain: format!("{up}-DIVERT"),
+            intercept_chain: format!("{up}-INTERCEPT"),
+            decide_chain: format!("{up}-DECIDE"),
             queue_chain: format!("{up}-QUEUE"),
             pods_v4: format!("{p}-pods-v4"),
             pods_v6: format!("{p}-pods-v6"),

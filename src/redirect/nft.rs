@@ -1,12 +1,14 @@
-//! The nftables backend: table `inet <prefix>` with four address sets and one base chain,
+//! The nftables backend: table `inet <prefix>` with four address sets, three base chains
+//! (`prerouting`, `input`, `forward`) and the regular chain `decide`,
 //! built with the `nftables` crate's typed JSON API and applied by `nft -j -f -` as one
 //! transaction (libnftables-json(5)).
 //!
 //! Re-applying is atomic: the batch adds the table (a no-op when it exists), deletes it and
 //! creates it anew, so the kernel swaps the old table for the new one in one commit and
-//! nothing else in the ruleset is touched. The base chain hooks `prerouting` at priority
-//! `mangle` (-150), after conntrack (-200), so `ct state` is known, and before routing.
-//! A REPEAT verdict restarts the hook, so one chain serves both walks of a decided packet.
+//! nothing else in the ruleset is touched. The base chains hook at priority `mangle` (-150),
+//! after conntrack (-200), so `ct state` is known; `prerouting` runs before a `dstnat`
+//! chain's DNAT (-100) and routing, `input` and `forward` after both. A REPEAT verdict
+//! restarts the hook, so one chain serves both walks of a decided packet.
 //!
 //! Needs CONFIG_NFT_QUEUE (`queue`), CONFIG_NFT_TPROXY (`tproxy`) and CONFIG_NFT_SOCKET
 //! (`socket`); [`check_kernel_support`] asks the kernel without changing anything.
@@ -24,7 +26,7 @@ use ::nftables::expr::{
 use ::nftables::schema::{
     Chain, Element, NfListObject, Nftables, Rule, Set, SetType, SetTypeValue, Table,
 };
-use ::nftables::stmt::{Mangle, Match, Operator, Queue, QueueFlag, Statement, TProxy};
+use ::nftables::stmt::{JumpTarget, Mangle, Match, Operator, Queue, QueueFlag, Statement, TProxy};
 use ::nftables::types::{NfChainPolicy, NfChainType, NfFamily, NfHook};
 
 use super::exec::Cmd;
@@ -34,8 +36,14 @@ use super::{
 };
 use crate::config::{Mark, RedirectConfig};
 
-/// Name of the base chain in tierproxy's table.
+/// Name of the base chain in tierproxy's table that intercepts (hook prerouting).
 pub const CHAIN: &str = "prerouting";
+/// Name of the base chain hooked at input, jumping to [`DECIDE_CHAIN`].
+pub const INPUT_CHAIN: &str = "input";
+/// Name of the base chain hooked at forward, jumping to [`DECIDE_CHAIN`].
+pub const FORWARD_CHAIN: &str = "forward";
+/// Name of the regular chain that queues the undecided packets of pod flows.
+pub const DECIDE_CHAIN: &str = "decide";
 
 /// TCP header flag bits (RFC 9293 §3.1).
 const TCP_FIN: u32 = 0x01;
@@ -110,11 +118,6 @@ fn mark_set(m: Mark) -> Statement<'static> {
     is(masked_mark(m), Operator::EQ, Expression::Number(m.value))
 }
 
-/// `meta mark & mask != value`.
-fn mark_unset(m: Mark) -> Statement<'static> {
-    is(masked_mark(m), Operator::NEQ, Expression::Number(m.value))
-}
-
 /// `meta mark set meta mark & ~mask | value`, iptables' `--set-xmark value/mask` for a value
 /// within its mask.
 fn set_mark(m: Mark) -> Statement<'static> {
@@ -167,6 +170,49 @@ fn queue(config: &RedirectConfig) -> Statement<'static> {
     Statement::Queue(Queue { num, flags })
 }
 
+/// `tcp flags & (fin|syn|rst|ack) == syn` (`op` EQ), iptables' `--syn`, or its negation
+/// (`op` NEQ).
+fn tcp_syn(op: Operator) -> Statement<'static> {
+    is(
+        Expression::BinaryOperation(Box::new(BinaryOperation::AND(
+            payload("tcp", "flags"),
+            Expression::Number(TCP_FIN | TCP_SYN | TCP_RST | TCP_ACK),
+        ))),
+        op,
+        Expression::Number(TCP_SYN),
+    )
+}
+
+fn ct(key: &'static str) -> Expression<'static> {
+    Expression::Named(NamedExpression::CT(CT { key: key.into(), family: None, dir: None }))
+}
+
+/// `ct mark & mask == value`.
+fn ct_mark_set(m: Mark) -> Statement<'static> {
+    is(
+        Expression::BinaryOperation(Box::new(BinaryOperation::AND(
+            ct("mark"),
+            Expression::Number(m.mask),
+        ))),
+        Operator::EQ,
+        Expression::Number(m.value),
+    )
+}
+
+/// `ct mark set ct mark & ~mask | value`, iptables' `CONNMARK --set-xmark value/mask`.
+fn set_ct_mark(m: Mark) -> Statement<'static> {
+    Statement::Mangle(Mangle {
+        key: ct("mark"),
+        value: Expression::BinaryOperation(Box::new(BinaryOperation::OR(vec![
+            Expression::BinaryOperation(Box::new(BinaryOperation::AND(
+                ct("mark"),
+                Expression::Number(!m.mask),
+            ))),
+            Expression::Number(m.value),
+        ]))),
+    })
+}
+
 struct Builder<'s> {
     table: String,
     batch: Batch<'s>,
@@ -177,25 +223,40 @@ impl<'s> Builder<'s> {
         Table { family: NfFamily::INet, name: self.table.clone().into(), handle: None }
     }
 
-    /// The base chain: filter type, prerouting hook at mangle priority, policy accept.
-    fn prerouting(&self) -> Chain<'s> {
+    /// A base chain: filter type, `hook` at mangle priority, policy accept.
+    fn base_chain(&self, name: &'static str, hook: NfHook) -> Chain<'s> {
         Chain {
             family: NfFamily::INet,
             table: self.table.clone().into(),
-            name: CHAIN.into(),
+            name: name.into(),
             _type: Some(NfChainType::Filter),
-            hook: Some(NfHook::Prerouting),
+            hook: Some(hook),
             prio: Some(PRIORITY_MANGLE),
             policy: Some(NfChainPolicy::Accept),
             ..Chain::default()
         }
     }
 
-    fn rule(&mut self, comment: &'static str, expr: Vec<Statement<'s>>) {
+    /// The prerouting base chain.
+    fn prerouting(&self) -> Chain<'s> {
+        self.base_chain(CHAIN, NfHook::Prerouting)
+    }
+
+    /// A regular chain (no hook), reached by `jump`.
+    fn regular_chain(&self, name: &'static str) -> Chain<'s> {
+        Chain {
+            family: NfFamily::INet,
+            table: self.table.clone().into(),
+            name: name.into(),
+            ..Chain::default()
+        }
+    }
+
+    fn rule(&mut self, chain: &'static str, comment: &'static str, expr: Vec<Statement<'s>>) {
         self.batch.add(NfListObject::Rule(Rule {
             family: NfFamily::INet,
             table: self.table.clone().into(),
-            chain: CHAIN.into(),
+            chain: chain.into(),
             expr: expr.into(),
             handle: None,
             index: None,
@@ -232,7 +293,7 @@ impl<'s> Builder<'s> {
 }
 
 /// The transaction [`NftablesBackend::apply`] sends: replace table `inet <prefix>` with
-/// the sets and the chain of `spec`.
+/// the sets and chains of `spec`.
 fn apply_batch(spec: &RulesetSpec) -> Nftables<'static> {
     let c = spec.config();
     let mut b = Builder { table: spec.names().table, batch: Batch::new() };
@@ -248,117 +309,162 @@ fn apply_batch(spec: &RulesetSpec) -> Nftables<'static> {
     b.set(NODES_V4, SetType::Ipv4Addr, &nodes4);
     b.set(NODES_V6, SetType::Ipv6Addr, &nodes6);
     b.batch.add(NfListObject::Chain(b.prerouting()));
+    b.batch.add(NfListObject::Chain(b.regular_chain(DECIDE_CHAIN)));
+    b.batch.add(NfListObject::Chain(b.base_chain(INPUT_CHAIN, NfHook::Input)));
+    b.batch.add(NfListObject::Chain(b.base_chain(FORWARD_CHAIN, NfHook::Forward)));
+    let divert = || vec![set_mark(c.route_mark), set_mark(c.decided_mark), Statement::Accept(None)];
+    let in_set = |fam: Fam, field: &'static str, set: &'static str| {
+        is(payload(fam.proto, field), Operator::EQ, str_expr(format!("@{set}")))
+    };
 
-    // Rule 1: the proxy's own upstream packets are never touched (return = chain policy).
+    // PREROUTING, rule 1: the proxy's own upstream packets are never touched (return =
+    // chain policy).
     b.rule(
+        CHAIN,
         "tierproxy: proxy upstream sockets (bypass mark)",
         vec![mark_set(c.bypass_mark), Statement::Return(None)],
     );
     // Rule 2: established transparent sockets (proxied flows, upstream replies) → local.
     // `socket wildcard 0` ignores listeners bound to the any-address, as xt socket does.
-    b.rule(
-        "tierproxy: established transparent socket",
-        vec![
-            socket(SocketAttr::Transparent, 1),
-            socket(SocketAttr::Wildcard, 0),
-            set_mark(c.route_mark),
-            Statement::Accept(None),
-        ],
-    );
-    // Rule 3: traffic from the node itself is always allowed.
+    let mut expr = vec![socket(SocketAttr::Transparent, 1), socket(SocketAttr::Wildcard, 0)];
+    expr.extend(divert());
+    b.rule(CHAIN, "tierproxy: established transparent socket", expr);
+    // Rule 3: later packets of a proxied TCP connection whose destination a DNAT after this
+    // hook rewrites (a ClusterIP): the conntrack mark set with the tproxy (rule 6).
+    let mut expr = vec![
+        l4proto_in(&["tcp"]),
+        tcp_syn(Operator::NEQ),
+        is(ct("direction"), Operator::EQ, str_expr("original")),
+        ct_mark_set(c.route_mark),
+    ];
+    expr.extend(divert());
+    b.rule(CHAIN, "tierproxy: proxied connection (conntrack mark)", expr);
+    // Rule 4: traffic from the node itself is always allowed.
     for fam in [V4, V6] {
         b.rule(
+            CHAIN,
             "tierproxy: from the node itself",
-            vec![
-                is(payload(fam.proto, "saddr"), Operator::EQ, str_expr(format!("@{}", fam.nodes))),
-                Statement::Return(None),
-            ],
+            vec![in_set(fam, "saddr", fam.nodes), Statement::Return(None)],
         );
     }
-    // Rule 4: UDP to the node's own addresses is forwarded by the kernel after its first
+    // Rule 5: UDP to the node's own addresses is forwarded by the kernel after its first
     // packet's decision (the proxy cannot take a hostNetwork server's address and port).
+    let udp_to_node = |fam: Fam| {
+        vec![
+            l4proto_in(&["udp"]),
+            in_set(fam, "daddr", fam.nodes),
+            is(ct_state(), Operator::NEQ, str_expr("new")),
+            Statement::Return(None),
+        ]
+    };
     for fam in [V4, V6] {
-        b.rule(
-            "tierproxy: UDP to the node itself, decided",
-            vec![
-                l4proto_in(&["udp"]),
-                is(payload(fam.proto, "daddr"), Operator::EQ, str_expr(format!("@{}", fam.nodes))),
-                is(ct_state(), Operator::NEQ, str_expr("new")),
-                Statement::Return(None),
-            ],
-        );
+        b.rule(CHAIN, "tierproxy: UDP to the node itself, decided", udp_to_node(fam));
     }
-    // Rule 5: packets of pod flows not owned by a proxy socket, egress then ingress → queue
-    // (TCP SYNs, SCTP when new, every UDP datagram: [`QueueWhen`]).
-    for fam in [V4, V6] {
-        for (field, comment) in [
-            ("saddr", "tierproxy: flow from a local pod"),
-            ("daddr", "tierproxy: flow to a local pod"),
-        ] {
-            let pods =
-                || is(payload(fam.proto, field), Operator::EQ, str_expr(format!("@{}", fam.pods)));
-            for proto in QUEUED_PROTOCOLS {
-                let mut expr = vec![mark_unset(c.decided_mark), l4proto_in(&[proto])];
-                match super::queue_when(proto) {
-                    // `tcp flags & (fin|syn|rst|ack) == syn`, iptables' `--syn`.
-                    QueueWhen::Syn => expr.push(is(
-                        Expression::BinaryOperation(Box::new(BinaryOperation::AND(
-                            payload("tcp", "flags"),
-                            Expression::Number(TCP_FIN | TCP_SYN | TCP_RST | TCP_ACK),
-                        ))),
-                        Operator::EQ,
-                        Expression::Number(TCP_SYN),
-                    )),
-                    QueueWhen::Always => {}
-                    QueueWhen::New => expr.push(is(ct_state(), Operator::IN, str_expr("new"))),
-                }
-                expr.extend([pods(), queue(c)]);
-                b.rule(comment, expr);
-            }
-        }
-    }
-    // Rule 6: decided packets of terminated protocols → the proxy's listener (UDP: not to
-    // the node's own addresses, see rule 4), then a drop for those nft's tproxy found no
-    // listener for (xt TPROXY drops them itself).
-    let decided = |fam: Fam, proto: &'static str| {
+    // Rules 6 and 7: packets of pod flows not owned by a proxy socket, egress then ingress:
+    // TCP SYNs (their connection marked for rule 3) and UDP not to the node's own addresses
+    // → the proxy's listener; then a drop for those nft's tproxy found no listener for (xt
+    // TPROXY drops them itself). The decision follows after the DNAT, in `decide`.
+    let intercepted = |fam: Fam, field: &'static str, proto: &'static str| {
         let mut expr = vec![
-            mark_set(c.decided_mark),
             is(meta(MetaKey::Nfproto), Operator::EQ, str_expr(fam.nfproto)),
+            in_set(fam, field, fam.pods),
             l4proto_in(&[proto]),
         ];
-        if proto == "udp" {
-            expr.push(is(
+        match super::queue_when(proto) {
+            QueueWhen::Syn => expr.push(tcp_syn(Operator::EQ)),
+            _ => expr.push(is(
                 payload(fam.proto, "daddr"),
                 Operator::NEQ,
                 str_expr(format!("@{}", fam.nodes)),
-            ));
+            )),
         }
         expr
     };
+    const DIRECTIONS: [(&str, &str); 2] = [
+        ("saddr", "tierproxy: flow from a local pod, to the proxy"),
+        ("daddr", "tierproxy: flow to a local pod, to the proxy"),
+    ];
     for fam in [V4, V6] {
         let addr = match fam.proto {
             "ip" => c.tproxy_addr_v4.to_string(),
             _ => c.tproxy_addr_v6.to_string(),
         };
-        for &proto in TPROXY_PROTOCOLS {
-            let mut expr = decided(fam, proto);
-            expr.extend([
-                Statement::TProxy(TProxy {
-                    family: Some(fam.proto.into()),
-                    port: c.tproxy_port,
-                    addr: Some(addr.clone().into()),
-                }),
-                set_mark(c.route_mark),
-                Statement::Accept(None),
-            ]);
-            b.rule("tierproxy: decided, to the proxy", expr);
+        for (field, comment) in DIRECTIONS {
+            for &proto in TPROXY_PROTOCOLS {
+                let mut expr = intercepted(fam, field, proto);
+                if super::queue_when(proto) == QueueWhen::Syn {
+                    expr.push(set_ct_mark(c.route_mark));
+                }
+                expr.extend([
+                    Statement::TProxy(TProxy {
+                        family: Some(fam.proto.into()),
+                        port: c.tproxy_port,
+                        addr: Some(addr.clone().into()),
+                    }),
+                    set_mark(c.route_mark),
+                    Statement::Accept(None),
+                ]);
+                b.rule(CHAIN, comment, expr);
+            }
         }
     }
+    // Fail-open keeps what no listener takes: with the agent gone, pod flows pass unchecked.
+    for fam in [V4, V6].into_iter().filter(|_| !c.queue_bypass) {
+        for (field, _) in DIRECTIONS {
+            for &proto in TPROXY_PROTOCOLS {
+                let mut expr = intercepted(fam, field, proto);
+                expr.push(Statement::Drop(None));
+                b.rule(CHAIN, "tierproxy: no proxy listener", expr);
+            }
+        }
+    }
+
+    // INPUT and FORWARD, rule 7: the decision, on the header after the DNAT of a ClusterIP
+    // (nat prerouting, priority dstnat -100, after this table's -150).
+    for chain in [INPUT_CHAIN, FORWARD_CHAIN] {
+        b.rule(
+            chain,
+            "tierproxy: decide after DNAT",
+            vec![Statement::Jump(JumpTarget { target: DECIDE_CHAIN.into() })],
+        );
+    }
+    b.rule(
+        DECIDE_CHAIN,
+        "tierproxy: proxy upstream sockets (bypass mark)",
+        vec![mark_set(c.bypass_mark), Statement::Return(None)],
+    );
+    b.rule(
+        DECIDE_CHAIN,
+        "tierproxy: decided",
+        vec![mark_set(c.decided_mark), Statement::Return(None)],
+    );
     for fam in [V4, V6] {
-        for &proto in TPROXY_PROTOCOLS {
-            let mut expr = decided(fam, proto);
-            expr.push(Statement::Drop(None));
-            b.rule("tierproxy: decided but no proxy listener", expr);
+        b.rule(
+            DECIDE_CHAIN,
+            "tierproxy: from the node itself",
+            vec![in_set(fam, "saddr", fam.nodes), Statement::Return(None)],
+        );
+    }
+    for fam in [V4, V6] {
+        b.rule(DECIDE_CHAIN, "tierproxy: UDP to the node itself, decided", udp_to_node(fam));
+    }
+    // Packets of pod flows, egress then ingress → queue (TCP SYNs, SCTP when new, every UDP
+    // datagram: [`QueueWhen`]).
+    for fam in [V4, V6] {
+        for (field, comment) in [
+            ("saddr", "tierproxy: flow from a local pod"),
+            ("daddr", "tierproxy: flow to a local pod"),
+        ] {
+            for proto in QUEUED_PROTOCOLS {
+                let mut expr = vec![l4proto_in(&[proto])];
+                match super::queue_when(proto) {
+                    QueueWhen::Syn => expr.push(tcp_syn(Operator::EQ)),
+                    QueueWhen::Always => {}
+                    QueueWhen::New => expr.push(is(ct_state(), Operator::IN, str_expr("new"))),
+                }
+                expr.extend([in_set(fam, field, fam.pods), queue(c)]);
+                b.rule(DECIDE_CHAIN, comment, expr);
+            }
         }
     }
     b.batch.to_nftables()
@@ -409,8 +515,9 @@ pub fn check_kernel_support(nft: &str) -> Result<(), RedirectError> {
     b.batch.add(NfListObject::Table(b.table()));
     b.batch.add(NfListObject::Chain(b.prerouting()));
     let probe = RedirectConfig::default();
-    b.rule("probe: queue", vec![l4proto_in(&["tcp"]), queue(&probe)]);
+    b.rule(CHAIN, "probe: queue", vec![l4proto_in(&["tcp"]), queue(&probe)]);
     b.rule(
+        CHAIN,
         "probe: tproxy",
         vec![
             is(meta(MetaKey::Nfproto), Operator::EQ, str_expr("ipv4")),
@@ -422,7 +529,11 @@ pub fn check_kernel_support(nft: &str) -> Result<(), RedirectError> {
             }),
         ],
     );
-    b.rule("probe: socket", vec![socket(SocketAttr::Transparent, 1), Statement::Accept(None)]);
+    b.rule(
+        CHAIN,
+        "probe: socket",
+        vec![socket(SocketAttr::Transparent, 1), Statement::Accept(None)],
+    );
     Cmd::new(nft, ["-c", "-j", "-f", "-"]).run(Some(&to_json(&b.batch.to_nftables(), false)))?;
     Ok(())
 }

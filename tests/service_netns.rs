@@ -1,0 +1,299 @@
+//! ClusterIP Services end to end (issue #6): a lab whose nodes carry kube-proxy-like
+//! nftables DNAT for the Services in its manifests, with agents. A client pod connects to
+//! ClusterIPs whose backend is on its own node and on the other node; policy must be decided
+//! on the backend pod (its labels, namespace and target port), never on the ClusterIP, and
+//! the client must see every reply come from the ClusterIP.
+//!
+//! Without the decision after the DNAT (the queue in PREROUTING, before kube-proxy's nat
+//! hook) this fails: the client's egress policy, which allows namespace `b` on 8080 only,
+//! denies every connection to a ClusterIP (an address of no pod, port 80), and the denies
+//! below would be allowed.
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::{SocketAddr, TcpStream, UdpSocket};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use tierproxy::lab::netns::in_netns;
+
+mod common;
+use common::*;
+
+/// Two nodes. Namespace `a`: the client on n1, with an egress NetworkPolicy that allows
+/// namespace `b` on TCP 8080 and UDP 5353 only. Namespace `b`: `web-local` on n1 (8080
+/// named `http`, 9090, UDP 5353 named `dns`), `web-remote` and `vault` on n2. NetworkPolicy
+/// `b/only-8080` isolates b's pods for ingress except from namespace a on 8080 and UDP 5353;
+/// ANP `guard-vault` denies ingress to `app: vault` from namespace a.
+const CLUSTER: &str = r#"
+apiVersion: v1
+kind: Node
+metadata: {name: n1}
+status: {addresses: [{type: InternalIP, address: 172.33.0.2}]}
+---
+apiVersion: v1
+kind: Node
+metadata: {name: n2}
+status: {addresses: [{type: InternalIP, address: 172.33.0.3}]}
+---
+apiVersion: v1
+kind: Namespace
+metadata: {name: a, labels: {kubernetes.io/metadata.name: a}}
+---
+apiVersion: v1
+kind: Namespace
+metadata: {name: b, labels: {kubernetes.io/metadata.name: b}}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: client, namespace: a, labels: {app: client}}
+spec: {nodeName: n1, containers: [{name: c}]}
+status: {phase: Running, podIP: 10.62.1.2}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: web-local, namespace: b, labels: {app: web-local}}
+spec:
+  nodeName: n1
+  containers:
+  - name: c
+    ports:
+    - {name: http, containerPort: 8080}
+    - {containerPort: 9090}
+    - {name: dns, containerPort: 5353, protocol: UDP}
+status: {phase: Running, podIP: 10.62.1.3}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: web-remote, namespace: b, labels: {app: web-remote}}
+spec: {nodeName: n2, containers: [{name: c, ports: [{containerPort: 8080}]}]}
+status: {phase: Running, podIP: 10.62.2.2}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: vault, namespace: b, labels: {app: vault}}
+spec: {nodeName: n2, containers: [{name: c, ports: [{containerPort: 8080}]}]}
+status: {phase: Running, podIP: 10.62.2.3}
+---
+apiVersion: v1
+kind: Service
+metadata: {name: local, namespace: b}
+spec:
+  clusterIP: 10.96.0.10
+  selector: {app: web-local}
+  ports:
+  - {name: web, port: 80, targetPort: http}
+  - {name: dns, port: 53, protocol: UDP, targetPort: dns}
+  - {name: admin, port: 8080, targetPort: 9090}
+---
+apiVersion: v1
+kind: Service
+metadata: {name: remote, namespace: b}
+spec:
+  clusterIP: 10.96.0.11
+  selector: {app: web-remote}
+  ports: [{port: 80, targetPort: 8080}]
+---
+apiVersion: v1
+kind: Service
+metadata: {name: vault, namespace: b}
+spec:
+  clusterIP: 10.96.0.12
+  selector: {app: vault}
+  ports: [{port: 80, targetPort: 8080}]
+---
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {name: client-egress, namespace: a}
+spec:
+  podSelector: {matchLabels: {app: client}}
+  policyTypes: [Egress]
+  egress:
+  - to: [{namespaceSelector: {matchLabels: {kubernetes.io/metadata.name: b}}}]
+    ports: [{port: 8080}, {port: 5353, protocol: UDP}]
+---
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {name: only-8080, namespace: b}
+spec:
+  podSelector: {}
+  ingress:
+  - from: [{namespaceSelector: {matchLabels: {kubernetes.io/metadata.name: a}}}]
+    ports: [{port: 8080}, {port: 5353, protocol: UDP}]
+---
+apiVersion: policy.networking.k8s.io/v1alpha1
+kind: AdminNetworkPolicy
+metadata: {name: guard-vault}
+spec:
+  priority: 5
+  subject: {pods: {namespaceSelector: {}, podSelector: {matchLabels: {app: vault}}}}
+  ingress:
+  - name: not-from-a
+    action: Deny
+    from: [{namespaces: {matchLabels: {kubernetes.io/metadata.name: a}}}]
+"#;
+
+const CLIENT_IP: &str = "10.62.1.2";
+
+/// One TCP connection from `netns` to `to`: the greeting line, then an echo. The stream's
+/// peer is `to` (a connected socket takes segments from `to` only, so the greeting arriving
+/// at all shows that the replies were un-NATed to the ClusterIP).
+fn tcp_cycle(
+    netns: &str,
+    to: SocketAddr,
+    timeout: Duration,
+) -> Result<(String, SocketAddr), String> {
+    in_netns(netns, || {
+        let s = TcpStream::connect_timeout(&to, timeout).map_err(io("connect"))?;
+        s.set_read_timeout(Some(Duration::from_secs(5))).map_err(io("timeout"))?;
+        let peer = s.peer_addr().map_err(io("peer"))?;
+        let mut r = BufReader::new(s.try_clone().map_err(io("clone"))?);
+        let mut greeting = String::new();
+        r.read_line(&mut greeting).map_err(io("greeting"))?;
+        (&s).write_all(b"ping\n").map_err(io("write"))?;
+        let mut echo = String::new();
+        r.read_line(&mut echo).map_err(io("echo"))?;
+        assert_eq!(echo, "ping\n", "echoed through the proxy");
+        Ok((greeting, peer))
+    })
+    .map_err(|e| tierproxy::explain::error_chain(&e))
+}
+
+/// `n` datagrams over one connected UDP socket from `netns` to `to`; the answers, each
+/// received from `to`.
+fn udp_exchange(netns: &str, to: SocketAddr, n: usize) -> Vec<String> {
+    in_netns(netns, || {
+        let s = UdpSocket::bind("0.0.0.0:0").map_err(io("bind"))?;
+        s.connect(to).map_err(io("connect"))?;
+        s.set_read_timeout(Some(Duration::from_secs(3))).map_err(io("timeout"))?;
+        let mut answers = Vec::new();
+        let mut buf = [0u8; 512];
+        for i in 0..n {
+            s.send(format!("d{i}").as_bytes()).map_err(io("send"))?;
+            let (len, from) = s.recv_from(&mut buf).map_err(io("recv"))?;
+            assert_eq!(from, to, "the answer comes from the ClusterIP");
+            answers.push(String::from_utf8_lossy(&buf[..len]).into_owned());
+        }
+        Ok(answers)
+    })
+    .expect("UDP through a ClusterIP")
+}
+
+/// The decision records of `audit` (JSON Lines) whose client is the test's client.
+fn decisions(audit: &Path) -> Vec<Value> {
+    std::fs::read_to_string(audit)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|v| v["event"] == "tierproxy.policy.decision")
+        .filter(|v| v["attributes"]["source.address"] == CLIENT_IP)
+        .collect()
+}
+
+/// Waits (bounded) until `audit` holds a decision record of the client to `dst`:`port`
+/// with `verdict`, and returns it.
+fn decision_to(audit: &Path, dst: &str, port: u64, verdict: &str) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let found = decisions(audit).into_iter().find(|v| {
+            v["attributes"]["destination.address"] == dst
+                && v["attributes"]["destination.port"] == port
+                && v["attributes"]["tierproxy.verdict"] == verdict
+        });
+        if let Some(v) = found {
+            return v;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no {verdict} of {dst}:{port} in {}:\n{:#?}",
+            audit.display(),
+            decisions(audit)
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn cluster_ip_flows_are_decided_on_the_backend_pod_and_answered_from_the_cluster_ip() {
+    let test = "cluster_ip_flows_are_decided_on_the_backend_pod_and_answered_from_the_cluster_ip";
+    if !netns_available(test) {
+        return;
+    }
+    let lab = Lab::new("svc");
+    let cluster = lab.file("cluster.yaml", CLUSTER);
+    let up = lab.up_with(true, &[&cluster], None);
+    assert!(
+        String::from_utf8_lossy(&up.stdout).contains("3 ClusterIP Services")
+            || String::from_utf8_lossy(&up.stderr).contains("3 ClusterIP Services"),
+        "{}",
+        text(&up)
+    );
+    let client = netns_of_pod(&lab, "a", "client");
+    let audit = Path::new("/run/tierproxy-lab").join(&lab.prefix).join("audit-n1.jsonl");
+    let addr = |s: &str| s.parse::<SocketAddr>().expect("address");
+
+    // (a) Backend on the client's node, named target port: allowed (egress to b:8080, b's
+    // ingress from a on 8080), source preserved, replies from the ClusterIP. Several
+    // connections: each is a new SYN to the ClusterIP.
+    for _ in 0..3 {
+        let (greeting, peer) = tcp_cycle(&client, addr("10.96.0.10:80"), Duration::from_secs(3))
+            .expect("same-node backend through the ClusterIP");
+        assert!(greeting.starts_with(&format!("tierproxy-lab {CLIENT_IP} ")), "{greeting}");
+        assert_eq!(peer, addr("10.96.0.10:80"));
+    }
+    // (b) Backend on the other node.
+    let (greeting, peer) = tcp_cycle(&client, addr("10.96.0.11:80"), Duration::from_secs(3))
+        .expect("cross-node backend through the ClusterIP");
+    assert!(greeting.starts_with(&format!("tierproxy-lab {CLIENT_IP} ")), "{greeting}");
+    assert_eq!(peer, addr("10.96.0.11:80"));
+    // UDP: every datagram to the ClusterIP reaches the backend's 5353 and is answered from
+    // the ClusterIP (the later ones, too, which the proxy's listener takes again).
+    let answers = udp_exchange(&client, addr("10.96.0.10:53"), 3);
+    for (i, a) in answers.iter().enumerate() {
+        assert!(a.starts_with(&format!("tierproxy-lab {CLIENT_IP} ")), "{a}");
+        assert!(a.ends_with(&format!("d{i}")), "{a}");
+    }
+
+    // Denied on the backend: its target port 9090 (the ClusterIP's port is 8080, which both
+    // policies allow), and a backend pod an AdminNetworkPolicy guards. Timeouts, not
+    // refusals.
+    for (to, why) in [("10.96.0.10:8080", "target port 9090"), ("10.96.0.12:80", "vault pod")] {
+        let started = Instant::now();
+        let r = tcp_cycle(&client, addr(to), Duration::from_millis(1500));
+        let e = r.expect_err(why);
+        assert!(e.contains("timed out"), "{why}: a timeout, not a refusal: {e}");
+        assert!(started.elapsed() >= Duration::from_millis(1400), "{why}: dropped silently");
+    }
+
+    // The audit names the backend pod and its target port, never a ClusterIP.
+    let local = decision_to(&audit, "10.62.1.3", 8080, "allow");
+    assert_eq!(local["attributes"]["tierproxy.destination.k8s.pod.name"], "web-local", "{local}");
+    let remote = decision_to(&audit, "10.62.2.2", 8080, "allow");
+    assert_eq!(remote["attributes"]["tierproxy.destination.k8s.pod.name"], "web-remote");
+    let udp = decision_to(&audit, "10.62.1.3", 5353, "allow");
+    assert_eq!(udp["attributes"]["network.transport"], "udp", "{udp}");
+    let port = decision_to(&audit, "10.62.1.3", 9090, "deny");
+    assert_eq!(port["attributes"]["tierproxy.destination.k8s.pod.name"], "web-local", "{port}");
+    let vault = decision_to(&audit, "10.62.2.3", 8080, "deny");
+    assert_eq!(vault["attributes"]["tierproxy.destination.k8s.pod.name"], "vault", "{vault}");
+    assert_eq!(vault["attributes"]["tierproxy.policy.name"], "guard-vault", "{vault}");
+    let all = decisions(&audit);
+    assert!(
+        !all.iter().any(|v| v["attributes"]["destination.address"]
+            .as_str()
+            .is_some_and(|a| a.starts_with("10.96."))),
+        "no decision on a ClusterIP: {all:#?}"
+    );
+
+    // The DNAT is the lab's: its table in every node namespace.
+    for node in ["n1", "n2"] {
+        let o = std::process::Command::new("ip")
+            .args(["netns", "exec", &netns_of_node(&lab, node), "nft", "list", "table", "inet"])
+            .arg(tierproxy::lab::service::TABLE)
+            .output()
+            .expect("nft runs");
+        let listing = String::from_utf8_lossy(&o.stdout);
+        assert!(listing.contains("dnat ip to 10.62.1.3:9090"), "{node}: {listing}");
+        assert!(listing.contains("numgen random mod 1"), "{node}: {listing}");
+    }
+}
