@@ -39,6 +39,27 @@ use crate::proxy::tcp::{self, ProxyConfig};
 use crate::proxy::udp::{self, UdpConfig};
 use crate::redirect::{self, RulesetSpec};
 
+/// A field of `/proc/self/status` in MiB (0 if it cannot be read).
+fn status_mib(field: &str) -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            let line = s.lines().find(|l| l.starts_with(field))?;
+            line.split_whitespace().nth(1)?.parse::<u64>().ok()
+        })
+        .map_or(0, |kib| kib / 1024)
+}
+
+/// This process's resident memory in MiB (`VmRSS`), for the log lines that follow a build.
+fn rss_mib() -> u64 {
+    status_mib("VmRSS:")
+}
+
+/// This process's peak resident memory in MiB (`VmHWM`, since its `exec`).
+fn peak_rss_mib() -> u64 {
+    status_mib("VmHWM:")
+}
+
 /// Default upstream connect timeout.
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// Default idle timeout of a proxied connection (no byte either way). One hour, as
@@ -173,9 +194,9 @@ pub fn gather(
     kube: Option<&cluster::apiserver::ApiSource>,
 ) -> manifest::Loaded {
     /// `api` added to `files`, replacing a file's object of the same namespace and name.
-    fn merge<T: kube::Resource>(files: &mut Vec<T>, api: Vec<T>) {
+    fn merge<T: kube::Resource>(files: &mut Vec<Arc<T>>, api: Vec<Arc<T>>) {
         if !files.is_empty() {
-            let key = |o: &T| (o.meta().namespace.clone(), o.meta().name.clone());
+            let key = |o: &Arc<T>| (o.meta().namespace.clone(), o.meta().name.clone());
             let theirs: std::collections::HashSet<_> = api.iter().map(key).collect();
             files.retain(|o| !theirs.contains(&key(o)));
         }
@@ -272,9 +293,12 @@ pub fn dry_run(opts: &AgentOptions) -> anyhow::Result<String> {
     let kube = opts.kube.as_ref().map(|k| KubeSide::start(k, triggers)).transpose()?;
     if let Some(k) = &kube {
         k.wait_initialized();
+        tracing::info!(rss_mib = rss_mib(), "initial lists done");
     }
     let loaded = gather(&opts.manifests, kube.as_ref().map(|k| &k.source));
+    tracing::info!(rss_mib = rss_mib(), "inputs gathered");
     let current = build(loaded, &opts.node, Revision(1), opts.audit.defaults, None)?.current;
+    tracing::info!(rss_mib = rss_mib(), peak_rss_mib = peak_rss_mib(), "snapshot compiled");
     let spec = RulesetSpec::new(
         opts.redirect.clone(),
         current.snapshot.local_pod_ips(current.node),
@@ -315,6 +339,7 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
     let _tw_reuse = opts.tcp_tw_reuse.then(TcpTwReuse::enable);
     if let Some(k) = &kube {
         k.wait_initialized();
+        tracing::info!(rss_mib = rss_mib(), "initial lists done");
     }
     let initial_fingerprint = manifest::fingerprint(&opts.manifests);
     let initial_generation = kube.as_ref().map_or(0, |k| k.source.generation());
@@ -335,6 +360,8 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
         node = %opts.node,
         local_pods = local.len(),
         revision = %current.snapshot.revision(),
+        rss_mib = rss_mib(),
+        peak_rss_mib = peak_rss_mib(),
         "first snapshot compiled"
     );
     let spec = RulesetSpec::new(opts.redirect.clone(), local, node_addrs)
@@ -749,6 +776,7 @@ impl Reloader<'_> {
             total_us = started.elapsed().as_micros() as u64,
             live = redecided.checked,
             cut = redecided.cut,
+            rss_mib = rss_mib(),
             pods_added = added.len(),
             pods_removed = removed.len(),
             "snapshot applied"

@@ -4,7 +4,8 @@
 //!
 //! - [`policy`]: pure policy engine: API types, validation, compiled snapshots, `decide`
 //!   (no tokio, no kube client, no netfilter, no OTel).
-//! - [`cluster`]: where cluster state comes from (today: manifest files).
+//! - [`cluster`]: where cluster state comes from (manifest files, the API server) and the
+//!   policy status written back.
 //! - [`redirect`]: the netfilter ruleset as a value and its backends; decides nothing.
 //! - [`proxy`]: NFQUEUE first-packet decisions, the transparent proxy and its relay, the
 //!   registry of live connections.

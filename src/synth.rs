@@ -104,9 +104,9 @@ pub fn node_ip(i: usize) -> Ipv4Addr {
     Ipv4Addr::from(0xAC10_0001u32 + i as u32)
 }
 
-fn decode<T: serde::de::DeserializeOwned>(v: Value) -> T {
+fn decode<T: serde::de::DeserializeOwned>(v: Value) -> std::sync::Arc<T> {
     // The generator writes only well-formed objects; a failure here is a bug in it.
-    serde_json::from_value(v).expect("synthetic object decodes")
+    std::sync::Arc::new(serde_json::from_value(v).expect("synthetic object decodes"))
 }
 
 /// Generates a cluster of `shape` from `seed`.
@@ -252,7 +252,7 @@ pub fn cluster(shape: Shape, seed: u64) -> Inputs {
             },
         );
         anp.status = None;
-        inputs.admin_network_policies.push(anp);
+        inputs.admin_network_policies.push(std::sync::Arc::new(anp));
     }
     inputs.baseline_admin_network_policies.push(decode(json!({
         "apiVersion": "policy.networking.k8s.io/v1alpha1",

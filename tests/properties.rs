@@ -2,6 +2,7 @@
 //! clusters and policy sets built from a small label vocabulary so that selectors overlap.
 
 use std::net::{IpAddr, Ipv4Addr};
+use std::sync::Arc;
 
 use proptest::prelude::*;
 use serde_json::{Value, json};
@@ -235,11 +236,11 @@ fn inputs() -> impl Strategy<Value = Inputs> {
         prop::option::of(banp()),
     )
         .prop_map(|((namespaces, pods), anps, nps, banp)| Inputs {
-            namespaces,
-            pods,
-            network_policies: nps,
-            admin_network_policies: anps,
-            baseline_admin_network_policies: banp.into_iter().collect(),
+            namespaces: namespaces.into_iter().map(Arc::new).collect(),
+            pods: pods.into_iter().map(Arc::new).collect(),
+            network_policies: nps.into_iter().map(Arc::new).collect(),
+            admin_network_policies: anps.into_iter().map(Arc::new).collect(),
+            baseline_admin_network_policies: banp.into_iter().map(Arc::new).collect(),
             ..Inputs::default()
         })
 }
@@ -352,7 +353,7 @@ proptest! {
     #[test]
     fn banp_never_changes_what_higher_tiers_decided(i in inputs(), b in banp()) {
         let without = compile(&Inputs { baseline_admin_network_policies: vec![], ..i.clone() });
-        let with = compile(&Inputs { baseline_admin_network_policies: vec![b], ..i.clone() });
+        let with = compile(&Inputs { baseline_admin_network_policies: vec![Arc::new(b)], ..i.clone() });
         let higher = |o: &Option<tierproxy::policy::Outcome>| matches!(
             o,
             Some(o) if matches!(o.basis, Basis::Rule { tier: Tier::Admin | Tier::NetworkPolicy, .. } | Basis::Isolated { .. })

@@ -337,11 +337,11 @@ impl ApiSource {
         self.shared.errors.load(Ordering::Relaxed)
     }
 
-    /// A copy of the stores' objects, as compiler input. Kinds whose CRD is not installed
-    /// contribute nothing.
+    /// The stores' objects, as compiler input (shared with the stores, not copied). Kinds
+    /// whose CRD is not installed contribute nothing.
     pub fn inputs(&self) -> Inputs {
-        fn all<K: Clone + Resource<DynamicType = ()> + 'static>(s: &Store<K>) -> Vec<K> {
-            s.state().iter().map(|o| (**o).clone()).collect()
+        fn all<K: Clone + Resource<DynamicType = ()> + 'static>(s: &Store<K>) -> Vec<Arc<K>> {
+            s.state()
         }
         let absent = self.shared.health(|h| h.each_ref().map(|k| k.absent));
         let optional = |kind: WatchedKind| !absent[kind.index()];

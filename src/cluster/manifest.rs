@@ -14,6 +14,7 @@
 
 use std::fmt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use serde::de::DeserializeOwned;
 use serde_json::Value;
@@ -431,25 +432,25 @@ fn add(path: &Path, doc: Value, out: &mut Loaded) {
     let problems = &mut out.problems;
     let inputs = &mut out.inputs;
     match known {
-        Kind::Namespace => inputs.namespaces.extend(decode::<Namespace>(&obj, doc, problems)),
-        Kind::Node => inputs.nodes.extend(decode::<Node>(&obj, doc, problems)),
-        Kind::Pod => inputs.pods.extend(decode::<Pod>(&obj, doc, problems).map(default_namespace)),
-        Kind::NetworkPolicy => inputs
-            .network_policies
-            .extend(decode::<NetworkPolicy>(&obj, doc, problems).map(default_namespace)),
-        Kind::AdminNetworkPolicy => {
-            inputs
-                .admin_network_policies
-                .extend(decode::<v1alpha1::AdminNetworkPolicy>(&obj, doc, problems))
+        Kind::Namespace => {
+            inputs.namespaces.extend(decode::<Namespace>(&obj, doc, problems).map(Arc::new))
         }
-        Kind::BaselineAdminNetworkPolicy => inputs
-            .baseline_admin_network_policies
-            .extend(decode::<v1alpha1::BaselineAdminNetworkPolicy>(&obj, doc, problems)),
-        Kind::ClusterNetworkPolicy => {
-            inputs
-                .cluster_network_policies
-                .extend(decode::<v1alpha2::ClusterNetworkPolicy>(&obj, doc, problems))
-        }
+        Kind::Node => inputs.nodes.extend(decode::<Node>(&obj, doc, problems).map(Arc::new)),
+        Kind::Pod => inputs
+            .pods
+            .extend(decode::<Pod>(&obj, doc, problems).map(default_namespace).map(Arc::new)),
+        Kind::NetworkPolicy => inputs.network_policies.extend(
+            decode::<NetworkPolicy>(&obj, doc, problems).map(default_namespace).map(Arc::new),
+        ),
+        Kind::AdminNetworkPolicy => inputs
+            .admin_network_policies
+            .extend(decode::<v1alpha1::AdminNetworkPolicy>(&obj, doc, problems).map(Arc::new)),
+        Kind::BaselineAdminNetworkPolicy => inputs.baseline_admin_network_policies.extend(
+            decode::<v1alpha1::BaselineAdminNetworkPolicy>(&obj, doc, problems).map(Arc::new),
+        ),
+        Kind::ClusterNetworkPolicy => inputs
+            .cluster_network_policies
+            .extend(decode::<v1alpha2::ClusterNetworkPolicy>(&obj, doc, problems).map(Arc::new)),
     }
 }
 

@@ -8,27 +8,34 @@ pub mod apiserver;
 pub mod manifest;
 pub mod status;
 
+use std::sync::Arc;
+
 use crate::policy::compile::meta_namespace;
 use crate::policy::{Inputs, Kind, ObjectRef};
 
 /// The policies of the last snapshot in force: what a change falls back on for a policy
 /// whose new version is invalid ([`keep_last_good`]). Only the four policy kinds are kept
-/// (their memory is what a kube reflector store would hold anyway); a Pod, Namespace or
+/// (shared with the inputs they came from, not copied); a Pod, Namespace or
 /// Node that turns invalid is left out as any invalid object is.
 #[derive(Debug, Clone, Default)]
 pub struct LastGood {
-    network_policies: Vec<crate::policy::api::NetworkPolicy>,
-    admin_network_policies: Vec<crate::policy::api::v1alpha1::AdminNetworkPolicy>,
-    baseline_admin_network_policies: Vec<crate::policy::api::v1alpha1::BaselineAdminNetworkPolicy>,
-    cluster_network_policies: Vec<crate::policy::api::v1alpha2::ClusterNetworkPolicy>,
+    network_policies: Vec<Arc<crate::policy::api::NetworkPolicy>>,
+    admin_network_policies: Vec<Arc<crate::policy::api::v1alpha1::AdminNetworkPolicy>>,
+    baseline_admin_network_policies:
+        Vec<Arc<crate::policy::api::v1alpha1::BaselineAdminNetworkPolicy>>,
+    cluster_network_policies: Vec<Arc<crate::policy::api::v1alpha2::ClusterNetworkPolicy>>,
 }
 
 impl LastGood {
     /// The policies of `inputs` other than those named in `invalid` (an invalid object is
     /// not a good version, even when it is the first one seen).
     pub fn new(inputs: &Inputs, invalid: &[ObjectRef]) -> LastGood {
-        fn valid<T: kube::Resource + Clone>(items: &[T], kind: Kind, bad: &[ObjectRef]) -> Vec<T> {
-            items.iter().filter(|o| !bad.iter().any(|r| names(*o, kind, r))).cloned().collect()
+        fn valid<T: kube::Resource>(
+            items: &[Arc<T>],
+            kind: Kind,
+            bad: &[ObjectRef],
+        ) -> Vec<Arc<T>> {
+            items.iter().filter(|o| !bad.iter().any(|r| names(&***o, kind, r))).cloned().collect()
         }
         LastGood {
             network_policies: valid(&inputs.network_policies, Kind::NetworkPolicy, invalid),
@@ -71,14 +78,14 @@ pub fn keep_last_good(
     last: &LastGood,
     invalid: &[ObjectRef],
 ) -> Vec<ObjectRef> {
-    fn put_back<T: kube::Resource + Clone>(
-        list: &mut Vec<T>,
-        good: &[T],
+    fn put_back<T: kube::Resource>(
+        list: &mut Vec<Arc<T>>,
+        good: &[Arc<T>],
         kind: Kind,
         r: &ObjectRef,
     ) -> bool {
-        let Some(old) = good.iter().find(|o| names(*o, kind, r)) else { return false };
-        list.retain(|o| !names(o, kind, r));
+        let Some(old) = good.iter().find(|o| names(&***o, kind, r)) else { return false };
+        list.retain(|o| !names(&**o, kind, r));
         list.push(old.clone());
         true
     }

@@ -182,6 +182,7 @@ pub fn augment(inputs: &Inputs) -> Result<(Inputs, Vec<Added>), DualStackError> 
             continue;
         }
         let object = node_name(node);
+        let node = std::sync::Arc::make_mut(node);
         let Some(addresses) = node.status.as_mut().and_then(|s| s.addresses.as_mut()) else {
             continue;
         };
@@ -201,6 +202,7 @@ pub fn augment(inputs: &Inputs) -> Result<(Inputs, Vec<Added>), DualStackError> 
         }
         let Some(v4) = first_v4(ips.iter().map(|(_, ip)| *ip)) else { continue };
         let new = claim(pod_name(pod), v4)?;
+        let pod = std::sync::Arc::make_mut(pod);
         if let Some(st) = pod.status.as_mut() {
             let mut listed: Vec<PodIP> = ips.into_iter().map(|(ip, _)| PodIP { ip }).collect();
             listed.push(PodIP { ip: new.ipv6.to_string() });
@@ -221,7 +223,7 @@ pub fn augment(inputs: &Inputs) -> Result<(Inputs, Vec<Added>), DualStackError> 
 pub fn manifest_text(inputs: &Inputs) -> Result<String, DualStackError> {
     fn put<T: Serialize>(
         out: &mut Vec<u8>,
-        items: &[T],
+        items: &[std::sync::Arc<T>],
         name: impl Fn(&T) -> String,
     ) -> Result<(), DualStackError> {
         for item in items {

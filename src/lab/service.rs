@@ -195,7 +195,7 @@ fn target_port(port: &ServicePort, protocol: Protocol, pod: &Pod) -> Option<u16>
 /// [`ServiceError::Field`] for an invalid ClusterIP, port, target port or protocol.
 pub fn plan(
     services: &[Service],
-    pods: &[Pod],
+    pods: &[std::sync::Arc<Pod>],
     lab: &Plan,
 ) -> Result<(Vec<ServicePlan>, Vec<Skipped>), ServiceError> {
     let mut planned = Vec::new();
@@ -250,7 +250,7 @@ pub fn plan(
                     let pod_name = p.metadata.name.as_deref().unwrap_or_default();
                     let built =
                         lab.pods.iter().find(|b| b.namespace == namespace && b.name == pod_name)?;
-                    Some((p, format!("{namespace}/{pod_name}"), built.ips.as_slice()))
+                    Some((&**p, format!("{namespace}/{pod_name}"), built.ips.as_slice()))
                 })
                 .collect()
         };
@@ -420,7 +420,7 @@ mod tests {
 
     #[test]
     fn named_target_ports_resolve_per_pod_and_protocol() {
-        let pods = [pod(WEB_A), pod(WEB_B), pod(PENDING)];
+        let pods = [pod(WEB_A).into(), pod(WEB_B).into(), pod(PENDING).into()];
         let lab = lab_with(&[
             ("web", "a", "10.0.0.1"),
             ("web", "b", "10.0.0.2"),
@@ -468,7 +468,7 @@ mod tests {
              spec: {clusterIPs: [10.96.0.10, 'fd00:96::10'], selector: {app: web}, \
              ports: [{port: 80, targetPort: 8080, protocol: SCTP}]}\n",
         );
-        let (planned, _) = plan(&[svc], &[pod(WEB_A)], &lab).expect("plan");
+        let (planned, _) = plan(&[svc], &[pod(WEB_A).into()], &lab).expect("plan");
         let ports = &planned[0].ports;
         assert_eq!(ports.len(), 2);
         assert_eq!(ports[0].backends[0].addr, "10.0.0.1:8080".parse().expect("addr"));

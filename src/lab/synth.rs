@@ -56,6 +56,7 @@ pub fn write(
     }
     let mut traffic = loaded.inputs;
     for ns in &mut traffic.namespaces {
+        let ns = std::sync::Arc::make_mut(ns);
         ns.metadata.labels.get_or_insert_with(Default::default).insert("env".into(), "prod".into());
     }
     let mut synthetic = crate::synth::cluster(shape, seed);
@@ -64,8 +65,8 @@ pub fn write(
             .get_or_insert_with(Default::default)
             .insert(INSTANTIATE_ANNOTATION.into(), "false".into());
     };
-    synthetic.pods.iter_mut().for_each(|p| annotate(&mut p.metadata));
-    synthetic.nodes.iter_mut().for_each(|n| annotate(&mut n.metadata));
+    synthetic.pods.iter_mut().for_each(|p| annotate(&mut std::sync::Arc::make_mut(p).metadata));
+    synthetic.nodes.iter_mut().for_each(|n| annotate(&mut std::sync::Arc::make_mut(n).metadata));
     check_disjoint(&traffic, &synthetic)?;
     std::fs::create_dir_all(out).map_err(|source| LabError::State { path: out.into(), source })?;
     let mut files = Vec::new();

@@ -21,6 +21,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::IpAddr;
+use std::sync::Arc;
 
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use roaring::RoaringBitmap;
@@ -50,23 +51,25 @@ impl std::fmt::Display for Revision {
 
 /// The API objects a snapshot is compiled from. Order within each list does not matter;
 /// an object given twice (same kind, namespace, name) is used once, the later one winning.
+/// Objects are shared (`Arc`): a source's store, the last good policies and the compiler
+/// read the same allocation, so a rebuild copies no object.
 #[derive(Debug, Clone, Default)]
 pub struct Inputs {
     /// `v1` Namespaces. Namespaces that pods or policies live in but that are missing here
     /// are created implicitly, with only the `kubernetes.io/metadata.name` label.
-    pub namespaces: Vec<Namespace>,
+    pub namespaces: Vec<Arc<Namespace>>,
     /// `v1` Nodes; their `status.addresses` (InternalIP, ExternalIP) are node IPs.
-    pub nodes: Vec<Node>,
+    pub nodes: Vec<Arc<Node>>,
     /// `v1` Pods. Pods in phase Succeeded or Failed hold no IP and are ignored.
-    pub pods: Vec<Pod>,
+    pub pods: Vec<Arc<Pod>>,
     /// `networking.k8s.io/v1` NetworkPolicies.
-    pub network_policies: Vec<NetworkPolicy>,
+    pub network_policies: Vec<Arc<NetworkPolicy>>,
     /// `v1alpha1` AdminNetworkPolicies.
-    pub admin_network_policies: Vec<v1alpha1::AdminNetworkPolicy>,
+    pub admin_network_policies: Vec<Arc<v1alpha1::AdminNetworkPolicy>>,
     /// `v1alpha1` BaselineAdminNetworkPolicies (only `default` is valid).
-    pub baseline_admin_network_policies: Vec<v1alpha1::BaselineAdminNetworkPolicy>,
+    pub baseline_admin_network_policies: Vec<Arc<v1alpha1::BaselineAdminNetworkPolicy>>,
     /// `v1alpha2` ClusterNetworkPolicies.
-    pub cluster_network_policies: Vec<v1alpha2::ClusterNetworkPolicy>,
+    pub cluster_network_policies: Vec<Arc<v1alpha2::ClusterNetworkPolicy>>,
 }
 
 /// Traffic direction, seen from the subject pod.
@@ -1192,12 +1195,13 @@ pub fn meta_namespace(m: &k8s_openapi::apimachinery::pkg::apis::meta::v1::Object
 /// Keeps the last object per key, then orders by key, so the result is independent of
 /// input order. Reports each duplicate.
 fn dedup_sorted<'a, T>(
-    items: &'a [T],
+    items: &'a [Arc<T>],
     key: impl Fn(&T) -> ObjectRef,
     problems: &mut Vec<Problem>,
 ) -> Vec<(ObjectRef, &'a T)> {
     let mut map: BTreeMap<ObjectRef, &T> = BTreeMap::new();
     for it in items {
+        let it: &T = it;
         let k = key(it);
         if map.insert(k.clone(), it).is_some() {
             problems.push(Problem::warning(&k, "", ProblemKind::Duplicate));
@@ -1514,7 +1518,7 @@ impl Snapshot {
         let mut duplicates: [Vec<Problem>; 3] = Default::default();
         // Cluster-scoped admin objects of one kind, deduplicated, as `AdminObject`s.
         fn of_kind<'a, T: kube::Resource>(
-            items: &'a [T],
+            items: &'a [Arc<T>],
             kind: Kind,
             wrap: fn(&'a T) -> AdminObject<'a>,
             duplicates: &mut Vec<Problem>,
@@ -2079,17 +2083,17 @@ mod tests {
         // A duplicate (warning), an out-of-range priority (error: left out), and a selector
         // value that is not a label value (a warning inside CRDs; the peer still compiles).
         anps.push(anps[3].clone());
-        let mut bad = anps[5].clone();
+        let mut bad = (*anps[5]).clone();
         bad.metadata.name = Some("bad-priority".into());
         bad.spec.priority = 5000;
-        anps.insert(1, bad);
-        let mut odd = anps[8].clone();
+        anps.insert(1, Arc::new(bad));
+        let mut odd = (*anps[8]).clone();
         odd.metadata.name = Some("odd-selector".into());
         if let Some(p) = odd.spec.egress[0].to[0].pods.as_mut() {
             p.pod_selector.match_labels =
                 Some(BTreeMap::from([("app".to_string(), "not a label value".to_string())]));
         }
-        anps.push(odd);
+        anps.push(Arc::new(odd));
         inputs
     }
 

@@ -4,7 +4,8 @@
 //! streams newline-delimited `{"type", "object"}` events; a resourceVersion older than
 //! the kept history gets an `ERROR` event with a 410 Status, and the client relists).
 //!
-//! What it implements: list and watch of any collection (cluster-wide or in a namespace),
+//! What it implements: list (paged by `limit` and `continue`) and watch of any collection
+//! (cluster-wide or in a namespace),
 //! get, create (POST), replace (PUT), patch (merge, strategic and apply patches, merged as
 //! JSON with `status.conditions` keyed by `type`), delete, the `status` subresource. What
 //! the test scripts: objects ([`FakeApi::apply`], [`FakeApi::delete`]), which collections
@@ -468,14 +469,25 @@ async fn handle(
                 .unwrap()
         }
         (Method::GET, None) => {
-            let items: Vec<Value> = s
+            // Pages of `limit` objects, the `continue` token being the next offset, as the
+            // API server pages a list (kube's watcher asks for 500 at a time).
+            let limit: usize =
+                query.get("limit").and_then(|v| v.parse().ok()).unwrap_or(usize::MAX);
+            let from: usize = query.get("continue").and_then(|v| v.parse().ok()).unwrap_or(0);
+            let all: Vec<&Value> = s
                 .collections
                 .get(&coll)
-                .map(|c| c.objects.values().filter(|o| in_ns(o)).cloned().collect())
+                .map(|c| c.objects.values().filter(|o| in_ns(o)).collect())
                 .unwrap_or_default();
+            let end = from.saturating_add(limit).min(all.len());
+            let items: Vec<Value> = all[from.min(end)..end].iter().map(|o| (*o).clone()).collect();
+            let mut meta = json!({"resourceVersion": s.rv.to_string()});
+            if end < all.len() {
+                meta["continue"] = json!(end.to_string());
+            }
             reply(
                 200,
-                &json!({"apiVersion": "v1", "kind": "List", "metadata": {"resourceVersion": s.rv.to_string()}, "items": items}),
+                &json!({"apiVersion": "v1", "kind": "List", "metadata": meta, "items": items}),
             )
         }
         (Method::GET, Some(name)) => {
