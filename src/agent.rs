@@ -597,9 +597,11 @@ impl KubeSide {
                     let client = match cluster::apiserver::client(None).await {
                         Ok(c) => c,
                         Err(e) => {
-                            let e = anyhow::Error::new(e).context(
-                                "configuring the API-server client (in-cluster service account, \
-                                 else KUBECONFIG or ~/.kube/config)",
+                            // kube's message already holds its causes; a chain would
+                            // repeat them.
+                            let e = anyhow::anyhow!(
+                                "configuring the API-server client (in-cluster service \
+                                 account, else KUBECONFIG or ~/.kube/config): {e}"
                             );
                             let _ = ready_tx.send(Err(e));
                             return;

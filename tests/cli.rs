@@ -354,3 +354,27 @@ fn agent_dry_run_prints_the_ruleset_for_the_node() {
     assert_eq!(o.status.code(), Some(2));
     assert!(stderr(&o).contains("node \"node-9\" is not among the Nodes"), "{}", stderr(&o));
 }
+
+#[test]
+fn agent_kube_without_a_client_configuration_says_so_and_changes_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = bin()
+        .args(["agent", "--kube", "--node", "n1", "--dry-run"])
+        .env_remove("KUBERNETES_SERVICE_HOST")
+        .env("KUBECONFIG", dir.path().join("missing-kubeconfig"))
+        .env("HOME", dir.path())
+        .output()
+        .expect("tierproxy runs");
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    let e = stderr(&o);
+    assert!(e.contains("configuring the API-server client"), "{e}");
+    assert!(e.contains("missing-kubeconfig"), "names the file it tried: {e}");
+    assert_eq!(e.matches("missing-kubeconfig").count(), 1, "said once, not once per cause: {e}");
+}
+
+#[test]
+fn agent_needs_manifests_or_kube() {
+    let o = run(&["agent", "--node", "n1", "--dry-run"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("--manifests"), "{}", stderr(&o));
+}
