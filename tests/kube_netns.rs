@@ -132,6 +132,13 @@ fn agents_enforce_what_the_api_server_says_and_write_policy_status() {
     );
     let c = condition(&api, "deny-b-8080").unwrap();
     assert_eq!((c["status"].as_str(), c["reason"].as_str()), (Some("True"), Some("Accepted")));
+    // Neither the start nor the status write (a change the engine cannot see) rebuilt a
+    // snapshot on either node.
+    std::thread::sleep(Duration::from_millis(500));
+    for node in ["n1", "n2"] {
+        let log = agent_log(&lab, node);
+        assert!(!log.contains("snapshot applied"), "{node} rebuilt with nothing changed: {log}");
+    }
     let lease = api.get(
         "coordination.k8s.io/v1",
         "Lease",

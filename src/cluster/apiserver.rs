@@ -480,8 +480,10 @@ where
                             watcher::Event::Init | watcher::Event::InitApply(_) => {}
                             watcher::Event::InitDone => {
                                 backoff.reset();
-                                recovered(&shared, kind);
+                                // Counted before `initialized` can turn true, so that the
+                                // first build sees this list's generation.
                                 shared.bump();
+                                recovered(&shared, kind);
                             }
                             watcher::Event::Apply(_) if !seen => {}
                             watcher::Event::Apply(_) | watcher::Event::Delete(_) => shared.bump(),
