@@ -71,8 +71,7 @@ async fn start(api: &FakeApi) -> (ApiSource, Arc<AtomicUsize>) {
 }
 
 fn pod_names(s: &ApiSource) -> Vec<String> {
-    let mut v: Vec<String> =
-        s.inputs().pods.iter().map(|p| p.metadata.name.clone().unwrap_or_default()).collect();
+    let mut v: Vec<String> = s.inputs().pod_views.iter().map(|p| p.name.clone()).collect();
     v.sort();
     v
 }
@@ -90,11 +89,13 @@ async fn initial_list_then_adds_modifies_and_deletes_reach_the_inputs() {
     assert_eq!(inputs.namespaces.len(), 1);
     assert_eq!(pod_names(&source), ["web-1"]);
     assert_eq!(inputs.admin_network_policies.len(), 1);
-    // The projection: the big annotation and the image are not stored.
-    let p = &inputs.pods[0];
-    assert!(p.metadata.annotations.is_none());
-    assert!(p.spec.as_ref().unwrap().containers[0].image.is_none());
-    assert_eq!(p.status.as_ref().unwrap().pod_ip.as_deref(), Some("10.0.0.5"));
+    // Pods are stored as views: what the engine reads, nothing else.
+    assert!(inputs.pods.is_empty());
+    let p = &inputs.pod_views[0];
+    assert_eq!((p.namespace.as_str(), p.name.as_str()), ("shop", "web-1"));
+    assert_eq!(p.ips, ["10.0.0.5".parse::<std::net::IpAddr>().unwrap()]);
+    assert_eq!(p.named_ports.len(), 1);
+    assert_eq!(p.node_name.as_deref(), Some("node-a"));
 
     // Add, modify, delete: each reaches the stores and is reported.
     let before = changes.load(Ordering::SeqCst);
@@ -103,9 +104,11 @@ async fn initial_list_then_adds_modifies_and_deletes_reach_the_inputs() {
     until("web-2 added", || pod_names(&source) == ["web-1", "web-2"]).await;
     api.apply(pod("shop", "web-2", "10.0.0.6", json!({"app": "db"})));
     until("web-2 relabelled", || {
-        source.inputs().pods.iter().any(|p| {
-            p.metadata.labels.as_ref().and_then(|l| l.get("app")).map(String::as_str) == Some("db")
-        })
+        source
+            .inputs()
+            .pod_views
+            .iter()
+            .any(|p| p.labels.get("app").map(String::as_str) == Some("db"))
     })
     .await;
     api.delete("v1", "Pod", Some("shop"), "web-1");

@@ -10,10 +10,12 @@
 //!   installed: the kind counts as listed and empty ([`KindHealth::absent`]), and the
 //!   watcher keeps retrying with backoff, so a CRD installed later is picked up at the next
 //!   retry (at most [`SourceConfig::backoff_max`] later). Neither API version is required.
-//! - **Memory.** Each object is cut to the fields the engine reads before it is stored (a
-//!   projection, [`project_pod`] and friends): a Pod keeps its name, namespace, labels, node,
-//!   hostNetwork, named container ports, phase and IPs; `managedFields` and the
-//!   `last-applied-configuration` annotation go everywhere.
+//! - **Memory.** Each object is cut to the fields the engine reads before it is stored. A
+//!   Pod is stored as a [`PodView`] (name, namespace, labels, node, hostNetwork, named
+//!   container ports, phase and IPs: about 300 bytes, where a k8s-openapi `Pod` with one
+//!   container is 4.8 kB before any string); the other kinds keep their k8s-openapi type
+//!   without `managedFields`, owner references, finalizers and annotations other than
+//!   tierproxy's ([`project_meta`] and friends).
 //! - **Initial lists.** [`ApiSource::initialized`] is true once every watcher has finished
 //!   its first list (kube-runtime's `InitDone`, or 404 for a CRD); the agent builds its
 //!   first snapshot only then.
@@ -43,9 +45,9 @@ use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, Resource};
 use serde::de::DeserializeOwned;
 
-use crate::policy::Inputs;
 use crate::policy::api::{Namespace, NetworkPolicy, Node, Pod, v1alpha1, v1alpha2};
 use crate::policy::compile::ANNOTATION_PREFIX;
+use crate::policy::{Inputs, PodView};
 
 /// Default quiet time before a change is reported: 100 ms, as for the manifest source.
 pub const DEFAULT_DEBOUNCE: Duration = Duration::from_millis(100);
@@ -213,7 +215,7 @@ impl Shared {
 /// The reflector stores of the seven kinds.
 #[derive(Clone)]
 struct Stores {
-    pods: Store<Pod>,
+    pods: ViewStore,
     namespaces: Store<Namespace>,
     nodes: Store<Node>,
     network_policies: Store<NetworkPolicy>,
@@ -261,7 +263,15 @@ impl ApiSource {
         let c = &config;
         let s = &shared;
         let stores = Stores {
-            pods: spawn_watch(Api::all(client.clone()), WatchedKind::Pod, project_pod, c, s),
+            pods: {
+                let store = ViewStore::default();
+                let sink = ViewSink { store: store.clone(), relist: None };
+                let api: Api<Pod> = Api::all(client.clone());
+                let page = c.page_size;
+                let stream = move || watcher(api.clone(), watch_config(page));
+                tokio::spawn(run_watch(stream, sink, WatchedKind::Pod, c.clone(), s.clone()));
+                store
+            },
             namespaces: spawn_watch(
                 Api::all(client.clone()),
                 WatchedKind::Namespace,
@@ -349,7 +359,8 @@ impl ApiSource {
         Inputs {
             namespaces: all(&s.namespaces),
             nodes: all(&s.nodes),
-            pods: all(&s.pods),
+            pods: Vec::new(),
+            pod_views: s.pods.all(),
             network_policies: all(&s.network_policies),
             admin_network_policies: if optional(WatchedKind::AdminNetworkPolicy) {
                 all(&s.admin_network_policies)
@@ -452,62 +463,159 @@ where
         + Sync
         + 'static,
 {
-    let (store, mut writer) = reflector::store();
-    let reader = store.clone();
+    let (store, writer) = reflector::store();
+    let sink = Reflect { writer, reader: store.clone(), kind };
+    let page = config.page_size;
+    let stream = move || watcher(api.clone(), watch_config(page)).modify(project);
+    tokio::spawn(run_watch(stream, sink, kind, config.clone(), shared.clone()));
+    store
+}
+
+/// kube-runtime's watcher configuration: lists in pages of `page_size` objects.
+fn watch_config(page_size: u32) -> watcher::Config {
+    watcher::Config::default().page_size(page_size)
+}
+
+/// Where a watcher's events go.
+trait Sink<K>: Send + 'static {
+    /// Applies `event`; for `Apply` and `Delete`, whether the engine can see the change.
+    fn apply(&mut self, event: &watcher::Event<K>) -> bool;
+}
+
+/// A reflector store of projected objects.
+struct Reflect<K: Resource<DynamicType = ()> + Clone + 'static> {
+    writer: reflector::store::Writer<K>,
+    reader: Store<K>,
+    kind: WatchedKind,
+}
+
+impl<K> Sink<K> for Reflect<K>
+where
+    K: Resource<DynamicType = ()> + Clone + serde::Serialize + Send + Sync + 'static,
+{
+    fn apply(&mut self, event: &watcher::Event<K>) -> bool {
+        // A change the engine cannot see (a policy's status) triggers no rebuild.
+        let seen = match event {
+            watcher::Event::Apply(new) => self
+                .reader
+                .get(&reflector::ObjectRef::from_obj(new))
+                .is_none_or(|old| !same(&*old, new, self.kind)),
+            _ => true,
+        };
+        self.writer.apply_watcher_event(event);
+        seen
+    }
+}
+
+/// The pods' store: [`PodView`]s (about 300 bytes each, against 4.8 kB for a
+/// k8s-openapi `Pod` with one container), keyed by namespace and name.
+#[derive(Clone, Default)]
+struct ViewStore(Arc<std::sync::RwLock<ViewMap>>);
+
+type ViewMap = std::collections::HashMap<(String, String), Arc<PodView>>;
+
+impl ViewStore {
+    fn all(&self) -> Vec<Arc<PodView>> {
+        self.0.read().unwrap_or_else(|e| e.into_inner()).values().cloned().collect()
+    }
+}
+
+/// Fills a [`ViewStore`]; a relist is buffered and swapped in at its end, as the
+/// reflector does, so readers never see half a list.
+struct ViewSink {
+    store: ViewStore,
+    relist: Option<ViewMap>,
+}
+
+fn view_key(v: &PodView) -> (String, String) {
+    (v.namespace.clone(), v.name.clone())
+}
+
+impl Sink<Pod> for ViewSink {
+    fn apply(&mut self, event: &watcher::Event<Pod>) -> bool {
+        let map = || self.store.0.write().unwrap_or_else(|e| e.into_inner());
+        match event {
+            watcher::Event::Init => {
+                self.relist = Some(ViewMap::new());
+                true
+            }
+            watcher::Event::InitApply(p) => {
+                let v = PodView::from_pod(p);
+                self.relist.get_or_insert_with(ViewMap::new).insert(view_key(&v), Arc::new(v));
+                true
+            }
+            watcher::Event::InitDone => {
+                *map() = self.relist.take().unwrap_or_default();
+                true
+            }
+            // A pod's readiness and everything else the view leaves out: no change.
+            watcher::Event::Apply(p) => {
+                let v = PodView::from_pod(p);
+                let old = map().insert(view_key(&v), Arc::new(v.clone()));
+                old.is_none_or(|o| *o != v)
+            }
+            watcher::Event::Delete(p) => map().remove(&view_key(&PodView::from_pod(p))).is_some(),
+        }
+    }
+}
+
+/// Runs one kind's watcher into `sink` until the runtime stops.
+///
+/// After an error the watcher is dropped and, after the backoff, started again from a
+/// fresh list: the end of that list (`InitDone`) is the proof that the store is current
+/// again, which a re-watch from the old resourceVersion could not give (an idle watch
+/// sends nothing). The store keeps its content until the new list is complete (swapped in
+/// at `InitDone`). 410 Gone is handled inside kube's watcher (a relist) and is no failure.
+async fn run_watch<K, S>(
+    stream: impl Fn() -> S,
+    mut sink: impl Sink<K>,
+    kind: WatchedKind,
+    config: SourceConfig,
+    shared: Arc<Shared>,
+) where
+    S: futures_util::Stream<Item = watcher::Result<watcher::Event<K>>>,
+{
     let mut backoff = RetryBackoff {
         initial: config.backoff_initial,
         max: config.backoff_max,
         next: config.backoff_initial,
     };
-    let wc = watcher::Config::default().page_size(config.page_size);
-    let shared = shared.clone();
-    tokio::spawn(async move {
-        loop {
-            let mut stream = std::pin::pin!(watcher(api.clone(), wc.clone()).modify(project));
-            while let Some(event) = stream.next().await {
-                match event {
-                    Ok(ev) => {
-                        // A change the engine cannot see (a policy's status, a pod's
-                        // readiness: fields the projection dropped) triggers no rebuild.
-                        let seen = match &ev {
-                            watcher::Event::Apply(new) => reader
-                                .get(&reflector::ObjectRef::from_obj(new))
-                                .is_none_or(|old| !same(&*old, new, kind)),
-                            _ => true,
-                        };
-                        writer.apply_watcher_event(&ev);
-                        match ev {
-                            watcher::Event::Init | watcher::Event::InitApply(_) => {}
-                            watcher::Event::InitDone => {
-                                backoff.reset();
-                                // Counted before `initialized` can turn true, so that the
-                                // first build sees this list's generation.
-                                shared.bump();
-                                recovered(&shared, kind);
-                            }
-                            watcher::Event::Apply(_) if !seen => {}
-                            watcher::Event::Apply(_) | watcher::Event::Delete(_) => shared.bump(),
+    loop {
+        let mut events = std::pin::pin!(stream());
+        while let Some(event) = events.next().await {
+            match event {
+                Ok(ev) => {
+                    let seen = sink.apply(&ev);
+                    match ev {
+                        watcher::Event::Init | watcher::Event::InitApply(_) => {}
+                        watcher::Event::InitDone => {
+                            backoff.reset();
+                            // Counted before `initialized` can turn true, so that the
+                            // first build sees this list's generation.
+                            shared.bump();
+                            recovered(&shared, kind);
                         }
-                    }
-                    Err(watcher::Error::WatchError(s)) if s.code == 410 => {
-                        // The watch's resourceVersion is older than the API server's
-                        // history (etcd compaction): kube's watcher relists; no failure.
-                        tracing::debug!(kind = %kind, "resourceVersion expired (410 Gone); relisting");
-                    }
-                    Err(e) if kind.optional() && not_found(&e) => {
-                        absent(&shared, kind);
-                        break;
-                    }
-                    Err(e) => {
-                        failed(&shared, kind, &e);
-                        break;
+                        watcher::Event::Apply(_) if !seen => {}
+                        watcher::Event::Apply(_) | watcher::Event::Delete(_) => shared.bump(),
                     }
                 }
+                Err(watcher::Error::WatchError(s)) if s.code == 410 => {
+                    // The watch's resourceVersion is older than the API server's
+                    // history (etcd compaction): kube's watcher relists; no failure.
+                    tracing::debug!(kind = %kind, "resourceVersion expired (410 Gone); relisting");
+                }
+                Err(e) if kind.optional() && not_found(&e) => {
+                    absent(&shared, kind);
+                    break;
+                }
+                Err(e) => {
+                    failed(&shared, kind, &e);
+                    break;
+                }
             }
-            tokio::time::sleep(backoff.next().unwrap_or(DEFAULT_BACKOFF_MAX)).await;
         }
-    });
-    store
+        tokio::time::sleep(backoff.next().unwrap_or(DEFAULT_BACKOFF_MAX)).await;
+    }
 }
 
 /// Whether `old` and `new` (projected) are equal for the engine: equal but for
@@ -672,49 +780,6 @@ pub fn project_meta<K: Resource>(o: &mut K) {
     trim_meta(o.meta_mut());
 }
 
-/// The projection of a Pod: name, namespace, labels, `spec.nodeName`, `spec.hostNetwork`,
-/// the named ports of `spec.containers` (named ports resolve on them), `status.phase`,
-/// `status.podIP` and `status.podIPs`. Everything else is dropped.
-pub fn project_pod(p: &mut Pod) {
-    use k8s_openapi::api::core::v1::{Container, PodSpec, PodStatus};
-    trim_meta(&mut p.metadata);
-    p.metadata.annotations = None;
-    p.metadata.generate_name = None;
-    if let Some(spec) = p.spec.take() {
-        let containers = spec
-            .containers
-            .into_iter()
-            .filter_map(|c| {
-                let ports: Vec<_> = c
-                    .ports
-                    .unwrap_or_default()
-                    .into_iter()
-                    .filter(|p| p.name.as_deref().is_some_and(|n| !n.is_empty()))
-                    .collect();
-                (!ports.is_empty()).then(|| Container {
-                    name: c.name,
-                    ports: Some(ports),
-                    ..Container::default()
-                })
-            })
-            .collect();
-        p.spec = Some(PodSpec {
-            containers,
-            node_name: spec.node_name,
-            host_network: spec.host_network,
-            ..PodSpec::default()
-        });
-    }
-    if let Some(status) = p.status.take() {
-        p.status = Some(PodStatus {
-            phase: status.phase,
-            pod_ip: status.pod_ip,
-            pod_ips: status.pod_ips,
-            ..PodStatus::default()
-        });
-    }
-}
-
 /// The projection of a Namespace: name and labels.
 pub fn project_namespace(n: &mut Namespace) {
     trim_meta(&mut n.metadata);
@@ -739,13 +804,12 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_pod_keeps_what_the_engine_reads_and_nothing_else() {
-        let mut pod: Pod = serde_json::from_value(serde_json::json!({
+    fn a_pod_is_stored_as_what_the_engine_reads() {
+        let pod: Pod = serde_json::from_value(serde_json::json!({
             "metadata": {
                 "name": "web-1", "namespace": "shop", "labels": {"app": "web"},
                 "annotations": {"kubectl.kubernetes.io/last-applied-configuration": "{...}"},
-                "managedFields": [{"manager": "kubectl"}],
-                "ownerReferences": [{"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "web", "uid": "u"}]
+                "managedFields": [{"manager": "kubectl"}]
             },
             "spec": {
                 "nodeName": "node-a",
@@ -756,23 +820,33 @@ mod tests {
                 ],
                 "volumes": [{"name": "v", "emptyDir": {}}]
             },
-            "status": {"phase": "Running", "podIP": "10.0.0.5", "podIPs": [{"ip": "10.0.0.5"}],
+            "status": {"phase": "Running", "podIP": "10.0.0.5",
+                       "podIPs": [{"ip": "10.0.0.5"}, {"ip": "fd00::5"}],
                        "conditions": [{"type": "Ready", "status": "True"}]}
         }))
         .unwrap();
-        project_pod(&mut pod);
-        let v = serde_json::to_value(&pod).unwrap();
+        let v = PodView::from_pod(&pod);
         assert_eq!(
             v,
-            serde_json::json!({
-                "apiVersion": "v1", "kind": "Pod",
-                "metadata": {"name": "web-1", "namespace": "shop", "labels": {"app": "web"}},
-                "spec": {"nodeName": "node-a", "containers": [
-                    {"name": "app", "ports": [{"name": "http", "containerPort": 80}]}
-                ]},
-                "status": {"phase": "Running", "podIP": "10.0.0.5", "podIPs": [{"ip": "10.0.0.5"}]}
-            })
+            PodView {
+                namespace: "shop".into(),
+                name: "web-1".into(),
+                labels: [("app".to_string(), "web".to_string())].into(),
+                node_name: Some("node-a".into()),
+                host_network: false,
+                terminated: false,
+                ips: vec!["10.0.0.5".parse().unwrap(), "fd00::5".parse().unwrap()],
+                named_ports: vec![crate::policy::ports::NamedPort {
+                    name: "http".into(),
+                    protocol: crate::policy::ports::Protocol::Tcp,
+                    port: 80,
+                }],
+            }
         );
+        // Readiness is not in the view: a condition change is no change.
+        let mut unready = pod.clone();
+        unready.status.as_mut().unwrap().conditions = None;
+        assert_eq!(PodView::from_pod(&unready), v);
     }
 
     #[test]

@@ -19,7 +19,9 @@ pub mod problem;
 pub mod selector;
 pub mod validate;
 
-pub use compile::{Action, Compiled, Direction, Endpoint, Inputs, Revision, Snapshot, Tier};
+pub use compile::{
+    Action, Compiled, Direction, Endpoint, Inputs, PodView, Revision, Snapshot, Tier,
+};
 pub use eval::{Basis, Decision, Flow, Outcome, RuleHit, RuleInfo, TIER_ORDER, Verdict};
 pub use ports::Protocol;
 pub use problem::{Kind, ObjectRef, Problem, ProblemKind, Severity};
