@@ -1,14 +1,18 @@
 //! The node agent: the wiring of one node's enforcement (issue #3).
 //!
 //! Start-up, in an order that never leaves a node's pods without a decider:
-//! 1. read and compile the manifests (invalid objects are reported by name and field and
+//! 0. start audit and, with `--kube`, the API-server watchers (both keep the namespace the
+//!    agent started in); serve `/metrics`, `/healthz` (live) and `/readyz` (not yet);
+//! 1. with `--kube`, wait for every watcher's initial list; read and compile the manifests
+//!    and the API server's objects (invalid objects are reported by name and field and
 //!    fail closed as their API says; a file that cannot be read or parsed stops the start);
 //! 2. bind the NFQUEUE queues (reader threads) and the transparent listeners;
 //! 3. install the ruleset (iptables or nftables backend) and policy routing;
 //! 4. signal readiness (an optional ready file), then serve until SIGTERM or SIGINT.
 //!
-//! While serving, the manifests are watched (issue #5, live change): each change is loaded
-//! and compiled as the next revision on a reloader thread, published to the deciders, every
+//! While serving, the manifests and the API server are watched (issues #5, #6): each
+//! change is loaded and compiled as the next revision on a reloader thread, published to
+//! the deciders, every
 //! live connection and UDP flow is decided again (those now denied are cut), and the pod
 //! sets of the ruleset follow the node's pods. A change that cannot be used leaves the last
 //! good snapshot in force; a policy that turns invalid keeps its last good version.
@@ -17,7 +21,7 @@
 //! the rest, then remove the ruleset (unless configured to keep it: with fail-closed
 //! queues a node then stays closed while the agent is away).
 //!
-//! Sources: issues #3 and #5; DESIGN §3 (data path), §5 (shared state).
+//! Sources: issues #3, #5 and #6; DESIGN §3 (data path), §5 (shared state).
 
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
@@ -359,6 +363,29 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
         enter_netns(ns)?;
     }
     let _tw_reuse = opts.tcp_tw_reuse.then(TcpTwReuse::enable);
+    let registry = Arc::new(Registry::default());
+    let decider_slot: Arc<std::sync::OnceLock<Arc<Decider>>> = Arc::default();
+    let udp_stats = Arc::new(udp::UdpStats::default());
+    let metrics = Arc::new(Metrics::new(scraped(
+        auditor.clone(),
+        registry.clone(),
+        decider_slot.clone(),
+        udp_stats.clone(),
+        kube.as_ref().map(|k| k.source.clone()),
+        &opts.audit,
+    )));
+    let ready = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("tierproxy")
+        .build()
+        .context("starting the async runtime")?;
+    // /healthz answers from here on, /readyz once the node enforces: a probe can tell a
+    // live agent waiting for the API server's initial lists from a dead one.
+    if let Some(addr) = opts.metrics_addr {
+        runtime.block_on(crate::metrics::serve(addr, metrics.clone(), ready.clone()))?;
+        tracing::info!(%addr, "serving /metrics, /healthz, /readyz");
+    }
     if let Some(k) = &kube {
         k.wait_initialized();
         trim_heap();
@@ -390,17 +417,6 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
     );
     let spec = RulesetSpec::new(opts.redirect.clone(), local, node_addrs)
         .context("redirect configuration")?;
-    let registry = Arc::new(Registry::default());
-    let decider_slot: Arc<std::sync::OnceLock<Arc<Decider>>> = Arc::default();
-    let udp_stats = Arc::new(udp::UdpStats::default());
-    let metrics = Arc::new(Metrics::new(scraped(
-        auditor.clone(),
-        registry.clone(),
-        decider_slot.clone(),
-        udp_stats.clone(),
-        kube.as_ref().map(|k| k.source.clone()),
-        &opts.audit,
-    )));
     let decider = Arc::new(Decider::new(
         current,
         DeciderLimits::default(),
@@ -408,7 +424,6 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
         metrics.data_path.clone(),
     ));
     let _ = decider_slot.set(decider.clone());
-    let ready = Arc::new(std::sync::atomic::AtomicBool::new(false));
 
     let r = &opts.redirect;
     queue::start(
@@ -423,11 +438,6 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
         decider.clone(),
     )?;
 
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .thread_name("tierproxy")
-        .build()
-        .context("starting the async runtime")?;
     let mut local_addrs: Vec<IpAddr> = spec.node_addrs().iter().copied().collect();
     match nix::ifaddrs::getifaddrs() {
         Ok(ifs) => local_addrs.extend(ifs.filter_map(|i| {
@@ -466,10 +476,6 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
         idle_timeout: opts.udp_idle_timeout,
         max_flows: opts.max_udp_flows,
     };
-    if let Some(addr) = opts.metrics_addr {
-        runtime.block_on(crate::metrics::serve(addr, metrics.clone(), ready.clone()))?;
-        tracing::info!(%addr, "serving /metrics, /healthz, /readyz");
-    }
 
     let selection = redirect::select(r.backend);
     let backend = selection.backend;

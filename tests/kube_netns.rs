@@ -206,3 +206,91 @@ fn agents_enforce_what_the_api_server_says_and_write_policy_status() {
     );
     assert!(agent_log(&lab, "n1").contains("watch recovered"));
 }
+
+/// `GET path` on `addr` from inside `netns`: (status code, body), or `None` if no answer.
+fn http_get(netns: &str, addr: &str, path: &str) -> Option<(u16, String)> {
+    use std::io::{Read, Write};
+    tierproxy::lab::netns::in_netns(netns, || {
+        let Ok(mut s) = std::net::TcpStream::connect_timeout(
+            &addr.parse().unwrap(),
+            Duration::from_millis(500),
+        ) else {
+            return Ok(None);
+        };
+        let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
+        let _ = write!(s, "GET {path} HTTP/1.0\r\nHost: x\r\n\r\n");
+        let mut reply = String::new();
+        let _ = s.read_to_string(&mut reply);
+        let code = reply.split_whitespace().nth(1).and_then(|c| c.parse().ok());
+        let body = reply.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
+        Ok(code.map(|c| (c, body)))
+    })
+    .expect("netns")
+}
+
+/// A network namespace of the test's own, deleted when dropped.
+struct Netns(String);
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("ip").args(["netns", "del", &self.0]).status();
+    }
+}
+
+/// An agent still waiting for the API server's initial lists is alive (`/healthz`), not
+/// ready (`/readyz`), says why in its metrics, and has installed nothing.
+#[test]
+fn an_agent_waiting_for_the_initial_lists_is_live_not_ready_and_installs_nothing() {
+    let test = "an_agent_waiting_for_the_initial_lists_is_live_not_ready_and_installs_nothing";
+    if !netns_available(test) {
+        return;
+    }
+    let api = FakeApi::start();
+    api.set_down(true);
+    let ns = Netns(format!("{}-kw", prefix("kube")));
+    let ok = std::process::Command::new("ip").args(["netns", "add", &ns.0]).status();
+    assert!(ok.is_ok_and(|s| s.success()), "ip netns add");
+    let ok =
+        std::process::Command::new("ip").args(["-n", &ns.0, "link", "set", "lo", "up"]).status();
+    assert!(ok.is_ok_and(|s| s.success()), "lo up");
+    let dir = tempfile::tempdir().unwrap();
+    let mut agent = bin()
+        .env("KUBECONFIG", api.kubeconfig(dir.path()))
+        .args(["agent", "--kube", "--node", "n1", "--netns", &ns.0])
+        .args(["--metrics-addr", "127.0.0.1:19469", "--no-tcp-tw-reuse"])
+        .args(["--kube-retry-max-ms", "200", "--log"])
+        .arg(dir.path().join("agent.log"))
+        .spawn()
+        .expect("agent starts");
+    struct Kill<'a>(&'a mut std::process::Child);
+    impl Drop for Kill<'_> {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let agent = Kill(&mut agent);
+    let metric = |name: &str| -> Option<f64> {
+        let (_, body) = http_get(&ns.0, "127.0.0.1:19469", "/metrics")?;
+        body.lines().find(|l| l.starts_with(name))?.split_whitespace().last()?.parse().ok()
+    };
+    assert!(
+        eventually(Duration::from_secs(10), || {
+            http_get(&ns.0, "127.0.0.1:19469", "/healthz").is_some_and(|(c, _)| c == 200)
+        }),
+        "/healthz answers while the lists wait: {}",
+        std::fs::read_to_string(dir.path().join("agent.log")).unwrap_or_default()
+    );
+    assert_eq!(http_get(&ns.0, "127.0.0.1:19469", "/readyz").map(|(c, _)| c), Some(503));
+    assert!(eventually(Duration::from_secs(5), || {
+        metric("tierproxy_kube_watch_errors_total").is_some_and(|v| v > 0.0)
+    }));
+    assert!(metric("tierproxy_kube_stale_seconds").is_some());
+    // Nothing installed in the namespace: no tierproxy chain, no policy route.
+    let rules = std::process::Command::new("ip")
+        .args(["netns", "exec", &ns.0, "iptables-save", "-t", "mangle"])
+        .output()
+        .expect("iptables-save");
+    assert!(!String::from_utf8_lossy(&rules.stdout).contains("TIERPROXY"));
+    drop(agent);
+}
