@@ -1229,8 +1229,9 @@ fn parse_ips(values: impl IntoIterator<Item = String>) -> Vec<IpAddr> {
 /// What a worker makes of one pod: its validation problems and, unless it has errors or
 /// has terminated, the fields a snapshot keeps.
 /// A Pod as the engine reads it: what a store of many pods keeps instead of the whole
-/// object (about 300 bytes against the 4.8 kB of a k8s-openapi `Pod` with one
-/// `Container`, before any string).
+/// object. Its struct is about 150 bytes, against 4.8 kB for a k8s-openapi `Pod` with
+/// one `Container` before any string; stored with its labels and key, about 1.5 kB per
+/// pod of the synthetic clusters against 5.4 kB.
 ///
 /// Source: the fields the engine reads of `v1` Pod: `metadata.{namespace,name,labels}`,
 /// `spec.nodeName`, `spec.hostNetwork`, the named ports of `spec.containers[*].ports`,
