@@ -253,6 +253,31 @@ pub async fn run(
     }
 }
 
+/// The three cluster-scoped policy kinds whose status tierproxy writes.
+trait StatusPolicy:
+    Resource<DynamicType = ()> + Clone + serde::de::DeserializeOwned + std::fmt::Debug
+{
+    /// Its kind, for [`ObjectRef`]s.
+    const KIND: Kind;
+    /// Its `status.conditions` (empty without a status).
+    fn conditions(&self) -> &[Condition];
+}
+
+/// Implements [`StatusPolicy`] for a policy type whose `status` holds `conditions`.
+macro_rules! status_policy {
+    ($ty:ty, $kind:expr) => {
+        impl StatusPolicy for $ty {
+            const KIND: Kind = $kind;
+            fn conditions(&self) -> &[Condition] {
+                self.status.as_ref().map(|s| s.conditions.as_slice()).unwrap_or_default()
+            }
+        }
+    };
+}
+status_policy!(v1alpha1::AdminNetworkPolicy, Kind::AdminNetworkPolicy);
+status_policy!(v1alpha1::BaselineAdminNetworkPolicy, Kind::BaselineAdminNetworkPolicy);
+status_policy!(v1alpha2::ClusterNetworkPolicy, Kind::ClusterNetworkPolicy);
+
 /// The leader's writes.
 struct Writer {
     client: Client,
@@ -273,42 +298,19 @@ impl Writer {
             return;
         }
         for p in source.admin_network_policies() {
-            self.one::<v1alpha1::AdminNetworkPolicy>(&p, Kind::AdminNetworkPolicy, report, |p| {
-                p.status.as_ref().map(|s| s.conditions.as_slice()).unwrap_or_default()
-            })
-            .await;
+            self.one(&*p, report).await;
         }
         for p in source.baseline_admin_network_policies() {
-            self.one::<v1alpha1::BaselineAdminNetworkPolicy>(
-                &p,
-                Kind::BaselineAdminNetworkPolicy,
-                report,
-                |p| p.status.as_ref().map(|s| s.conditions.as_slice()).unwrap_or_default(),
-            )
-            .await;
+            self.one(&*p, report).await;
         }
         for p in source.cluster_network_policies() {
-            self.one::<v1alpha2::ClusterNetworkPolicy>(
-                &p,
-                Kind::ClusterNetworkPolicy,
-                report,
-                |p| p.status.as_ref().map(|s| s.conditions.as_slice()).unwrap_or_default(),
-            )
-            .await;
+            self.one(&*p, report).await;
         }
     }
 
-    async fn one<K>(
-        &mut self,
-        obj: &K,
-        kind: Kind,
-        report: &Report,
-        conditions: impl Fn(&K) -> &[Condition],
-    ) where
-        K: Resource<DynamicType = ()> + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
-    {
+    async fn one<K: StatusPolicy>(&mut self, obj: &K, report: &Report) {
         let name = obj.name_any();
-        let object = ObjectRef::cluster(kind, name.clone());
+        let object = ObjectRef::cluster(K::KIND, name.clone());
         let acceptance = report.of(&object);
         let generation = obj.meta().generation;
         let now = Time(k8s_openapi::jiff::Timestamp::now());
@@ -320,7 +322,7 @@ impl Writer {
                         == (&c.status, &c.reason, &c.message, c.observed_generation)
             })
         };
-        if let Some(cond) = desired_condition(&acceptance, generation, conditions(obj), now)
+        if let Some(cond) = desired_condition(&acceptance, generation, obj.conditions(), now)
             && !pending(&cond)
         {
             let api: Api<K> = Api::all(self.client.clone());
