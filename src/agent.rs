@@ -187,21 +187,6 @@ pub struct Built {
     pub report: cluster::status::Report,
 }
 
-/// Reads and compiles the manifests for node `node` as `revision`; see [`build`].
-///
-/// # Errors
-/// As [`build`].
-pub fn load(
-    manifests: &[PathBuf],
-    node: &str,
-    revision: Revision,
-    audit_defaults: audit::Defaults,
-    last: Option<&cluster::LastGood>,
-) -> anyhow::Result<(Current, cluster::LastGood)> {
-    let b = build(manifest::load(manifests), node, revision, audit_defaults, last)?;
-    Ok((b.current, b.last_good))
-}
-
 /// Reads `manifests` and adds the API server's objects from `kube` (an object in both: the
 /// API server's wins), as one [`manifest::Loaded`].
 pub fn gather(
@@ -733,7 +718,7 @@ impl Reloader<'_> {
 
     /// One reload. A manifest set that cannot be read or parsed, or that lost this node,
     /// leaves the last good snapshot in force (and says so); invalid objects are reported
-    /// by [`load`] and fail closed as their API says.
+    /// by [`build`] and fail closed as their API says.
     fn reload(&mut self) {
         let started = std::time::Instant::now();
         let fingerprint = manifest::fingerprint(&self.opts.manifests);

@@ -774,8 +774,9 @@ fn trim_meta(meta: &mut k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMe
     }
 }
 
-/// The projection of a policy object: its metadata trimmed ([`trim_meta`]); spec and
-/// status are kept whole.
+/// The projection of a policy object: its metadata without `managedFields`, owner
+/// references, finalizers, or annotations other than tierproxy's; spec and status kept
+/// whole.
 pub fn project_meta<K: Resource>(o: &mut K) {
     trim_meta(o.meta_mut());
 }
