@@ -1261,47 +1261,15 @@ impl PodView {
     /// The view of `pod`. Unparseable IPs are left out (validation reports them).
     pub fn from_pod(pod: &Pod) -> PodView {
         let spec = pod.spec.as_ref();
-        let status = pod.status.as_ref();
-        // "podIPs ... If this field is specified, the 0th entry must match the podIP
-        // field"; where they disagree, the v1 conversion keeps podIP and drops podIPs.
-        let ips = match status {
-            Some(st) => {
-                let listed: Vec<String> =
-                    st.pod_ips.iter().flatten().map(|p| p.ip.clone()).collect();
-                match &st.pod_ip {
-                    Some(ip) if listed.first().is_some_and(|first| first != ip) => {
-                        parse_ips([ip.clone()])
-                    }
-                    Some(ip) => parse_ips(std::iter::once(ip.clone()).chain(listed)),
-                    None => parse_ips(listed),
-                }
-            }
-            None => Vec::new(),
-        };
-        let named_ports = spec
-            .into_iter()
-            .flat_map(|s| s.containers.iter())
-            .flat_map(|ctr| ctr.ports.iter().flatten())
-            .filter_map(|p| {
-                Some(NamedPort {
-                    name: p.name.clone().filter(|n| !n.is_empty())?,
-                    protocol: protocol_or_tcp(p.protocol.as_deref()),
-                    port: port_u16(p.container_port),
-                })
-            })
-            .collect();
         PodView {
             namespace: meta_namespace(&pod.metadata),
             name: meta_name(&pod.metadata),
             labels: pod.metadata.labels.clone().unwrap_or_default(),
             node_name: spec.and_then(|s| s.node_name.clone()),
             host_network: spec.and_then(|s| s.host_network).unwrap_or(false),
-            terminated: matches!(
-                status.and_then(|s| s.phase.as_deref()),
-                Some("Succeeded" | "Failed")
-            ),
-            ips,
-            named_ports,
+            terminated: terminated(pod),
+            ips: pod_ips(pod),
+            named_ports: named_ports(pod),
         }
     }
 
@@ -1320,15 +1288,66 @@ struct PodFields<'a> {
     ports: Vec<NamedPort>,
 }
 
-/// Validates a whole `pod` (with `validate`) and cuts it to its view; `None` if it is
-/// invalid.
-fn prepare_pod(pod: &Pod, validate: bool) -> (Vec<Problem>, Option<PodView>) {
+/// `status.phase` is Succeeded or Failed: the pod holds no IP and takes no traffic.
+fn terminated(pod: &Pod) -> bool {
+    matches!(pod.status.as_ref().and_then(|s| s.phase.as_deref()), Some("Succeeded" | "Failed"))
+}
+
+/// `status.podIP` and `status.podIPs`, parsed, podIP first. "podIPs ... If this field is
+/// specified, the 0th entry must match the podIP field"; where they disagree, the v1
+/// conversion keeps podIP and drops podIPs.
+fn pod_ips(pod: &Pod) -> Vec<IpAddr> {
+    let Some(st) = pod.status.as_ref() else { return Vec::new() };
+    let listed: Vec<String> = st.pod_ips.iter().flatten().map(|p| p.ip.clone()).collect();
+    match &st.pod_ip {
+        Some(ip) if listed.first().is_some_and(|first| first != ip) => parse_ips([ip.clone()]),
+        Some(ip) => parse_ips(std::iter::once(ip.clone()).chain(listed)),
+        None => parse_ips(listed),
+    }
+}
+
+/// The named ports of `spec.containers`.
+fn named_ports(pod: &Pod) -> Vec<NamedPort> {
+    pod.spec
+        .iter()
+        .flat_map(|s| s.containers.iter())
+        .flat_map(|ctr| ctr.ports.iter().flatten())
+        .filter_map(|p| {
+            Some(NamedPort {
+                name: p.name.clone().filter(|n| !n.is_empty())?,
+                protocol: protocol_or_tcp(p.protocol.as_deref()),
+                port: port_u16(p.container_port),
+            })
+        })
+        .collect()
+}
+
+/// Labels of a pod without any.
+static NO_LABELS: BTreeMap<String, String> = BTreeMap::new();
+
+/// One pod as the compile loop reads it, borrowed from a whole Pod or from a view.
+struct PodItem<'a> {
+    labels: &'a BTreeMap<String, String>,
+    /// `None`: terminated or invalid (no IP, no traffic).
+    fields: Option<PodFields<'a>>,
+}
+
+/// Validates a whole `pod` (with `validate`) and reads its fields without copying its
+/// labels or names.
+fn prepare_pod(pod: &Pod, validate: bool) -> (Vec<Problem>, PodItem<'_>) {
     let mut problems = Vec::new();
     if validate {
         validate::pod(pod, &mut problems);
     }
-    let view = (!problems.iter().any(Problem::is_error)).then(|| PodView::from_pod(pod));
-    (problems, view)
+    let usable = !terminated(pod) && !problems.iter().any(Problem::is_error);
+    let spec = pod.spec.as_ref();
+    let fields = usable.then(|| PodFields {
+        node: spec.and_then(|s| s.node_name.as_ref()),
+        ips: pod_ips(pod),
+        host_network: spec.and_then(|s| s.host_network).unwrap_or(false),
+        ports: named_ports(pod),
+    });
+    (problems, PodItem { labels: pod.metadata.labels.as_ref().unwrap_or(&NO_LABELS), fields })
 }
 
 /// The per-pod fields the snapshot keeps; `None` for a terminated pod.
@@ -1460,21 +1479,20 @@ impl Snapshot {
         let prepared = par_ranges(&pods, &balanced_ranges(&vec![1; pods.len()], workers), {
             |_, chunk| chunk.iter().map(|&(_, pod)| prepare_pod(pod, validate)).collect::<Vec<_>>()
         });
-        let mut from_pods: Vec<(ObjectRef, PodView)> = Vec::with_capacity(pods.len());
-        for ((r, _), (found, view)) in pods.into_iter().zip(prepared.into_iter().flatten()) {
+        let mut items: BTreeMap<ObjectRef, PodItem<'_>> = BTreeMap::new();
+        for ((r, _), (found, item)) in pods.into_iter().zip(prepared.into_iter().flatten()) {
             problems.extend(found);
-            from_pods.extend(view.map(|v| (r, v)));
+            items.insert(r, item);
         }
-        let mut views: BTreeMap<ObjectRef, &PodView> =
-            from_pods.iter().map(|(r, v)| (r.clone(), v)).collect();
         for v in &inputs.pod_views {
             let r = v.object_ref();
-            if views.insert(r.clone(), v).is_some() {
+            let item = PodItem { labels: &v.labels, fields: pod_fields(v) };
+            if items.insert(r.clone(), item).is_some() {
                 problems.push(Problem::warning(&r, "", ProblemKind::Duplicate));
             }
         }
-        for (r, view) in views {
-            let Some(PodFields { node, ips, host_network, ports }) = pod_fields(view) else {
+        for (r, item) in items {
+            let Some(PodFields { node, ips, host_network, ports }) = item.fields else {
                 continue;
             };
             let node = node.map(|n| match node_ids.get(n.as_str()) {
@@ -1512,7 +1530,7 @@ impl Snapshot {
             c.namespaces[ns as usize].pods.insert(id);
             c.pods.push(PodEntry { namespace: ns, name: r.name, node, ports });
             pod_ips.push(ips);
-            pod_labels.push(&view.labels);
+            pod_labels.push(item.labels);
         }
         c.addrs = PodAddrs::new(&pod_ips);
         for (n, ips) in host_ips {
