@@ -172,9 +172,8 @@ pub fn cluster(shape: Shape, seed: u64) -> Inputs {
     // Admin policies are built as typed values: a million peers through JSON would make
     // generation, not compilation, the slow part of a benchmark.
     use crate::policy::api::{LabelSelector, NamespacedPod, v1alpha1 as a1};
-    use std::collections::BTreeMap;
     let labels = |k: &str, v: String| LabelSelector {
-        match_labels: Some(BTreeMap::from([(k.to_string(), v)])),
+        match_labels: Some([(k, v)].into_iter().collect()),
         match_expressions: None,
     };
     let actions = [

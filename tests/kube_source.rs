@@ -104,11 +104,7 @@ async fn initial_list_then_adds_modifies_and_deletes_reach_the_inputs() {
     until("web-2 added", || pod_names(&source) == ["web-1", "web-2"]).await;
     api.apply(pod("shop", "web-2", "10.0.0.6", json!({"app": "db"})));
     until("web-2 relabelled", || {
-        source
-            .inputs()
-            .pod_views
-            .iter()
-            .any(|p| p.labels.get("app").map(String::as_str) == Some("db"))
+        source.inputs().pod_views.iter().any(|p| p.labels.get("app") == Some("db"))
     })
     .await;
     api.delete("v1", "Pod", Some("shop"), "web-1");

@@ -13,6 +13,7 @@ pub mod api;
 pub mod cidr;
 pub mod compile;
 pub mod eval;
+pub mod labels;
 mod matcher;
 pub mod ports;
 pub mod problem;

@@ -10,11 +10,12 @@
 //! each key to the set of object ids carrying it, and a selector becomes a few bitmap
 //! intersections and differences.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 
 use roaring::RoaringBitmap;
 
-use super::api::LabelSelector;
+use super::api::SelectorRef;
+use super::labels::LabelSet;
 
 /// One compiled requirement of a selector.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -48,17 +49,18 @@ impl Selector {
         Selector::default()
     }
 
-    /// Compiles a `metav1.LabelSelector`.
+    /// Compiles a `metav1.LabelSelector`: the policy CRDs' [`super::api::LabelSelector`] or
+    /// k8s-openapi's (NetworkPolicy), as `(&sel).into()`.
     ///
     /// # Errors
     /// [`UnknownOperator`] for an operator this engine does not know.
-    pub fn compile(sel: &LabelSelector) -> Result<Self, UnknownOperator> {
-        let LabelSelector { match_labels, match_expressions } = sel;
+    pub fn compile(sel: SelectorRef<'_>) -> Result<Self, UnknownOperator> {
+        let SelectorRef { match_labels, match_expressions } = sel;
         let mut reqs = Vec::new();
-        for (k, v) in match_labels.iter().flatten() {
-            reqs.push(Requirement::In(k.clone(), vec![v.clone()]));
+        for (k, v) in match_labels.iter().flat_map(|l| l.pairs()) {
+            reqs.push(Requirement::In(k.to_owned(), vec![v.to_owned()]));
         }
-        for e in match_expressions.iter().flatten() {
+        for e in match_expressions.into_iter().flatten() {
             let mut values = e.values.clone().unwrap_or_default();
             values.sort();
             values.dedup();
@@ -82,12 +84,12 @@ impl Selector {
     }
 
     /// Matches one label set directly (used by tests and for single objects).
-    pub fn matches(&self, labels: &BTreeMap<String, String>) -> bool {
+    pub fn matches(&self, labels: &impl LabelSet) -> bool {
         self.reqs.iter().all(|r| match r {
-            Requirement::In(k, vs) => labels.get(k).is_some_and(|v| vs.contains(v)),
-            Requirement::NotIn(k, vs) => labels.get(k).is_none_or(|v| !vs.contains(v)),
-            Requirement::Exists(k) => labels.contains_key(k),
-            Requirement::DoesNotExist(k) => !labels.contains_key(k),
+            Requirement::In(k, vs) => labels.label(k).is_some_and(|v| vs.iter().any(|x| x == v)),
+            Requirement::NotIn(k, vs) => labels.label(k).is_none_or(|v| !vs.iter().any(|x| x == v)),
+            Requirement::Exists(k) => labels.label(k).is_some(),
+            Requirement::DoesNotExist(k) => labels.label(k).is_none(),
         })
     }
 }
@@ -111,9 +113,9 @@ fn slot<'m, V: Default>(map: &'m mut HashMap<String, V>, key: &str) -> &'m mut V
 
 impl LabelIndex {
     /// Adds object `id` with `labels`. Ids need not be dense.
-    pub fn insert(&mut self, id: u32, labels: &BTreeMap<String, String>) {
+    pub fn insert(&mut self, id: u32, labels: &impl LabelSet) {
         self.all.insert(id);
-        for (k, v) in labels {
+        for (k, v) in labels.pairs() {
             slot(&mut self.by_key, k).insert(id);
             slot(slot(&mut self.by_value, k), v).insert(id);
         }
@@ -169,7 +171,9 @@ impl LabelIndex {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelectorRequirement;
+    use crate::policy::api::{LabelSelector, LabelSelectorRequirement};
+    use crate::policy::labels::Labels;
+    use std::collections::BTreeMap;
 
     fn labels(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
         pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
@@ -184,10 +188,13 @@ mod tests {
     }
 
     fn sel(ml: &[(&str, &str)], me: Vec<LabelSelectorRequirement>) -> Selector {
-        Selector::compile(&LabelSelector {
-            match_labels: Some(labels(ml)),
-            match_expressions: Some(me),
-        })
+        Selector::compile(
+            (&LabelSelector {
+                match_labels: Some(Labels::from(labels(ml))),
+                match_expressions: Some(me),
+            })
+                .into(),
+        )
         .unwrap()
     }
 
@@ -234,11 +241,32 @@ mod tests {
     }
 
     #[test]
+    fn both_selector_kinds_compile_alike() {
+        // The policy CRDs' compact selector and NetworkPolicy's k8s-openapi one, from the
+        // same JSON (a repeated key keeps its last value in both).
+        let json = r#"{"matchLabels": {"b": "2", "a": "1", "b": "3"},
+                       "matchExpressions": [{"key": "c", "operator": "In", "values": ["x"]}]}"#;
+        let compact: LabelSelector = serde_json::from_str(json).unwrap();
+        let map: k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector =
+            serde_json::from_str(json).unwrap();
+        let want = sel(&[("a", "1"), ("b", "3")], vec![expr("c", "In", &["x"])]);
+        assert_eq!(Selector::compile((&compact).into()).unwrap(), want);
+        assert_eq!(Selector::compile((&map).into()).unwrap(), want);
+        // And they encode back to the same JSON.
+        assert_eq!(serde_json::to_value(&compact).unwrap(), serde_json::to_value(&map).unwrap());
+        for absent in ["{}", r#"{"matchLabels": null, "matchExpressions": null}"#] {
+            let compact: LabelSelector = serde_json::from_str(absent).unwrap();
+            assert_eq!(compact, LabelSelector::default(), "{absent}");
+            assert_eq!(serde_json::to_string(&compact).unwrap(), "{}");
+        }
+    }
+
+    #[test]
     fn unknown_operator_is_an_error() {
         let s = LabelSelector {
             match_labels: None,
             match_expressions: Some(vec![expr("a", "Gt", &["1"])]),
         };
-        assert_eq!(Selector::compile(&s), Err(UnknownOperator("Gt".into())));
+        assert_eq!(Selector::compile((&s).into()), Err(UnknownOperator("Gt".into())));
     }
 }

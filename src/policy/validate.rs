@@ -34,16 +34,17 @@
 //!   v1alpha1 ports), the finding is a warning that says so.
 
 use std::borrow::Cow;
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::fmt;
 use std::net::IpAddr;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelectorRequirement, ObjectMeta};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 
-use super::api::{self, LabelSelector, NamespacedPod, v1alpha1, v1alpha2};
+use super::api::{self, LabelSelector, NamespacedPod, SelectorRef, v1alpha1, v1alpha2};
 use super::cidr;
 use super::compile::Direction;
+use super::labels::LabelSet;
 use super::problem::{Kind, ObjectRef, Problem, ProblemKind, Severity};
 
 // ---------------------------------------------------------------------------------------
@@ -341,8 +342,8 @@ fn object_meta(s: &mut Sink<'_>, meta: &ObjectMeta, rule: NameRule, namespaced: 
     }
 }
 
-fn labels_map(s: &mut Sink<'_>, path: &Path<'_>, labels: &BTreeMap<String, String>, sev: Severity) {
-    for (k, v) in labels {
+fn labels_map(s: &mut Sink<'_>, path: &Path<'_>, labels: &impl LabelSet, sev: Severity) {
+    for (k, v) in labels.pairs() {
         // Valid entries, nearly all of them, are checked without building messages.
         if !is_qualified_name(k) || !is_label_value(v) {
             label_problems(s, &path.key(k), k, v, sev);
@@ -376,12 +377,20 @@ fn label_problems(s: &mut Sink<'_>, field: &Path<'_>, k: &str, v: &str, sev: Sev
 /// Problems are errors, as for built-in kinds (NetworkPolicy). Inside the policy CRDs the
 /// validators here use [`CRD_SELECTOR_SEVERITY`] instead, because the API server does not
 /// run this check on custom resources.
-pub fn label_selector(sel: &LabelSelector, object: &ObjectRef, path: &str, out: &mut Vec<Problem>) {
+///
+/// `sel` is either kind of selector (`&api::LabelSelector` or k8s-openapi's).
+pub fn label_selector<'a>(
+    sel: impl Into<SelectorRef<'a>>,
+    object: &ObjectRef,
+    path: &str,
+    out: &mut Vec<Problem>,
+) {
     let mut s = Sink { object: Object::Given(object), out };
     selector(&mut s, sel, &Path::root(path), Severity::Error);
 }
 
-fn selector(s: &mut Sink<'_>, sel: &LabelSelector, path: &Path<'_>, sev: Severity) {
+fn selector<'a>(s: &mut Sink<'_>, sel: impl Into<SelectorRef<'a>>, path: &Path<'_>, sev: Severity) {
+    let sel = sel.into();
     // Valid selectors, nearly all of them, are checked without building messages.
     if !is_valid_selector(sel) {
         selector_problems(s, sel, path, sev);
@@ -390,10 +399,13 @@ fn selector(s: &mut Sink<'_>, sel: &LabelSelector, path: &Path<'_>, sev: Severit
 
 /// `true` iff [`selector`] finds no problem in `sel`.
 #[inline]
-fn is_valid_selector(sel: &LabelSelector) -> bool {
-    let LabelSelector { match_expressions, match_labels } = sel;
-    match_labels.iter().flatten().all(|(k, v)| is_qualified_name(k) && is_label_value(v))
-        && match_expressions.iter().flatten().all(is_valid_requirement)
+fn is_valid_selector(sel: SelectorRef<'_>) -> bool {
+    let SelectorRef { match_expressions, match_labels } = sel;
+    match_labels
+        .iter()
+        .flat_map(|l| l.pairs())
+        .all(|(k, v)| is_qualified_name(k) && is_label_value(v))
+        && match_expressions.into_iter().flatten().all(is_valid_requirement)
 }
 
 /// `true` iff [`requirement`] finds no problem in `req`.
@@ -411,10 +423,10 @@ fn is_valid_requirement(req: &LabelSelectorRequirement) -> bool {
 /// The problems of a selector, in the order [`selector`] reports them.
 #[cold]
 #[inline(never)]
-fn selector_problems(s: &mut Sink<'_>, sel: &LabelSelector, path: &Path<'_>, sev: Severity) {
-    let LabelSelector { match_expressions, match_labels } = sel;
+fn selector_problems(s: &mut Sink<'_>, sel: SelectorRef<'_>, path: &Path<'_>, sev: Severity) {
+    let SelectorRef { match_expressions, match_labels } = sel;
     if let Some(labels) = match_labels {
-        labels_map(s, &path.field("matchLabels"), labels, sev);
+        labels_map(s, &path.field("matchLabels"), &labels, sev);
     }
     if let Some(reqs) = match_expressions {
         let path = path.field("matchExpressions");
@@ -2848,8 +2860,14 @@ mod tests {
             }));
             let object = ObjectRef::cluster(Kind::Namespace, "x");
             let mut out = Vec::new();
-            selector_problems(&mut Sink { object: Object::Given(&object), out: &mut out }, &sel, &Path::root("p"), Severity::Error);
-            proptest::prop_assert_eq!(is_valid_selector(&sel), out.is_empty(), "{:?}", sel);
+            selector_problems(&mut Sink { object: Object::Given(&object), out: &mut out }, (&sel).into(), &Path::root("p"), Severity::Error);
+            proptest::prop_assert_eq!(is_valid_selector((&sel).into()), out.is_empty(), "{:?}", sel);
+            // NetworkPolicy's k8s-openapi selector from the same JSON: the same problems.
+            let map: k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector =
+                de(serde_json::to_value(&sel).unwrap());
+            let mut from_map = Vec::new();
+            selector_problems(&mut Sink { object: Object::Given(&object), out: &mut from_map }, (&map).into(), &Path::root("p"), Severity::Error);
+            proptest::prop_assert_eq!(out, from_map);
         }
     }
 }

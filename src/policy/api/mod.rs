@@ -21,7 +21,70 @@ pub mod v1alpha2;
 
 pub use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
 pub use k8s_openapi::api::networking::v1::NetworkPolicy;
-pub use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, LabelSelector};
+pub use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, LabelSelectorRequirement};
+
+use super::labels::{Labels, LabelsRef};
+
+/// `metav1.LabelSelector` as the policy CRDs hold it: the same wire format and schema as
+/// k8s-openapi's `LabelSelector` (which NetworkPolicy keeps), with `matchLabels` stored
+/// as compact [`Labels`] (see [`crate::policy::labels`] for why: a large AdminNetworkPolicy
+/// set holds hundreds of thousands of selectors).
+///
+/// Source: apimachinery `LabelSelector`: "The result of matchLabels and matchExpressions are
+/// ANDed. An empty label selector matches all objects. A null label selector matches no
+/// objects."
+#[derive(serde::Serialize, serde::Deserialize, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct LabelSelector {
+    /// Requirements, ANDed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub match_expressions: Option<Vec<LabelSelectorRequirement>>,
+    /// `{key: value}` pairs, each equivalent to an `In` requirement with one value.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub match_labels: Option<Labels>,
+}
+
+/// The CRDs' schema is apimachinery's, exactly as k8s-openapi states it.
+impl schemars::JsonSchema for LabelSelector {
+    fn schema_name() -> std::borrow::Cow<'static, str> {
+        <k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector as schemars::JsonSchema>::schema_name()
+    }
+
+    fn json_schema(generator: &mut schemars::SchemaGenerator) -> schemars::Schema {
+        <k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector as schemars::JsonSchema>::json_schema(generator)
+    }
+}
+
+/// A borrowed label selector of either kind: the policy CRDs' [`LabelSelector`] or
+/// NetworkPolicy's k8s-openapi one. What [`crate::policy::selector::Selector::compile`],
+/// validation and the compiler read.
+#[derive(Debug, Clone, Copy)]
+pub struct SelectorRef<'a> {
+    /// `matchLabels`; `None` when absent.
+    pub match_labels: Option<LabelsRef<'a>>,
+    /// `matchExpressions`; `None` when absent.
+    pub match_expressions: Option<&'a [LabelSelectorRequirement]>,
+}
+
+impl<'a> From<&'a LabelSelector> for SelectorRef<'a> {
+    fn from(s: &'a LabelSelector) -> Self {
+        SelectorRef {
+            match_labels: s.match_labels.as_ref().map(LabelsRef::Compact),
+            match_expressions: s.match_expressions.as_deref(),
+        }
+    }
+}
+
+impl<'a> From<&'a k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector>
+    for SelectorRef<'a>
+{
+    fn from(s: &'a k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector) -> Self {
+        SelectorRef {
+            match_labels: s.match_labels.as_ref().map(LabelsRef::Map),
+            match_expressions: s.match_expressions.as_deref(),
+        }
+    }
+}
 
 /// The API group of AdminNetworkPolicy, BaselineAdminNetworkPolicy and
 /// ClusterNetworkPolicy.
