@@ -176,6 +176,17 @@ enum LabCommand {
         #[arg(long)]
         ready_file: Option<PathBuf>,
     },
+    /// A minimal terminating TCP relay, the floor of any userspace proxy's cost, which
+    /// `loadtest/run` measures beside kernel forwarding and tierproxy. Runs until killed.
+    Relay {
+        /// `LISTEN=TO` (`0.0.0.0:18080=10.60.1.3:8080`): relay every connection accepted
+        /// on LISTEN to TO; repeatable.
+        #[arg(long = "map", required = true)]
+        maps: Vec<super::relay::Mapping>,
+        /// Move bytes with read(2)/write(2) instead of splice(2).
+        #[arg(long)]
+        copy: bool,
+    },
 }
 
 /// An agent log line without its timestamp and level.
@@ -349,6 +360,16 @@ pub fn main(args: LabArgs, out: &mut dyn Write, err: &mut dyn Write) -> u8 {
             };
             let timeout = Duration::from_millis(timeout_ms);
             super::run(&opts, timeout, table_or(output, Output::Table), out, err)
+        }
+        Some(LabCommand::Relay { maps, copy }) => {
+            let mode = if copy { super::relay::Mode::Copy } else { super::relay::Mode::Splice };
+            match super::relay::run(&maps, mode) {
+                Ok(()) => 0,
+                Err(e) => {
+                    let _ = writeln!(err, "error: {e}");
+                    EXIT_LAB
+                }
+            }
         }
         Some(LabCommand::Serve { bind, tcp, udp, sctp, ready_file }) => {
             match super::serve::run(&bind, &tcp, &udp, &sctp, ready_file.as_deref()) {

@@ -32,6 +32,7 @@ pub mod netns;
 pub mod plan;
 pub mod probe;
 pub mod procs;
+pub mod relay;
 pub mod report;
 pub mod sctp;
 pub mod serve;
