@@ -90,6 +90,10 @@ pub const MAX_NAME_PREFIX_LEN: usize = 16;
 /// stops. `true` keeps it, so with fail-closed queues the node stays closed across restarts.
 pub const DEFAULT_KEEP_RULES_ON_EXIT: bool = false;
 
+/// Default conntrack zone of the proxy's upstream legs (0x7470, "tp"): see
+/// [`RedirectConfig::upstream_zone`].
+pub const DEFAULT_UPSTREAM_ZONE: u16 = 0x7470;
+
 /// A packet mark: the bits tierproxy sets or tests (`value`) within the bits it owns
 /// (`mask`), as in iptables' `--mark value/mask` (iptables-extensions(8), "mark").
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -293,6 +297,17 @@ pub struct RedirectConfig {
     /// Keep the ruleset installed when the daemon exits. Default
     /// [`DEFAULT_KEEP_RULES_ON_EXIT`].
     pub keep_rules_on_exit: bool,
+    /// Conntrack zone of the proxy's source-preserving upstream legs (their packets and
+    /// the replies to them); 0 = the default zone, no zone rules. Default
+    /// [`DEFAULT_UPSTREAM_ZONE`].
+    ///
+    /// An upstream leg is bound to the client's address with a port the node's kernel
+    /// picks, unaware of the ports the client's own kernel picks: the two legs of
+    /// different connections can then share a 4-tuple, and conntrack, which sees both
+    /// legs in the node's namespace, drops the second one's SYN (`insert_failed`), which
+    /// the client retransmits a second later. A zone of their own keeps the legs apart
+    /// (`CT --zone`, nft `ct zone set`; iptables-extensions(8), "CT").
+    pub upstream_zone: u16,
 }
 
 impl Default for RedirectConfig {
@@ -312,6 +327,7 @@ impl Default for RedirectConfig {
             rule_priority: DEFAULT_RULE_PRIORITY,
             name_prefix: DEFAULT_NAME_PREFIX.to_owned(),
             keep_rules_on_exit: DEFAULT_KEEP_RULES_ON_EXIT,
+            upstream_zone: DEFAULT_UPSTREAM_ZONE,
         }
     }
 }

@@ -179,6 +179,11 @@ struct AgentArgs {
     /// Port of the transparent listener TPROXY delivers to.
     #[arg(long, default_value_t = tierproxy::config::DEFAULT_TPROXY_PORT)]
     tproxy_port: u16,
+    /// Conntrack zone of the proxy's upstream connections, apart from the clients'
+    /// (else the two legs can collide on one 4-tuple and a SYN is dropped); 0 = no zone
+    /// rules.
+    #[arg(long, default_value_t = tierproxy::config::DEFAULT_UPSTREAM_ZONE)]
+    upstream_zone: u16,
     /// How the proxy moves bytes.
     #[arg(long, value_enum, default_value_t = tierproxy::proxy::relay::RelayMode::Splice)]
     relay: tierproxy::proxy::relay::RelayMode,
@@ -267,6 +272,7 @@ fn run_agent(a: AgentArgs) -> ExitCode {
     opts.redirect.keep_rules_on_exit = a.keep_rules;
     opts.redirect.queue_count = a.queues;
     opts.redirect.tproxy_port = a.tproxy_port;
+    opts.redirect.upstream_zone = a.upstream_zone;
     opts.relay = a.relay;
     opts.preserve_source = !a.no_preserve_source;
     opts.idle_timeout = Duration::from_secs(a.idle_timeout_secs);

@@ -161,8 +161,11 @@ fn members(ns: &Netns, set: &str) -> Vec<String> {
 /// counters and timestamps.
 fn state(ns: &Netns, cmds: &IptablesCommands) -> String {
     let mut s = String::new();
-    for save in [&cmds.iptables_save, &cmds.ip6tables_save] {
-        for line in ns.sh(&[save, "-t", "mangle"]).lines() {
+    for (save, table) in [&cmds.iptables_save, &cmds.ip6tables_save]
+        .into_iter()
+        .flat_map(|s| [(s, "mangle"), (s, "raw")])
+    {
+        for line in ns.sh(&[save, "-t", table]).lines() {
             if line.starts_with('#') {
                 continue;
             }
@@ -229,10 +232,19 @@ fn iptables_lifecycle(test: &str, cmds: IptablesCommands) {
         (&cmds.ip6tables_restore, &cmds.ip6tables_save),
     ] {
         let expected = rendered_rules(&rendered, restore);
-        assert_eq!(expected.len(), 22, "{restore} section of:\n{rendered}");
+        // 22 in mangle, 5 in raw (the upstream legs' conntrack zone).
+        assert_eq!(expected.len(), 27, "{restore} section of:\n{rendered}");
+        let raw = ns.sh(&[save, "-t", "raw"]);
         let saved = ns.sh(&[save, "-t", "mangle"]);
-        let ours: Vec<&str> = saved.lines().filter(|l| l.starts_with("-A TIERPROXY")).collect();
+        let ours: Vec<&str> =
+            saved.lines().chain(raw.lines()).filter(|l| l.starts_with("-A TIERPROXY")).collect();
         assert_eq!(ours, expected, "{save}");
+        for (hook, chain) in [("PREROUTING", "TIERPROXY-ZONE-IN"), ("OUTPUT", "TIERPROXY-ZONE-OUT")]
+        {
+            let jumps: Vec<&str> =
+                raw.lines().filter(|l| l.starts_with(&format!("-A {hook} "))).collect();
+            assert_eq!(jumps, [format!("-A {hook} -j {chain}")], "{save} -t raw");
+        }
         let prerouting: Vec<&str> =
             saved.lines().filter(|l| l.starts_with("-A PREROUTING")).collect();
         assert_eq!(prerouting, ["-A PREROUTING -j TIERPROXY", "-A PREROUTING -p tcp -j RETURN"]);
@@ -393,6 +405,9 @@ fn nftables_apply_update_remove() {
             "tproxy ip to 127.0.0.1:15001 meta mark set meta mark | 0x00002000 accept",
             "tproxy ip6 to [::1]:15001",
             "ip saddr @nodes-v4 return",
+            "ip daddr @pods-v4 socket transparent 1 socket mark & 0x00000080 == 0x00000080 \
+             ct zone set 29808",
+            "meta mark & 0x00000080 == 0x00000080 ct zone set 29808",
         ] {
             assert!(listing.contains(needle), "{needle:?} missing from:\n{listing}");
         }

@@ -135,20 +135,20 @@ impl IptablesBackend {
         Cmd::new(program, ["-w", "--noflush"])
     }
 
-    fn save_cmd(&self, fam: Family) -> Cmd {
+    fn save_cmd(&self, fam: Family, table: &str) -> Cmd {
         let program = match fam {
             Family::V4 => &self.cmds.iptables_save,
             Family::V6 => &self.cmds.ip6tables_save,
         };
-        Cmd::new(program, ["-t", "mangle"])
+        Cmd::new(program, ["-t", table])
     }
 
     fn ipset_restore_cmd(&self) -> Cmd {
         Cmd::new(&self.cmds.ipset, ["restore", "-exist"])
     }
 
-    fn jump_cmd(&self, fam: Family, op: &str, hook: &str, target: &str) -> Cmd {
-        let mut args = vec!["-w", "-t", "mangle", op, hook];
+    fn jump_cmd(&self, fam: Family, op: &str, (table, hook, target): Jump<'_>) -> Cmd {
+        let mut args = vec!["-w", "-t", table, op, hook];
         if op == "-I" {
             args.push("1");
         }
@@ -156,10 +156,9 @@ impl IptablesBackend {
         Cmd::new(self.iptables(fam), args)
     }
 
-    /// Whether the jump from `mangle <hook>` to `target` exists (`iptables -C`, exit status
-    /// 1 = missing).
-    fn has_jump(&self, fam: Family, hook: &str, target: &str) -> Result<bool, RedirectError> {
-        let cmd = self.jump_cmd(fam, "-C", hook, target);
+    /// Whether the jump exists (`iptables -C`, exit status 1 = missing).
+    fn has_jump(&self, fam: Family, jump: Jump<'_>) -> Result<bool, RedirectError> {
+        let cmd = self.jump_cmd(fam, "-C", jump);
         let out = cmd.output(None)?;
         match out.status.code() {
             Some(0) => Ok(true),
@@ -169,14 +168,37 @@ impl IptablesBackend {
     }
 }
 
-/// The jumps into tierproxy's chains, `(built-in mangle chain, tierproxy's chain)`:
-/// PREROUTING intercepts, INPUT and FORWARD decide (see the module docs of `redirect`).
-fn hooks(names: &Names) -> [(&'static str, &str); 3] {
+/// A jump into one of tierproxy's chains: `(table, built-in chain, tierproxy's chain)`.
+type Jump<'a> = (&'static str, &'static str, &'a str);
+
+/// The tables tierproxy has chains in, in the order they are written and removed.
+const TABLES: [&str; 2] = ["mangle", "raw"];
+
+/// The jumps into tierproxy's chains: mangle PREROUTING intercepts, mangle INPUT and
+/// FORWARD decide, raw PREROUTING and OUTPUT set the upstream legs' conntrack zone (see the
+/// module docs of `redirect`).
+fn hooks(names: &Names) -> [Jump<'_>; 5] {
     [
-        ("PREROUTING", names.chain.as_str()),
-        ("INPUT", names.decide_chain.as_str()),
-        ("FORWARD", names.decide_chain.as_str()),
+        ("mangle", "PREROUTING", names.chain.as_str()),
+        ("mangle", "INPUT", names.decide_chain.as_str()),
+        ("mangle", "FORWARD", names.decide_chain.as_str()),
+        ("raw", "PREROUTING", names.zone_in_chain.as_str()),
+        ("raw", "OUTPUT", names.zone_out_chain.as_str()),
     ]
+}
+
+/// tierproxy's chains in `table`.
+fn own_chains<'a>(names: &'a Names, table: &str) -> Vec<&'a String> {
+    match table {
+        "raw" => vec![&names.zone_in_chain, &names.zone_out_chain],
+        _ => vec![
+            &names.chain,
+            &names.divert_chain,
+            &names.intercept_chain,
+            &names.decide_chain,
+            &names.queue_chain,
+        ],
+    }
 }
 
 /// The `ipset restore` input that makes the four sets hold exactly the spec's addresses:
@@ -336,7 +358,57 @@ fn restore_input(spec: &RulesetSpec, fam: Family) -> String {
             writeln!(o, "-A {queue} -p {proto}{new_only} -j NFQUEUE {queue_target}{bypass_flag}");
     }
     o.push_str("COMMIT\n");
+    raw_input(spec, fam, &mut o);
     o
+}
+
+/// The raw table's part of [`restore_input`]: rule 0, the upstream legs' conntrack zone.
+/// The chains are declared (so flushed) also when the zone is 0, and then stay empty.
+fn raw_input(spec: &RulesetSpec, fam: Family, o: &mut String) {
+    let c = spec.config();
+    let n = spec.names();
+    let pods = match fam {
+        Family::V4 => &n.pods_v4,
+        Family::V6 => &n.pods_v6,
+    };
+    let (zin, zout, bypass) = (&n.zone_in_chain, &n.zone_out_chain, c.bypass_mark);
+    o.push_str("*raw\n");
+    for ch in [zin, zout] {
+        let _ = writeln!(o, ":{ch} - [0:0]");
+    }
+    if c.upstream_zone != 0 {
+        let ct = format!("-j CT --zone {}", c.upstream_zone);
+        // Packets over `lo` re-enter PREROUTING with their conntrack entry (CT would skip
+        // them) and their bypass mark, which the rules below must not clear.
+        let _ = writeln!(
+            o,
+            "-A {zin} -m comment --comment \"tierproxy: proxy upstream sockets (bypass mark)\" \
+             -m mark --mark {bypass} -j RETURN"
+        );
+        // Replies to an upstream socket: `--restore-skmark` copies the found socket's
+        // SO_MARK into the packet mark (a client leg's socket has none); ours is the bypass
+        // mark. Egress legs' replies go to a local pod, ingress legs' come from one.
+        for (dir, words) in [("src", "from"), ("dst", "to")] {
+            let _ = writeln!(
+                o,
+                "-A {zin} -m comment --comment \"tierproxy: upstream leg {words} a local pod, own zone\" \
+                 -m set --match-set {pods} {dir} -m socket --transparent --restore-skmark \
+                 -m mark --mark {bypass} {ct}"
+            );
+        }
+        let _ = writeln!(
+            o,
+            "-A {zin} -m comment --comment \"tierproxy: socket mark restored, cleared\" \
+             -m mark --mark {bypass} -j MARK --set-xmark 0x0/{:#x}",
+            bypass.mask
+        );
+        let _ = writeln!(
+            o,
+            "-A {zout} -m comment --comment \"tierproxy: proxy upstream sockets, own zone\" \
+             -m mark --mark {bypass} {ct}"
+        );
+    }
+    o.push_str("COMMIT\n");
 }
 
 /// What of tierproxy's `iptables-save -t mangle` shows: the jumps from the built-in chains
@@ -347,16 +419,13 @@ struct Installed {
     chains: Vec<String>,
 }
 
-fn parse_save(save: &str, names: &Names) -> Installed {
-    let ours = [
-        &names.chain,
-        &names.divert_chain,
-        &names.intercept_chain,
-        &names.decide_chain,
-        &names.queue_chain,
-    ];
-    let jumps: Vec<String> =
-        hooks(names).iter().map(|(hook, target)| format!("{hook} -j {target}")).collect();
+fn parse_save(save: &str, names: &Names, table: &str) -> Installed {
+    let ours = own_chains(names, table);
+    let jumps: Vec<String> = hooks(names)
+        .iter()
+        .filter(|(t, _, _)| *t == table)
+        .map(|(_, hook, target)| format!("{hook} -j {target}"))
+        .collect();
     let mut found = Installed::default();
     for line in save.lines() {
         if let Some(rule) = line.strip_prefix("-A ").filter(|r| jumps.iter().any(|j| j == r)) {
@@ -372,12 +441,12 @@ fn parse_save(save: &str, names: &Names) -> Installed {
 }
 
 /// The `iptables-restore --noflush` input that deletes the jumps and tierproxy's chains
-/// found in `installed`, or `None` when nothing is installed.
-fn removal_input(installed: &Installed) -> Option<String> {
+/// found in `installed` in `table`, or `None` when nothing is installed.
+fn removal_input(installed: &Installed, table: &str) -> Option<String> {
     if installed.jumps.is_empty() && installed.chains.is_empty() {
         return None;
     }
-    let mut o = String::from("*mangle\n");
+    let mut o = format!("*{table}\n");
     for jump in &installed.jumps {
         let _ = writeln!(o, "-D {jump}");
     }
@@ -423,12 +492,12 @@ impl Backend for IptablesBackend {
             let _ = writeln!(o, "### {line}");
         }
         for fam in [Family::V4, Family::V6] {
-            for (hook, target) in hooks(&names) {
+            for jump in hooks(&names) {
                 let _ = writeln!(
                     o,
                     "### {}   (only when `{}` fails)",
-                    self.jump_cmd(fam, "-I", hook, target).line(),
-                    self.jump_cmd(fam, "-C", hook, target).line()
+                    self.jump_cmd(fam, "-I", jump).line(),
+                    self.jump_cmd(fam, "-C", jump).line()
                 );
             }
         }
@@ -445,9 +514,9 @@ impl Backend for IptablesBackend {
         // Routing before the jump: once the jump exists, TPROXY'd packets need the route.
         routing::install(spec.config(), &self.cmds.ip)?;
         for fam in [Family::V4, Family::V6] {
-            for (hook, target) in hooks(&names) {
-                if !self.has_jump(fam, hook, target)? {
-                    self.jump_cmd(fam, "-I", hook, target).run(None)?;
+            for jump in hooks(&names) {
+                if !self.has_jump(fam, jump)? {
+                    self.jump_cmd(fam, "-I", jump).run(None)?;
                 }
             }
         }
@@ -474,9 +543,11 @@ impl Backend for IptablesBackend {
         let names = Names::new(config);
         // Jumps and chains first: a set referenced by a rule cannot be destroyed.
         for fam in [Family::V4, Family::V6] {
-            let save = self.save_cmd(fam).run(None)?;
-            if let Some(input) = removal_input(&parse_save(&save, &names)) {
-                self.restore_cmd(fam).run(Some(&input))?;
+            for table in TABLES {
+                let save = self.save_cmd(fam, table).run(None)?;
+                if let Some(input) = removal_input(&parse_save(&save, &names, table), table) {
+                    self.restore_cmd(fam).run(Some(&input))?;
+                }
             }
         }
         let list_cmd = Cmd::new(&self.cmds.ipset, ["list", "-n"]);
@@ -508,7 +579,7 @@ mod tests {
                     -A PREROUTING -j TIERPROXY\n-A PREROUTING -j TIERPROXY\n\
                     -A PREROUTING -j TIERPROXYX\n-A INPUT -j TIERPROXY-DECIDE\n\
                     -A INPUT -j TIERPROXY\n-A FORWARD -j TIERPROXY-DECIDE\nCOMMIT\n";
-        let found = parse_save(save, &names);
+        let found = parse_save(save, &names, "mangle");
         assert_eq!(
             found.jumps,
             [
@@ -520,13 +591,23 @@ mod tests {
         );
         assert_eq!(found.chains, ["TIERPROXY", "TIERPROXY-QUEUE", "TIERPROXY-DECIDE"]);
         assert_eq!(
-            removal_input(&found).unwrap(),
+            removal_input(&found, "mangle").unwrap(),
             "*mangle\n-D PREROUTING -j TIERPROXY\n-D PREROUTING -j TIERPROXY\n\
              -D INPUT -j TIERPROXY-DECIDE\n-D FORWARD -j TIERPROXY-DECIDE\n\
              :TIERPROXY - [0:0]\n:TIERPROXY-QUEUE - [0:0]\n:TIERPROXY-DECIDE - [0:0]\n\
              -X TIERPROXY\n-X TIERPROXY-QUEUE\n-X TIERPROXY-DECIDE\nCOMMIT\n"
         );
-        assert_eq!(removal_input(&Installed::default()), None);
+        assert_eq!(removal_input(&Installed::default(), "mangle"), None);
+        let raw = "*raw\n:PREROUTING ACCEPT [0:0]\n:TIERPROXY-ZONE-IN - [0:0]\n\
+                   -A PREROUTING -j TIERPROXY-ZONE-IN\n-A OUTPUT -j TIERPROXY-ZONE-OUT\n\
+                   -A PREROUTING -j TIERPROXY\nCOMMIT\n";
+        let found = parse_save(raw, &names, "raw");
+        assert_eq!(
+            found.jumps,
+            ["PREROUTING -j TIERPROXY-ZONE-IN", "OUTPUT -j TIERPROXY-ZONE-OUT"]
+        );
+        assert_eq!(found.chains, ["TIERPROXY-ZONE-IN"]);
+        assert!(removal_input(&found, "raw").unwrap().starts_with("*raw\n"));
     }
 
     #[test]
@@ -539,6 +620,23 @@ mod tests {
             "del tierproxy-pods-v4 10.0.0.2\nadd tierproxy-pods-v4 10.0.0.1\n\
              add tierproxy-pods-v6 fd00::1\n"
         );
+    }
+
+    #[test]
+    fn zone_zero_leaves_the_raw_chains_empty() {
+        let rules = |zone| {
+            let spec = RulesetSpec::new(
+                RedirectConfig { upstream_zone: zone, ..Default::default() },
+                [],
+                [],
+            )
+            .unwrap();
+            let text = restore_input(&spec, Family::V4);
+            let raw = text.split_once("*raw\n").expect("a raw section").1.to_owned();
+            raw.lines().filter(|l| l.starts_with("-A ")).count()
+        };
+        assert_eq!(rules(0), 0);
+        assert_eq!(rules(7), 5);
     }
 
     #[test]

@@ -44,6 +44,12 @@ pub const INPUT_CHAIN: &str = "input";
 pub const FORWARD_CHAIN: &str = "forward";
 /// Name of the regular chain that queues the undecided packets of pod flows.
 pub const DECIDE_CHAIN: &str = "decide";
+/// Name of the base chain hooked at prerouting, priority raw, that puts the replies to the
+/// proxy's upstream sockets into their conntrack zone (rule 0).
+pub const ZONE_IN_CHAIN: &str = "zone_in";
+/// Name of the base chain hooked at output, priority raw, that puts the packets of the
+/// proxy's upstream sockets into their conntrack zone (rule 0).
+pub const ZONE_OUT_CHAIN: &str = "zone_out";
 
 /// TCP header flag bits (RFC 9293 §3.1).
 const TCP_FIN: u32 = 0x01;
@@ -53,6 +59,8 @@ const TCP_ACK: u32 = 0x10;
 
 /// nftables' `mangle` priority (nft(8), "Standard priority names").
 const PRIORITY_MANGLE: i32 = -150;
+/// nftables' `raw` priority: before conntrack (-200), where `ct zone set` must run.
+const PRIORITY_RAW: i32 = -300;
 
 /// Set names inside the table (no prefix needed: the table is tierproxy's own).
 const PODS_V4: &str = "pods-v4";
@@ -225,13 +233,18 @@ impl<'s> Builder<'s> {
 
     /// A base chain: filter type, `hook` at mangle priority, policy accept.
     fn base_chain(&self, name: &'static str, hook: NfHook) -> Chain<'s> {
+        self.base_chain_at(name, hook, PRIORITY_MANGLE)
+    }
+
+    /// A base chain: filter type, `hook` at `prio`, policy accept.
+    fn base_chain_at(&self, name: &'static str, hook: NfHook, prio: i32) -> Chain<'s> {
         Chain {
             family: NfFamily::INet,
             table: self.table.clone().into(),
             name: name.into(),
             _type: Some(NfChainType::Filter),
             hook: Some(hook),
-            prio: Some(PRIORITY_MANGLE),
+            prio: Some(prio),
             policy: Some(NfChainPolicy::Accept),
             ..Chain::default()
         }
@@ -316,6 +329,61 @@ fn apply_batch(spec: &RulesetSpec) -> Nftables<'static> {
     let in_set = |fam: Fam, field: &'static str, set: &'static str| {
         is(payload(fam.proto, field), Operator::EQ, str_expr(format!("@{set}")))
     };
+
+    // Rule 0: the upstream legs in a conntrack zone of their own (see `redirect`).
+    if c.upstream_zone != 0 {
+        let zone = || {
+            Statement::Mangle(Mangle {
+                key: ct("zone"),
+                value: Expression::Number(u32::from(c.upstream_zone)),
+            })
+        };
+        b.batch.add(NfListObject::Chain(b.base_chain_at(
+            ZONE_IN_CHAIN,
+            NfHook::Prerouting,
+            PRIORITY_RAW,
+        )));
+        b.batch.add(NfListObject::Chain(b.base_chain_at(
+            ZONE_OUT_CHAIN,
+            NfHook::Output,
+            PRIORITY_RAW,
+        )));
+        b.rule(
+            ZONE_IN_CHAIN,
+            "tierproxy: proxy upstream sockets (bypass mark)",
+            vec![mark_set(c.bypass_mark), Statement::Return(None)],
+        );
+        // `socket mark` reads the found socket's SO_MARK; the packet's mark is left alone.
+        let socket_mark = is(
+            Expression::BinaryOperation(Box::new(BinaryOperation::AND(
+                Expression::Named(NamedExpression::Socket(Socket {
+                    key: Cow::Owned(SocketAttr::Mark),
+                })),
+                Expression::Number(c.bypass_mark.mask),
+            ))),
+            Operator::EQ,
+            Expression::Number(c.bypass_mark.value),
+        );
+        for fam in [V4, V6] {
+            for (field, comment) in [
+                ("saddr", "tierproxy: upstream leg from a local pod, own zone"),
+                ("daddr", "tierproxy: upstream leg to a local pod, own zone"),
+            ] {
+                let expr = vec![
+                    in_set(fam, field, fam.pods),
+                    socket(SocketAttr::Transparent, 1),
+                    socket_mark.clone(),
+                    zone(),
+                ];
+                b.rule(ZONE_IN_CHAIN, comment, expr);
+            }
+        }
+        b.rule(
+            ZONE_OUT_CHAIN,
+            "tierproxy: proxy upstream sockets, own zone",
+            vec![mark_set(c.bypass_mark), zone()],
+        );
+    }
 
     // PREROUTING, rule 1: the proxy's own upstream packets are never touched (return =
     // chain policy).
