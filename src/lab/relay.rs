@@ -192,7 +192,9 @@ fn serve(listener: TcpListener, to: SocketAddr, pool: Pool) {
         let client = match client {
             Ok(c) => c,
             Err(e) => {
-                eprintln!("relay: accept on {to}: {e}");
+                // EMFILE and friends: back off instead of spinning.
+                eprintln!("relay: accept for {to}: {e}");
+                std::thread::sleep(std::time::Duration::from_millis(50));
                 continue;
             }
         };

@@ -1,6 +1,7 @@
-//! The iptables backend: ipset sets, tierproxy's own chains in the mangle table of both
-//! families, jumps from `mangle PREROUTING` (interception) and from `mangle INPUT` and
-//! `mangle FORWARD` (the decision), and policy routing.
+//! The iptables backend: ipset sets, tierproxy's own chains in the mangle and raw tables of
+//! both families, jumps from `mangle PREROUTING` (interception), from `mangle INPUT` and
+//! `mangle FORWARD` (the decision) and from `raw PREROUTING` and `raw OUTPUT` (the
+//! upstream legs' conntrack zone, rule 0), and policy routing.
 //!
 //! * Sets (`hash:ip`, family `inet`/`inet6`; ipset(8)) are filled under a temporary name and
 //!   exchanged with `swap`, which is atomic: a packet never sees a half-filled set. All set

@@ -1,5 +1,7 @@
 //! The nftables backend: table `inet <prefix>` with four address sets, three base chains
-//! (`prerouting`, `input`, `forward`) and the regular chain `decide`,
+//! (`prerouting`, `input`, `forward`) and the regular chain `decide`, plus, unless
+//! [`RedirectConfig::upstream_zone`] is 0, the base chains `zone_in` and `zone_out` at
+//! priority raw (-300, before conntrack) for the upstream legs' conntrack zone (rule 0),
 //! built with the `nftables` crate's typed JSON API and applied by `nft -j -f -` as one
 //! transaction (libnftables-json(5)).
 //!
