@@ -641,24 +641,13 @@ fn dual_stack_pods_are_enforced_per_family_and_cidrs_never_cross_families() {
     assert!(cut_within(&mut live, Duration::from_secs(2)).is_some(), "IPv6 connection cut");
 }
 
-/// `ip netns exec <netns> <cmd...>`'s standard output; panics when it fails.
-fn netns_out(netns: &str, cmd: &[&str]) -> String {
-    let o = std::process::Command::new("ip")
-        .args(["netns", "exec", netns])
-        .args(cmd)
-        .output()
-        .expect("ip netns exec runs");
-    assert!(o.status.success(), "{cmd:?} in {netns}: {}", text(&o));
-    String::from_utf8_lossy(&o.stdout).into_owned()
-}
-
-/// The sum over CPUs of column `col` (0-based) of `/proc/net/stat/nf_conntrack` in `netns`
-/// (hexadecimal; column 9 is `insert_failed`).
-fn conntrack_stat(netns: &str, col: usize) -> u64 {
+/// `insert_failed` of `/proc/net/stat/nf_conntrack` in `netns`, summed over CPUs (the
+/// file has a header line, then one line of hexadecimal counters per CPU).
+fn conntrack_insert_failed(netns: &str) -> u64 {
     let stat = netns_out(netns, &["cat", "/proc/net/stat/nf_conntrack"]);
     let mut lines = stat.lines();
-    let header: Vec<&str> = lines.next().expect("header").split_whitespace().collect();
-    assert_eq!(header.get(col), Some(&"insert_failed"), "{stat}");
+    let header = lines.next().expect("header");
+    let col = header.split_whitespace().position(|c| c == "insert_failed").expect("insert_failed");
     lines
         .filter_map(|l| l.split_whitespace().nth(col))
         .map(|v| u64::from_str_radix(v, 16).expect("hex"))
@@ -691,7 +680,7 @@ fn churning_connections_lose_no_syn_to_a_conntrack_clash() {
     let node = netns_of_node(&lab, "n1");
     // As loadtest/run does: the client reuses its TIME_WAIT ports at once, as busy clients do.
     netns_out(&client, &["sysctl", "-qw", "net.ipv4.tcp_tw_reuse=1"]);
-    let (failed, retransmits) = (conntrack_stat(&node, 9), syn_retransmits(&client));
+    let (failed, retransmits) = (conntrack_insert_failed(&node), syn_retransmits(&client));
     let exe = env!("CARGO_BIN_EXE_tierproxy");
     // Bounded: at most 3 s and 6,000 connections.
     let report = netns_out(
@@ -715,6 +704,10 @@ fn churning_connections_lose_no_syn_to_a_conntrack_clash() {
     let count = r["count"].as_u64().expect("count");
     // Without the zone about 2 in 1,000 lost their SYN; a few thousand are needed to see it.
     assert!(count >= 2000, "too few connections to tell: {report}");
-    assert_eq!(conntrack_stat(&node, 9) - failed, 0, "conntrack insert_failed on n1: {report}");
+    assert_eq!(
+        conntrack_insert_failed(&node) - failed,
+        0,
+        "conntrack insert_failed on n1: {report}"
+    );
     assert_eq!(syn_retransmits(&client) - retransmits, 0, "SYNs the client resent: {report}");
 }

@@ -69,6 +69,18 @@ pub fn connects(netns: &str, to: &str, timeout: std::time::Duration) -> bool {
     .expect("netns")
 }
 
+/// `ip netns exec <netns> <cmd...>`'s standard output; panics, with its output, when it
+/// fails.
+pub fn netns_out(netns: &str, cmd: &[&str]) -> String {
+    let o = Command::new("ip")
+        .args(["netns", "exec", netns])
+        .args(cmd)
+        .output()
+        .expect("ip netns exec runs");
+    assert!(o.status.success(), "{cmd:?} in {netns}: {}", text(&o));
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
 pub fn text(o: &Output) -> String {
     format!(
         "status {:?}\nstdout:\n{}\nstderr:\n{}",
