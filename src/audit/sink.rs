@@ -133,10 +133,10 @@ pub fn resource_attrs(node: &str) -> Vec<(&'static str, String)> {
     ]
 }
 
-/// Installs rustls' process-wide crypto provider (ring) unless one is installed. The
-/// exporters' dependencies enable both of rustls' providers (ring for tonic, aws-lc-rs for
-/// reqwest), and rustls then refuses to guess: without this, the first TLS connection
-/// panics.
+/// Installs rustls' process-wide crypto provider (ring) unless one is installed. reqwest is
+/// built without a provider of its own (`rustls-no-provider`: aws-lc-rs would add a second
+/// crypto library to the binary), so it uses the process default: without this, its first
+/// TLS connection panics.
 pub(crate) fn ensure_crypto_provider() {
     if rustls::crypto::CryptoProvider::get_default().is_none() {
         // Losing a race to another thread installing it is fine.
