@@ -6,7 +6,13 @@
 //! writer ─► client pair ─► relay (thread "relay", its own current-thread runtime) ─► server pair ─► reader
 //! ```
 //!
-//! Run: `cargo bench --bench relay` (`-- splice`, `-- copy` or `-- direct` for one).
+//! A second group, `relay_connection`, times one short connection through the relay (64
+//! bytes each way, then FIN each way) with pipes from a pool that keeps them
+//! (`pooled`, the agent's [`POOLED_PIPES`]) against new pipes per connection (`fresh`):
+//! the per-connection cost of creating and sizing two pipes.
+//!
+//! Run: `cargo bench --bench relay` (`-- splice`, `-- copy`, `-- direct`, `-- pooled` or
+//! `-- fresh` for one).
 //! Before criterion's timings of one [`CHUNK`] through each path it prints, per path, one
 //! bounded bulk transfer ([`REPORT_BYTES`], at most [`REPORT_SECONDS`]): throughput, and CPU
 //! seconds per GB of the relay thread alone (utime + stime from `/proc/self/task`; the
@@ -20,7 +26,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, Throughput, criterion_group};
-use tierproxy::proxy::relay::{CloseReason, Counters, RelayConfig, RelayMode, relay};
+use tierproxy::proxy::relay::{
+    CloseReason, Counters, POOLED_PIPES, PipePool, RelayConfig, RelayMode, relay,
+};
 use tokio::sync::Notify;
 
 /// Bytes per criterion iteration: large enough that connection set-up and thread hand-off
@@ -85,7 +93,7 @@ impl Path {
                     let server = tokio::net::TcpStream::from_std(server).expect("server");
                     let config = RelayConfig {
                         mode,
-                        pipe_bytes: PIPE_BYTES,
+                        pipes: Arc::new(PipePool::new(PIPE_BYTES, 0)),
                         idle_timeout: Duration::from_secs(60),
                     };
                     let counters = Counters::default();
@@ -247,7 +255,73 @@ fn bench(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, bench);
+/// A connected loopback pair on the current runtime: (connecting end, accepted end).
+async fn tokio_pair() -> (tokio::net::TcpStream, tokio::net::TcpStream) {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind loopback");
+    let a =
+        tokio::net::TcpStream::connect(l.local_addr().expect("local addr")).await.expect("connect");
+    let (b, _) = l.accept().await.expect("accept");
+    (a, b)
+}
+
+/// One short connection through [`relay`] with pipes from `pipes`: 64 bytes each way,
+/// then FIN each way. Returns the wall time from handing the sockets to the relay to its
+/// return (the sockets' set-up is not timed). Bounded by [`IO_TIMEOUT`].
+async fn short_connection(pipes: &Arc<PipePool>) -> Duration {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (mut client_app, client) = tokio_pair().await;
+    let (server, mut server_app) = tokio_pair().await;
+    let config = RelayConfig {
+        mode: RelayMode::Splice,
+        pipes: pipes.clone(),
+        idle_timeout: Duration::from_secs(60),
+    };
+    let (counters, stop) = (Counters::default(), Notify::new());
+    let t = Instant::now();
+    let apps = async {
+        let mut b = [0u8; 64];
+        client_app.write_all(&[1; 64]).await.expect("request");
+        server_app.read_exact(&mut b).await.expect("request arrives");
+        server_app.write_all(&b).await.expect("response");
+        client_app.read_exact(&mut b).await.expect("response arrives");
+        client_app.shutdown().await.expect("client FIN");
+        server_app.shutdown().await.expect("server FIN");
+        assert_eq!(server_app.read(&mut b).await.expect("EOF"), 0);
+        assert_eq!(client_app.read(&mut b).await.expect("EOF"), 0);
+    };
+    let both = async { tokio::join!(relay(client, server, &config, &counters, &stop), apps) };
+    let (reason, ()) = tokio::time::timeout(IO_TIMEOUT, both).await.expect("connection done");
+    assert_eq!(reason, CloseReason::Normal);
+    t.elapsed()
+}
+
+fn bench_connection(c: &mut Criterion) {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+    let mut g = c.benchmark_group("relay_connection");
+    g.throughput(Throughput::Elements(1));
+    g.warm_up_time(Duration::from_secs(1));
+    g.measurement_time(Duration::from_secs(5));
+    for (name, keep) in [("pooled", POOLED_PIPES), ("fresh", 0)] {
+        if !wanted(name) {
+            continue;
+        }
+        let pipes = Arc::new(PipePool::new(PIPE_BYTES, keep));
+        g.bench_function(name, |b| {
+            b.iter_custom(|iters| {
+                rt.block_on(async {
+                    let mut total = Duration::ZERO;
+                    for _ in 0..iters {
+                        total += short_connection(&pipes).await;
+                    }
+                    total
+                })
+            })
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(benches, bench, bench_connection);
 
 fn main() {
     report();

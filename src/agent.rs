@@ -38,7 +38,7 @@ use crate::policy::{ObjectRef, Revision, Snapshot};
 use crate::proxy::decider::{Current, Decider, DeciderLimits};
 use crate::proxy::queue::{self, QueueConfig};
 use crate::proxy::registry::Registry;
-use crate::proxy::relay::{RelayConfig, RelayMode};
+use crate::proxy::relay::{POOLED_PIPES, PipePool, RelayConfig, RelayMode};
 use crate::proxy::tcp::{self, ProxyConfig};
 use crate::proxy::udp::{self, UdpConfig};
 use crate::redirect::{self, RulesetSpec};
@@ -443,7 +443,7 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
         max_connections: opts.max_connections,
         relay: RelayConfig {
             mode: opts.relay,
-            pipe_bytes: DEFAULT_PIPE_BYTES,
+            pipes: Arc::new(PipePool::new(DEFAULT_PIPE_BYTES, POOLED_PIPES)),
             idle_timeout: opts.idle_timeout,
         },
         drain_grace: opts.drain_grace,

@@ -352,6 +352,57 @@ fn half_close_and_resets_propagate_through_the_proxies() {
     assert_eq!(r, Err(ErrorKind::ConnectionReset), "the server sees the client's reset");
 }
 
+/// Round trips of two 1-byte writes each way, 2 ms apart, through both proxies. With Nagle's
+/// algorithm on a proxy socket the second byte waits for the first one's ACK, which the
+/// peer delays (40 ms minimum on Linux, RFC 1122 §4.2.3.2): every round trip would take
+/// 40 ms or more. The proxy's accepted sockets take `TCP_NODELAY` from its listener and its
+/// upstream sockets set it before connecting (issue #7).
+#[test]
+fn small_writes_cross_the_proxies_without_waiting_for_acks() {
+    if !netns_available("small_writes_cross_the_proxies_without_waiting_for_acks") {
+        return;
+    }
+    const ROUNDS: usize = 20;
+    // Between the two writes: each proxy has sent the first byte on before the second
+    // arrives, so the second is a write of its own there too.
+    const APART: Duration = Duration::from_millis(2);
+    let lab = lab_with_agents("ngl");
+    let client_ns = netns_of_pod(&lab, "a", "client");
+    let server_ns = netns_of_pod(&lab, "b", "remote");
+    let server = serve_once(server_ns, "10.60.2.2:7777".parse().unwrap(), |mut s, _| {
+        s.set_nodelay(true).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut b = [0u8; 2];
+        for _ in 0..ROUNDS {
+            s.read_exact(&mut b).expect("two bytes");
+            s.write_all(&b[..1]).unwrap();
+            std::thread::sleep(APART);
+            s.write_all(&b[1..]).unwrap();
+        }
+    });
+    let mut c = connect_from(&client_ns, "10.60.2.2:7777");
+    c.set_nodelay(true).unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut took = Vec::with_capacity(ROUNDS);
+    for i in 0..ROUNDS {
+        let start = Instant::now();
+        c.write_all(&[i as u8]).unwrap();
+        std::thread::sleep(APART);
+        c.write_all(&[!(i as u8)]).unwrap();
+        let mut b = [0u8; 2];
+        c.read_exact(&mut b).expect("the echo");
+        assert_eq!(b, [i as u8, !(i as u8)]);
+        took.push(start.elapsed());
+    }
+    server.join().expect("server");
+    took.sort_unstable();
+    let median = took[ROUNDS / 2];
+    assert!(
+        median < Duration::from_millis(20),
+        "median round trip {median:?}: a proxy socket delays small writes (Nagle); all: {took:?}"
+    );
+}
+
 fn tierproxy_state(netns: &str) -> String {
     [
         run_in(netns, &["iptables-save", "-t", "mangle"]),

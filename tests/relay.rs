@@ -5,9 +5,10 @@
 //! Layout of each test: `client ⇄ [client_side | relay | server_side] ⇄ server`, where each
 //! `⇄` is a loopback TCP connection.
 
+use std::sync::Arc;
 use std::time::Duration;
 
-use tierproxy::proxy::relay::{CloseReason, Counters, RelayConfig, RelayMode, relay};
+use tierproxy::proxy::relay::{CloseReason, Counters, PipePool, RelayConfig, RelayMode, relay};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Notify;
@@ -22,7 +23,7 @@ async fn pair() -> (TcpStream, TcpStream) {
 }
 
 fn config(mode: RelayMode, idle: Duration) -> RelayConfig {
-    RelayConfig { mode, pipe_bytes: 1 << 20, idle_timeout: idle }
+    RelayConfig { mode, pipes: Arc::new(PipePool::new(1 << 20, 16)), idle_timeout: idle }
 }
 
 struct Rig {

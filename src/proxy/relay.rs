@@ -5,6 +5,11 @@
 //! GB than tokio copies on these machines). [`RelayMode::Copy`] is the fallback through
 //! user-space buffers (64 KiB per direction) for where splice is not available.
 //!
+//! Pipes come from a [`PipePool`]: a connection that ends normally leaves its two pipes
+//! empty, and the next connection takes them instead of creating and sizing two new ones
+//! (`pipe2` and `F_SETPIPE_SZ` twice, four `close`s: 8 of the ~51 system calls a proxied
+//! connection cost, issue #7).
+//!
 //! Each direction ends on its own: EOF on one side shuts down the write side of the other
 //! (half-close propagates, FIN each way independently). A reset or error on one side
 //! resets the other (`SO_LINGER` 0 then close sends an RST). The relay also ends when the
@@ -33,14 +38,12 @@ pub enum RelayMode {
 }
 
 /// Relay settings.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct RelayConfig {
     /// Splice or copy.
     pub mode: RelayMode,
-    /// Pipe size per direction in bytes (splice mode); the kernel rounds it up to a power
-    /// of two pages. If the kernel refuses it (above `/proc/sys/fs/pipe-max-size` without
-    /// CAP_SYS_RESOURCE) the default pipe size (64 KiB) is used.
-    pub pipe_bytes: usize,
+    /// Where splice mode takes its pipes from, and how large they are.
+    pub pipes: std::sync::Arc<PipePool>,
     /// A connection with no byte moved either way for this long is closed.
     pub idle_timeout: Duration,
 }
@@ -83,6 +86,11 @@ impl CloseReason {
 
 /// Relays between `client` and `server` until both directions end, one side fails, the
 /// connection is idle for `config.idle_timeout`, or `stop` is notified.
+///
+/// In splice mode the two pipes are taken from `config.pipes` and given back when the
+/// relay ends normally (then both are empty); after any other end they are closed. When
+/// no pipe can be had (file descriptor limit) the connection is relayed by copy, with a
+/// warning.
 pub async fn relay(
     client: TcpStream,
     server: TcpStream,
@@ -93,10 +101,11 @@ pub async fn relay(
     let (client, server) = (&client, &server);
     let start = Instant::now();
     let last = AtomicU64::new(0);
+    let pool = &config.pipes;
     let pipes = match config.mode {
-        RelayMode::Splice => match (Pipe::new(config.pipe_bytes), Pipe::new(config.pipe_bytes)) {
-            (Ok(up), Ok(down)) => Some((up, down)),
-            (Err(e), _) | (_, Err(e)) => {
+        RelayMode::Splice => match pool.take().and_then(|up| Ok((up, pool.take()?))) {
+            Ok(pair) => Some(pair),
+            Err(e) => {
                 tracing::warn!(error = %e, "no pipe for splice; relaying by copy");
                 None
             }
@@ -116,14 +125,80 @@ pub async fn relay(
             drive(a, b, config.idle_timeout, &last, start, stop).await
         }
     };
-    if reason != CloseReason::Normal {
+    if reason == CloseReason::Normal {
+        // Both directions read EOF after writing out all they had read: the pipes are empty.
+        if let Some((up, down)) = pipes {
+            pool.give(up);
+            pool.give(down);
+        }
+    } else {
+        // A pipe may still hold bytes that were never written out: closed with `pipes`.
         abort(client);
         abort(server);
     }
     reason
 }
 
+/// How many empty pipes a [`PipePool`] of the agent keeps: enough for 8 connections
+/// opening and closing at once. Kept pipes count against the kernel's per-user pipe
+/// budget (`/proc/sys/fs/pipe-user-pages-soft`, 64 MiB by default, shared by every process
+/// of the user, uid 0 on a node): at 1 MiB each these keep a quarter of it, so other root
+/// processes on the node still get full-size pipes (pipe(7), "/proc files").
+pub const POOLED_PIPES: usize = 16;
+
+/// Empty pipes kept between connections, all of one requested size.
+///
+/// [`relay`] takes two per spliced connection and gives them back when the connection
+/// ended normally; at most `keep` are kept, the rest are closed. Source: pipe(7)
+/// (`F_SETPIPE_SZ`), splice(2).
+#[derive(Debug)]
+pub struct PipePool {
+    bytes: usize,
+    keep: usize,
+    idle: std::sync::Mutex<Vec<Pipe>>,
+}
+
+impl PipePool {
+    /// A pool of pipes of `bytes` each (the kernel rounds up to a power of two pages; a
+    /// size it refuses, above `/proc/sys/fs/pipe-max-size` or over the user's pipe budget
+    /// without CAP_SYS_RESOURCE, leaves the default 64 KiB), keeping at most `keep` idle.
+    /// `keep` = 0 creates and closes pipes per connection.
+    pub fn new(bytes: usize, keep: usize) -> PipePool {
+        PipePool { bytes, keep, idle: std::sync::Mutex::new(Vec::with_capacity(keep)) }
+    }
+
+    /// Idle pipes now kept.
+    pub fn idle(&self) -> usize {
+        self.lock().len()
+    }
+
+    /// A kept pipe, or a new one.
+    ///
+    /// # Errors
+    /// `pipe2(2)`'s: the process or system is out of file descriptors.
+    fn take(&self) -> io::Result<Pipe> {
+        match self.lock().pop() {
+            Some(p) => Ok(p),
+            None => Pipe::new(self.bytes),
+        }
+    }
+
+    /// Keeps `pipe`, which must be empty, or closes it when the pool is full.
+    fn give(&self, pipe: Pipe) {
+        let mut idle = self.lock();
+        if idle.len() < self.keep {
+            idle.push(pipe);
+        }
+    }
+
+    /// The idle list; a panic while it was held left it intact (a push or a pop).
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Pipe>> {
+        self.idle.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
 /// One pipe: the in-kernel buffer a spliced direction goes through.
+#[derive(Debug)]
 struct Pipe {
     read: OwnedFd,
     write: OwnedFd,
@@ -277,5 +352,105 @@ async fn copy_pump(
         }
         count.fetch_add(n as u64, Ordering::Relaxed);
         last.store(millis(start), Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::fd::AsRawFd;
+    use std::sync::Arc;
+
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpListener;
+
+    use super::*;
+
+    /// A connected loopback pair: (the end `connect` returned, the end `accept` returned).
+    async fn pair() -> (TcpStream, TcpStream) {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let a = TcpStream::connect(l.local_addr().unwrap()).await.unwrap();
+        let (b, _) = l.accept().await.unwrap();
+        (a, b)
+    }
+
+    /// Starts a relay between two fresh pairs: (client app end, server app end, relay).
+    async fn start(
+        config: RelayConfig,
+    ) -> (TcpStream, TcpStream, tokio::task::JoinHandle<CloseReason>) {
+        let (client_app, client_proxy) = pair().await;
+        let (server_proxy, server_app) = pair().await;
+        let relay = tokio::spawn(async move {
+            relay(client_proxy, server_proxy, &config, &Counters::default(), &Notify::new()).await
+        });
+        (client_app, server_app, relay)
+    }
+
+    /// Read ends of the pool's idle pipes.
+    fn idle_fds(pool: &PipePool) -> Vec<i32> {
+        pool.lock().iter().map(|p| p.read.as_raw_fd()).collect()
+    }
+
+    #[tokio::test]
+    async fn pipes_go_back_to_the_pool_empty_after_a_normal_end_and_are_reused() {
+        let pool = Arc::new(PipePool::new(1 << 16, 4));
+        let config = RelayConfig {
+            mode: RelayMode::Splice,
+            pipes: pool.clone(),
+            idle_timeout: Duration::from_secs(10),
+        };
+        let mut kept = Vec::new();
+        for round in 0..3 {
+            let (mut c, mut s, relay) = start(config.clone()).await;
+            c.write_all(b"ping").await.unwrap();
+            let mut b = [0u8; 4];
+            s.read_exact(&mut b).await.unwrap();
+            s.write_all(b"pong").await.unwrap();
+            c.read_exact(&mut b).await.unwrap();
+            assert_eq!(&b, b"pong");
+            c.shutdown().await.unwrap();
+            s.shutdown().await.unwrap();
+            assert_eq!(s.read(&mut b).await.unwrap(), 0, "EOF at the server");
+            assert_eq!(c.read(&mut b).await.unwrap(), 0, "EOF at the client");
+            assert_eq!(relay.await.unwrap(), CloseReason::Normal);
+            assert_eq!(pool.idle(), 2, "round {round}: both pipes kept");
+            for p in pool.lock().iter() {
+                let e = nix::unistd::read(&p.read, &mut [0u8; 1]).expect_err("an empty pipe");
+                assert_eq!(e, nix::errno::Errno::EAGAIN, "round {round}: the pipe is empty");
+            }
+            let mut fds = idle_fds(&pool);
+            fds.sort_unstable();
+            if round > 0 {
+                assert_eq!(fds, kept, "round {round}: the same two pipes, not new ones");
+            }
+            kept = fds;
+        }
+    }
+
+    #[tokio::test]
+    async fn pipes_are_closed_after_a_reset_and_beyond_what_the_pool_keeps() {
+        let pool = Arc::new(PipePool::new(1 << 16, 1));
+        let config = RelayConfig {
+            mode: RelayMode::Splice,
+            pipes: pool.clone(),
+            idle_timeout: Duration::from_secs(10),
+        };
+        let (mut c, mut s, relay) = start(config.clone()).await;
+        c.write_all(b"x").await.unwrap();
+        c.shutdown().await.unwrap();
+        let mut got = Vec::new();
+        s.read_to_end(&mut got).await.unwrap();
+        assert_eq!(got, b"x");
+        s.shutdown().await.unwrap();
+        assert_eq!(c.read(&mut [0u8; 1]).await.unwrap(), 0, "EOF at the client");
+        assert_eq!(relay.await.unwrap(), CloseReason::Normal);
+        assert_eq!(pool.idle(), 1, "at most `keep` pipes are kept");
+
+        // A reset: the pipe taken from the pool is closed with the other.
+        let (mut c, s, relay) = start(config).await;
+        c.write_all(b"x").await.unwrap();
+        socket2::SockRef::from(&s).set_linger(Some(Duration::ZERO)).unwrap();
+        drop(s);
+        assert_eq!(relay.await.unwrap(), CloseReason::Reset);
+        assert_eq!(pool.idle(), 0, "pipes of a reset connection are not kept");
     }
 }

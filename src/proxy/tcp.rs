@@ -11,6 +11,10 @@
 //!   `IP_TRANSPARENT` and bound to the client's IP (port chosen by the kernel), so the
 //!   server sees the client's address. The replies match the ruleset's `socket
 //!   --transparent` rule and come back to this socket.
+//! - System calls per connection are kept few (issue #7): sockets are created
+//!   non-blocking (`SOCK_NONBLOCK`, no `fcntl`), accepted sockets inherit `TCP_NODELAY`
+//!   from the listener (tcp(7): options set on a listening socket are copied to the
+//!   sockets it accepts), and relay pipes are reused ([`super::relay::PipePool`]).
 //! - A bounded number of connections: at the limit the proxy stops accepting (new SYNs
 //!   wait in the listen backlog) and says so once in the log.
 //! - Shutdown: stop accepting, let live connections finish for a grace period, then stop
@@ -83,7 +87,11 @@ pub fn bind(addrs: &[SocketAddr]) -> anyhow::Result<Vec<TcpListener>> {
 }
 
 fn listener(addr: SocketAddr) -> io::Result<TcpListener> {
-    let s = Socket::new(Domain::for_address(addr), Type::STREAM, Some(socket2::Protocol::TCP))?;
+    let s = Socket::new(
+        Domain::for_address(addr),
+        Type::STREAM.nonblocking(),
+        Some(socket2::Protocol::TCP),
+    )?;
     match addr {
         SocketAddr::V4(_) => s.set_ip_transparent_v4(true)?,
         SocketAddr::V6(_) => {
@@ -92,7 +100,9 @@ fn listener(addr: SocketAddr) -> io::Result<TcpListener> {
         }
     }
     s.set_reuse_address(true)?;
-    s.set_nonblocking(true)?;
+    // Inherited by every accepted connection: bytes are relayed as they come, and a small
+    // request must not wait for the ACK of the previous one (Nagle).
+    s.set_tcp_nodelay(true)?;
     s.bind(&addr.into())?;
     s.listen(4096)?;
     TcpListener::from_std(s.into())
@@ -228,7 +238,6 @@ async fn proxy(
         ended(CloseReason::PolicyChange);
         return;
     }
-    let _ = client.set_nodelay(true);
     let to_self = key.dst.ip().is_loopback() || config.local_addrs.contains(&key.dst.ip());
     let source = (config.preserve_source && !to_self).then_some(key.src.ip());
     let server = match tokio::time::timeout(
@@ -251,7 +260,6 @@ async fn proxy(
             return;
         }
     };
-    let _ = server.set_nodelay(true);
     let reason =
         relay::relay(client, server, &config.relay, &tracked.counters, &tracked.stop).await;
     tracing::debug!(
@@ -282,15 +290,19 @@ pub(crate) fn unmap(a: SocketAddr) -> SocketAddr {
     }
 }
 
-/// Connects to `dst` with the bypass mark, from `source` when given.
+/// Connects to `dst` with the bypass mark and `TCP_NODELAY`, from `source` when given.
 async fn connect(
     source: Option<IpAddr>,
     dst: SocketAddr,
     config: &ProxyConfig,
 ) -> io::Result<TcpStream> {
-    let s = Socket::new(Domain::for_address(dst), Type::STREAM, Some(socket2::Protocol::TCP))?;
+    let s = Socket::new(
+        Domain::for_address(dst),
+        Type::STREAM.nonblocking(),
+        Some(socket2::Protocol::TCP),
+    )?;
     s.set_mark(config.bypass_mark)?;
-    s.set_nonblocking(true)?;
+    s.set_tcp_nodelay(true)?;
     if let Some(ip) = source {
         match ip {
             IpAddr::V4(_) => s.set_ip_transparent_v4(true)?,
