@@ -13,8 +13,9 @@
 //!   --transparent` rule and come back to this socket.
 //! - System calls per connection are kept few (issue #7): sockets are created
 //!   non-blocking (`SOCK_NONBLOCK`, no `fcntl`), accepted sockets inherit `TCP_NODELAY`
-//!   from the listener (tcp(7): options set on a listening socket are copied to the
-//!   sockets it accepts), and relay pipes are reused ([`super::relay::PipePool`]).
+//!   from the listener (Linux clones the listening socket into each accepted one,
+//!   `sk_clone_lock`; `tests/datapath_netns.rs` checks that small writes are not held
+//!   back), and relay pipes are reused ([`super::relay::PipePool`]).
 //! - A bounded number of connections: at the limit the proxy stops accepting (new SYNs
 //!   wait in the listen backlog) and says so once in the log.
 //! - Shutdown: stop accepting, let live connections finish for a grace period, then stop
