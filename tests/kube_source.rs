@@ -268,13 +268,17 @@ async fn the_elected_writer_sets_conditions_and_events_and_only_when_they_change
         Some(json!("node-a")),
         "{lease:?}"
     );
-    // An Event for the invalid policy, none for the valid one.
-    let events: Vec<Value> = api
-        .writes()
-        .into_iter()
-        .filter(|(m, p, _)| m == "POST" && p.contains("/events"))
-        .map(|(_, _, b)| b)
-        .collect();
+    // An Event for the invalid policy, none for the valid one. The writer posts it after the
+    // policy's condition, so it may still be on its way when both conditions are seen.
+    let events = || -> Vec<Value> {
+        api.writes()
+            .into_iter()
+            .filter(|(m, p, _)| m == "POST" && p.contains("/events"))
+            .map(|(_, _, b)| b)
+            .collect()
+    };
+    until("the InvalidPolicy event", || !events().is_empty()).await;
+    let events = events();
     assert_eq!(events.len(), 1, "{events:?}");
     assert_eq!(events[0]["reason"], "InvalidPolicy");
     assert_eq!(events[0]["regarding"]["name"], "bad");
