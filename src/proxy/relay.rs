@@ -385,6 +385,15 @@ mod tests {
         (client_app, server_app, relay)
     }
 
+    /// Splice mode with pipes from `pool`.
+    fn splice(pool: &Arc<PipePool>) -> RelayConfig {
+        RelayConfig {
+            mode: RelayMode::Splice,
+            pipes: pool.clone(),
+            idle_timeout: Duration::from_secs(10),
+        }
+    }
+
     /// Read ends of the pool's idle pipes.
     fn idle_fds(pool: &PipePool) -> Vec<i32> {
         pool.lock().iter().map(|p| p.read.as_raw_fd()).collect()
@@ -393,11 +402,7 @@ mod tests {
     #[tokio::test]
     async fn pipes_go_back_to_the_pool_empty_after_a_normal_end_and_are_reused() {
         let pool = Arc::new(PipePool::new(1 << 16, 4));
-        let config = RelayConfig {
-            mode: RelayMode::Splice,
-            pipes: pool.clone(),
-            idle_timeout: Duration::from_secs(10),
-        };
+        let config = splice(&pool);
         let mut kept = Vec::new();
         for round in 0..3 {
             let (mut c, mut s, relay) = start(config.clone()).await;
@@ -429,11 +434,7 @@ mod tests {
     #[tokio::test]
     async fn pipes_are_closed_after_a_reset_and_beyond_what_the_pool_keeps() {
         let pool = Arc::new(PipePool::new(1 << 16, 1));
-        let config = RelayConfig {
-            mode: RelayMode::Splice,
-            pipes: pool.clone(),
-            idle_timeout: Duration::from_secs(10),
-        };
+        let config = splice(&pool);
         let (mut c, mut s, relay) = start(config.clone()).await;
         c.write_all(b"x").await.unwrap();
         c.shutdown().await.unwrap();
