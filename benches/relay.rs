@@ -93,7 +93,7 @@ impl Path {
                     let server = tokio::net::TcpStream::from_std(server).expect("server");
                     let config = RelayConfig {
                         mode,
-                        pipes: Arc::new(PipePool::new(PIPE_BYTES, 0)),
+                        pipes: Arc::new(PipePool::new(PIPE_BYTES, 0, 1024)),
                         idle_timeout: Duration::from_secs(60),
                     };
                     let counters = Counters::default();
@@ -305,7 +305,7 @@ fn bench_connection(c: &mut Criterion) {
         if !wanted(name) {
             continue;
         }
-        let pipes = Arc::new(PipePool::new(PIPE_BYTES, keep));
+        let pipes = Arc::new(PipePool::new(PIPE_BYTES, keep, 1024));
         g.bench_function(name, |b| {
             b.iter_custom(|iters| {
                 rt.block_on(async {

@@ -38,7 +38,7 @@ use crate::policy::{ObjectRef, Revision, Snapshot};
 use crate::proxy::decider::{Current, Decider, DeciderLimits};
 use crate::proxy::queue::{self, QueueConfig};
 use crate::proxy::registry::Registry;
-use crate::proxy::relay::{POOLED_PIPES, PipePool, RelayConfig, RelayMode};
+use crate::proxy::relay::{PipeBudget, PipePool, RelayConfig, RelayMode};
 use crate::proxy::tcp::{self, ProxyConfig};
 use crate::proxy::udp::{self, UdpConfig};
 use crate::redirect::{self, RulesetSpec};
@@ -81,7 +81,8 @@ pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// kube-proxy's and Envoy's defaults for TCP idle are of that order; long-lived quiet
 /// connections (databases) should not be cut by the enforcer.
 pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(3600);
-/// Default most live proxied connections.
+/// Default most live proxied connections, where the open files limit allows them
+/// ([`FdPlan`]): two descriptors each.
 pub const DEFAULT_MAX_CONNECTIONS: usize = 65_536;
 /// Default idle timeout of a UDP flow: 60 s, Envoy's UDP proxy default, between the
 /// kernel's conntrack timeouts for unreplied (30 s) and replied (120 s) UDP.
@@ -91,7 +92,19 @@ pub const DEFAULT_MAX_UDP_FLOWS: usize = 16_384;
 /// Default drain grace on shutdown.
 pub const DEFAULT_DRAIN_GRACE: Duration = Duration::from_secs(5);
 /// Default relay pipe size per direction (DESIGN §7: 1 MiB measured best here).
-pub const DEFAULT_PIPE_BYTES: usize = 1 << 20;
+pub const DEFAULT_PIPE_BYTES: usize = crate::proxy::relay::DEFAULT_PIPE_BYTES;
+/// Most relay pipes open at once (in use or kept idle) where the open files limit allows
+/// them: 256 connections moving bytes both ways at the same moment (a direction holds a
+/// pipe only while it has bytes in flight); a burst beyond is copied through user space.
+pub const DEFAULT_MAX_PIPES: usize = 512;
+/// Descriptors kept for everything but connections, UDP flows and pipes: listeners, queues,
+/// the metrics server and its clients, audit sinks, the API-server client, the manifest
+/// watch, the pipes of the commands the agent runs, log files.
+pub const RESERVED_FDS: usize = 512;
+/// The open files limit the agent needs for its defaults: two descriptors per connection,
+/// UDP flow and pipe, and [`RESERVED_FDS`] (deploy/ sets it, `TIERPROXY_NOFILE`).
+pub const NEEDED_FDS: usize =
+    2 * (DEFAULT_MAX_CONNECTIONS + DEFAULT_MAX_UDP_FLOWS + DEFAULT_MAX_PIPES) + RESERVED_FDS;
 /// Packets each kernel queue holds while the reader is busy.
 pub const QUEUE_MAX_LEN: u32 = 4096;
 
@@ -139,6 +152,15 @@ pub struct AgentOptions {
     /// keep the namespace the agent started in, as a hostNetwork pod's would, while the
     /// data path works in this one. The lab uses it to reach an OTLP endpoint on the host.
     pub netns: Option<PathBuf>,
+    /// Capabilities to keep once started (after entering [`AgentOptions::netns`]); the
+    /// others are dropped from every set, the bounding set included, so the agent and the
+    /// commands it runs have only these, as in a container granted exactly them. `None`:
+    /// keep what the agent was started with. The lab keeps `NET_ADMIN` and `NET_RAW`, the
+    /// DaemonSet's.
+    pub keep_capabilities: Option<Vec<caps::Capability>>,
+    /// Percent of the kernel's per-user pipe budget the relay takes where that budget
+    /// applies ([`PipeBudget::unprivileged`]); agents sharing one machine (the lab) split it.
+    pub pipe_budget_percent: usize,
 }
 
 impl AgentOptions {
@@ -163,6 +185,8 @@ impl AgentOptions {
             metrics_addr: None,
             tcp_tw_reuse: true,
             netns: None,
+            keep_capabilities: None,
+            pipe_budget_percent: crate::proxy::relay::PIPE_BUDGET_SHARE_PERCENT,
         }
     }
 }
@@ -332,7 +356,7 @@ pub fn dry_run(opts: &AgentOptions) -> anyhow::Result<String> {
 /// ruleset is removed again if start-up fails after installing it.
 pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
     opts.redirect.validate().context("redirect configuration")?;
-    raise_fd_limit();
+    let nofile = raise_fd_limit();
     // Audit sinks first: their threads (and sockets) stay in the namespace the agent
     // started in.
     let mut audit_config = opts.audit.clone();
@@ -348,15 +372,25 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
         enter_netns(ns)?;
     }
     let _tw_reuse = opts.tcp_tw_reuse.then(TcpTwReuse::enable);
+    if let Some(keep) = &opts.keep_capabilities {
+        keep_only_capabilities(keep)?;
+    }
+    let (fds, pipe_budget) = plan_descriptors(&opts, nofile);
     let registry = Arc::new(Registry::default());
     let decider_slot: Arc<std::sync::OnceLock<Arc<Decider>>> = Arc::default();
     let udp_stats = Arc::new(udp::UdpStats::default());
+    let ruleset_drops = Arc::new(RulesetDrops::default());
+    let pipes_slot: Arc<std::sync::OnceLock<Arc<PipePool>>> = Arc::default();
     let metrics = Arc::new(Metrics::new(scraped(
-        auditor.clone(),
-        registry.clone(),
-        decider_slot.clone(),
-        udp_stats.clone(),
-        kube.as_ref().map(|k| k.source.clone()),
+        Sources {
+            auditor: auditor.clone(),
+            registry: registry.clone(),
+            decider: decider_slot.clone(),
+            udp: udp_stats.clone(),
+            drops: ruleset_drops.clone(),
+            pipes: pipes_slot.clone(),
+            kube: kube.as_ref().map(|k| k.source.clone()),
+        },
         &opts.audit,
     )));
     let ready = Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -400,8 +434,13 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
         peak_rss_mib = peak_rss_mib(),
         "first snapshot compiled"
     );
+    let selection = redirect::select(opts.redirect.backend);
+    let backend = selection.backend;
+    tracing::info!(backend = backend.name(), reason = %selection.reason, "redirect backend");
+    let interfaces = pod_interfaces(&*backend, &local);
     let spec = RulesetSpec::new(opts.redirect.clone(), local, node_addrs)
-        .context("redirect configuration")?;
+        .context("redirect configuration")?
+        .with_pod_interfaces(interfaces);
     let decider = Arc::new(Decider::new(
         current,
         DeciderLimits::default(),
@@ -423,6 +462,8 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
         decider.clone(),
     )?;
 
+    let pipes = Arc::new(PipePool::with_budget(pipe_budget));
+    let _ = pipes_slot.set(pipes.clone());
     let mut local_addrs: Vec<IpAddr> = spec.node_addrs().iter().copied().collect();
     match nix::ifaddrs::getifaddrs() {
         Ok(ifs) => local_addrs.extend(ifs.filter_map(|i| {
@@ -440,10 +481,10 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
         bypass_mark: r.bypass_mark.value,
         preserve_source: opts.preserve_source,
         connect_timeout: opts.connect_timeout,
-        max_connections: opts.max_connections,
+        max_connections: fds.max_connections,
         relay: RelayConfig {
             mode: opts.relay,
-            pipes: Arc::new(PipePool::new(DEFAULT_PIPE_BYTES, POOLED_PIPES)),
+            pipes: pipes.clone(),
             idle_timeout: opts.idle_timeout,
         },
         drain_grace: opts.drain_grace,
@@ -459,12 +500,9 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
         preserve_source: opts.preserve_source,
         local_addrs: proxy.local_addrs.clone(),
         idle_timeout: opts.udp_idle_timeout,
-        max_flows: opts.max_udp_flows,
+        max_flows: fds.max_udp_flows,
     };
 
-    let selection = redirect::select(r.backend);
-    let backend = selection.backend;
-    tracing::info!(backend = backend.name(), reason = %selection.reason, "redirect backend");
     // The guard first: an apply that fails half-way is cleaned up too.
     let installed = Installed { backend: &*backend, config: r, keep: r.keep_rules_on_exit };
     backend.apply(&spec).with_context(|| format!("installing the {} ruleset", backend.name()))?;
@@ -524,6 +562,8 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
             fingerprint: initial_fingerprint,
             generation: initial_generation,
             last_good,
+            drops: &ruleset_drops,
+            ticked: std::time::Instant::now(),
         };
         let spawned = std::thread::Builder::new()
             .name("tierproxy-reload".into())
@@ -703,16 +743,124 @@ struct Reloader<'a> {
     generation: u64,
     /// The policies of the revision in force, for a policy whose next version is invalid.
     last_good: cluster::LastGood,
+    /// The ruleset's drop counters and pod interfaces, as last read.
+    drops: &'a RulesetDrops,
+    /// When [`Reloader::tick`] last ran.
+    ticked: std::time::Instant,
+}
+
+/// How often the reloader reads the ruleset's drop counters and the routes to the local
+/// pods (a pod whose network is set up after its address was known, or whose interface was
+/// replaced, is checked from the next tick on).
+pub const RULESET_TICK: Duration = Duration::from_secs(10);
+
+/// What the reloader last read of the ruleset: its drop counters ([`redirect::DropCounts`])
+/// and how many pod interfaces it checks sources on; exported as metrics.
+#[derive(Debug, Default)]
+pub struct RulesetDrops {
+    /// Chain S, rule 2 (packets).
+    pub node_source: std::sync::atomic::AtomicU64,
+    /// Chain S, rule 3 (packets).
+    pub pod_source: std::sync::atomic::AtomicU64,
+    /// Rule 6's stray TCP drop (packets).
+    pub stray_tcp: std::sync::atomic::AtomicU64,
+    /// Interfaces in the pod interface sets.
+    pub interfaces: std::sync::atomic::AtomicU64,
+}
+
+/// The interfaces of `addrs` ([`redirect::Backend::pod_interfaces`]); none, with a warning,
+/// when they cannot be read (sources are then not checked until the next tick).
+fn pod_interfaces(
+    backend: &dyn redirect::Backend,
+    addrs: &[IpAddr],
+) -> std::collections::BTreeSet<String> {
+    match backend.pod_interfaces(addrs) {
+        Ok(set) => set,
+        Err(e) => {
+            tracing::warn!(
+                error = %crate::explain::error_chain(&e),
+                "cannot read the routes to the local pods; their sources are not checked until the next try"
+            );
+            Default::default()
+        }
+    }
 }
 
 impl Reloader<'_> {
-    /// Reloads on every change until the channel closes (every source stopped).
+    /// Reloads on every change until the channel closes (every source stopped), and every
+    /// [`RULESET_TICK`] refreshes the pod interfaces and reads the drop counters.
     fn run(mut self, changes: &std::sync::mpsc::Receiver<()>) {
-        while changes.recv().is_ok() {
-            // Changes that queued up while the last reload ran are covered by this one.
-            let more = changes.try_iter().count();
-            tracing::debug!(queued = more, "change reported");
-            self.reload();
+        use std::sync::mpsc::RecvTimeoutError;
+        self.tick();
+        loop {
+            let wait = RULESET_TICK.saturating_sub(self.ticked.elapsed());
+            match changes.recv_timeout(wait) {
+                Ok(()) => {
+                    // Changes that queued up while the last reload ran are covered by this one.
+                    let more = changes.try_iter().count();
+                    tracing::debug!(queued = more, "change reported");
+                    self.reload();
+                }
+                Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) => return,
+            }
+            if self.ticked.elapsed() >= RULESET_TICK {
+                self.tick();
+            }
+        }
+    }
+
+    /// Refreshes the pod interface sets from the routes to the local pods, and reads the
+    /// ruleset's drop counters: each reason that dropped packets since the last tick gets
+    /// one WARN line (so at most one per [`RULESET_TICK`]).
+    fn tick(&mut self) {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.ticked = std::time::Instant::now();
+        let local: Vec<IpAddr> = self.spec.local_pods().iter().copied().collect();
+        let interfaces = pod_interfaces(self.backend, &local);
+        if &interfaces != self.spec.pod_interfaces() {
+            match self.backend.set_pod_interfaces(self.spec.config(), &interfaces) {
+                Ok(()) => {
+                    tracing::info!(interfaces = interfaces.len(), "pod interfaces updated");
+                    self.spec = self.spec.clone().with_pod_interfaces(interfaces);
+                }
+                Err(e) => tracing::error!(
+                    error = %crate::explain::error_chain(&e),
+                    "updating the pod interface sets failed; retried at the next tick"
+                ),
+            }
+        }
+        self.drops.interfaces.store(self.spec.pod_interfaces().len() as u64, Relaxed);
+        let counts = match self.backend.drop_counts(self.spec.config()) {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::debug!(error = %e, "cannot read the ruleset's counters");
+                return;
+            }
+        };
+        for (now, seen, what) in [
+            (
+                counts.node_source,
+                &self.drops.node_source,
+                "packets from outside the node carried one of its own addresses as their source (forged); dropped",
+            ),
+            (
+                counts.pod_source,
+                &self.drops.pod_source,
+                "packets from a pod's interface carried a source that is not the pod's (forged); dropped",
+            ),
+            (
+                counts.stray_tcp,
+                &self.drops.stray_tcp,
+                "TCP packets of pod flows belonged to no allowed connection (scans, stale segments); dropped",
+            ),
+        ] {
+            // A re-applied ruleset starts its counters at 0 again.
+            let before = seen.swap(now, Relaxed);
+            let new = if now >= before { now - before } else { now };
+            if new > 0 {
+                tracing::warn!(packets = new, total = now, "{what}");
+            }
         }
     }
 
@@ -773,10 +921,23 @@ impl Reloader<'_> {
             spec.local_pods().difference(self.spec.local_pods()).copied().collect::<Vec<_>>(),
             self.spec.local_pods().difference(spec.local_pods()).copied().collect::<Vec<_>>(),
         );
+        let spec = if added.is_empty() && removed.is_empty() {
+            spec.with_pod_interfaces(self.spec.pod_interfaces().iter().cloned())
+        } else {
+            let local: Vec<IpAddr> = spec.local_pods().iter().copied().collect();
+            let interfaces = pod_interfaces(self.backend, &local);
+            spec.with_pod_interfaces(interfaces)
+        };
         let outcome = if spec.node_addrs() != self.spec.node_addrs() {
             self.backend.apply(&spec)
         } else if !added.is_empty() || !removed.is_empty() {
-            self.backend.update_pods(spec.config(), &added, &removed)
+            self.backend.update_pods(spec.config(), &added, &removed).and_then(|()| {
+                if spec.pod_interfaces() == self.spec.pod_interfaces() {
+                    Ok(())
+                } else {
+                    self.backend.set_pod_interfaces(spec.config(), spec.pod_interfaces())
+                }
+            })
         } else {
             Ok(())
         };
@@ -862,19 +1023,150 @@ impl Drop for TcpTwReuse {
     }
 }
 
-/// Raises the soft limit of open files to the hard limit: a proxied TCP connection holds
-/// six descriptors (two sockets, two splice pipes) and a UDP flow two, so the usual soft
-/// limit of 1,024 would cap the proxy near 170 connections (getrlimit(2)).
-pub fn raise_fd_limit() {
+/// Raises the soft limit of open files to the hard limit (no capability needed) and
+/// returns the limit in force: a proxied TCP connection holds two descriptors (and two
+/// pipes, four more, while it moves bytes) and a UDP flow two, so the usual soft limit of
+/// 1,024 would cap the proxy near 500 connections (getrlimit(2)). Unreadable: 1,024.
+pub fn raise_fd_limit() -> usize {
     use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    let clamp = |n: u64| usize::try_from(n).unwrap_or(usize::MAX);
     match getrlimit(Resource::RLIMIT_NOFILE) {
         Ok((soft, hard)) if soft < hard => match setrlimit(Resource::RLIMIT_NOFILE, hard, hard) {
-            Ok(()) => tracing::debug!(from = soft, to = hard, "open files limit raised"),
-            Err(e) => tracing::warn!(error = %e, soft, "cannot raise the open files limit"),
+            Ok(()) => {
+                tracing::debug!(from = soft, to = hard, "open files limit raised");
+                clamp(hard)
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, soft, "cannot raise the open files limit");
+                clamp(soft)
+            }
         },
-        Ok(_) => {}
-        Err(e) => tracing::warn!(error = %e, "cannot read the open files limit"),
+        Ok((soft, _)) => clamp(soft),
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot read the open files limit");
+            1024
+        }
     }
+}
+
+/// What the open files limit allows: how many connections, UDP flows and relay pipes the
+/// agent takes so that it meets its own limits before the kernel's `EMFILE` (issue #17:
+/// with six descriptors per connection the agent broke at 3,334 connections under a
+/// 20,000-descriptor limit while `--max-connections` said 65,536).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FdPlan {
+    /// The open files limit (`RLIMIT_NOFILE`, soft, after raising it to the hard one).
+    pub limit: usize,
+    /// Most live proxied connections (two descriptors each).
+    pub max_connections: usize,
+    /// Most live UDP flows (two descriptors each).
+    pub max_udp_flows: usize,
+    /// Most relay pipes open at once (two descriptors each).
+    pub max_pipes: usize,
+}
+
+impl FdPlan {
+    /// Fits `connections`, `udp_flows` and `pipes` (two descriptors each) into `limit`
+    /// less [`RESERVED_FDS`]. What does not fit is cut: pipes to at most an eighth of the
+    /// descriptors available, connections and UDP flows to the rest, in the ratio asked.
+    /// Each is at least 1.
+    pub fn fit(limit: usize, connections: usize, udp_flows: usize, pipes: usize) -> FdPlan {
+        let avail = limit.saturating_sub(RESERVED_FDS) / 2;
+        if connections.saturating_add(udp_flows).saturating_add(pipes) <= avail {
+            return FdPlan {
+                limit,
+                max_connections: connections,
+                max_udp_flows: udp_flows,
+                max_pipes: pipes,
+            };
+        }
+        let max_pipes = pipes.min(avail / 8).max(1);
+        let rest = avail.saturating_sub(max_pipes);
+        let asked = connections.saturating_add(udp_flows).max(1);
+        let max_connections = (rest as u128 * connections as u128 / asked as u128) as usize;
+        let max_udp_flows = rest.saturating_sub(max_connections).min(udp_flows);
+        FdPlan {
+            limit,
+            max_connections: max_connections.max(1),
+            max_udp_flows: max_udp_flows.max(1),
+            max_pipes,
+        }
+    }
+}
+
+/// The descriptor plan ([`FdPlan`]) and the relay's pipe budget ([`PipeBudget`]) for
+/// `opts` under the open files limit `nofile`, logged: what the agent takes, and when that
+/// is less than the options ask, which limit to raise.
+fn plan_descriptors(opts: &AgentOptions, nofile: usize) -> (FdPlan, PipeBudget) {
+    let mut budget = PipeBudget::for_process(DEFAULT_MAX_PIPES, opts.pipe_budget_percent);
+    let plan = FdPlan::fit(nofile, opts.max_connections, opts.max_udp_flows, budget.max_pipes);
+    budget.max_pipes = plan.max_pipes;
+    if plan.max_connections < opts.max_connections || plan.max_udp_flows < opts.max_udp_flows {
+        tracing::warn!(
+            open_files_limit = nofile,
+            max_connections = plan.max_connections,
+            max_udp_flows = plan.max_udp_flows,
+            max_pipes = plan.max_pipes,
+            asked_connections = opts.max_connections,
+            asked_udp_flows = opts.max_udp_flows,
+            needed =
+                2 * (opts.max_connections + opts.max_udp_flows + DEFAULT_MAX_PIPES) + RESERVED_FDS,
+            "the open files limit is too low for --max-connections and --max-udp-flows; taking fewer (raise RLIMIT_NOFILE)"
+        );
+    } else {
+        tracing::info!(
+            open_files_limit = nofile,
+            max_connections = plan.max_connections,
+            max_udp_flows = plan.max_udp_flows,
+            max_pipes = plan.max_pipes,
+            "descriptors planned (2 per connection, UDP flow and pipe)"
+        );
+    }
+    match budget.user_limit {
+        Some(limit) => tracing::info!(
+            pipe_bytes = budget.pipe_bytes,
+            max_pipes = budget.max_pipes,
+            user_pipe_budget = limit,
+            share_percent = opts.pipe_budget_percent,
+            "relay pipes sized within the per-user pipe budget (no CAP_SYS_RESOURCE or CAP_SYS_ADMIN)"
+        ),
+        None => tracing::info!(
+            pipe_bytes = budget.pipe_bytes,
+            max_pipes = budget.max_pipes,
+            "relay pipes (privileged: no per-user pipe budget)"
+        ),
+    }
+    (plan, budget)
+}
+
+/// Keeps only `keep` of the calling thread's capabilities: drops the others from the
+/// bounding set (so no command the agent runs gets them back), then sets the inheritable,
+/// effective and permitted sets to `keep` (what the process has of it). Threads started
+/// afterwards inherit the result; threads started before keep theirs (the audit sinks and
+/// the API-server thread, which make no pipes and run no commands). Source:
+/// capabilities(7), "Capability bounding set" and "Transformation of capabilities during
+/// execve()" (a root process's permitted set after exec is its inheritable set plus its
+/// bounding set).
+///
+/// # Errors
+/// A capability call failed (it needs CAP_SETPCAP to drop from the bounding set).
+pub fn keep_only_capabilities(keep: &[caps::Capability]) -> anyhow::Result<()> {
+    use caps::{CapSet, CapsHashSet};
+    let permitted = caps::read(None, CapSet::Permitted).context("reading capabilities")?;
+    let keep: CapsHashSet = keep.iter().copied().filter(|c| permitted.contains(c)).collect();
+    for cap in caps::all() {
+        if !keep.contains(&cap) && caps::has_cap(None, CapSet::Bounding, cap).unwrap_or(false) {
+            caps::drop(None, CapSet::Bounding, cap)
+                .with_context(|| format!("dropping {cap} from the bounding set"))?;
+        }
+    }
+    caps::set(None, CapSet::Inheritable, &keep).context("setting the inheritable set")?;
+    caps::set(None, CapSet::Effective, &keep).context("setting the effective set")?;
+    caps::set(None, CapSet::Permitted, &keep).context("setting the permitted set")?;
+    let mut names: Vec<String> = keep.iter().map(ToString::to_string).collect();
+    names.sort();
+    tracing::info!(kept = %names.join(","), "capabilities dropped to these");
+    Ok(())
 }
 
 /// Moves the calling thread (the agent's main thread, before it starts any other) into
@@ -894,15 +1186,21 @@ fn enter_netns(ns: &std::path::Path) -> anyhow::Result<()> {
 
 /// The values read at each scrape: audit counters and queue depths, live connections,
 /// kernel queue drops, the snapshot revision, decision cache hits.
-fn scraped(
+/// What [`scraped`] reads at each scrape; the deciders and the pipe pool are set once
+/// they exist.
+struct Sources {
     auditor: Arc<Auditor>,
     registry: Arc<Registry>,
     decider: Arc<std::sync::OnceLock<Arc<Decider>>>,
     udp: Arc<udp::UdpStats>,
+    drops: Arc<RulesetDrops>,
+    pipes: Arc<std::sync::OnceLock<Arc<PipePool>>>,
     kube: Option<cluster::apiserver::ApiSource>,
-    config: &AuditConfig,
-) -> Scraped {
+}
+
+fn scraped(sources: Sources, config: &AuditConfig) -> Scraped {
     use std::sync::atomic::Ordering::Relaxed;
+    let Sources { auditor, registry, decider, udp, drops, pipes, kube } = sources;
     let sink_names: Vec<&'static str> = config.sinks.iter().map(|s| s.name()).collect();
     Scraped(Box::new(move || {
         let st = auditor.stats();
@@ -967,6 +1265,76 @@ fn scraped(
                 vec![("sink", (*name).to_string())],
                 depth as u64,
             ));
+        }
+        let dr = "Packets the ruleset dropped, by reason: node_source (a node address as the \
+                  source, not from the node itself), pod_source (from a local pod's interface, \
+                  a source not routed back through it), stray_tcp (TCP of a pod flow that no \
+                  decision allowed: not a SYN, new or invalid to conntrack); read every 10 s";
+        for (reason, n) in [
+            ("node_source", &drops.node_source),
+            ("pod_source", &drops.pod_source),
+            ("stray_tcp", &drops.stray_tcp),
+        ] {
+            out.push(c("ruleset_dropped", dr, vec![("reason", reason.into())], n.load(Relaxed)));
+        }
+        out.push(g(
+            "pod_interfaces",
+            "Interfaces of local pods whose sources are checked (the routes to their addresses)",
+            vec![],
+            drops.interfaces.load(Relaxed),
+        ));
+        let lh = "Times the agent hit one of its limits, by limit: connections (--max-connections, \
+                  new connections wait), udp_flows (--max-udp-flows, datagram dropped), \
+                  open_files (EMFILE/ENFILE), pipes (relay pipe budget: burst copied, or a pipe \
+                  refused its size), accept_errors, nfqueue_overrun (an NFQUEUE reader fell \
+                  behind); each is logged at most once per 10 s";
+        for (limit, hits) in crate::limits::LIMITS.each() {
+            out.push(c("limit_hits", lh, vec![("limit", limit.into())], hits.get()));
+        }
+        if let Some(p) = pipes.get() {
+            out.push(g(
+                "relay_pipes_open",
+                "Relay pipes open (leased or kept idle)",
+                vec![],
+                p.open() as u64,
+            ));
+            out.push(c(
+                "relay_pipes_undersized",
+                "Relay pipes the kernel refused their size (per-user pipe budget); used once",
+                vec![],
+                p.stats.undersized.load(Relaxed),
+            ));
+            out.push(c(
+                "relay_copied_bursts",
+                "Relay bursts copied through user space because no pipe could be had",
+                vec![],
+                p.stats.copied_bursts.load(Relaxed),
+            ));
+        }
+        let tcp = crate::metrics::tcp_ext();
+        for (name, help, v) in [
+            (
+                "tcp_syncookies_sent",
+                "SYN cookies the node's kernel sent (a listener's SYN queue was full: TcpExt SyncookiesSent)",
+                tcp.syncookies_sent,
+            ),
+            (
+                "tcp_syncookies_received",
+                "Connections completed by a SYN cookie (TcpExt SyncookiesRecv)",
+                tcp.syncookies_recv,
+            ),
+            (
+                "tcp_syncookies_failed",
+                "ACKs whose SYN cookie did not check out (TcpExt SyncookiesFailed)",
+                tcp.syncookies_failed,
+            ),
+            (
+                "tcp_listen_overflows",
+                "Connections dropped because a listener's accept queue was full (TcpExt ListenOverflows)",
+                tcp.listen_overflows,
+            ),
+        ] {
+            out.push(c(name, help, vec![], v));
         }
         let nq = "Packets the kernel dropped at an NFQUEUE, by reason: queue_full, undeliverable";
         for (q, full, undeliverable) in crate::metrics::nfqueue_drops() {

@@ -94,6 +94,12 @@ pub const DEFAULT_KEEP_RULES_ON_EXIT: bool = false;
 /// [`RedirectConfig::upstream_zone`].
 pub const DEFAULT_UPSTREAM_ZONE: u16 = 0x7470;
 
+/// Default of the source check switch: `true` = packets that arrive on a local pod's
+/// interface with a source address the node does not route back through that interface are
+/// dropped in raw PREROUTING (a pod forging another pod's, the node's or any other address);
+/// see [`RedirectConfig::source_check`].
+pub const DEFAULT_SOURCE_CHECK: bool = true;
+
 /// A packet mark: the bits tierproxy sets or tests (`value`) within the bits it owns
 /// (`mask`), as in iptables' `--mark value/mask` (iptables-extensions(8), "mark").
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -308,6 +314,15 @@ pub struct RedirectConfig {
     /// the client retransmits a second later. A zone of their own keeps the legs apart
     /// (`CT --zone`, nft `ct zone set`; iptables-extensions(8), "CT").
     pub upstream_zone: u16,
+    /// Reverse-path check of the packets local pods send: a packet arriving on an
+    /// interface through which the node routes a local pod's address (the pod's veth, or
+    /// the bridge of bridged CNIs) must carry a source address the node routes back
+    /// through that same interface, i.e. one of that pod's addresses (of the bridge's
+    /// pods); otherwise it is dropped in raw PREROUTING, before conntrack and before any
+    /// decision (iptables-extensions(8) "rpfilter", nft(8) "fib"; the interfaces are the
+    /// kernel's routes to the local pods' addresses). Without it a pod with CAP_NET_RAW
+    /// sends under another pod's identity. Default [`DEFAULT_SOURCE_CHECK`].
+    pub source_check: bool,
 }
 
 impl Default for RedirectConfig {
@@ -328,6 +343,7 @@ impl Default for RedirectConfig {
             name_prefix: DEFAULT_NAME_PREFIX.to_owned(),
             keep_rules_on_exit: DEFAULT_KEEP_RULES_ON_EXIT,
             upstream_zone: DEFAULT_UPSTREAM_ZONE,
+            source_check: DEFAULT_SOURCE_CHECK,
         }
     }
 }

@@ -24,6 +24,7 @@ pub mod config;
 pub mod crds;
 pub mod explain;
 pub mod lab;
+pub mod limits;
 pub mod loadgen;
 pub mod metrics;
 pub mod policy;

@@ -184,6 +184,12 @@ struct AgentArgs {
     /// rules.
     #[arg(long, default_value_t = tierproxy::config::DEFAULT_UPSTREAM_ZONE)]
     upstream_zone: u16,
+    /// Do not check the sources of local pods' packets. By default a packet arriving on a
+    /// local pod's interface whose source the node does not route back through that
+    /// interface (another pod's, the node's or any foreign address) is dropped
+    /// (reverse-path check), so a pod cannot act under another's identity.
+    #[arg(long)]
+    no_source_check: bool,
     /// How the proxy moves bytes.
     #[arg(long, value_enum, default_value_t = tierproxy::proxy::relay::RelayMode::Splice)]
     relay: tierproxy::proxy::relay::RelayMode,
@@ -222,6 +228,18 @@ struct AgentArgs {
     /// Serve /metrics (Prometheus), /healthz and /readyz on this address.
     #[arg(long)]
     metrics_addr: Option<std::net::SocketAddr>,
+    /// Keep only these capabilities once started (comma-separated, e.g. NET_ADMIN,NET_RAW,
+    /// the DaemonSet's); the rest are dropped from every set, the bounding set included, so
+    /// the commands the agent runs have no more. `all` (the default): keep what it was
+    /// started with. The lab passes NET_ADMIN,NET_RAW so that its agents run as on a node.
+    #[arg(long, value_delimiter = ',', default_value = "all")]
+    capabilities: Vec<String>,
+    /// Percent of the kernel's per-user pipe budget (pipe-user-pages-soft, shared by every
+    /// process of the agent's user) the relay's pipes take, where it applies (no
+    /// CAP_SYS_RESOURCE or CAP_SYS_ADMIN). Agents sharing one machine split it.
+    #[arg(long, default_value_t = tierproxy::proxy::relay::PIPE_BUDGET_SHARE_PERCENT as u8,
+          value_parser = clap::value_parser!(u8).range(1..=100))]
+    pipe_budget_percent: u8,
     /// Enforce in this network namespace (a path, or a name under /run/netns), entered
     /// after the audit sinks start: they keep the agent's starting namespace, as a
     /// hostNetwork pod's would. The lab uses it.
@@ -229,6 +247,20 @@ struct AgentArgs {
     netns: Option<PathBuf>,
     #[command(flatten)]
     audit: tierproxy::audit::cli::AuditArgs,
+}
+
+/// `--capabilities`: `None` for `all`, else each name, with or without `CAP_`, any case
+/// (`net_admin`, `CAP_NET_RAW`).
+fn parse_capabilities(names: &[String]) -> Result<Option<Vec<caps::Capability>>, String> {
+    if names.iter().any(|n| n.trim().eq_ignore_ascii_case("all")) {
+        return Ok(None);
+    }
+    let one = |s: &String| {
+        let upper = s.trim().to_ascii_uppercase();
+        let name = if upper.starts_with("CAP_") { upper } else { format!("CAP_{upper}") };
+        name.parse().map_err(|_| format!("{s:?} is not a capability name (capabilities(7))"))
+    };
+    names.iter().map(one).collect::<Result<Vec<_>, _>>().map(Some)
 }
 
 fn run_agent(a: AgentArgs) -> ExitCode {
@@ -266,6 +298,14 @@ fn run_agent(a: AgentArgs) -> ExitCode {
     opts.audit = audit;
     opts.metrics_addr = a.metrics_addr;
     opts.netns = a.netns;
+    opts.keep_capabilities = match parse_capabilities(&a.capabilities) {
+        Ok(keep) => keep,
+        Err(e) => {
+            eprintln!("error: --capabilities: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    opts.pipe_budget_percent = usize::from(a.pipe_budget_percent);
     opts.ready_file = a.ready_file;
     opts.redirect.backend = a.redirect_backend;
     opts.redirect.queue_bypass = a.fail_open;
@@ -273,6 +313,7 @@ fn run_agent(a: AgentArgs) -> ExitCode {
     opts.redirect.queue_count = a.queues;
     opts.redirect.tproxy_port = a.tproxy_port;
     opts.redirect.upstream_zone = a.upstream_zone;
+    opts.redirect.source_check = !a.no_source_check;
     opts.relay = a.relay;
     opts.preserve_source = !a.no_preserve_source;
     opts.idle_timeout = Duration::from_secs(a.idle_timeout_secs);

@@ -41,15 +41,23 @@ pub struct DataPathMetrics {
     /// Proxied connections accepted.
     pub connections_opened: Counter,
     /// Proxied connections closed, by reason (as `CLOSE_REASONS`).
-    closed: [Counter; 6],
+    closed: [Counter; 7],
     /// Bytes relayed client → server and server → client.
     pub bytes: [Counter; 2],
 }
 
 const TIERS: [&str; 4] = ["admin", "networkpolicy", "baseline", "default"];
-const CLOSE_REASONS: [crate::audit::CloseReason; 6] = {
+const CLOSE_REASONS: [crate::audit::CloseReason; 7] = {
     use crate::audit::CloseReason as R;
-    [R::Normal, R::Reset, R::Timeout, R::PolicyChange, R::Shutdown, R::UpstreamUnreachable]
+    [
+        R::Normal,
+        R::Reset,
+        R::Timeout,
+        R::PolicyChange,
+        R::Shutdown,
+        R::UpstreamUnreachable,
+        R::ResourceLimit,
+    ]
 };
 
 /// Position of the deciding tier in [`TIERS`]: isolation is the NetworkPolicy tier's; no
@@ -235,6 +243,47 @@ pub fn nfqueue_drops() -> Vec<(u16, u64, u64)> {
         .collect()
 }
 
+/// TCP counters of the calling thread's network namespace that tell about a SYN flood
+/// (`TcpExt` of /proc/net/netstat, net/ipv4/proc.c); zeros where unreadable.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TcpExt {
+    /// `SyncookiesSent`: SYNs answered with a cookie (a listener's SYN queue was full, or
+    /// `tcp_syncookies=2`).
+    pub syncookies_sent: u64,
+    /// `SyncookiesRecv`: connections completed by a valid cookie.
+    pub syncookies_recv: u64,
+    /// `SyncookiesFailed`: ACKs that carried no valid cookie.
+    pub syncookies_failed: u64,
+    /// `ListenOverflows`: connections dropped because an accept queue was full.
+    pub listen_overflows: u64,
+}
+
+/// Reads [`TcpExt`] from /proc/net/netstat.
+pub fn tcp_ext() -> TcpExt {
+    std::fs::read_to_string("/proc/net/netstat").map(|t| parse_tcp_ext(&t)).unwrap_or_default()
+}
+
+/// [`TcpExt`] of the text of /proc/net/netstat: a `TcpExt:` line of names, then one of
+/// values.
+fn parse_tcp_ext(text: &str) -> TcpExt {
+    let mut lines = text.lines().filter(|l| l.starts_with("TcpExt:"));
+    let (Some(names), Some(values)) = (lines.next(), lines.next()) else {
+        return TcpExt::default();
+    };
+    let pairs: Vec<(&str, u64)> = names
+        .split_whitespace()
+        .zip(values.split_whitespace())
+        .filter_map(|(n, v)| Some((n, v.parse().ok()?)))
+        .collect();
+    let get = |name: &str| pairs.iter().find(|(n, _)| *n == name).map_or(0, |(_, v)| *v);
+    TcpExt {
+        syncookies_sent: get("SyncookiesSent"),
+        syncookies_recv: get("SyncookiesRecv"),
+        syncookies_failed: get("SyncookiesFailed"),
+        listen_overflows: get("ListenOverflows"),
+    }
+}
+
 /// Serves `/metrics`, `/healthz` and `/readyz` on `addr` until the runtime stops.
 ///
 /// # Errors
@@ -281,4 +330,26 @@ pub async fn serve(
         }
     });
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tcp_ext_counters_are_read_by_name() {
+        let text = "TcpExt: SyncookiesSent SyncookiesRecv SyncookiesFailed EmbryonicRsts ListenOverflows\n\
+                    TcpExt: 12 7 1 0 3\n\
+                    IpExt: InNoRoutes\nIpExt: 0\n";
+        assert_eq!(
+            parse_tcp_ext(text),
+            TcpExt {
+                syncookies_sent: 12,
+                syncookies_recv: 7,
+                syncookies_failed: 1,
+                listen_overflows: 3
+            }
+        );
+        assert_eq!(parse_tcp_ext("garbage"), TcpExt::default());
+    }
 }

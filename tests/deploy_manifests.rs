@@ -334,7 +334,14 @@ fn daemonset_keeps_what_deploy_readme_promises() {
     assert_eq!(sc["allowPrivilegeEscalation"], false);
     assert_eq!(sc["readOnlyRootFilesystem"], true);
     assert_eq!(sc["capabilities"]["drop"], serde_json::json!(["ALL"]));
-    assert_eq!(sc["capabilities"]["add"], serde_json::json!(["NET_ADMIN", "NET_RAW"]));
+    assert_eq!(
+        sc["capabilities"]["add"],
+        serde_json::json!(["NET_ADMIN", "NET_RAW", "NET_BIND_SERVICE"])
+    );
+    // The lab's agents run with exactly the DaemonSet's capabilities (issue #17), so the
+    // lab and loadtest/ measure what a node runs.
+    let lab: Vec<&str> = tierproxy::lab::procs::AGENT_CAPABILITIES.split(',').collect();
+    assert_eq!(sc["capabilities"]["add"], serde_json::json!(lab));
     // No surge: two agents cannot share a node (queues, TPROXY port, ruleset).
     let ru = &ds["spec"]["updateStrategy"]["rollingUpdate"];
     assert_eq!((ru["maxUnavailable"].as_i64(), ru["maxSurge"].as_i64()), (Some(1), Some(0)));

@@ -222,7 +222,7 @@ fn iptables_lifecycle(test: &str, cmds: IptablesCommands) {
     let config = RedirectConfig::default();
     let pods = ["10.244.1.11", "10.244.1.12", "fd00:10:244:1::b"];
     let nodes = ["192.168.50.2", "fd00:50::2"];
-    let first = spec(config.clone(), &pods, &nodes);
+    let first = spec(config.clone(), &pods, &nodes).with_pod_interfaces(["pod0".to_string()]);
     ns.run(|| backend.apply(&first)).expect("apply");
 
     // The kernel holds exactly the rendered rules, and one jump at the top of PREROUTING.
@@ -232,18 +232,22 @@ fn iptables_lifecycle(test: &str, cmds: IptablesCommands) {
         (&cmds.ip6tables_restore, &cmds.ip6tables_save),
     ] {
         let expected = rendered_rules(&rendered, restore);
-        // 22 in mangle, 5 in raw (the upstream legs' conntrack zone).
-        assert_eq!(expected.len(), 27, "{restore} section of:\n{rendered}");
+        // 24 in mangle, 8 in raw (3 checking sources, 5 for the upstream legs' conntrack
+        // zone).
+        assert_eq!(expected.len(), 32, "{restore} section of:\n{rendered}");
         let raw = ns.sh(&[save, "-t", "raw"]);
         let saved = ns.sh(&[save, "-t", "mangle"]);
         let ours: Vec<&str> =
             saved.lines().chain(raw.lines()).filter(|l| l.starts_with("-A TIERPROXY")).collect();
         assert_eq!(ours, expected, "{save}");
-        for (hook, chain) in [("PREROUTING", "TIERPROXY-ZONE-IN"), ("OUTPUT", "TIERPROXY-ZONE-OUT")]
-        {
+        for (hook, chains) in [
+            ("PREROUTING", &["TIERPROXY-SOURCE", "TIERPROXY-ZONE-IN"][..]),
+            ("OUTPUT", &["TIERPROXY-ZONE-OUT"][..]),
+        ] {
             let jumps: Vec<&str> =
                 raw.lines().filter(|l| l.starts_with(&format!("-A {hook} "))).collect();
-            assert_eq!(jumps, [format!("-A {hook} -j {chain}")], "{save} -t raw");
+            let want: Vec<String> = chains.iter().map(|c| format!("-A {hook} -j {c}")).collect();
+            assert_eq!(jumps, want, "{save} -t raw: sources are checked first");
         }
         let prerouting: Vec<&str> =
             saved.lines().filter(|l| l.starts_with("-A PREROUTING")).collect();
@@ -259,6 +263,9 @@ fn iptables_lifecycle(test: &str, cmds: IptablesCommands) {
     assert_eq!(members(&ns, "tierproxy-pods-v6"), ["fd00:10:244:1::b"]);
     assert_eq!(members(&ns, "tierproxy-nodes-v4"), ["192.168.50.2"]);
     assert_eq!(members(&ns, "tierproxy-nodes-v6"), ["fd00:50::2"]);
+    assert_eq!(members(&ns, "tierproxy-podif-v4"), ["0.0.0.0/0,pod0"]);
+    assert_eq!(members(&ns, "tierproxy-podif-v6"), ["::/0,pod0"]);
+    assert_eq!(ns.run(|| backend.drop_counts(&config)).expect("counters"), Default::default());
     for fam in ["-4", "-6"] {
         let rules = ns.sh(&["ip", fam, "rule", "show"]);
         assert!(rules.contains("1501:\tfrom all fwmark 0x2000/0x2000 lookup 1501"), "{rules}");
@@ -292,6 +299,13 @@ fn iptables_lifecycle(test: &str, cmds: IptablesCommands) {
     .expect("update_pods");
     assert_eq!(members(&ns, "tierproxy-pods-v4"), ["10.244.1.14"]);
     assert_eq!(members(&ns, "tierproxy-pods-v6"), ["fd00:10:244:1::e"]);
+    assert_eq!(without_sets(&state(&ns, &cmds)), without_sets(&installed));
+
+    // set_pod_interfaces replaces the interface sets' members, nothing else.
+    let ifaces = std::collections::BTreeSet::from(["pod1".to_string(), "pod2".to_string()]);
+    ns.run(|| backend.set_pod_interfaces(&config, &ifaces)).expect("set_pod_interfaces");
+    assert_eq!(members(&ns, "tierproxy-podif-v4"), ["0.0.0.0/0,pod1", "0.0.0.0/0,pod2"]);
+    assert_eq!(members(&ns, "tierproxy-podif-v6"), ["::/0,pod1", "::/0,pod2"]);
     assert_eq!(without_sets(&state(&ns, &cmds)), without_sets(&installed));
 
     // remove leaves exactly what was there before, twice.
@@ -362,7 +376,8 @@ fn nftables_apply_update_remove() {
     }
     let ns = Netns::new();
     let config = RedirectConfig::default();
-    let s = spec(config.clone(), &["10.244.1.11", "fd00:10:244:1::b"], &["192.168.50.2"]);
+    let s = spec(config.clone(), &["10.244.1.11", "fd00:10:244:1::b"], &["192.168.50.2"])
+        .with_pod_interfaces(["pod0".to_string()]);
     let backend = NftablesBackend::new();
     let probed = ns.run(probe);
     let cmds = IptablesCommands::default();
@@ -405,14 +420,25 @@ fn nftables_apply_update_remove() {
             "tproxy ip to 127.0.0.1:15001 meta mark set meta mark | 0x00002000 accept",
             "tproxy ip6 to [::1]:15001",
             "ip saddr @nodes-v4 return",
-            "ip daddr @pods-v4 socket transparent 1 socket mark & 0x00000080 == 0x00000080 \
+            "ip daddr @pods-v4 socket mark & 0x00000080 == 0x00000080 \
              ct zone set 29808",
             "meta mark & 0x00000080 == 0x00000080 ct zone set 29808",
+            "iifname \"lo\" ip saddr @nodes-v4 return",
+            "ip saddr @nodes-v4 counter packets 0 bytes 0 drop",
+            "iifname @podif fib saddr . iif oif missing counter packets 0 bytes 0 drop",
+            "ct status dnat meta mark set",
+            "ct status ! dnat tproxy ip to 127.0.0.1:15001",
+            "ct state { invalid, new } counter packets 0 bytes 0 drop",
         ] {
             assert!(listing.contains(needle), "{needle:?} missing from:\n{listing}");
         }
     }
     assert_eq!(nft_elements(&ns, "pods-v4"), BTreeSet::from(["10.244.1.11".to_owned()]));
+    assert_eq!(nft_elements(&ns, "podif"), BTreeSet::from(["pod0".to_owned()]));
+    assert_eq!(ns.run(|| backend.drop_counts(&config)).expect("counters"), Default::default());
+    let ifaces = BTreeSet::from(["pod1".to_owned(), "pod2".to_owned()]);
+    ns.run(|| backend.set_pod_interfaces(&config, &ifaces)).expect("set_pod_interfaces");
+    assert_eq!(nft_elements(&ns, "podif"), ifaces);
     ns.run(|| {
         backend.update_pods(
             &config,

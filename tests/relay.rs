@@ -23,7 +23,7 @@ async fn pair() -> (TcpStream, TcpStream) {
 }
 
 fn config(mode: RelayMode, idle: Duration) -> RelayConfig {
-    RelayConfig { mode, pipes: Arc::new(PipePool::new(1 << 20, 16)), idle_timeout: idle }
+    RelayConfig { mode, pipes: Arc::new(PipePool::new(1 << 20, 16, 1024)), idle_timeout: idle }
 }
 
 struct Rig {

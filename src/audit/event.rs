@@ -570,11 +570,14 @@ pub enum CloseReason {
     Shutdown,
     /// The original destination refused or did not answer; the client was reset.
     UpstreamUnreachable,
+    /// The proxy reached one of its limits (open files) and could not connect upstream;
+    /// the client was reset (issue #17: counted in `tierproxy_limit_hits_total`).
+    ResourceLimit,
 }
 
 impl CloseReason {
     /// The attribute value: `normal`, `reset`, `timeout`, `policy-change`, `shutdown`,
-    /// `upstream-unreachable`.
+    /// `upstream-unreachable`, `resource-limit`.
     pub fn as_str(self) -> &'static str {
         match self {
             CloseReason::Normal => "normal",
@@ -583,6 +586,7 @@ impl CloseReason {
             CloseReason::PolicyChange => "policy-change",
             CloseReason::Shutdown => "shutdown",
             CloseReason::UpstreamUnreachable => "upstream-unreachable",
+            CloseReason::ResourceLimit => "resource-limit",
         }
     }
 }

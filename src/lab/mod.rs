@@ -427,6 +427,7 @@ fn build(
                     ready: ready.clone(),
                     audit: audit.then(|| procs::audit_file(&state.dir, &node.name)),
                 },
+                plan.nodes.len(),
                 agent_args,
             );
             let child = procs::spawn_detached(cmd, &out)?;

@@ -104,11 +104,19 @@ pub struct AgentFiles {
     pub audit: Option<PathBuf>,
 }
 
+/// The capabilities a lab agent keeps: the DaemonSet's (`deploy/daemonset.yaml`), so that
+/// what the lab and `loadtest/` measure is what a node runs (issue #17: with all of root's
+/// capabilities the per-user pipe budget never applied in the lab).
+pub const AGENT_CAPABILITIES: &str = "NET_ADMIN,NET_RAW,NET_BIND_SERVICE";
+
 /// The agent command for one node: `<exe> agent --netns <netns> --node <node> --manifests
-/// <paths...> --log <log> --ready-file <ready> --audit-json <audit> --audit-allow-sample 1
+/// <paths...> --log <log> --ready-file <ready> --capabilities NET_ADMIN,NET_RAW,NET_BIND_SERVICE
+/// --pipe-budget-percent <50 / agents> --audit-json <audit> --audit-allow-sample 1
 /// --audit-deny-window-ms 1000 <extra...>` (the audit options unless `lab up --no-audit`;
-/// `extra`: `lab up --agent-arg`, e.g.
-/// `--max-connections=10`; a later option overrides an earlier one).
+/// `extra`: `lab up --agent-arg`, e.g. `--max-connections=10` or `--capabilities=all`; a
+/// later option overrides an earlier one). The `agents` agents of a lab share one
+/// machine's per-user pipe budget, which a node's agent has to itself: each takes its part
+/// of the share one agent takes.
 ///
 /// The agent starts in the host's namespace and enters the node's after starting its
 /// audit sinks, as a hostNetwork pod's sockets live on the node: an OTLP endpoint on the
@@ -127,6 +135,7 @@ pub fn agent_command(
     node: &str,
     manifests: &[PathBuf],
     files: &AgentFiles,
+    agents: usize,
     extra: &[String],
 ) -> Command {
     let AgentFiles { log, ready, audit } = files;
@@ -134,6 +143,9 @@ pub fn agent_command(
     c.args(["agent", "--netns", netns, "--node", node, "--manifests"]);
     c.args(manifests);
     c.arg("--log").arg(log).arg("--ready-file").arg(ready);
+    c.arg(format!("--capabilities={AGENT_CAPABILITIES}"));
+    let share = crate::proxy::relay::PIPE_BUDGET_SHARE_PERCENT / agents.max(1);
+    c.arg(format!("--pipe-budget-percent={}", share.max(1)));
     if let Some(audit) = audit {
         c.arg("--audit-json").arg(audit);
         c.args(["--audit-allow-sample", "1"]);

@@ -100,10 +100,25 @@ fn read(num: u16, mut q: Queue, config: QueueConfig, decider: &Decider) {
         match r {
             Ok(_) => failures = 0,
             Err(e) if e.raw_os_error() == Some(nix::libc::ENOBUFS) => {
-                // The kernel could not deliver some messages; it dropped their packets
-                // (fail-closed; `user_dropped` in /proc/net/netfilter/nfnetlink_queue) or
-                // accepted them (fail-open). Their clients retransmit.
-                tracing::warn!(queue = num, "NFQUEUE reader fell behind; packets dropped");
+                // The kernel could not deliver some messages: fail-closed, it dropped their
+                // packets (`user_dropped` in /proc/net/netfilter/nfnetlink_queue; their
+                // clients retransmit); fail-open, it let them through undecided (counted
+                // nowhere by the kernel; see `redirect`'s fail-open accounting).
+                if let Some(n) = crate::limits::LIMITS.nfqueue_overrun.hit() {
+                    if config.fail_open {
+                        tracing::warn!(
+                            queue = num,
+                            overruns = n,
+                            "NFQUEUE reader fell behind; the kernel let new flows through undecided (fail-open)"
+                        );
+                    } else {
+                        tracing::warn!(
+                            queue = num,
+                            overruns = n,
+                            "NFQUEUE reader fell behind; the kernel dropped new flows' first packets (their clients retransmit)"
+                        );
+                    }
+                }
             }
             Err(e) => {
                 failures += 1;

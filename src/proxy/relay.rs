@@ -5,10 +5,17 @@
 //! GB than tokio copies on these machines). [`RelayMode::Copy`] is the fallback through
 //! user-space buffers (64 KiB per direction) for where splice is not available.
 //!
-//! Pipes come from a [`PipePool`]: a connection that ends normally leaves its two pipes
-//! empty, and the next connection takes them instead of creating and sizing two new ones
-//! (`pipe2` and `F_SETPIPE_SZ` twice, four `close`s: 8 of the ~51 system calls a proxied
-//! connection cost, issue #7).
+//! A direction holds a pipe only while bytes are in flight (issue #17): it leases one from
+//! the [`PipePool`] when its socket becomes readable and gives it back, empty, when the
+//! socket has nothing more to read. An idle connection holds its two sockets and nothing
+//! else (it held two pipes, four descriptors and up to 2 MiB of the pipe budget before, so
+//! 3,334 idle connections exhausted a 20,000-descriptor limit). Pipes given back empty are
+//! kept for the next burst, of this or another connection, instead of creating and sizing
+//! new ones (`pipe2`, `F_SETPIPE_SZ`, `close`: 8 of the ~51 system calls a proxied
+//! connection cost, issue #7). The pool is bounded by a [`PipeBudget`]: at most so many
+//! pipes open at once, of a size within the kernel's per-user pipe budget; when none can be
+//! had, the burst is relayed by copy through user space and counted
+//! ([`crate::limits::Limits::pipes`]).
 //!
 //! Each direction ends on its own: EOF on one side shuts down the write side of the other
 //! (half-close propagates, FIN each way independently). A reset or error on one side
@@ -87,10 +94,9 @@ impl CloseReason {
 /// Relays between `client` and `server` until both directions end, one side fails, the
 /// connection is idle for `config.idle_timeout`, or `stop` is notified.
 ///
-/// In splice mode the two pipes are taken from `config.pipes` and given back when the
-/// relay ends normally (then both are empty); after any other end they are closed. When
-/// no pipe can be had (file descriptor limit) the connection is relayed by copy, with a
-/// warning.
+/// In splice mode each direction leases a pipe from `config.pipes` while it has bytes in
+/// flight ([`PipePool::lease`]); a burst for which no pipe can be had is copied through a
+/// user-space buffer instead.
 pub async fn relay(
     client: TcpStream,
     server: TcpStream,
@@ -101,70 +107,164 @@ pub async fn relay(
     let (client, server) = (&client, &server);
     let start = Instant::now();
     let last = AtomicU64::new(0);
-    let pool = &config.pipes;
-    let pipes = match config.mode {
-        RelayMode::Splice => match pool.take().and_then(|up| Ok((up, pool.take()?))) {
-            Ok(pair) => Some(pair),
-            Err(e) => {
-                tracing::warn!(error = %e, "no pipe for splice; relaying by copy");
-                None
-            }
-        },
-        RelayMode::Copy => None,
-    };
     let (to_server, to_client) = (&counters.to_server, &counters.to_client);
-    let reason = match &pipes {
-        Some((up, down)) => {
-            let a = pump(client, server, up, to_server, &last, start);
-            let b = pump(server, client, down, to_client, &last, start);
+    let reason = match config.mode {
+        RelayMode::Splice => {
+            let pool = &config.pipes;
+            let a = pump(client, server, pool, to_server, &last, start);
+            let b = pump(server, client, pool, to_client, &last, start);
             drive(a, b, config.idle_timeout, &last, start, stop).await
         }
-        None => {
+        RelayMode::Copy => {
             let a = copy_pump(client, server, to_server, &last, start);
             let b = copy_pump(server, client, to_client, &last, start);
             drive(a, b, config.idle_timeout, &last, start, stop).await
         }
     };
-    if reason == CloseReason::Normal {
-        // Both directions read EOF after writing out all they had read: the pipes are empty.
-        if let Some((up, down)) = pipes {
-            pool.give(up);
-            pool.give(down);
-        }
-    } else {
-        // A pipe may still hold bytes that were never written out: closed with `pipes`.
+    if reason != CloseReason::Normal {
+        // A pipe may still hold bytes that were never written out: its lease closed it.
         abort(client);
         abort(server);
     }
     reason
 }
 
-/// How many empty pipes a [`PipePool`] of the agent keeps: enough for 8 connections
-/// opening and closing at once. Kept pipes count against the kernel's per-user pipe
-/// budget (`/proc/sys/fs/pipe-user-pages-soft`, 64 MiB by default, shared by every process
-/// of the user, uid 0 on a node): at 1 MiB each these keep a quarter of it, so other root
-/// processes on the node still get full-size pipes (pipe(7), "/proc files").
+/// How many empty pipes a [`PipePool`] of the agent keeps: enough for 8 connections'
+/// bursts at once without creating pipes. Kept pipes count against the kernel's per-user
+/// pipe budget like pipes in use ([`PipeBudget`]).
 pub const POOLED_PIPES: usize = 16;
 
-/// Empty pipes kept between connections, all of one requested size.
+/// Default relay pipe size per direction (DESIGN §7: 1 MiB measured best on these
+/// machines), where the budget allows it ([`PipeBudget::for_process`]).
+pub const DEFAULT_PIPE_BYTES: usize = 1 << 20;
+
+/// Smallest pipe the budget shrinks pipes to: the kernel's default pipe size (16 pages),
+/// which every process gets without asking.
+pub const MIN_PIPE_BYTES: usize = 64 << 10;
+
+/// How many pipes the budget keeps room for at least, by shrinking their size: 32
+/// connections moving bytes both ways at once.
+pub const MIN_BUDGET_PIPES: usize = 64;
+
+/// The share of the per-user pipe budget (`pipe-user-pages-soft`) the agent takes, in
+/// percent: every process of the agent's user (uid 0 on a node: the container runtime,
+/// other root pods without a user namespace) shares that budget, and a pipe created past it
+/// is 8 KiB and refuses to grow.
+pub const PIPE_BUDGET_SHARE_PERCENT: usize = 50;
+
+/// Where the relay's pipes may come from: how large each is and how many may be open at
+/// once (in use or kept idle).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PipeBudget {
+    /// The size each pipe is given (`F_SETPIPE_SZ`), bytes.
+    pub pipe_bytes: usize,
+    /// The most pipes open at once.
+    pub max_pipes: usize,
+    /// Whether the kernel's per-user pipe budget applies to this process (it lacks
+    /// CAP_SYS_RESOURCE and CAP_SYS_ADMIN), and if so its soft limit in bytes.
+    pub user_limit: Option<usize>,
+}
+
+impl PipeBudget {
+    /// The budget of this process: `max_pipes` pipes (what its open files limit leaves, see
+    /// [`crate::agent`]) of [`DEFAULT_PIPE_BYTES`], unless the kernel's per-user pipe budget
+    /// applies ([`PipeBudget::unprivileged`], with `share_percent` of it). Source: pipe(7),
+    /// "/proc files": `pipe-user-pages-soft` applies to a process without CAP_SYS_RESOURCE
+    /// and CAP_SYS_ADMIN.
+    pub fn for_process(max_pipes: usize, share_percent: usize) -> PipeBudget {
+        let privileged = effective_capabilities().is_some_and(|caps| {
+            caps & (1 << CAP_SYS_RESOURCE) != 0 || caps & (1 << CAP_SYS_ADMIN) != 0
+        });
+        let soft = std::fs::read_to_string("/proc/sys/fs/pipe-user-pages-soft")
+            .ok()
+            .and_then(|s| s.trim().parse::<usize>().ok());
+        match soft {
+            // 0 means no limit.
+            Some(pages) if !privileged && pages > 0 => {
+                PipeBudget::unprivileged(pages.saturating_mul(4096), share_percent, max_pipes)
+            }
+            _ => PipeBudget { pipe_bytes: DEFAULT_PIPE_BYTES, max_pipes, user_limit: None },
+        }
+    }
+
+    /// The budget under a per-user pipe limit of `limit_bytes`: the agent takes
+    /// `share_percent` of it (1 to 100; [`PIPE_BUDGET_SHARE_PERCENT`] by default); pipes
+    /// keep [`DEFAULT_PIPE_BYTES`] while that share holds [`MIN_BUDGET_PIPES`] of them, else
+    /// they are halved down to [`MIN_PIPE_BYTES`]; the count is what the share holds, at
+    /// most `max_pipes`.
+    pub fn unprivileged(limit_bytes: usize, share_percent: usize, max_pipes: usize) -> PipeBudget {
+        let share = (limit_bytes as u128 * share_percent.clamp(1, 100) as u128 / 100) as usize;
+        let mut pipe_bytes = DEFAULT_PIPE_BYTES;
+        while pipe_bytes > MIN_PIPE_BYTES && share / pipe_bytes < MIN_BUDGET_PIPES {
+            pipe_bytes /= 2;
+        }
+        PipeBudget {
+            pipe_bytes,
+            max_pipes: (share / pipe_bytes).clamp(1, max_pipes.max(1)),
+            user_limit: Some(limit_bytes),
+        }
+    }
+}
+
+/// `CAP_SYS_ADMIN` (capabilities(7)).
+const CAP_SYS_ADMIN: u32 = 21;
+/// `CAP_SYS_RESOURCE`.
+const CAP_SYS_RESOURCE: u32 = 24;
+
+/// The calling thread's effective capabilities (`CapEff` of `/proc/thread-self/status`).
+fn effective_capabilities() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/thread-self/status").ok()?;
+    let hex = status.lines().find_map(|l| l.strip_prefix("CapEff:"))?;
+    u64::from_str_radix(hex.trim(), 16).ok()
+}
+
+/// Counters of a [`PipePool`].
+#[derive(Debug, Default)]
+pub struct PipeStats {
+    /// Pipes created.
+    pub created: AtomicU64,
+    /// Pipes the kernel refused their size (left at its default or smaller): used for one
+    /// burst, then closed.
+    pub undersized: AtomicU64,
+    /// Bursts relayed by copy because no pipe could be had (budget, open files).
+    pub copied_bursts: AtomicU64,
+}
+
+/// Pipes for the relay: leased per burst ([`PipePool::lease`]), at most
+/// [`PipeBudget::max_pipes`] open at once, empty ones of the full size kept for the next
+/// burst (at most `keep`).
 ///
-/// [`relay`] takes two per spliced connection and gives them back when the connection
-/// ended normally; at most `keep` are kept, the rest are closed. Source: pipe(7)
-/// (`F_SETPIPE_SZ`), splice(2).
+/// Source: pipe(7) (`F_SETPIPE_SZ`, the per-user budget), splice(2).
 #[derive(Debug)]
 pub struct PipePool {
     bytes: usize,
     keep: usize,
+    max: usize,
+    /// Pipes open now: leased plus idle.
+    open: std::sync::atomic::AtomicUsize,
     idle: std::sync::Mutex<Vec<Pipe>>,
+    /// Counters.
+    pub stats: PipeStats,
 }
 
 impl PipePool {
-    /// A pool of pipes of `bytes` each (the kernel rounds up to a power of two pages; a
-    /// size it refuses, above `/proc/sys/fs/pipe-max-size` or over the user's pipe budget
-    /// without CAP_SYS_RESOURCE, leaves the default 64 KiB), keeping at most `keep` idle.
-    /// `keep` = 0 creates and closes pipes per connection.
-    pub fn new(bytes: usize, keep: usize) -> PipePool {
-        PipePool { bytes, keep, idle: std::sync::Mutex::new(Vec::with_capacity(keep)) }
+    /// A pool of pipes of `bytes` each (the kernel rounds up to a power of two pages), at
+    /// most `max` open at once, keeping at most `keep` idle. `keep` = 0 creates and closes
+    /// a pipe per burst.
+    pub fn new(bytes: usize, keep: usize, max: usize) -> PipePool {
+        PipePool {
+            bytes,
+            keep,
+            max,
+            open: std::sync::atomic::AtomicUsize::new(0),
+            idle: std::sync::Mutex::new(Vec::with_capacity(keep)),
+            stats: PipeStats::default(),
+        }
+    }
+
+    /// A pool within `budget`, keeping [`POOLED_PIPES`] idle.
+    pub fn with_budget(budget: PipeBudget) -> PipePool {
+        PipePool::new(budget.pipe_bytes, POOLED_PIPES.min(budget.max_pipes), budget.max_pipes)
     }
 
     /// Idle pipes now kept.
@@ -172,28 +272,104 @@ impl PipePool {
         self.lock().len()
     }
 
-    /// A kept pipe, or a new one.
-    ///
-    /// # Errors
-    /// `pipe2(2)`'s: the process or system is out of file descriptors.
-    fn take(&self) -> io::Result<Pipe> {
-        match self.lock().pop() {
-            Some(p) => Ok(p),
-            None => Pipe::new(self.bytes),
+    /// Pipes open now (leased or idle).
+    pub fn open(&self) -> usize {
+        self.open.load(Ordering::Relaxed)
+    }
+
+    /// A pipe for one burst: a kept one, or a new one while fewer than `max` are open.
+    /// `None` when the budget is used up or no pipe can be created (open files): the
+    /// caller copies the burst instead. Both are counted and logged, rate-limited.
+    pub fn lease(&self) -> Option<Lease<'_>> {
+        if let Some(pipe) = self.lock().pop() {
+            return Some(Lease { pool: self, pipe: Some(pipe), in_flight: 0 });
+        }
+        let limits = &crate::limits::LIMITS;
+        if self.open.fetch_add(1, Ordering::Relaxed) >= self.max {
+            self.open.fetch_sub(1, Ordering::Relaxed);
+            self.stats.copied_bursts.fetch_add(1, Ordering::Relaxed);
+            if let Some(n) = limits.pipes.hit() {
+                tracing::warn!(
+                    max_pipes = self.max,
+                    hits = n,
+                    "relay pipe budget used up: bursts are copied through user space until pipes come back"
+                );
+            }
+            return None;
+        }
+        match Pipe::new(self.bytes) {
+            Ok(pipe) => {
+                self.stats.created.fetch_add(1, Ordering::Relaxed);
+                if pipe.capacity < self.bytes {
+                    self.stats.undersized.fetch_add(1, Ordering::Relaxed);
+                    if let Some(n) = limits.pipes.hit() {
+                        tracing::warn!(
+                            asked = self.bytes,
+                            got = pipe.capacity,
+                            hits = n,
+                            "the kernel refused a relay pipe its size (the per-user pipe budget, pipe-user-pages-soft, is spent); such pipes are used once"
+                        );
+                    }
+                }
+                Some(Lease { pool: self, pipe: Some(pipe), in_flight: 0 })
+            }
+            Err(e) => {
+                self.open.fetch_sub(1, Ordering::Relaxed);
+                self.stats.copied_bursts.fetch_add(1, Ordering::Relaxed);
+                let hits = if crate::limits::is_out_of_files(&e) {
+                    &limits.open_files
+                } else {
+                    &limits.pipes
+                };
+                if let Some(n) = hits.hit() {
+                    tracing::warn!(error = %e, hits = n, "no pipe for splice; bursts are copied through user space");
+                }
+                None
+            }
         }
     }
 
-    /// Keeps `pipe`, which must be empty, or closes it when the pool is full.
-    fn give(&self, pipe: Pipe) {
-        let mut idle = self.lock();
-        if idle.len() < self.keep {
-            idle.push(pipe);
+    /// Keeps `pipe` (empty, of the full size) when fewer than `keep` are idle; else closes it.
+    fn give_back(&self, pipe: Pipe, empty: bool) {
+        if empty && pipe.capacity >= self.bytes {
+            let mut idle = self.lock();
+            if idle.len() < self.keep {
+                idle.push(pipe);
+                return;
+            }
         }
+        drop(pipe);
+        self.open.fetch_sub(1, Ordering::Relaxed);
     }
 
     /// The idle list; a panic while it was held left it intact (a push or a pop).
     fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Pipe>> {
         self.idle.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+/// A pipe leased from a [`PipePool`] for one burst. Dropped, it goes back to the pool if it
+/// is empty and of the pool's size, else it is closed (bytes still in it are lost with the
+/// connection that failed).
+#[derive(Debug)]
+pub struct Lease<'a> {
+    pool: &'a PipePool,
+    pipe: Option<Pipe>,
+    /// Bytes spliced in and not yet out.
+    in_flight: usize,
+}
+
+impl Lease<'_> {
+    fn pipe(&self) -> &Pipe {
+        self.pipe.as_ref().expect("a lease holds its pipe until dropped")
+    }
+}
+
+impl Drop for Lease<'_> {
+    fn drop(&mut self) {
+        if let Some(pipe) = self.pipe.take() {
+            self.pool.give_back(pipe, self.in_flight == 0);
+        }
     }
 }
 
@@ -211,7 +387,8 @@ impl Pipe {
         let want = i32::try_from(bytes).unwrap_or(i32::MAX);
         let capacity = match fcntl(&write, FcntlArg::F_SETPIPE_SZ(want)) {
             Ok(n) => n as usize,
-            Err(_) => 65_536,
+            // Refused (over the per-user budget or pipe-max-size): whatever it has.
+            Err(_) => fcntl(&write, FcntlArg::F_GETPIPE_SZ).map_or(4096, |n| n as usize),
         };
         Ok(Pipe { read, write, capacity })
     }
@@ -262,47 +439,91 @@ async fn drive(
     CloseReason::Normal
 }
 
-/// Moves `from` → `to` through `pipe` until EOF on `from`, then shuts down `to`'s write
-/// side.
+/// Moves `from` → `to` until EOF on `from`, then shuts down `to`'s write side. Each burst
+/// (from readable until it would block) goes through a pipe leased from `pool`, given back
+/// empty when `from` has nothing more; without a pipe, through a user-space buffer.
 async fn pump(
     from: &TcpStream,
     to: &TcpStream,
-    pipe: &Pipe,
+    pool: &PipePool,
     count: &AtomicU64,
     last: &AtomicU64,
     start: Instant,
 ) -> io::Result<()> {
     let flags = SpliceFFlags::SPLICE_F_MOVE | SpliceFFlags::SPLICE_F_NONBLOCK;
+    // Held while `from` keeps having bytes; dropped (given back empty) when it has none.
+    let mut lease: Option<Lease<'_>> = None;
     loop {
-        let n = loop {
-            from.readable().await?;
-            match from.try_io(Interest::READABLE, || {
-                splice(from.as_fd(), None, pipe.write.as_fd(), None, pipe.capacity, flags)
-                    .map_err(io::Error::from)
-            }) {
-                Ok(n) => break n,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
-                Err(e) => return Err(e),
+        from.readable().await?;
+        if lease.is_none() {
+            lease = pool.lease();
+        }
+        let n = match lease.as_mut() {
+            Some(l) => {
+                let pipe = l.pipe();
+                match from.try_io(Interest::READABLE, || {
+                    splice(from.as_fd(), None, pipe.write.as_fd(), None, pipe.capacity, flags)
+                        .map_err(io::Error::from)
+                }) {
+                    Ok(n) => {
+                        l.in_flight = n;
+                        n
+                    }
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                        // The burst is over: the pipe is empty, give it back.
+                        lease = None;
+                        continue;
+                    }
+                    Err(e) => return Err(e),
+                }
             }
+            None => match copy_burst(from, to).await? {
+                Some(n) => n,
+                None => continue,
+            },
         };
         if n == 0 {
+            drop(lease);
             return shutdown_write(to);
         }
-        let mut left = n;
-        while left > 0 {
-            to.writable().await?;
-            match to.try_io(Interest::WRITABLE, || {
-                splice(pipe.read.as_fd(), None, to.as_fd(), None, left, flags)
-                    .map_err(io::Error::from)
-            }) {
-                Ok(m) => left -= m,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
-                Err(e) => return Err(e),
+        if let Some(l) = lease.as_mut() {
+            while l.in_flight > 0 {
+                to.writable().await?;
+                let pipe = l.pipe();
+                match to.try_io(Interest::WRITABLE, || {
+                    splice(pipe.read.as_fd(), None, to.as_fd(), None, l.in_flight, flags)
+                        .map_err(io::Error::from)
+                }) {
+                    Ok(m) => l.in_flight -= m,
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                    Err(e) => return Err(e),
+                }
             }
         }
         count.fetch_add(n as u64, Ordering::Relaxed);
         last.store(millis(start), Ordering::Relaxed);
     }
+}
+
+/// One burst without a pipe: reads what `from` has (up to [`COPY_BUFFER`]) and writes it
+/// all to `to`. `Some(0)` at EOF, `None` when `from` had nothing after all.
+async fn copy_burst(from: &TcpStream, to: &TcpStream) -> io::Result<Option<usize>> {
+    let mut buf = vec![0u8; COPY_BUFFER];
+    let n = match from.try_read(&mut buf) {
+        Ok(n) => n,
+        Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    let mut done = 0;
+    while done < n {
+        to.writable().await?;
+        match to.try_write(&buf[done..n]) {
+            Ok(m) => done += m,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(Some(n))
 }
 
 fn shutdown_write(s: &TcpStream) -> io::Result<()> {
@@ -394,64 +615,139 @@ mod tests {
         }
     }
 
-    /// Read ends of the pool's idle pipes.
+    /// Read ends of the pool's idle pipes, sorted.
     fn idle_fds(pool: &PipePool) -> Vec<i32> {
-        pool.lock().iter().map(|p| p.read.as_raw_fd()).collect()
+        let mut fds: Vec<i32> = pool.lock().iter().map(|p| p.read.as_raw_fd()).collect();
+        fds.sort_unstable();
+        fds
+    }
+
+    /// Waits up to 5 s for `cond`.
+    async fn until(what: &str, cond: impl Fn() -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !cond() {
+            assert!(Instant::now() < deadline, "not within 5 s: {what}");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    /// One request and one response through the relay.
+    async fn round_trip(c: &mut TcpStream, s: &mut TcpStream) {
+        c.write_all(b"ping").await.unwrap();
+        let mut b = [0u8; 4];
+        s.read_exact(&mut b).await.unwrap();
+        s.write_all(b"pong").await.unwrap();
+        c.read_exact(&mut b).await.unwrap();
+        assert_eq!(&b, b"pong");
     }
 
     #[tokio::test]
-    async fn pipes_go_back_to_the_pool_empty_after_a_normal_end_and_are_reused() {
-        let pool = Arc::new(PipePool::new(1 << 16, 4));
+    async fn an_idle_connection_holds_no_pipe_and_pipes_come_back_empty_for_reuse() {
+        let pool = Arc::new(PipePool::new(1 << 16, 4, 64));
         let config = splice(&pool);
         let mut kept = Vec::new();
         for round in 0..3 {
             let (mut c, mut s, relay) = start(config.clone()).await;
-            c.write_all(b"ping").await.unwrap();
-            let mut b = [0u8; 4];
-            s.read_exact(&mut b).await.unwrap();
-            s.write_all(b"pong").await.unwrap();
-            c.read_exact(&mut b).await.unwrap();
-            assert_eq!(&b, b"pong");
+            round_trip(&mut c, &mut s).await;
+            // Between bursts the connection is idle: both directions gave their pipe back.
+            until("the pipes are back in the pool", || pool.idle() == pool.open()).await;
+            assert!(pool.open() <= 2, "round {round}: {} pipes open", pool.open());
+            round_trip(&mut c, &mut s).await;
             c.shutdown().await.unwrap();
             s.shutdown().await.unwrap();
-            assert_eq!(s.read(&mut b).await.unwrap(), 0, "EOF at the server");
-            assert_eq!(c.read(&mut b).await.unwrap(), 0, "EOF at the client");
+            assert_eq!(s.read(&mut [0u8; 1]).await.unwrap(), 0, "EOF at the server");
+            assert_eq!(c.read(&mut [0u8; 1]).await.unwrap(), 0, "EOF at the client");
             assert_eq!(relay.await.unwrap(), CloseReason::Normal);
-            assert_eq!(pool.idle(), 2, "round {round}: both pipes kept");
+            assert_eq!(pool.idle(), pool.open(), "round {round}: every pipe is back");
             for p in pool.lock().iter() {
                 let e = nix::unistd::read(&p.read, &mut [0u8; 1]).expect_err("an empty pipe");
                 assert_eq!(e, nix::errno::Errno::EAGAIN, "round {round}: the pipe is empty");
             }
-            let mut fds = idle_fds(&pool);
-            fds.sort_unstable();
+            let fds = idle_fds(&pool);
             if round > 0 {
-                assert_eq!(fds, kept, "round {round}: the same two pipes, not new ones");
+                assert_eq!(fds, kept, "round {round}: the same pipes, not new ones");
             }
             kept = fds;
         }
+        assert!(pool.stats.created.load(Ordering::Relaxed) <= 2);
     }
 
     #[tokio::test]
-    async fn pipes_are_closed_after_a_reset_and_beyond_what_the_pool_keeps() {
-        let pool = Arc::new(PipePool::new(1 << 16, 1));
+    async fn many_idle_connections_hold_no_pipes() {
+        let pool = Arc::new(PipePool::new(1 << 16, 2, 1024));
         let config = splice(&pool);
-        let (mut c, mut s, relay) = start(config.clone()).await;
-        c.write_all(b"x").await.unwrap();
-        c.shutdown().await.unwrap();
-        let mut got = Vec::new();
-        s.read_to_end(&mut got).await.unwrap();
-        assert_eq!(got, b"x");
-        s.shutdown().await.unwrap();
-        assert_eq!(c.read(&mut [0u8; 1]).await.unwrap(), 0, "EOF at the client");
-        assert_eq!(relay.await.unwrap(), CloseReason::Normal);
-        assert_eq!(pool.idle(), 1, "at most `keep` pipes are kept");
+        let mut live = Vec::new();
+        for _ in 0..20 {
+            let (mut c, mut s, relay) = start(config.clone()).await;
+            round_trip(&mut c, &mut s).await;
+            live.push((c, s, relay));
+        }
+        until("the pipes are back", || pool.open() == pool.idle()).await;
+        assert!(pool.open() <= 2, "20 idle connections, {} pipes open", pool.open());
+    }
 
-        // A reset: the pipe taken from the pool is closed with the other.
+    #[tokio::test]
+    async fn past_the_budget_bursts_are_copied_and_counted() {
+        // One pipe for two directions: while the server is not reading, one direction
+        // holds it with bytes in flight, and the other copies.
+        let pool = Arc::new(PipePool::new(1 << 16, 1, 1));
+        let config = splice(&pool);
+        let (mut c, mut s, relay) = start(config).await;
+        // Fill the client→server direction beyond the socket buffers so its pipe stays busy.
+        let big = vec![7u8; 8 << 20];
+        let writer = tokio::spawn(async move {
+            c.write_all(&big).await.unwrap();
+            c
+        });
+        until("the pipe is leased", || pool.open() == 1 && pool.idle() == 0).await;
+        // The other direction gets no pipe and copies.
+        s.write_all(b"pong").await.unwrap();
+        until("a burst was copied", || pool.stats.copied_bursts.load(Ordering::Relaxed) > 0).await;
+        let mut got = vec![0u8; 8 << 20];
+        s.read_exact(&mut got).await.unwrap();
+        assert!(got.iter().all(|b| *b == 7));
+        let mut c = writer.await.unwrap();
+        let mut b = [0u8; 4];
+        c.read_exact(&mut b).await.unwrap();
+        assert_eq!(&b, b"pong");
+        drop((c, s));
+        assert_ne!(relay.await.unwrap(), CloseReason::Stopped);
+        assert!(pool.open() <= 1);
+    }
+
+    #[tokio::test]
+    async fn pipes_with_bytes_in_flight_are_closed_on_a_reset() {
+        let pool = Arc::new(PipePool::new(1 << 16, 4, 64));
+        let config = splice(&pool);
         let (mut c, s, relay) = start(config).await;
-        c.write_all(b"x").await.unwrap();
+        // The server never reads: bytes stay in the pipe; then it resets.
+        c.write_all(&vec![1u8; 4 << 20]).await.unwrap_or(());
+        until("a pipe is leased", || pool.open() > pool.idle()).await;
         socket2::SockRef::from(&s).set_linger(Some(Duration::ZERO)).unwrap();
         drop(s);
         assert_eq!(relay.await.unwrap(), CloseReason::Reset);
-        assert_eq!(pool.idle(), 0, "pipes of a reset connection are not kept");
+        assert_eq!(pool.open(), pool.idle(), "the busy pipe was closed, not kept");
+        for p in pool.lock().iter() {
+            let e = nix::unistd::read(&p.read, &mut [0u8; 1]).expect_err("an empty pipe");
+            assert_eq!(e, nix::errno::Errno::EAGAIN, "kept pipes are empty");
+        }
+    }
+
+    #[test]
+    fn an_unprivileged_budget_shrinks_pipes_to_keep_enough_of_them() {
+        // The kernel's default per-user budget: 16,384 pages = 64 MiB; half of it is 32 MiB.
+        let b = PipeBudget::unprivileged(64 << 20, 50, 100_000);
+        assert_eq!((b.pipe_bytes, b.max_pipes), (512 << 10, 64));
+        // Two agents on one machine (the lab) take a quarter each.
+        let b = PipeBudget::unprivileged(64 << 20, 25, 100_000);
+        assert_eq!((b.pipe_bytes, b.max_pipes), (256 << 10, 64));
+        // A larger budget keeps 1 MiB pipes.
+        let b = PipeBudget::unprivileged(1 << 30, 50, 100_000);
+        assert_eq!((b.pipe_bytes, b.max_pipes), (1 << 20, 512));
+        // The open files limit caps the count.
+        assert_eq!(PipeBudget::unprivileged(1 << 30, 50, 40).max_pipes, 40);
+        // A tiny budget: the smallest pipes, at least one.
+        let b = PipeBudget::unprivileged(64 << 10, 50, 100);
+        assert_eq!((b.pipe_bytes, b.max_pipes), (MIN_PIPE_BYTES, 1));
     }
 }

@@ -17,7 +17,9 @@
 //!   `sk_clone_lock`; `tests/datapath_netns.rs` checks that small writes are not held
 //!   back), and relay pipes are reused ([`super::relay::PipePool`]).
 //! - A bounded number of connections: at the limit the proxy stops accepting (new SYNs
-//!   wait in the listen backlog) and says so once in the log.
+//!   wait in the listen backlog); each wait is counted and logged, rate-limited
+//!   ([`crate::limits`]). The limit is what the open files limit allows
+//!   ([`crate::agent::FdPlan`]), so the proxy meets it before the kernel's `EMFILE`.
 //! - Shutdown: stop accepting, let live connections finish for a grace period, then stop
 //!   them (both sides reset).
 //!
@@ -127,19 +129,19 @@ pub async fn serve(
     let accepting = {
         let (decider, registry, config) = (decider.clone(), registry.clone(), config.clone());
         tokio::spawn(async move {
-            // Said once per episode at the limit, not once per connection waiting.
-            let mut said = false;
+            let limits = &crate::limits::LIMITS;
             loop {
                 let permit = match limit.clone().try_acquire_owned() {
-                    Ok(p) => {
-                        said = false;
-                        p
-                    }
+                    Ok(p) => p,
                     Err(_) => {
-                        if !std::mem::replace(&mut said, true) {
+                        // Counted once per wait at the limit (each wait holds back at least
+                        // one connection in the listen backlog); logged rate-limited.
+                        if let Some(n) = limits.connections.hit() {
                             tracing::warn!(
                                 max = config.max_connections,
-                                "connection limit reached; not accepting until one closes"
+                                hits = n,
+                                "connection limit reached; not accepting until one closes \
+                                 (new connections wait in the listen backlog)"
                             );
                         }
                         match limit.clone().acquire_owned().await {
@@ -160,8 +162,16 @@ pub async fn serve(
                 let (client, peer) = match accepted {
                     Ok(c) => c,
                     Err(e) => {
-                        // EMFILE and friends: back off instead of spinning.
-                        tracing::warn!(error = %e, "accept failed");
+                        // EMFILE and friends: back off instead of spinning; the connection
+                        // stays in the backlog for the next try.
+                        let hits = if crate::limits::is_out_of_files(&e) {
+                            &limits.open_files
+                        } else {
+                            &limits.accept_errors
+                        };
+                        if let Some(n) = hits.hit() {
+                            tracing::warn!(error = %e, hits = n, "accept failed; retrying in 50 ms");
+                        }
                         tokio::time::sleep(Duration::from_millis(50)).await;
                         continue;
                     }
@@ -248,6 +258,14 @@ async fn proxy(
     .await
     {
         Ok(Ok(s)) => s,
+        Ok(Err(e)) if crate::limits::is_out_of_files(&e) => {
+            if let Some(n) = crate::limits::LIMITS.open_files.hit() {
+                tracing::warn!(error = %e, hits = n, "open files limit: upstream socket not created; clients reset");
+            }
+            reset(&client);
+            ended(CloseReason::ResourceLimit);
+            return;
+        }
         Ok(Err(e)) => {
             tracing::debug!(error = %e, dst = %key.dst, "upstream connect failed");
             reset(&client);

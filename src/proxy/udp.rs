@@ -198,7 +198,6 @@ async fn listen(
     registry: &Arc<Registry>,
 ) {
     let fd = listener.as_raw_fd();
-    let mut full = false;
     loop {
         if let Err(e) = listener.readable().await {
             tracing::error!(error = %e, "UDP listener failed");
@@ -209,7 +208,7 @@ async fn listen(
             let got = SCRATCH.with_borrow_mut(|buf| {
                 let r = listener.try_io(Interest::READABLE, || recv_original(fd, buf));
                 r.map(|(src, dst, n)| {
-                    datagram(src, dst, &buf[..n], table, config, decider, registry, &mut full);
+                    datagram(src, dst, &buf[..n], table, config, decider, registry);
                 })
             });
             match got {
@@ -229,7 +228,6 @@ async fn listen(
 }
 
 /// One datagram from the listener: to its flow, or the first of a new flow.
-#[allow(clippy::too_many_arguments)]
 fn datagram(
     src: SocketAddr,
     dst: SocketAddr,
@@ -238,7 +236,6 @@ fn datagram(
     config: &Arc<UdpConfig>,
     decider: &Arc<Decider>,
     registry: &Arc<Registry>,
-    full: &mut bool,
 ) {
     let (src, dst) = (unmap(src), unmap(dst));
     let (existing, live) = {
@@ -252,12 +249,15 @@ fn datagram(
     }
     if live >= config.max_flows {
         table.stats.dropped.fetch_add(1, Ordering::Relaxed);
-        if !std::mem::replace(full, true) {
-            tracing::warn!(max = config.max_flows, "UDP flow limit reached; new flows dropped");
+        if let Some(n) = crate::limits::LIMITS.udp_flows.hit() {
+            tracing::warn!(
+                max = config.max_flows,
+                hits = n,
+                "UDP flow limit reached; the first datagrams of new flows are dropped until flows end"
+            );
         }
         return;
     }
-    *full = false;
     let key = FlowKey { src, dst, protocol: Protocol::Udp };
     let admission = decider.take(&key).unwrap_or_else(|| Admission {
         decision: decider.decide(key.flow()),
@@ -275,7 +275,14 @@ fn datagram(
         Ok(pair) => pair,
         Err(e) => {
             table.stats.dropped.fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(error = %e, %src, %dst, "UDP flow not opened; datagram dropped");
+            let limits = &crate::limits::LIMITS;
+            if crate::limits::is_out_of_files(&e) {
+                if let Some(n) = limits.open_files.hit() {
+                    tracing::warn!(error = %e, hits = n, "open files limit: UDP flows not opened, datagrams dropped");
+                }
+            } else {
+                tracing::warn!(error = %e, %src, %dst, "UDP flow not opened; datagram dropped");
+            }
             return;
         }
     };

@@ -23,8 +23,9 @@ use std::net::IpAddr;
 
 use super::exec::Cmd;
 use super::{
-    Backend, BackendKind, Names, QUEUED_PROTOCOLS, QueueWhen, RedirectError, RulesetSpec,
-    TPROXY_PROTOCOLS, by_family, routing,
+    Backend, BackendKind, COMMENT_NODE_SOURCE, COMMENT_POD_SOURCE, COMMENT_STRAY_TCP, DropCounts,
+    Names, QUEUED_PROTOCOLS, QueueWhen, RedirectError, RulesetSpec, TPROXY_PROTOCOLS, by_family,
+    routing,
 };
 use crate::config::RedirectConfig;
 
@@ -178,20 +179,23 @@ const TABLES: [&str; 2] = ["mangle", "raw"];
 /// The jumps into tierproxy's chains: mangle PREROUTING intercepts, mangle INPUT and
 /// FORWARD decide, raw PREROUTING and OUTPUT set the upstream legs' conntrack zone (see the
 /// module docs of `redirect`).
-fn hooks(names: &Names) -> [Jump<'_>; 5] {
+/// Each jump is inserted at the top of its chain, so of two in one built-in chain the
+/// later one ends up first: raw PREROUTING checks sources (chain S) before zones (rule 0).
+fn hooks(names: &Names) -> [Jump<'_>; 6] {
     [
         ("mangle", "PREROUTING", names.chain.as_str()),
         ("mangle", "INPUT", names.decide_chain.as_str()),
         ("mangle", "FORWARD", names.decide_chain.as_str()),
         ("raw", "PREROUTING", names.zone_in_chain.as_str()),
         ("raw", "OUTPUT", names.zone_out_chain.as_str()),
+        ("raw", "PREROUTING", names.source_chain.as_str()),
     ]
 }
 
 /// tierproxy's chains in `table`.
 fn own_chains<'a>(names: &'a Names, table: &str) -> Vec<&'a String> {
     match table {
-        "raw" => vec![&names.zone_in_chain, &names.zone_out_chain],
+        "raw" => vec![&names.source_chain, &names.zone_in_chain, &names.zone_out_chain],
         _ => vec![
             &names.chain,
             &names.divert_chain,
@@ -202,9 +206,9 @@ fn own_chains<'a>(names: &'a Names, table: &str) -> Vec<&'a String> {
     }
 }
 
-/// The `ipset restore` input that makes the four sets hold exactly the spec's addresses:
-/// each set is created if missing, a temporary set is filled and swapped in, and the
-/// temporary set (now holding the old members) destroyed.
+/// The `ipset restore` input that makes the six sets hold exactly the spec's addresses and
+/// interfaces: each set is created if missing, a temporary set is filled and swapped in, and
+/// the temporary set (now holding the old members) destroyed.
 pub(crate) fn ipset_input(spec: &RulesetSpec) -> String {
     let names = spec.names();
     let (pods4, pods6) = by_family(spec.local_pods());
@@ -216,19 +220,43 @@ pub(crate) fn ipset_input(spec: &RulesetSpec) -> String {
         (&names.nodes_v4, Family::V4, &nodes4),
         (&names.nodes_v6, Family::V6, &nodes6),
     ] {
-        let tmp = format!("{set}-tmp");
-        let family = fam.ipset_family();
-        let _ = writeln!(out, "create {set} hash:ip family {family}");
-        let _ = writeln!(out, "create {tmp} hash:ip family {family}");
-        // A temporary set left by a crash may hold stale members.
-        let _ = writeln!(out, "flush {tmp}");
-        for addr in members {
-            let _ = writeln!(out, "add {tmp} {addr}");
-        }
-        let _ = writeln!(out, "swap {tmp} {set}");
-        let _ = writeln!(out, "destroy {tmp}");
+        swap_in(&mut out, set, &format!("hash:ip family {}", fam.ipset_family()), members);
     }
+    podif_input(&mut out, &names, spec.pod_interfaces());
     out
+}
+
+/// Appends the `ipset restore` lines that make `set` (created as `kind` if missing) hold
+/// exactly `members`, swapped in whole through a temporary set.
+fn swap_in<T: std::fmt::Display>(
+    out: &mut String,
+    set: &str,
+    kind: &str,
+    members: impl IntoIterator<Item = T>,
+) {
+    let tmp = format!("{set}-tmp");
+    let _ = writeln!(out, "create {set} {kind}");
+    let _ = writeln!(out, "create {tmp} {kind}");
+    // A temporary set left by a crash may hold stale members.
+    let _ = writeln!(out, "flush {tmp}");
+    for m in members {
+        let _ = writeln!(out, "add {tmp} {m}");
+    }
+    let _ = writeln!(out, "swap {tmp} {set}");
+    let _ = writeln!(out, "destroy {tmp}");
+}
+
+/// The pod interface sets (chain S, rule 3): `hash:net,iface` with the any-network of the
+/// family and each interface, so that `--match-set SET src,src` matches every packet that
+/// came in on one of them (ipset(8): `hash:net,iface`, the `src` direction of the
+/// interface is the incoming one; the /0 network is allowed for this type).
+fn podif_input(out: &mut String, names: &Names, interfaces: &BTreeSet<String>) {
+    for (set, fam, any) in
+        [(&names.podif_v4, Family::V4, "0.0.0.0/0"), (&names.podif_v6, Family::V6, "::/0")]
+    {
+        let kind = format!("hash:net,iface family {}", fam.ipset_family());
+        swap_in(out, set, &kind, interfaces.iter().map(|i| format!("{any},{i}")));
+    }
 }
 
 /// The `iptables-restore --noflush` input declaring and filling tierproxy's chains for one
@@ -262,19 +290,30 @@ fn restore_input(spec: &RulesetSpec, fam: Family) -> String {
         "-A {chain} -m comment --comment \"tierproxy: established transparent socket\" \
          -m socket --transparent -j {divert}"
     );
-    // Rule 3: later packets of a proxied TCP connection whose destination a DNAT after this
-    // hook rewrites (a ClusterIP): rule 2 looks the socket up by the header as it is here,
-    // before the DNAT, and misses; the conntrack mark set with the TPROXY (rule 6) finds them.
+    let tproxy =
+        format!("-j TPROXY --on-port {} --on-ip {on_ip} --tproxy-mark {route}", c.tproxy_port);
+    // Rule 3: later packets of a TCP connection whose SYN rule 6 TPROXY'd, that no socket
+    // took in rule 2. Destination rewritten by a DNAT after this hook (a ClusterIP): rule 2
+    // looked the socket up by the header as it is here, before the DNAT, and missed; after
+    // the DNAT the kernel finds it.
     let _ = writeln!(
         o,
         "-A {chain} -p tcp -m comment --comment \"tierproxy: proxied connection (conntrack mark)\" \
-         -m tcp ! --tcp-flags FIN,SYN,RST,ACK SYN -m conntrack --ctdir ORIGINAL \
+         -m tcp ! --tcp-flags FIN,SYN,RST,ACK SYN -m conntrack --ctstate DNAT --ctdir ORIGINAL \
          -m connmark --mark {route} -j {divert}"
     );
-    // Rule 4: traffic from the node itself is always allowed.
+    // Otherwise to the listener: the ACK that completes a SYN cookie has no socket yet.
     let _ = writeln!(
         o,
-        "-A {chain} -m comment --comment \"tierproxy: from the node itself\" \
+        "-A {chain} -p tcp -m comment --comment \"tierproxy: no socket yet (SYN cookie)\" \
+         -m tcp ! --tcp-flags FIN,SYN,RST,ACK SYN -m conntrack ! --ctstate DNAT --ctdir ORIGINAL \
+         -m connmark --mark {route} {tproxy}"
+    );
+    // Rule 4: traffic the node sends itself over loopback (chain S dropped every other
+    // packet with a node address as its source).
+    let _ = writeln!(
+        o,
+        "-A {chain} -i lo -m comment --comment \"tierproxy: from the node itself\" \
          -m set --match-set {nodes} src -j RETURN"
     );
     // Rule 5: UDP to the node's own addresses is forwarded by the kernel after its first
@@ -309,7 +348,7 @@ fn restore_input(spec: &RulesetSpec, fam: Family) -> String {
     );
     let _ = writeln!(
         o,
-        "-A {decide} -m comment --comment \"tierproxy: from the node itself\" \
+        "-A {decide} -i lo -m comment --comment \"tierproxy: from the node itself\" \
          -m set --match-set {nodes} src -j RETURN"
     );
     let _ = writeln!(o, "-A {decide} {udp_to_node}");
@@ -323,10 +362,14 @@ fn restore_input(spec: &RulesetSpec, fam: Family) -> String {
     let _ = writeln!(o, "-A {divert} -j MARK --set-xmark {route}");
     let _ = writeln!(o, "-A {divert} -j MARK --set-xmark {decided}");
     let _ = writeln!(o, "-A {divert} -j ACCEPT");
-    // Rule 6, the intercept chain: TCP SYNs (their connection marked for rule 3) and UDP not
+    // Rule 6, the intercept chain: TCP that no decision allowed (not a SYN, new or invalid
+    // to conntrack) is dropped; TCP SYNs (their connection marked for rule 3) and UDP not
     // to the node's own addresses → the proxy's listener.
-    let tproxy =
-        format!("-j TPROXY --on-port {} --on-ip {on_ip} --tproxy-mark {route}", c.tproxy_port);
+    let _ = writeln!(
+        o,
+        "-A {intercept} -p tcp -m comment --comment \"{COMMENT_STRAY_TCP}\" \
+         -m tcp ! --tcp-flags FIN,SYN,RST,ACK SYN -m conntrack --ctstate INVALID,NEW -j DROP"
+    );
     for proto in TPROXY_PROTOCOLS {
         match super::queue_when(proto) {
             QueueWhen::Syn => {
@@ -373,9 +416,31 @@ fn raw_input(spec: &RulesetSpec, fam: Family, o: &mut String) {
         Family::V6 => &n.pods_v6,
     };
     let (zin, zout, bypass) = (&n.zone_in_chain, &n.zone_out_chain, c.bypass_mark);
+    let (source, nodes, podif) = match fam {
+        Family::V4 => (&n.source_chain, &n.nodes_v4, &n.podif_v4),
+        Family::V6 => (&n.source_chain, &n.nodes_v6, &n.podif_v6),
+    };
     o.push_str("*raw\n");
-    for ch in [zin, zout] {
+    // Declared in name order, as `iptables-save` lists them.
+    for ch in [source, zin, zout] {
         let _ = writeln!(o, ":{ch} - [0:0]");
+    }
+    // Chain S: sources a pod cannot own (see the module docs of `redirect`).
+    let _ = writeln!(
+        o,
+        "-A {source} -i lo -m comment --comment \"tierproxy: the node itself, over loopback\" -j RETURN"
+    );
+    let _ = writeln!(
+        o,
+        "-A {source} -m comment --comment \"{COMMENT_NODE_SOURCE}\" \
+         -m set --match-set {nodes} src -j DROP"
+    );
+    if c.source_check {
+        let _ = writeln!(
+            o,
+            "-A {source} -m comment --comment \"{COMMENT_POD_SOURCE}\" \
+             -m set --match-set {podif} src,src -m rpfilter --invert -j DROP"
+        );
     }
     if c.upstream_zone != 0 {
         let ct = format!("-j CT --zone {}", c.upstream_zone);
@@ -388,12 +453,15 @@ fn raw_input(spec: &RulesetSpec, fam: Family, o: &mut String) {
         );
         // Replies to an upstream socket: `--restore-skmark` copies the found socket's
         // SO_MARK into the packet mark (a client leg's socket has none); ours is the bypass
-        // mark. Egress legs' replies go to a local pod, ingress legs' come from one.
+        // mark. Egress legs' replies go to a local pod, ingress legs' come from one. Not
+        // only transparent sockets: an upstream leg from the node's own address (to the
+        // node itself, or `--no-preserve-source`) is an ordinary socket, and its replies
+        // looked up in the default zone were INVALID there.
         for (dir, words) in [("src", "from"), ("dst", "to")] {
             let _ = writeln!(
                 o,
                 "-A {zin} -m comment --comment \"tierproxy: upstream leg {words} a local pod, own zone\" \
-                 -m set --match-set {pods} {dir} -m socket --transparent --restore-skmark \
+                 -m set --match-set {pods} {dir} -m socket --restore-skmark \
                  -m mark --mark {bypass} {ct}"
             );
         }
@@ -460,6 +528,26 @@ fn removal_input(installed: &Installed, table: &str) -> Option<String> {
     }
     o.push_str("COMMIT\n");
     Some(o)
+}
+
+/// Adds the packet counters of the counted drop rules in `save` (`iptables-save -c`
+/// output: `[packets:bytes] -A CHAIN ... --comment "..."`) to `counts`.
+fn add_counts(save: &str, counts: &mut DropCounts) {
+    for line in save.lines() {
+        let Some(rest) = line.strip_prefix('[') else { continue };
+        let Some((packets, _)) = rest.split_once(':') else { continue };
+        let Ok(packets) = packets.parse::<u64>() else { continue };
+        let field = if line.contains(COMMENT_NODE_SOURCE) {
+            &mut counts.node_source
+        } else if line.contains(COMMENT_POD_SOURCE) {
+            &mut counts.pod_source
+        } else if line.contains(COMMENT_STRAY_TCP) {
+            &mut counts.stray_tcp
+        } else {
+            continue;
+        };
+        *field += packets;
+    }
 }
 
 fn update_input(names: &Names, add: &[IpAddr], remove: &[IpAddr]) -> String {
@@ -539,6 +627,40 @@ impl Backend for IptablesBackend {
         Ok(())
     }
 
+    fn set_pod_interfaces(
+        &self,
+        config: &RedirectConfig,
+        interfaces: &BTreeSet<String>,
+    ) -> Result<(), RedirectError> {
+        config.validate()?;
+        let valid: BTreeSet<String> =
+            interfaces.iter().filter(|i| super::valid_ifname(i)).cloned().collect();
+        let mut input = String::new();
+        podif_input(&mut input, &Names::new(config), &valid);
+        self.ipset_restore_cmd().run(Some(&input))?;
+        Ok(())
+    }
+
+    fn pod_interfaces(&self, addrs: &[IpAddr]) -> Result<BTreeSet<String>, RedirectError> {
+        routing::pod_interfaces(&self.cmds.ip, addrs)
+    }
+
+    fn drop_counts(&self, config: &RedirectConfig) -> Result<DropCounts, RedirectError> {
+        config.validate()?;
+        let mut counts = DropCounts::default();
+        for fam in [Family::V4, Family::V6] {
+            for table in TABLES {
+                let program = match fam {
+                    Family::V4 => &self.cmds.iptables_save,
+                    Family::V6 => &self.cmds.ip6tables_save,
+                };
+                let save = Cmd::new(program, ["-c", "-t", table]).run(None)?;
+                add_counts(&save, &mut counts);
+            }
+        }
+        Ok(counts)
+    }
+
     fn remove(&self, config: &RedirectConfig) -> Result<(), RedirectError> {
         config.validate()?;
         let names = Names::new(config);
@@ -553,10 +675,17 @@ impl Backend for IptablesBackend {
         }
         let list_cmd = Cmd::new(&self.cmds.ipset, ["list", "-n"]);
         let existing = list_cmd.run(None)?;
-        let ours: Vec<String> = [&names.pods_v4, &names.pods_v6, &names.nodes_v4, &names.nodes_v6]
-            .into_iter()
-            .flat_map(|s| [s.clone(), format!("{s}-tmp")])
-            .collect();
+        let ours: Vec<String> = [
+            &names.pods_v4,
+            &names.pods_v6,
+            &names.nodes_v4,
+            &names.nodes_v6,
+            &names.podif_v4,
+            &names.podif_v6,
+        ]
+        .into_iter()
+        .flat_map(|s| [s.clone(), format!("{s}-tmp")])
+        .collect();
         let mut input = String::new();
         for set in existing.lines().map(str::trim).filter(|s| ours.iter().any(|o| o == s)) {
             let _ = writeln!(input, "destroy {set}");
@@ -612,6 +741,48 @@ mod tests {
     }
 
     #[test]
+    fn drop_counters_are_summed_by_rule() {
+        let save = format!(
+            "*raw\n:TIERPROXY-SOURCE - [0:0]\n\
+             [3:180] -A TIERPROXY-SOURCE -m comment --comment \"{COMMENT_NODE_SOURCE}\" -j DROP\n\
+             [7:420] -A TIERPROXY-SOURCE -m comment --comment \"{COMMENT_POD_SOURCE}\" -j DROP\n\
+             [9:1] -A OTHER -j DROP\nCOMMIT\n*mangle\n\
+             [2:80] -A TIERPROXY-INTERCEPT -p tcp -m comment --comment \"{COMMENT_STRAY_TCP}\" -j DROP\n"
+        );
+        let mut counts = DropCounts::default();
+        add_counts(&save, &mut counts);
+        add_counts(&save, &mut counts);
+        assert_eq!(counts, DropCounts { node_source: 6, pod_source: 14, stray_tcp: 4 });
+    }
+
+    #[test]
+    fn pod_interfaces_are_any_address_on_the_interface() {
+        let spec = RulesetSpec::new(RedirectConfig::default(), [], [])
+            .unwrap()
+            .with_pod_interfaces(["pod1".to_string(), "bad name".to_string(), "cni0".to_string()]);
+        let input = ipset_input(&spec);
+        assert!(
+            input.contains(
+                "create tierproxy-podif-v4-tmp hash:net,iface family inet\n\
+                 flush tierproxy-podif-v4-tmp\n\
+                 add tierproxy-podif-v4-tmp 0.0.0.0/0,cni0\n\
+                 add tierproxy-podif-v4-tmp 0.0.0.0/0,pod1\n\
+                 swap tierproxy-podif-v4-tmp tierproxy-podif-v4\n"
+            ),
+            "{input}"
+        );
+        assert!(input.contains("add tierproxy-podif-v6-tmp ::/0,pod1\n"), "{input}");
+        assert!(!input.contains("bad name"), "{input}");
+        // No source check: no rpfilter rule, but the node-address drop stays.
+        let no_check =
+            RulesetSpec::new(RedirectConfig { source_check: false, ..Default::default() }, [], [])
+                .unwrap();
+        let text = restore_input(&no_check, Family::V6);
+        assert!(!text.contains("rpfilter"), "{text}");
+        assert!(text.contains(COMMENT_NODE_SOURCE), "{text}");
+    }
+
+    #[test]
     fn update_input_deletes_then_adds_by_family() {
         let names = Names::new(&RedirectConfig::default());
         let add: Vec<IpAddr> = vec!["fd00::1".parse().unwrap(), "10.0.0.1".parse().unwrap()];
@@ -634,7 +805,7 @@ mod tests {
             .unwrap();
             let text = restore_input(&spec, Family::V4);
             let raw = text.split_once("*raw\n").expect("a raw section").1.to_owned();
-            raw.lines().filter(|l| l.starts_with("-A ")).count()
+            raw.lines().filter(|l| l.starts_with("-A TIERPROXY-ZONE")).count()
         };
         assert_eq!(rules(0), 0);
         assert_eq!(rules(7), 5);

@@ -43,15 +43,44 @@
 //! kube-proxy's IPVS mode is not covered: IPVS rewrites in LOCAL_IN after mangle INPUT
 //! (at `NF_IP_PRI_NAT_SRC - 2`), so the decision still sees the ClusterIP there.
 //!
+//! raw PREROUTING (`TIERPROXY-SOURCE`, nft `source`, priority raw - 10, before
+//! conntrack and before everything below), issue #17:
+//!
+//! S. **Sources a pod cannot own → drop.** A pod with CAP_NET_RAW (every root container has
+//!    it) writes any source address it likes; the ruleset and the decider trust the source,
+//!    so a forged one must never get past this chain.
+//!    1. Packets arriving on `lo` return: the only packets of the node itself that enter
+//!       PREROUTING are those it sends to itself over loopback (its packets to pods leave
+//!       through OUTPUT and never come back through PREROUTING).
+//!    2. A packet carrying one of the node's own addresses as its source, arriving on any
+//!       other interface, is dropped, whatever [`RedirectConfig::source_check`] says: the
+//!       "from the node itself" exemption (rule 4, DESIGN §2's kubelet probes) holds only for
+//!       what the node itself sent. IPv4 routing drops such martians itself (a local source
+//!       on an incoming packet), IPv6 does not: without this rule a pod using its node's
+//!       IPv6 address reached pods that policy denies it, undecided and unaudited, on its
+//!       own node and across nodes.
+//!    3. With [`RedirectConfig::source_check`] (default on): a packet arriving on a local
+//!       pod's interface (set `<prefix>-podif-v4`/`-v6`, `hash:net,iface` holding `0/0,IFACE`
+//!       per interface; nft set `podif` of `ifname`) whose source the node does not route
+//!       back through that interface is dropped (`-m rpfilter --invert`; nft `fib saddr .
+//!       iif oif missing`). The interfaces are read from the kernel's routes to the local
+//!       pods' addresses ([`Backend::pod_interfaces`]), so a pod can send only from its own
+//!       addresses: not another pod's (local or remote), not the node's, not an external
+//!       address. Bridged CNIs (one `cni0` for every pod) give the bridge as the interface:
+//!       a pod can then still use the address of another pod on the same bridge.
+//!
+//!    Both drops are counted ([`Backend::drop_counts`]).
+//!
 //! raw PREROUTING and OUTPUT (`TIERPROXY-ZONE-IN`, `TIERPROXY-ZONE-OUT`; nft `zone_in`,
 //! `zone_out`, priority raw, before conntrack), when [`RedirectConfig::upstream_zone`] is
 //! not 0:
 //!
 //! 0. **The proxy's upstream legs → their own conntrack zone.** Packets of the upstream
 //!    sockets (bypass mark, OUTPUT), and packets to them (PREROUTING: from or to a local
-//!    pod, of a transparent socket whose `SO_MARK` is the bypass mark; iptables reads it
-//!    with `socket --transparent --restore-skmark` and clears the bits again, nft with
-//!    `socket mark`), get `CT --zone` (nft `ct zone set`). An upstream leg is bound to the
+//!    pod, of a socket whose `SO_MARK` is the bypass mark, transparent or not: a leg from
+//!    the node's own address is an ordinary socket; iptables reads the mark with `socket
+//!    --restore-skmark` and clears the bits again, nft with `socket mark`), get `CT
+//!    --zone` (nft `ct zone set`). An upstream leg is bound to the
 //!    client's address with a port the node's kernel picks, unaware of the client
 //!    kernel's ports, so the legs of two connections can share a 4-tuple; in one zone,
 //!    conntrack drops the second leg's SYN when it confirms it (`insert_failed`), and the
@@ -76,18 +105,35 @@
 //!    "socket": `--transparent`; listening sockets bound to the any-address are ignored, as
 //!    without `--nowildcard`, nft: `socket wildcard 0`). The decided mark keeps them out of
 //!    the queue in INPUT; without this rule upstream connects time out.
-//! 3. **TCP, not a SYN, original direction, conntrack mark = route mark → as rule 2.** The
-//!    client leg of a proxied connection whose destination a DNAT after this hook rewrites
-//!    (see above). The conntrack mark is set by rule 6 with the TPROXY (iptables `CONNMARK`,
-//!    nft `ct mark set`); it reuses the route mark's bit in the conntrack mark.
-//! 4. **From the node's own addresses → return.** Kubelet probes and other traffic from the
-//!    node to its pods is always allowed (DESIGN §2); no queue trip.
+//! 3. **TCP, not a SYN, original direction, conntrack mark = route mark:** a later packet of
+//!    a connection whose SYN rule 6 TPROXY'd (it set the conntrack mark, iptables `CONNMARK`,
+//!    nft `ct mark set`, reusing the route mark's bit) that no socket took in rule 2.
+//!    - **Destination rewritten by a DNAT after this hook** (`ctstate DNAT`: a ClusterIP;
+//!      see above) → as rule 2: rule 2 looked the socket up by the header as it is here,
+//!      before the DNAT, and missed; after the DNAT the kernel finds it.
+//!    - **Otherwise → TPROXY to the listener**, as tproxy.rst's own example TPROXYs every
+//!      packet no socket owns. This is what completes a SYN cookie: when the listener's SYN
+//!      queue is full the kernel answers a SYN with a cookie and keeps no request socket,
+//!      so the client's ACK matches no socket in rule 2; TPROXY hands it to the listener,
+//!      whose cookie check creates the connection. Before this rule such connections hung
+//!      for good (the client's connect succeeded, the proxy never accepted them, and the
+//!      kernel cannot reset from an address that is not its own). A DNAT'd connection
+//!      cannot be completed so (TPROXY would hand its established packets to the
+//!      listener too, which resets them): a cookie-completed connection to a ClusterIP
+//!      still hangs (see `docs/architecture.md`, "SYN floods and cookies").
+//! 4. **From the node's own addresses over `lo` → return.** Traffic the node sends to
+//!    itself; no queue trip (chain S dropped every other packet with a node source).
 //! 5. **UDP to the node's own addresses, not `ctstate NEW` → return.** The proxy cannot
 //!    take a hostNetwork server's address and port for its reply socket, so UDP to the node
 //!    is decided on its first packet (rule 7) and then delivered by the kernel, like SCTP.
 //! 6. **Source or destination a local pod → intercept** (iptables chain
-//!    `TIERPROXY-INTERCEPT`): TCP SYNs (first their conntrack mark, rule 3) and UDP not to the
-//!    node's own addresses ([`TPROXY_PROTOCOLS`]) are TPROXY'd to the listeners (`--on-ip`
+//!    `TIERPROXY-INTERCEPT`): first, TCP that is not a SYN and that conntrack sees as `NEW`
+//!    (picked up mid-stream) or `INVALID` is dropped and counted: it belongs to no
+//!    connection any decision allowed (an ACK, FIN or Xmas scan from a pod), and forwarded
+//!    it would reach its target undecided, which answers it and so tells a scanning pod
+//!    which ports are open (a FIN to a closed port is reset, to an open one not). Then TCP
+//!    SYNs (first their conntrack mark, rule 3) and UDP not to the node's own addresses
+//!    ([`TPROXY_PROTOCOLS`]) are TPROXY'd to the listeners (`--on-ip`
 //!    [`RedirectConfig::tproxy_addr_v4`]/`_v6`, `--on-port` [`RedirectConfig::tproxy_port`])
 //!    with `--tproxy-mark` = route mark, so policy routing delivers them locally (tproxy.rst,
 //!    "TPROXY target"; iptables-extensions(8), "TPROXY"). xt TPROXY drops a packet for which
@@ -97,8 +143,8 @@
 //!
 //! INPUT and FORWARD (`TIERPROXY-DECIDE`, nft `decide`):
 //!
-//! 7. **Bypass mark, decided mark, from the node, UDP to the node not NEW → return** (as
-//!    rules 1, 2/3, 4, 5); then **a packet of TCP, UDP or SCTP whose source or destination is
+//! 7. **Bypass mark, decided mark, from the node over `lo`, UDP to the node not NEW →
+//!    return** (as rules 1, 2/3, 4, 5); then **a packet of TCP, UDP or SCTP whose source or destination is
 //!    a local pod → NFQUEUE**: TCP SYNs, SCTP when `ctstate NEW`, every UDP datagram
 //!    ([`QueueWhen`] says why each). The first packet of every pod flow, egress (source is a
 //!    local pod) and ingress (destination is a local pod), goes to userspace before any
@@ -174,6 +220,13 @@ use crate::config::{BackendChoice, ConfigError, RedirectConfig};
 
 pub use self::iptables::{IptablesBackend, IptablesCommands};
 pub use self::nft::NftablesBackend;
+
+/// Comment of chain S's rule 2, by which [`Backend::drop_counts`] finds its counter.
+pub(crate) const COMMENT_NODE_SOURCE: &str = "tierproxy: node address from outside, forged";
+/// Comment of chain S's rule 3.
+pub(crate) const COMMENT_POD_SOURCE: &str = "tierproxy: source not routed via its pod interface";
+/// Comment of rule 6's drop of TCP that belongs to no decided connection.
+pub(crate) const COMMENT_STRAY_TCP: &str = "tierproxy: TCP of no decided connection";
 
 /// Protocols whose new flows are sent to NFQUEUE (rule 7), in rule order.
 pub const QUEUED_PROTOCOLS: [&str; 3] = ["tcp", "udp", "sctp"];
@@ -269,6 +322,9 @@ pub struct Names {
     /// packets of the proxy's upstream sockets into their conntrack zone (rule 0),
     /// e.g. `TIERPROXY-ZONE-OUT`.
     pub zone_out_chain: String,
+    /// iptables chain in the raw table, jumped to first from `raw PREROUTING`, that drops
+    /// packets with sources their interface cannot own (chain S), e.g. `TIERPROXY-SOURCE`.
+    pub source_chain: String,
     /// Set of local pod IPv4 addresses, e.g. `tierproxy-pods-v4` (nftables: `pods-v4`).
     pub pods_v4: String,
     /// Set of local pod IPv6 addresses.
@@ -277,6 +333,11 @@ pub struct Names {
     pub nodes_v4: String,
     /// Set of the node's own IPv6 addresses.
     pub nodes_v6: String,
+    /// Set (`hash:net,iface`) of the local pods' interfaces for IPv4, e.g.
+    /// `tierproxy-podif-v4` (nftables: one `ifname` set, `podif`).
+    pub podif_v4: String,
+    /// Set (`hash:net,iface`) of the local pods' interfaces for IPv6.
+    pub podif_v6: String,
     /// nftables table (family `inet`), e.g. `tierproxy`.
     pub table: String,
 }
@@ -295,24 +356,28 @@ impl Names {
             queue_chain: format!("{up}-QUEUE"),
             zone_in_chain: format!("{up}-ZONE-IN"),
             zone_out_chain: format!("{up}-ZONE-OUT"),
+            source_chain: format!("{up}-SOURCE"),
             pods_v4: format!("{p}-pods-v4"),
             pods_v6: format!("{p}-pods-v6"),
             nodes_v4: format!("{p}-nodes-v4"),
             nodes_v6: format!("{p}-nodes-v6"),
+            podif_v4: format!("{p}-podif-v4"),
+            podif_v6: format!("{p}-podif-v6"),
             table: p.clone(),
         }
     }
 }
 
 /// Everything the ruleset depends on: a validated configuration, the node's local pod
-/// addresses and the node's own addresses. A plain value; two equal specs render the same
-/// text. Addresses are kept sorted and IPv4-mapped IPv6 addresses (`::ffff:a.b.c.d`) are
-/// stored as IPv4.
+/// addresses, the node's own addresses and the interfaces through which the node routes its
+/// local pods' addresses. A plain value; two equal specs render the same text. Addresses
+/// are kept sorted and IPv4-mapped IPv6 addresses (`::ffff:a.b.c.d`) are stored as IPv4.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RulesetSpec {
     config: RedirectConfig,
     local_pods: BTreeSet<IpAddr>,
     node_addrs: BTreeSet<IpAddr>,
+    pod_interfaces: BTreeSet<String>,
 }
 
 impl RulesetSpec {
@@ -331,7 +396,17 @@ impl RulesetSpec {
             config,
             local_pods: local_pods.into_iter().map(|a| a.to_canonical()).collect(),
             node_addrs: node_addrs.into_iter().map(|a| a.to_canonical()).collect(),
+            pod_interfaces: BTreeSet::new(),
         })
+    }
+
+    /// This spec with `interfaces` as the local pods' interfaces (chain S, rule 3): the
+    /// names [`Backend::pod_interfaces`] found. Names that are not valid interface names
+    /// (empty, longer than 15 bytes, or holding `/`, `,`, whitespace or quotes) are left out:
+    /// they cannot come from the kernel and would not survive the set syntax.
+    pub fn with_pod_interfaces(mut self, interfaces: impl IntoIterator<Item = String>) -> Self {
+        self.pod_interfaces = interfaces.into_iter().filter(|i| valid_ifname(i)).collect();
+        self
     }
 
     /// The (validated) configuration.
@@ -349,10 +424,44 @@ impl RulesetSpec {
         &self.node_addrs
     }
 
+    /// The interfaces through which the node routes its local pods' addresses, sorted.
+    pub fn pod_interfaces(&self) -> &BTreeSet<String> {
+        &self.pod_interfaces
+    }
+
     /// The names derived from the configuration.
     pub fn names(&self) -> Names {
         Names::new(&self.config)
     }
+}
+
+/// Whether `name` can be a Linux interface name: 1 to 15 bytes (`IFNAMSIZ` - 1), none of
+/// them `/`, whitespace, `,` (ipset's element separator) or a quote (netdevice(7),
+/// `dev_valid_name` in net/core/dev.c).
+pub fn valid_ifname(name: &str) -> bool {
+    (1..=15).contains(&name.len())
+        && name != "."
+        && name != ".."
+        && !name.bytes().any(|b| {
+            b == b'/'
+                || b == b','
+                || b == b'"'
+                || b == b'\''
+                || b.is_ascii_whitespace()
+                || b.is_ascii_control()
+        })
+}
+
+/// Packets the ruleset dropped since it was installed, by rule, both families together
+/// (the rules' own packet counters: `iptables-save -c`, nft `counter`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DropCounts {
+    /// Chain S, rule 2: one of the node's own addresses as source, not from `lo`.
+    pub node_source: u64,
+    /// Chain S, rule 3: from a local pod's interface, a source not routed back through it.
+    pub pod_source: u64,
+    /// Rule 6: TCP of a pod flow, not a SYN, `NEW` or `INVALID` to conntrack, no socket's.
+    pub stray_tcp: u64,
 }
 
 /// Splits addresses by family, canonicalising IPv4-mapped IPv6 addresses, sorted and
@@ -421,6 +530,35 @@ pub trait Backend: fmt::Debug + Send + Sync {
         add: &[IpAddr],
         remove: &[IpAddr],
     ) -> Result<(), RedirectError>;
+
+    /// Makes the local pods' interface sets (chain S, rule 3) hold exactly `interfaces`
+    /// (invalid names, see [`valid_ifname`], are left out), without rebuilding anything
+    /// else. Needs the ruleset applied.
+    ///
+    /// # Errors
+    /// [`RedirectError::Config`] for an invalid `config`; the failing command otherwise.
+    fn set_pod_interfaces(
+        &self,
+        config: &RedirectConfig,
+        interfaces: &BTreeSet<String>,
+    ) -> Result<(), RedirectError>;
+
+    /// The interfaces through which this node routes `addrs` (its local pods' addresses):
+    /// the output device of the kernel's route to each (`ip -j route get`, one `ip -batch`
+    /// run). Routes through a gateway, local routes and `lo` are left out (an address whose
+    /// route is the node's default route is not a pod of this node's interfaces), as is an
+    /// address without a route (a pod whose network is not set up yet).
+    ///
+    /// # Errors
+    /// `ip` cannot run or prints something that is not its JSON.
+    fn pod_interfaces(&self, addrs: &[IpAddr]) -> Result<BTreeSet<String>, RedirectError>;
+
+    /// The packets the ruleset's counted drops ([`DropCounts`]) took since it was
+    /// installed.
+    ///
+    /// # Errors
+    /// The failing listing command (`iptables-save -c`, `nft -j list table`).
+    fn drop_counts(&self, config: &RedirectConfig) -> Result<DropCounts, RedirectError>;
 
     /// Removes chains, the jump, sets, the table, policy-routing rules and routes that
     /// `config` names. Succeeds when nothing is installed.

@@ -22,19 +22,23 @@ use std::net::IpAddr;
 
 use ::nftables::batch::Batch;
 use ::nftables::expr::{
-    BinaryOperation, CT, Expression, Meta, MetaKey, NamedExpression, Payload, PayloadField, Range,
-    SetItem, Socket, SocketAttr,
+    BinaryOperation, CT, Expression, Fib, FibFlag, FibResult, Meta, MetaKey, NamedExpression,
+    Payload, PayloadField, Range, SetItem, Socket, SocketAttr,
 };
 use ::nftables::schema::{
-    Chain, Element, NfListObject, Nftables, Rule, Set, SetType, SetTypeValue, Table,
+    Chain, Element, FlushObject, NfCmd, NfListObject, Nftables, Rule, Set, SetType, SetTypeValue,
+    Table,
 };
-use ::nftables::stmt::{JumpTarget, Mangle, Match, Operator, Queue, QueueFlag, Statement, TProxy};
+use ::nftables::stmt::{
+    Counter, JumpTarget, Mangle, Match, Operator, Queue, QueueFlag, Statement, TProxy,
+};
 use ::nftables::types::{NfChainPolicy, NfChainType, NfFamily, NfHook};
 
 use super::exec::Cmd;
 use super::{
-    Backend, BackendKind, Names, QUEUED_PROTOCOLS, QueueWhen, RedirectError, RulesetSpec,
-    TPROXY_PROTOCOLS, by_family, routing,
+    Backend, BackendKind, COMMENT_NODE_SOURCE, COMMENT_POD_SOURCE, COMMENT_STRAY_TCP, DropCounts,
+    Names, QUEUED_PROTOCOLS, QueueWhen, RedirectError, RulesetSpec, TPROXY_PROTOCOLS, by_family,
+    routing,
 };
 use crate::config::{Mark, RedirectConfig};
 
@@ -52,6 +56,9 @@ pub const ZONE_IN_CHAIN: &str = "zone_in";
 /// Name of the base chain hooked at output, priority raw, that puts the packets of the
 /// proxy's upstream sockets into their conntrack zone (rule 0).
 pub const ZONE_OUT_CHAIN: &str = "zone_out";
+/// Name of the base chain hooked at prerouting, priority raw - 10, that drops packets with
+/// sources their interface cannot own (chain S).
+pub const SOURCE_CHAIN: &str = "source";
 
 /// TCP header flag bits (RFC 9293 §3.1).
 const TCP_FIN: u32 = 0x01;
@@ -69,6 +76,8 @@ const PODS_V4: &str = "pods-v4";
 const PODS_V6: &str = "pods-v6";
 const NODES_V4: &str = "nodes-v4";
 const NODES_V6: &str = "nodes-v6";
+/// The local pods' interfaces (chain S, rule 3), one set for both families.
+const PODIF: &str = "podif";
 
 /// The nftables backend (see the module docs of `redirect` for the rules).
 #[derive(Debug, Clone)]
@@ -197,6 +206,24 @@ fn ct(key: &'static str) -> Expression<'static> {
     Expression::Named(NamedExpression::CT(CT { key: key.into(), family: None, dir: None }))
 }
 
+/// An anonymous `counter`: [`NftablesBackend::drop_counts`] reads it back.
+fn counter() -> Statement<'static> {
+    Statement::Counter(Counter::Anonymous(None))
+}
+
+/// `fib saddr . iif oif missing`: no route back to the source through the interface the
+/// packet came in on (nft(8), "FIB EXPRESSIONS"; the reverse-path filter).
+fn reverse_path_missing() -> Statement<'static> {
+    is(
+        Expression::Named(NamedExpression::Fib(Fib {
+            result: FibResult::Oif,
+            flags: HashSet::from([FibFlag::Saddr, FibFlag::Iif]),
+        })),
+        Operator::EQ,
+        Expression::Boolean(false),
+    )
+}
+
 /// `ct mark & mask == value`.
 fn ct_mark_set(m: Mark) -> Statement<'static> {
     is(
@@ -297,6 +324,25 @@ impl<'s> Builder<'s> {
         })));
     }
 
+    /// The `ifname` set of the local pods' interfaces, with `members` as its elements.
+    fn ifname_set(&self, members: &BTreeSet<String>) -> Set<'s> {
+        let elem: Vec<Expression<'s>> = members.iter().map(|i| str_expr(i.clone())).collect();
+        Set {
+            family: NfFamily::INet,
+            table: self.table.clone().into(),
+            name: PODIF.into(),
+            handle: None,
+            set_type: SetTypeValue::Single(SetType::Ifname),
+            policy: None,
+            flags: None,
+            elem: (!elem.is_empty()).then(|| elem.into()),
+            timeout: None,
+            gc_interval: None,
+            size: None,
+            comment: None,
+        }
+    }
+
     fn elements(&self, name: &'static str, members: &BTreeSet<IpAddr>) -> NfListObject<'s> {
         NfListObject::Element(Element {
             family: NfFamily::INet,
@@ -323,14 +369,62 @@ fn apply_batch(spec: &RulesetSpec) -> Nftables<'static> {
     b.set(PODS_V6, SetType::Ipv6Addr, &pods6);
     b.set(NODES_V4, SetType::Ipv4Addr, &nodes4);
     b.set(NODES_V6, SetType::Ipv6Addr, &nodes6);
+    b.batch.add(NfListObject::Set(Box::new(b.ifname_set(spec.pod_interfaces()))));
     b.batch.add(NfListObject::Chain(b.prerouting()));
     b.batch.add(NfListObject::Chain(b.regular_chain(DECIDE_CHAIN)));
     b.batch.add(NfListObject::Chain(b.base_chain(INPUT_CHAIN, NfHook::Input)));
     b.batch.add(NfListObject::Chain(b.base_chain(FORWARD_CHAIN, NfHook::Forward)));
     let divert = || vec![set_mark(c.route_mark), set_mark(c.decided_mark), Statement::Accept(None)];
+    // `tproxy` to the listener of `fam`, route mark, accept.
+    let tproxy = |fam: Fam| {
+        let addr = match fam.proto {
+            "ip" => c.tproxy_addr_v4.to_string(),
+            _ => c.tproxy_addr_v6.to_string(),
+        };
+        [
+            Statement::TProxy(TProxy {
+                family: Some(fam.proto.into()),
+                port: c.tproxy_port,
+                addr: Some(addr.into()),
+            }),
+            set_mark(c.route_mark),
+            Statement::Accept(None),
+        ]
+    };
     let in_set = |fam: Fam, field: &'static str, set: &'static str| {
         is(payload(fam.proto, field), Operator::EQ, str_expr(format!("@{set}")))
     };
+
+    // Chain S: sources a pod cannot own (see `redirect`), before conntrack and the zones.
+    b.batch.add(NfListObject::Chain(b.base_chain_at(
+        SOURCE_CHAIN,
+        NfHook::Prerouting,
+        PRIORITY_RAW - 10,
+    )));
+    b.rule(
+        SOURCE_CHAIN,
+        "tierproxy: the node itself, over loopback",
+        vec![is(meta(MetaKey::Iifname), Operator::EQ, str_expr("lo")), Statement::Return(None)],
+    );
+    for fam in [V4, V6] {
+        b.rule(
+            SOURCE_CHAIN,
+            COMMENT_NODE_SOURCE,
+            vec![in_set(fam, "saddr", fam.nodes), counter(), Statement::Drop(None)],
+        );
+    }
+    if c.source_check {
+        b.rule(
+            SOURCE_CHAIN,
+            COMMENT_POD_SOURCE,
+            vec![
+                is(meta(MetaKey::Iifname), Operator::EQ, str_expr(format!("@{PODIF}"))),
+                reverse_path_missing(),
+                counter(),
+                Statement::Drop(None),
+            ],
+        );
+    }
 
     // Rule 0: the upstream legs in a conntrack zone of their own (see `redirect`).
     if c.upstream_zone != 0 {
@@ -371,12 +465,8 @@ fn apply_batch(spec: &RulesetSpec) -> Nftables<'static> {
                 ("saddr", "tierproxy: upstream leg from a local pod, own zone"),
                 ("daddr", "tierproxy: upstream leg to a local pod, own zone"),
             ] {
-                let expr = vec![
-                    in_set(fam, field, fam.pods),
-                    socket(SocketAttr::Transparent, 1),
-                    socket_mark.clone(),
-                    zone(),
-                ];
+                // Any socket, not only transparent ones: see the iptables backend.
+                let expr = vec![in_set(fam, field, fam.pods), socket_mark.clone(), zone()];
                 b.rule(ZONE_IN_CHAIN, comment, expr);
             }
         }
@@ -399,23 +489,48 @@ fn apply_batch(spec: &RulesetSpec) -> Nftables<'static> {
     let mut expr = vec![socket(SocketAttr::Transparent, 1), socket(SocketAttr::Wildcard, 0)];
     expr.extend(divert());
     b.rule(CHAIN, "tierproxy: established transparent socket", expr);
-    // Rule 3: later packets of a proxied TCP connection whose destination a DNAT after this
-    // hook rewrites (a ClusterIP): the conntrack mark set with the tproxy (rule 6).
-    let mut expr = vec![
-        l4proto_in(&["tcp"]),
-        tcp_syn(Operator::NEQ),
-        is(ct("direction"), Operator::EQ, str_expr("original")),
-        ct_mark_set(c.route_mark),
-    ];
+    // Rule 3: later packets of a TCP connection whose SYN rule 6 tproxied, that no socket
+    // took in rule 2. Destination rewritten by a DNAT after this hook (a ClusterIP): as
+    // rule 2, after the DNAT the kernel finds the socket.
+    let later = || {
+        vec![
+            l4proto_in(&["tcp"]),
+            tcp_syn(Operator::NEQ),
+            is(ct("direction"), Operator::EQ, str_expr("original")),
+            ct_mark_set(c.route_mark),
+        ]
+    };
+    let dnat = |op| is(ct("status"), op, str_expr("dnat"));
+    let mut expr = later();
+    expr.push(dnat(Operator::IN));
     expr.extend(divert());
     b.rule(CHAIN, "tierproxy: proxied connection (conntrack mark)", expr);
-    // Rule 4: traffic from the node itself is always allowed.
+    // Otherwise to the listener: the ACK that completes a SYN cookie has no socket yet.
     for fam in [V4, V6] {
-        b.rule(
-            CHAIN,
-            "tierproxy: from the node itself",
-            vec![in_set(fam, "saddr", fam.nodes), Statement::Return(None)],
-        );
+        let mut expr = later();
+        expr.insert(0, is(meta(MetaKey::Nfproto), Operator::EQ, str_expr(fam.nfproto)));
+        expr.push(is(
+            Expression::BinaryOperation(Box::new(BinaryOperation::AND(
+                ct("status"),
+                str_expr("dnat"),
+            ))),
+            Operator::EQ,
+            Expression::Number(0),
+        ));
+        expr.extend(tproxy(fam));
+        b.rule(CHAIN, "tierproxy: no socket yet (SYN cookie)", expr);
+    }
+    // Rule 4: traffic the node sends itself over loopback (chain S dropped every other
+    // packet with a node address as its source).
+    let from_node = |fam: Fam| {
+        vec![
+            is(meta(MetaKey::Iifname), Operator::EQ, str_expr("lo")),
+            in_set(fam, "saddr", fam.nodes),
+            Statement::Return(None),
+        ]
+    };
+    for fam in [V4, V6] {
+        b.rule(CHAIN, "tierproxy: from the node itself", from_node(fam));
     }
     // Rule 5: UDP to the node's own addresses is forwarded by the kernel after its first
     // packet's decision (the proxy cannot take a hostNetwork server's address and port).
@@ -454,26 +569,38 @@ fn apply_batch(spec: &RulesetSpec) -> Nftables<'static> {
         ("saddr", "tierproxy: flow from a local pod, to the proxy"),
         ("daddr", "tierproxy: flow to a local pod, to the proxy"),
     ];
+    // First, TCP that no decision allowed: not a SYN, new or invalid to conntrack.
     for fam in [V4, V6] {
-        let addr = match fam.proto {
-            "ip" => c.tproxy_addr_v4.to_string(),
-            _ => c.tproxy_addr_v6.to_string(),
-        };
+        for (field, _) in DIRECTIONS {
+            b.rule(
+                CHAIN,
+                COMMENT_STRAY_TCP,
+                vec![
+                    in_set(fam, field, fam.pods),
+                    l4proto_in(&["tcp"]),
+                    tcp_syn(Operator::NEQ),
+                    is(
+                        ct_state(),
+                        Operator::IN,
+                        Expression::Named(NamedExpression::Set(vec![
+                            SetItem::Element(str_expr("invalid")),
+                            SetItem::Element(str_expr("new")),
+                        ])),
+                    ),
+                    counter(),
+                    Statement::Drop(None),
+                ],
+            );
+        }
+    }
+    for fam in [V4, V6] {
         for (field, comment) in DIRECTIONS {
             for &proto in TPROXY_PROTOCOLS {
                 let mut expr = intercepted(fam, field, proto);
                 if super::queue_when(proto) == QueueWhen::Syn {
                     expr.push(set_ct_mark(c.route_mark));
                 }
-                expr.extend([
-                    Statement::TProxy(TProxy {
-                        family: Some(fam.proto.into()),
-                        port: c.tproxy_port,
-                        addr: Some(addr.clone().into()),
-                    }),
-                    set_mark(c.route_mark),
-                    Statement::Accept(None),
-                ]);
+                expr.extend(tproxy(fam));
                 b.rule(CHAIN, comment, expr);
             }
         }
@@ -509,11 +636,7 @@ fn apply_batch(spec: &RulesetSpec) -> Nftables<'static> {
         vec![mark_set(c.decided_mark), Statement::Return(None)],
     );
     for fam in [V4, V6] {
-        b.rule(
-            DECIDE_CHAIN,
-            "tierproxy: from the node itself",
-            vec![in_set(fam, "saddr", fam.nodes), Statement::Return(None)],
-        );
+        b.rule(DECIDE_CHAIN, "tierproxy: from the node itself", from_node(fam));
     }
     for fam in [V4, V6] {
         b.rule(DECIDE_CHAIN, "tierproxy: UDP to the node itself, decided", udp_to_node(fam));
@@ -566,8 +689,66 @@ fn update_batch(names: &Names, add: &[IpAddr], remove: &[IpAddr]) -> Nftables<'s
     b.batch.to_nftables()
 }
 
+/// The transaction that makes the `podif` set hold exactly `interfaces`: flush, then add.
+fn podif_batch(names: &Names, interfaces: &BTreeSet<String>) -> Nftables<'static> {
+    let mut b = Builder { table: names.table.clone(), batch: Batch::new() };
+    let set = b.ifname_set(&BTreeSet::new());
+    b.batch.add_cmd(NfCmd::Flush(FlushObject::Set(Box::new(set))));
+    if !interfaces.is_empty() {
+        b.batch.add(NfListObject::Element(Element {
+            family: NfFamily::INet,
+            table: names.table.clone().into(),
+            name: PODIF.into(),
+            elem: interfaces.iter().map(|i| str_expr(i.clone())).collect::<Vec<_>>().into(),
+        }));
+    }
+    b.batch.to_nftables()
+}
+
+/// The packet counters of the counted drop rules in `listing` (`nft -j list table`):
+/// each rule's `counter` statement, found by the rule's comment.
+fn parse_counts(listing: &serde_json::Value) -> DropCounts {
+    let mut counts = DropCounts::default();
+    let items = listing["nftables"].as_array().map(Vec::as_slice).unwrap_or_default();
+    for rule in items.iter().filter_map(|i| i.get("rule")) {
+        let field = match rule["comment"].as_str() {
+            Some(COMMENT_NODE_SOURCE) => &mut counts.node_source,
+            Some(COMMENT_POD_SOURCE) => &mut counts.pod_source,
+            Some(COMMENT_STRAY_TCP) => &mut counts.stray_tcp,
+            _ => continue,
+        };
+        let exprs = rule["expr"].as_array().map(Vec::as_slice).unwrap_or_default();
+        *field += exprs.iter().filter_map(|e| e["counter"]["packets"].as_u64()).sum::<u64>();
+    }
+    counts
+}
+
+/// Sorts every `flags` list in `v`: the crate keeps flags in a `HashSet`, whose order
+/// changes from run to run, and a rendering must be the same for the same spec (nft reads
+/// flags in any order).
+fn sort_flags(v: &mut serde_json::Value) {
+    match v {
+        serde_json::Value::Object(map) => {
+            for (k, item) in map.iter_mut() {
+                if let (true, Some(list)) = (k == "flags", item.as_array_mut()) {
+                    list.sort_by(|a, b| a.as_str().cmp(&b.as_str()));
+                }
+                sort_flags(item);
+            }
+        }
+        serde_json::Value::Array(items) => items.iter_mut().for_each(sort_flags),
+        _ => {}
+    }
+}
+
 fn to_json(n: &Nftables<'_>, pretty: bool) -> String {
-    let r = if pretty { serde_json::to_string_pretty(n) } else { serde_json::to_string(n) };
+    let mut value = match serde_json::to_value(n) {
+        Ok(v) => v,
+        Err(e) => return format!("{{\"error\": \"{e}\"}}"),
+    };
+    sort_flags(&mut value);
+    let r =
+        if pretty { serde_json::to_string_pretty(&value) } else { serde_json::to_string(&value) };
     // The schema types serialize plain data only (strings, numbers, sequences, maps with
     // string keys), which serde_json cannot fail on.
     r.unwrap_or_else(|e| format!("{{\"error\": \"{e}\"}}"))
@@ -663,6 +844,35 @@ impl Backend for NftablesBackend {
         Ok(())
     }
 
+    fn set_pod_interfaces(
+        &self,
+        config: &RedirectConfig,
+        interfaces: &BTreeSet<String>,
+    ) -> Result<(), RedirectError> {
+        config.validate()?;
+        let valid: BTreeSet<String> =
+            interfaces.iter().filter(|i| super::valid_ifname(i)).cloned().collect();
+        let batch = podif_batch(&Names::new(config), &valid);
+        self.nft_cmd().run(Some(&to_json(&batch, false)))?;
+        Ok(())
+    }
+
+    fn pod_interfaces(&self, addrs: &[IpAddr]) -> Result<BTreeSet<String>, RedirectError> {
+        routing::pod_interfaces(&self.ip, addrs)
+    }
+
+    fn drop_counts(&self, config: &RedirectConfig) -> Result<DropCounts, RedirectError> {
+        config.validate()?;
+        let table = Names::new(config).table;
+        let cmd = Cmd::new(&self.nft, ["-j", "list", "table", "inet", &table]);
+        let out = cmd.run(None)?;
+        let listing = serde_json::from_str(&out).map_err(|e| RedirectError::Output {
+            command: cmd.line(),
+            detail: format!("invalid JSON: {e}"),
+        })?;
+        Ok(parse_counts(&listing))
+    }
+
     fn remove(&self, config: &RedirectConfig) -> Result<(), RedirectError> {
         config.validate()?;
         self.nft_cmd().run(Some(&to_json(&remove_batch(&Names::new(config)), false)))?;
@@ -696,6 +906,35 @@ mod tests {
                 {"delete": elem("pods-v6", "fd00::2")},
             ])
         );
+    }
+
+    #[test]
+    fn drop_counters_are_read_by_comment() {
+        let listing = json!({"nftables": [
+            {"metainfo": {"version": "1.0.6"}},
+            {"rule": {"chain": "source", "comment": COMMENT_NODE_SOURCE,
+                      "expr": [{"match": {}}, {"counter": {"packets": 4, "bytes": 240}}, {"drop": null}]}},
+            {"rule": {"chain": "source", "comment": COMMENT_NODE_SOURCE,
+                      "expr": [{"counter": {"packets": 1, "bytes": 60}}]}},
+            {"rule": {"chain": "prerouting", "comment": COMMENT_STRAY_TCP,
+                      "expr": [{"counter": {"packets": 2, "bytes": 80}}]}},
+            {"rule": {"chain": "prerouting", "comment": "other",
+                      "expr": [{"counter": {"packets": 9, "bytes": 9}}]}},
+        ]});
+        assert_eq!(
+            parse_counts(&listing),
+            DropCounts { node_source: 5, pod_source: 0, stray_tcp: 2 }
+        );
+    }
+
+    #[test]
+    fn pod_interface_updates_flush_then_add() {
+        let names = Names::new(&RedirectConfig::default());
+        let v = json_of(&podif_batch(&names, &BTreeSet::from(["pod0".to_string()])));
+        assert_eq!(v["nftables"][0]["flush"]["set"]["name"], "podif");
+        assert_eq!(v["nftables"][1]["add"]["element"]["elem"], json!(["pod0"]));
+        let v = json_of(&podif_batch(&names, &BTreeSet::new()));
+        assert_eq!(v["nftables"].as_array().unwrap().len(), 1);
     }
 
     #[test]

@@ -13,6 +13,9 @@
 //! `replace`, which is idempotent. Removal deletes every matching rule and the route, and
 //! succeeds when there is none.
 
+use std::collections::BTreeSet;
+use std::net::IpAddr;
+
 use serde_json::Value;
 
 use super::RedirectError;
@@ -145,6 +148,50 @@ pub(crate) fn uninstall(config: &RedirectConfig, ip: &str) -> Result<(), Redirec
     Ok(())
 }
 
+/// The `ip -batch` input of [`pod_interfaces`]: one `route get` per address.
+fn route_get_input(addrs: &[IpAddr]) -> String {
+    addrs.iter().map(|a| format!("route get {}\n", a.to_canonical())).collect()
+}
+
+/// The output devices of the routes in `stdout` (one JSON array per `route get`, as `ip -j
+/// -batch` prints them), leaving out routes via a gateway, local and other non-unicast
+/// routes and `lo`.
+fn route_devices(cmd: &Cmd, stdout: &str) -> Result<BTreeSet<String>, RedirectError> {
+    let mut out = BTreeSet::new();
+    for line in stdout.lines().filter(|l| !l.trim().is_empty()) {
+        for r in json_list(cmd, line)? {
+            let unicast = r.get("type").is_none_or(|t| t == "unicast");
+            let direct = r.get("gateway").is_none() && r.get("via").is_none();
+            match r["dev"].as_str() {
+                Some(dev) if unicast && direct && dev != "lo" && super::valid_ifname(dev) => {
+                    out.insert(dev.to_owned());
+                }
+                _ => {}
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The interfaces through which the node routes `addrs`: see
+/// [`super::Backend::pod_interfaces`]. One `ip -j -force -batch -` run; an address without
+/// a route makes `ip` print an error for that line and carry on (`-force`), so the exit
+/// status is not an error here, only output that is not `ip`'s JSON is.
+///
+/// # Errors
+/// `ip` cannot run, or prints something that is not JSON.
+pub(crate) fn pod_interfaces(
+    ip: &str,
+    addrs: &[IpAddr],
+) -> Result<BTreeSet<String>, RedirectError> {
+    if addrs.is_empty() {
+        return Ok(BTreeSet::new());
+    }
+    let cmd = Cmd::new(ip, ["-j", "-force", "-batch", "-"]);
+    let out = cmd.output(Some(&route_get_input(addrs)))?;
+    route_devices(&cmd, &String::from_utf8_lossy(&out.stdout))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -157,6 +204,30 @@ mod tests {
         assert_eq!(parse_u32(&json!(1501)), Some(1501));
         assert_eq!(parse_u32(&json!("main")), None);
         assert_eq!(parse_u32(&Value::Null), None);
+    }
+
+    #[test]
+    fn route_devices_keep_direct_routes_only() {
+        let cmd = Cmd::new("ip", ["-j"]);
+        let out = concat!(
+            r#"[{"dst":"10.50.1.2","dev":"pod0","prefsrc":"10.50.0.1","flags":[],"uid":0,"cache":[]}]"#,
+            "\n",
+            r#"[{"dst":"10.99.0.1","gateway":"192.0.2.1","dev":"eth0","flags":[],"uid":0,"cache":[]}]"#,
+            "\n",
+            r#"[{"type":"local","dst":"10.50.0.1","dev":"lo","flags":[],"uid":0,"cache":["local"]}]"#,
+            "\n",
+            r#"[{"dst":"fd00::2","dev":"cni0","flags":[],"uid":0,"cache":[]}]"#,
+            "\n",
+            r#"[{"dst":"fd00::3","dev":"bad name","flags":[]}]"#,
+            "\n"
+        );
+        let got: Vec<String> = route_devices(&cmd, out).unwrap().into_iter().collect();
+        assert_eq!(got, ["cni0", "pod0"]);
+        assert!(route_devices(&cmd, "not json\n").is_err());
+        assert_eq!(
+            route_get_input(&["10.0.0.1".parse().unwrap(), "::ffff:10.0.0.2".parse().unwrap()]),
+            "route get 10.0.0.1\nroute get 10.0.0.2\n"
+        );
     }
 
     #[test]

@@ -1,0 +1,396 @@
+//! A hostile pod against the agents (issue #17): forged sources, half-open floods that make
+//! the kernel answer with SYN cookies, TCP segments of no allowed connection. Each test
+//! runs `tierproxy lab` with an agent on every node and attacks from inside a pod's
+//! namespace the way a pod with CAP_NET_ADMIN and CAP_NET_RAW can (root containers have
+//! CAP_NET_RAW: a raw socket writes any source address; adding the address to the pod's
+//! interface and binding to it puts the same packet on the wire).
+//!
+//! A test never sleeps and then asserts that nothing arrived: it waits for the ruleset's
+//! drop counter to count the forged packet, then sends an allowed packet to the same
+//! socket, and checks that the allowed one is the first to arrive.
+//!
+//! They need CAP_NET_ADMIN and CAP_SYS_ADMIN (root); without them each test prints
+//! `SKIPPED: ...` unless `TIERPROXY_REQUIRE_NETNS=1`, which makes that a failure. Traffic
+//! stays inside the namespaces the test created.
+
+use std::io::{BufRead, BufReader};
+use std::net::{SocketAddr, TcpStream, UdpSocket};
+use std::time::{Duration, Instant};
+
+use tierproxy::lab::netns::in_netns;
+
+mod common;
+use common::*;
+
+/// Two nodes. `a/client` and `a/server` on n1, `b/remote` and `b/other` on n2. The pods
+/// of b accept ingress from namespace a only (UDP 7000, TCP 8080), so b/other → b/remote is
+/// denied, a/client → b/remote is allowed; a's pods accept nothing from b.
+const CLUSTER: &str = r#"
+apiVersion: v1
+kind: Node
+metadata: {name: n1}
+status: {addresses: [{type: InternalIP, address: 172.31.0.2}]}
+---
+apiVersion: v1
+kind: Node
+metadata: {name: n2}
+status: {addresses: [{type: InternalIP, address: 172.31.0.3}]}
+---
+apiVersion: v1
+kind: Namespace
+metadata: {name: a, labels: {kubernetes.io/metadata.name: a}}
+---
+apiVersion: v1
+kind: Namespace
+metadata: {name: b, labels: {kubernetes.io/metadata.name: b}}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: client, namespace: a}
+spec: {nodeName: n1, containers: [{name: c}]}
+status: {podIP: 10.60.1.2}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: server, namespace: a}
+spec: {nodeName: n1, containers: [{name: c, ports: [{containerPort: 8080}]}]}
+status: {podIP: 10.60.1.3}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: remote, namespace: b}
+spec: {nodeName: n2, containers: [{name: c, ports: [{containerPort: 8080}]}]}
+status: {podIP: 10.60.2.2}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: other, namespace: b}
+spec: {nodeName: n2, containers: [{name: c}]}
+status: {podIP: 10.60.2.3}
+---
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {name: from-a-only, namespace: b}
+spec:
+  podSelector: {}
+  ingress:
+  - from: [{namespaceSelector: {matchLabels: {kubernetes.io/metadata.name: a}}}]
+    ports: [{port: 7000, protocol: UDP}, {port: 8080}]
+---
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {name: from-a-only, namespace: a}
+spec:
+  podSelector: {}
+  ingress:
+  - from: [{namespaceSelector: {matchLabels: {kubernetes.io/metadata.name: a}}}]
+"#;
+
+/// `lab --dual-stack` maps IPv4 a.b.c.d to `fd74:6972::` + its 32 bits.
+const N2_V6: &str = "fd74:6972::ac1f:3";
+const CLIENT_V6: &str = "fd74:6972::a3c:102";
+const REMOTE_V6: &str = "fd74:6972::a3c:202";
+
+/// A dual-stack lab of [`CLUSTER`] with agents, each also given `agent_args`.
+fn lab(short: &str, agent_args: &[&str]) -> Lab {
+    let lab = Lab::new(short);
+    let cluster = lab.file("cluster.yaml", CLUSTER);
+    let mut args = vec!["up", "--dual-stack", "--manifests", cluster.to_str().unwrap()];
+    let extra: Vec<String> = agent_args.iter().map(|a| format!("--agent-arg={a}")).collect();
+    args.extend(extra.iter().map(String::as_str));
+    let o = lab.lab(&args);
+    assert!(o.status.success(), "lab up failed: {}", text(&o));
+    lab
+}
+
+/// The packet counter of the rules in node `node`'s namespace whose comment contains
+/// `comment`, both families, raw and mangle tables (`iptables-save -c`).
+fn dropped(lab: &Lab, node: &str, comment: &str) -> u64 {
+    let netns = netns_of_node(lab, node);
+    let mut n = 0;
+    for save in ["iptables-save", "ip6tables-save"] {
+        for table in ["raw", "mangle"] {
+            for line in netns_out(&netns, &[save, "-c", "-t", table]).lines() {
+                if line.contains(comment)
+                    && let Some(count) = line.strip_prefix('[').and_then(|r| r.split(':').next())
+                {
+                    n += count.parse::<u64>().expect("packet counter");
+                }
+            }
+        }
+    }
+    n
+}
+
+/// Waits up to 10 s for [`dropped`] to exceed `before`: `Ok(count)`, or `Err` with what
+/// it saw. A caller checks what reached the target before it asserts on this, so that a
+/// forged packet that got through is reported as such.
+fn wait_dropped(lab: &Lab, node: &str, comment: &str, before: u64) -> Result<u64, String> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let now = dropped(lab, node, comment);
+        if now > before {
+            return Ok(now);
+        }
+        if Instant::now() >= deadline {
+            return Err(format!("{comment:?} on {node}: still {now} packets after 10 s"));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// A UDP socket bound in `netns` to `addr` (it keeps its namespace).
+fn udp_in(netns: &str, addr: &str) -> UdpSocket {
+    let addr: SocketAddr = addr.parse().expect("address");
+    let s = in_netns(netns, || UdpSocket::bind(addr).map_err(io("bind"))).expect("netns");
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s
+}
+
+/// Adds `addr` to pod namespace `netns`'s `eth0` (an address the pod does not own).
+fn forge_address(netns: &str, addr: &str) {
+    let prefix = if addr.contains(':') { "128" } else { "32" };
+    let cidr = format!("{addr}/{prefix}");
+    let mut cmd = vec!["ip", "addr", "add", cidr.as_str(), "dev", "eth0"];
+    if addr.contains(':') {
+        cmd.push("nodad");
+    }
+    netns_out(netns, &cmd);
+}
+
+/// Sends `payload` from `from` (bound, port chosen by the kernel) to `to`, in `netns`.
+fn send_udp(netns: &str, from: &str, to: &str, payload: &[u8]) {
+    let from: SocketAddr = from.parse().expect("address");
+    let to: SocketAddr = to.parse().expect("address");
+    in_netns(netns, || {
+        let s = UdpSocket::bind(from).map_err(io("bind"))?;
+        s.send_to(payload, to).map_err(io("send"))?;
+        Ok(())
+    })
+    .expect("netns");
+}
+
+/// The first datagram `s` receives, as text, and where it came from.
+fn first_datagram(s: &UdpSocket) -> (String, SocketAddr) {
+    let mut buf = [0u8; 64];
+    let (n, from) = s.recv_from(&mut buf).expect("a datagram within 10 s");
+    (String::from_utf8_lossy(&buf[..n]).into_owned(), from)
+}
+
+/// Issue #17, item 1: a pod that sends with a node's IPv6 address as its source reaches
+/// no pod that policy denies it, on the same node nor across nodes. The "from the node
+/// itself" exemption held for any packet carrying a node address (IPv4 routing drops such
+/// martians, IPv6 does not). The agents run without the source check, so that the node
+/// address rule alone is what stops the forged packets.
+#[test]
+fn a_pod_sending_as_a_node_over_ipv6_reaches_no_denied_pod() {
+    if !netns_available("a_pod_sending_as_a_node_over_ipv6_reaches_no_denied_pod") {
+        return;
+    }
+    let lab = lab("asnode", &["--no-source-check"]);
+    let (n2, other, client) = (
+        netns_of_node(&lab, "n2"),
+        netns_of_pod(&lab, "b", "other"),
+        netns_of_pod(&lab, "a", "client"),
+    );
+    let remote = netns_of_pod(&lab, "b", "remote");
+    let target = format!("[{REMOTE_V6}]:7000");
+    let server = udp_in(&remote, &target);
+    const RULE: &str = "node address from outside";
+
+    // Same node: b/other (denied to b/remote) sends as its own node n2.
+    forge_address(&other, N2_V6);
+    let before = dropped(&lab, "n2", RULE);
+    send_udp(&other, &format!("[{N2_V6}]:0"), &target, b"forged");
+    let counted = wait_dropped(&lab, "n2", RULE, before);
+    // The node itself sends the marker: its own traffic to its pods is never intercepted.
+    send_udp(&n2, &format!("[{N2_V6}]:0"), &target, b"marker");
+    assert_eq!(first_datagram(&server).0, "marker", "the forged datagram reached b/remote");
+    let after = counted.unwrap();
+
+    // Across nodes: a/client on n1 sends as b/remote's node n2 (which exempted it) and as
+    // its own node n1 (whose address n2's agent decides as a node peer).
+    forge_address(&client, N2_V6);
+    send_udp(&client, &format!("[{N2_V6}]:0"), &target, b"forged");
+    let counted = wait_dropped(&lab, "n2", RULE, after);
+    send_udp(&n2, &format!("[{N2_V6}]:0"), &target, b"marker");
+    assert_eq!(first_datagram(&server).0, "marker", "the forged datagram reached b/remote");
+    counted.unwrap();
+
+    // IPv4 too (the kernel drops these martians anyway; the rule counts them).
+    forge_address(&other, "172.31.0.3");
+    let before = dropped(&lab, "n2", RULE);
+    send_udp(&other, "172.31.0.3:0", "10.60.2.2:7000", b"forged");
+    wait_dropped(&lab, "n2", RULE, before).unwrap();
+    // The node's own connections to its pods still work (kubelet probes).
+    assert!(connects(&n2, "10.60.2.2:8080", Duration::from_secs(5)), "n2 -> b/remote");
+    assert!(connects(&n2, &format!("[{REMOTE_V6}]:8080"), Duration::from_secs(5)));
+}
+
+/// Issue #17, item 8: a pod that sends with another pod's address is dropped on its own
+/// node's interface (reverse-path check), IPv4 and IPv6, whether the pod it impersonates
+/// runs on the same node or another; the real pod's traffic still gets through.
+#[test]
+fn a_pod_cannot_send_under_another_pods_address() {
+    if !netns_available("a_pod_cannot_send_under_another_pods_address") {
+        return;
+    }
+    let lab = lab("spoof", &[]);
+    let (other, client, server_ns) = (
+        netns_of_pod(&lab, "b", "other"),
+        netns_of_pod(&lab, "a", "client"),
+        netns_of_pod(&lab, "a", "server"),
+    );
+    let remote = netns_of_pod(&lab, "b", "remote");
+    const RULE: &str = "source not routed via its pod interface";
+    for (forged, real, target) in [
+        ("10.60.1.2", "10.60.1.2:0", "10.60.2.2:7000"),
+        (CLIENT_V6, &*format!("[{CLIENT_V6}]:0"), &*format!("[{REMOTE_V6}]:7000")),
+    ] {
+        let server = udp_in(&remote, target);
+        // b/other (n2; b → b is denied) takes a/client's address (a pod on n1, allowed).
+        forge_address(&other, forged);
+        let before = dropped(&lab, "n2", RULE);
+        send_udp(&other, real, target, b"forged");
+        let counted = wait_dropped(&lab, "n2", RULE, before);
+        // The real a/client's datagram is allowed and proxied.
+        send_udp(&client, real, target, b"marker");
+        let (first, from) = first_datagram(&server);
+        assert_eq!(first, "marker", "{forged}: the forged datagram reached b/remote");
+        assert_eq!(from.ip().to_string(), forged, "the server sees the real client");
+        counted.unwrap();
+
+        // a/server (n1) takes a/client's address, a pod of its own node.
+        forge_address(&server_ns, forged);
+        let before = dropped(&lab, "n1", RULE);
+        send_udp(&server_ns, real, target, b"forged");
+        let counted = wait_dropped(&lab, "n1", RULE, before);
+        send_udp(&client, real, target, b"marker");
+        assert_eq!(first_datagram(&server).0, "marker", "{forged}: forged from n1");
+        counted.unwrap();
+    }
+    // With the check on, the pods' own traffic is untouched.
+    assert!(connects(&client, "10.60.2.2:8080", Duration::from_secs(5)), "a/client -> b/remote");
+    assert!(connects(&client, &format!("[{REMOTE_V6}]:8080"), Duration::from_secs(5)));
+}
+
+/// Reads the greeting the lab's echo server sends first, through the proxies.
+fn greeting(netns: &str, to: &str) -> Result<String, String> {
+    let to: SocketAddr = to.parse().expect("address");
+    let s = in_netns(netns, || {
+        TcpStream::connect_timeout(&to, Duration::from_secs(5)).map_err(io("connect"))
+    })
+    .map_err(|e| format!("connect to {to}: {e}"))?;
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut line = String::new();
+    BufReader::new(s).read_line(&mut line).map_err(|e| format!("greeting from {to}: {e}"))?;
+    Ok(line)
+}
+
+/// `TcpExt: SyncookiesRecv` of namespace `netns` (/proc/net/netstat).
+fn syncookies_received(netns: &str) -> u64 {
+    let text = netns_out(netns, &["cat", "/proc/net/netstat"]);
+    let mut lines = text.lines().filter(|l| l.starts_with("TcpExt:"));
+    let (names, values) = (lines.next().expect("TcpExt names"), lines.next().expect("values"));
+    let i = names.split_whitespace().position(|n| n == "SyncookiesRecv").expect("SyncookiesRecv");
+    values.split_whitespace().nth(i).expect("value").parse().expect("number")
+}
+
+/// Issue #17, item 2: when the kernel answers a SYN with a cookie (the proxy's SYN queue
+/// is full; `tcp_syncookies=2` makes it do so for every SYN), the client's ACK must reach
+/// the proxy's listener, which completes the connection. Before, only SYNs were sent to
+/// the listener: the ACK matched no socket, the connection hung for good.
+#[test]
+fn connections_completed_by_syn_cookies_are_proxied() {
+    if !netns_available("connections_completed_by_syn_cookies_are_proxied") {
+        return;
+    }
+    let lab = lab("cookies", &[]);
+    let (n1, n2, client) =
+        (netns_of_node(&lab, "n1"), netns_of_node(&lab, "n2"), netns_of_pod(&lab, "a", "client"));
+    for node in [&n1, &n2] {
+        netns_out(node, &["sysctl", "-q", "-w", "net.ipv4.tcp_syncookies=2"]);
+    }
+    let before = syncookies_received(&n1);
+    for to in
+        ["10.60.1.3:8080".to_string(), "10.60.2.2:8080".to_string(), format!("[{REMOTE_V6}]:8080")]
+    {
+        let line = greeting(&client, &to).unwrap_or_else(|e| panic!("{e}"));
+        assert!(line.starts_with("tierproxy-lab "), "{to}: {line}");
+    }
+    assert!(syncookies_received(&n1) >= before + 3, "every connection was a cookie's");
+}
+
+/// The Internet checksum of `data` (RFC 1071), folded, not inverted.
+fn sum16(data: &[u8], mut acc: u32) -> u32 {
+    for pair in data.chunks(2) {
+        acc += u32::from(u16::from_be_bytes([pair[0], *pair.get(1).unwrap_or(&0)]));
+    }
+    acc
+}
+
+/// A 20-byte IPv4 TCP header from `src` to `dst` with `flags`, checksum filled in.
+fn tcp_segment(src: SocketAddr, dst: SocketAddr, flags: u8) -> Vec<u8> {
+    let (std::net::IpAddr::V4(s), std::net::IpAddr::V4(d)) = (src.ip(), dst.ip()) else {
+        panic!("IPv4 only");
+    };
+    let mut t = Vec::with_capacity(20);
+    t.extend_from_slice(&src.port().to_be_bytes());
+    t.extend_from_slice(&dst.port().to_be_bytes());
+    t.extend_from_slice(&0x1234_5678u32.to_be_bytes()); // sequence
+    t.extend_from_slice(&0x0bad_f00du32.to_be_bytes()); // acknowledgement
+    t.extend_from_slice(&[5 << 4, flags, 0xff, 0xff, 0, 0, 0, 0]);
+    let mut pseudo = Vec::new();
+    pseudo.extend_from_slice(&s.octets());
+    pseudo.extend_from_slice(&d.octets());
+    pseudo.extend_from_slice(&[0, 6, 0, 20]);
+    let mut acc = sum16(&t, sum16(&pseudo, 0));
+    while acc > 0xffff {
+        acc = (acc & 0xffff) + (acc >> 16);
+    }
+    t[16..18].copy_from_slice(&(!(acc as u16)).to_be_bytes());
+    t
+}
+
+/// `Tcp: InSegs` of namespace `netns` (/proc/net/snmp).
+fn tcp_in_segments(netns: &str) -> u64 {
+    let text = netns_out(netns, &["cat", "/proc/net/snmp"]);
+    let mut lines = text.lines().filter(|l| l.starts_with("Tcp:"));
+    let (names, values) = (lines.next().expect("Tcp names"), lines.next().expect("values"));
+    let i = names.split_whitespace().position(|n| n == "InSegs").expect("InSegs");
+    values.split_whitespace().nth(i).expect("value").parse().expect("number")
+}
+
+/// Issue #17, item 10: TCP segments that belong to no connection a decision allowed (a
+/// bare ACK, a FIN: how a pod scans for open ports without a SYN) never reach their target;
+/// before, they were forwarded undecided and the target answered them (a FIN to a closed
+/// port is reset, to an open one not: an open-port scan through the policy).
+#[test]
+fn tcp_segments_of_no_allowed_connection_never_reach_their_target() {
+    if !netns_available("tcp_segments_of_no_allowed_connection_never_reach_their_target") {
+        return;
+    }
+    let lab = lab("stray", &[]);
+    let (other, remote) = (netns_of_pod(&lab, "b", "other"), netns_of_pod(&lab, "b", "remote"));
+    const RULE: &str = "TCP of no decided connection";
+    let (src, dst): (SocketAddr, SocketAddr) =
+        ("10.60.2.3:40000".parse().unwrap(), "10.60.2.2:8080".parse().unwrap());
+    let segs_before = tcp_in_segments(&remote);
+    let mut before = dropped(&lab, "n2", RULE);
+    for (flags, what) in [(0x10u8, "ACK"), (0x01, "FIN"), (0x29, "FIN+PSH+URG")] {
+        in_netns(&other, || {
+            let s = socket2::Socket::new(
+                socket2::Domain::IPV4,
+                socket2::Type::RAW,
+                Some(socket2::Protocol::TCP),
+            )
+            .map_err(io("raw socket"))?;
+            s.send_to(&tcp_segment(src, dst, flags), &dst.into()).map_err(io("send"))?;
+            Ok(())
+        })
+        .expect("netns");
+        let counted = wait_dropped(&lab, "n2", RULE, before);
+        assert_eq!(tcp_in_segments(&remote), segs_before, "a bare {what} reached b/remote");
+        before = counted.unwrap();
+    }
+}
