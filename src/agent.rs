@@ -147,6 +147,8 @@ pub struct AgentOptions {
     /// Set `net.ipv4.tcp_tw_reuse` to 1 in the enforcing namespace while running (the old
     /// value is put back on exit); see [`TcpTwReuse`].
     pub tcp_tw_reuse: bool,
+    /// Where the agent keeps what it must undo after a crash ([`DEFAULT_STATE_DIR`]).
+    pub state_dir: PathBuf,
     /// A network namespace (a path such as `/run/netns/NAME`, or a name under
     /// `/run/netns`) to enforce in, entered after the audit sinks are started: the sinks
     /// keep the namespace the agent started in, as a hostNetwork pod's would, while the
@@ -184,6 +186,7 @@ impl AgentOptions {
             audit,
             metrics_addr: None,
             tcp_tw_reuse: true,
+            state_dir: PathBuf::from(DEFAULT_STATE_DIR),
             netns: None,
             keep_capabilities: None,
             pipe_budget_percent: crate::proxy::relay::PIPE_BUDGET_SHARE_PERCENT,
@@ -371,7 +374,7 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
     if let Some(ns) = &opts.netns {
         enter_netns(ns)?;
     }
-    let _tw_reuse = opts.tcp_tw_reuse.then(TcpTwReuse::enable);
+    let _tw_reuse = TcpTwReuse::start(&opts.state_dir, opts.tcp_tw_reuse);
     if let Some(keep) = &opts.keep_capabilities {
         keep_only_capabilities(keep)?;
     }
@@ -831,6 +834,10 @@ impl Reloader<'_> {
             }
         }
         self.drops.interfaces.store(self.spec.pod_interfaces().len() as u64, Relaxed);
+        // What a burst (a flood of new flows, many connections at once) freed goes back to
+        // the kernel: glibc keeps freed memory in its arenas otherwise, and the agent's RSS
+        // stayed ~200 MiB higher after a flood for good (issue #17).
+        trim_heap();
         let counts = match self.backend.drop_counts(self.spec.config()) {
             Ok(c) => c,
             Err(e) => {
@@ -976,38 +983,120 @@ impl Reloader<'_> {
 /// `tcp_tw_reuse`); the kernel's default (2) allows it on loopback only. It applies to
 /// every outgoing connection of the node, which is why the agent says so in its log and
 /// `--no-tcp-tw-reuse` leaves the setting alone.
+///
+/// A crash (SIGKILL, OOM) skips the restore, so the old value is also written to a state
+/// file (`<state dir>/tcp_tw_reuse.<network namespace cookie>`) before the sysctl is
+/// changed, and removed once it is restored: the next agent started in the same namespace
+/// finds it and restores that value first, whether or not it sets the sysctl again (issue
+/// #17: the value stayed 1 for good after a crash). The namespace cookie
+/// (`SO_NETNS_COOKIE`) is unique for the boot, so the file of a namespace that is gone
+/// never applies to another; the state directory is on tmpfs (`/run`), which a reboot,
+/// like the sysctl, resets.
 pub struct TcpTwReuse {
     old: Option<String>,
+    file: Option<PathBuf>,
 }
 
 /// The sysctl [`TcpTwReuse`] sets.
 const TW_REUSE: &str = "/proc/sys/net/ipv4/tcp_tw_reuse";
 
+/// Default directory of the agent's state files ([`TcpTwReuse`]): `/run/tierproxy`
+/// (tmpfs; the DaemonSet mounts an emptyDir there).
+pub const DEFAULT_STATE_DIR: &str = "/run/tierproxy";
+
+/// The calling thread's network namespace, as a string unique for the boot: its cookie
+/// (`SO_NETNS_COOKIE`, Linux 5.14, include/uapi/asm-generic/socket.h), else the inode of
+/// /proc/thread-self/ns/net (which a later namespace may reuse).
+fn netns_id() -> Option<String> {
+    const SO_NETNS_COOKIE: nix::libc::c_int = 71;
+    let s = std::net::UdpSocket::bind("127.0.0.1:0")
+        .or_else(|_| std::net::UdpSocket::bind("[::1]:0"))
+        .ok();
+    if let Some(s) = s {
+        let mut cookie: u64 = 0;
+        let mut len = std::mem::size_of::<u64>() as nix::libc::socklen_t;
+        // SAFETY: `cookie` and `len` outlive the call and `len` is `cookie`'s size.
+        let r = unsafe {
+            nix::libc::getsockopt(
+                std::os::fd::AsRawFd::as_raw_fd(&s),
+                nix::libc::SOL_SOCKET,
+                SO_NETNS_COOKIE,
+                (&mut cookie as *mut u64).cast(),
+                &mut len,
+            )
+        };
+        if r == 0 {
+            return Some(format!("cookie-{cookie}"));
+        }
+    }
+    let link = std::fs::read_link("/proc/thread-self/ns/net").ok()?;
+    let text = link.to_string_lossy();
+    let inode = text.strip_prefix("net:[")?.strip_suffix(']')?;
+    Some(format!("inode-{inode}"))
+}
+
 impl TcpTwReuse {
-    /// Sets the sysctl to 1 if it is not, remembering the old value. Failures are logged
-    /// (the agent runs on without it).
-    pub fn enable() -> TcpTwReuse {
+    /// Restores a value a crashed agent left in `state_dir` for this namespace, then, if
+    /// `enable`, sets the sysctl to 1 if it is not, remembering the old value there.
+    /// Failures are logged (the agent runs on without it).
+    pub fn start(state_dir: &std::path::Path, enable: bool) -> TcpTwReuse {
+        let file = netns_id().map(|id| state_dir.join(format!("tcp_tw_reuse.{id}")));
+        if let Some(f) = &file
+            && let Ok(left) = std::fs::read_to_string(f)
+        {
+            let left = left.trim().to_string();
+            match std::fs::write(TW_REUSE, &left) {
+                Ok(()) => {
+                    tracing::warn!(
+                        value = %left,
+                        file = %f.display(),
+                        "restored net.ipv4.tcp_tw_reuse, which an agent that did not exit cleanly left set"
+                    );
+                    let _ = std::fs::remove_file(f);
+                }
+                Err(e) => tracing::warn!(error = %e, "cannot restore net.ipv4.tcp_tw_reuse={left}"),
+            }
+        }
+        let none = TcpTwReuse { old: None, file: None };
+        if !enable {
+            return none;
+        }
         let old = match std::fs::read_to_string(TW_REUSE) {
             Ok(v) => v.trim().to_string(),
             Err(e) => {
                 tracing::warn!(error = %e, "cannot read net.ipv4.tcp_tw_reuse");
-                return TcpTwReuse { old: None };
+                return none;
             }
         };
         if old == "1" {
-            return TcpTwReuse { old: None };
+            return none;
         }
+        // The old value first: a crash right after the write below must still find it.
+        let file = file.filter(|f| {
+            let saved = std::fs::create_dir_all(state_dir).and_then(|()| std::fs::write(f, &old));
+            if let Err(e) = &saved {
+                tracing::warn!(
+                    error = %e,
+                    file = %f.display(),
+                    "cannot record net.ipv4.tcp_tw_reuse's old value; a crash would leave it at 1"
+                );
+            }
+            saved.is_ok()
+        });
         match std::fs::write(TW_REUSE, "1") {
             Ok(()) => {
                 tracing::info!(
                     was = %old,
                     "set net.ipv4.tcp_tw_reuse=1 for this node's outgoing connections while the agent runs (upstream legs carry client addresses; --no-tcp-tw-reuse leaves it alone)"
                 );
-                TcpTwReuse { old: Some(old) }
+                TcpTwReuse { old: Some(old), file }
             }
             Err(e) => {
                 tracing::warn!(error = %e, "cannot set net.ipv4.tcp_tw_reuse=1");
-                TcpTwReuse { old: None }
+                if let Some(f) = file {
+                    let _ = std::fs::remove_file(f);
+                }
+                none
             }
         }
     }
@@ -1015,10 +1104,14 @@ impl TcpTwReuse {
 
 impl Drop for TcpTwReuse {
     fn drop(&mut self) {
-        if let Some(old) = &self.old
-            && let Err(e) = std::fs::write(TW_REUSE, old)
-        {
-            tracing::warn!(error = %e, "cannot restore net.ipv4.tcp_tw_reuse={old}");
+        let Some(old) = &self.old else { return };
+        match std::fs::write(TW_REUSE, old) {
+            Ok(()) => {
+                if let Some(f) = &self.file {
+                    let _ = std::fs::remove_file(f);
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "cannot restore net.ipv4.tcp_tw_reuse={old}"),
         }
     }
 }

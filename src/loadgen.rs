@@ -28,6 +28,11 @@ pub enum Mode {
     /// request waits for the echo's answer (greeting line + payload) up to
     /// [`UDP_REPLY_TIMEOUT`]; a datagram lost either way counts in `timeouts`.
     UdpRr,
+    /// A half-open flood (issue #17): TCP SYNs to `to` from random source ports, at
+    /// [`LoadOptions::rate`] per second, never completing a handshake; with
+    /// [`LoadOptions::forge_sources`] each from a random source address too. IPv4 only;
+    /// needs CAP_NET_RAW. Counts SYNs sent; see [`syn_flood`].
+    SynFlood,
 }
 
 /// How long a UDP request waits for its answer before it counts as lost. The lab's round
@@ -54,6 +59,16 @@ pub struct LoadOptions {
     pub max_count: u64,
     /// Parallel clients (threads), each its own connection(s).
     pub concurrency: usize,
+    /// syn-flood: SYNs per second (0: as fast as the socket takes them).
+    pub rate: u64,
+    /// syn-flood: a random source address per SYN, not the pod's own.
+    pub forge_sources: bool,
+    /// crr: a transaction that fails (connect refused or timed out, greeting or echo not
+    /// within [`LoadOptions::timeout`]) is counted in `errors` and the client goes on,
+    /// instead of ending the run: how a load test under attack measures what still works.
+    pub count_errors: bool,
+    /// crr: how long a connect, and then each read, may take.
+    pub timeout: Duration,
 }
 
 /// A run's figures.
@@ -74,13 +89,17 @@ pub struct Report {
     /// Requests that got no answer within [`UDP_REPLY_TIMEOUT`] (udp-rr only; always 0
     /// for the TCP modes, where a lost answer is an error).
     pub timeouts: u64,
+    /// crr with [`LoadOptions::count_errors`]: transactions that failed (a connect refused
+    /// or timed out, a greeting or an echo that did not come within the timeout).
+    pub errors: u64,
 }
 
-/// What one client thread measured: latencies of answered transactions (µs) and the
-/// number of requests that timed out.
+/// What one client thread measured: latencies of answered transactions (µs), the number
+/// of requests that timed out and of transactions that failed.
 struct ClientResult {
     latencies: Vec<u32>,
     timeouts: u64,
+    errors: u64,
 }
 
 fn greeting(s: &TcpStream) -> anyhow::Result<BufReader<TcpStream>> {
@@ -93,11 +112,18 @@ fn greeting(s: &TcpStream) -> anyhow::Result<BufReader<TcpStream>> {
     Ok(r)
 }
 
+/// How long a connect, and each read after it, may take by default.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(5);
+
 fn connect(to: SocketAddr) -> anyhow::Result<TcpStream> {
-    let s = TcpStream::connect_timeout(&to, Duration::from_secs(5))
-        .with_context(|| format!("connecting to {to}"))?;
+    connect_within(to, DEFAULT_TIMEOUT)
+}
+
+fn connect_within(to: SocketAddr, timeout: Duration) -> anyhow::Result<TcpStream> {
+    let s =
+        TcpStream::connect_timeout(&to, timeout).with_context(|| format!("connecting to {to}"))?;
     s.set_nodelay(true)?;
-    s.set_read_timeout(Some(Duration::from_secs(5)))?;
+    s.set_read_timeout(Some(timeout))?;
     Ok(s)
 }
 
@@ -169,7 +195,7 @@ fn udp_client(o: LoadOptions, deadline: Instant, max: u64) -> anyhow::Result<Cli
             timeouts += 1;
         }
     }
-    Ok(ClientResult { latencies: lat, timeouts })
+    Ok(ClientResult { latencies: lat, timeouts, errors: 0 })
 }
 
 fn one_client(o: LoadOptions, deadline: Instant, max: u64) -> anyhow::Result<ClientResult> {
@@ -192,23 +218,33 @@ fn one_client(o: LoadOptions, deadline: Instant, max: u64) -> anyhow::Result<Cli
         }
         Mode::Hold => bail!("hold is run by loadgen::hold"),
         Mode::UdpRr => bail!("udp-rr is run by loadgen::udp_client"),
+        Mode::SynFlood => bail!("syn-flood is run by loadgen::syn_flood"),
         Mode::Crr => {
-            while Instant::now() < deadline && (lat.len() as u64) < max {
+            let mut errors = 0u64;
+            while Instant::now() < deadline && (lat.len() as u64) + errors < max {
                 let t = Instant::now();
-                let mut s = connect(o.to)?;
-                let mut r = greeting(&s)?;
-                s.write_all(&req)?;
-                r.read_exact(&mut resp)?;
-                s.shutdown(std::net::Shutdown::Write)?;
-                let mut rest = [0u8; 1];
-                if r.read(&mut rest)? != 0 {
-                    bail!("the echo server sent more than the echo");
+                let mut one = || -> anyhow::Result<()> {
+                    let mut s = connect_within(o.to, o.timeout)?;
+                    let mut r = greeting(&s)?;
+                    s.write_all(&req)?;
+                    r.read_exact(&mut resp)?;
+                    s.shutdown(std::net::Shutdown::Write)?;
+                    let mut rest = [0u8; 1];
+                    if r.read(&mut rest)? != 0 {
+                        bail!("the echo server sent more than the echo");
+                    }
+                    Ok(())
+                };
+                match one() {
+                    Ok(()) => lat.push(t.elapsed().as_micros() as u32),
+                    Err(_) if o.count_errors => errors += 1,
+                    Err(e) => return Err(e),
                 }
-                lat.push(t.elapsed().as_micros() as u32);
             }
+            return Ok(ClientResult { latencies: lat, timeouts: 0, errors });
         }
     }
-    Ok(ClientResult { latencies: lat, timeouts: 0 })
+    Ok(ClientResult { latencies: lat, timeouts: 0, errors: 0 })
 }
 
 /// Runs the load and reports.
@@ -229,11 +265,12 @@ pub fn run(o: LoadOptions) -> anyhow::Result<Report> {
     });
     let seconds = start.elapsed().as_secs_f64();
     let mut lat = Vec::new();
-    let mut timeouts = 0;
+    let (mut timeouts, mut errors) = (0, 0);
     for r in results {
         let r = r?;
         lat.extend(r.latencies);
         timeouts += r.timeouts;
+        errors += r.errors;
     }
     lat.sort_unstable();
     let at = |q: f64| {
@@ -248,7 +285,148 @@ pub fn run(o: LoadOptions) -> anyhow::Result<Report> {
         p99_us: at(0.99),
         seconds,
         timeouts,
+        errors,
     })
+}
+
+/// What [`syn_flood`] sent.
+#[derive(Debug, Clone, Serialize)]
+pub struct FloodReport {
+    /// SYNs sent.
+    pub sent: u64,
+    /// Seconds it took.
+    pub seconds: f64,
+    /// SYNs per second.
+    pub per_second: f64,
+    /// Sends the socket refused (buffer full): counted, not retried.
+    pub refused: u64,
+}
+
+/// The Internet checksum of `chunks` (RFC 1071), one's complement of the one's-complement
+/// sum of 16-bit words.
+fn checksum(chunks: &[&[u8]]) -> u16 {
+    let mut acc: u32 = 0;
+    for c in chunks {
+        for pair in c.chunks(2) {
+            acc += u32::from(u16::from_be_bytes([pair[0], *pair.get(1).unwrap_or(&0)]));
+        }
+    }
+    while acc > 0xffff {
+        acc = (acc & 0xffff) + (acc >> 16);
+    }
+    !(acc as u16)
+}
+
+/// A TCP SYN (RFC 9293 §3.1, no options) from `src` to `dst`, checksummed over the IPv4
+/// pseudo-header.
+fn syn_segment(src: std::net::SocketAddrV4, dst: std::net::SocketAddrV4, seq: u32) -> [u8; 20] {
+    let mut t = [0u8; 20];
+    t[0..2].copy_from_slice(&src.port().to_be_bytes());
+    t[2..4].copy_from_slice(&dst.port().to_be_bytes());
+    t[4..8].copy_from_slice(&seq.to_be_bytes());
+    t[12] = 5 << 4;
+    t[13] = 0x02; // SYN
+    t[14..16].copy_from_slice(&64240u16.to_be_bytes());
+    let pseudo = [&src.ip().octets()[..], &dst.ip().octets()[..], &[0, 6, 0, 20]].concat();
+    let sum = checksum(&[&pseudo, &t]);
+    t[16..18].copy_from_slice(&sum.to_be_bytes());
+    t
+}
+
+/// An IPv4 header (RFC 791, no options) for a 20-byte TCP segment from `src` to `dst`.
+fn ipv4_header(src: std::net::Ipv4Addr, dst: std::net::Ipv4Addr, id: u16) -> [u8; 20] {
+    let mut h = [0u8; 20];
+    h[0] = 0x45;
+    h[2..4].copy_from_slice(&40u16.to_be_bytes());
+    h[4..6].copy_from_slice(&id.to_be_bytes());
+    h[8] = 64;
+    h[9] = 6;
+    h[12..16].copy_from_slice(&src.octets());
+    h[16..20].copy_from_slice(&dst.octets());
+    let sum = checksum(&[&h]);
+    h[10..12].copy_from_slice(&sum.to_be_bytes());
+    h
+}
+
+/// Sends TCP SYNs to `o.to` (IPv4) for `o.duration` or `o.max_count` SYNs, at `o.rate`
+/// per second (0: unpaced), each from a random source port of this namespace's own source
+/// address for `o.to` (with `o.forge_sources`: from a random address in 10.0.0.0/8, which
+/// a reverse-path check drops). No handshake is ever completed: each SYN leaves a
+/// half-open connection at whatever answers it. Pacing: every millisecond, the SYNs due
+/// by then.
+///
+/// # Errors
+/// No raw socket (CAP_NET_RAW), an IPv6 target, or no route to `o.to`.
+pub fn syn_flood(o: LoadOptions) -> anyhow::Result<FloodReport> {
+    use socket2::{Domain, Protocol, Socket, Type};
+    let std::net::SocketAddr::V4(dst) = o.to else { bail!("syn-flood: IPv4 targets only") };
+    // The source address the kernel would pick for this destination.
+    let own = {
+        let probe = UdpSocket::bind("0.0.0.0:0")?;
+        probe.connect(o.to).with_context(|| format!("no route to {}", o.to))?;
+        match probe.local_addr()?.ip() {
+            std::net::IpAddr::V4(a) => a,
+            std::net::IpAddr::V6(_) => bail!("syn-flood: no IPv4 source"),
+        }
+    };
+    let (proto, hdrincl) = if o.forge_sources {
+        (Protocol::from(nix::libc::IPPROTO_RAW), true)
+    } else {
+        (Protocol::TCP, false)
+    };
+    let s =
+        Socket::new(Domain::IPV4, Type::RAW, Some(proto)).context("raw socket (CAP_NET_RAW)")?;
+    if hdrincl {
+        s.set_header_included_v4(true)?;
+    }
+    s.set_nonblocking(true)?;
+    let target: socket2::SockAddr = o.to.into();
+    let start = Instant::now();
+    let deadline = start + o.duration;
+    let (mut sent, mut refused) = (0u64, 0u64);
+    let mut rng =
+        start.elapsed().as_nanos() as u64 ^ 0x9e37_79b9_7f4a_7c15 ^ u64::from(std::process::id());
+    let mut next = || {
+        // xorshift64*: enough for ports, addresses and sequence numbers.
+        rng ^= rng >> 12;
+        rng ^= rng << 25;
+        rng ^= rng >> 27;
+        rng.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    };
+    let mut packet = Vec::with_capacity(40);
+    while Instant::now() < deadline && sent < o.max_count {
+        let due = if o.rate == 0 {
+            sent + 64
+        } else {
+            (start.elapsed().as_secs_f64() * o.rate as f64) as u64 + 1
+        };
+        while sent < due.min(o.max_count) {
+            let r = next();
+            let port = 1024 + (r % 64_000) as u16;
+            let src_ip = if o.forge_sources {
+                std::net::Ipv4Addr::from(0x0a00_0000 | ((r >> 16) as u32 & 0x00ff_ffff))
+            } else {
+                own
+            };
+            let seg = syn_segment(std::net::SocketAddrV4::new(src_ip, port), dst, (r >> 32) as u32);
+            packet.clear();
+            if hdrincl {
+                packet.extend_from_slice(&ipv4_header(src_ip, *dst.ip(), r as u16));
+            }
+            packet.extend_from_slice(&seg);
+            match s.send_to(&packet, &target) {
+                Ok(_) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => refused += 1,
+                Err(e) => return Err(e).context("sending a SYN"),
+            }
+            sent += 1;
+        }
+        if o.rate != 0 {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+    let seconds = start.elapsed().as_secs_f64();
+    Ok(FloodReport { sent, seconds, per_second: sent as f64 / seconds.max(1e-9), refused })
 }
 
 /// What [`hold`] saw.
@@ -324,8 +502,33 @@ pub fn hold(
 mod tests {
     use super::*;
 
+    #[test]
+    fn syn_segments_and_headers_check_out() {
+        let src: std::net::SocketAddrV4 = "10.60.1.2:40000".parse().unwrap();
+        let dst: std::net::SocketAddrV4 = "10.60.1.3:8080".parse().unwrap();
+        let seg = syn_segment(src, dst, 7);
+        let pseudo = [&src.ip().octets()[..], &dst.ip().octets()[..], &[0, 6, 0, 20]].concat();
+        // A correct checksum sums to zero with the data it covers.
+        assert_eq!(checksum(&[&pseudo, &seg]), 0);
+        assert_eq!(seg[13], 0x02, "SYN only");
+        let h = ipv4_header(*src.ip(), *dst.ip(), 1);
+        assert_eq!(checksum(&[&h]), 0);
+        assert_eq!(u16::from_be_bytes([h[2], h[3]]), 40);
+    }
+
     fn opts(mode: Mode, to: SocketAddr, max_count: u64, concurrency: usize) -> LoadOptions {
-        LoadOptions { mode, to, size: 64, duration: Duration::from_secs(5), max_count, concurrency }
+        LoadOptions {
+            mode,
+            to,
+            size: 64,
+            duration: Duration::from_secs(5),
+            max_count,
+            concurrency,
+            rate: 0,
+            forge_sources: false,
+            count_errors: false,
+            timeout: DEFAULT_TIMEOUT,
+        }
     }
 
     /// A lab UDP echo on loopback (it serves until the test process ends).

@@ -68,7 +68,8 @@ enum Command {
         /// rr: request/response over one connection; crr: a connection per request; hold:
         /// open --max-count connections and report when they are cut; udp-rr: UDP
         /// request/response over a connected socket per client (lost answers are counted
-        /// as timeouts).
+        /// as timeouts); syn-flood: half-open TCP SYNs at --rate per second (needs
+        /// CAP_NET_RAW; bounded by --seconds and --max-count).
         #[arg(long, value_enum)]
         mode: tierproxy::loadgen::Mode,
         /// The echo server, IP:PORT.
@@ -86,6 +87,19 @@ enum Command {
         /// Parallel clients.
         #[arg(long, default_value_t = 1)]
         concurrency: usize,
+        /// syn-flood: SYNs per second (0: as fast as possible).
+        #[arg(long, default_value_t = 1000)]
+        rate: u64,
+        /// syn-flood: each SYN from a random address of 10.0.0.0/8, not this pod's.
+        #[arg(long)]
+        forge_sources: bool,
+        /// crr: count failed transactions (connect, greeting or echo not within
+        /// --timeout-ms) in "errors" and go on, instead of stopping at the first.
+        #[arg(long)]
+        count_errors: bool,
+        /// crr: how long a connect, and each read, may take (milliseconds).
+        #[arg(long, default_value_t = tierproxy::loadgen::DEFAULT_TIMEOUT.as_millis() as u64)]
+        timeout_ms: u64,
     },
     /// Report invalid objects, priority conflicts and rules that can never match.
     ///
@@ -218,6 +232,11 @@ struct AgentArgs {
     /// TIME_WAITs slow every connect under connection churn).
     #[arg(long)]
     no_tcp_tw_reuse: bool,
+    /// Directory of the state the agent must undo after a crash (the old value of
+    /// net.ipv4.tcp_tw_reuse, per network namespace); on tmpfs, so a reboot clears it with
+    /// the sysctl.
+    #[arg(long, default_value = tierproxy::agent::DEFAULT_STATE_DIR)]
+    state_dir: PathBuf,
     /// Seconds live connections may finish after shutdown begins.
     #[arg(long, default_value_t = tierproxy::agent::DEFAULT_DRAIN_GRACE.as_secs())]
     drain_grace_secs: u64,
@@ -323,6 +342,7 @@ fn run_agent(a: AgentArgs) -> ExitCode {
     opts.udp_idle_timeout = Duration::from_secs(a.udp_idle_timeout_secs);
     opts.max_udp_flows = a.max_udp_flows;
     opts.tcp_tw_reuse = !a.no_tcp_tw_reuse;
+    opts.state_dir = a.state_dir;
     if a.kube {
         use tierproxy::cluster::{apiserver, status};
         let max = Duration::from_millis(a.kube_retry_max_ms.max(1));
@@ -463,7 +483,18 @@ fn main() -> ExitCode {
             explain::explain(&manifests, source, output, &mut out, &mut err)
         }
         Command::Check { manifests, output } => explain::check(&manifests, output, &mut out),
-        Command::Loadgen { mode, to, size, seconds, max_count, concurrency } => {
+        Command::Loadgen {
+            mode,
+            to,
+            size,
+            seconds,
+            max_count,
+            concurrency,
+            rate,
+            forge_sources,
+            count_errors,
+            timeout_ms,
+        } => {
             let opts = tierproxy::loadgen::LoadOptions {
                 mode,
                 to,
@@ -471,7 +502,23 @@ fn main() -> ExitCode {
                 duration: std::time::Duration::from_secs_f64(seconds.clamp(0.0, 3600.0)),
                 max_count,
                 concurrency,
+                rate,
+                forge_sources,
+                count_errors,
+                timeout: std::time::Duration::from_millis(timeout_ms.max(1)),
             };
+            if mode == tierproxy::loadgen::Mode::SynFlood {
+                return match tierproxy::loadgen::syn_flood(opts) {
+                    Ok(r) => {
+                        let _ = writeln!(out, "{}", serde_json::to_string(&r).unwrap_or_default());
+                        ExitCode::SUCCESS
+                    }
+                    Err(e) => {
+                        let _ = writeln!(err, "error: {e:#}");
+                        ExitCode::from(1)
+                    }
+                };
+            }
             if mode == tierproxy::loadgen::Mode::Hold {
                 let count = usize::try_from(max_count).unwrap_or(usize::MAX).min(100_000);
                 tierproxy::agent::raise_fd_limit();

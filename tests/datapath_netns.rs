@@ -465,6 +465,64 @@ fn a_stopped_agent_removes_its_rules_and_a_crashed_one_leaves_the_node_closed() 
     );
 }
 
+/// Kills a process when dropped (a test's own agent, which `lab down` does not know).
+struct KillOnDrop(std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Issue #17, item 10: an agent killed with SIGKILL cannot put net.ipv4.tcp_tw_reuse back;
+/// the next agent in the same namespace does, before anything else (here one told to leave
+/// the setting alone, which must still undo what the crashed one did).
+#[test]
+fn the_next_agent_restores_tcp_tw_reuse_a_crashed_one_left_set() {
+    if !netns_available("the_next_agent_restores_tcp_tw_reuse_a_crashed_one_left_set") {
+        return;
+    }
+    let lab = lab_with_agents("twreuse");
+    let n1 = netns_of_node(&lab, "n1");
+    let sysctl = || run_in(&n1, &["cat", "/proc/sys/net/ipv4/tcp_tw_reuse"]).trim().to_string();
+    assert_eq!(sysctl(), "1", "the agent set it");
+    let pid = agent_pids(&lab).into_iter().find(|(ns, _)| *ns == n1).expect("agent of n1").1;
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::SIGKILL)
+        .expect("kill the agent");
+    wait_gone(pid);
+    assert_eq!(sysctl(), "1", "a crash leaves it set");
+
+    let ready = lab.dir.path().join("agent2.ready");
+    let child = bin()
+        .args(["agent", "--netns", &n1, "--node", "n1", "--no-tcp-tw-reuse", "--ready-file"])
+        .arg(&ready)
+        .arg("--log")
+        .arg(lab.dir.path().join("agent2.log"))
+        .arg("--manifests")
+        .arg(lab.dir.path().join("cluster.yaml"))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("a second agent starts");
+    let mut agent = KillOnDrop(child);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !ready.exists() {
+        assert!(agent.0.try_wait().unwrap().is_none(), "the second agent exited");
+        assert!(Instant::now() < deadline, "the second agent was not ready in 30 s");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(sysctl(), "2", "the kernel's default, which the first agent found, is back");
+    let log = std::fs::read_to_string(lab.dir.path().join("agent2.log")).unwrap();
+    assert!(log.contains("restored net.ipv4.tcp_tw_reuse"), "{log}");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(agent.0.id() as i32),
+        nix::sys::signal::SIGTERM,
+    )
+    .expect("stop the second agent");
+    let _ = agent.0.wait();
+}
+
 #[test]
 fn a_direct_connection_to_the_proxy_listener_is_reset_not_proxied_to_itself() {
     if !netns_available("a_direct_connection_to_the_proxy_listener_is_reset_not_proxied_to_itself")

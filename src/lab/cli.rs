@@ -32,6 +32,10 @@ struct Common {
     /// Directory of the labs' state directories.
     #[arg(long, default_value = DEFAULT_STATE_ROOT, hide = true)]
     state_root: PathBuf,
+    /// Do not install missing tools (ip, nft, iptables, ipset) with apt-get: fail, naming
+    /// them and the command that installs them.
+    #[arg(long)]
+    no_install: bool,
 }
 
 /// Options of the built-in example.
@@ -226,6 +230,7 @@ pub fn main(args: LabArgs, out: &mut dyn Write, err: &mut dyn Write) -> u8 {
                 agent_args: Vec::new(),
                 audit: true,
                 dual_stack: false,
+                install_tools: !a.common.no_install,
             };
             let timeout = Duration::from_millis(a.timeout_ms);
             super::run(&opts, timeout, table_or(a.output, Output::Matrix), out, err)
@@ -249,6 +254,7 @@ pub fn main(args: LabArgs, out: &mut dyn Write, err: &mut dyn Write) -> u8 {
                 agent_args,
                 audit: !no_audit,
                 dual_stack,
+                install_tools: !common.no_install,
             };
             match super::up(&opts, err) {
                 Ok(state) => {
@@ -357,6 +363,7 @@ pub fn main(args: LabArgs, out: &mut dyn Write, err: &mut dyn Write) -> u8 {
                 agent_args: Vec::new(),
                 audit: true,
                 dual_stack: false,
+                install_tools: !common.no_install,
             };
             let timeout = Duration::from_millis(timeout_ms);
             super::run(&opts, timeout, table_or(output, Output::Table), out, err)

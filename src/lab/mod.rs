@@ -73,6 +73,16 @@ pub enum LabError {
     /// No `ip` command.
     #[error("`ip` (iproute2) is not installed or not on PATH; the lab needs it")]
     IpMissing,
+    /// Programs the lab runs are not installed (and were not installed for it).
+    #[error(
+        "the lab needs {tools}, which this machine lacks; install them with `{command}` (Debian, Ubuntu)"
+    )]
+    ToolsMissing {
+        /// The programs, comma-joined.
+        tools: String,
+        /// The command that installs them.
+        command: String,
+    },
     /// A command could not be started.
     #[error("cannot run {command}")]
     Spawn {
@@ -209,6 +219,9 @@ pub struct UpOptions {
     /// Give every IPv4-only pod and node an IPv6 address too (`--dual-stack`: the plan,
     /// the agents and `lab probe` read the augmented manifests; see [`dualstack`]).
     pub dual_stack: bool,
+    /// Install the programs the lab needs with `apt-get` when they are missing
+    /// ([`netns::ensure_tools`]); `false` (`--no-install`): fail, naming them.
+    pub install_tools: bool,
 }
 
 fn absolute(p: &Path) -> Result<PathBuf, LabError> {
@@ -247,6 +260,7 @@ fn stop_requested() -> Result<(), LabError> {
 /// `ip` command, a server or agent that did not start, an interruption.
 pub fn up(opts: &UpOptions, err: &mut dyn Write) -> Result<State, LabError> {
     netns::check_environment()?;
+    netns::ensure_tools(opts.agents, opts.install_tools, err)?;
     validate_prefix(&opts.prefix)?;
     let dir = state_dir(&opts.state_root, &opts.prefix);
     if state_file(&dir).exists() {

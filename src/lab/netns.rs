@@ -59,6 +59,111 @@ pub fn check_environment() -> Result<(), LabError> {
     }
 }
 
+/// The programs the lab runs, with the Debian package that has each, and whether only
+/// agents need it (their iptables backend; `nft` also programs the lab's Service DNAT and
+/// the kernel probe that picks the backend).
+pub const LAB_TOOLS: &[(&str, &str, bool)] = &[
+    ("ip", "iproute2", false),
+    ("nft", "nftables", false),
+    ("iptables", "iptables", true),
+    ("ip6tables", "iptables", true),
+    ("iptables-restore", "iptables", true),
+    ("ip6tables-restore", "iptables", true),
+    ("iptables-save", "iptables", true),
+    ("ip6tables-save", "iptables", true),
+    ("ipset", "ipset", true),
+];
+
+/// The directories programs are looked up in: `PATH`'s, then `/usr/sbin` and `/sbin`,
+/// where Debian puts these tools and a non-login root shell may not look.
+fn search_dirs() -> Vec<std::path::PathBuf> {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .chain(["/usr/sbin", "/sbin"].map(std::path::PathBuf::from))
+        .collect()
+}
+
+/// Whether `program` is an executable file in one of `dirs`.
+fn found_in(program: &str, dirs: &[std::path::PathBuf]) -> bool {
+    use std::os::unix::fs::PermissionsExt;
+    dirs.iter().map(|dir| dir.join(program)).any(|p| {
+        std::fs::metadata(&p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+    })
+}
+
+/// Whether `program` is installed (`PATH`, `/usr/sbin`, `/sbin`).
+pub fn on_path(program: &str) -> bool {
+    found_in(program, &search_dirs())
+}
+
+/// The [`LAB_TOOLS`] a lab (with agents when `agents`) needs and this machine lacks:
+/// (program, Debian package).
+pub fn missing_tools(agents: bool) -> Vec<(&'static str, &'static str)> {
+    missing_in(&search_dirs(), agents)
+}
+
+fn missing_in(dirs: &[std::path::PathBuf], agents: bool) -> Vec<(&'static str, &'static str)> {
+    LAB_TOOLS
+        .iter()
+        .filter(|(_, _, agents_only)| agents || !agents_only)
+        .filter(|(tool, _, _)| !found_in(tool, dirs))
+        .map(|(tool, package, _)| (*tool, *package))
+        .collect()
+}
+
+/// Checks, before anything is built, that every program the lab will run is installed.
+/// What is missing is installed with `apt-get` when `install` is set and this is a Debian
+/// or Ubuntu machine (as `.ci/run` does: a fresh machine of this kind has none of the
+/// netfilter tools), saying so on `err`; otherwise the error names the programs and the
+/// one command that installs them.
+///
+/// # Errors
+/// [`LabError::ToolsMissing`]; [`LabError::Spawn`] if `apt-get` cannot run.
+pub fn ensure_tools(
+    agents: bool,
+    install: bool,
+    err: &mut dyn std::io::Write,
+) -> Result<(), LabError> {
+    let missing = missing_tools(agents);
+    if missing.is_empty() {
+        return Ok(());
+    }
+    let mut packages: Vec<&str> = missing.iter().map(|(_, p)| *p).collect();
+    packages.dedup();
+    let tools = missing.iter().map(|(t, _)| *t).collect::<Vec<_>>().join(", ");
+    let command = format!("apt-get install -y {}", packages.join(" "));
+    if !install || !on_path("apt-get") {
+        return Err(LabError::ToolsMissing { tools, command });
+    }
+    let _ = writeln!(err, "lab: {tools} missing; installing: apt-get update && {command}");
+    let apt = |args: &[&str]| -> Result<(), LabError> {
+        let shown = format!("apt-get {}", args.join(" "));
+        let status = Command::new("apt-get")
+            .args(args)
+            .env("DEBIAN_FRONTEND", "noninteractive")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .status()
+            .map_err(|source| LabError::Spawn { command: shown.clone(), source })?;
+        if status.success() {
+            Ok(())
+        } else {
+            Err(LabError::ToolsMissing { tools: tools.clone(), command: command.clone() })
+        }
+    };
+    apt(&["update", "-qq"])?;
+    let mut args = vec!["install", "-y", "-qq"];
+    args.extend(&packages);
+    apt(&args)?;
+    let still = missing_tools(agents);
+    if still.is_empty() {
+        Ok(())
+    } else {
+        let tools = still.iter().map(|(t, _)| *t).collect::<Vec<_>>().join(", ");
+        Err(LabError::ToolsMissing { tools, command })
+    }
+}
+
 /// Runs `ip ARGS` (with `stdin` fed to it, for `-batch -`) and returns its stdout.
 ///
 /// # Errors
@@ -213,6 +318,30 @@ pub fn sysctl(netns: &str, key: &str, value: &str) -> Result<(), LabError> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn missing_tools_are_named_with_their_packages() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        for tool in ["ip", "nft", "iptables", "iptables-restore", "iptables-save"] {
+            let p = dir.path().join(tool);
+            std::fs::write(&p, "#!/bin/sh\n").unwrap();
+            std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
+        }
+        // Not executable: does not count.
+        std::fs::write(dir.path().join("ipset"), "").unwrap();
+        let dirs = [dir.path().to_path_buf()];
+        assert!(missing_in(&dirs, false).is_empty(), "a lab without agents needs ip and nft");
+        assert_eq!(
+            missing_in(&dirs, true),
+            [
+                ("ip6tables", "iptables"),
+                ("ip6tables-restore", "iptables"),
+                ("ip6tables-save", "iptables"),
+                ("ipset", "ipset")
+            ]
+        );
+    }
+
     use super::*;
 
     #[test]

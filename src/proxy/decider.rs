@@ -54,6 +54,10 @@ pub struct DeciderLimits {
     /// How long a decision waits for its connection (seconds of wall time). A client that
     /// gives up after its SYN leaves one entry behind for this long.
     pub pending_ttl: Duration,
+    /// A cached decision not used for this long is dropped: a flood of new flows fills the
+    /// cache, and its entries must not keep their memory once the flood is over (issue
+    /// #17).
+    pub cache_idle: Duration,
 }
 
 impl Default for DeciderLimits {
@@ -62,6 +66,7 @@ impl Default for DeciderLimits {
             cache_entries: 65_536,
             pending_entries: 65_536,
             pending_ttl: Duration::from_secs(30),
+            cache_idle: Duration::from_secs(60),
         }
     }
 }
@@ -116,7 +121,10 @@ impl Decider {
             auditor,
             metrics,
             current: ArcSwap::from_pointee(current),
-            cache: moka::sync::Cache::new(limits.cache_entries),
+            cache: moka::sync::Cache::builder()
+                .max_capacity(limits.cache_entries)
+                .time_to_idle(limits.cache_idle)
+                .build(),
             pending: moka::sync::Cache::builder()
                 .max_capacity(limits.pending_entries)
                 .time_to_live(limits.pending_ttl)
