@@ -1487,6 +1487,13 @@ fn scraped(sources: Sources, config: &AuditConfig) -> Scraped {
                 d.stats.policy_cuts.load(Relaxed),
             ));
             out.push(c(
+                "decisions_at_accept",
+                "Connections and UDP flows the proxy decided as it took them, without a \
+                 first-packet decision (a full queue failing open, a decision that aged out)",
+                vec![],
+                d.stats.decided_at_accept.load(Relaxed),
+            ));
+            out.push(c(
                 "manifest_reload_errors",
                 "Manifest changes that could not be used (the last good snapshot stayed)",
                 vec![],

@@ -196,8 +196,9 @@ pub enum ConfigError {
     /// `queue_count` is 0: no queue to send first packets to.
     #[error("redirect.queue_count must be at least 1")]
     QueueCountZero,
-    /// `queue_first + queue_count - 1` does not fit the 16-bit queue number space.
-    #[error("redirect queues {first}..{first}+{count} exceed the largest queue number 65535")]
+    /// `queue_first + queue_count` (the last balanced queue and the kernel-forwarded
+    /// flows' queue after it) does not fit the 16-bit queue number space.
+    #[error("redirect queues {first}..={first}+{count} exceed the largest queue number 65535")]
     QueueRangeOverflow {
         /// `queue_first`.
         first: u16,
@@ -360,7 +361,7 @@ impl RedirectConfig {
         if self.queue_count == 0 {
             return Err(ConfigError::QueueCountZero);
         }
-        if self.queue_last().is_none() {
+        if self.kernel_forwarded_queue().is_none() {
             return Err(ConfigError::QueueRangeOverflow {
                 first: self.queue_first,
                 count: self.queue_count,
@@ -403,6 +404,18 @@ impl RedirectConfig {
     /// or the sum overflows `u16`.
     pub fn queue_last(&self) -> Option<u16> {
         self.queue_count.checked_sub(1).and_then(|c| self.queue_first.checked_add(c))
+    }
+
+    /// The queue of the first packets of flows the kernel forwards once decided (SCTP, UDP to
+    /// the node's own addresses): `queue_first + queue_count`, after the balanced queues;
+    /// `None` when that overflows `u16`. It never fails open when it is full, even with
+    /// [`RedirectConfig::queue_bypass`]: nothing decides those flows later, so a packet the
+    /// kernel let through undecided would be an association or flow no policy was asked
+    /// about (issue #17: `--fail-open` let denied SCTP through under a SYN flood). The
+    /// balanced queues fail open when full in that mode: their TCP and UDP go to the proxy,
+    /// which decides each flow as it takes it.
+    pub fn kernel_forwarded_queue(&self) -> Option<u16> {
+        self.queue_first.checked_add(self.queue_count)
     }
 
     /// The three marks with their roles, in the order decided, route, bypass.
@@ -453,15 +466,16 @@ mod tests {
     #[test]
     fn queue_range_must_fit_u16() {
         let e = invalid(|c| {
-            c.queue_first = 65535;
+            c.queue_first = 65534;
             c.queue_count = 2;
         });
-        assert_eq!(e, ConfigError::QueueRangeOverflow { first: 65535, count: 2 });
-        let mut c = RedirectConfig { queue_first: 65534, queue_count: 2, ..Default::default() };
+        assert_eq!(e, ConfigError::QueueRangeOverflow { first: 65534, count: 2 });
+        let mut c = RedirectConfig { queue_first: 65533, queue_count: 2, ..Default::default() };
         assert_eq!(c.validate(), Ok(()));
-        assert_eq!(c.queue_last(), Some(65535));
-        c.queue_count = 1;
         assert_eq!(c.queue_last(), Some(65534));
+        assert_eq!(c.kernel_forwarded_queue(), Some(65535));
+        c.queue_count = 1;
+        assert_eq!(c.queue_last(), Some(65533));
     }
 
     #[test]

@@ -394,3 +394,112 @@ fn tcp_segments_of_no_allowed_connection_never_reach_their_target() {
         before = counted.unwrap();
     }
 }
+
+/// Sends SIGCONT to a stopped agent when dropped, so a failing test leaves nothing frozen.
+struct Resume(i32);
+
+impl Drop for Resume {
+    fn drop(&mut self) {
+        let _ =
+            nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.0), nix::sys::signal::SIGCONT);
+    }
+}
+
+/// `(queue_total, queue_dropped)` of NFQUEUE `num` in `netns`
+/// (/proc/net/netfilter/nfnetlink_queue); zeros when the queue is not bound.
+fn nfqueue(netns: &str, num: u16) -> (u64, u64) {
+    let text = netns_out(netns, &["cat", "/proc/net/netfilter/nfnetlink_queue"]);
+    text.lines()
+        .map(|l| l.split_whitespace().map(|f| f.parse::<u64>().unwrap_or(0)).collect::<Vec<_>>())
+        .find(|f| f.first() == Some(&u64::from(num)))
+        .map_or((0, 0), |f| (f[2], f[5]))
+}
+
+/// The packet counter of the rule in `netns`'s raw PREROUTING commented `comment`.
+fn counted(netns: &str, comment: &str) -> u64 {
+    netns_out(netns, &["iptables-save", "-c", "-t", "raw"])
+        .lines()
+        .filter(|l| l.contains(comment))
+        .filter_map(|l| l.strip_prefix('[')?.split(':').next()?.parse::<u64>().ok())
+        .sum()
+}
+
+/// Issue #17, item 6: with `--fail-open`, a queue that overflows while the agent runs must
+/// not let denied flows the kernel forwards (SCTP, UDP to the node) through undecided:
+/// those go to a queue of their own that never fails open. The agent is stopped (SIGSTOP),
+/// so its queues fill; 12,000 INITs to a port policy denies exceed the 4,096 a queue holds
+/// (and the 8,192 of the two balanced queues). Before, the excess passed the full
+/// fail-open queues and reached the target.
+#[test]
+fn fail_open_never_lets_denied_sctp_through_a_full_queue() {
+    if !netns_available("fail_open_never_lets_denied_sctp_through_a_full_queue") {
+        return;
+    }
+    let lab = lab("failopen", &["--fail-open"]);
+    let (n2, other, remote) = (
+        netns_of_node(&lab, "n2"),
+        netns_of_pod(&lab, "b", "other"),
+        netns_of_pod(&lab, "b", "remote"),
+    );
+    const PROBE: &str = "sctp-probe";
+    netns_out(
+        &remote,
+        &[
+            "iptables",
+            "-t",
+            "raw",
+            "-A",
+            "PREROUTING",
+            "-p",
+            "sctp",
+            "-m",
+            "comment",
+            "--comment",
+            PROBE,
+        ],
+    );
+    let pid = {
+        let state = lab.state();
+        let agents = state["processes"].as_array().expect("processes").clone();
+        agents
+            .iter()
+            .find(|p| p["role"] == "agent" && p["netns"] == n2.as_str())
+            .and_then(|p| p["pid"].as_i64())
+            .expect("agent of n2") as i32
+    };
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::SIGSTOP)
+        .expect("stop the agent");
+    let resume = Resume(pid);
+    // b/other → b/remote SCTP 9000: denied (b's pods accept namespace a only).
+    const INITS: u16 = 12_000;
+    in_netns(&other, || {
+        let s =
+            tierproxy::lab::sctp::raw_socket("10.60.2.3".parse().unwrap()).map_err(io("raw"))?;
+        let to: SocketAddr = "10.60.2.2:0".parse().unwrap();
+        for i in 0..INITS {
+            let init = tierproxy::lab::sctp::Packet::init(20_000 + i, 9000, 1 + u32::from(i));
+            s.send_to(&init.to_bytes(), &to.into()).map_err(io("send"))?;
+        }
+        Ok(())
+    })
+    .expect("netns");
+    // Queue 2 (after the two balanced ones) takes them; what it cannot hold is dropped.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while nfqueue(&n2, 2).1 == 0 && counted(&remote, PROBE) == 0 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(counted(&remote, PROBE), 0, "denied INITs passed the full queue (fail-open)");
+    let (waiting, dropped) = nfqueue(&n2, 2);
+    assert!(
+        dropped > 0 && waiting > 0,
+        "the forwarded flows' queue held and dropped: {waiting}, {dropped}"
+    );
+    // Resumed, the agent denies what waited; none of it reaches the target either.
+    drop(resume);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while nfqueue(&n2, 2).0 > 0 {
+        assert!(Instant::now() < deadline, "the agent did not drain its queue");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(counted(&remote, PROBE), 0, "a denied INIT reached b/remote");
+}

@@ -111,7 +111,7 @@ fn fail_open_only_adds_queue_bypass() {
     let (c, o) = (ipt.render(&closed), ipt.render(&open));
     assert!(!c.contains("--queue-bypass"));
     let queue_lines = o.lines().filter(|l| l.contains("-j NFQUEUE")).count();
-    assert_eq!(queue_lines, 6, "3 protocols × 2 families");
+    assert_eq!(queue_lines, 8, "3 protocols and UDP to the node × 2 families");
     assert_eq!(o.matches("--queue-bypass").count(), queue_lines);
     assert_eq!(o.replace(" --queue-bypass", ""), c);
 
@@ -138,7 +138,10 @@ fn fail_open_only_adds_queue_bypass() {
             }
         }
     }
-    assert_eq!(bypass_flags, 12, "3 protocols × egress and ingress × 2 families");
+    assert_eq!(
+        bypass_flags, 16,
+        "(3 protocols + UDP to the node) × egress and ingress × 2 families"
+    );
     assert_eq!(o, c);
 }
 

@@ -232,9 +232,9 @@ fn iptables_lifecycle(test: &str, cmds: IptablesCommands) {
         (&cmds.ip6tables_restore, &cmds.ip6tables_save),
     ] {
         let expected = rendered_rules(&rendered, restore);
-        // 24 in mangle, 8 in raw (3 checking sources, 5 for the upstream legs' conntrack
+        // 25 in mangle, 8 in raw (3 checking sources, 5 for the upstream legs' conntrack
         // zone).
-        assert_eq!(expected.len(), 32, "{restore} section of:\n{rendered}");
+        assert_eq!(expected.len(), 33, "{restore} section of:\n{rendered}");
         let raw = ns.sh(&[save, "-t", "raw"]);
         let saved = ns.sh(&[save, "-t", "mangle"]);
         let ours: Vec<&str> =
@@ -387,7 +387,8 @@ fn nftables_apply_update_remove() {
         ns.run(|| backend.apply(&s)).expect("apply");
         ns.run(|| backend.apply(&s)).expect("second apply");
         let listing = ns.sh(&["nft", "list", "table", "inet", "tierproxy"]);
-        assert_eq!(listing.matches("queue").count(), 4, "{listing}");
+        let queues = backend.ruleset_json(&s).matches("\"queue\":").count();
+        assert_eq!(listing.lines().filter(|l| l.contains(" queue ")).count(), queues, "{listing}");
         assert_eq!(ns.sh(&["nft", "list", "tables"]).matches("tierproxy").count(), 1);
     } else {
         skipped(&format!(
@@ -402,7 +403,10 @@ fn nftables_apply_update_remove() {
         // The failed transaction left no table behind.
         assert!(!ns.sh(&["nft", "list", "tables"]).contains("tierproxy"));
         let (json, dropped) = without_queue_rules(&backend.ruleset_json(&s));
-        assert_eq!(dropped, 12, "3 protocols × egress and ingress × 2 families");
+        assert_eq!(
+            dropped, 16,
+            "(3 protocols + UDP to the node) × egress and ingress × 2 families"
+        );
         let mut child = Command::new("ip")
             .args(["netns", "exec", &ns.name, "nft", "-j", "-f", "-"])
             .stdin(std::process::Stdio::piped())

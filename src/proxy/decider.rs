@@ -84,6 +84,11 @@ pub struct DecisionStats {
     pub policy_cuts: AtomicU64,
     /// Manifest changes that could not be used (the last good snapshot stayed in force).
     pub reload_errors: AtomicU64,
+    /// Connections and UDP flows the proxy took without a first-packet decision and
+    /// decided itself ([`Decider::take_or_decide`]): the kernel passed their first packet
+    /// on undecided (a full queue failing open), or the decision aged out before the
+    /// proxy took the connection.
+    pub decided_at_accept: AtomicU64,
 }
 
 /// What one re-decision of the live connections did ([`Decider::redecide`]).
@@ -286,5 +291,36 @@ impl Decider {
     /// the caller then decides again with [`Decider::decide`]).
     pub fn take(&self, key: &FlowKey) -> Option<Admission> {
         self.pending.remove(key)
+    }
+
+    /// The admission of the flow `key` the proxy just took: its first packet's
+    /// ([`Decider::take`]), else a decision made now, audited and counted like a first
+    /// packet's and in [`DecisionStats::decided_at_accept`]. That happens when the kernel
+    /// passed the first packet on undecided (fail-open with a full queue: the proxy is
+    /// then where the flow is decided, and a denied TCP connection is reset after its
+    /// handshake, not timed out), when the decision aged out ([`DeciderLimits::pending_ttl`])
+    /// or when the flow predates this process.
+    pub fn take_or_decide(&self, key: FlowKey) -> Admission {
+        if let Some(a) = self.take(&key) {
+            return a;
+        }
+        self.stats.decided_at_accept.fetch_add(1, Ordering::Relaxed);
+        let current = self.current.load();
+        let decision = self.decide_in(&current, key.flow());
+        let time = SystemTime::now();
+        let audited = self.auditor.enabled()
+            && (decision.egress.is_some() || decision.ingress.is_some())
+            && self.auditor.decision(
+                &current.audit,
+                &current.snapshot,
+                FlowInfo { src: key.src, dst: key.dst, protocol: key.protocol, time },
+                &decision,
+            );
+        match decision.verdict {
+            Verdict::Allow => self.stats.allowed.fetch_add(1, Ordering::Relaxed),
+            Verdict::Deny => self.stats.denied.fetch_add(1, Ordering::Relaxed),
+        };
+        self.metrics.decision(&decision);
+        Admission { decision, audited, time }
     }
 }

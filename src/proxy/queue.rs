@@ -34,15 +34,18 @@ pub struct QueueConfig {
     /// First queue number.
     pub first: u16,
     /// Number of queues (`first..first + count`), one reader thread each; the ruleset
-    /// balances flows over them.
+    /// balances flows over them. Queue `first + count` is the kernel-forwarded flows' and
+    /// gets a reader too ([`crate::config::RedirectConfig::kernel_forwarded_queue`]).
     pub count: u16,
     /// Mark given to allowed packets before `NF_REPEAT`: the bits of `decided_mask` are
     /// replaced with `decided_value`, every other bit of the packet mark is kept.
     pub decided_value: u32,
     /// The bits the decided mark owns.
     pub decided_mask: u32,
-    /// Fail-open when a queue is full (`NFQA_CFG_F_FAIL_OPEN`): the kernel accepts instead
-    /// of dropping. Set together with the ruleset's queue bypass.
+    /// Fail-open when a balanced queue is full (`NFQA_CFG_F_FAIL_OPEN`): the kernel accepts
+    /// instead of dropping, and the TCP and UDP it lets through reach the proxy, which
+    /// decides them as it takes them. Set together with the ruleset's queue bypass. Never
+    /// set on the kernel-forwarded flows' queue.
     pub fail_open: bool,
     /// Most packets waiting in each kernel queue.
     pub max_len: u32,
@@ -66,10 +69,13 @@ const MAX_FAILURES: u32 = 100;
 /// queue number), naming the queue.
 pub fn start(config: QueueConfig, decider: Arc<Decider>) -> anyhow::Result<Vec<JoinHandle<()>>> {
     let mut threads = Vec::new();
-    for num in config.first..config.first.saturating_add(config.count) {
-        let q = Queue::bind(num, COPY_RANGE, config.max_len, config.fail_open)
+    let forwarded = config.first.saturating_add(config.count);
+    for num in config.first..=forwarded {
+        let fail_open = config.fail_open && num != forwarded;
+        let q = Queue::bind(num, COPY_RANGE, config.max_len, fail_open)
             .with_context(|| format!("binding NFQUEUE {num}"))?;
         let decider = decider.clone();
+        let config = QueueConfig { fail_open, ..config };
         let handle = std::thread::Builder::new()
             .name(format!("nfqueue-{num}"))
             .spawn(move || read(num, q, config, &decider))
@@ -109,7 +115,7 @@ fn read(num: u16, mut q: Queue, config: QueueConfig, decider: &Decider) {
                         tracing::warn!(
                             queue = num,
                             overruns = n,
-                            "NFQUEUE reader fell behind; the kernel let new flows through undecided (fail-open)"
+                            "NFQUEUE reader fell behind; the kernel passed new TCP and UDP flows on undecided (fail-open): the proxy decides each as it takes it"
                         );
                     } else {
                         tracing::warn!(

@@ -36,7 +36,7 @@ use socket2::{Domain, Socket, Type};
 use tokio::net::{TcpListener, TcpSocket, TcpStream};
 use tokio::sync::{Semaphore, watch};
 
-use super::decider::{Admission, Decider};
+use super::decider::Decider;
 use super::packet::FlowKey;
 use super::registry::Registry;
 use super::relay::{self, RelayConfig};
@@ -227,13 +227,7 @@ async fn proxy(
     let key = FlowKey { src: unmap(peer), dst: unmap(original), protocol: Protocol::Tcp };
     let registration = registry.register(key);
     let tracked = &registration.tracked;
-    let admission = decider.take(&key).unwrap_or_else(|| Admission {
-        decision: decider.decide(key.flow()),
-        // Admitted before this process started or aged out of the hand-over: its first
-        // packet's decision was audited then, if at all.
-        audited: false,
-        time: std::time::SystemTime::now(),
-    });
+    let admission = decider.take_or_decide(key);
     let _ = tracked.decision.set(admission.decision.clone());
     if admission.decision.verdict == Verdict::Deny {
         tracing::warn!(src = %key.src, dst = %key.dst, "connection reached the proxy but policy denies it; reset");

@@ -47,7 +47,7 @@ use tokio::io::Interest;
 use tokio::net::UdpSocket;
 use tokio::sync::watch;
 
-use super::decider::{Admission, Decider};
+use super::decider::Decider;
 use super::packet::FlowKey;
 use super::registry::{Registry, Tracked};
 use super::tcp::unmap;
@@ -259,13 +259,7 @@ fn datagram(
         return;
     }
     let key = FlowKey { src, dst, protocol: Protocol::Udp };
-    let admission = decider.take(&key).unwrap_or_else(|| Admission {
-        decision: decider.decide(key.flow()),
-        // Decided before this process started or aged out of the hand-over: its first
-        // datagram's decision was audited then, if at all.
-        audited: false,
-        time: std::time::SystemTime::now(),
-    });
+    let admission = decider.take_or_decide(key);
     if admission.decision.verdict == Verdict::Deny {
         // A datagram of a flow the kernel queued but a newer snapshot denies.
         table.stats.dropped.fetch_add(1, Ordering::Relaxed);

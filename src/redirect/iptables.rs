@@ -392,14 +392,22 @@ fn restore_input(spec: &RulesetSpec, fam: Family) -> String {
         _ => format!("--queue-num {}", c.queue_first),
     };
     let bypass_flag = if c.queue_bypass { " --queue-bypass" } else { "" };
+    // Flows the kernel forwards once decided (UDP to the node, SCTP) go to their own queue,
+    // which never fails open when full (see `RedirectConfig::kernel_forwarded_queue`).
+    let forwarded = format!("--queue-num {}", c.kernel_forwarded_queue().unwrap_or(u16::MAX));
     for proto in QUEUED_PROTOCOLS {
-        let new_only = match super::queue_when(proto) {
-            QueueWhen::Syn => format!(" {SYN}"),
-            QueueWhen::Always => String::new(),
-            QueueWhen::New => " -m conntrack --ctstate NEW".to_owned(),
+        let (new_only, target) = match super::queue_when(proto) {
+            QueueWhen::Syn => (format!(" {SYN}"), &queue_target),
+            QueueWhen::Always => {
+                let _ = writeln!(
+                    o,
+                    "-A {queue} -p {proto} -m set --match-set {nodes} dst -j NFQUEUE {forwarded}{bypass_flag}"
+                );
+                (String::new(), &queue_target)
+            }
+            QueueWhen::New => (" -m conntrack --ctstate NEW".to_owned(), &forwarded),
         };
-        let _ =
-            writeln!(o, "-A {queue} -p {proto}{new_only} -j NFQUEUE {queue_target}{bypass_flag}");
+        let _ = writeln!(o, "-A {queue} -p {proto}{new_only} -j NFQUEUE {target}{bypass_flag}");
     }
     o.push_str("COMMIT\n");
     raw_input(spec, fam, &mut o);
@@ -817,6 +825,13 @@ mod tests {
         let spec = RulesetSpec::new(config, [], []).unwrap();
         let text = restore_input(&spec, Family::V4);
         assert!(text.contains("-A TIERPROXY-QUEUE -p udp -j NFQUEUE --queue-num 7\n"), "{text}");
+        // The kernel-forwarded flows' queue follows the balanced ones.
+        assert!(
+            text.contains(
+                "-A TIERPROXY-QUEUE -p sctp -m conntrack --ctstate NEW -j NFQUEUE --queue-num 8\n"
+            ),
+            "{text}"
+        );
         assert!(!text.contains("--queue-bypass"), "{text}");
     }
 }

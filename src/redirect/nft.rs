@@ -175,6 +175,15 @@ fn l4proto_in(protos: &[&'static str]) -> Statement<'static> {
     is(meta(MetaKey::L4proto), Operator::EQ, right)
 }
 
+/// `queue num N` to the kernel-forwarded flows' queue
+/// ([`RedirectConfig::kernel_forwarded_queue`]), with `bypass` in fail-open mode (while no
+/// agent reads it).
+fn forwarded_queue(config: &RedirectConfig) -> Statement<'static> {
+    let num = Expression::Number(u32::from(config.kernel_forwarded_queue().unwrap_or(u16::MAX)));
+    let flags = config.queue_bypass.then(|| HashSet::from([QueueFlag::Bypass]));
+    Statement::Queue(Queue { num, flags })
+}
+
 fn queue(config: &RedirectConfig) -> Statement<'static> {
     let first = u32::from(config.queue_first);
     let num = match config.queue_last() {
@@ -650,12 +659,32 @@ fn apply_batch(spec: &RulesetSpec) -> Nftables<'static> {
         ] {
             for proto in QUEUED_PROTOCOLS {
                 let mut expr = vec![l4proto_in(&[proto])];
-                match super::queue_when(proto) {
-                    QueueWhen::Syn => expr.push(tcp_syn(Operator::EQ)),
-                    QueueWhen::Always => {}
-                    QueueWhen::New => expr.push(is(ct_state(), Operator::IN, str_expr("new"))),
-                }
-                expr.extend([in_set(fam, field, fam.pods), queue(c)]);
+                let target = match super::queue_when(proto) {
+                    QueueWhen::Syn => {
+                        expr.push(tcp_syn(Operator::EQ));
+                        queue(c)
+                    }
+                    QueueWhen::Always => {
+                        // UDP to the node is forwarded by the kernel once decided: its own
+                        // queue, which never fails open when full.
+                        b.rule(
+                            DECIDE_CHAIN,
+                            comment,
+                            vec![
+                                l4proto_in(&[proto]),
+                                in_set(fam, "daddr", fam.nodes),
+                                in_set(fam, field, fam.pods),
+                                forwarded_queue(c),
+                            ],
+                        );
+                        queue(c)
+                    }
+                    QueueWhen::New => {
+                        expr.push(is(ct_state(), Operator::IN, str_expr("new")));
+                        forwarded_queue(c)
+                    }
+                };
+                expr.extend([in_set(fam, field, fam.pods), target]);
                 b.rule(DECIDE_CHAIN, comment, expr);
             }
         }
