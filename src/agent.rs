@@ -1319,6 +1319,12 @@ fn scraped(sources: Sources, config: &AuditConfig) -> Scraped {
         .map(|(o, n)| c("audit_events", ev, vec![("outcome", o.to_string())], n.load(Relaxed)))
         .collect();
         out.extend([
+            c(
+                "audit_lossless_waits",
+                "New-flow decisions that waited because an audit sink was full (lossless)",
+                vec![],
+                st.waits.load(Relaxed),
+            ),
             g(
                 "audit_queue_depth",
                 "Audit records waiting for the audit thread",
@@ -1351,6 +1357,12 @@ fn scraped(sources: Sources, config: &AuditConfig) -> Scraped {
                 "Failed exports retried (lossless)",
                 vec![("sink", (*name).to_string())],
                 s.retries.load(Relaxed),
+            ));
+            out.push(c(
+                "audit_sink_timeouts",
+                "Export attempts abandoned at their deadline with no answer (a hung collector)",
+                vec![("sink", (*name).to_string())],
+                s.timeouts.load(Relaxed),
             ));
             out.push(g(
                 "audit_sink_queue_depth",

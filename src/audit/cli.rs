@@ -51,7 +51,9 @@ pub struct AuditArgs {
     /// PEM file of CA certificates to trust for an https OTLP endpoint.
     #[arg(long)]
     pub audit_otlp_ca: Option<PathBuf>,
-    /// Timeout of one OTLP export request, milliseconds.
+    /// Deadline of one OTLP export attempt, milliseconds, above 0 (default:
+    /// OTEL_EXPORTER_OTLP_[LOGS_]TIMEOUT, else 10000). An attempt unanswered by then is
+    /// abandoned, and retried (lossless) or counted as failed (lossy).
     #[arg(long)]
     pub audit_otlp_timeout_ms: Option<u64>,
     /// Write audit events as JSON Lines to this file (rotated by size), or `-` for
@@ -65,10 +67,12 @@ pub struct AuditArgs {
     #[arg(long, default_value_t = 5)]
     pub audit_json_keep: usize,
     /// lossy: full queues drop events (counted) and the data path never waits;
-    /// lossless: nothing is dropped, new flows wait for audit.
+    /// lossless: nothing is dropped, new flows wait while a sink holds --audit-queue
+    /// undelivered events (other sinks go on).
     #[arg(long, default_value = "lossy")]
     pub audit_mode: String,
-    /// Events each audit queue holds.
+    /// Records the audit thread's queue holds, and undelivered events each sink holds
+    /// before lossy drops for it or lossless makes new flows wait.
     #[arg(long, default_value_t = DEFAULT_QUEUE_CAPACITY)]
     pub audit_queue: usize,
     /// Log one allowed flow in N where no policy annotation says (0: none, 1: all).
@@ -137,6 +141,9 @@ impl AuditArgs {
                 Some(other) => bail!("--audit-otlp-compression {other:?}: expected gzip or none"),
             };
             o.ca_file = self.audit_otlp_ca.clone();
+            if self.audit_otlp_timeout_ms == Some(0) {
+                bail!("--audit-otlp-timeout-ms 0: the export deadline must be above 0");
+            }
             o.timeout = self.audit_otlp_timeout_ms.map(Duration::from_millis);
             sinks.push(SinkConfig::Otlp(o));
         }

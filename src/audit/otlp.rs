@@ -185,6 +185,22 @@ impl Encoder {
     }
 }
 
+/// Deadline of one export attempt when neither a flag nor a variable sets one: the OTLP
+/// exporter specification's default for `OTEL_EXPORTER_OTLP_TIMEOUT`.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Why an export attempt failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ExportError {
+    /// No answer within the attempt's deadline (a hung collector, or a connection that died
+    /// without a reset). The attempt is abandoned and its connection dropped.
+    #[error("no answer within {0:?}")]
+    Timeout(Duration),
+    /// The transport failed, or the collector refused the request.
+    #[error("{0}")]
+    Failed(String),
+}
+
 /// Where and how to send, resolved from [`OtlpConfig`] and the standard variables.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Target {
@@ -196,7 +212,9 @@ pub struct Target {
     pub headers: Vec<(String, String)>,
     /// gzip the request body.
     pub gzip: bool,
-    /// Timeout of one request.
+    /// Deadline of one export attempt (connecting, sending, and waiting for the answer),
+    /// above zero: `OTEL_EXPORTER_OTLP_[LOGS_]TIMEOUT` ("maximum time the OTLP exporter will
+    /// wait for each batch export", milliseconds), default 10 s.
     pub timeout: Duration,
     /// PEM CA certificates to trust (instead of the system's roots).
     pub ca_pem: Option<Vec<u8>>,
@@ -295,15 +313,18 @@ impl Target {
             },
         };
         let timeout = match config.timeout {
+            Some(t) if t.is_zero() => bail!("the OTLP export timeout must be above 0 ms"),
             Some(t) => t,
             None => {
                 match env(&["OTEL_EXPORTER_OTLP_LOGS_TIMEOUT", "OTEL_EXPORTER_OTLP_TIMEOUT"], get) {
-                    Some((var, v)) => Duration::from_millis(
-                        v.trim()
-                            .parse()
-                            .with_context(|| format!("${var}: {v:?} is not milliseconds"))?,
-                    ),
-                    None => Duration::from_secs(10),
+                    Some((var, v)) => match v.trim().parse::<u64>() {
+                        // Zero would fail every export at once: lossless would retry for
+                        // ever without sending a byte.
+                        Ok(0) => bail!("${var}: the OTLP export timeout must be above 0 ms"),
+                        Ok(ms) => Duration::from_millis(ms),
+                        Err(_) => bail!("${var}: {v:?} is not milliseconds"),
+                    },
+                    None => DEFAULT_TIMEOUT,
                 }
             }
         };
@@ -325,19 +346,24 @@ impl Target {
     }
 }
 
-/// A connection to the collector. Build it inside a tokio runtime.
-pub enum Client {
+/// A connection to the collector. Build it, and export with it, inside a tokio runtime.
+pub struct Client {
+    target: Target,
+    transport: Transport,
+    /// The last attempt timed out: the next one starts on a fresh transport.
+    stale: bool,
+}
+
+enum Transport {
     /// HTTP/protobuf.
-    Http(reqwest::Client, Target),
+    Http(reqwest::Client),
     /// gRPC.
-    Grpc(tonic::transport::Channel, Target),
+    Grpc(tonic::transport::Channel),
 }
 
 impl std::fmt::Debug for Client {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Client::Http(_, t) | Client::Grpc(_, t) => write!(f, "OTLP {:?} {}", t.protocol, t.url),
-        }
+        write!(f, "OTLP {:?} {}", self.target.protocol, self.target.url)
     }
 }
 
@@ -418,22 +444,28 @@ impl Client {
                 bail!("OTLP header {k:?}: not a valid header name and value");
             }
         }
+        let transport = Self::transport(&target)?;
+        Ok(Client { target, transport, stale: false })
+    }
+
+    /// A fresh transport for `target`: no connection yet, the first export connects. The
+    /// deadline of an attempt is [`Client::export`]'s, not the transport's, so that one
+    /// clock decides and a timeout is told apart from other failures.
+    fn transport(target: &Target) -> anyhow::Result<Transport> {
         match target.protocol {
             OtlpProtocol::HttpProtobuf => {
-                let mut b = reqwest::Client::builder().timeout(target.timeout);
+                let mut b = reqwest::Client::builder();
                 if let Some(pem) = &target.ca_pem {
                     for c in reqwest::Certificate::from_pem_bundle(pem).context("OTLP CA file")? {
                         b = b.add_root_certificate(c);
                     }
                 }
                 let client = b.build().context("building the OTLP HTTP client")?;
-                Ok(Client::Http(client, target))
+                Ok(Transport::Http(client))
             }
             OtlpProtocol::Grpc => {
                 let mut e = tonic::transport::Endpoint::from_shared(target.url.clone())
-                    .with_context(|| format!("OTLP endpoint {:?}", target.url))?
-                    .timeout(target.timeout)
-                    .connect_timeout(target.timeout);
+                    .with_context(|| format!("OTLP endpoint {:?}", target.url))?;
                 if target.url.starts_with("https://") {
                     let mut tls = tonic::transport::ClientTlsConfig::new();
                     tls = match &target.ca_pem {
@@ -444,18 +476,51 @@ impl Client {
                     };
                     e = e.tls_config(tls).context("OTLP TLS settings")?;
                 }
-                Ok(Client::Grpc(e.connect_lazy(), target))
+                Ok(Transport::Grpc(e.connect_lazy()))
             }
         }
     }
 
-    /// Sends one encoded request.
+    /// The deadline of one export attempt ([`Target::timeout`]).
+    pub fn timeout(&self) -> Duration {
+        self.target.timeout
+    }
+
+    /// Sends one encoded request, abandoning it after `limit` (the target's timeout, or
+    /// less when a flush deadline is nearer).
+    ///
+    /// The attempt after a timeout starts on a fresh transport, so it connects anew: a
+    /// collector that accepted a connection and went silent (hung, or gone without a
+    /// reset) keeps that connection open, and an HTTP/2 channel (gRPC; HTTP over TLS)
+    /// would otherwise send every later attempt down it and never reach a collector that
+    /// came back at the same address. (Rebuilt at the next attempt, not at the timeout:
+    /// an HTTP client takes about 20 ms to build, which a shutdown should not wait for.)
     ///
     /// # Errors
-    /// The transport's or the collector's error, as text.
-    pub async fn export(&self, body: Vec<u8>) -> Result<(), String> {
-        match self {
-            Client::Http(client, t) => {
+    /// [`ExportError::Timeout`] when `limit` passed without an answer;
+    /// [`ExportError::Failed`] with the transport's or the collector's error.
+    pub async fn export(&mut self, body: Vec<u8>, limit: Duration) -> Result<(), ExportError> {
+        if std::mem::take(&mut self.stale) {
+            match Self::transport(&self.target) {
+                Ok(t) => self.transport = t,
+                // Built once already from the same target, so this does not fail; if it
+                // did, the old transport is kept.
+                Err(e) => tracing::debug!(error = %e, "OTLP reconnect"),
+            }
+        }
+        match tokio::time::timeout(limit, self.send(body)).await {
+            Ok(r) => r.map_err(ExportError::Failed),
+            Err(_) => {
+                self.stale = true;
+                Err(ExportError::Timeout(limit))
+            }
+        }
+    }
+
+    async fn send(&self, body: Vec<u8>) -> Result<(), String> {
+        let t = &self.target;
+        match &self.transport {
+            Transport::Http(client) => {
                 let mut req = client
                     .post(&t.url)
                     .header(reqwest::header::CONTENT_TYPE, "application/x-protobuf");
@@ -478,7 +543,7 @@ impl Client {
                     Err(format!("HTTP {}", resp.status()))
                 }
             }
-            Client::Grpc(channel, t) => {
+            Transport::Grpc(channel) => {
                 let mut grpc = tonic::client::Grpc::new(channel.clone());
                 if t.gzip {
                     grpc = grpc.send_compressed(tonic::codec::CompressionEncoding::Gzip);
@@ -625,6 +690,7 @@ mod tests {
             ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json", "$OTEL_EXPORTER_OTLP_PROTOCOL"),
             ("OTEL_EXPORTER_OTLP_LOGS_COMPRESSION", "br", "$OTEL_EXPORTER_OTLP_LOGS_COMPRESSION"),
             ("OTEL_EXPORTER_OTLP_TIMEOUT", "10s", "$OTEL_EXPORTER_OTLP_TIMEOUT"),
+            ("OTEL_EXPORTER_OTLP_LOGS_TIMEOUT", "0", "$OTEL_EXPORTER_OTLP_LOGS_TIMEOUT"),
             ("OTEL_EXPORTER_OTLP_HEADERS", "novalue", "$OTEL_EXPORTER_OTLP_HEADERS"),
             ("OTEL_EXPORTER_OTLP_CERTIFICATE", "/nonexistent/ca.pem", "/nonexistent/ca.pem"),
         ] {

@@ -10,18 +10,27 @@
 //!
 //! [`Mode::Lossy`] (default): every queue is bounded; when one is full the event is dropped
 //! and counted ([`Stats`]), and the data path never waits. [`Mode::Lossless`]: nothing is
-//! dropped — a full queue makes the NFQUEUE reader wait, so new flows wait for audit,
-//! while established connections keep flowing (connection ends never block a proxy task:
-//! they take an overflow list whose size is bounded by the connections admitted). The OTLP
-//! sink retries a failed export until it succeeds. On shutdown the pipeline flushes
-//! within a deadline and counts what it could not deliver.
+//! dropped. The OTLP sink retries a failed export until it succeeds, and new flows wait
+//! for audit while a sink is full (see [`Gate`]); established connections keep flowing
+//! (connection ends never block a proxy task: they take an overflow list whose size is
+//! bounded by the connections admitted). On shutdown the pipeline flushes within a
+//! deadline and counts what it could not deliver.
 //!
-//! Source: issue #4 "Delivery".
+//! **The worker never waits on a sink.** It hands each event to every sink's queue at
+//! once, so a sink that is stuck (a hung collector) or slow never holds up another: the
+//! JSON file has every event the data path handed over within milliseconds, whatever the
+//! OTLP sink does. The sinks' queues are therefore unbounded channels whose bound the
+//! worker enforces: lossy drops an event for a sink holding `queue_capacity`; lossless
+//! closes the [`Gate`] instead, and the data path stops handing over new flows until the
+//! sink has room. (Before, the worker blocked on the first full sink's queue in lossless
+//! mode, and the JSON file froze with the OTLP sink: issue #17.)
+//!
+//! Source: issue #4 "Delivery"; issue #17 item 7.
 
 use std::collections::VecDeque;
 use std::net::IpAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime};
 
@@ -46,7 +55,8 @@ pub struct AuditConfig {
     pub defaults: Defaults,
     /// Lossy or lossless.
     pub mode: Mode,
-    /// Events the data-path queue and each sink queue hold.
+    /// Records the data-path queue holds, and undelivered events each sink may hold before
+    /// lossy drops for it or lossless makes new flows wait.
     pub queue_capacity: usize,
     /// Identical denies within this window become one event (`Duration::ZERO`: none).
     pub deny_window: Duration,
@@ -75,8 +85,8 @@ impl AuditConfig {
 }
 
 /// Default capacity of each audit queue (events): about 0.15 s of the pipeline's
-/// throughput, to absorb bursts of new connections. A queue's slots are allocated up front
-/// (16–24 bytes each).
+/// throughput, to absorb bursts of new connections. The data-path queue's slots are
+/// allocated up front (16–24 bytes each); a sink's queue grows as events wait.
 pub const DEFAULT_QUEUE_CAPACITY: usize = 16_384;
 /// Default deny aggregation window.
 pub const DEFAULT_DENY_WINDOW: Duration = Duration::from_secs(5);
@@ -99,8 +109,12 @@ pub struct Stats {
     pub rate_limited_rule: AtomicU64,
     /// Events suppressed by the node limit.
     pub rate_limited_node: AtomicU64,
-    /// Records dropped because the data-path queue was full (lossy).
+    /// Records dropped because the data-path queue was full (lossy), or handed over after
+    /// shutdown had ended the worker.
     pub dropped_queue: AtomicU64,
+    /// New-flow decisions that found a sink full and waited (lossless), counted as the
+    /// wait begins.
+    pub waits: AtomicU64,
     /// Per sink, in [`AuditConfig::sinks`] order.
     pub sinks: Vec<Arc<SinkStats>>,
 }
@@ -118,6 +132,118 @@ pub struct SinkStats {
     pub failed: AtomicU64,
     /// Failed exports retried (lossless).
     pub retries: AtomicU64,
+    /// Export attempts abandoned at their deadline with no answer (a hung collector); each
+    /// also counts as a retry or, when given up, its events as failed.
+    pub timeouts: AtomicU64,
+}
+
+/// How often a closed [`Gate`] is looked at again by a waiter, should a sink's wake-up
+/// be missed: a bound on the extra wait, not a polling rate.
+const GATE_RECHECK: Duration = Duration::from_millis(50);
+/// Least time between two warnings that new flows wait.
+const WARN_EVERY: Duration = Duration::from_secs(10);
+
+/// Lossless back-pressure on new flows: closed while a sink holds `capacity` events or
+/// more that it has not taken yet. While it is closed, [`Auditor::decision`] waits (the
+/// NFQUEUE reader, hence new flows, wait). Every other record goes on: connection ends
+/// (bounded by the connections admitted), deny windows closing, suppression summaries;
+/// and so does every sink that has room.
+///
+/// The worker re-checks after handing out an event; each sink after taking events from
+/// its queue. A sink's queue thus holds at most `capacity` events plus what was already
+/// admitted when the gate closed (the data-path queue: `capacity` records, two events
+/// each at most) plus connection ends and summaries.
+pub(crate) struct Gate {
+    capacity: usize,
+    queues: Vec<(&'static str, Receiver<Arc<Event>>)>,
+    closed: AtomicBool,
+    /// Shutdown: the gate stays open.
+    released: AtomicBool,
+    /// When the last "new flows wait" warning was logged.
+    warned: Mutex<Option<Instant>>,
+    opened: Condvar,
+}
+
+impl Gate {
+    fn new(capacity: usize, queues: Vec<(&'static str, Receiver<Arc<Event>>)>) -> Self {
+        Gate {
+            capacity,
+            queues,
+            closed: AtomicBool::new(false),
+            released: AtomicBool::new(false),
+            warned: Mutex::new(None),
+            opened: Condvar::new(),
+        }
+    }
+
+    /// The first sink holding `capacity` events or more, with their number.
+    fn full(&self) -> Option<(&'static str, usize)> {
+        self.queues.iter().map(|(n, q)| (*n, q.len())).find(|(_, len)| *len >= self.capacity)
+    }
+
+    /// Recomputes the state under the lock (so that the last of the worker's and a
+    /// sink's updates sees both their changes), warns when it closes, wakes the waiters
+    /// when it opens.
+    fn update(&self) {
+        let mut warned = self.warned.lock().unwrap_or_else(|p| p.into_inner());
+        let full = if self.released.load(Ordering::SeqCst) { None } else { self.full() };
+        let was = self.closed.swap(full.is_some(), Ordering::SeqCst);
+        match full {
+            Some((sink, events)) if !was => {
+                if warned.is_none_or(|w| w.elapsed() >= WARN_EVERY) {
+                    *warned = Some(Instant::now());
+                    tracing::warn!(
+                        sink,
+                        events,
+                        "audit sink full: new flows wait for it (lossless mode)"
+                    );
+                }
+            }
+            Some(_) => {}
+            None => self.opened.notify_all(),
+        }
+    }
+
+    /// After the worker handed out an event.
+    fn after_send(&self) {
+        if self.full().is_some() != self.closed.load(Ordering::SeqCst) {
+            self.update();
+        }
+    }
+
+    /// After a sink took events from its queue.
+    pub(crate) fn after_recv(&self) {
+        if self.closed.load(Ordering::SeqCst) {
+            self.update();
+        }
+    }
+
+    fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::SeqCst)
+    }
+
+    /// Waits while the gate is closed.
+    fn wait(&self) {
+        let mut g = self.warned.lock().unwrap_or_else(|p| p.into_inner());
+        while self.closed.load(Ordering::SeqCst) {
+            let (guard, timeout) =
+                self.opened.wait_timeout(g, GATE_RECHECK).unwrap_or_else(|p| p.into_inner());
+            g = guard;
+            if timeout.timed_out() {
+                let open = self.released.load(Ordering::SeqCst) || self.full().is_none();
+                if open {
+                    self.closed.store(false, Ordering::SeqCst);
+                    self.opened.notify_all();
+                }
+            }
+        }
+    }
+
+    /// Opens the gate for good (shutdown: nothing may wait on audit any more).
+    fn release(&self) {
+        self.released.store(true, Ordering::SeqCst);
+        self.update();
+    }
 }
 
 /// A record from the data path. Boxed: a bounded queue allocates (and touches) all its
@@ -145,6 +271,7 @@ struct PendingEnd {
 
 struct Shared {
     tx: Sender<Pending>,
+    gate: Arc<Gate>,
     /// Lossless connection ends that found the queue full.
     overflow: Mutex<VecDeque<Pending>>,
     mode: Mode,
@@ -158,6 +285,7 @@ pub struct Auditor {
     shared: Option<Arc<Shared>>,
     worker: Mutex<Option<JoinHandle<()>>>,
     sinks: Mutex<Vec<sink::Running>>,
+    gate: Option<Arc<Gate>>,
     flush_deadline: Arc<Mutex<Option<Instant>>>,
     flush_timeout: Duration,
     stats: Arc<Stats>,
@@ -187,6 +315,7 @@ impl Auditor {
             shared: None,
             worker: Mutex::new(None),
             sinks: Mutex::new(Vec::new()),
+            gate: None,
             flush_deadline: Arc::new(Mutex::new(None)),
             flush_timeout: Duration::ZERO,
             stats: Arc::new(Stats::default()),
@@ -205,13 +334,15 @@ impl Auditor {
         }
         let capacity = config.queue_capacity.max(1);
         let flush_deadline = Arc::new(Mutex::new(None));
-        let mut sink_tx = Vec::new();
+        // Unbounded: the worker bounds them (module docs), so that it never waits on one.
+        let (sink_tx, sink_rx): (Vec<_>, Vec<_>) =
+            config.sinks.iter().map(|_| crossbeam_channel::unbounded::<Arc<Event>>()).unzip();
+        let named = config.sinks.iter().zip(&sink_rx).map(|(s, rx)| (s.name(), rx.clone()));
+        let gate = Arc::new(Gate::new(capacity, named.collect()));
+        let mut outs = Vec::new();
         let mut running = Vec::new();
         let mut sink_stats = Vec::new();
-        let mut sink_rx = Vec::new();
-        for s in &config.sinks {
-            let (tx, rx) = crossbeam_channel::bounded::<Arc<Event>>(capacity);
-            sink_rx.push(rx.clone());
+        for ((s, tx), rx) in config.sinks.iter().zip(sink_tx).zip(sink_rx.iter().cloned()) {
             let stats = Arc::new(SinkStats { name: s.name(), ..SinkStats::default() });
             let r = match s {
                 SinkConfig::Otlp(o) => sink::start_otlp(
@@ -221,20 +352,26 @@ impl Auditor {
                     rx,
                     stats.clone(),
                     flush_deadline.clone(),
+                    gate.clone(),
                 ),
-                SinkConfig::Json(t) => {
-                    sink::start_json(t.clone(), &config.context.node, rx, stats.clone())
-                }
+                SinkConfig::Json(t) => sink::start_json(
+                    t.clone(),
+                    &config.context.node,
+                    rx,
+                    stats.clone(),
+                    gate.clone(),
+                ),
             }
             .with_context(|| format!("audit sink {}", s.name()))?;
             running.push(r);
-            sink_tx.push((tx, stats.clone()));
+            outs.push((tx, stats.clone()));
             sink_stats.push(stats);
         }
         let stats = Arc::new(Stats { sinks: sink_stats, ..Stats::default() });
         let (tx, rx) = crossbeam_channel::bounded(capacity);
         let shared = Arc::new(Shared {
             tx,
+            gate: gate.clone(),
             overflow: Mutex::new(VecDeque::new()),
             mode: config.mode,
             stats: stats.clone(),
@@ -245,7 +382,9 @@ impl Auditor {
             mode: config.mode,
             rx,
             shared: Arc::downgrade(&shared),
-            sinks: sink_tx,
+            sinks: outs,
+            capacity,
+            gate: gate.clone(),
             stats: stats.clone(),
             names: Names::default(),
             aggregate: !config.deny_window.is_zero(),
@@ -260,6 +399,7 @@ impl Auditor {
             shared: Some(shared),
             worker: Mutex::new(Some(worker)),
             sinks: Mutex::new(running),
+            gate: Some(gate),
             flush_deadline,
             flush_timeout: config.flush_timeout,
             stats,
@@ -291,7 +431,8 @@ impl Auditor {
 
     /// Audits the decision of a new flow's first packet under `plan` (built for
     /// `snapshot`). Returns whether the flow is audited (its connection's end is then
-    /// audited too). Lossy: never waits. Lossless: waits while the queue is full.
+    /// audited too). Lossy: never waits. Lossless: waits while a sink is full (the
+    /// [`Gate`] is closed) or the data-path queue is.
     pub fn decision(
         &self,
         plan: &Plan,
@@ -310,6 +451,11 @@ impl Auditor {
             snapshot: snapshot.clone(),
             dirs,
         }));
+        if s.mode == Mode::Lossless && s.gate.is_closed() {
+            // Counted as the wait begins, so a wait that lasts is seen.
+            s.stats.waits.fetch_add(1, Ordering::Relaxed);
+            s.gate.wait();
+        }
         s.stats.submitted.fetch_add(1, Ordering::Relaxed);
         match s.mode {
             Mode::Lossy => {
@@ -318,7 +464,10 @@ impl Auditor {
                 }
             }
             Mode::Lossless => {
-                let _ = s.tx.send(p);
+                // Fails only once shutdown has ended the worker: counted, not silent.
+                if s.tx.send(p).is_err() {
+                    s.stats.dropped_queue.fetch_add(1, Ordering::Relaxed);
+                }
             }
         }
         true
@@ -358,10 +507,18 @@ impl Auditor {
     }
 
     /// Stops accepting events, lets the worker and the sinks deliver what is queued
-    /// (within the flush timeout), and returns. Later calls do nothing.
+    /// (within the flush timeout), and returns. An export still unanswered at the deadline
+    /// is abandoned: its events, and those queued behind it, are counted as failed by
+    /// their sink and logged. Later calls do nothing.
     pub fn shutdown(&self) {
         let deadline = Instant::now() + self.flush_timeout;
         *self.flush_deadline.lock().unwrap_or_else(|p| p.into_inner()) = Some(deadline);
+        let failed_before: u64 =
+            self.stats.sinks.iter().map(|s| s.failed.load(Ordering::Relaxed)).sum();
+        // From here on nothing waits on audit: the gate no longer closes.
+        if let Some(g) = &self.gate {
+            g.release();
+        }
         // The worker finishes what is queued before the marker, then the open deny
         // windows; the sinks finish when the worker drops their queues.
         let worker = self.worker.lock().unwrap_or_else(|p| p.into_inner()).take();
@@ -371,18 +528,27 @@ impl Auditor {
         if let Some(w) = worker {
             join_until(w, deadline);
         }
+        // A sink's attempts end by the deadline; the grace lets it count what it abandons.
         for r in self.sinks.lock().unwrap_or_else(|p| p.into_inner()).drain(..) {
-            join_until(r.thread, deadline);
+            join_until(r.thread, deadline + SHUTDOWN_GRACE);
         }
-        let undelivered: usize = self.sink_depths().iter().sum::<usize>() + self.queue_depth();
-        if undelivered > 0 {
+        let failed: u64 = self.stats.sinks.iter().map(|s| s.failed.load(Ordering::Relaxed)).sum();
+        let queued: usize = self.sink_depths().iter().sum::<usize>() + self.queue_depth();
+        let failed = failed - failed_before;
+        if failed > 0 || queued > 0 {
             tracing::warn!(
-                events = undelivered,
-                "audit events not delivered by the flush deadline"
+                failed,
+                queued,
+                "audit events not delivered by the flush deadline (failed: abandoned and \
+                 counted; queued: left in a queue whose sink did not finish)"
             );
         }
     }
 }
+
+/// How long after the flush deadline shutdown waits for the sinks to count what they
+/// abandoned (their attempts end by the deadline).
+const SHUTDOWN_GRACE: Duration = Duration::from_millis(200);
 
 fn join_until(h: JoinHandle<()>, deadline: Instant) {
     while !h.is_finished() && Instant::now() < deadline {
@@ -415,6 +581,9 @@ struct Worker {
     rx: Receiver<Pending>,
     shared: std::sync::Weak<Shared>,
     sinks: Vec<(Sender<Arc<Event>>, Arc<SinkStats>)>,
+    /// Most events a sink's queue holds before lossy drops for it (lossless: the gate).
+    capacity: usize,
+    gate: Arc<Gate>,
     stats: Arc<Stats>,
     names: Names,
     /// Deny aggregation is on (a window above zero).
@@ -587,17 +756,18 @@ impl Worker {
     fn send(&mut self, e: Event) {
         self.stats.emitted.fetch_add(1, Ordering::Relaxed);
         let e = Arc::new(e);
+        // Never waits: the queues are unbounded (the receivers live as long as the
+        // Auditor), and their bound is kept here.
         for (tx, stats) in &self.sinks {
-            match self.mode {
-                Mode::Lossy => {
-                    if tx.try_send(e.clone()).is_err() {
-                        stats.dropped_queue.fetch_add(1, Ordering::Relaxed);
-                    }
-                }
-                Mode::Lossless => {
-                    let _ = tx.send(e.clone());
-                }
+            // The worker is the only sender, so the length can only fall before the send.
+            if self.mode == Mode::Lossy && tx.len() >= self.capacity {
+                stats.dropped_queue.fetch_add(1, Ordering::Relaxed);
+            } else {
+                let _ = tx.send(e.clone());
             }
+        }
+        if self.mode == Mode::Lossless {
+            self.gate.after_send();
         }
     }
 }

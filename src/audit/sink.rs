@@ -1,11 +1,15 @@
 //! Where audit events go: OTLP (gRPC or HTTP/protobuf, encoded and sent by [`super::otlp`])
 //! and JSON Lines (stdout, or a file rotated by size).
 //!
-//! Each sink runs on its own thread behind its own bounded queue, so a slow sink never
-//! holds up another. The OTLP sink batches records (up to [`OtlpConfig::batch_size`], or
-//! what arrived within [`OtlpConfig::batch_delay`]), counts every batch it gives up on
-//! (lossy: after one retry), and never gives up in lossless mode before the flush
-//! deadline.
+//! Each sink runs on its own thread behind its own queue (bounded by the pipeline's
+//! worker), so a slow or stuck sink never holds up another. The OTLP sink batches records
+//! (up to [`OtlpConfig::batch_size`], or what arrived within [`OtlpConfig::batch_delay`]).
+//! Each export attempt has a deadline ([`otlp::Target::timeout`]): an attempt that gets no
+//! answer by then is abandoned and counts as failed, so a collector that accepts
+//! connections and never answers is handled as one that is down. The sink counts every
+//! batch it gives up on (lossy: after one retry), and never gives up in lossless mode
+//! before the flush deadline; once that has passed it gives up on what is left without
+//! trying.
 //!
 //! Sources: OpenTelemetry Protocol Exporter specification (`OTEL_EXPORTER_OTLP_ENDPOINT`,
 //! `_PROTOCOL`, `_HEADERS`, `_COMPRESSION`, `_TIMEOUT`, `_CERTIFICATE`, their `_LOGS_`
@@ -24,7 +28,7 @@ use crossbeam_channel::{Receiver, RecvTimeoutError};
 use super::Mode;
 use super::event::{self, Event};
 use super::otlp;
-use super::pipeline::SinkStats;
+use super::pipeline::{Gate, SinkStats};
 
 /// OTLP transport.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -68,7 +72,8 @@ pub struct OtlpConfig {
     /// PEM file of CA certificates to trust for `https` endpoints; `None`:
     /// `OTEL_EXPORTER_OTLP_CERTIFICATE`, else the system's roots.
     pub ca_file: Option<PathBuf>,
-    /// Timeout of one export request; `None`: the environment, else 10 s.
+    /// Deadline of one export attempt (above zero); `None`:
+    /// `OTEL_EXPORTER_OTLP_[LOGS_]TIMEOUT`, else [`otlp::DEFAULT_TIMEOUT`] (10 s).
     pub timeout: Option<Duration>,
     /// Most records in one export request.
     pub batch_size: usize,
@@ -158,6 +163,7 @@ pub(crate) fn start_otlp(
     rx: Receiver<Arc<Event>>,
     stats: Arc<SinkStats>,
     flush_deadline: Arc<std::sync::Mutex<Option<Instant>>>,
+    gate: Arc<Gate>,
 ) -> anyhow::Result<Running> {
     let target = otlp::Target::resolve(&config, &|v| std::env::var(v).ok())?;
     let resource = resource_attrs(node);
@@ -172,7 +178,7 @@ pub(crate) fn start_otlp(
                     return;
                 }
             };
-            let client = match rt.block_on(async { otlp::Client::new(target) }) {
+            let mut client = match rt.block_on(async { otlp::Client::new(target) }) {
                 Ok(c) => c,
                 Err(e) => {
                     let _ = ready_tx.send(Err(e));
@@ -180,7 +186,8 @@ pub(crate) fn start_otlp(
                 }
             };
             let _ = ready_tx.send(Ok(()));
-            run_otlp(&rt, &client, &resource, &config, mode, &rx, &stats, &flush_deadline);
+            let out = Out { stats: &stats, flush_deadline: &flush_deadline, gate: &gate };
+            run_otlp(&rt, &mut client, &resource, &config, mode, &rx, &out);
         })
         .context("starting the OTLP sink thread")?;
     match ready_rx.recv() {
@@ -206,49 +213,108 @@ fn gather(rx: &Receiver<Arc<Event>>, max: usize, delay: Duration) -> Option<Vec<
     Some(batch)
 }
 
-#[allow(clippy::too_many_arguments)]
+/// What the OTLP sink reports to, and reads from, the pipeline.
+struct Out<'a> {
+    stats: &'a SinkStats,
+    flush_deadline: &'a std::sync::Mutex<Option<Instant>>,
+    gate: &'a Gate,
+}
+
+impl Out<'_> {
+    fn flush_deadline(&self) -> Option<Instant> {
+        *self.flush_deadline.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// Least time between two warnings that exports fail.
+const WARN_EVERY: Duration = Duration::from_secs(10);
+/// First wait before a failed export is retried; it doubles up to [`MAX_BACKOFF`].
+const FIRST_BACKOFF: Duration = Duration::from_millis(100);
+/// Longest wait between retries. With the deadline of an attempt under way, it bounds how
+/// late delivery resumes once the collector is back.
+const MAX_BACKOFF: Duration = Duration::from_secs(5);
+
+/// Sleeps `d`, or less if the flush deadline passes first.
+fn pause(d: Duration, out: &Out<'_>) {
+    let until = Instant::now() + d;
+    loop {
+        let now = Instant::now();
+        let end = out.flush_deadline().map_or(until, |f| f.min(until));
+        if now >= end {
+            return;
+        }
+        // Slices, so that a shutdown starting during a long backoff is seen.
+        std::thread::sleep((end - now).min(Duration::from_millis(50)));
+    }
+}
+
 fn run_otlp(
     rt: &tokio::runtime::Runtime,
-    client: &otlp::Client,
+    client: &mut otlp::Client,
     resource: &[(&'static str, String)],
     config: &OtlpConfig,
     mode: Mode,
     rx: &Receiver<Arc<Event>>,
-    stats: &SinkStats,
-    flush_deadline: &std::sync::Mutex<Option<Instant>>,
+    out: &Out<'_>,
 ) {
-    let mut warned = Instant::now() - Duration::from_secs(3600);
-    let deadline = || *flush_deadline.lock().unwrap_or_else(|p| p.into_inner());
+    let stats = out.stats;
+    let mut warned: Option<Instant> = None;
+    let mut failing = 0u64;
     let mut encoder = otlp::Encoder::default();
     let mut body = Vec::new();
     while let Some(batch) = gather(rx, config.batch_size.max(1), config.batch_delay) {
+        out.gate.after_recv();
+        let n = batch.len() as u64;
         encoder.request(&batch, resource, env!("CARGO_PKG_VERSION"), &mut body);
-        let mut backoff = Duration::from_millis(100);
+        let mut backoff = FIRST_BACKOFF;
         // Lossy: one retry (a collector restarting); lossless: until delivered or the
         // flush deadline passes.
         let mut attempts = 0;
         loop {
+            // Once shutdown has begun, no attempt outlives the flush deadline.
+            let limit = match out.flush_deadline() {
+                Some(d) => d.saturating_duration_since(Instant::now()).min(client.timeout()),
+                None => client.timeout(),
+            };
+            if limit.is_zero() {
+                stats.failed.fetch_add(n, Ordering::Relaxed);
+                break;
+            }
             attempts += 1;
-            match rt.block_on(client.export(body.clone())) {
+            match rt.block_on(client.export(body.clone(), limit)) {
                 Ok(()) => {
-                    stats.exported.fetch_add(batch.len() as u64, Ordering::Relaxed);
+                    stats.exported.fetch_add(n, Ordering::Relaxed);
+                    if failing > 0 {
+                        tracing::info!(failed_attempts = failing, "OTLP export recovered");
+                        failing = 0;
+                    }
                     break;
                 }
                 Err(e) => {
-                    if warned.elapsed() >= Duration::from_secs(10) {
-                        warned = Instant::now();
-                        tracing::warn!(error = %e, events = batch.len(), "OTLP export failed");
+                    failing += 1;
+                    if matches!(e, otlp::ExportError::Timeout(_)) {
+                        stats.timeouts.fetch_add(1, Ordering::Relaxed);
                     }
-                    let past_deadline = deadline().is_some_and(|d| Instant::now() >= d);
-                    if (mode == Mode::Lossy && attempts >= 2) || past_deadline {
-                        stats.failed.fetch_add(batch.len() as u64, Ordering::Relaxed);
+                    let give_up = mode == Mode::Lossy && attempts >= 2;
+                    if warned.is_none_or(|w| w.elapsed() >= WARN_EVERY) {
+                        warned = Some(Instant::now());
+                        tracing::warn!(
+                            error = %e,
+                            events = n,
+                            queued = rx.len(),
+                            retrying = !give_up,
+                            "OTLP export failed"
+                        );
+                    }
+                    if give_up {
+                        stats.failed.fetch_add(n, Ordering::Relaxed);
                         break;
                     }
-                    // Lossless: keep the batch and try again; the queue behind fills and
-                    // new-flow decisions wait.
+                    // Keep the batch and try again. Lossless: the queue behind it grows
+                    // until the gate makes new flows wait; other sinks go on.
                     stats.retries.fetch_add(1, Ordering::Relaxed);
-                    std::thread::sleep(backoff);
-                    backoff = (backoff * 2).min(Duration::from_secs(5));
+                    pause(backoff, out);
+                    backoff = (backoff * 2).min(MAX_BACKOFF);
                 }
             }
         }
@@ -261,6 +327,7 @@ pub(crate) fn start_json(
     node: &str,
     rx: Receiver<Arc<Event>>,
     stats: Arc<SinkStats>,
+    gate: Arc<Gate>,
 ) -> anyhow::Result<Running> {
     let mut out: Box<dyn Write + Send> = match &target {
         JsonTarget::Stdout => Box::new(std::io::stdout()),
@@ -314,6 +381,7 @@ pub(crate) fn start_json(
             };
             let mut buf = Vec::with_capacity(chunk + 4096);
             while let Some(batch) = gather(&rx, 1024, Duration::ZERO) {
+                gate.after_recv();
                 let mut lines = 0;
                 for e in &batch {
                     event::write_json(e, &resource, &mut buf);
