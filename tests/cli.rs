@@ -199,16 +199,28 @@ fn hostile_yaml_is_refused_without_panic_or_hang() {
     }
     let deep = format!("{}1{}", "[".repeat(10_000), "]".repeat(10_000));
     let cases = [
-        ("bomb.yaml", bomb),
-        ("deep.yaml", deep),
-        ("binary.yaml", "\u{0}\u{1}\u{2}garbage: [".into()),
+        ("bomb.yaml", bomb, "over the manifest limit on YAML alias expansion"),
+        ("deep.yaml", deep, "over the manifest limit on nesting: 127 levels"),
+        ("deep.json", format!("{}1{}", "[".repeat(200), "]".repeat(200)), "nesting: 127 levels"),
+        ("binary.yaml", "\u{0}\u{1}\u{2}garbage: [".into(), "not valid YAML"),
     ];
-    for (name, text) in cases {
+    for (name, text, needle) in cases {
         let m = write(dir.path(), name, &text);
         let o = run(&["check", "-m", m.to_str().unwrap()]);
         assert_eq!(o.status.code(), Some(2), "{name}: {}", stderr(&o));
         assert!(!stderr(&o).contains("panicked"), "{name}");
+        // `check` reports on stdout.
+        let out = String::from_utf8_lossy(&o.stdout);
+        assert!(out.contains(&format!("{name}: ")) && out.contains(needle), "{name}: {out}");
     }
+    // One byte over the size limit (a sparse file): refused before it is read.
+    let big = dir.path().join("big.json");
+    std::fs::File::create(&big).unwrap().set_len(64 << 20 | 1).unwrap();
+    let o = run(&["check", "-m", big.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    let want = "big.json: 67108865 bytes: over the manifest limit on size: 67108864 bytes (64 MiB)";
+    assert!(out.contains(want), "{out}");
 }
 
 #[test]

@@ -2,7 +2,8 @@
 //! ([`tierproxy::cluster::status`]) against a scripted API server over real HTTP
 //! (`common::apiserver`): initial list, add/modify/delete, relist after a watch error and
 //! an outage, a CRD installed later, and status conditions and Events from the elected
-//! writer. No privileges needed.
+//! writer; the same objects from the source and from manifest files decide alike. No
+//! privileges needed.
 mod common;
 
 use std::sync::Arc;
@@ -309,4 +310,96 @@ async fn the_elected_writer_sets_conditions_and_events_and_only_when_they_change
     until("condition flipped", || cond("bad").is_some_and(|c| c["status"] == "True")).await;
     assert_eq!(cond("bad").unwrap()["observedGeneration"], 2);
     writer.abort();
+}
+
+/// The same objects from the API server and from a YAML and a JSON manifest file (read as
+/// the agent reads them, `manifest::Form::Compact`) compile to snapshots that decide alike
+/// and report the same problems (issue #17: the file source keeps what this source keeps).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_api_server_and_manifest_files_give_the_same_decisions() {
+    use tierproxy::cluster::manifest::{self, Form};
+    use tierproxy::policy::{Revision, Snapshot};
+    use tierproxy::synth::{self, Shape};
+    let shape = Shape {
+        namespaces: 10,
+        pods: 300,
+        nodes: 4,
+        network_policies: 20,
+        admin_policies: 6,
+        rules_per_admin_policy: 5,
+        ..Shape::LOAD_TEST
+    };
+    let i = synth::cluster(shape, 11);
+    fn values<T: serde::Serialize>(v: &[Arc<T>]) -> impl Iterator<Item = Value> + '_ {
+        v.iter().map(|o| serde_json::to_value(o).unwrap())
+    }
+    let mut items: Vec<Value> = values(&i.namespaces)
+        .chain(values(&i.nodes))
+        .chain(values(&i.pods))
+        .chain(values(&i.network_policies))
+        .chain(values(&i.admin_network_policies))
+        .chain(values(&i.baseline_admin_network_policies))
+        .collect();
+    // What real objects carry and neither source keeps.
+    for o in &mut items {
+        o["metadata"]["managedFields"] = json!([{"manager": "kubectl", "operation": "Update"}]);
+    }
+    // A terminated pod and a hostNetwork one.
+    let mut done = pod("ns-1", "done", "10.200.0.1", json!({"app": "a1"}));
+    done["status"]["phase"] = json!("Succeeded");
+    let mut host = pod("ns-1", "host", "172.16.0.1", json!({"app": "a1"}));
+    host["spec"]["hostNetwork"] = json!(true);
+    items.extend([done, host]);
+
+    let api = FakeApi::start();
+    for o in &items {
+        api.apply(o.clone());
+    }
+    let (source, _changes) = start(&api).await;
+    until("initial lists", || source.initialized()).await;
+    let from_api = source.inputs();
+    assert_eq!(from_api.pod_views.len(), 302);
+
+    let dir = tempfile::tempdir().unwrap();
+    let list = json!({"apiVersion": "v1", "kind": "List", "items": items});
+    let (yaml, json_file) = (dir.path().join("c.yaml"), dir.path().join("c.json"));
+    std::fs::write(&yaml, serde_saphyr::to_string(&list).unwrap()).unwrap();
+    std::fs::write(&json_file, list.to_string()).unwrap();
+    let want = Snapshot::compile(&from_api, Revision(1));
+    let lines = |problems: &[Problem]| {
+        let mut v: Vec<String> = problems.iter().map(|p| p.to_string()).collect();
+        v.sort();
+        v
+    };
+    let mut flows = synth::flows(shape, 3000, 5);
+    for ip in ["10.200.0.1", "172.16.0.1"] {
+        for (src, dst) in [(ip, "10.128.0.2"), ("10.128.0.2", ip)] {
+            flows.push(tierproxy::policy::Flow {
+                src: src.parse().unwrap(),
+                dst: dst.parse().unwrap(),
+                protocol: tierproxy::policy::Protocol::Tcp,
+                dst_port: 8080,
+            });
+        }
+    }
+    for file in [yaml, json_file] {
+        let loaded = manifest::load_as(std::slice::from_ref(&file), Form::Compact);
+        assert!(loaded.errors.is_empty(), "{:?}", loaded.errors);
+        assert!(loaded.inputs.pods.is_empty());
+        assert_eq!(loaded.inputs.pod_views.len(), 302);
+        let got = Snapshot::compile(&loaded.inputs, Revision(1));
+        let mut problems = loaded.problems.clone();
+        problems.extend(got.problems.iter().cloned());
+        assert_eq!(lines(&problems), lines(&want.problems), "{}", file.display());
+        assert_eq!(got.snapshot.pod_count(), want.snapshot.pod_count());
+        assert_eq!(got.snapshot.policy_count(), want.snapshot.policy_count());
+        for f in &flows {
+            assert_eq!(
+                got.snapshot.decide(f),
+                want.snapshot.decide(f),
+                "{}: {f:?}",
+                file.display()
+            );
+        }
+    }
 }

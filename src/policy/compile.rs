@@ -1251,6 +1251,8 @@ pub struct PodView {
     /// `spec.hostNetwork`.
     pub host_network: bool,
     /// `status.phase` is Succeeded or Failed: the pod holds no IP and takes no traffic.
+    /// A source that validates pods itself (the manifest source's compact form) sets it
+    /// for an invalid pod too, which the compiler would leave out the same way.
     pub terminated: bool,
     /// `status.podIP` and `status.podIPs`, parsed, without duplicates, podIP first; where
     /// podIPs\[0\] disagrees with podIP, podIPs is dropped (as the v1 conversion does).
