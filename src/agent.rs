@@ -839,7 +839,9 @@ impl Reloader<'_> {
         self.drops.interfaces.store(self.spec.pod_interfaces().len() as u64, Relaxed);
         // What a burst (a flood of new flows, many connections at once) freed goes back to
         // the kernel: glibc keeps freed memory in its arenas otherwise, and the agent's RSS
-        // stayed ~200 MiB higher after a flood for good (issue #17).
+        // stayed ~200 MiB higher after a flood for good (issue #17). The caches free their
+        // expired entries first.
+        self.decider.maintain();
         trim_heap();
         let counts = match self.backend.drop_counts(self.spec.config()) {
             Ok(c) => c,

@@ -52,7 +52,10 @@ pub struct DeciderLimits {
     /// Most decisions waiting for the proxy to accept their connection.
     pub pending_entries: u64,
     /// How long a decision waits for its connection (seconds of wall time). A client that
-    /// gives up after its SYN leaves one entry behind for this long.
+    /// gives up after its SYN leaves one entry behind for this long, and a half-open flood
+    /// one per SYN the policy allows: 10 s, past any handshake (a retransmitted SYN is
+    /// decided again); a connection the proxy takes later (it waited in the backlog at the
+    /// connection limit) is decided then ([`Decider::take_or_decide`]).
     pub pending_ttl: Duration,
     /// A cached decision not used for this long is dropped: a flood of new flows fills the
     /// cache, and its entries must not keep their memory once the flood is over (issue
@@ -65,7 +68,7 @@ impl Default for DeciderLimits {
         DeciderLimits {
             cache_entries: 65_536,
             pending_entries: 65_536,
-            pending_ttl: Duration::from_secs(30),
+            pending_ttl: Duration::from_secs(10),
             cache_idle: Duration::from_secs(60),
         }
     }
@@ -284,6 +287,13 @@ impl Decider {
         }
         self.stats.policy_cuts.fetch_add(1, Ordering::Relaxed);
         tracked.stop(STOP_POLICY_CHANGE);
+    }
+
+    /// Runs the caches' pending housekeeping now, so that entries that expired (a flood's)
+    /// are freed without waiting for the next access.
+    pub fn maintain(&self) {
+        self.cache.run_pending_tasks();
+        self.pending.run_pending_tasks();
     }
 
     /// The admission of the flow `key`, removed from the hand-over map; `None` when none

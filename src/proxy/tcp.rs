@@ -134,8 +134,8 @@ pub async fn serve(
                 let permit = match limit.clone().try_acquire_owned() {
                     Ok(p) => p,
                     Err(_) => {
-                        // Counted once per wait at the limit (each wait holds back at least
-                        // one connection in the listen backlog); logged rate-limited.
+                        // Counted each time the proxy reaches the limit (from then on new
+                        // connections wait in the listen backlog); logged rate-limited.
                         if let Some(n) = limits.connections.hit() {
                             tracing::warn!(
                                 max = config.max_connections,
