@@ -81,6 +81,7 @@ fn decisions(s: &Snapshot) -> Vec<(FlowInfo, Arc<Decision>)> {
             dst: (dst, port as u16).into(),
             protocol: Protocol::Tcp,
             time: SystemTime::now(),
+            point: Default::default(),
         };
         out.push((info, d));
     }

@@ -135,7 +135,13 @@ fn decide(
 ) -> (bool, Arc<tierproxy::policy::Decision>) {
     let flow = Flow { src: src.ip(), dst: dst.ip(), protocol: Protocol::Tcp, dst_port: dst.port() };
     let d = Arc::new(s.decide(&flow));
-    let info = FlowInfo { src, dst, protocol: Protocol::Tcp, time: SystemTime::now() };
+    let info = FlowInfo {
+        src,
+        dst,
+        protocol: Protocol::Tcp,
+        time: SystemTime::now(),
+        point: Default::default(),
+    };
     (auditor.decision(plan, s, info, &d), d)
 }
 
@@ -210,6 +216,7 @@ fn allow_deny_pass_and_close_arrive_over_otlp_http_and_grpc_with_their_exact_att
                 dst: sa(REMOTE, 8080),
                 protocol: Protocol::Tcp,
                 time: SystemTime::now(),
+                point: Default::default(),
             },
             decision: allowed,
         };
@@ -238,6 +245,7 @@ fn allow_deny_pass_and_close_arrive_over_otlp_http_and_grpc_with_their_exact_att
                 "k8s.node.name": "n1",
                 "tierproxy.direction": "ingress", "tierproxy.verdict": "allow",
                 "tierproxy.flow.verdict": "allow", "tierproxy.basis": "rule",
+                "tierproxy.decision.point": "first-packet",
                 "tierproxy.tier": "networkpolicy",
                 "tierproxy.policy.kind": "NetworkPolicy", "tierproxy.policy.namespace": "b",
                 "tierproxy.policy.name": "allow-a", "security_rule.ruleset.name": "b/allow-a",
@@ -723,6 +731,7 @@ fn with_connection_ends_off_a_cut_by_policy_change_is_still_reported() {
                 dst: sa(SERVER, 8080),
                 protocol: Protocol::Tcp,
                 time: SystemTime::now(),
+                point: Default::default(),
             },
             decision: decision.clone(),
         };
@@ -823,6 +832,7 @@ fn end_connections(auditor: &Auditor, s: &Arc<Snapshot>, first: u16, n: u16) {
                 dst: sa(EXTERNAL, 443),
                 protocol: Protocol::Tcp,
                 time: SystemTime::now(),
+                point: Default::default(),
             },
             decision: decision.clone(),
         };

@@ -147,6 +147,9 @@ pub mod attr {
     pub const VERDICT: &str = "tierproxy.verdict";
     /// `allow` / `deny`: the flow's verdict (both directions).
     pub const FLOW_VERDICT: &str = "tierproxy.flow.verdict";
+    /// Where the decision was made: `first-packet`, `accept` or `re-decision`
+    /// ([`super::DecisionPoint`]).
+    pub const DECISION_POINT: &str = "tierproxy.decision.point";
     /// `rule`, `isolation`, `default`, `own-node`: what decided the direction.
     pub const BASIS: &str = "tierproxy.basis";
     /// `admin`, `networkpolicy`, `baseline` (absent for `default` and `own-node`).
@@ -357,6 +360,34 @@ pub struct FlowInfo {
     pub protocol: Protocol,
     /// When the first packet was decided.
     pub time: SystemTime,
+    /// Where the decision was made.
+    pub point: DecisionPoint,
+}
+
+/// Where a decision was made (attribute `tierproxy.decision.point`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum DecisionPoint {
+    /// On the flow's first packet, from the queue, before any handshake: the rule.
+    #[default]
+    FirstPacket,
+    /// By the proxy as it took a connection or UDP flow whose first packet was not decided:
+    /// the kernel passed it on undecided (a full queue failing open, `--fail-open`), or the
+    /// decision aged out before the proxy took it (issue #17). A denied TCP connection is
+    /// then reset after its handshake instead of timing out.
+    Accept,
+    /// Again, for a live connection, after a policy or cluster change (issue #5).
+    Redecision,
+}
+
+impl DecisionPoint {
+    /// The attribute value: `first-packet`, `accept`, `re-decision`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DecisionPoint::FirstPacket => "first-packet",
+            DecisionPoint::Accept => "accept",
+            DecisionPoint::Redecision => "re-decision",
+        }
+    }
 }
 
 fn transport(p: Protocol) -> &'static str {
@@ -470,6 +501,7 @@ pub fn decision(
     e.str_attr(attr::DIRECTION, dir.as_str());
     e.str_attr(attr::VERDICT, o.verdict.as_str());
     e.str_attr(attr::FLOW_VERDICT, decision.verdict.as_str());
+    e.str_attr(attr::DECISION_POINT, flow.point.as_str());
     let mut why = String::new();
     let policy_attrs = |e: &mut Event, p: &PolicyNames| {
         e.str_attr(attr::POLICY_KIND, p.kind);

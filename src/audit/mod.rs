@@ -27,7 +27,7 @@ pub mod receiver;
 pub mod select;
 pub mod sink;
 
-pub use event::{CloseReason, ConnectionEnd, Event, FlowInfo};
+pub use event::{CloseReason, ConnectionEnd, DecisionPoint, Event, FlowInfo};
 pub use pipeline::{Admitted, AuditConfig, Auditor, Stats};
 pub use select::{Defaults, Plan};
 pub use sink::{JsonTarget, OtlpConfig, OtlpProtocol, SinkConfig};

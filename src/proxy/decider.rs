@@ -14,7 +14,7 @@ use arc_swap::ArcSwap;
 
 use super::packet::FlowKey;
 use super::registry::{Registry, STOP_POLICY_CHANGE, Tracked};
-use crate::audit::{self, Admitted, Auditor, CloseReason, ConnectionEnd, FlowInfo};
+use crate::audit::{self, Admitted, Auditor, CloseReason, ConnectionEnd, DecisionPoint, FlowInfo};
 use crate::metrics::DataPathMetrics;
 use crate::policy::eval::{Decision, Flow, Verdict};
 use crate::policy::{Revision, Snapshot};
@@ -41,6 +41,8 @@ pub struct Admission {
     pub audited: bool,
     /// When the first packet was decided.
     pub time: SystemTime,
+    /// Where it was decided.
+    pub point: DecisionPoint,
 }
 
 /// Decision cache and hand-over sizes.
@@ -193,13 +195,27 @@ impl Decider {
             && self.auditor.decision(
                 &current.audit,
                 &current.snapshot,
-                FlowInfo { src: key.src, dst: key.dst, protocol: key.protocol, time },
+                FlowInfo {
+                    src: key.src,
+                    dst: key.dst,
+                    protocol: key.protocol,
+                    time,
+                    point: DecisionPoint::FirstPacket,
+                },
                 &d,
             );
         match d.verdict {
             Verdict::Allow => {
                 self.stats.allowed.fetch_add(1, Ordering::Relaxed);
-                self.pending.insert(key, Admission { decision: d.clone(), audited, time });
+                self.pending.insert(
+                    key,
+                    Admission {
+                        decision: d.clone(),
+                        audited,
+                        time,
+                        point: DecisionPoint::FirstPacket,
+                    },
+                );
             }
             Verdict::Deny => {
                 self.stats.denied.fetch_add(1, Ordering::Relaxed);
@@ -227,6 +243,7 @@ impl Decider {
                 dst: key.dst,
                 protocol: key.protocol,
                 time: admission.time,
+                point: admission.point,
             },
             decision: admission.decision.clone(),
         };
@@ -282,6 +299,7 @@ impl Decider {
                 dst: key.dst,
                 protocol: key.protocol,
                 time: SystemTime::now(),
+                point: DecisionPoint::Redecision,
             };
             self.auditor.decision(&current.audit, &current.snapshot, flow, d);
         }
@@ -323,7 +341,13 @@ impl Decider {
             && self.auditor.decision(
                 &current.audit,
                 &current.snapshot,
-                FlowInfo { src: key.src, dst: key.dst, protocol: key.protocol, time },
+                FlowInfo {
+                    src: key.src,
+                    dst: key.dst,
+                    protocol: key.protocol,
+                    time,
+                    point: DecisionPoint::Accept,
+                },
                 &decision,
             );
         match decision.verdict {
@@ -331,6 +355,103 @@ impl Decider {
             Verdict::Deny => self.stats.denied.fetch_add(1, Ordering::Relaxed),
         };
         self.metrics.decision(&decision);
-        Admission { decision, audited, time }
+        Admission { decision, audited, time, point: DecisionPoint::Accept }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::SocketAddr;
+    use std::path::Path;
+
+    use super::*;
+    use crate::audit::{AuditConfig, Defaults, JsonTarget, SinkConfig};
+    use crate::policy::Protocol;
+
+    const CLUSTER: &str = r#"
+apiVersion: v1
+kind: Node
+metadata: {name: n1}
+status: {addresses: [{type: InternalIP, address: 172.31.0.2}]}
+---
+apiVersion: v1
+kind: Namespace
+metadata: {name: a}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: client, namespace: a}
+spec: {nodeName: n1, containers: [{name: c}]}
+status: {podIP: 10.60.1.2}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: server, namespace: a}
+spec: {nodeName: n1, containers: [{name: c}]}
+status: {podIP: 10.60.1.3}
+"#;
+
+    /// A decider for n1 of [`CLUSTER`] auditing every decision to the JSON file `audit`.
+    fn decider(audit: &Path) -> (Decider, Arc<Auditor>) {
+        let loaded = crate::cluster::manifest::parse_str(Path::new("t.yaml"), CLUSTER).unwrap();
+        let snapshot = Arc::new(Snapshot::compile(&loaded.inputs, Revision(1)).snapshot);
+        let node = snapshot.find_node("n1").unwrap();
+        let mut config = AuditConfig::new(
+            "n1",
+            vec![SinkConfig::Json(JsonTarget::File {
+                path: audit.to_path_buf(),
+                max_bytes: 1 << 20,
+                keep: 1,
+            })],
+        );
+        config.defaults = every_decision();
+        let auditor = Arc::new(Auditor::start(config).unwrap());
+        let (plan, _) = audit::Plan::new(&snapshot, every_decision());
+        let current = Current { snapshot, node, audit: plan };
+        let metrics = crate::metrics::Metrics::new(crate::metrics::Scraped(Box::new(Vec::new)));
+        let d = Decider::new(current, DeciderLimits::default(), auditor.clone(), metrics.data_path);
+        (d, auditor)
+    }
+
+    /// Every decision and end audited.
+    fn every_decision() -> Defaults {
+        Defaults { allow_sample: 1, deny: true, pass: true, close: true }
+    }
+
+    fn key(sport: u16) -> FlowKey {
+        let src: SocketAddr = format!("10.60.1.2:{sport}").parse().unwrap();
+        FlowKey { src, dst: "10.60.1.3:8080".parse().unwrap(), protocol: Protocol::Tcp }
+    }
+
+    /// Issue #17, item 6: a flow the proxy takes without a first-packet decision (the
+    /// kernel let it through a full fail-open queue) is decided there, counted, and audited
+    /// as decided at accept; one the queue decided keeps its first packet's decision.
+    #[test]
+    fn a_flow_taken_without_a_first_packet_decision_is_decided_audited_and_counted() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("audit.jsonl");
+        let (d, auditor) = decider(&file);
+        d.first_packet(key(1000));
+        let a = d.take_or_decide(key(1000));
+        assert_eq!(a.point, DecisionPoint::FirstPacket);
+        assert_eq!(d.stats.decided_at_accept.load(Ordering::Relaxed), 0);
+        let a = d.take_or_decide(key(2000));
+        assert_eq!(a.point, DecisionPoint::Accept);
+        assert_eq!(a.decision.verdict, Verdict::Allow);
+        assert!(a.audited);
+        assert_eq!(d.stats.decided_at_accept.load(Ordering::Relaxed), 1);
+        auditor.shutdown();
+        let text = std::fs::read_to_string(&file).unwrap();
+        let point = |port: u16| {
+            text.lines()
+                .find(|l| l.contains(&format!("\"source.port\":{port}")))
+                .map(|l| {
+                    let v: serde_json::Value = serde_json::from_str(l).unwrap();
+                    v["attributes"]["tierproxy.decision.point"].as_str().unwrap().to_owned()
+                })
+                .unwrap_or_else(|| panic!("no event for port {port} in {text}"))
+        };
+        assert_eq!(point(1000), "first-packet");
+        assert_eq!(point(2000), "accept");
     }
 }
