@@ -8,6 +8,12 @@
 #   2. runs its arguments, with the words of $TIERPROXY_AGENT_FLAGS (from the ConfigMap)
 #      appended, as PID 1 (exec), so SIGTERM reaches the agent.
 #
+#   3. raises the soft open files limit to $TIERPROXY_NOFILE (default 165376: what the agent
+#      needs for its default --max-connections 65536 and --max-udp-flows 16384, two
+#      descriptors each, plus 512 relay pipes and 512 of its own; `tierproxy agent` logs
+#      the plan), which needs no capability while the hard limit allows it. Below that the
+#      agent takes fewer connections and says so in its log.
+#
 # TIERPROXY_IPTABLES_MODE: auto (default), nft or legacy. auto looks, in this order, for
 #   - the chain KUBE-IPTABLES-HINT in the mangle table, which kubelet creates in the flavour
 #     it uses (KEP-3178) for exactly this question;
@@ -76,6 +82,16 @@ done
 PATH="$bindir:$PATH"
 export PATH
 say "iptables mode $mode ($why)"
+
+want="${TIERPROXY_NOFILE:-165376}"
+hard=$(ulimit -H -n)
+if [ "$hard" = unlimited ] || [ "$hard" -ge "$want" ]; then
+  ulimit -S -n "$want"
+  say "open files limit $want"
+else
+  ulimit -S -n "$hard"
+  say "open files hard limit $hard is below the $want the agent needs at its defaults: it takes fewer connections (its log says how many); raise the container runtime's limit (containerd: LimitNOFILE of its service; CRI-O: default_ulimits)"
+fi
 
 if [ "$#" -eq 0 ]; then
   say "no command given"

@@ -390,3 +390,60 @@ fn agent_needs_manifests_or_kube() {
     assert_eq!(o.status.code(), Some(2));
     assert!(stderr(&o).contains("--manifests"), "{}", stderr(&o));
 }
+
+/// deploy/metrics-access.yaml (issue #17, item 10): with the agents' metrics on the node
+/// address, Prometheus's namespace may scrape every node's port 9469 and no other pod may;
+/// the node's other ports and the pods' own traffic are untouched.
+#[test]
+fn the_metrics_access_policies_let_only_monitoring_reach_the_agents_metrics() {
+    let dir = tempfile::tempdir().unwrap();
+    let cluster = write(
+        dir.path(),
+        "cluster.yaml",
+        r#"
+apiVersion: v1
+kind: Node
+metadata: {name: n1}
+status: {addresses: [{type: InternalIP, address: 172.31.0.2}]}
+---
+apiVersion: v1
+kind: Namespace
+metadata: {name: monitoring, labels: {kubernetes.io/metadata.name: monitoring}}
+---
+apiVersion: v1
+kind: Namespace
+metadata: {name: shop, labels: {kubernetes.io/metadata.name: shop}}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: prometheus, namespace: monitoring}
+spec: {nodeName: n1, containers: [{name: c}]}
+status: {podIP: 10.60.1.2}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: web, namespace: shop}
+spec: {nodeName: n1, containers: [{name: c}]}
+status: {podIP: 10.60.1.3}
+"#,
+    );
+    let probes = write(
+        dir.path(),
+        "probes.jsonl",
+        r#"{"from": "monitoring/prometheus", "to": "node/n1", "port": 9469, "expect": "allow"}
+{"from": "shop/web", "to": "node/n1", "port": 9469, "expect": "deny"}
+{"from": "shop/web", "to": "node/n1", "port": 10250, "expect": "allow"}
+{"from": "shop/web", "to": "monitoring/prometheus", "port": 9469, "expect": "allow"}
+"#,
+    );
+    let policy = Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/metrics-access.yaml");
+    let o = run(&[
+        "explain",
+        "-m",
+        cluster.to_str().unwrap(),
+        policy.to_str().unwrap(),
+        "--probes",
+        probes.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}{}", String::from_utf8_lossy(&o.stdout), stderr(&o));
+}

@@ -138,6 +138,7 @@ fn deploy_and_examples_validate_against_kubernetes_and_the_crds() {
     let r = root();
     let inputs = [
         rendered.clone(),
+        r.join("deploy/metrics-access.yaml"),
         r.join("deploy/crds"),
         r.join("examples"),
         r.join("examples/policies"),
@@ -270,6 +271,46 @@ fn entrypoint_mode(dir: &Path, nft: &str, legacy: &str, mode: Option<&str>) -> (
     (flavour, args)
 }
 
+/// The entrypoint raises the soft open files limit to what the agent needs at its defaults
+/// ([`tierproxy::agent::NEEDED_FDS`]), or, when the hard limit is lower, to the hard limit
+/// (and says so).
+#[test]
+fn entrypoint_raises_the_open_files_limit_the_agent_needs() {
+    let tmp = tempfile::tempdir().unwrap();
+    let sbin = tmp.path().join("sbin");
+    std::fs::create_dir_all(&sbin).unwrap();
+    for fam in ["iptables", "ip6tables"] {
+        for tool in ["", "-save", "-restore"] {
+            let p = sbin.join(format!("{fam}-nft{tool}"));
+            std::fs::write(&p, "#!/bin/sh\nexit 0\n").unwrap();
+            let mut perm = std::fs::metadata(&p).unwrap().permissions();
+            std::os::unix::fs::PermissionsExt::set_mode(&mut perm, 0o755);
+            std::fs::set_permissions(&p, perm).unwrap();
+        }
+    }
+    let script = std::fs::read_to_string(root().join("deploy/tierproxy-entrypoint.sh")).unwrap();
+    let default = format!("TIERPROXY_NOFILE:-{}", tierproxy::agent::NEEDED_FDS);
+    assert!(script.contains(&default), "the entrypoint's default is the agent's need");
+    for (hard, want, got) in [("4096", "2048", "2048"), ("1024", "2048", "1024")] {
+        let out = Command::new("sh")
+            .arg("-c")
+            .arg(format!("ulimit -n {hard}; exec sh \"$0\" sh -c 'ulimit -S -n'"))
+            .arg(root().join("deploy/tierproxy-entrypoint.sh"))
+            .env("TIERPROXY_SBIN", &sbin)
+            .env("TIERPROXY_BIN_DIR", tmp.path().join("bin"))
+            .env("TIERPROXY_IPTABLES_MODE", "nft")
+            .env("TIERPROXY_NOFILE", want)
+            .env_remove("TIERPROXY_AGENT_FLAGS")
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", text(&out));
+        assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), got, "{}", text(&out));
+        if got != want {
+            assert!(String::from_utf8_lossy(&out.stderr).contains("below the"), "{}", text(&out));
+        }
+    }
+}
+
 #[test]
 fn entrypoint_follows_kubelets_iptables_flavour() {
     let hint = "*mangle\n:KUBE-IPTABLES-HINT - [0:0]\nCOMMIT\n";
@@ -368,6 +409,9 @@ fn daemonset_keeps_what_deploy_readme_promises() {
     {
         assert_eq!(c[probe]["httpGet"]["path"], path, "{probe}");
         assert_eq!(c[probe]["httpGet"]["port"], "metrics", "{probe}");
+        // Bound on loopback (no pod reads the metrics), so kubelet must probe there.
+        let host = metrics.rsplit_once(':').unwrap().0;
+        assert_eq!(c[probe]["httpGet"]["host"], host, "{probe}");
     }
     // The TPROXY listeners' port is declared for both protocols.
     for proto in ["TCP", "UDP"] {
