@@ -161,7 +161,7 @@ pub struct AgentOptions {
     /// DaemonSet's.
     pub keep_capabilities: Option<Vec<caps::Capability>>,
     /// Percent of the kernel's per-user pipe budget the relay takes where that budget
-    /// applies ([`PipeBudget::unprivileged`]); agents sharing one machine (the lab) split it.
+    /// applies ([`PipeBudget::unprivileged`]).
     pub pipe_budget_percent: usize,
 }
 

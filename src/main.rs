@@ -255,7 +255,7 @@ struct AgentArgs {
     capabilities: Vec<String>,
     /// Percent of the kernel's per-user pipe budget (pipe-user-pages-soft, shared by every
     /// process of the agent's user) the relay's pipes take, where it applies (no
-    /// CAP_SYS_RESOURCE or CAP_SYS_ADMIN). Agents sharing one machine split it.
+    /// CAP_SYS_RESOURCE or CAP_SYS_ADMIN).
     #[arg(long, default_value_t = tierproxy::proxy::relay::PIPE_BUDGET_SHARE_PERCENT as u8,
           value_parser = clap::value_parser!(u8).range(1..=100))]
     pipe_budget_percent: u8,

@@ -441,7 +441,6 @@ fn build(
                     ready: ready.clone(),
                     audit: audit.then(|| procs::audit_file(&state.dir, &node.name)),
                 },
-                plan.nodes.len(),
                 agent_args,
             );
             let child = procs::spawn_detached(cmd, &out)?;

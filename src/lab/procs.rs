@@ -111,12 +111,12 @@ pub const AGENT_CAPABILITIES: &str = "NET_ADMIN,NET_RAW,NET_BIND_SERVICE";
 
 /// The agent command for one node: `<exe> agent --netns <netns> --node <node> --manifests
 /// <paths...> --log <log> --ready-file <ready> --capabilities NET_ADMIN,NET_RAW,NET_BIND_SERVICE
-/// --pipe-budget-percent <50 / agents> --audit-json <audit> --audit-allow-sample 1
-/// --audit-deny-window-ms 1000 <extra...>` (the audit options unless `lab up --no-audit`;
-/// `extra`: `lab up --agent-arg`, e.g. `--max-connections=10` or `--capabilities=all`; a
-/// later option overrides an earlier one). The `agents` agents of a lab share one
-/// machine's per-user pipe budget, which a node's agent has to itself: each takes its part
-/// of the share one agent takes.
+/// --audit-json <audit> --audit-allow-sample 1 --audit-deny-window-ms 1000 <extra...>` (the
+/// audit options unless `lab up --no-audit`; `extra`: `lab up --agent-arg`, e.g.
+/// `--max-connections=10` or `--capabilities=all`; a later option overrides an earlier
+/// one). Each agent takes the share of the per-user pipe budget a node's agent takes,
+/// although the lab's agents share one machine's budget: at most half of it each, so only
+/// when both use every pipe they may have do they spend it all.
 ///
 /// The agent starts in the host's namespace and enters the node's after starting its
 /// audit sinks, as a hostNetwork pod's sockets live on the node: an OTLP endpoint on the
@@ -135,7 +135,6 @@ pub fn agent_command(
     node: &str,
     manifests: &[PathBuf],
     files: &AgentFiles,
-    agents: usize,
     extra: &[String],
 ) -> Command {
     let AgentFiles { log, ready, audit } = files;
@@ -144,8 +143,6 @@ pub fn agent_command(
     c.args(manifests);
     c.arg("--log").arg(log).arg("--ready-file").arg(ready);
     c.arg(format!("--capabilities={AGENT_CAPABILITIES}"));
-    let share = crate::proxy::relay::PIPE_BUDGET_SHARE_PERCENT / agents.max(1);
-    c.arg(format!("--pipe-budget-percent={}", share.max(1)));
     if let Some(audit) = audit {
         c.arg("--audit-json").arg(audit);
         c.args(["--audit-allow-sample", "1"]);

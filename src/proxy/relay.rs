@@ -738,7 +738,7 @@ mod tests {
         // The kernel's default per-user budget: 16,384 pages = 64 MiB; half of it is 32 MiB.
         let b = PipeBudget::unprivileged(64 << 20, 50, 100_000);
         assert_eq!((b.pipe_bytes, b.max_pipes), (512 << 10, 64));
-        // Two agents on one machine (the lab) take a quarter each.
+        // A quarter of it.
         let b = PipeBudget::unprivileged(64 << 20, 25, 100_000);
         assert_eq!((b.pipe_bytes, b.max_pipes), (256 << 10, 64));
         // A larger budget keeps 1 MiB pipes.
