@@ -157,8 +157,8 @@ pub struct AgentOptions {
     /// Capabilities to keep once started (after entering [`AgentOptions::netns`]); the
     /// others are dropped from every set, the bounding set included, so the agent and the
     /// commands it runs have only these, as in a container granted exactly them. `None`:
-    /// keep what the agent was started with. The lab keeps `NET_ADMIN` and `NET_RAW`, the
-    /// DaemonSet's.
+    /// keep what the agent was started with. The lab keeps the DaemonSet's:
+    /// [`crate::lab::procs::AGENT_CAPABILITIES`].
     pub keep_capabilities: Option<Vec<caps::Capability>>,
     /// Percent of the kernel's per-user pipe budget the relay takes where that budget
     /// applies ([`PipeBudget::unprivileged`]).

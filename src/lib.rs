@@ -11,7 +11,8 @@
 //!   registry of live connections.
 //! - [`audit`]: OpenTelemetry audit events, their selection, limits and sinks; the data
 //!   path never waits on it in lossy mode.
-//! - [`metrics`]: Prometheus metrics and health endpoints.
+//! - [`metrics`]: Prometheus metrics and health endpoints; [`limits`]: the limits an agent
+//!   can reach, counted and logged at most once per 10 s.
 //! - [`agent`]: the wiring of one node's enforcement; [`config`] its typed settings.
 //! - [`explain`]: `explain` and `check`; [`lab`]: the network-namespace lab; [`loadgen`]
 //!   and [`synth`]: load and synthetic clusters for measurements.

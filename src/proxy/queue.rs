@@ -108,8 +108,10 @@ fn read(num: u16, mut q: Queue, config: QueueConfig, decider: &Decider) {
             Err(e) if e.raw_os_error() == Some(nix::libc::ENOBUFS) => {
                 // The kernel could not deliver some messages: fail-closed, it dropped their
                 // packets (`user_dropped` in /proc/net/netfilter/nfnetlink_queue; their
-                // clients retransmit); fail-open, it let them through undecided (counted
-                // nowhere by the kernel; see `redirect`'s fail-open accounting).
+                // clients retransmit); fail-open (the balanced queues only), it let them
+                // through undecided, counted nowhere by the kernel: they are TCP and UDP,
+                // which reach the proxy, where `Decider::take_or_decide` decides, audits
+                // and counts each.
                 if let Some(n) = crate::limits::LIMITS.nfqueue_overrun.hit() {
                     if config.fail_open {
                         tracing::warn!(

@@ -17,7 +17,7 @@
 //!   `sk_clone_lock`; `tests/datapath_netns.rs` checks that small writes are not held
 //!   back), and relay pipes are reused ([`super::relay::PipePool`]).
 //! - A bounded number of connections: at the limit the proxy stops accepting (new SYNs
-//!   wait in the listen backlog); each wait is counted and logged, rate-limited
+//!   wait in the listen backlog); reaching it is counted and logged, rate-limited
 //!   ([`crate::limits`]). The limit is what the open files limit allows
 //!   ([`crate::agent::FdPlan`]), so the proxy meets it before the kernel's `EMFILE`.
 //! - Shutdown: stop accepting, let live connections finish for a grace period, then stop
