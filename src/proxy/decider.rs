@@ -187,43 +187,31 @@ impl Decider {
     /// accepts). In lossless audit mode this waits while the audit queue is full.
     pub fn first_packet(&self, key: FlowKey) -> Arc<Decision> {
         let started = std::time::Instant::now();
-        let current = self.current.load();
-        let d = self.decide_in(&current, key.flow());
-        let time = SystemTime::now();
-        let audited = self.auditor.enabled()
-            && (d.egress.is_some() || d.ingress.is_some())
-            && self.auditor.decision(
-                &current.audit,
-                &current.snapshot,
-                FlowInfo {
-                    src: key.src,
-                    dst: key.dst,
-                    protocol: key.protocol,
-                    time,
-                    point: DecisionPoint::FirstPacket,
-                },
-                &d,
-            );
-        match d.verdict {
-            Verdict::Allow => {
-                self.stats.allowed.fetch_add(1, Ordering::Relaxed);
-                self.pending.insert(
-                    key,
-                    Admission {
-                        decision: d.clone(),
-                        audited,
-                        time,
-                        point: DecisionPoint::FirstPacket,
-                    },
-                );
-            }
-            Verdict::Deny => {
-                self.stats.denied.fetch_add(1, Ordering::Relaxed);
-            }
+        let admission = self.decide_and_audit(key, DecisionPoint::FirstPacket);
+        let d = admission.decision.clone();
+        if d.verdict == Verdict::Allow {
+            self.pending.insert(key, admission);
         }
-        self.metrics.decision(&d);
         self.metrics.decision_seconds.observe(started.elapsed().as_secs_f64());
         d
+    }
+
+    /// Decides `key` now (at `point`), audits the decision when the plan selects it, and
+    /// counts it (verdict, tier).
+    fn decide_and_audit(&self, key: FlowKey, point: DecisionPoint) -> Admission {
+        let current = self.current.load();
+        let decision = self.decide_in(&current, key.flow());
+        let time = SystemTime::now();
+        let flow = FlowInfo { src: key.src, dst: key.dst, protocol: key.protocol, time, point };
+        let audited = self.auditor.enabled()
+            && (decision.egress.is_some() || decision.ingress.is_some())
+            && self.auditor.decision(&current.audit, &current.snapshot, flow, &decision);
+        match decision.verdict {
+            Verdict::Allow => self.stats.allowed.fetch_add(1, Ordering::Relaxed),
+            Verdict::Deny => self.stats.denied.fetch_add(1, Ordering::Relaxed),
+        };
+        self.metrics.decision(&decision);
+        Admission { decision, audited, time, point }
     }
 
     /// Counts and (when its flow was audited, or a policy change cut it) audits the end of
@@ -333,29 +321,7 @@ impl Decider {
             return a;
         }
         self.stats.decided_at_accept.fetch_add(1, Ordering::Relaxed);
-        let current = self.current.load();
-        let decision = self.decide_in(&current, key.flow());
-        let time = SystemTime::now();
-        let audited = self.auditor.enabled()
-            && (decision.egress.is_some() || decision.ingress.is_some())
-            && self.auditor.decision(
-                &current.audit,
-                &current.snapshot,
-                FlowInfo {
-                    src: key.src,
-                    dst: key.dst,
-                    protocol: key.protocol,
-                    time,
-                    point: DecisionPoint::Accept,
-                },
-                &decision,
-            );
-        match decision.verdict {
-            Verdict::Allow => self.stats.allowed.fetch_add(1, Ordering::Relaxed),
-            Verdict::Deny => self.stats.denied.fetch_add(1, Ordering::Relaxed),
-        };
-        self.metrics.decision(&decision);
-        Admission { decision, audited, time, point: DecisionPoint::Accept }
+        self.decide_and_audit(key, DecisionPoint::Accept)
     }
 }
 
