@@ -204,7 +204,7 @@ fn without_sets(s: &str) -> Vec<&str> {
 
 fn iptables_lifecycle(test: &str, cmds: IptablesCommands) {
     let mut tools = BASE_TOOLS.to_vec();
-    tools.extend([cmds.iptables.as_str(), cmds.iptables_restore.as_str()]);
+    tools.extend([cmds.iptables.as_str(), cmds.iptables_restore.as_str(), "nft"]);
     if !netns_available(test, &tools) {
         return;
     }
@@ -218,7 +218,8 @@ fn iptables_lifecycle(test: &str, cmds: IptablesCommands) {
     ns.sh(&["ip", "rule", "add", "fwmark", "0x1", "lookup", "100", "priority", "100"]);
     let foreign = state(&ns, &cmds);
 
-    let backend = IptablesBackend::with_commands(cmds.clone());
+    // With the chain after the DNAT (nft tproxy, which these kernels have).
+    let backend = IptablesBackend::with_commands(cmds.clone()).with_nft_after_dnat("nft");
     let config = RedirectConfig::default();
     let pods = ["10.244.1.11", "10.244.1.12", "fd00:10:244:1::b"];
     let nodes = ["192.168.50.2", "fd00:50::2"];
@@ -266,6 +267,9 @@ fn iptables_lifecycle(test: &str, cmds: IptablesCommands) {
     assert_eq!(members(&ns, "tierproxy-podif-v4"), ["0.0.0.0/0,pod0"]);
     assert_eq!(members(&ns, "tierproxy-podif-v6"), ["::/0,pod0"]);
     assert_eq!(ns.run(|| backend.drop_counts(&config)).expect("counters"), Default::default());
+    let after_dnat = ns.sh(&["nft", "list", "table", "inet", "tierproxy-dnat"]);
+    assert!(after_dnat.contains("ct status dnat socket transparent 1"), "{after_dnat}");
+    assert!(after_dnat.contains("tproxy ip to 127.0.0.1:15001"), "{after_dnat}");
     for fam in ["-4", "-6"] {
         let rules = ns.sh(&["ip", fam, "rule", "show"]);
         assert!(rules.contains("1501:\tfrom all fwmark 0x2000/0x2000 lookup 1501"), "{rules}");
@@ -311,6 +315,7 @@ fn iptables_lifecycle(test: &str, cmds: IptablesCommands) {
     // remove leaves exactly what was there before, twice.
     ns.run(|| backend.remove(&config)).expect("remove");
     assert_eq!(state(&ns, &cmds), foreign);
+    assert!(!ns.sh(&["nft", "list", "tables"]).contains("tierproxy"), "the nft table is gone");
     ns.run(|| backend.remove(&config)).expect("second remove");
     assert_eq!(state(&ns, &cmds), foreign);
 }
@@ -430,7 +435,7 @@ fn nftables_apply_update_remove() {
             "iifname \"lo\" ip saddr @nodes-v4 return",
             "ip saddr @nodes-v4 counter packets 0 bytes 0 drop",
             "iifname @podif fib saddr . iif oif missing counter packets 0 bytes 0 drop",
-            "ct status dnat meta mark set",
+            "ct status dnat socket transparent 1 socket wildcard 0 meta mark set",
             "ct status ! dnat tproxy ip to 127.0.0.1:15001",
             "ct state { invalid, new } counter packets 0 bytes 0 drop",
         ] {
@@ -712,4 +717,96 @@ fn tproxy_round_trip(topo: &Topology, fam: Family) {
     let other = sockaddr(fam.remote_ip, 9998);
     let err = topo.connect(other, Duration::from_millis(1500)).expect_err("queued and dropped");
     assert_eq!(err.kind(), ErrorKind::TimedOut, "{}: {err}", fam.name);
+}
+
+/// Feeds `input` to `nft -f -` (`json`: `nft -j -f -`) in `ns`; panics when it fails.
+fn nft_apply(ns: &Netns, input: &str, json: bool) {
+    let mut cmd = Command::new("ip");
+    cmd.args(["netns", "exec", &ns.name, "nft"]);
+    if json {
+        cmd.arg("-j");
+    }
+    let mut child =
+        cmd.args(["-f", "-"]).stdin(std::process::Stdio::piped()).spawn().expect("spawn nft");
+    child.stdin.take().expect("stdin").write_all(input.as_bytes()).expect("write");
+    assert!(child.wait().expect("nft").success(), "nft -f - failed for:\n{input}");
+}
+
+/// `TcpExt: SyncookiesRecv` in `ns`.
+fn syncookies_received(ns: &Netns) -> u64 {
+    let text = ns.sh(&["cat", "/proc/net/netstat"]);
+    let mut lines = text.lines().filter(|l| l.starts_with("TcpExt:"));
+    let (names, values) = (lines.next().expect("names"), lines.next().expect("values"));
+    let i = names.split_whitespace().position(|n| n == "SyncookiesRecv").expect("field");
+    values.split_whitespace().nth(i).expect("value").parse().expect("number")
+}
+
+/// Issue #17, item 2, nftables backend: the ACK that completes a SYN cookie for a
+/// connection to a ClusterIP reaches the listener. The kube-proxy-like DNAT runs after the
+/// interception (priority -100 against -150), so only a rule after it sees the header the
+/// connection's socket has; xt TPROXY cannot run there, nft's `tproxy` can (chain
+/// `proxied`). `tcp_syncookies=2` answers every SYN with a cookie. The ruleset is applied
+/// without its queue rules (these kernels lack nft's `queue`; nothing here needs a
+/// decision), with the backend's policy routing added by hand.
+#[test]
+fn nftables_completes_a_syn_cookie_to_a_clusterip_after_its_dnat() {
+    let test = "nftables_completes_a_syn_cookie_to_a_clusterip_after_its_dnat";
+    if !netns_available(test, &["ip", "nft"]) {
+        return;
+    }
+    let topo = Topology::new();
+    let s = topo.spec(RedirectConfig::default());
+    let (json, _) = without_queue_rules(&NftablesBackend::new().ruleset_json(&s));
+    nft_apply(&topo.node, &json, true);
+    topo.node.sh(&["ip", "rule", "add", "fwmark", "0x2000/0x2000", "lookup", "1501"]);
+    topo.node.sh(&["ip", "route", "add", "local", "default", "dev", "lo", "table", "1501"]);
+    // kube-proxy's nftables mode: ClusterIP 10.96.0.10:80 → the backend 10.200.9.9:9999.
+    nft_apply(
+        &topo.node,
+        "table ip svc {\n chain pre {\n  type nat hook prerouting priority -100;\n  \
+         ip daddr 10.96.0.10 tcp dport 80 dnat to 10.200.9.9:9999\n }\n}\n",
+        false,
+    );
+    topo.node.sh(&["sysctl", "-q", "-w", "net.ipv4.tcp_syncookies=2"]);
+    let cookies = syncookies_received(&topo.node);
+    let listener = topo
+        .node
+        .run(|| {
+            let l = TcpListener::bind(sockaddr(V4.loopback, 15001))?;
+            setsockopt(&l, sockopt::IpTransparent, &true)?;
+            l.set_nonblocking(true)?;
+            Ok::<_, std::io::Error>(l)
+        })
+        .expect("transparent listener");
+    std::thread::scope(|scope| {
+        let server = scope.spawn(|| {
+            let deadline = Instant::now() + Duration::from_secs(5);
+            let (mut conn, _) = loop {
+                match listener.accept() {
+                    Ok(accepted) => break accepted,
+                    Err(e) if e.kind() == ErrorKind::WouldBlock && Instant::now() < deadline => {
+                        std::thread::sleep(Duration::from_millis(20));
+                    }
+                    Err(e) => panic!("the cookie's ACK never reached the listener: {e}"),
+                }
+            };
+            conn.set_nonblocking(false).expect("blocking");
+            conn.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
+            let mut buf = [0u8; 4];
+            conn.read_exact(&mut buf).expect("read ping");
+            conn.write_all(b"pong").expect("write pong");
+            conn.local_addr().expect("local addr")
+        });
+        let mut client = topo
+            .connect(sockaddr("10.96.0.10", 80), Duration::from_secs(3))
+            .expect("connect to the ClusterIP");
+        client.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
+        client.write_all(b"ping").expect("write ping");
+        let mut reply = [0u8; 4];
+        client.read_exact(&mut reply).expect("pong through the proxied connection");
+        assert_eq!(&reply, b"pong");
+        let local = server.join().expect("server thread");
+        assert_eq!(local, sockaddr("10.200.9.9", 9999), "the original destination is the backend");
+    });
+    assert!(syncookies_received(&topo.node) > cookies, "the connection was a cookie's");
 }

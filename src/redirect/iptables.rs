@@ -88,6 +88,9 @@ impl IptablesCommands {
 #[derive(Debug, Clone, Default)]
 pub struct IptablesBackend {
     cmds: IptablesCommands,
+    /// `nft`, when the backend adds rule 3's chain after the DNAT
+    /// ([`IptablesBackend::with_nft_after_dnat`]).
+    nft: Option<String>,
 }
 
 /// One IP family as the iptables backend sees it.
@@ -114,7 +117,18 @@ impl IptablesBackend {
 
     /// The backend with the given tools (e.g. [`IptablesCommands::legacy`]).
     pub fn with_commands(cmds: IptablesCommands) -> Self {
-        IptablesBackend { cmds }
+        IptablesBackend { cmds, nft: None }
+    }
+
+    /// This backend, also installing table `inet <prefix>-dnat` with `nft` (the program):
+    /// rule 3 for connections a DNAT rewrote (a ClusterIP), in a chain right after the
+    /// DNAT, where the socket lookup sees the rewritten header and `tproxy` can hand the
+    /// ACK of a SYN cookie to the listener. xt TPROXY runs only in the mangle table, before
+    /// the DNAT. Needs CONFIG_NFT_TPROXY and CONFIG_NFT_SOCKET
+    /// ([`super::nft::check_tproxy_support`]), not CONFIG_NFT_QUEUE.
+    pub fn with_nft_after_dnat(mut self, nft: &str) -> Self {
+        self.nft = Some(nft.to_owned());
+        self
     }
 
     /// The tools this backend runs.
@@ -585,6 +599,11 @@ impl Backend for IptablesBackend {
             let _ = writeln!(o, "### {}", self.restore_cmd(fam).line());
             o.push_str(&restore_input(spec, fam));
         }
+        if let Some(nft) = &self.nft {
+            let _ = writeln!(o, "### {nft} -j -f -");
+            o.push_str(&super::nft::json(&super::nft::after_dnat_batch(spec.config())));
+            o.push('\n');
+        }
         for line in routing::render(spec.config(), &self.cmds.ip) {
             let _ = writeln!(o, "### {line}");
         }
@@ -607,6 +626,10 @@ impl Backend for IptablesBackend {
         self.ipset_restore_cmd().run(Some(&ipset_input(spec)))?;
         for fam in [Family::V4, Family::V6] {
             self.restore_cmd(fam).run(Some(&restore_input(spec, fam)))?;
+        }
+        if let Some(nft) = &self.nft {
+            let batch = super::nft::json(&super::nft::after_dnat_batch(spec.config()));
+            Cmd::new(nft, ["-j", "-f", "-"]).run(Some(&batch))?;
         }
         // Routing before the jump: once the jump exists, TPROXY'd packets need the route.
         routing::install(spec.config(), &self.cmds.ip)?;
@@ -700,6 +723,15 @@ impl Backend for IptablesBackend {
         }
         if !input.is_empty() {
             self.ipset_restore_cmd().run(Some(&input))?;
+        }
+        // The table after the DNAT: an error counts when this backend adds it; else the
+        // removal is a courtesy (an agent configured otherwise may have added it), and a
+        // node without `nft` or nf_tables has none.
+        let batch = super::nft::json(&super::nft::remove_table_batch(&names.dnat_table));
+        let removed =
+            Cmd::new(self.nft.as_deref().unwrap_or("nft"), ["-j", "-f", "-"]).run(Some(&batch));
+        if self.nft.is_some() {
+            removed?;
         }
         routing::uninstall(config, &self.cmds.ip)
     }

@@ -110,7 +110,12 @@
 //!    nft `ct mark set`, reusing the route mark's bit) that no socket took in rule 2.
 //!    - **Destination rewritten by a DNAT after this hook** (`ctstate DNAT`: a ClusterIP;
 //!      see above) → as rule 2: rule 2 looked the socket up by the header as it is here,
-//!      before the DNAT, and missed; after the DNAT the kernel finds it.
+//!      before the DNAT, and missed; after the DNAT the kernel finds it. Better, where
+//!      the kernel has nft's `tproxy` and `socket`: a chain right after the DNAT
+//!      (`proxied`, priority -99; the nftables backend's own table, or for the iptables
+//!      backend table `inet <prefix>-dnat`) looks the socket up by the rewritten header,
+//!      and tproxies a packet no socket owns to the listener, so a SYN cookie completes
+//!      for a ClusterIP too.
 //!    - **Otherwise → TPROXY to the listener**, as tproxy.rst's own example TPROXYs every
 //!      packet no socket owns. This is what completes a SYN cookie: when the listener's SYN
 //!      queue is full the kernel answers a SYN with a cookie and keeps no request socket,
@@ -118,9 +123,12 @@
 //!      whose cookie check creates the connection. Before this rule such connections hung
 //!      for good (the client's connect succeeded, the proxy never accepted them, and the
 //!      kernel cannot reset from an address that is not its own). A DNAT'd connection
-//!      cannot be completed so (TPROXY would hand its established packets to the
-//!      listener too, which resets them): a cookie-completed connection to a ClusterIP
-//!      still hangs (see `docs/architecture.md`, "SYN floods and cookies").
+//!      cannot be completed in this hook: xt TPROXY runs only in the mangle table, before
+//!      the DNAT, where it would look the established socket up by the ClusterIP, miss,
+//!      and hand the connection's every later packet to the listener, which resets them.
+//!      The chain after the DNAT (above) does it; without nft's `tproxy` (an iptables
+//!      node whose kernel lacks CONFIG_NFT_TPROXY or CONFIG_NFT_SOCKET, or has no `nft`),
+//!      a cookie-completed connection to a ClusterIP still hangs, which [`select`] says.
 //! 4. **From the node's own addresses over `lo` → return.** Traffic the node sends to
 //!    itself; no queue trip (chain S dropped every other packet with a node source).
 //! 5. **UDP to the node's own addresses, not `ctstate NEW` → return.** The proxy cannot
@@ -191,6 +199,9 @@
 //! * nftables backend: `nft` (JSON support, nftables ≥ 0.9.3) and `ip`; CONFIG_NFT_QUEUE,
 //!   CONFIG_NFT_TPROXY, CONFIG_NFT_SOCKET (with `socket mark`), CONFIG_NFT_CT
 //!   with CONFIG_NF_CONNTRACK_ZONES, CONFIG_NETFILTER_NETLINK_QUEUE.
+//! * iptables backend, optional: `nft` with CONFIG_NFT_TPROXY and CONFIG_NFT_SOCKET, for
+//!   the chain after the DNAT that completes SYN cookies to ClusterIPs (table
+//!   `inet <prefix>-dnat`; used when [`select`] finds them).
 //! * Both: CAP_NET_ADMIN.
 //!
 //! # The decider's side of the contract
@@ -340,6 +351,9 @@ pub struct Names {
     pub podif_v6: String,
     /// nftables table (family `inet`), e.g. `tierproxy`.
     pub table: String,
+    /// nftables table (family `inet`) the iptables backend adds for rule 3 after the DNAT
+    /// where the kernel has nft's `tproxy`, e.g. `tierproxy-dnat`.
+    pub dnat_table: String,
 }
 
 impl Names {
@@ -364,6 +378,7 @@ impl Names {
             podif_v4: format!("{p}-podif-v4"),
             podif_v6: format!("{p}-podif-v6"),
             table: p.clone(),
+            dnat_table: format!("{p}-dnat"),
         }
     }
 }
@@ -576,6 +591,10 @@ pub struct Probe {
     /// Why: for nftables, that `nft -c` accepted a rule with `queue`, `tproxy` and `socket`;
     /// for iptables, what `nft` answered.
     pub reason: String,
+    /// For the iptables backend: whether the kernel runs nft's `tproxy` and `socket`, so
+    /// that the backend can add rule 3's chain after the DNAT
+    /// ([`IptablesBackend::with_nft_after_dnat`]).
+    pub nft_tproxy: bool,
 }
 
 /// Probes the kernel: [`BackendKind::Nftables`] when `nft -c` (a check that sends the
@@ -588,8 +607,13 @@ pub fn probe() -> Probe {
         Ok(()) => Probe {
             kind: BackendKind::Nftables,
             reason: "nft -c accepted queue, tproxy and socket rules".into(),
+            nft_tproxy: true,
         },
-        Err(e) => Probe { kind: BackendKind::Iptables, reason: format!("nftables unusable: {e}") },
+        Err(e) => Probe {
+            kind: BackendKind::Iptables,
+            reason: format!("nftables unusable: {e}"),
+            nft_tproxy: nft::check_tproxy_support("nft").is_ok(),
+        },
     }
 }
 
@@ -603,19 +627,38 @@ pub struct Selection {
 }
 
 /// The backend for `choice`: the named one, or for [`BackendChoice::Auto`] the one
-/// [`probe`] finds. The iptables backend uses the default `iptables` tools.
+/// [`probe`] finds. The iptables backend uses the default `iptables` tools, and adds rule
+/// 3's chain after the DNAT when the kernel has nft's `tproxy` and `socket` (the reason
+/// says whether it does).
 pub fn select(choice: BackendChoice) -> Selection {
-    let (kind, reason) = match choice {
-        BackendChoice::Iptables => (BackendKind::Iptables, "configured".to_owned()),
-        BackendChoice::Nftables => (BackendKind::Nftables, "configured".to_owned()),
+    let (kind, reason, nft_tproxy) = match choice {
+        BackendChoice::Iptables => (
+            BackendKind::Iptables,
+            "configured".to_owned(),
+            nft::check_tproxy_support("nft").is_ok(),
+        ),
+        BackendChoice::Nftables => (BackendKind::Nftables, "configured".to_owned(), true),
         BackendChoice::Auto => {
             let p = probe();
-            (p.kind, p.reason)
+            (p.kind, p.reason, p.nft_tproxy)
         }
     };
-    let backend: Box<dyn Backend> = match kind {
-        BackendKind::Iptables => Box::new(IptablesBackend::new()),
-        BackendKind::Nftables => Box::new(NftablesBackend::new()),
+    let (backend, reason): (Box<dyn Backend>, String) = match kind {
+        BackendKind::Iptables if nft_tproxy => (
+            Box::new(IptablesBackend::new().with_nft_after_dnat("nft")),
+            format!(
+                "{reason}; nft tproxy works: connections to a ClusterIP that a SYN cookie \
+                 completes reach the proxy"
+            ),
+        ),
+        BackendKind::Iptables => (
+            Box::new(IptablesBackend::new()),
+            format!(
+                "{reason}; no nft tproxy: a connection to a ClusterIP that a SYN cookie \
+                 completes (the proxy's SYN queue full) hangs"
+            ),
+        ),
+        BackendKind::Nftables => (Box::new(NftablesBackend::new()), reason),
     };
     Selection { backend, reason }
 }

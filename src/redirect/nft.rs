@@ -59,6 +59,10 @@ pub const ZONE_OUT_CHAIN: &str = "zone_out";
 /// Name of the base chain hooked at prerouting, priority raw - 10, that drops packets with
 /// sources their interface cannot own (chain S).
 pub const SOURCE_CHAIN: &str = "source";
+/// Name of the base chain hooked at prerouting right after a `dstnat` chain's DNAT
+/// (priority -99) that takes the later packets of proxied connections to a ClusterIP
+/// (rule 3, DNAT'd): their socket, or the listener for the ACK of a SYN cookie.
+pub const PROXIED_CHAIN: &str = "proxied";
 
 /// TCP header flag bits (RFC 9293 §3.1).
 const TCP_FIN: u32 = 0x01;
@@ -70,6 +74,11 @@ const TCP_ACK: u32 = 0x10;
 const PRIORITY_MANGLE: i32 = -150;
 /// nftables' `raw` priority: before conntrack (-200), where `ct zone set` must run.
 const PRIORITY_RAW: i32 = -300;
+/// Right after nftables' `dstnat` priority (-100), where kube-proxy's nftables mode and
+/// iptables' nat PREROUTING DNAT: the header is the backend's. `tproxy` may run at any
+/// priority of the prerouting hook (nft(8), "TPROXY STATEMENT"), which xt TPROXY, bound
+/// to the mangle table (-150), cannot.
+const PRIORITY_AFTER_DSTNAT: i32 = -99;
 
 /// Set names inside the table (no prefix needed: the table is tierproxy's own).
 const PODS_V4: &str = "pods-v4";
@@ -259,6 +268,99 @@ fn set_ct_mark(m: Mark) -> Statement<'static> {
     })
 }
 
+/// Route and decided mark, accept: a packet of an established transparent socket.
+fn divert(c: &RedirectConfig) -> Vec<Statement<'static>> {
+    vec![set_mark(c.route_mark), set_mark(c.decided_mark), Statement::Accept(None)]
+}
+
+/// `tproxy` to the listener of `fam`, route mark, accept.
+fn tproxy(c: &RedirectConfig, fam: Fam) -> [Statement<'static>; 3] {
+    let addr = match fam.proto {
+        "ip" => c.tproxy_addr_v4.to_string(),
+        _ => c.tproxy_addr_v6.to_string(),
+    };
+    [
+        Statement::TProxy(TProxy {
+            family: Some(fam.proto.into()),
+            port: c.tproxy_port,
+            addr: Some(addr.into()),
+        }),
+        set_mark(c.route_mark),
+        Statement::Accept(None),
+    ]
+}
+
+/// Rule 3 for connections a DNAT after interception rewrote (a ClusterIP): base chain
+/// [`PROXIED_CHAIN`] at [`PRIORITY_AFTER_DSTNAT`] in `b`'s table. A later packet of such a
+/// connection (TCP, not a SYN, original direction, conntrack mark = route mark, `ct status
+/// dnat`) goes to its transparent socket, now found by the rewritten header, or, when no
+/// socket has it (the ACK of a SYN cookie), is tproxied to the listener.
+fn after_dnat_rules(b: &mut Builder<'_>, c: &RedirectConfig) {
+    let later = || {
+        vec![
+            l4proto_in(&["tcp"]),
+            tcp_syn(Operator::NEQ),
+            is(ct("direction"), Operator::EQ, str_expr("original")),
+            ct_mark_set(c.route_mark),
+            is(ct("status"), Operator::IN, str_expr("dnat")),
+        ]
+    };
+    b.batch.add(NfListObject::Chain(b.base_chain_at(
+        PROXIED_CHAIN,
+        NfHook::Prerouting,
+        PRIORITY_AFTER_DSTNAT,
+    )));
+    let mut expr = later();
+    expr.extend([socket(SocketAttr::Transparent, 1), socket(SocketAttr::Wildcard, 0)]);
+    expr.extend(divert(c));
+    b.rule(PROXIED_CHAIN, "tierproxy: proxied connection after DNAT", expr);
+    for fam in [V4, V6] {
+        let mut expr = later();
+        expr.insert(0, is(meta(MetaKey::Nfproto), Operator::EQ, str_expr(fam.nfproto)));
+        expr.extend(tproxy(c, fam));
+        b.rule(PROXIED_CHAIN, "tierproxy: no socket yet after DNAT (SYN cookie)", expr);
+    }
+}
+
+/// The transaction the iptables backend adds when the kernel has nft's `tproxy` and
+/// `socket` (xt TPROXY cannot run after the DNAT): table `inet <prefix>-dnat`
+/// ([`Names::dnat_table`]) replaced by one holding [`after_dnat_rules`].
+pub(crate) fn after_dnat_batch(config: &RedirectConfig) -> Nftables<'static> {
+    let mut b = Builder { table: Names::new(config).dnat_table, batch: Batch::new() };
+    b.batch.add(NfListObject::Table(b.table()));
+    b.batch.delete(NfListObject::Table(b.table()));
+    b.batch.add(NfListObject::Table(b.table()));
+    after_dnat_rules(&mut b, config);
+    b.batch.to_nftables()
+}
+
+/// The transaction that removes table `inet <table>` if it exists.
+pub(crate) fn remove_table_batch(table: &str) -> Nftables<'static> {
+    let mut b = Builder { table: table.to_owned(), batch: Batch::new() };
+    b.batch.add(NfListObject::Table(b.table()));
+    b.batch.delete(NfListObject::Table(b.table()));
+    b.batch.to_nftables()
+}
+
+/// `input` as the JSON `nft -j -f -` reads (flags sorted, so renderings are stable).
+pub(crate) fn json(input: &Nftables<'_>) -> String {
+    to_json(input, false)
+}
+
+/// Whether the kernel runs nft's `tproxy` and `socket` (CONFIG_NFT_TPROXY,
+/// CONFIG_NFT_SOCKET), without `queue`: what the iptables backend needs for
+/// [`after_dnat_batch`]. Checked as [`check_kernel_support`] does, with `nft -c`.
+///
+/// # Errors
+/// The failing `nft` command with its standard error.
+pub fn check_tproxy_support(nft: &str) -> Result<(), RedirectError> {
+    let mut b = Builder { table: "tierproxy-probe".into(), batch: Batch::new() };
+    b.batch.add(NfListObject::Table(b.table()));
+    after_dnat_rules(&mut b, &RedirectConfig::default());
+    Cmd::new(nft, ["-c", "-j", "-f", "-"]).run(Some(&to_json(&b.batch.to_nftables(), false)))?;
+    Ok(())
+}
+
 struct Builder<'s> {
     table: String,
     batch: Batch<'s>,
@@ -383,23 +485,8 @@ fn apply_batch(spec: &RulesetSpec) -> Nftables<'static> {
     b.batch.add(NfListObject::Chain(b.regular_chain(DECIDE_CHAIN)));
     b.batch.add(NfListObject::Chain(b.base_chain(INPUT_CHAIN, NfHook::Input)));
     b.batch.add(NfListObject::Chain(b.base_chain(FORWARD_CHAIN, NfHook::Forward)));
-    let divert = || vec![set_mark(c.route_mark), set_mark(c.decided_mark), Statement::Accept(None)];
-    // `tproxy` to the listener of `fam`, route mark, accept.
-    let tproxy = |fam: Fam| {
-        let addr = match fam.proto {
-            "ip" => c.tproxy_addr_v4.to_string(),
-            _ => c.tproxy_addr_v6.to_string(),
-        };
-        [
-            Statement::TProxy(TProxy {
-                family: Some(fam.proto.into()),
-                port: c.tproxy_port,
-                addr: Some(addr.into()),
-            }),
-            set_mark(c.route_mark),
-            Statement::Accept(None),
-        ]
-    };
+    let divert = || divert(c);
+    let tproxy = |fam: Fam| tproxy(c, fam);
     let in_set = |fam: Fam, field: &'static str, set: &'static str| {
         is(payload(fam.proto, field), Operator::EQ, str_expr(format!("@{set}")))
     };
@@ -499,8 +586,10 @@ fn apply_batch(spec: &RulesetSpec) -> Nftables<'static> {
     expr.extend(divert());
     b.rule(CHAIN, "tierproxy: established transparent socket", expr);
     // Rule 3: later packets of a TCP connection whose SYN rule 6 tproxied, that no socket
-    // took in rule 2. Destination rewritten by a DNAT after this hook (a ClusterIP): as
-    // rule 2, after the DNAT the kernel finds the socket.
+    // took in rule 2. Destination rewritten by a DNAT after this hook (a ClusterIP): in
+    // chain `proxied`, after the DNAT, where the socket lookup and tproxy see the header
+    // the connection's socket has. Otherwise to the listener here: the ACK that completes
+    // a SYN cookie has no socket yet.
     let later = || {
         vec![
             l4proto_in(&["tcp"]),
@@ -509,12 +598,7 @@ fn apply_batch(spec: &RulesetSpec) -> Nftables<'static> {
             ct_mark_set(c.route_mark),
         ]
     };
-    let dnat = |op| is(ct("status"), op, str_expr("dnat"));
-    let mut expr = later();
-    expr.push(dnat(Operator::IN));
-    expr.extend(divert());
-    b.rule(CHAIN, "tierproxy: proxied connection (conntrack mark)", expr);
-    // Otherwise to the listener: the ACK that completes a SYN cookie has no socket yet.
+    after_dnat_rules(&mut b, c);
     for fam in [V4, V6] {
         let mut expr = later();
         expr.insert(0, is(meta(MetaKey::Nfproto), Operator::EQ, str_expr(fam.nfproto)));
@@ -694,10 +778,7 @@ fn apply_batch(spec: &RulesetSpec) -> Nftables<'static> {
 
 /// The transaction that removes the table if it exists.
 fn remove_batch(names: &Names) -> Nftables<'static> {
-    let mut b = Builder { table: names.table.clone(), batch: Batch::new() };
-    b.batch.add(NfListObject::Table(b.table()));
-    b.batch.delete(NfListObject::Table(b.table()));
-    b.batch.to_nftables()
+    remove_table_batch(&names.table)
 }
 
 /// The transaction that adds `add` to and removes `remove` from the pod sets. Addresses to
