@@ -358,7 +358,7 @@ fn agent_dry_run_prints_the_ruleset_for_the_node() {
     let o = bin().args(args("node-1")).output().expect("runs");
     assert!(o.status.success(), "{}", stderr(&o));
     let text = String::from_utf8_lossy(&o.stdout);
-    assert!(text.starts_with("# backend: iptables (configured)"), "{text}");
+    assert!(text.starts_with("# backend: iptables (configured"), "{text}");
     assert!(text.contains("add tierproxy-pods-v4-tmp 10.244.1.4"), "node-1 pod: {text}");
     assert!(!text.contains("10.244.2.3"), "node-2 pod in node-1's set: {text}");
     assert!(text.contains("-j TPROXY"), "{text}");
