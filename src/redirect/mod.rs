@@ -194,10 +194,13 @@
 //!   CONFIG_NETFILTER_XT_CONNMARK (`connmark` match, `CONNMARK` target),
 //!   CONFIG_NETFILTER_XT_TARGET_MARK, CONFIG_NETFILTER_XT_MATCH_COMMENT,
 //!   CONFIG_NETFILTER_XT_TARGET_CT with CONFIG_NF_CONNTRACK_ZONES (rule 0; the raw table),
-//!   CONFIG_NETFILTER_XT_SET with CONFIG_IP_SET_HASH_IP, CONFIG_NETFILTER_NETLINK_QUEUE, and
+//!   CONFIG_NETFILTER_XT_SET with CONFIG_IP_SET_HASH_IP and CONFIG_IP_SET_HASH_NETIFACE,
+//!   CONFIG_NETFILTER_XT_MATCH_RPFILTER and CONFIG_IP6_NF_MATCH_RPFILTER (chain S),
+//!   CONFIG_NETFILTER_NETLINK_QUEUE, and
 //!   with the nf_tables flavour CONFIG_NFT_COMPAT; IPv6 enabled; `lo` up.
 //! * nftables backend: `nft` (JSON support, nftables ≥ 0.9.3) and `ip`; CONFIG_NFT_QUEUE,
-//!   CONFIG_NFT_TPROXY, CONFIG_NFT_SOCKET (with `socket mark`), CONFIG_NFT_CT
+//!   CONFIG_NFT_TPROXY, CONFIG_NFT_SOCKET (with `socket mark`), CONFIG_NFT_FIB_INET
+//!   (chain S), CONFIG_NFT_CT
 //!   with CONFIG_NF_CONNTRACK_ZONES, CONFIG_NETFILTER_NETLINK_QUEUE.
 //! * iptables backend, optional: `nft` with CONFIG_NFT_TPROXY and CONFIG_NFT_SOCKET, for
 //!   the chain after the DNAT that completes SYN cookies to ClusterIPs (table
