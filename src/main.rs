@@ -268,6 +268,25 @@ struct AgentArgs {
     audit: tierproxy::audit::cli::AuditArgs,
 }
 
+/// A load generator's report as one JSON line on `out` (exit 0), or its error on `err`
+/// (exit 1).
+fn print_report<T: serde::Serialize>(
+    report: anyhow::Result<T>,
+    out: &mut dyn std::io::Write,
+    err: &mut dyn std::io::Write,
+) -> ExitCode {
+    match report {
+        Ok(r) => {
+            let _ = writeln!(out, "{}", serde_json::to_string(&r).unwrap_or_default());
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            let _ = writeln!(err, "error: {e:#}");
+            ExitCode::from(1)
+        }
+    }
+}
+
 /// `--capabilities`: `None` for `all`, else each name, with or without `CAP_`, any case
 /// (`net_admin`, `CAP_NET_RAW`).
 fn parse_capabilities(names: &[String]) -> Result<Option<Vec<caps::Capability>>, String> {
@@ -508,30 +527,13 @@ fn main() -> ExitCode {
                 timeout: std::time::Duration::from_millis(timeout_ms.max(1)),
             };
             if mode == tierproxy::loadgen::Mode::SynFlood {
-                return match tierproxy::loadgen::syn_flood(opts) {
-                    Ok(r) => {
-                        let _ = writeln!(out, "{}", serde_json::to_string(&r).unwrap_or_default());
-                        ExitCode::SUCCESS
-                    }
-                    Err(e) => {
-                        let _ = writeln!(err, "error: {e:#}");
-                        ExitCode::from(1)
-                    }
-                };
+                return print_report(tierproxy::loadgen::syn_flood(opts), &mut out, &mut err);
             }
             if mode == tierproxy::loadgen::Mode::Hold {
                 let count = usize::try_from(max_count).unwrap_or(usize::MAX).min(100_000);
                 tierproxy::agent::raise_fd_limit();
-                return match tierproxy::loadgen::hold(to, count, opts.duration, &mut out) {
-                    Ok(r) => {
-                        let _ = writeln!(out, "{}", serde_json::to_string(&r).unwrap_or_default());
-                        ExitCode::SUCCESS
-                    }
-                    Err(e) => {
-                        let _ = writeln!(err, "error: {e:#}");
-                        ExitCode::from(1)
-                    }
-                };
+                let held = tierproxy::loadgen::hold(to, count, opts.duration, &mut out);
+                return print_report(held, &mut out, &mut err);
             }
             match tierproxy::loadgen::run(opts) {
                 Ok(r) => {

@@ -264,8 +264,8 @@ pub fn tcp_ext() -> TcpExt {
 }
 
 /// [`TcpExt`] of the text of /proc/net/netstat: a `TcpExt:` line of names, then one of
-/// values.
-fn parse_tcp_ext(text: &str) -> TcpExt {
+/// values (zeros for what is missing). Tests read another namespace's file with it.
+pub fn parse_tcp_ext(text: &str) -> TcpExt {
     let mut lines = text.lines().filter(|l| l.starts_with("TcpExt:"));
     let (Some(names), Some(values)) = (lines.next(), lines.next()) else {
         return TcpExt::default();

@@ -300,10 +300,7 @@ fn greeting(netns: &str, to: &str) -> Result<String, String> {
 /// `TcpExt: SyncookiesRecv` of namespace `netns` (/proc/net/netstat).
 fn syncookies_received(netns: &str) -> u64 {
     let text = netns_out(netns, &["cat", "/proc/net/netstat"]);
-    let mut lines = text.lines().filter(|l| l.starts_with("TcpExt:"));
-    let (names, values) = (lines.next().expect("TcpExt names"), lines.next().expect("values"));
-    let i = names.split_whitespace().position(|n| n == "SyncookiesRecv").expect("SyncookiesRecv");
-    values.split_whitespace().nth(i).expect("value").parse().expect("number")
+    tierproxy::metrics::parse_tcp_ext(&text).syncookies_recv
 }
 
 /// Issue #17, item 2: when the kernel answers a SYN with a cookie (the proxy's SYN queue

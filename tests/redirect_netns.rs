@@ -734,11 +734,7 @@ fn nft_apply(ns: &Netns, input: &str, json: bool) {
 
 /// `TcpExt: SyncookiesRecv` in `ns`.
 fn syncookies_received(ns: &Netns) -> u64 {
-    let text = ns.sh(&["cat", "/proc/net/netstat"]);
-    let mut lines = text.lines().filter(|l| l.starts_with("TcpExt:"));
-    let (names, values) = (lines.next().expect("names"), lines.next().expect("values"));
-    let i = names.split_whitespace().position(|n| n == "SyncookiesRecv").expect("field");
-    values.split_whitespace().nth(i).expect("value").parse().expect("number")
+    tierproxy::metrics::parse_tcp_ext(&ns.sh(&["cat", "/proc/net/netstat"])).syncookies_recv
 }
 
 /// Issue #17, item 2, nftables backend: the ACK that completes a SYN cookie for a

@@ -514,16 +514,22 @@ async fn copy_burst(from: &TcpStream, to: &TcpStream) -> io::Result<Option<usize
         Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(None),
         Err(e) => return Err(e),
     };
+    write_all(to, &buf[..n]).await?;
+    Ok(Some(n))
+}
+
+/// Writes all of `bytes` to `to`, waiting for writability as needed.
+async fn write_all(to: &TcpStream, bytes: &[u8]) -> io::Result<()> {
     let mut done = 0;
-    while done < n {
+    while done < bytes.len() {
         to.writable().await?;
-        match to.try_write(&buf[done..n]) {
+        match to.try_write(&bytes[done..]) {
             Ok(m) => done += m,
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
             Err(e) => return Err(e),
         }
     }
-    Ok(Some(n))
+    Ok(())
 }
 
 fn shutdown_write(s: &TcpStream) -> io::Result<()> {
@@ -562,15 +568,7 @@ async fn copy_pump(
         if n == 0 {
             return shutdown_write(to);
         }
-        let mut done = 0;
-        while done < n {
-            to.writable().await?;
-            match to.try_write(&buf[done..n]) {
-                Ok(m) => done += m,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
-                Err(e) => return Err(e),
-            }
-        }
+        write_all(to, &buf[..n]).await?;
         count.fetch_add(n as u64, Ordering::Relaxed);
         last.store(millis(start), Ordering::Relaxed);
     }

@@ -664,8 +664,7 @@ impl Backend for IptablesBackend {
         interfaces: &BTreeSet<String>,
     ) -> Result<(), RedirectError> {
         config.validate()?;
-        let valid: BTreeSet<String> =
-            interfaces.iter().filter(|i| super::valid_ifname(i)).cloned().collect();
+        let valid = super::valid_ifnames(interfaces.iter().cloned());
         let mut input = String::new();
         podif_input(&mut input, &Names::new(config), &valid);
         self.ipset_restore_cmd().run(Some(&input))?;

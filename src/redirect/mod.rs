@@ -423,7 +423,7 @@ impl RulesetSpec {
     /// (empty, longer than 15 bytes, or holding `/`, `,`, whitespace or quotes) are left out:
     /// they cannot come from the kernel and would not survive the set syntax.
     pub fn with_pod_interfaces(mut self, interfaces: impl IntoIterator<Item = String>) -> Self {
-        self.pod_interfaces = interfaces.into_iter().filter(|i| valid_ifname(i)).collect();
+        self.pod_interfaces = valid_ifnames(interfaces);
         self
     }
 
@@ -468,6 +468,11 @@ pub fn valid_ifname(name: &str) -> bool {
                 || b.is_ascii_whitespace()
                 || b.is_ascii_control()
         })
+}
+
+/// The names of `interfaces` that [`valid_ifname`] accepts, sorted.
+pub(crate) fn valid_ifnames(interfaces: impl IntoIterator<Item = String>) -> BTreeSet<String> {
+    interfaces.into_iter().filter(|i| valid_ifname(i)).collect()
 }
 
 /// Packets the ruleset dropped since it was installed, by rule, both families together

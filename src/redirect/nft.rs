@@ -960,8 +960,7 @@ impl Backend for NftablesBackend {
         interfaces: &BTreeSet<String>,
     ) -> Result<(), RedirectError> {
         config.validate()?;
-        let valid: BTreeSet<String> =
-            interfaces.iter().filter(|i| super::valid_ifname(i)).cloned().collect();
+        let valid = super::valid_ifnames(interfaces.iter().cloned());
         let batch = podif_batch(&Names::new(config), &valid);
         self.nft_cmd().run(Some(&to_json(&batch, false)))?;
         Ok(())
