@@ -941,3 +941,81 @@ fn a_dead_collector_neither_stalls_nor_changes_enforcement() {
     }
     assert_eq!(code, Some(0), "{}", text(&o));
 }
+
+/// One TCP counter of the calling thread's network namespace (`/proc/thread-self/net/snmp`,
+/// line pair `Tcp:`), e.g. `OutRsts` or `RetransSegs`.
+fn tcp_counter(name: &str) -> u64 {
+    let snmp = std::fs::read_to_string("/proc/thread-self/net/snmp").expect("snmp");
+    let mut tcp = snmp.lines().filter(|l| l.starts_with("Tcp:"));
+    let (names, values) = (tcp.next().expect("Tcp names"), tcp.next().expect("Tcp values"));
+    let i = names.split_whitespace().position(|n| n == name).expect("counter");
+    values.split_whitespace().nth(i).expect("value").parse().expect("number")
+}
+
+/// Regression (issue #18, item 1): when the server closed first, the proxy's client-facing
+/// socket made the active close and held the client's 4-tuple in TIME_WAIT; rule 2
+/// (`socket --transparent`, which matches TIME_WAIT sockets) sent the client's next SYN on
+/// that port to it, the TIME_WAIT socket answered with a bare ACK (no listener at the
+/// original destination), the client reset it and retransmitted its SYN: a stall per
+/// reused port (about a second here, 10 ms on a busy node). A SYN now reaches TPROXY,
+/// which hands a SYN meeting a TIME_WAIT socket to the listener (`nf_tproxy_handle_time_wait4`).
+/// The client reuses four source ports three times each, as a client under churn does;
+/// its namespace's counters show every reset and retransmission it sent.
+#[test]
+fn a_client_reusing_its_port_after_the_server_closed_first_is_answered_at_once() {
+    if !netns_available(
+        "a_client_reusing_its_port_after_the_server_closed_first_is_answered_at_once",
+    ) {
+        return;
+    }
+    let lab = lab_with_agents("twsyn");
+    let server_ns = netns_of_pod(&lab, "a", "server");
+    let client_ns = netns_of_pod(&lab, "a", "client");
+    const PORTS: [u16; 4] = [41000, 41001, 41002, 41003];
+    const ROUNDS: usize = 3;
+    let total = PORTS.len() * ROUNDS;
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+    let server = std::thread::spawn(move || {
+        tierproxy::lab::netns::enter(&server_ns).expect("enter server netns");
+        let l = TcpListener::bind("10.60.1.3:7001").expect("bind test server");
+        ready_tx.send(()).expect("ready");
+        // HTTP/1.0 `Connection: close`: answer, then close first.
+        for _ in 0..total {
+            let (mut s, _) = l.accept().expect("accept");
+            s.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
+            let mut req = [0u8; 64];
+            s.read_exact(&mut req).expect("request");
+            s.write_all(&req).expect("answer");
+        }
+    });
+    ready_rx.recv_timeout(Duration::from_secs(5)).expect("test server ready");
+    let (resets, retransmits) = in_netns(&client_ns, || {
+        let (rst0, retrans0) = (tcp_counter("OutRsts"), tcp_counter("RetransSegs"));
+        let to: SocketAddr = "10.60.1.3:7001".parse().unwrap();
+        for round in 0..ROUNDS {
+            for port in PORTS {
+                let s = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)
+                    .map_err(io("socket"))?;
+                s.set_reuse_address(true).map_err(io("SO_REUSEADDR"))?;
+                let from: SocketAddr = SocketAddr::from(([10, 60, 1, 2], port));
+                s.bind(&from.into()).map_err(io("bind"))?;
+                s.connect_timeout(&to.into(), Duration::from_secs(5))
+                    .unwrap_or_else(|e| panic!("round {round}, port {port}: connect: {e}"));
+                let mut s: TcpStream = s.into();
+                s.set_read_timeout(Some(Duration::from_secs(5))).map_err(io("timeout"))?;
+                s.write_all(&[round as u8; 64]).map_err(io("request"))?;
+                let mut answer = Vec::new();
+                s.read_to_end(&mut answer).map_err(io("answer"))?;
+                assert_eq!(answer, [round as u8; 64], "round {round}, port {port}");
+            }
+        }
+        Ok((tcp_counter("OutRsts") - rst0, tcp_counter("RetransSegs") - retrans0))
+    })
+    .expect("client");
+    server.join().expect("server");
+    assert_eq!(
+        (resets, retransmits),
+        (0, 0),
+        "the client reset a bare ACK and retransmitted its SYN (TIME_WAIT met a reused port)"
+    );
+}

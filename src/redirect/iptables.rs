@@ -299,9 +299,17 @@ fn restore_input(spec: &RulesetSpec, fam: Family) -> String {
          -m mark --mark {bypass} -j RETURN"
     );
     // Rule 2: established transparent sockets (proxied flows, upstream replies) → local.
+    // Not a TCP SYN: the socket match finds TIME_WAIT sockets too, and a SYN reusing the
+    // 4-tuple of a client leg in TIME_WAIT must reach TPROXY (rule 6), which hands it to
+    // the listener; delivered to the TIME_WAIT socket it is answered with a bare ACK.
     let _ = writeln!(
         o,
-        "-A {chain} -m comment --comment \"tierproxy: established transparent socket\" \
+        "-A {chain} -p tcp -m comment --comment \"tierproxy: established transparent socket\" \
+         -m tcp ! --tcp-flags FIN,SYN,RST,ACK SYN -m socket --transparent -j {divert}"
+    );
+    let _ = writeln!(
+        o,
+        "-A {chain} ! -p tcp -m comment --comment \"tierproxy: established transparent socket\" \
          -m socket --transparent -j {divert}"
     );
     let tproxy =

@@ -104,7 +104,17 @@
 //!    (Documentation/networking/tproxy.rst, "Redirecting traffic"; iptables-extensions(8),
 //!    "socket": `--transparent`; listening sockets bound to the any-address are ignored, as
 //!    without `--nowildcard`, nft: `socket wildcard 0`). The decided mark keeps them out of
-//!    the queue in INPUT; without this rule upstream connects time out.
+//!    the queue in INPUT; without this rule upstream connects time out. **Not a TCP SYN**
+//!    (two rules: TCP that is not a SYN, and every other protocol): the socket lookup
+//!    finds TIME_WAIT sockets too (a TIME_WAIT socket is transparent when the socket it
+//!    came from was). When a server closes first, the proxy's client leg makes the active
+//!    close and holds the client's 4-tuple in TIME_WAIT for a minute; a client reusing that
+//!    source port sent its SYN to the TIME_WAIT socket, which, finding no listener at the
+//!    original destination, answered with a bare ACK: the client reset it and sent its SYN
+//!    again (measured: 8 resets and 8 retransmissions for 8 reused ports, a stall of up to
+//!    a second each; issue #18). A SYN goes on to rule 6, whose TPROXY hands a SYN that
+//!    meets a TIME_WAIT socket to the listener and ends the TIME_WAIT
+//!    (`nf_tproxy_handle_time_wait4`/`6`, used by xt TPROXY and nft `tproxy` alike).
 //! 3. **TCP, not a SYN, original direction, conntrack mark = route mark:** a later packet of
 //!    a connection whose SYN rule 6 TPROXY'd (it set the conntrack mark, iptables `CONNMARK`,
 //!    nft `ct mark set`, reusing the route mark's bit) that no socket took in rule 2.

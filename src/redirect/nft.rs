@@ -582,9 +582,18 @@ fn apply_batch(spec: &RulesetSpec) -> Nftables<'static> {
     );
     // Rule 2: established transparent sockets (proxied flows, upstream replies) → local.
     // `socket wildcard 0` ignores listeners bound to the any-address, as xt socket does.
-    let mut expr = vec![socket(SocketAttr::Transparent, 1), socket(SocketAttr::Wildcard, 0)];
-    expr.extend(divert());
-    b.rule(CHAIN, "tierproxy: established transparent socket", expr);
+    // Not a TCP SYN: the socket lookup finds TIME_WAIT sockets too, and a SYN reusing the
+    // 4-tuple of a client leg in TIME_WAIT must reach `tproxy` (rule 6), which hands it to
+    // the listener; delivered to the TIME_WAIT socket it is answered with a bare ACK.
+    for first in [
+        vec![l4proto_in(&["tcp"]), tcp_syn(Operator::NEQ)],
+        vec![is(meta(MetaKey::L4proto), Operator::NEQ, str_expr("tcp"))],
+    ] {
+        let mut expr = first;
+        expr.extend([socket(SocketAttr::Transparent, 1), socket(SocketAttr::Wildcard, 0)]);
+        expr.extend(divert());
+        b.rule(CHAIN, "tierproxy: established transparent socket", expr);
+    }
     // Rule 3: later packets of a TCP connection whose SYN rule 6 tproxied, that no socket
     // took in rule 2. Destination rewritten by a DNAT after this hook (a ClusterIP): in
     // chain `proxied`, after the DNAT, where the socket lookup and tproxy see the header
