@@ -163,6 +163,12 @@ pub struct AgentOptions {
     /// Percent of the kernel's per-user pipe budget the relay takes where that budget
     /// applies ([`PipeBudget::unprivileged`]).
     pub pipe_budget_percent: usize,
+    /// Nodes whose agents enforce, by name, besides those whose Node carries
+    /// [`crate::policy::compile::ANNOTATION_ENFORCING`]: their pods' TCP connections to
+    /// this node's pods were proxied and decided at their own node, so this node decides
+    /// them on the first packet and lets the kernel forward them (issue #18). The lab
+    /// names every node it starts an agent on.
+    pub enforcing_nodes: Vec<String>,
 }
 
 impl AgentOptions {
@@ -190,8 +196,18 @@ impl AgentOptions {
             netns: None,
             keep_capabilities: None,
             pipe_budget_percent: crate::proxy::relay::PIPE_BUDGET_SHARE_PERCENT,
+            enforcing_nodes: Vec::new(),
         }
     }
+}
+
+/// The addresses of the pods on every other node whose agent enforces (its Node carries
+/// [`crate::policy::compile::ANNOTATION_ENFORCING`], or it is one of `also`, by name):
+/// the ruleset's enforced pods ([`RulesetSpec::with_enforced_pods`]).
+fn enforced_pod_ips(snapshot: &Snapshot, here: u32, also: &[String]) -> Vec<IpAddr> {
+    snapshot.pod_ips_on(|n| {
+        n != here && (snapshot.node_enforcing(n) || also.iter().any(|a| a == snapshot.node_name(n)))
+    })
 }
 
 /// The API-server side of the agent (issue #6).
@@ -330,7 +346,8 @@ pub fn build(
 pub fn dry_run(opts: &AgentOptions) -> anyhow::Result<String> {
     opts.redirect.validate().context("redirect configuration")?;
     let (triggers, _) = std::sync::mpsc::channel();
-    let kube = opts.kube.as_ref().map(|k| KubeSide::start(k, triggers)).transpose()?;
+    // A dry run writes nothing: no node annotation.
+    let kube = opts.kube.as_ref().map(|k| KubeSide::start(k, None, triggers)).transpose()?;
     if let Some(k) = &kube {
         k.wait_initialized();
         trim_heap();
@@ -345,7 +362,12 @@ pub fn dry_run(opts: &AgentOptions) -> anyhow::Result<String> {
         current.snapshot.local_pod_ips(current.node),
         current.snapshot.node_addrs(current.node).to_vec(),
     )
-    .context("redirect configuration")?;
+    .context("redirect configuration")?
+    .with_enforced_pods(enforced_pod_ips(
+        &current.snapshot,
+        current.node,
+        &opts.enforcing_nodes,
+    ));
     let selection = redirect::select(opts.redirect.backend);
     Ok(format!(
         "# backend: {} ({})\n{}",
@@ -373,7 +395,11 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
     // through this channel.
     let (triggers, changes) = std::sync::mpsc::channel::<()>();
     // The API-server side, like audit, keeps the namespace the agent started in.
-    let kube = opts.kube.as_ref().map(|k| KubeSide::start(k, triggers.clone())).transpose()?;
+    let kube = opts
+        .kube
+        .as_ref()
+        .map(|k| KubeSide::start(k, Some(&opts.node), triggers.clone()))
+        .transpose()?;
     if let Some(ns) = &opts.netns {
         enter_netns(ns)?;
     }
@@ -444,9 +470,15 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
     let backend = selection.backend;
     tracing::info!(backend = backend.name(), reason = %selection.reason, "redirect backend");
     let interfaces = pod_interfaces(&*backend, &local);
+    let enforced = enforced_pod_ips(&current.snapshot, current.node, &opts.enforcing_nodes);
     let spec = RulesetSpec::new(opts.redirect.clone(), local, node_addrs)
         .context("redirect configuration")?
-        .with_pod_interfaces(interfaces);
+        .with_pod_interfaces(interfaces)
+        .with_enforced_pods(enforced);
+    tracing::info!(
+        enforced_pods = spec.enforced_pods().len(),
+        "pods on other enforcing nodes: their connections here are decided on the first packet, not proxied again"
+    );
     let decider = Arc::new(Decider::new(
         current,
         DeciderLimits::default(),
@@ -518,6 +550,9 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
             .with_context(|| format!("writing the ready file {}", path.display()))?;
     }
     ready.store(true, std::sync::atomic::Ordering::Relaxed);
+    if let Some(k) = &kube {
+        k.set_enforcing(true);
+    }
     tracing::info!(node = %opts.node, audit = auditor.enabled(), "enforcing");
 
     // Live change: the manifests are watched (and the API server, by the watchers); each
@@ -595,8 +630,12 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
                 stop_rx,
             ));
             wait_for_signal().await;
-            // Not ready from here on: a load balancer or probe stops counting on this node.
+            // Not ready from here on: a load balancer or probe stops counting on this node,
+            // and the other nodes proxy this node's pods' connections again.
             ready.store(false, std::sync::atomic::Ordering::Relaxed);
+            if let Some(k) = &kube {
+                k.set_enforcing(false);
+            }
             tracing::info!("shutting down: no new connections; draining");
             let _ = stop_tx.send(true);
             let _ = serving.await;
@@ -618,6 +657,10 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// How long a stopping agent waits for its node annotation's removal
+/// ([`cluster::announce::REMOVE_ATTEMPTS`] writes with backoff).
+const ANNOUNCE_STOP_GRACE: Duration = Duration::from_secs(5);
+
 /// The API-server side of the agent: a thread with its own single-threaded runtime running
 /// the watchers ([`cluster::apiserver`]) and, if enabled, the status writer
 /// ([`cluster::status`]). Started before the agent enters another network namespace
@@ -629,17 +672,27 @@ struct KubeSide {
     reports: tokio::sync::watch::Sender<Arc<cluster::status::Report>>,
     stop: std::sync::Mutex<Option<tokio::sync::oneshot::Sender<()>>>,
     thread: std::sync::Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// Whether this node's agent enforces, for [`cluster::announce`] (dropped on stop).
+    enforcing: std::sync::Mutex<Option<tokio::sync::watch::Sender<bool>>>,
 }
 
 impl KubeSide {
     /// Connects (in-cluster configuration, else `KUBECONFIG` / `~/.kube/config`) and starts
-    /// the watchers; each debounced change sends `()` on `changes`.
+    /// the watchers; each debounced change sends `()` on `changes`. With `announce_as` (this
+    /// node's name), [`KubeSide::set_enforcing`] is written to that Node's annotation
+    /// ([`cluster::announce`]); a dry run passes `None` and writes nothing.
     ///
     /// # Errors
     /// No usable client configuration, or the thread cannot start. An API server that
     /// does not answer is not an error here: the watchers retry.
-    fn start(opts: &KubeOptions, changes: std::sync::mpsc::Sender<()>) -> anyhow::Result<KubeSide> {
+    fn start(
+        opts: &KubeOptions,
+        announce_as: Option<&str>,
+        changes: std::sync::mpsc::Sender<()>,
+    ) -> anyhow::Result<KubeSide> {
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+        let (enforcing, enforcing_rx) = tokio::sync::watch::channel(false);
+        let announce_as = announce_as.map(str::to_owned);
         let (reports, reports_rx) =
             tokio::sync::watch::channel(Arc::new(cluster::status::Report::default()));
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
@@ -676,10 +729,18 @@ impl KubeSide {
                         },
                     );
                     let _ = ready_tx.send(Ok(source.clone()));
+                    let announcer = announce_as.map(|node| {
+                        tokio::spawn(cluster::announce::run(client.clone(), node, enforcing_rx))
+                    });
                     if let Some(status) = opts.status {
                         tokio::spawn(cluster::status::run(client, source, status, reports_rx));
                     }
                     let _ = stop_rx.await;
+                    // The annotation's removal, begun when the agent stopped enforcing, is
+                    // let finish (bounded: the agent is exiting).
+                    if let Some(a) = announcer {
+                        let _ = tokio::time::timeout(ANNOUNCE_STOP_GRACE, a).await;
+                    }
                 });
             })
             .context("starting the API-server thread")?;
@@ -689,7 +750,17 @@ impl KubeSide {
             reports,
             stop: std::sync::Mutex::new(Some(stop_tx)),
             thread: std::sync::Mutex::new(Some(thread)),
+            enforcing: std::sync::Mutex::new(Some(enforcing)),
         })
+    }
+
+    /// Announces on this node's Node object whether the agent enforces
+    /// ([`cluster::announce`]): `true` once its ruleset is installed, `false` as soon as it
+    /// stops (SIGTERM), before the drain.
+    fn set_enforcing(&self, on: bool) {
+        if let Some(tx) = self.enforcing.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
+            let _ = tx.send(on);
+        }
     }
 
     /// Blocks until every watcher has finished its initial list, logging the kinds still
@@ -712,8 +783,12 @@ impl KubeSide {
         }
     }
 
-    /// Stops the watchers and the status writer and waits for the thread.
+    /// Stops the watchers and the status writer and waits for the thread (and, at most
+    /// [`ANNOUNCE_STOP_GRACE`], for the node annotation's removal).
     fn stop(&self) {
+        if let Some(tx) = self.enforcing.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            let _ = tx.send(false);
+        }
         if let Some(tx) = self.stop.lock().unwrap_or_else(|e| e.into_inner()).take() {
             let _ = tx.send(());
         }
@@ -916,6 +991,8 @@ impl Reloader<'_> {
         };
         let local = current.snapshot.local_pod_ips(current.node);
         let node_addrs = current.snapshot.node_addrs(current.node).to_vec();
+        let enforced =
+            enforced_pod_ips(&current.snapshot, current.node, &self.opts.enforcing_nodes);
         self.decider.publish(current);
         self.revision = next.0;
         self.fingerprint = fingerprint;
@@ -923,7 +1000,7 @@ impl Reloader<'_> {
         let compiled = started.elapsed();
         let redecided = self.decider.redecide(self.registry);
         let spec = match RulesetSpec::new(self.opts.redirect.clone(), local, node_addrs) {
-            Ok(s) => s,
+            Ok(s) => s.with_enforced_pods(enforced),
             Err(e) => {
                 tracing::error!(error = %e, "ruleset for the new snapshot is invalid; kept the old one");
                 self.spec.clone()
@@ -942,16 +1019,25 @@ impl Reloader<'_> {
         };
         let outcome = if spec.node_addrs() != self.spec.node_addrs() {
             self.backend.apply(&spec)
-        } else if !added.is_empty() || !removed.is_empty() {
-            self.backend.update_pods(spec.config(), &added, &removed).and_then(|()| {
-                if spec.pod_interfaces() == self.spec.pod_interfaces() {
+        } else {
+            let pods = if !added.is_empty() || !removed.is_empty() {
+                self.backend.update_pods(spec.config(), &added, &removed).and_then(|()| {
+                    if spec.pod_interfaces() == self.spec.pod_interfaces() {
+                        Ok(())
+                    } else {
+                        self.backend.set_pod_interfaces(spec.config(), spec.pod_interfaces())
+                    }
+                })
+            } else {
+                Ok(())
+            };
+            pods.and_then(|()| {
+                if spec.enforced_pods() == self.spec.enforced_pods() {
                     Ok(())
                 } else {
-                    self.backend.set_pod_interfaces(spec.config(), spec.pod_interfaces())
+                    self.backend.set_enforced_pods(spec.config(), spec.enforced_pods())
                 }
             })
-        } else {
-            Ok(())
         };
         match outcome {
             Ok(()) => self.spec = spec,

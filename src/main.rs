@@ -204,6 +204,12 @@ struct AgentArgs {
     /// (reverse-path check), so a pod cannot act under another's identity.
     #[arg(long)]
     no_source_check: bool,
+    /// A node whose agent enforces (repeatable), besides Nodes annotated
+    /// `tierproxy.io/enforcing: "true"`: TCP from its pods was proxied and decided there, so
+    /// it is decided here on the first packet and forwarded by the kernel, not proxied a
+    /// second time. Name only nodes that run an enforcing agent.
+    #[arg(long = "enforcing-node", value_name = "NODE")]
+    enforcing_nodes: Vec<String>,
     /// How the proxy moves bytes.
     #[arg(long, value_enum, default_value_t = tierproxy::proxy::relay::RelayMode::Splice)]
     relay: tierproxy::proxy::relay::RelayMode,
@@ -361,6 +367,7 @@ fn run_agent(a: AgentArgs) -> ExitCode {
     opts.udp_idle_timeout = Duration::from_secs(a.udp_idle_timeout_secs);
     opts.max_udp_flows = a.max_udp_flows;
     opts.tcp_tw_reuse = !a.no_tcp_tw_reuse;
+    opts.enforcing_nodes = a.enforcing_nodes;
     opts.state_dir = a.state_dir;
     if a.kube {
         use tierproxy::cluster::{apiserver, status};

@@ -132,12 +132,27 @@ fn agents_enforce_what_the_api_server_says_and_write_policy_status() {
     );
     let c = condition(&api, "deny-b-8080").unwrap();
     assert_eq!((c["status"].as_str(), c["reason"].as_str()), (Some("True"), Some("Accepted")));
-    // Neither the start nor the status write (a change the engine cannot see) rebuilt a
-    // snapshot on either node.
+    // Each agent announces on its Node that it enforces (issue #18), so the other node
+    // forwards its pods' connections after deciding them instead of proxying them again.
+    let annotated = |node: &str| {
+        api.get("v1", "Node", None, node)
+            .is_some_and(|n| n["metadata"]["annotations"]["tierproxy.io/enforcing"] == "true")
+    };
+    assert!(
+        eventually(Duration::from_secs(10), || annotated("n1") && annotated("n2")),
+        "both nodes announced: {}",
+        agent_log(&lab, "n1") + &agent_log(&lab, "n2")
+    );
+    // The status write (a change the engine cannot see) rebuilt no snapshot: the only
+    // rebuilds are those of the two Node annotations (at most one each per agent).
     std::thread::sleep(Duration::from_millis(500));
+    let node_writes =
+        api.writes().iter().filter(|(m, p, _)| m == "PATCH" && p.contains("/nodes/")).count();
+    assert_eq!(node_writes, 2, "{:?}", api.writes());
     for node in ["n1", "n2"] {
         let log = agent_log(&lab, node);
-        assert!(!log.contains("snapshot applied"), "{node} rebuilt with nothing changed: {log}");
+        let rebuilds = log.matches("snapshot applied").count();
+        assert!(rebuilds <= node_writes, "{node} rebuilt {rebuilds} times: {log}");
     }
     let lease = api.get(
         "coordination.k8s.io/v1",
@@ -205,6 +220,18 @@ fn agents_enforce_what_the_api_server_says_and_write_policy_status() {
         agent_log(&lab, "n1")
     );
     assert!(agent_log(&lab, "n1").contains("watch recovered"));
+
+    // A stopped agent takes its announcement back before it exits (SIGTERM: `lab down`
+    // waits for the agents to exit).
+    let down = lab.lab(&["down"]);
+    assert!(down.status.success(), "{}", text(&down));
+    for node in ["n1", "n2"] {
+        let n = api.get("v1", "Node", None, node).expect("node");
+        assert!(
+            n["metadata"]["annotations"].get("tierproxy.io/enforcing").is_none(),
+            "{node} still announced after its agent stopped: {n}"
+        );
+    }
 }
 
 /// `GET path` on `addr` from inside `netns`: (status code, body), or `None` if no answer.

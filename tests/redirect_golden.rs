@@ -20,6 +20,7 @@ fn fixed_spec(config: RedirectConfig) -> RulesetSpec {
         addrs(&["192.168.50.2", "fd00:50::2"]),
     )
     .expect("valid spec")
+    .with_enforced_pods(addrs(&["10.244.2.7", "fd00:10:244:2::7", "10.244.1.12"]))
 }
 
 fn check_golden(name: &str, actual: &str) {
@@ -91,7 +92,8 @@ fn rendering_is_deterministic_and_independent_of_input_order() {
         addrs(&["10.244.1.11", "fd00:10:244:1::c", "10.244.1.12", "10.244.1.11"]),
         addrs(&["fd00:50::2", "192.168.50.2"]),
     )
-    .expect("valid spec");
+    .expect("valid spec")
+    .with_enforced_pods(addrs(&["fd00:10:244:2::7", "10.244.1.12", "::ffff:10.244.2.7"]));
     for backend in [&IptablesBackend::new() as &dyn Backend, &NftablesBackend::new()] {
         assert_eq!(backend.render(&a), backend.render(&b), "{}", backend.name());
         assert_eq!(backend.render(&a), backend.render(&a), "{}", backend.name());
@@ -111,7 +113,7 @@ fn fail_open_only_adds_queue_bypass() {
     let (c, o) = (ipt.render(&closed), ipt.render(&open));
     assert!(!c.contains("--queue-bypass"));
     let queue_lines = o.lines().filter(|l| l.contains("-j NFQUEUE")).count();
-    assert_eq!(queue_lines, 8, "3 protocols and UDP to the node × 2 families");
+    assert_eq!(queue_lines, 10, "3 protocols, UDP to the node and TCP not tproxied × 2 families");
     assert_eq!(o.matches("--queue-bypass").count(), queue_lines);
     assert_eq!(o.replace(" --queue-bypass", ""), c);
 
@@ -139,8 +141,8 @@ fn fail_open_only_adds_queue_bypass() {
         }
     }
     assert_eq!(
-        bypass_flags, 16,
-        "(3 protocols + UDP to the node) × egress and ingress × 2 families"
+        bypass_flags, 20,
+        "(3 protocols + UDP to the node + TCP not tproxied) × egress and ingress × 2 families"
     );
     assert_eq!(o, c);
 }

@@ -233,9 +233,9 @@ fn iptables_lifecycle(test: &str, cmds: IptablesCommands) {
         (&cmds.ip6tables_restore, &cmds.ip6tables_save),
     ] {
         let expected = rendered_rules(&rendered, restore);
-        // 26 in mangle, 8 in raw (3 checking sources, 5 for the upstream legs' conntrack
+        // 28 in mangle, 8 in raw (3 checking sources, 5 for the upstream legs' conntrack
         // zone).
-        assert_eq!(expected.len(), 34, "{restore} section of:\n{rendered}");
+        assert_eq!(expected.len(), 36, "{restore} section of:\n{rendered}");
         let raw = ns.sh(&[save, "-t", "raw"]);
         let saved = ns.sh(&[save, "-t", "mangle"]);
         let ours: Vec<&str> =
@@ -310,6 +310,19 @@ fn iptables_lifecycle(test: &str, cmds: IptablesCommands) {
     ns.run(|| backend.set_pod_interfaces(&config, &ifaces)).expect("set_pod_interfaces");
     assert_eq!(members(&ns, "tierproxy-podif-v4"), ["0.0.0.0/0,pod1", "0.0.0.0/0,pod2"]);
     assert_eq!(members(&ns, "tierproxy-podif-v6"), ["::/0,pod1", "::/0,pod2"]);
+    assert_eq!(without_sets(&state(&ns, &cmds)), without_sets(&installed));
+
+    // set_enforced_pods replaces the enforced pod sets' members, nothing else.
+    assert!(members(&ns, "tierproxy-enforced-v4").is_empty());
+    let enforced = addrs(&["10.244.2.7", "fd00:10:244:2::7", "10.244.2.8"]);
+    ns.run(|| backend.set_enforced_pods(&config, &enforced.iter().copied().collect()))
+        .expect("set_enforced_pods");
+    assert_eq!(members(&ns, "tierproxy-enforced-v4"), ["10.244.2.7", "10.244.2.8"]);
+    assert_eq!(members(&ns, "tierproxy-enforced-v6"), ["fd00:10:244:2::7"]);
+    let one = addrs(&["10.244.2.8"]).into_iter().collect();
+    ns.run(|| backend.set_enforced_pods(&config, &one)).expect("set_enforced_pods again");
+    assert_eq!(members(&ns, "tierproxy-enforced-v4"), ["10.244.2.8"]);
+    assert!(members(&ns, "tierproxy-enforced-v6").is_empty());
     assert_eq!(without_sets(&state(&ns, &cmds)), without_sets(&installed));
 
     // remove leaves exactly what was there before, twice.
@@ -409,8 +422,9 @@ fn nftables_apply_update_remove() {
         assert!(!ns.sh(&["nft", "list", "tables"]).contains("tierproxy"));
         let (json, dropped) = without_queue_rules(&backend.ruleset_json(&s));
         assert_eq!(
-            dropped, 16,
-            "(3 protocols + UDP to the node) × egress and ingress × 2 families"
+            dropped, 20,
+            "(3 protocols + UDP to the node + TCP not tproxied) × egress and ingress × 2 \
+             families"
         );
         let mut child = Command::new("ip")
             .args(["netns", "exec", &ns.name, "nft", "-j", "-f", "-"])
@@ -438,6 +452,9 @@ fn nftables_apply_update_remove() {
             "ct status dnat socket transparent 1 socket wildcard 0 meta mark set",
             "ct status ! dnat tproxy ip to 127.0.0.1:15001",
             "ct state { invalid, new } counter packets 0 bytes 0 drop",
+            "ip daddr @pods-v4 ip saddr @enforced-v4 meta l4proto tcp return",
+            "meta l4proto != tcp socket transparent 1 socket wildcard 0",
+            "tcp flags != syn / fin,syn,rst,ack socket transparent 1 socket wildcard 0",
         ] {
             assert!(listing.contains(needle), "{needle:?} missing from:\n{listing}");
         }
@@ -448,6 +465,15 @@ fn nftables_apply_update_remove() {
     let ifaces = BTreeSet::from(["pod1".to_owned(), "pod2".to_owned()]);
     ns.run(|| backend.set_pod_interfaces(&config, &ifaces)).expect("set_pod_interfaces");
     assert_eq!(nft_elements(&ns, "podif"), ifaces);
+    let enforced: BTreeSet<IpAddr> =
+        addrs(&["10.244.2.7", "fd00:10:244:2::7"]).into_iter().collect();
+    ns.run(|| backend.set_enforced_pods(&config, &enforced)).expect("set_enforced_pods");
+    assert_eq!(nft_elements(&ns, "enforced-v4"), BTreeSet::from(["10.244.2.7".to_owned()]));
+    assert_eq!(nft_elements(&ns, "enforced-v6"), BTreeSet::from(["fd00:10:244:2::7".to_owned()]));
+    let one: BTreeSet<IpAddr> = addrs(&["10.244.2.8"]).into_iter().collect();
+    ns.run(|| backend.set_enforced_pods(&config, &one)).expect("set_enforced_pods again");
+    assert_eq!(nft_elements(&ns, "enforced-v4"), BTreeSet::from(["10.244.2.8".to_owned()]));
+    assert!(nft_elements(&ns, "enforced-v6").is_empty());
     ns.run(|| {
         backend.update_pods(
             &config,

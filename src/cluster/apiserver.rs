@@ -790,11 +790,11 @@ pub fn project_namespace(n: &mut Namespace) {
     n.status = None;
 }
 
-/// The projection of a Node: name, labels and `status.addresses`.
+/// The projection of a Node: name, labels, tierproxy's annotations (`tierproxy.io/enforcing`)
+/// and `status.addresses`.
 pub fn project_node(n: &mut Node) {
     use k8s_openapi::api::core::v1::NodeStatus;
     trim_meta(&mut n.metadata);
-    n.metadata.annotations = None;
     n.spec = None;
     if let Some(status) = n.status.take() {
         n.status = Some(NodeStatus { addresses: status.addresses, ..NodeStatus::default() });

@@ -426,6 +426,7 @@ fn build(
     if state.agents {
         let first = children.len();
         let mut pending = Vec::new();
+        let enforcing: Vec<String> = plan.nodes.iter().map(|n| n.name.clone()).collect();
         for node in &plan.nodes {
             let ready = state.dir.join(format!("agent-{}.ready", node.name));
             let log = state.dir.join(format!("agent-{}.log", node.name));
@@ -441,6 +442,7 @@ fn build(
                     ready: ready.clone(),
                     audit: audit.then(|| procs::audit_file(&state.dir, &node.name)),
                 },
+                &enforcing,
                 agent_args,
             );
             let child = procs::spawn_detached(cmd, &out)?;

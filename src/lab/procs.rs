@@ -111,8 +111,11 @@ pub const AGENT_CAPABILITIES: &str = "NET_ADMIN,NET_RAW,NET_BIND_SERVICE";
 
 /// The agent command for one node: `<exe> agent --netns <netns> --node <node> --manifests
 /// <paths...> --log <log> --ready-file <ready> --capabilities NET_ADMIN,NET_RAW,NET_BIND_SERVICE
-/// --audit-json <audit> --audit-allow-sample 1 --audit-deny-window-ms 1000 <extra...>` (the
-/// audit options unless `lab up --no-audit`; `extra`: `lab up --agent-arg`, e.g.
+/// [--enforcing-node=<other node>...] --audit-json <audit> --audit-allow-sample 1
+/// --audit-deny-window-ms 1000 <extra...>` (`enforcing`: the nodes the lab starts an agent
+/// on; each agent names the others, so a connection between pods on two nodes is proxied
+/// once, at the client's node; the audit options unless `lab up --no-audit`; `extra`:
+/// `lab up --agent-arg`, e.g.
 /// `--max-connections=10` or `--capabilities=all`; a later option overrides an earlier
 /// one). Each agent takes the share of the per-user pipe budget a node's agent takes,
 /// although the lab's agents share one machine's budget: at most half of it each, so only
@@ -135,6 +138,7 @@ pub fn agent_command(
     node: &str,
     manifests: &[PathBuf],
     files: &AgentFiles,
+    enforcing: &[String],
     extra: &[String],
 ) -> Command {
     let AgentFiles { log, ready, audit } = files;
@@ -143,6 +147,9 @@ pub fn agent_command(
     c.args(manifests);
     c.arg("--log").arg(log).arg("--ready-file").arg(ready);
     c.arg(format!("--capabilities={AGENT_CAPABILITIES}"));
+    for other in enforcing.iter().filter(|n| *n != node) {
+        c.arg(format!("--enforcing-node={other}"));
+    }
     if let Some(audit) = audit {
         c.arg("--audit-json").arg(audit);
         c.args(["--audit-allow-sample", "1"]);

@@ -178,6 +178,8 @@ pub(crate) struct NamespaceEntry {
 pub(crate) struct NodeEntry {
     pub(crate) name: String,
     pub(crate) labels: BTreeMap<String, String>,
+    /// The Node's annotations under [`ANNOTATION_PREFIX`] (e.g. [`ANNOTATION_ENFORCING`]).
+    pub(crate) annotations: Box<[(String, String)]>,
 }
 
 /// The peers of one compiled rule: the rule matches a peer if any part does.
@@ -235,6 +237,13 @@ pub(crate) struct Policy {
 /// ([`Snapshot::policy_annotation`]): tierproxy's own settings on upstream objects, such as
 /// `tierproxy.io/audit` (docs/audit.md), which need no change to the CRDs.
 pub const ANNOTATION_PREFIX: &str = "tierproxy.io/";
+
+/// The Node annotation an agent keeps on its own Node while it enforces (value `"true"`;
+/// issue #18): the connections of that node's pods are proxied and decided, egress and the
+/// server's ingress, at that node, so other nodes decide them on the first packet and let
+/// the kernel forward them instead of proxying them a second time. Written by the agent
+/// (`cluster::apiserver`), read here.
+pub const ANNOTATION_ENFORCING: &str = "tierproxy.io/enforcing";
 
 /// The annotations of `meta` whose key starts with [`ANNOTATION_PREFIX`], sorted by key.
 fn own_annotations(
@@ -1459,6 +1468,7 @@ impl Snapshot {
             c.nodes.push(NodeEntry {
                 name: r.name,
                 labels: node.metadata.labels.clone().unwrap_or_default(),
+                annotations: own_annotations(&node.metadata),
             });
             node_addrs.push(addrs);
         }
@@ -1506,7 +1516,11 @@ impl Snapshot {
                     // A node known only from pods: no labels, no addresses but its
                     // hostNetwork pods'.
                     let id = c.nodes.len() as u32;
-                    c.nodes.push(NodeEntry { name: n.clone(), labels: BTreeMap::new() });
+                    c.nodes.push(NodeEntry {
+                        name: n.clone(),
+                        labels: BTreeMap::new(),
+                        annotations: Box::default(),
+                    });
                     node_addrs.push(Vec::new());
                     node_ids.insert(n.clone(), id);
                     id
@@ -1831,6 +1845,24 @@ impl Snapshot {
     pub fn local_pod_ips(&self, node: u32) -> Vec<IpAddr> {
         (0..self.pods.len() as u32)
             .filter(|&p| self.pods[p as usize].node == Some(node))
+            .flat_map(|p| self.pod_ips(p).iter().copied())
+            .collect()
+    }
+
+    /// Whether node `id` carries [`ANNOTATION_ENFORCING`] with the value `"true"`.
+    pub fn node_enforcing(&self, id: u32) -> bool {
+        self.nodes.get(id as usize).is_some_and(|n| {
+            n.annotations.iter().any(|(k, v)| k == ANNOTATION_ENFORCING && v == "true")
+        })
+    }
+
+    /// The addresses of the pod-network pods whose node `node_matches` accepts (a node id
+    /// from [`Snapshot::find_node`]), in one pass over the pods: e.g. the enforced pods of
+    /// the ruleset (pods on every other node whose agent enforces). Order as
+    /// [`Snapshot::local_pod_ips`].
+    pub fn pod_ips_on(&self, mut node_matches: impl FnMut(u32) -> bool) -> Vec<IpAddr> {
+        (0..self.pods.len() as u32)
+            .filter(|&p| self.pods[p as usize].node.is_some_and(&mut node_matches))
             .flat_map(|p| self.pod_ips(p).iter().copied())
             .collect()
     }
@@ -2182,6 +2214,35 @@ mod tests {
         }
         anps.push(Arc::new(odd));
         inputs
+    }
+
+    #[test]
+    fn a_node_enforces_when_annotated_true_and_its_pods_are_found_in_one_pass() {
+        let shape = Shape { namespaces: 4, pods: 40, nodes: 3, ..Shape::LARGE };
+        let mut inputs = synth::cluster(shape, 3);
+        for (i, value) in [(0, "true"), (1, "false")] {
+            let mut node = (*inputs.nodes[i]).clone();
+            node.metadata
+                .annotations
+                .get_or_insert_default()
+                .insert(ANNOTATION_ENFORCING.into(), value.into());
+            inputs.nodes[i] = Arc::new(node);
+        }
+        let s = Snapshot::compile(&inputs, Revision(1)).snapshot;
+        let name = |i: usize| inputs.nodes[i].metadata.name.clone().unwrap();
+        let id = |i: usize| s.find_node(&name(i)).unwrap();
+        assert!(s.node_enforcing(id(0)), "annotated \"true\"");
+        assert!(!s.node_enforcing(id(1)), "annotated \"false\"");
+        assert!(!s.node_enforcing(id(2)), "not annotated");
+        let mut on_0 = s.pod_ips_on(|n| n == id(0));
+        let mut expected = s.local_pod_ips(id(0));
+        assert!(!expected.is_empty());
+        on_0.sort();
+        expected.sort();
+        assert_eq!(on_0, expected);
+        let all = s.pod_ips_on(|_| true).len();
+        let each: usize = (0..3).map(|i| s.local_pod_ips(id(i)).len()).sum();
+        assert_eq!(all, each);
     }
 
     #[test]

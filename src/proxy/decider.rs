@@ -183,13 +183,16 @@ impl Decider {
     }
 
     /// Decides the first packet of the flow `key`, audits the decision, and, when it is
-    /// allowed, keeps it for [`Decider::take`] (the proxy attaches it to the connection it
-    /// accepts). In lossless audit mode this waits while the audit queue is full.
-    pub fn first_packet(&self, key: FlowKey) -> Arc<Decision> {
+    /// allowed and `proxied` (the packet was TPROXY'd: the proxy will accept its flow), keeps
+    /// it for [`Decider::take`] (the proxy attaches it to the connection it accepts). A flow
+    /// the kernel forwards once decided (the kernel-forwarded flows' queue: SCTP, UDP to
+    /// the node, TCP from an enforced pod) is never taken, so it is not kept. In lossless
+    /// audit mode this waits while the audit queue is full.
+    pub fn first_packet(&self, key: FlowKey, proxied: bool) -> Arc<Decision> {
         let started = std::time::Instant::now();
         let admission = self.decide_and_audit(key, DecisionPoint::FirstPacket);
         let d = admission.decision.clone();
-        if d.verdict == Verdict::Allow {
+        if proxied && d.verdict == Verdict::Allow {
             self.pending.insert(key, admission);
         }
         self.metrics.decision_seconds.observe(started.elapsed().as_secs_f64());
@@ -397,7 +400,7 @@ status: {podIP: 10.60.1.3}
         let dir = tempfile::tempdir().unwrap();
         let file = dir.path().join("audit.jsonl");
         let (d, auditor) = decider(&file);
-        d.first_packet(key(1000));
+        d.first_packet(key(1000), true);
         let a = d.take_or_decide(key(1000));
         assert_eq!(a.point, DecisionPoint::FirstPacket);
         assert_eq!(d.stats.decided_at_accept.load(Ordering::Relaxed), 0);

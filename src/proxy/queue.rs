@@ -76,16 +76,20 @@ pub fn start(config: QueueConfig, decider: Arc<Decider>) -> anyhow::Result<Vec<J
             .with_context(|| format!("binding NFQUEUE {num}"))?;
         let decider = decider.clone();
         let config = QueueConfig { fail_open, ..config };
+        let kernel_forwarded = num == forwarded;
         let handle = std::thread::Builder::new()
             .name(format!("nfqueue-{num}"))
-            .spawn(move || read(num, q, config, &decider))
+            .spawn(move || read(num, q, config, kernel_forwarded, &decider))
             .with_context(|| format!("starting the NFQUEUE {num} thread"))?;
         threads.push(handle);
     }
     Ok(threads)
 }
 
-fn read(num: u16, mut q: Queue, config: QueueConfig, decider: &Decider) {
+/// Reads queue `num` until the agent stops. `kernel_forwarded`: the kernel-forwarded
+/// flows' queue, whose allowed flows the proxy never accepts (their decisions are not kept
+/// for it).
+fn read(num: u16, mut q: Queue, config: QueueConfig, kernel_forwarded: bool, decider: &Decider) {
     let allow = |mark: u32| Answer {
         verdict: Verdict::Repeat,
         mark: Some(mark & !config.decided_mask | config.decided_value),
@@ -94,7 +98,7 @@ fn read(num: u16, mut q: Queue, config: QueueConfig, decider: &Decider) {
     let mut failures = 0;
     loop {
         let r = q.process(BATCH, |p| match packet::parse(p.payload) {
-            Ok(key) => match decider.first_packet(key).verdict {
+            Ok(key) => match decider.first_packet(key, !kernel_forwarded).verdict {
                 PolicyVerdict::Allow => allow(p.mark),
                 PolicyVerdict::Deny => drop,
             },

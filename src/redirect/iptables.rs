@@ -23,9 +23,9 @@ use std::net::IpAddr;
 
 use super::exec::Cmd;
 use super::{
-    Backend, BackendKind, COMMENT_NODE_SOURCE, COMMENT_POD_SOURCE, COMMENT_STRAY_TCP, DropCounts,
-    Names, QUEUED_PROTOCOLS, QueueWhen, RedirectError, RulesetSpec, TPROXY_PROTOCOLS, by_family,
-    routing,
+    Backend, BackendKind, COMMENT_ENFORCED, COMMENT_NODE_SOURCE, COMMENT_POD_SOURCE,
+    COMMENT_STRAY_TCP, DropCounts, Names, QUEUED_PROTOCOLS, QueueWhen, RedirectError, RulesetSpec,
+    TPROXY_PROTOCOLS, by_family, routing,
 };
 use crate::config::RedirectConfig;
 
@@ -237,7 +237,18 @@ pub(crate) fn ipset_input(spec: &RulesetSpec) -> String {
         swap_in(&mut out, set, &format!("hash:ip family {}", fam.ipset_family()), members);
     }
     podif_input(&mut out, &names, spec.pod_interfaces());
+    enforced_input(&mut out, &names, spec.enforced_pods());
     out
+}
+
+/// The enforced pod sets (rule 6): `hash:ip` per family, swapped in whole.
+fn enforced_input(out: &mut String, names: &Names, addrs: &BTreeSet<IpAddr>) {
+    let (v4, v6) = by_family(addrs);
+    for (set, fam, members) in
+        [(&names.enforced_v4, Family::V4, &v4), (&names.enforced_v6, Family::V6, &v6)]
+    {
+        swap_in(out, set, &format!("hash:ip family {}", fam.ipset_family()), members);
+    }
 }
 
 /// Appends the `ipset restore` lines that make `set` (created as `kind` if missing) hold
@@ -278,9 +289,9 @@ fn podif_input(out: &mut String, names: &Names, interfaces: &BTreeSet<String>) {
 fn restore_input(spec: &RulesetSpec, fam: Family) -> String {
     let c = spec.config();
     let n = spec.names();
-    let (pods, nodes, on_ip) = match fam {
-        Family::V4 => (&n.pods_v4, &n.nodes_v4, c.tproxy_addr_v4.to_string()),
-        Family::V6 => (&n.pods_v6, &n.nodes_v6, c.tproxy_addr_v6.to_string()),
+    let (pods, nodes, enforced, on_ip) = match fam {
+        Family::V4 => (&n.pods_v4, &n.nodes_v4, &n.enforced_v4, c.tproxy_addr_v4.to_string()),
+        Family::V6 => (&n.pods_v6, &n.nodes_v6, &n.enforced_v6, c.tproxy_addr_v6.to_string()),
     };
     let (chain, divert, intercept, decide, queue) =
         (&n.chain, &n.divert_chain, &n.intercept_chain, &n.decide_chain, &n.queue_chain);
@@ -392,6 +403,14 @@ fn restore_input(spec: &RulesetSpec, fam: Family) -> String {
         "-A {intercept} -p tcp -m comment --comment \"{COMMENT_STRAY_TCP}\" \
          -m tcp ! --tcp-flags FIN,SYN,RST,ACK SYN -m conntrack --ctstate INVALID,NEW -j DROP"
     );
+    // TCP from a pod whose own node's agent proxied and decided the connection: decided
+    // here on its SYN (rule 7, the kernel-forwarded flows' queue), then forwarded by the
+    // kernel, not proxied a second time.
+    let _ = writeln!(
+        o,
+        "-A {intercept} -p tcp -m comment --comment \"{COMMENT_ENFORCED}\" \
+         -m set --match-set {enforced} src -j RETURN"
+    );
     for proto in TPROXY_PROTOCOLS {
         match super::queue_when(proto) {
             QueueWhen::Syn => {
@@ -419,7 +438,16 @@ fn restore_input(spec: &RulesetSpec, fam: Family) -> String {
     let forwarded = format!("--queue-num {}", c.kernel_forwarded_queue().unwrap_or(u16::MAX));
     for proto in QUEUED_PROTOCOLS {
         let (new_only, target) = match super::queue_when(proto) {
-            QueueWhen::Syn => (format!(" {SYN}"), &queue_target),
+            QueueWhen::Syn => {
+                // A SYN without the route mark was not TPROXY'd: one rule 6 lets the
+                // kernel forward (from an enforced pod). Its own queue: the balanced ones
+                // may fail open, and what they let through undecided must reach the proxy.
+                let _ = writeln!(
+                    o,
+                    "-A {queue} -p {proto} {SYN} -m mark ! --mark {route} -j NFQUEUE {forwarded}{bypass_flag}"
+                );
+                (format!(" {SYN}"), &queue_target)
+            }
             QueueWhen::Always => {
                 let _ = writeln!(
                     o,
@@ -679,6 +707,18 @@ impl Backend for IptablesBackend {
         Ok(())
     }
 
+    fn set_enforced_pods(
+        &self,
+        config: &RedirectConfig,
+        addrs: &BTreeSet<IpAddr>,
+    ) -> Result<(), RedirectError> {
+        config.validate()?;
+        let mut input = String::new();
+        enforced_input(&mut input, &Names::new(config), addrs);
+        self.ipset_restore_cmd().run(Some(&input))?;
+        Ok(())
+    }
+
     fn pod_interfaces(&self, addrs: &[IpAddr]) -> Result<BTreeSet<String>, RedirectError> {
         routing::pod_interfaces(&self.cmds.ip, addrs)
     }
@@ -720,6 +760,8 @@ impl Backend for IptablesBackend {
             &names.nodes_v6,
             &names.podif_v4,
             &names.podif_v6,
+            &names.enforced_v4,
+            &names.enforced_v6,
         ]
         .into_iter()
         .flat_map(|s| [s.clone(), format!("{s}-tmp")])

@@ -150,6 +150,12 @@
 //!    connection any decision allowed (an ACK, FIN or Xmas scan from a pod), and forwarded
 //!    it would reach its target undecided, which answers it and so tells a scanning pod
 //!    which ports are open (a FIN to a closed port is reset, to an open one not). Then TCP
+//!    from an **enforced pod** (a pod on another node whose agent enforces; sets
+//!    `<prefix>-enforced-v4`/`-v6`, nft `enforced-v4`/`-v6`,
+//!    [`RulesetSpec::with_enforced_pods`]) returns: its node's agent proxied the connection
+//!    and decided its egress and this pod's ingress already, so this node decides the
+//!    ingress again on the SYN (rule 7) and lets the kernel forward the connection instead
+//!    of terminating it a second time (issue #18). Then TCP
 //!    SYNs (first their conntrack mark, rule 3) and UDP not to the node's own addresses
 //!    ([`TPROXY_PROTOCOLS`]) are TPROXY'd to the listeners (`--on-ip`
 //!    [`RedirectConfig::tproxy_addr_v4`]/`_v6`, `--on-port` [`RedirectConfig::tproxy_port`])
@@ -164,7 +170,10 @@
 //! 7. **Bypass mark, decided mark, from the node over `lo`, UDP to the node not NEW →
 //!    return** (as rules 1, 2/3, 4, 5); then **a packet of TCP, UDP or SCTP whose source or destination is
 //!    a local pod → NFQUEUE**: TCP SYNs, SCTP when `ctstate NEW`, every UDP datagram
-//!    ([`QueueWhen`] says why each). The first packet of every pod flow, egress (source is a
+//!    ([`QueueWhen`] says why each). A TCP SYN without the route mark (rule 6 did not
+//!    TPROXY it: from an enforced pod) goes to the kernel-forwarded flows' queue, as SCTP
+//!    does: the balanced queues may fail open, and what they pass undecided must reach the
+//!    proxy, which such a SYN never does. The first packet of every pod flow, egress (source is a
 //!    local pod) and ingress (destination is a local pod), goes to userspace before any
 //!    handshake, so a denied connection times out (DESIGN §3): a TPROXY'd SYN is queued in
 //!    INPUT before the TCP stack sees it. Flows are balanced over the configured queues by
@@ -249,6 +258,8 @@ pub use self::nft::NftablesBackend;
 pub(crate) const COMMENT_NODE_SOURCE: &str = "tierproxy: node address from outside, forged";
 /// Comment of chain S's rule 3.
 pub(crate) const COMMENT_POD_SOURCE: &str = "tierproxy: source not routed via its pod interface";
+/// Comment of rule 6's return for TCP from an enforced pod (not proxied a second time).
+pub(crate) const COMMENT_ENFORCED: &str = "tierproxy: from a pod its own node proxied";
 /// Comment of rule 6's drop of TCP that belongs to no decided connection.
 pub(crate) const COMMENT_STRAY_TCP: &str = "tierproxy: TCP of no decided connection";
 
@@ -362,6 +373,12 @@ pub struct Names {
     pub podif_v4: String,
     /// Set (`hash:net,iface`) of the local pods' interfaces for IPv6.
     pub podif_v6: String,
+    /// Set of the IPv4 addresses of pods on other nodes whose agent enforces (their
+    /// connections were proxied and decided at their own node; rule 6 does not proxy them
+    /// again), e.g. `tierproxy-enforced-v4` (nftables: `enforced-v4`).
+    pub enforced_v4: String,
+    /// Set of the IPv6 addresses of pods on other nodes whose agent enforces.
+    pub enforced_v6: String,
     /// nftables table (family `inet`), e.g. `tierproxy`.
     pub table: String,
     /// nftables table (family `inet`) the iptables backend adds for rule 3 after the DNAT
@@ -390,6 +407,8 @@ impl Names {
             nodes_v6: format!("{p}-nodes-v6"),
             podif_v4: format!("{p}-podif-v4"),
             podif_v6: format!("{p}-podif-v6"),
+            enforced_v4: format!("{p}-enforced-v4"),
+            enforced_v6: format!("{p}-enforced-v6"),
             table: p.clone(),
             dnat_table: format!("{p}-dnat"),
         }
@@ -406,6 +425,7 @@ pub struct RulesetSpec {
     local_pods: BTreeSet<IpAddr>,
     node_addrs: BTreeSet<IpAddr>,
     pod_interfaces: BTreeSet<String>,
+    enforced_pods: BTreeSet<IpAddr>,
 }
 
 impl RulesetSpec {
@@ -425,7 +445,23 @@ impl RulesetSpec {
             local_pods: local_pods.into_iter().map(|a| a.to_canonical()).collect(),
             node_addrs: node_addrs.into_iter().map(|a| a.to_canonical()).collect(),
             pod_interfaces: BTreeSet::new(),
+            enforced_pods: BTreeSet::new(),
         })
+    }
+
+    /// This spec with `addrs` as the enforced pods (rule 6): the addresses of pods on other
+    /// nodes whose agent enforces, whose TCP connections their own node proxied and
+    /// decided, in both directions, already. Their SYNs to a local pod are decided here on
+    /// the first packet and then forwarded by the kernel, not proxied a second time
+    /// (issue #18). An address that is also a local pod's is left out (a pod IP that moved
+    /// between nodes while both pods are listed): it is proxied.
+    pub fn with_enforced_pods(mut self, addrs: impl IntoIterator<Item = IpAddr>) -> Self {
+        self.enforced_pods = addrs
+            .into_iter()
+            .map(|a| a.to_canonical())
+            .filter(|a| !self.local_pods.contains(a))
+            .collect();
+        self
     }
 
     /// This spec with `interfaces` as the local pods' interfaces (chain S, rule 3): the
@@ -455,6 +491,11 @@ impl RulesetSpec {
     /// The interfaces through which the node routes its local pods' addresses, sorted.
     pub fn pod_interfaces(&self) -> &BTreeSet<String> {
         &self.pod_interfaces
+    }
+
+    /// The enforced pods' addresses ([`RulesetSpec::with_enforced_pods`]), sorted.
+    pub fn enforced_pods(&self) -> &BTreeSet<IpAddr> {
+        &self.enforced_pods
     }
 
     /// The names derived from the configuration.
@@ -574,6 +615,18 @@ pub trait Backend: fmt::Debug + Send + Sync {
         &self,
         config: &RedirectConfig,
         interfaces: &BTreeSet<String>,
+    ) -> Result<(), RedirectError>;
+
+    /// Makes the enforced pod sets (rule 6, [`RulesetSpec::with_enforced_pods`]) hold
+    /// exactly `addrs`, atomically per set, without rebuilding anything else. Needs the
+    /// ruleset applied.
+    ///
+    /// # Errors
+    /// [`RedirectError::Config`] for an invalid `config`; the failing command otherwise.
+    fn set_enforced_pods(
+        &self,
+        config: &RedirectConfig,
+        addrs: &BTreeSet<IpAddr>,
     ) -> Result<(), RedirectError>;
 
     /// The interfaces through which this node routes `addrs` (its local pods' addresses):

@@ -36,9 +36,9 @@ use ::nftables::types::{NfChainPolicy, NfChainType, NfFamily, NfHook};
 
 use super::exec::Cmd;
 use super::{
-    Backend, BackendKind, COMMENT_NODE_SOURCE, COMMENT_POD_SOURCE, COMMENT_STRAY_TCP, DropCounts,
-    Names, QUEUED_PROTOCOLS, QueueWhen, RedirectError, RulesetSpec, TPROXY_PROTOCOLS, by_family,
-    routing,
+    Backend, BackendKind, COMMENT_ENFORCED, COMMENT_NODE_SOURCE, COMMENT_POD_SOURCE,
+    COMMENT_STRAY_TCP, DropCounts, Names, QUEUED_PROTOCOLS, QueueWhen, RedirectError, RulesetSpec,
+    TPROXY_PROTOCOLS, by_family, routing,
 };
 use crate::config::{Mark, RedirectConfig};
 
@@ -87,6 +87,9 @@ const NODES_V4: &str = "nodes-v4";
 const NODES_V6: &str = "nodes-v6";
 /// The local pods' interfaces (chain S, rule 3), one set for both families.
 const PODIF: &str = "podif";
+/// Pods on other nodes whose agent enforces (rule 6: not proxied a second time).
+const ENFORCED_V4: &str = "enforced-v4";
+const ENFORCED_V6: &str = "enforced-v6";
 
 /// The nftables backend (see the module docs of `redirect` for the rules).
 #[derive(Debug, Clone)]
@@ -110,10 +113,13 @@ struct Fam {
     nfproto: &'static str,
     pods: &'static str,
     nodes: &'static str,
+    enforced: &'static str,
 }
 
-const V4: Fam = Fam { proto: "ip", nfproto: "ipv4", pods: PODS_V4, nodes: NODES_V4 };
-const V6: Fam = Fam { proto: "ip6", nfproto: "ipv6", pods: PODS_V6, nodes: NODES_V6 };
+const V4: Fam =
+    Fam { proto: "ip", nfproto: "ipv4", pods: PODS_V4, nodes: NODES_V4, enforced: ENFORCED_V4 };
+const V6: Fam =
+    Fam { proto: "ip6", nfproto: "ipv6", pods: PODS_V6, nodes: NODES_V6, enforced: ENFORCED_V6 };
 
 fn meta(key: MetaKey) -> Expression<'static> {
     Expression::Named(NamedExpression::Meta(Meta { key }))
@@ -418,8 +424,14 @@ impl<'s> Builder<'s> {
     }
 
     fn set(&mut self, name: &'static str, ty: SetType, members: &BTreeSet<IpAddr>) {
+        let set = self.ip_set(name, ty, members);
+        self.batch.add(NfListObject::Set(Box::new(set)));
+    }
+
+    /// The address set `name` of type `ty`, with `members` as its elements.
+    fn ip_set(&self, name: &'static str, ty: SetType, members: &BTreeSet<IpAddr>) -> Set<'s> {
         let elem: Vec<Expression<'s>> = members.iter().map(|a| str_expr(a.to_string())).collect();
-        self.batch.add(NfListObject::Set(Box::new(Set {
+        Set {
             family: NfFamily::INet,
             table: self.table.clone().into(),
             name: name.into(),
@@ -432,7 +444,7 @@ impl<'s> Builder<'s> {
             gc_interval: None,
             size: None,
             comment: None,
-        })));
+        }
     }
 
     /// The `ifname` set of the local pods' interfaces, with `members` as its elements.
@@ -480,6 +492,9 @@ fn apply_batch(spec: &RulesetSpec) -> Nftables<'static> {
     b.set(PODS_V6, SetType::Ipv6Addr, &pods6);
     b.set(NODES_V4, SetType::Ipv4Addr, &nodes4);
     b.set(NODES_V6, SetType::Ipv6Addr, &nodes6);
+    let (enforced4, enforced6) = by_family(spec.enforced_pods());
+    b.set(ENFORCED_V4, SetType::Ipv4Addr, &enforced4);
+    b.set(ENFORCED_V6, SetType::Ipv6Addr, &enforced6);
     b.batch.add(NfListObject::Set(Box::new(b.ifname_set(spec.pod_interfaces()))));
     b.batch.add(NfListObject::Chain(b.prerouting()));
     b.batch.add(NfListObject::Chain(b.regular_chain(DECIDE_CHAIN)));
@@ -695,6 +710,21 @@ fn apply_batch(spec: &RulesetSpec) -> Nftables<'static> {
             );
         }
     }
+    // TCP from a pod whose own node's agent proxied and decided the connection: decided on
+    // its SYN in `decide` (the kernel-forwarded flows' queue), then forwarded by the
+    // kernel, not proxied a second time.
+    for fam in [V4, V6] {
+        b.rule(
+            CHAIN,
+            COMMENT_ENFORCED,
+            vec![
+                in_set(fam, "daddr", fam.pods),
+                in_set(fam, "saddr", fam.enforced),
+                l4proto_in(&["tcp"]),
+                Statement::Return(None),
+            ],
+        );
+    }
     for fam in [V4, V6] {
         for (field, comment) in DIRECTIONS {
             for &proto in TPROXY_PROTOCOLS {
@@ -754,6 +784,28 @@ fn apply_batch(spec: &RulesetSpec) -> Nftables<'static> {
                 let mut expr = vec![l4proto_in(&[proto])];
                 let target = match super::queue_when(proto) {
                     QueueWhen::Syn => {
+                        // A SYN without the route mark was not tproxied: one rule 6 lets
+                        // the kernel forward (from an enforced pod). Its own queue: the
+                        // balanced ones may fail open, and what they let through
+                        // undecided must reach the proxy.
+                        b.rule(
+                            DECIDE_CHAIN,
+                            comment,
+                            vec![
+                                l4proto_in(&[proto]),
+                                tcp_syn(Operator::EQ),
+                                is(
+                                    Expression::BinaryOperation(Box::new(BinaryOperation::AND(
+                                        meta(MetaKey::Mark),
+                                        Expression::Number(c.route_mark.mask),
+                                    ))),
+                                    Operator::NEQ,
+                                    Expression::Number(c.route_mark.value),
+                                ),
+                                in_set(fam, field, fam.pods),
+                                forwarded_queue(c),
+                            ],
+                        );
                         expr.push(tcp_syn(Operator::EQ));
                         queue(c)
                     }
@@ -803,6 +855,23 @@ fn update_batch(names: &Names, add: &[IpAddr], remove: &[IpAddr]) -> Nftables<'s
         }
         if !add.is_empty() {
             b.batch.add(b.elements(set, &add));
+        }
+    }
+    b.batch.to_nftables()
+}
+
+/// The transaction that makes the enforced pod sets hold exactly `addrs`: flush, then add,
+/// in one commit (a packet never sees a half-filled set).
+fn enforced_batch(names: &Names, addrs: &BTreeSet<IpAddr>) -> Nftables<'static> {
+    let mut b = Builder { table: names.table.clone(), batch: Batch::new() };
+    let (v4, v6) = by_family(addrs);
+    for (name, ty, members) in
+        [(ENFORCED_V4, SetType::Ipv4Addr, v4), (ENFORCED_V6, SetType::Ipv6Addr, v6)]
+    {
+        let set = b.ip_set(name, ty, &BTreeSet::new());
+        b.batch.add_cmd(NfCmd::Flush(FlushObject::Set(Box::new(set))));
+        if !members.is_empty() {
+            b.batch.add(b.elements(name, &members));
         }
     }
     b.batch.to_nftables()
@@ -971,6 +1040,17 @@ impl Backend for NftablesBackend {
         config.validate()?;
         let valid = super::valid_ifnames(interfaces.iter().cloned());
         let batch = podif_batch(&Names::new(config), &valid);
+        self.nft_cmd().run(Some(&to_json(&batch, false)))?;
+        Ok(())
+    }
+
+    fn set_enforced_pods(
+        &self,
+        config: &RedirectConfig,
+        addrs: &BTreeSet<IpAddr>,
+    ) -> Result<(), RedirectError> {
+        config.validate()?;
+        let batch = enforced_batch(&Names::new(config), addrs);
         self.nft_cmd().run(Some(&to_json(&batch, false)))?;
         Ok(())
     }
