@@ -847,6 +847,8 @@ pub struct RulesetDrops {
     pub stray_tcp: std::sync::atomic::AtomicU64,
     /// Interfaces in the pod interface sets.
     pub interfaces: std::sync::atomic::AtomicU64,
+    /// Addresses in the enforced pod sets (pods on other enforcing nodes).
+    pub enforced: std::sync::atomic::AtomicU64,
 }
 
 /// The interfaces of `addrs` ([`redirect::Backend::pod_interfaces`]); none, with a warning,
@@ -912,6 +914,7 @@ impl Reloader<'_> {
             }
         }
         self.drops.interfaces.store(self.spec.pod_interfaces().len() as u64, Relaxed);
+        self.drops.enforced.store(self.spec.enforced_pods().len() as u64, Relaxed);
         // What a burst (a flood of new flows, many connections at once) freed goes back to
         // the kernel: glibc keeps freed memory in its arenas otherwise, and the agent's RSS
         // stayed ~200 MiB higher after a flood for good (issue #17). The caches free their
@@ -1056,6 +1059,7 @@ impl Reloader<'_> {
             rss_mib = rss_mib(),
             pods_added = added.len(),
             pods_removed = removed.len(),
+            enforced_pods = self.spec.enforced_pods().len(),
             "snapshot applied"
         );
     }
@@ -1478,6 +1482,14 @@ fn scraped(sources: Sources, config: &AuditConfig) -> Scraped {
             "Interfaces of local pods whose sources are checked (the routes to their addresses)",
             vec![],
             drops.interfaces.load(Relaxed),
+        ));
+        out.push(g(
+            "enforced_pods",
+            "Addresses of pods on other nodes whose agent enforces: their TCP connections to \
+             this node's pods are decided on the first packet and forwarded by the kernel, \
+             not proxied again",
+            vec![],
+            drops.enforced.load(Relaxed),
         ));
         let lh = "Times the agent hit one of its limits, by limit: connections (--max-connections, \
                   new connections wait), udp_flows (--max-udp-flows, datagram dropped), \
