@@ -3,7 +3,9 @@
 //! connection, whole connect–request–response–close cycles, and UDP request/response.
 //!
 //! The lab's TCP servers greet each connection with one line (`tierproxy-lab <ip> <port>`)
-//! and then echo; the TCP modes read the greeting first. The UDP server answers each
+//! and then echo; the TCP modes read the greeting first. crr closes first by default; with
+//! [`LoadOptions::server_closes`] it runs against a close-first port, where the server
+//! sends its FIN first after answering one request. The UDP server answers each
 //! datagram with that line followed by the datagram. Every run is bounded by a duration
 //! and a count. Output: one JSON object (figures in microseconds and per second).
 
@@ -69,6 +71,11 @@ pub struct LoadOptions {
     pub count_errors: bool,
     /// crr: how long a connect, and then each read, may take.
     pub timeout: Duration,
+    /// crr against a server that closes first (a lab port served close-first, see
+    /// [`crate::lab::serve`]): after the echo the client reads the server's EOF without
+    /// having shut down its own side, then closes. Without it the client shuts down
+    /// first and then reads the server's EOF.
+    pub server_closes: bool,
 }
 
 /// A run's figures.
@@ -227,10 +234,19 @@ fn one_client(o: LoadOptions, deadline: Instant, max: u64) -> anyhow::Result<Cli
                     let mut s = connect_within(o.to, o.timeout)?;
                     let mut r = greeting(&s)?;
                     s.write_all(&req)?;
-                    r.read_exact(&mut resp)?;
-                    s.shutdown(std::net::Shutdown::Write)?;
+                    r.read_exact(&mut resp).context("reading the echo")?;
+                    if !o.server_closes {
+                        s.shutdown(std::net::Shutdown::Write)?;
+                    }
                     let mut rest = [0u8; 1];
-                    if r.read(&mut rest)? != 0 {
+                    // With server_closes this waits for the server's FIN (at most the read
+                    // timeout): a server that does not close first fails the transaction.
+                    let n = r.read(&mut rest).context(if o.server_closes {
+                        "waiting for the server to close first"
+                    } else {
+                        "waiting for the server's EOF"
+                    })?;
+                    if n != 0 {
                         bail!("the echo server sent more than the echo");
                     }
                     Ok(())
@@ -528,7 +544,42 @@ mod tests {
             forge_sources: false,
             count_errors: false,
             timeout: DEFAULT_TIMEOUT,
+            server_closes: false,
         }
+    }
+
+    /// A lab TCP server on loopback, served `style` (it serves until the test ends).
+    fn tcp_server(style: crate::lab::serve::TcpStyle) -> SocketAddr {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        std::thread::spawn(move || crate::lab::serve::serve_tcp_as(l, style));
+        addr
+    }
+
+    #[test]
+    fn crr_with_server_closes_completes_cycles_on_a_close_first_port() {
+        let to = tcp_server(crate::lab::serve::TcpStyle::CloseFirst);
+        let r = run(LoadOptions { server_closes: true, ..opts(Mode::Crr, to, 200, 2) }).unwrap();
+        assert_eq!((r.count, r.errors), (200, 0));
+        assert!(r.p50_us > 0.0 && r.p99_us >= r.p50_us);
+    }
+
+    #[test]
+    fn crr_with_server_closes_fails_on_a_server_that_waits_for_the_client() {
+        // The plain echo closes only after the client: the client's wait for the server's
+        // FIN times out, an error, not a completed cycle.
+        let to = tcp_server(crate::lab::serve::TcpStyle::Echo);
+        let o = LoadOptions {
+            server_closes: true,
+            timeout: Duration::from_millis(300),
+            ..opts(Mode::Crr, to, 1, 1)
+        };
+        let e = run(o).unwrap_err();
+        assert!(format!("{e:#}").contains("waiting for the server to close first"), "{e:#}");
+        // And the default crr completes against the close-first port too (it shuts down
+        // first; the server's FIN follows the echo either way).
+        let to = tcp_server(crate::lab::serve::TcpStyle::CloseFirst);
+        assert_eq!(run(opts(Mode::Crr, to, 20, 1)).unwrap().count, 20);
     }
 
     /// A lab UDP echo on loopback (it serves until the test process ends).

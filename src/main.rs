@@ -100,6 +100,11 @@ enum Command {
         /// crr: how long a connect, and each read, may take (milliseconds).
         #[arg(long, default_value_t = tierproxy::loadgen::DEFAULT_TIMEOUT.as_millis() as u64)]
         timeout_ms: u64,
+        /// crr against a close-first port (`lab serve --tcp-close-first`, a containerPort
+        /// named close-first): read the server's EOF after the echo, then close, instead
+        /// of shutting down first.
+        #[arg(long)]
+        server_closes: bool,
     },
     /// Report invalid objects, priority conflicts and rules that can never match.
     ///
@@ -520,6 +525,7 @@ fn main() -> ExitCode {
             forge_sources,
             count_errors,
             timeout_ms,
+            server_closes,
         } => {
             let opts = tierproxy::loadgen::LoadOptions {
                 mode,
@@ -532,6 +538,7 @@ fn main() -> ExitCode {
                 forge_sources,
                 count_errors,
                 timeout: std::time::Duration::from_millis(timeout_ms.max(1)),
+                server_closes,
             };
             if mode == tierproxy::loadgen::Mode::SynFlood {
                 return print_report(tierproxy::loadgen::syn_flood(opts), &mut out, &mut err);

@@ -169,6 +169,10 @@ enum LabCommand {
         /// TCP ports, comma-separated.
         #[arg(long, value_delimiter = ',')]
         tcp: Vec<u16>,
+        /// TCP ports served close-first, comma-separated: greeting, one request echoed,
+        /// then the server closes before the client (HTTP/1.0 `Connection: close` style).
+        #[arg(long, value_delimiter = ',')]
+        tcp_close_first: Vec<u16>,
         /// UDP ports, comma-separated.
         #[arg(long, value_delimiter = ',')]
         udp: Vec<u16>,
@@ -378,8 +382,9 @@ pub fn main(args: LabArgs, out: &mut dyn Write, err: &mut dyn Write) -> u8 {
                 }
             }
         }
-        Some(LabCommand::Serve { bind, tcp, udp, sctp, ready_file }) => {
-            match super::serve::run(&bind, &tcp, &udp, &sctp, ready_file.as_deref()) {
+        Some(LabCommand::Serve { bind, tcp, tcp_close_first, udp, sctp, ready_file }) => {
+            let ready = ready_file.as_deref();
+            match super::serve::run(&bind, &tcp, &tcp_close_first, &udp, &sctp, ready) {
                 Ok(()) => 0,
                 Err(e) => {
                     let _ = writeln!(err, "error: {}", explain::error_chain(&e));

@@ -117,7 +117,20 @@ pub struct ServerPlan {
     /// served: none).
     #[serde(default)]
     pub sctp: Vec<u16>,
+    /// The TCP ports of [`ServerPlan::tcp`] served close-first (the server answers one
+    /// request and closes before the client: `lab serve --tcp-close-first`), ascending:
+    /// ports a Pod declares with the name [`CLOSE_FIRST_PORT_NAME`]. Absent in the state
+    /// files of labs built before them: none.
+    #[serde(default)]
+    pub tcp_close_first: Vec<u16>,
 }
+
+/// The `containerPort` name that asks the lab to serve a TCP port close-first: the echo
+/// server answers one request and sends its FIN before the client does, as an HTTP/1.0
+/// server with `Connection: close` does (see [`super::serve`]). A lab convention, valid as
+/// a Kubernetes port name (an IANA_SVC_NAME: at most 15 lowercase letters, digits and
+/// hyphens).
+pub const CLOSE_FIRST_PORT_NAME: &str = "close-first";
 
 /// Something in the manifests the lab left out, and why.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -232,6 +245,8 @@ struct Ports {
     tcp: BTreeSet<u16>,
     udp: BTreeSet<u16>,
     sctp: BTreeSet<u16>,
+    /// Of `tcp`, the ports served close-first.
+    tcp_close_first: BTreeSet<u16>,
 }
 
 impl Ports {
@@ -247,6 +262,7 @@ impl Ports {
         self.tcp.extend(other.tcp);
         self.udp.extend(other.udp);
         self.sctp.extend(other.sctp);
+        self.tcp_close_first.extend(other.tcp_close_first);
     }
 }
 
@@ -261,6 +277,9 @@ fn declared_ports(pod: &crate::policy::api::Pod) -> Ports {
         }
         if let Ok(protocol) = port.protocol.as_deref().unwrap_or("TCP").parse::<Protocol>() {
             out.insert(protocol, n);
+            if protocol == Protocol::Tcp && port.name.as_deref() == Some(CLOSE_FIRST_PORT_NAME) {
+                out.tcp_close_first.insert(n);
+            }
         }
     }
     out
@@ -458,7 +477,7 @@ impl Plan {
             }
             ports.entry(netns).or_default().insert(f.protocol, f.dst_port);
         }
-        for (netns, Ports { tcp, udp, sctp }) in ports {
+        for (netns, Ports { tcp, udp, sctp, tcp_close_first }) in ports {
             if tcp.is_empty() && udp.is_empty() && sctp.is_empty() {
                 continue;
             }
@@ -469,6 +488,7 @@ impl Plan {
                 tcp: tcp.into_iter().collect(),
                 udp: udp.into_iter().collect(),
                 sctp: sctp.into_iter().collect(),
+                tcp_close_first: tcp_close_first.into_iter().collect(),
             });
         }
         Ok(plan)
@@ -719,7 +739,7 @@ metadata: {name: bare}
 apiVersion: v1
 kind: Pod
 metadata: {name: a, namespace: x}
-spec: {nodeName: n1, containers: [{name: c, ports: [{containerPort: 80}, {containerPort: 53, protocol: UDP}, {containerPort: 9, protocol: SCTP}]}]}
+spec: {nodeName: n1, containers: [{name: c, ports: [{containerPort: 80}, {containerPort: 53, protocol: UDP}, {containerPort: 9, protocol: SCTP}, {containerPort: 81, name: close-first}]}]}
 status: {podIP: 10.0.1.2, podIPs: [{ip: 10.0.1.2}, {ip: "fd00::1:2"}]}
 ---
 apiVersion: v1
@@ -819,12 +839,16 @@ status: {podIP: 10.0.7.2}
         let server = |ns: &str| p.servers.iter().find(|s| s.netns == ns).unwrap();
         let a = server("t1_pod_x_a");
         assert_eq!(a.bind, ["10.0.1.2".parse::<IpAddr>().unwrap(), "fd00::1:2".parse().unwrap()]);
-        assert_eq!((a.tcp.as_slice(), a.udp.as_slice()), (&[80][..], &[53, 5353][..]));
+        assert_eq!((a.tcp.as_slice(), a.udp.as_slice()), (&[80, 81][..], &[53, 5353][..]));
+        // The TCP port named close-first is served close-first, and still served.
+        assert_eq!(a.tcp_close_first, [81]);
+        assert!(p.serves("10.0.1.2".parse().unwrap(), Protocol::Tcp, 81));
         // Declared SCTP port 9 on a; probed SCTP 38412 on a too.
         assert_eq!(a.sctp, [9, 38412]);
         assert!(p.serves("10.0.1.2".parse().unwrap(), Protocol::Sctp, 38412));
         assert!(!p.serves("10.0.1.2".parse().unwrap(), Protocol::Sctp, 80));
         assert_eq!(server("t1_pod_x_b").tcp, [8080]);
+        assert!(server("t1_pod_x_b").tcp_close_first.is_empty());
         assert!(server("t1_pod_x_b").sctp.is_empty());
         let n2 = server("t1_node_n2");
         assert_eq!((n2.tcp.as_slice(), n2.bind.len()), (&[9100, 10250][..], 1));

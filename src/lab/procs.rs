@@ -71,8 +71,13 @@ pub fn serve_command(exe: &Path, server: &ServerPlan, ready: &Path) -> Command {
     c.args(["netns", "exec", &server.netns]).arg(exe).args(["lab", "serve"]);
     let bind: Vec<String> = server.bind.iter().map(ToString::to_string).collect();
     c.arg("--bind").arg(bind.join(","));
-    if !server.tcp.is_empty() {
-        c.arg("--tcp").arg(join(&server.tcp));
+    let echo: Vec<u16> =
+        server.tcp.iter().copied().filter(|p| !server.tcp_close_first.contains(p)).collect();
+    if !echo.is_empty() {
+        c.arg("--tcp").arg(join(&echo));
+    }
+    if !server.tcp_close_first.is_empty() {
+        c.arg("--tcp-close-first").arg(join(&server.tcp_close_first));
     }
     if !server.udp.is_empty() {
         c.arg("--udp").arg(join(&server.udp));
@@ -309,6 +314,25 @@ mod tests {
         let mut c = Command::new("sh");
         c.args(["-c", script]);
         spawn_detached(c, log).expect("sh starts")
+    }
+
+    #[test]
+    fn serve_command_passes_close_first_ports_apart_from_the_echo_ports() {
+        // A state file written before close-first ports existed still loads: none.
+        let old = r#"{"netns": "t_pod_b_x", "bind": ["10.0.0.2"], "tcp": [80, 8081], "udp": []}"#;
+        let mut server: ServerPlan = serde_json::from_str(old).unwrap();
+        assert!(server.tcp_close_first.is_empty());
+        let args = |s: &ServerPlan| -> Vec<String> {
+            let c = serve_command(Path::new("/bin/tp"), s, Path::new("/r"));
+            c.get_args().map(|a| a.to_string_lossy().into_owned()).collect()
+        };
+        let a = args(&server);
+        assert!(a.windows(2).any(|w| w == ["--tcp", "80,8081"]), "{a:?}");
+        assert!(!a.iter().any(|x| x == "--tcp-close-first"), "{a:?}");
+        server.tcp_close_first = vec![8081];
+        let a = args(&server);
+        assert!(a.windows(2).any(|w| w == ["--tcp", "80"]), "{a:?}");
+        assert!(a.windows(2).any(|w| w == ["--tcp-close-first", "8081"]), "{a:?}");
     }
 
     #[test]

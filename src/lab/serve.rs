@@ -4,6 +4,14 @@
 //! - TCP: on accept the server writes one line `tierproxy-lab <peer-ip> <peer-port>\n`, then
 //!   echoes everything it reads until EOF, then shuts down its write side (so a half-close
 //!   is visible end to end) and closes.
+//! - TCP, close-first ports (`--tcp-close-first`; a Pod `containerPort` named
+//!   [`super::plan::CLOSE_FIRST_PORT_NAME`]): the server closes first, as an HTTP/1.0 server
+//!   answering `Connection: close` does. On accept it writes the greeting, makes one read
+//!   of up to [`BUFFER`] bytes (the request), echoes it, and shuts down its write side: its
+//!   FIN leaves before the client's. It then reads and discards until the client's EOF (or
+//!   [`CLOSE_FIRST_LINGER`]) before it closes the socket: a socket closed with unread bytes
+//!   sends an RST instead of a FIN (RFC 9293 §3.6, "Reset generation"; Linux
+//!   `tcp_close`), so a late byte must be read, not left. See [`close_first`].
 //! - UDP: every datagram is answered with the same line followed by the datagram's payload.
 //! - SCTP, where the kernel has no SCTP sockets (these machines: CONFIG_IP_SCTP unset): one
 //!   raw IP socket (protocol 132) per bound address receives every SCTP packet sent to
@@ -36,6 +44,10 @@ pub const MAX_CONNECTIONS: usize = 4096;
 /// Read buffer per TCP connection and UDP socket, in bytes (64 KiB: copies at this size
 /// run near memory bandwidth, see DESIGN §7).
 const BUFFER: usize = 64 << 10;
+/// How long a close-first connection waits, after its FIN, for the client's EOF before it
+/// closes anyway: a client that sent its request closes at once on the server's FIN, so
+/// this only bounds how long a stuck client holds a thread.
+pub const CLOSE_FIRST_LINGER: Duration = Duration::from_secs(10);
 /// Stack of a connection thread: it only holds a heap buffer and a few frames.
 const CONNECTION_STACK: usize = 128 << 10;
 /// Receive buffer of a raw SCTP socket, in bytes: the largest IP packet.
@@ -83,9 +95,65 @@ fn echo(mut stream: TcpStream) {
     let _ = stream.shutdown(Shutdown::Write);
 }
 
+/// Serves one TCP connection whose server closes first: greeting, one read (the request)
+/// echoed, FIN, then reads until the client's EOF (at most [`CLOSE_FIRST_LINGER`]) so the
+/// close sends no RST.
+///
+/// One read is the whole request for `tierproxy loadgen --server-closes`: its request
+/// (64 bytes by default, at most a few KiB) is one `write` on a `TCP_NODELAY` socket after
+/// the greeting was read, so it leaves as one segment, below any MSS, and every proxy on
+/// the lab's paths reads and forwards it whole (with buffers of 64 KiB and more). Were it
+/// ever split, loadgen would see the EOF before the whole echo and report an error, never
+/// a wrong figure.
+fn close_first(mut stream: TcpStream) {
+    let Ok(peer) = stream.peer_addr() else { return };
+    if stream.write_all(greeting(peer).as_bytes()).is_err() {
+        return;
+    }
+    let mut buf = vec![0u8; BUFFER];
+    let n = loop {
+        match stream.read(&mut buf) {
+            Ok(n) => break n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(_) => return,
+        }
+    };
+    if n > 0 && stream.write_all(&buf[..n]).is_err() {
+        return;
+    }
+    if stream.shutdown(Shutdown::Write).is_err() || n == 0 {
+        return;
+    }
+    // Drain, so that close(2) finds nothing unread and sends no RST.
+    let _ = stream.set_read_timeout(Some(CLOSE_FIRST_LINGER));
+    loop {
+        match stream.read(&mut buf) {
+            Ok(0) => return,
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(_) => return,
+        }
+    }
+}
+
+/// How a TCP port serves its connections.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TcpStyle {
+    /// Greeting, echo until the client's EOF, then the server's FIN ([`echo`]).
+    Echo,
+    /// Greeting, one request echoed, the server's FIN first ([`close_first`]).
+    CloseFirst,
+}
+
 /// Accepts connections on `listener` forever, one thread per connection, at most
-/// [`MAX_CONNECTIONS`] at once.
+/// [`MAX_CONNECTIONS`] at once, each served the plain echo way.
 pub fn serve_tcp(listener: TcpListener) {
+    serve_tcp_as(listener, TcpStyle::Echo);
+}
+
+/// Accepts connections on `listener` forever, one thread per connection, at most
+/// [`MAX_CONNECTIONS`] at once, each served as `style` says.
+pub fn serve_tcp_as(listener: TcpListener, style: TcpStyle) {
     let live = Arc::new(AtomicUsize::new(0));
     let warned = AtomicBool::new(false);
     let local = listener.local_addr().map(|a| a.to_string()).unwrap_or_default();
@@ -101,7 +169,10 @@ pub fn serve_tcp(listener: TcpListener) {
         let guard = Live(Arc::clone(&live));
         let spawned = std::thread::Builder::new().stack_size(CONNECTION_STACK).spawn(move || {
             let _guard = guard;
-            echo(stream);
+            match style {
+                TcpStyle::Echo => echo(stream),
+                TcpStyle::CloseFirst => close_first(stream),
+            }
         });
         if let Err(e) = spawned {
             eprintln!("{local}: cannot start a connection thread: {e}");
@@ -172,8 +243,8 @@ fn sctp_listener(addr: SocketAddr) -> std::io::Result<TcpListener> {
     Ok(socket.into())
 }
 
-/// Binds every TCP, UDP and SCTP port on every address, writes `ready_file` (containing
-/// the pid) once all are bound, then serves forever. SCTP uses kernel SCTP sockets where
+/// Binds every TCP (plain echo and close-first), UDP and SCTP port on every address,
+/// writes `ready_file` (containing the pid) once all are bound, then serves forever. SCTP uses kernel SCTP sockets where
 /// the kernel has them, else one raw socket per address ([`serve_sctp_raw`]).
 ///
 /// # Errors
@@ -182,6 +253,7 @@ fn sctp_listener(addr: SocketAddr) -> std::io::Result<TcpListener> {
 pub fn run(
     bind: &[IpAddr],
     tcp: &[u16],
+    tcp_close_first: &[u16],
     udp: &[u16],
     sctp_ports: &[u16],
     ready_file: Option<&Path>,
@@ -191,14 +263,18 @@ pub fn run(
     let mut raw_sockets = Vec::new();
     let kernel_sctp = sctp::kernel_has_sctp();
     for ip in bind {
-        for port in tcp {
+        let styled = tcp
+            .iter()
+            .map(|p| (p, TcpStyle::Echo))
+            .chain(tcp_close_first.iter().map(|p| (p, TcpStyle::CloseFirst)));
+        for (port, style) in styled {
             let addr = SocketAddr::new(*ip, *port);
             let l = TcpListener::bind(addr).map_err(|source| LabError::Bind {
                 addr,
                 protocol: "TCP",
                 source,
             })?;
-            tcp_listeners.push(l);
+            tcp_listeners.push((l, style));
         }
         for port in udp {
             let addr = SocketAddr::new(*ip, *port);
@@ -217,7 +293,7 @@ pub fn run(
                     protocol: "SCTP",
                     source,
                 })?;
-                tcp_listeners.push(l);
+                tcp_listeners.push((l, TcpStyle::Echo));
             }
         } else if !sctp_ports.is_empty() {
             let s = sctp::raw_socket(*ip).map_err(|source| LabError::Bind {
@@ -229,10 +305,13 @@ pub fn run(
         }
     }
     let how = if kernel_sctp { "SCTP sockets" } else { "raw sockets" };
-    eprintln!("serving TCP {tcp:?} UDP {udp:?} SCTP {sctp_ports:?} ({how}) on {bind:?}");
+    eprintln!(
+        "serving TCP {tcp:?} TCP close-first {tcp_close_first:?} UDP {udp:?} SCTP {sctp_ports:?} \
+         ({how}) on {bind:?}"
+    );
     let mut threads = Vec::new();
-    for l in tcp_listeners {
-        threads.push(std::thread::spawn(move || serve_tcp(l)));
+    for (l, style) in tcp_listeners {
+        threads.push(std::thread::spawn(move || serve_tcp_as(l, style)));
     }
     for s in udp_sockets {
         threads.push(std::thread::spawn(move || serve_udp(s)));
@@ -289,6 +368,64 @@ mod tests {
         let (line, rest) = all.split_once('\n').unwrap();
         assert_eq!(parse_greeting(line), Some(c.local_addr().unwrap()));
         assert_eq!(rest, "ping");
+    }
+
+    #[test]
+    fn close_first_answers_one_request_then_closes_before_the_client() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        std::thread::spawn(move || serve_tcp_as(l, TcpStyle::CloseFirst));
+        let mut c = TcpStream::connect(addr).unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let mut r = std::io::BufReader::new(c.try_clone().unwrap());
+        let mut line = String::new();
+        std::io::BufRead::read_line(&mut r, &mut line).unwrap();
+        assert_eq!(parse_greeting(&line), Some(c.local_addr().unwrap()));
+        c.write_all(b"GET / HTTP/1.0").unwrap();
+        // Without shutting down its own side, the client reads the echo and then EOF: the
+        // server's FIN came first. A reset instead would fail read_to_end.
+        let mut rest = Vec::new();
+        r.read_to_end(&mut rest).unwrap();
+        assert_eq!(rest, b"GET / HTTP/1.0");
+        // The server drains what comes after its FIN: a late byte draws no RST, the
+        // connection still ends with the client's close.
+        c.write_all(b"late").unwrap();
+        c.shutdown(Shutdown::Write).unwrap();
+    }
+
+    #[test]
+    fn run_serves_echo_and_close_first_ports_each_their_way() {
+        // Two free ports, released for run() to bind (a race with another binder only
+        // fails the test, it cannot make it pass wrongly).
+        let free = || TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let (plain, first) = (free(), free());
+        let dir = tempfile::tempdir().unwrap();
+        let ready = dir.path().join("ready");
+        let r = ready.clone();
+        std::thread::spawn(move || {
+            let _ = run(&["127.0.0.1".parse().unwrap()], &[plain], &[first], &[], &[], Some(&r));
+        });
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while !ready.exists() {
+            assert!(std::time::Instant::now() < deadline, "server not ready within 10 s");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let talk = |port: u16| {
+            let mut c = TcpStream::connect(("127.0.0.1", port)).unwrap();
+            c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+            let mut r = std::io::BufReader::new(c.try_clone().unwrap());
+            let mut line = String::new();
+            std::io::BufRead::read_line(&mut r, &mut line).unwrap();
+            c.write_all(b"x").unwrap();
+            let mut one = [0u8; 1];
+            r.read_exact(&mut one).unwrap();
+            // A second request: the echo port answers it, the close-first port has sent
+            // its FIN after the first.
+            c.write_all(b"y").unwrap();
+            r.read(&mut one).unwrap()
+        };
+        assert_eq!(talk(first), 0, "the close-first port closes after one request");
+        assert_eq!(talk(plain), 1, "the echo port answers until the client's EOF");
     }
 
     #[test]
