@@ -204,8 +204,10 @@ struct AgentArgs {
     /// (reverse-path check), so a pod cannot act under another's identity.
     #[arg(long)]
     no_source_check: bool,
-    /// How the proxy moves bytes.
-    #[arg(long, value_enum, default_value_t = tierproxy::proxy::relay::RelayMode::Splice)]
+    /// How the proxy moves bytes: `auto` copies small reads through a per-thread buffer and
+    /// splices bursts (a read that fills 16 KiB) through a pipe; `splice` splices every read;
+    /// `copy` never splices.
+    #[arg(long, value_enum, default_value_t = tierproxy::proxy::relay::RelayMode::Auto)]
     relay: tierproxy::proxy::relay::RelayMode,
     /// Connect upstream from the node's address instead of the client's. Servers then see
     /// the node, and so does the ingress policy of a server on another node: use only where
