@@ -1,6 +1,8 @@
 //! The TCP relay in isolation: `tierproxy::proxy::relay::relay` between two loopback
 //! socket pairs, splice, copy and auto mode, next to a direct loopback connection (the
-//! baseline, measured in the same run).
+//! baseline, measured in the same run), and an io_uring relay that is not the agent's
+//! ([`uring_relay`], `uring`: recv/send on a ring per relay thread; left out, saying why,
+//! where io_uring is not allowed) to tell whether one would be worth building.
 //!
 //! ```text
 //! writer ─► client pair ─► relay (thread "relay", its own current-thread runtime) ─► server pair ─► reader
@@ -11,7 +13,7 @@
 //! (`*_pooled`, the agent's [`POOLED_PIPES`]), and in splice mode with new pipes per
 //! connection (`splice_fresh`): the per-connection cost of creating and sizing two pipes.
 //!
-//! Run: `cargo bench --bench relay` (`-- splice`, `-- copy`, `-- auto`, `-- direct`,
+//! Run: `cargo bench --bench relay` (`-- splice`, `-- copy`, `-- auto`, `-- uring`, `-- direct`,
 //! `-- pooled` or `-- fresh` for some; `RELAY_REPORTS_ONLY=1` for the reports below without
 //! criterion's timings).
 //!
@@ -22,7 +24,8 @@
 //! - request/response: [`RR_COUNT`] round trips of [`RR_BYTES`] each way over one
 //!   connection (p50, p99, round trips per second), against the direct path;
 //! - per connection: [`CONN_COUNT`] short connections per mode, median time each, against
-//!   splice with pooled pipes;
+//!   splice with pooled pipes (the agent's modes only: the relay runs on the applications'
+//!   runtime thread, where a blocking io_uring loop cannot);
 //! - bulk: one transfer ([`BULK_BYTES`], at most [`BULK_SECONDS`]) per path: throughput,
 //!   and CPU seconds per GB of the relay thread alone (utime + stime from
 //!   `/proc/self/task`; the kernel's TCP work on the relay's sockets is counted where it
@@ -127,6 +130,21 @@ impl Path {
         Path { writer, reader, relay: Some(relay) }
     }
 
+    /// Starts an io_uring relay ([`uring_relay`]) on a thread named `relay`, like
+    /// [`Path::relayed`].
+    fn uring() -> Path {
+        let (writer, client) = pair();
+        let (server, reader) = pair();
+        let relay = std::thread::Builder::new()
+            .name("relay".into())
+            .spawn(move || {
+                uring_relay(&client, &server).expect("io_uring relay");
+                CloseReason::Normal
+            })
+            .expect("relay thread");
+        Path { writer, reader, relay: Some(relay) }
+    }
+
     /// Moves exactly `bytes` from the writer (on a thread of its own) to the reader;
     /// returns the wall time.
     fn transfer(&self, bytes: u64) -> Duration {
@@ -147,7 +165,11 @@ impl Path {
             let mut got = 0u64;
             while got < bytes {
                 let want = (bytes - got).min(IO_BYTES as u64) as usize;
-                let n = r.read(&mut buf[..want]).expect("read");
+                let n = match r.read(&mut buf[..want]) {
+                    // Seen once with the io_uring path: the read returned EINTR.
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                    r => r.expect("read"),
+                };
                 assert!(n > 0, "the path closed after {got} of {bytes} bytes");
                 got += n as u64;
             }
@@ -216,11 +238,102 @@ fn new_path(name: &str) -> Path {
         "splice" => Path::relayed(RelayMode::Splice),
         "copy" => Path::relayed(RelayMode::Copy),
         "auto" => Path::relayed(RelayMode::Auto),
+        "uring" => Path::uring(),
         _ => Path::direct(),
     }
 }
 
-const PATHS: [&str; 4] = ["direct", "splice", "copy", "auto"];
+const PATHS: [&str; 5] = ["direct", "splice", "copy", "auto", "uring"];
+
+/// Bytes of each direction's buffer in [`uring_relay`] (the copy mode's).
+const URING_BUFFER: usize = 64 << 10;
+
+/// Whether this process may use io_uring: `Err` with the reason when the kernel has it
+/// disabled (`kernel.io_uring_disabled`, `EPERM`), a seccomp filter refuses
+/// `io_uring_setup` (container runtimes' default profiles: `EPERM`) or the kernel lacks it
+/// (`ENOSYS`).
+fn uring_available() -> Result<(), String> {
+    io_uring::IoUring::new(2).map(|_| ()).map_err(|e| e.to_string())
+}
+
+/// A relay on io_uring, what the design card calls the "io_uring-style hot path" in its
+/// simplest form: one ring per relay thread, both sockets registered (fixed files), per
+/// direction a `recv` into its buffer and, when it completes, a `send` of what it got
+/// (again until all is sent), then the next `recv`; EOF shuts down the other side's write
+/// side. One `io_uring_enter` submits what the last completions asked for and waits for
+/// the next. Blocking sockets: io_uring polls them itself. Ends when both directions saw
+/// EOF; an error ends it with that error.
+///
+/// Source: io_uring_enter(2) (`IORING_OP_RECV`, `IORING_OP_SEND`, `IOSQE_FIXED_FILE`),
+/// io_uring_register(2) (`IORING_REGISTER_FILES`).
+fn uring_relay(a: &TcpStream, b: &TcpStream) -> std::io::Result<()> {
+    use io_uring::{IoUring, opcode, squeue, types};
+    use std::os::fd::AsRawFd;
+    let mut ring = IoUring::new(8)?;
+    ring.submitter().register_files(&[a.as_raw_fd(), b.as_raw_fd()])?;
+    let socks = [a, b];
+    // Freed only once no operation is in flight: an early return (an error) leaks them,
+    // as the kernel may still write into a buffer of a `recv` it has not completed.
+    let mut bufs = std::mem::ManuallyDrop::new([vec![0u8; URING_BUFFER], vec![0u8; URING_BUFFER]]);
+    // Per direction (0: a → b, 1: b → a): bytes received and bytes of them sent.
+    let mut got = [0usize; 2];
+    let mut sent = [0usize; 2];
+    // user_data: direction * 2 + (0 recv, 1 send).
+    let recv = |d: usize, buf: &mut [u8]| -> squeue::Entry {
+        opcode::Recv::new(types::Fixed(d as u32), buf.as_mut_ptr(), buf.len() as u32)
+            .build()
+            .user_data((d * 2) as u64)
+    };
+    let send = |d: usize, buf: &[u8]| -> squeue::Entry {
+        opcode::Send::new(types::Fixed(1 - d as u32), buf.as_ptr(), buf.len() as u32)
+            .build()
+            .user_data((d * 2 + 1) as u64)
+    };
+    for (d, buf) in bufs.iter_mut().enumerate() {
+        let e = recv(d, buf);
+        // SAFETY: `bufs` is freed only when no operation is in flight (see above).
+        unsafe { ring.submission().push(&e).expect("submission queue has room") };
+    }
+    let mut open = 2;
+    let mut in_flight = 2;
+    let mut done = Vec::with_capacity(4);
+    while open > 0 {
+        ring.submit_and_wait(1)?;
+        done.clear();
+        done.extend(ring.completion().map(|c| (c.user_data(), c.result())));
+        for &(ud, res) in &done {
+            in_flight -= 1;
+            let (d, is_send) = ((ud / 2) as usize, ud % 2 == 1);
+            if res < 0 {
+                return Err(std::io::Error::from_raw_os_error(-res));
+            }
+            let e = if !is_send {
+                if res == 0 {
+                    socks[1 - d].shutdown(Shutdown::Write)?;
+                    open -= 1;
+                    continue;
+                }
+                (got[d], sent[d]) = (res as usize, 0);
+                send(d, &bufs[d][..got[d]])
+            } else {
+                sent[d] += res as usize;
+                if sent[d] < got[d] {
+                    send(d, &bufs[d][sent[d]..got[d]])
+                } else {
+                    recv(d, &mut bufs[d])
+                }
+            };
+            // SAFETY: as above.
+            unsafe { ring.submission().push(&e).expect("submission queue has room") };
+            in_flight += 1;
+        }
+    }
+    if in_flight == 0 {
+        // SAFETY: no operation uses them any more, and they are not used after this.
+        unsafe { std::mem::ManuallyDrop::drop(&mut bufs) };
+    }
+    Ok(())
+}
 
 /// Round trips of [`RR_BYTES`] each way over `path` (the reader echoes), at most
 /// [`RR_COUNT`] or [`REPORT_SECONDS`]: the latencies, sorted, and the wall time.
@@ -263,7 +376,9 @@ fn round_trips(path: &Path) -> (Vec<Duration>, Duration) {
 /// The paths asked for, in an order that rotates with `round`, so that none always runs
 /// first or last (the machine is shared: load drifts over a run).
 fn rotated(round: usize) -> Vec<&'static str> {
-    let mut names: Vec<&'static str> = PATHS.iter().copied().filter(|n| wanted(n)).collect();
+    let uring = uring_available().is_ok();
+    let mut names: Vec<&'static str> =
+        PATHS.iter().copied().filter(|n| wanted(n) && (uring || *n != "uring")).collect();
     if !names.is_empty() {
         let k = round % names.len();
         names.rotate_left(k);
@@ -497,6 +612,9 @@ const CONN_MODES: [(&str, RelayMode, usize); 4] = [
 criterion_group!(benches, bench, bench_connection);
 
 fn main() {
+    if let Err(e) = uring_available() {
+        println!("relay: no io_uring here ({e}): the uring path is left out");
+    }
     rr_report();
     conn_report();
     report();
