@@ -856,6 +856,31 @@ mod tests {
         assert_eq!(pool.idle(), pool.open(), "every pipe is back");
     }
 
+    #[tokio::test]
+    async fn auto_mode_relays_a_short_message_and_the_fin_queued_behind_it() {
+        // A short read clears the socket's readiness; the FIN already queued behind the
+        // bytes must still end the direction (its read-closed state is kept).
+        let pool = Arc::new(PipePool::new(1 << 16, 4, 64));
+        let config = RelayConfig { mode: RelayMode::Auto, ..splice(&pool) };
+        for _ in 0..20 {
+            let (mut c, mut s, relay) = start(config.clone()).await;
+            c.write_all(b"last words").await.unwrap();
+            c.shutdown().await.unwrap();
+            let mut got = Vec::new();
+            tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut got))
+                .await
+                .expect("the FIN arrived within 5 s")
+                .unwrap();
+            assert_eq!(got, b"last words");
+            s.write_all(b"bye").await.unwrap();
+            s.shutdown().await.unwrap();
+            let mut back = Vec::new();
+            c.read_to_end(&mut back).await.unwrap();
+            assert_eq!(back, b"bye");
+            assert_eq!(relay.await.unwrap(), CloseReason::Normal);
+        }
+    }
+
     #[test]
     fn an_unprivileged_budget_shrinks_pipes_to_keep_enough_of_them() {
         // The kernel's default per-user budget: 16,384 pages = 64 MiB; half of it is 32 MiB.
