@@ -124,7 +124,7 @@ pub struct AgentOptions {
     pub ready_file: Option<PathBuf>,
     /// Redirection (marks, queues, ports, backend, fail-open, keep rules).
     pub redirect: RedirectConfig,
-    /// Splice or copy.
+    /// Auto (copy small reads, splice bursts; the default), splice or copy.
     pub relay: RelayMode,
     /// Connect upstream from the client's IP.
     pub preserve_source: bool,
@@ -181,7 +181,7 @@ impl AgentOptions {
             kube: None,
             ready_file: None,
             redirect: RedirectConfig::default(),
-            relay: RelayMode::Splice,
+            relay: RelayMode::Auto,
             preserve_source: true,
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
             idle_timeout: DEFAULT_IDLE_TIMEOUT,

@@ -215,8 +215,10 @@ struct AgentArgs {
     /// second time. Name only nodes that run an enforcing agent.
     #[arg(long = "enforcing-node", value_name = "NODE")]
     enforcing_nodes: Vec<String>,
-    /// How the proxy moves bytes.
-    #[arg(long, value_enum, default_value_t = tierproxy::proxy::relay::RelayMode::Splice)]
+    /// How the proxy moves bytes: `auto` copies small reads through a per-thread buffer and
+    /// splices bursts (a read that fills 16 KiB) through a pipe; `splice` splices every read;
+    /// `copy` never splices.
+    #[arg(long, value_enum, default_value_t = tierproxy::proxy::relay::RelayMode::Auto)]
     relay: tierproxy::proxy::relay::RelayMode,
     /// Connect upstream from the node's address instead of the client's. Servers then see
     /// the node, and so does the ingress policy of a server on another node: use only where

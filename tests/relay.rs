@@ -1,4 +1,4 @@
-//! The byte relay over real loopback TCP sockets, in both modes: data arrives intact,
+//! The byte relay over real loopback TCP sockets, in every mode: data arrives intact,
 //! half-close and reset propagate, idle connections time out, and a stop resets both
 //! sides.
 //!
@@ -13,7 +13,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Notify;
 
-const MODES: [RelayMode; 2] = [RelayMode::Splice, RelayMode::Copy];
+const MODES: [RelayMode; 3] = [RelayMode::Splice, RelayMode::Copy, RelayMode::Auto];
 
 async fn pair() -> (TcpStream, TcpStream) {
     let l = TcpListener::bind("127.0.0.1:0").await.expect("bind loopback");

@@ -5,7 +5,7 @@
 //! NFQUEUE ─► queue (threads, nfqueue batches) ─► packet::parse ─► Decider::first_packet
 //!                                                      ─► drop | repeat+mark (one send per batch)
 //!                                                      │ (allowed: decision kept by 5-tuple)
-//! TPROXY ─► tcp::serve ─► Decider::take ─► upstream connect ─► relay (splice) ─► Registry
+//! TPROXY ─► tcp::serve ─► Decider::take ─► upstream connect ─► relay (auto) ─► Registry
 //! ```
 //!
 //! Imports `policy` only (DESIGN §4); the redirect ruleset that feeds it lives in

@@ -4,6 +4,9 @@
 //! space, one pipe per direction (DESIGN §7: with a 1 MiB pipe this used 2–4× less CPU per
 //! GB than tokio copies on these machines). [`RelayMode::Copy`] is the fallback through
 //! user-space buffers (64 KiB per direction) for where splice is not available.
+//! [`RelayMode::Auto`] copies small reads through a per-thread buffer and splices only the
+//! bursts that fill it: a small message costs a `read` and a `write` instead of three
+//! splices and a pipe lease (issue #18).
 //!
 //! A direction holds a pipe only while bytes are in flight (issue #17): it leases one from
 //! the [`PipePool`] when its socket becomes readable and gives it back, empty, when the
@@ -42,14 +45,20 @@ pub enum RelayMode {
     Splice,
     /// User-space buffers, 64 KiB each way.
     Copy,
+    /// Each read goes through a small user-space buffer ([`AUTO_COPY_BYTES`], one per
+    /// thread) while the reads are small; a read that fills it starts a burst, spliced
+    /// through a leased pipe until the socket has nothing more to read (HAProxy's
+    /// `splice-auto` works the same way). A 64-byte message costs a `read` and a `write`
+    /// instead of three splices and a pipe lease.
+    Auto,
 }
 
 /// Relay settings.
 #[derive(Debug, Clone)]
 pub struct RelayConfig {
-    /// Splice or copy.
+    /// Auto, splice or copy.
     pub mode: RelayMode,
-    /// Where splice mode takes its pipes from, and how large they are.
+    /// Where splice and auto mode take their pipes from, and how large they are.
     pub pipes: std::sync::Arc<PipePool>,
     /// A connection with no byte moved either way for this long is closed.
     pub idle_timeout: Duration,
@@ -109,10 +118,11 @@ pub async fn relay(
     let last = AtomicU64::new(0);
     let (to_server, to_client) = (&counters.to_server, &counters.to_client);
     let reason = match config.mode {
-        RelayMode::Splice => {
+        RelayMode::Splice | RelayMode::Auto => {
             let pool = &config.pipes;
-            let a = pump(client, server, pool, to_server, &last, start);
-            let b = pump(server, client, pool, to_client, &last, start);
+            let auto = config.mode == RelayMode::Auto;
+            let a = pump(client, server, pool, auto, to_server, &last, start);
+            let b = pump(server, client, pool, auto, to_client, &last, start);
             drive(a, b, config.idle_timeout, &last, start, stop).await
         }
         RelayMode::Copy => {
@@ -421,7 +431,10 @@ async fn drive(
             tokio::time::sleep(Duration::from_millis(idle_ms - quiet)).await;
         }
     };
-    tokio::pin!(idle_clock);
+    // One waiter for the whole relay: a `notified()` made anew in the loop would join and
+    // leave the Notify's waiter list (a lock each) at every wake-up, that is every message.
+    let stopped = stop.notified();
+    tokio::pin!(idle_clock, stopped);
     while !(a_done && b_done) {
         tokio::select! {
             r = &mut a, if !a_done => match r {
@@ -433,7 +446,7 @@ async fn drive(
                 Err(_) => return CloseReason::Reset,
             },
             () = &mut idle_clock => return CloseReason::Timeout,
-            () = stop.notified() => return CloseReason::Stopped,
+            () = &mut stopped => return CloseReason::Stopped,
         }
     }
     CloseReason::Normal
@@ -442,10 +455,14 @@ async fn drive(
 /// Moves `from` → `to` until EOF on `from`, then shuts down `to`'s write side. Each burst
 /// (from readable until it would block) goes through a pipe leased from `pool`, given back
 /// empty when `from` has nothing more; without a pipe, through a user-space buffer.
+///
+/// With `auto`, a burst starts only when a read through the thread's small buffer filled
+/// it ([`copy_small`]); reads that do not stay in user space.
 async fn pump(
     from: &TcpStream,
     to: &TcpStream,
     pool: &PipePool,
+    auto: bool,
     count: &AtomicU64,
     last: &AtomicU64,
     start: Instant,
@@ -453,8 +470,26 @@ async fn pump(
     let flags = SpliceFFlags::SPLICE_F_MOVE | SpliceFFlags::SPLICE_F_NONBLOCK;
     // Held while `from` keeps having bytes; dropped (given back empty) when it has none.
     let mut lease: Option<Lease<'_>> = None;
+    // In auto mode: whether the next read splices: the last copy filled the small buffer,
+    // or the last burst spliced at least as much (a stream: its next burst, once `from`
+    // is readable again, is most likely as large, and starting it with a copy cost bulk
+    // transfers CPU).
+    let mut burst = !auto;
+    let mut burst_bytes = 0usize;
     loop {
         from.readable().await?;
+        if !burst {
+            match copy_small(from, to).await? {
+                None => {}
+                Some(0) => return shutdown_write(to),
+                Some(n) => {
+                    burst = n == AUTO_COPY_BYTES;
+                    count.fetch_add(n as u64, Ordering::Relaxed);
+                    last.store(millis(start), Ordering::Relaxed);
+                }
+            }
+            continue;
+        }
         if lease.is_none() {
             lease = pool.lease();
         }
@@ -472,6 +507,8 @@ async fn pump(
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                         // The burst is over: the pipe is empty, give it back.
                         lease = None;
+                        burst = !auto || burst_bytes >= AUTO_COPY_BYTES;
+                        burst_bytes = 0;
                         continue;
                     }
                     Err(e) => return Err(e),
@@ -500,9 +537,67 @@ async fn pump(
                 }
             }
         }
+        burst_bytes = burst_bytes.saturating_add(n);
         count.fetch_add(n as u64, Ordering::Relaxed);
         last.store(millis(start), Ordering::Relaxed);
     }
+}
+
+/// Bytes a read takes through user space in [`RelayMode::Auto`] before the direction
+/// switches to splice: a read that fills it is most likely part of a stream. HAProxy's
+/// default buffer (`tune.bufsize`), whose fill decides its `splice-auto`; a request or
+/// response of an RPC fits. One per thread, not per connection.
+pub const AUTO_COPY_BYTES: usize = 16 << 10;
+
+thread_local! {
+    /// The small buffer of [`RelayMode::Auto`], one per thread: it is borrowed only between
+    /// a read and the write that follows it, never across an await, so an idle connection
+    /// holds no buffer.
+    static SCRATCH: std::cell::RefCell<Vec<u8>> = std::cell::RefCell::new(vec![0; AUTO_COPY_BYTES]);
+}
+
+/// One read of up to [`AUTO_COPY_BYTES`] from `from` through the thread's buffer, written
+/// to `to` at once; what `to` does not take at once is kept in a buffer of its own until
+/// written. `Some(0)` at EOF, `None` when `from` had nothing after all.
+///
+/// A short read leaves the socket's receive queue empty, so it clears `from`'s readiness
+/// as tokio's own `poll_read` does (tcp(7) `recv` returns what is queued, up to the
+/// length): the next wait goes to epoll instead of a `read` that would return `EAGAIN`.
+/// The clearing happens inside `try_io`, against the readiness seen before the read, so
+/// bytes that arrived meanwhile are not missed.
+async fn copy_small(from: &TcpStream, to: &TcpStream) -> io::Result<Option<usize>> {
+    use std::io::{Read, Write};
+    let mut rest = Vec::new();
+    let got = SCRATCH.with_borrow_mut(|buf| -> io::Result<Option<usize>> {
+        let mut got = 0;
+        let read = from.try_io(Interest::READABLE, || {
+            got = (&*socket2::SockRef::from(from)).read(buf)?;
+            if got > 0 && got < buf.len() {
+                return Err(io::ErrorKind::WouldBlock.into());
+            }
+            Ok(got)
+        });
+        match read {
+            Ok(_) => {}
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock && got == 0 => return Ok(None),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+            Err(e) => return Err(e),
+        }
+        let mut done = 0;
+        while done < got {
+            match to.try_io(Interest::WRITABLE, || {
+                (&*socket2::SockRef::from(to)).write(&buf[done..got])
+            }) {
+                Ok(m) => done += m,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) => return Err(e),
+            }
+        }
+        rest.extend_from_slice(&buf[done..got]);
+        Ok(Some(got))
+    })?;
+    write_all(to, &rest).await?;
+    Ok(got)
 }
 
 /// One burst without a pipe: reads what `from` has (up to [`COPY_BUFFER`]) and writes it
@@ -728,6 +823,61 @@ mod tests {
         for p in pool.lock().iter() {
             let e = nix::unistd::read(&p.read, &mut [0u8; 1]).expect_err("an empty pipe");
             assert_eq!(e, nix::errno::Errno::EAGAIN, "kept pipes are empty");
+        }
+    }
+
+    #[tokio::test]
+    async fn auto_mode_copies_small_messages_and_splices_bursts() {
+        let pool = Arc::new(PipePool::new(1 << 16, 4, 64));
+        let config = RelayConfig { mode: RelayMode::Auto, ..splice(&pool) };
+        let (mut c, mut s, relay) = start(config).await;
+        for _ in 0..20 {
+            round_trip(&mut c, &mut s).await;
+        }
+        assert_eq!(pool.stats.created.load(Ordering::Relaxed), 0, "small messages took no pipe");
+        // A stream larger than the socket buffers: reads fill the small buffer.
+        let big: Vec<u8> = (0..8u32 << 20).map(|i| (i % 251) as u8).collect();
+        let want = big.clone();
+        let writer = tokio::spawn(async move {
+            c.write_all(&big).await.unwrap();
+            c
+        });
+        let mut got = vec![0u8; want.len()];
+        s.read_exact(&mut got).await.unwrap();
+        assert!(got == want, "the stream arrived intact");
+        assert!(pool.stats.created.load(Ordering::Relaxed) > 0, "the stream was spliced");
+        let mut c = writer.await.unwrap();
+        round_trip(&mut c, &mut s).await;
+        c.shutdown().await.unwrap();
+        s.shutdown().await.unwrap();
+        assert_eq!(s.read(&mut [0u8; 1]).await.unwrap(), 0, "EOF at the server");
+        assert_eq!(c.read(&mut [0u8; 1]).await.unwrap(), 0, "EOF at the client");
+        assert_eq!(relay.await.unwrap(), CloseReason::Normal);
+        assert_eq!(pool.idle(), pool.open(), "every pipe is back");
+    }
+
+    #[tokio::test]
+    async fn auto_mode_relays_a_short_message_and_the_fin_queued_behind_it() {
+        // A short read clears the socket's readiness; the FIN already queued behind the
+        // bytes must still end the direction (its read-closed state is kept).
+        let pool = Arc::new(PipePool::new(1 << 16, 4, 64));
+        let config = RelayConfig { mode: RelayMode::Auto, ..splice(&pool) };
+        for _ in 0..20 {
+            let (mut c, mut s, relay) = start(config.clone()).await;
+            c.write_all(b"last words").await.unwrap();
+            c.shutdown().await.unwrap();
+            let mut got = Vec::new();
+            tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut got))
+                .await
+                .expect("the FIN arrived within 5 s")
+                .unwrap();
+            assert_eq!(got, b"last words");
+            s.write_all(b"bye").await.unwrap();
+            s.shutdown().await.unwrap();
+            let mut back = Vec::new();
+            c.read_to_end(&mut back).await.unwrap();
+            assert_eq!(back, b"bye");
+            assert_eq!(relay.await.unwrap(), CloseReason::Normal);
         }
     }
 
