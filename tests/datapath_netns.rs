@@ -1027,28 +1027,6 @@ fn a_client_reusing_its_port_after_the_server_closed_first_is_answered_at_once()
     );
 }
 
-/// The established TCP sockets of `netns` (`ss -tnH`), as (local, peer) address strings.
-fn established(netns: &str) -> Vec<(String, String)> {
-    run_in(netns, &["ss", "-tnH", "state", "established"])
-        .lines()
-        .filter_map(|l| {
-            let w: Vec<&str> = l.split_whitespace().collect();
-            (w.len() >= 4).then(|| (w[2].to_string(), w[3].to_string()))
-        })
-        .collect()
-}
-
-/// The audit events of the lab agent on `node` (JSON Lines).
-fn audit_events(lab: &Lab, node: &str) -> Vec<Value> {
-    let path =
-        Path::new("/run/tierproxy-lab").join(&lab.prefix).join(format!("audit-{node}.jsonl"));
-    std::fs::read_to_string(path)
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| serde_json::from_str(l).ok())
-        .collect()
-}
-
 /// Issue #18, item 2: a connection between pods on two nodes is terminated once, at the
 /// client's node, whose agent decides the client's egress and the server's ingress. The
 /// server's node, whose agent knows the client's node enforces (the lab names every node

@@ -173,17 +173,6 @@ fn cut_within(conn: &mut BufReader<TcpStream>, limit: Duration) -> Option<Durati
     }
 }
 
-/// The audit events of `node` (JSON Lines file of the lab's agent).
-fn audit_events(lab: &Lab, node: &str) -> Vec<Value> {
-    let path =
-        Path::new("/run/tierproxy-lab").join(&lab.prefix).join(format!("audit-{node}.jsonl"));
-    std::fs::read_to_string(path)
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| serde_json::from_str(l).ok())
-        .collect()
-}
-
 /// Waits (bounded) until the audit file of one of `nodes` holds an event for which `f`
 /// holds.
 fn wait_for_event_on(lab: &Lab, nodes: &[&str], f: impl Fn(&Value) -> bool) -> Value {
@@ -489,21 +478,6 @@ fn interception_follows_pods_added_and_removed_without_rebuilding_the_ruleset() 
     let now = members();
     assert!(now.contains("10.61.1.9") && !now.contains("10.61.1.3"), "{now}");
     assert_eq!(chain(), rules_before, "only set elements changed");
-}
-
-/// The established TCP sockets of namespace `netns` as (local, peer) address strings.
-fn established(netns: &str) -> Vec<(String, String)> {
-    let o = std::process::Command::new("ip")
-        .args(["netns", "exec", netns, "ss", "-tnH", "state", "established"])
-        .output()
-        .expect("ss");
-    String::from_utf8_lossy(&o.stdout)
-        .lines()
-        .filter_map(|l| {
-            let w: Vec<&str> = l.split_whitespace().collect();
-            (w.len() >= 4).then(|| (w[2].to_string(), w[3].to_string()))
-        })
-        .collect()
 }
 
 /// The proxy binds its upstream leg to the client's address, so the node's conntrack table

@@ -734,6 +734,20 @@ mod tests {
         assert_eq!(&b, b"pong");
     }
 
+    /// Both ends half-close; each sees the other's EOF through the relay, which ends
+    /// normally.
+    async fn close_both(
+        mut c: TcpStream,
+        mut s: TcpStream,
+        relay: tokio::task::JoinHandle<CloseReason>,
+    ) {
+        c.shutdown().await.unwrap();
+        s.shutdown().await.unwrap();
+        assert_eq!(s.read(&mut [0u8; 1]).await.unwrap(), 0, "EOF at the server");
+        assert_eq!(c.read(&mut [0u8; 1]).await.unwrap(), 0, "EOF at the client");
+        assert_eq!(relay.await.unwrap(), CloseReason::Normal);
+    }
+
     #[tokio::test]
     async fn an_idle_connection_holds_no_pipe_and_pipes_come_back_empty_for_reuse() {
         let pool = Arc::new(PipePool::new(1 << 16, 4, 64));
@@ -746,11 +760,7 @@ mod tests {
             until("the pipes are back in the pool", || pool.idle() == pool.open()).await;
             assert!(pool.open() <= 2, "round {round}: {} pipes open", pool.open());
             round_trip(&mut c, &mut s).await;
-            c.shutdown().await.unwrap();
-            s.shutdown().await.unwrap();
-            assert_eq!(s.read(&mut [0u8; 1]).await.unwrap(), 0, "EOF at the server");
-            assert_eq!(c.read(&mut [0u8; 1]).await.unwrap(), 0, "EOF at the client");
-            assert_eq!(relay.await.unwrap(), CloseReason::Normal);
+            close_both(c, s, relay).await;
             assert_eq!(pool.idle(), pool.open(), "round {round}: every pipe is back");
             for p in pool.lock().iter() {
                 let e = nix::unistd::read(&p.read, &mut [0u8; 1]).expect_err("an empty pipe");
@@ -848,11 +858,7 @@ mod tests {
         assert!(pool.stats.created.load(Ordering::Relaxed) > 0, "the stream was spliced");
         let mut c = writer.await.unwrap();
         round_trip(&mut c, &mut s).await;
-        c.shutdown().await.unwrap();
-        s.shutdown().await.unwrap();
-        assert_eq!(s.read(&mut [0u8; 1]).await.unwrap(), 0, "EOF at the server");
-        assert_eq!(c.read(&mut [0u8; 1]).await.unwrap(), 0, "EOF at the client");
-        assert_eq!(relay.await.unwrap(), CloseReason::Normal);
+        close_both(c, s, relay).await;
         assert_eq!(pool.idle(), pool.open(), "every pipe is back");
     }
 

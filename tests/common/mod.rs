@@ -192,3 +192,30 @@ impl Drop for Lab {
         }
     }
 }
+
+/// The established TCP sockets of `netns` (`ss -tnH state established`), as (local, peer)
+/// address strings.
+pub fn established(netns: &str) -> Vec<(String, String)> {
+    let o = Command::new("ip")
+        .args(["netns", "exec", netns, "ss", "-tnH", "state", "established"])
+        .output()
+        .expect("ss");
+    String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .filter_map(|l| {
+            let w: Vec<&str> = l.split_whitespace().collect();
+            (w.len() >= 4).then(|| (w[2].to_string(), w[3].to_string()))
+        })
+        .collect()
+}
+
+/// The audit events of the lab agent on `node` (its JSON Lines file; none if it has none).
+pub fn audit_events(lab: &Lab, node: &str) -> Vec<Value> {
+    let path =
+        Path::new("/run/tierproxy-lab").join(&lab.prefix).join(format!("audit-{node}.jsonl"));
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect()
+}
