@@ -488,6 +488,7 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
     let _ = decider_slot.set(decider.clone());
 
     let r = &opts.redirect;
+    let queue_activity = queue::QueueActivity::default();
     queue::start(
         QueueConfig {
             first: r.queue_first,
@@ -498,6 +499,7 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
             max_len: QUEUE_MAX_LEN,
         },
         decider.clone(),
+        &queue_activity,
     )?;
 
     let pipes = Arc::new(PipePool::with_budget(pipe_budget));
@@ -605,6 +607,7 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
             last_good,
             drops: &ruleset_drops,
             ticked: std::time::Instant::now(),
+            queue_activity: &queue_activity,
         };
         let spawned = std::thread::Builder::new()
             .name("tierproxy-reload".into())
@@ -828,6 +831,8 @@ struct Reloader<'a> {
     drops: &'a RulesetDrops,
     /// When [`Reloader::tick`] last ran.
     ticked: std::time::Instant,
+    /// The queue readers' batches, for emptying the kernel-side cache of allowed classes.
+    queue_activity: &'a queue::QueueActivity,
 }
 
 /// How often the reloader reads the ruleset's drop counters and the routes to the local
@@ -997,6 +1002,7 @@ impl Reloader<'_> {
         let enforced =
             enforced_pod_ips(&current.snapshot, current.node, &self.opts.enforcing_nodes);
         self.decider.publish(current);
+        self.flush_allowed();
         self.revision = next.0;
         self.fingerprint = fingerprint;
         self.generation = generation;
@@ -1062,6 +1068,32 @@ impl Reloader<'_> {
             enforced_pods = self.spec.enforced_pods().len(),
             "snapshot applied"
         );
+    }
+}
+
+impl Reloader<'_> {
+    /// Empties the kernel-side cache of allowed TCP classes (`redirect` rule 7) after a new
+    /// snapshot is published: at once, and again once every queue reader that was deciding
+    /// has answered its batch (a verdict of the old snapshot adds its class as the kernel
+    /// reinjects the packet). A failure is logged; the cache's entries then expire on
+    /// their own ([`redirect::ALLOWED_CACHE_SECS`]) and the ruleset is not otherwise
+    /// affected.
+    fn flush_allowed(&self) {
+        let config = self.spec.config();
+        let first = self.backend.flush_allowed(config);
+        let settled = self.queue_activity.wait_for_batches(Duration::from_secs(1));
+        let second = self.backend.flush_allowed(config);
+        if let Err(e) = first.and(second) {
+            tracing::error!(
+                error = %crate::explain::error_chain(&e),
+                "emptying the cache of allowed classes failed: SYNs of classes the old snapshot allowed skip the queue until their entries expire ({} s)",
+                redirect::ALLOWED_CACHE_SECS
+            );
+        } else if !settled {
+            tracing::warn!(
+                "a queue reader did not answer its batch within 1 s of a new snapshot; a class it allowed under the old snapshot may stay cached until it expires"
+            );
+        }
     }
 }
 
@@ -1604,7 +1636,8 @@ fn scraped(sources: Sources, config: &AuditConfig) -> Scraped {
             out.push(c(
                 "decisions_at_accept",
                 "Connections and UDP flows the proxy decided as it took them, without a \
-                 first-packet decision (a full queue failing open, a decision that aged out)",
+                 first-packet decision (a TCP SYN whose allowed class the kernel cached, a \
+                 full queue failing open, a decision that aged out)",
                 vec![],
                 d.stats.decided_at_accept.load(Relaxed),
             ));

@@ -1110,3 +1110,48 @@ fn a_cross_node_connection_is_proxied_once_at_the_clients_node() {
     assert_eq!(a["tierproxy.verdict"], "allow", "{decided}");
     assert_eq!(a["tierproxy.direction"], "ingress", "{decided}");
 }
+
+/// Issue #18, item 3: the kernel-side cache of allowed classes. The first connection of a
+/// class (client, port, server) is decided on its queued SYN; the class then enters the
+/// cache, and the next connection's SYN skips the queue: the proxy decides it as it
+/// accepts it, on the snapshot in force, and audits it with the decision point `accept`.
+/// (That a new snapshot empties the cache is `live_netns`'s cut test: a connection of the
+/// cached class is denied right after the policy change.)
+#[test]
+fn the_second_connection_of_an_allowed_class_skips_the_queue_and_is_audited_at_accept() {
+    if !netns_available(
+        "the_second_connection_of_an_allowed_class_skips_the_queue_and_is_audited_at_accept",
+    ) {
+        return;
+    }
+    let lab = lab_with_agents("kcache");
+    let client = netns_of_pod(&lab, "a", "client");
+    let mut ports = Vec::new();
+    for _ in 0..2 {
+        let conn = connect_from(&client, "10.60.1.3:8080");
+        ports.push(conn.local_addr().expect("local").port());
+        conn.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
+        let mut greeting = String::new();
+        BufReader::new(&conn).read_line(&mut greeting).expect("greeting");
+    }
+    let n1 = netns_of_node(&lab, "n1");
+    let cached = run_in(&n1, &["ipset", "list", "tierproxy-allowed-v4"]);
+    assert!(cached.contains("10.60.1.2,tcp:8080,10.60.1.3"), "{cached}");
+    let point = |port: u16| -> String {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let found = audit_events(&lab, "n1").into_iter().find(|e| {
+                e["event"] == "tierproxy.policy.decision"
+                    && e["attributes"]["source.port"] == u64::from(port)
+                    && e["attributes"]["destination.port"] == 8080
+            });
+            if let Some(e) = found {
+                return e["attributes"]["tierproxy.decision.point"].as_str().unwrap().into();
+            }
+            assert!(Instant::now() < deadline, "no decision audited for port {port}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    assert_eq!(point(ports[0]), "first-packet");
+    assert_eq!(point(ports[1]), "accept");
+}

@@ -238,6 +238,8 @@ spec:
     assert!(took < Duration::from_secs(1), "cut after {took:?}");
     assert!(echoes(&mut spared), "the connection the new policy allows is untouched");
     assert!(echoes(&mut local), "a connection the change does not concern is untouched");
+    // The doomed connection's class entered the kernel-side cache of allowed classes; the
+    // new snapshot emptied it, so a new connection of that class is decided, and denied.
     assert!(!connects(&client, "10.61.2.2:8080", Duration::from_millis(1500)), "new ones denied");
 
     // The client's node proxies the connection and decides both directions, so it cuts

@@ -233,9 +233,9 @@ fn iptables_lifecycle(test: &str, cmds: IptablesCommands) {
         (&cmds.ip6tables_restore, &cmds.ip6tables_save),
     ] {
         let expected = rendered_rules(&rendered, restore);
-        // 28 in mangle, 8 in raw (3 checking sources, 5 for the upstream legs' conntrack
+        // 30 in mangle, 8 in raw (3 checking sources, 5 for the upstream legs' conntrack
         // zone).
-        assert_eq!(expected.len(), 36, "{restore} section of:\n{rendered}");
+        assert_eq!(expected.len(), 38, "{restore} section of:\n{rendered}");
         let raw = ns.sh(&[save, "-t", "raw"]);
         let saved = ns.sh(&[save, "-t", "mangle"]);
         let ours: Vec<&str> =
@@ -319,6 +319,12 @@ fn iptables_lifecycle(test: &str, cmds: IptablesCommands) {
         .expect("set_enforced_pods");
     assert_eq!(members(&ns, "tierproxy-enforced-v4"), ["10.244.2.7", "10.244.2.8"]);
     assert_eq!(members(&ns, "tierproxy-enforced-v6"), ["fd00:10:244:2::7"]);
+    // The kernel-side cache of allowed classes: filled by the ruleset, emptied by
+    // flush_allowed.
+    ns.sh(&["ipset", "add", "tierproxy-allowed-v4", "10.244.1.14,tcp:8080,10.244.2.7"]);
+    assert_eq!(members(&ns, "tierproxy-allowed-v4").len(), 1);
+    ns.run(|| backend.flush_allowed(&config)).expect("flush_allowed");
+    assert!(members(&ns, "tierproxy-allowed-v4").is_empty());
     let one = addrs(&["10.244.2.8"]).into_iter().collect();
     ns.run(|| backend.set_enforced_pods(&config, &one)).expect("set_enforced_pods again");
     assert_eq!(members(&ns, "tierproxy-enforced-v4"), ["10.244.2.8"]);
@@ -455,6 +461,9 @@ fn nftables_apply_update_remove() {
             "ip daddr @pods-v4 ip saddr @enforced-v4 meta l4proto tcp return",
             "meta l4proto != tcp socket transparent 1 socket wildcard 0",
             "tcp flags != syn / fin,syn,rst,ack socket transparent 1 socket wildcard 0",
+            "update @allowed-v4 { ip saddr . tcp dport . ip daddr }",
+            "ip saddr . tcp dport . ip daddr @allowed-v4 return",
+            "ip6 saddr . tcp dport . ip6 daddr @allowed-v6 return",
         ] {
             assert!(listing.contains(needle), "{needle:?} missing from:\n{listing}");
         }

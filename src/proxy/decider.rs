@@ -90,9 +90,10 @@ pub struct DecisionStats {
     /// Manifest changes that could not be used (the last good snapshot stayed in force).
     pub reload_errors: AtomicU64,
     /// Connections and UDP flows the proxy took without a first-packet decision and
-    /// decided itself ([`Decider::take_or_decide`]): the kernel passed their first packet
-    /// on undecided (a full queue failing open), or the decision aged out before the
-    /// proxy took the connection.
+    /// decided itself ([`Decider::take_or_decide`]): a TCP SYN of a class the kernel-side
+    /// cache holds (allowed by the snapshot in force; `redirect` rule 7), a first packet the
+    /// kernel passed on undecided (a full queue failing open), or a decision that aged out
+    /// before the proxy took the connection.
     pub decided_at_accept: AtomicU64,
 }
 
@@ -314,7 +315,10 @@ impl Decider {
 
     /// The admission of the flow `key` the proxy just took: its first packet's
     /// ([`Decider::take`]), else a decision made now, audited and counted like a first
-    /// packet's and in [`DecisionStats::decided_at_accept`]. That happens when the kernel
+    /// packet's and in [`DecisionStats::decided_at_accept`]. That happens for every TCP
+    /// connection whose class the kernel-side cache holds (its SYN skipped the queue,
+    /// `redirect` rule 7: decided here, on the snapshot in force, and audited with the
+    /// decision point `accept`), when the kernel
     /// passed the first packet on undecided (fail-open with a full queue: the proxy is
     /// then where the flow is decided, and a denied TCP connection is reset after its
     /// handshake, not timed out), when the decision aged out ([`DeciderLimits::pending_ttl`])

@@ -58,6 +58,59 @@ pub const COPY_RANGE: u32 = 256;
 /// Most packets read and answered together.
 pub const BATCH: usize = 64;
 
+/// What the queue readers are doing, for the reloader's flush of the kernel-side cache of
+/// allowed classes (`redirect` rule 7): a reader that decided packets under the snapshot
+/// before a new one may still send their verdicts, and an allowed verdict adds its class
+/// to the cache as the kernel reinjects the packet, inside that `sendmsg`. After
+/// publishing a snapshot, the reloader empties the cache, waits with
+/// [`QueueActivity::wait_for_batches`] until every reader busy at that moment has sent its
+/// batch, and empties it again: no class allowed by an older snapshot stays cached.
+#[derive(Debug, Default)]
+pub struct QueueActivity {
+    readers: std::sync::Mutex<Vec<std::sync::Arc<ReaderActivity>>>,
+}
+
+/// One reader's part of [`QueueActivity`].
+#[derive(Debug, Default)]
+struct ReaderActivity {
+    /// Between its first decision of a batch and the batch's verdicts sent.
+    busy: std::sync::atomic::AtomicBool,
+    /// Batches answered.
+    batches: std::sync::atomic::AtomicU64,
+}
+
+impl QueueActivity {
+    fn reader(&self) -> std::sync::Arc<ReaderActivity> {
+        let r = std::sync::Arc::new(ReaderActivity::default());
+        self.readers.lock().unwrap_or_else(|e| e.into_inner()).push(r.clone());
+        r
+    }
+
+    /// Waits, at most `limit`, until every reader that is in the middle of a batch now has
+    /// answered it. Returns whether they all did.
+    pub fn wait_for_batches(&self, limit: std::time::Duration) -> bool {
+        use std::sync::atomic::Ordering::SeqCst;
+        let busy: Vec<(std::sync::Arc<ReaderActivity>, u64)> = self
+            .readers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .filter(|r| r.busy.load(SeqCst))
+            .map(|r| (r.clone(), r.batches.load(SeqCst)))
+            .collect();
+        let deadline = std::time::Instant::now() + limit;
+        for (r, seen) in busy {
+            while r.busy.load(SeqCst) && r.batches.load(SeqCst) == seen {
+                if std::time::Instant::now() >= deadline {
+                    return false;
+                }
+                std::thread::sleep(std::time::Duration::from_micros(200));
+            }
+        }
+        true
+    }
+}
+
 /// Consecutive failed reads or answers after which the agent exits (EX_SOFTWARE, 70).
 const MAX_FAILURES: u32 = 100;
 
@@ -67,7 +120,11 @@ const MAX_FAILURES: u32 = 100;
 /// # Errors
 /// When a queue cannot be opened or bound (no CAP_NET_ADMIN, or another program holds the
 /// queue number), naming the queue.
-pub fn start(config: QueueConfig, decider: Arc<Decider>) -> anyhow::Result<Vec<JoinHandle<()>>> {
+pub fn start(
+    config: QueueConfig,
+    decider: Arc<Decider>,
+    activity: &QueueActivity,
+) -> anyhow::Result<Vec<JoinHandle<()>>> {
     let mut threads = Vec::new();
     let forwarded = config.first.saturating_add(config.count);
     for num in config.first..=forwarded {
@@ -77,9 +134,10 @@ pub fn start(config: QueueConfig, decider: Arc<Decider>) -> anyhow::Result<Vec<J
         let decider = decider.clone();
         let config = QueueConfig { fail_open, ..config };
         let kernel_forwarded = num == forwarded;
+        let activity = activity.reader();
         let handle = std::thread::Builder::new()
             .name(format!("nfqueue-{num}"))
-            .spawn(move || read(num, q, config, kernel_forwarded, &decider))
+            .spawn(move || read(num, q, config, kernel_forwarded, &decider, &activity))
             .with_context(|| format!("starting the NFQUEUE {num} thread"))?;
         threads.push(handle);
     }
@@ -89,7 +147,15 @@ pub fn start(config: QueueConfig, decider: Arc<Decider>) -> anyhow::Result<Vec<J
 /// Reads queue `num` until the agent stops. `kernel_forwarded`: the kernel-forwarded
 /// flows' queue, whose allowed flows the proxy never accepts (their decisions are not kept
 /// for it).
-fn read(num: u16, mut q: Queue, config: QueueConfig, kernel_forwarded: bool, decider: &Decider) {
+fn read(
+    num: u16,
+    mut q: Queue,
+    config: QueueConfig,
+    kernel_forwarded: bool,
+    decider: &Decider,
+    activity: &ReaderActivity,
+) {
+    use std::sync::atomic::Ordering::SeqCst;
     let allow = |mark: u32| Answer {
         verdict: Verdict::Repeat,
         mark: Some(mark & !config.decided_mask | config.decided_value),
@@ -97,16 +163,22 @@ fn read(num: u16, mut q: Queue, config: QueueConfig, kernel_forwarded: bool, dec
     let drop = Answer { verdict: Verdict::Drop, mark: None };
     let mut failures = 0;
     loop {
-        let r = q.process(BATCH, |p| match packet::parse(p.payload) {
-            Ok(key) => match decider.first_packet(key, !kernel_forwarded).verdict {
-                PolicyVerdict::Allow => allow(p.mark),
-                PolicyVerdict::Deny => drop,
-            },
-            Err(e) => {
-                tracing::debug!(queue = num, error = %e, "queued packet dropped");
-                drop
+        let r = q.process(BATCH, |p| {
+            // Busy before the first decision loads the snapshot in force.
+            activity.busy.store(true, SeqCst);
+            match packet::parse(p.payload) {
+                Ok(key) => match decider.first_packet(key, !kernel_forwarded).verdict {
+                    PolicyVerdict::Allow => allow(p.mark),
+                    PolicyVerdict::Deny => drop,
+                },
+                Err(e) => {
+                    tracing::debug!(queue = num, error = %e, "queued packet dropped");
+                    drop
+                }
             }
         });
+        activity.batches.fetch_add(1, SeqCst);
+        activity.busy.store(false, SeqCst);
         match r {
             Ok(_) => failures = 0,
             Err(e) if e.raw_os_error() == Some(nix::libc::ENOBUFS) => {

@@ -238,7 +238,25 @@ pub(crate) fn ipset_input(spec: &RulesetSpec) -> String {
     }
     podif_input(&mut out, &names, spec.pod_interfaces());
     enforced_input(&mut out, &names, spec.enforced_pods());
+    allowed_input(&mut out, &names, true);
     out
+}
+
+/// The kernel-side cache of allowed TCP classes (rule 7): `hash:ip,port,ip` per family
+/// with a default timeout, created when missing; emptied when `flush`.
+fn allowed_input(out: &mut String, names: &Names, flush: bool) {
+    for (set, fam) in [(&names.allowed_v4, Family::V4), (&names.allowed_v6, Family::V6)] {
+        let _ = writeln!(
+            out,
+            "create {set} hash:ip,port,ip family {} timeout {} maxelem {}",
+            fam.ipset_family(),
+            super::ALLOWED_CACHE_SECS,
+            super::ALLOWED_CACHE_MAX
+        );
+        if flush {
+            let _ = writeln!(out, "flush {set}");
+        }
+    }
 }
 
 /// The enforced pod sets (rule 6): `hash:ip` per family, swapped in whole.
@@ -292,6 +310,10 @@ fn restore_input(spec: &RulesetSpec, fam: Family) -> String {
     let (pods, nodes, enforced, on_ip) = match fam {
         Family::V4 => (&n.pods_v4, &n.nodes_v4, &n.enforced_v4, c.tproxy_addr_v4.to_string()),
         Family::V6 => (&n.pods_v6, &n.nodes_v6, &n.enforced_v6, c.tproxy_addr_v6.to_string()),
+    };
+    let allowed = match fam {
+        Family::V4 => &n.allowed_v4,
+        Family::V6 => &n.allowed_v6,
     };
     let (chain, divert, intercept, decide, queue) =
         (&n.chain, &n.divert_chain, &n.intercept_chain, &n.decide_chain, &n.queue_chain);
@@ -375,6 +397,13 @@ fn restore_input(spec: &RulesetSpec, fam: Family) -> String {
         "-A {decide} -m comment --comment \"tierproxy: proxy upstream sockets (bypass mark)\" \
          -m mark --mark {bypass} -j RETURN"
     );
+    // An allowed SYN, repeated with the decided mark: its class (client, port, server)
+    // enters the kernel-side cache, so the class's next SYNs skip the queue (rule 7).
+    let _ = writeln!(
+        o,
+        "-A {decide} -p tcp -m comment --comment \"tierproxy: allowed class, cached\" \
+         {SYN} -m mark --mark {decided} -j SET --add-set {allowed} src,dst,dst --exist"
+    );
     let _ = writeln!(
         o,
         "-A {decide} -m comment --comment \"tierproxy: decided\" -m mark --mark {decided} -j RETURN"
@@ -436,6 +465,14 @@ fn restore_input(spec: &RulesetSpec, fam: Family) -> String {
     // Flows the kernel forwards once decided (UDP to the node, SCTP) go to their own queue,
     // which never fails open when full (see `RedirectConfig::kernel_forwarded_queue`).
     let forwarded = format!("--queue-num {}", c.kernel_forwarded_queue().unwrap_or(u16::MAX));
+    // A SYN of a class the snapshot in force allowed (the cache is emptied at each new
+    // snapshot): no queue trip. The proxy decides and audits it when it accepts it; a
+    // kernel-forwarded one (from an enforced pod) was decided at its client's node.
+    let _ = writeln!(
+        o,
+        "-A {queue} -p tcp -m comment --comment \"tierproxy: allowed class, cached\" \
+         {SYN} -m set --match-set {allowed} src,dst,dst -j RETURN"
+    );
     for proto in QUEUED_PROTOCOLS {
         let (new_only, target) = match super::queue_when(proto) {
             QueueWhen::Syn => {
@@ -719,6 +756,14 @@ impl Backend for IptablesBackend {
         Ok(())
     }
 
+    fn flush_allowed(&self, config: &RedirectConfig) -> Result<(), RedirectError> {
+        config.validate()?;
+        let mut input = String::new();
+        allowed_input(&mut input, &Names::new(config), true);
+        self.ipset_restore_cmd().run(Some(&input))?;
+        Ok(())
+    }
+
     fn pod_interfaces(&self, addrs: &[IpAddr]) -> Result<BTreeSet<String>, RedirectError> {
         routing::pod_interfaces(&self.cmds.ip, addrs)
     }
@@ -762,6 +807,8 @@ impl Backend for IptablesBackend {
             &names.podif_v6,
             &names.enforced_v4,
             &names.enforced_v6,
+            &names.allowed_v4,
+            &names.allowed_v6,
         ]
         .into_iter()
         .flat_map(|s| [s.clone(), format!("{s}-tmp")])

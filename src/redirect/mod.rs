@@ -168,7 +168,13 @@
 //! INPUT and FORWARD (`TIERPROXY-DECIDE`, nft `decide`):
 //!
 //! 7. **Bypass mark, decided mark, from the node over `lo`, UDP to the node not NEW →
-//!    return** (as rules 1, 2/3, 4, 5); then **a packet of TCP, UDP or SCTP whose source or destination is
+//!    return** (as rules 1, 2/3, 4, 5; a TCP SYN with the decided mark, repeated by an
+//!    allow verdict, first adds its class — client, destination port, server — to the
+//!    **kernel-side cache of allowed classes**, sets `<prefix>-allowed-v4`/`-v6`, nft
+//!    `allowed-v4`/`-v6`, with a timeout of [`ALLOWED_CACHE_SECS`], emptied at every new
+//!    snapshot by [`Backend::flush_allowed`]); then a TCP SYN of a cached class returns
+//!    (no queue trip: the proxy decides and audits it as it accepts it); then **a packet of
+//!    TCP, UDP or SCTP whose source or destination is
 //!    a local pod → NFQUEUE**: TCP SYNs, SCTP when `ctstate NEW`, every UDP datagram
 //!    ([`QueueWhen`] says why each). A TCP SYN without the route mark (rule 6 did not
 //!    TPROXY it: from an enforced pod) goes to the kernel-forwarded flows' queue, as SCTP
@@ -262,6 +268,14 @@ pub(crate) const COMMENT_POD_SOURCE: &str = "tierproxy: source not routed via it
 pub(crate) const COMMENT_ENFORCED: &str = "tierproxy: from a pod its own node proxied";
 /// Comment of rule 6's drop of TCP that belongs to no decided connection.
 pub(crate) const COMMENT_STRAY_TCP: &str = "tierproxy: TCP of no decided connection";
+
+/// How long an allowed TCP class stays in the kernel-side cache after its last SYN
+/// (seconds; rule 7). Every new snapshot empties the cache ([`Backend::flush_allowed`]).
+pub const ALLOWED_CACHE_SECS: u32 = 60;
+
+/// Most classes the kernel-side cache holds (per family). A full cache adds nothing more:
+/// the SYNs of classes not in it are queued and decided, as without the cache.
+pub const ALLOWED_CACHE_MAX: u32 = 65_536;
 
 /// Protocols whose new flows are sent to NFQUEUE (rule 7), in rule order.
 pub const QUEUED_PROTOCOLS: [&str; 3] = ["tcp", "udp", "sctp"];
@@ -379,6 +393,12 @@ pub struct Names {
     pub enforced_v4: String,
     /// Set of the IPv6 addresses of pods on other nodes whose agent enforces.
     pub enforced_v6: String,
+    /// The kernel-side cache of allowed TCP classes, IPv4 (`hash:ip,port,ip`: client,
+    /// protocol and port, server; rule 7), e.g. `tierproxy-allowed-v4` (nftables:
+    /// `allowed-v4`).
+    pub allowed_v4: String,
+    /// The same for IPv6.
+    pub allowed_v6: String,
     /// nftables table (family `inet`), e.g. `tierproxy`.
     pub table: String,
     /// nftables table (family `inet`) the iptables backend adds for rule 3 after the DNAT
@@ -409,6 +429,8 @@ impl Names {
             podif_v6: format!("{p}-podif-v6"),
             enforced_v4: format!("{p}-enforced-v4"),
             enforced_v6: format!("{p}-enforced-v6"),
+            allowed_v4: format!("{p}-allowed-v4"),
+            allowed_v6: format!("{p}-allowed-v6"),
             table: p.clone(),
             dnat_table: format!("{p}-dnat"),
         }
@@ -628,6 +650,14 @@ pub trait Backend: fmt::Debug + Send + Sync {
         config: &RedirectConfig,
         addrs: &BTreeSet<IpAddr>,
     ) -> Result<(), RedirectError>;
+
+    /// Empties the kernel-side cache of allowed TCP classes (rule 7). Called for every new
+    /// snapshot, so that no SYN skips the decision of the snapshot in force. Needs the
+    /// ruleset applied.
+    ///
+    /// # Errors
+    /// [`RedirectError::Config`] for an invalid `config`; the failing command otherwise.
+    fn flush_allowed(&self, config: &RedirectConfig) -> Result<(), RedirectError>;
 
     /// The interfaces through which this node routes `addrs` (its local pods' addresses):
     /// the output device of the kernel's route to each (`ip -j route get`, one `ip -batch`

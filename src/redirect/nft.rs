@@ -26,19 +26,19 @@ use ::nftables::expr::{
     Payload, PayloadField, Range, SetItem, Socket, SocketAttr,
 };
 use ::nftables::schema::{
-    Chain, Element, FlushObject, NfCmd, NfListObject, Nftables, Rule, Set, SetType, SetTypeValue,
-    Table,
+    Chain, Element, FlushObject, NfCmd, NfListObject, Nftables, Rule, Set, SetFlag, SetType,
+    SetTypeValue, Table,
 };
 use ::nftables::stmt::{
-    Counter, JumpTarget, Mangle, Match, Operator, Queue, QueueFlag, Statement, TProxy,
+    Counter, JumpTarget, Mangle, Match, Operator, Queue, QueueFlag, SetOp, Statement, TProxy,
 };
 use ::nftables::types::{NfChainPolicy, NfChainType, NfFamily, NfHook};
 
 use super::exec::Cmd;
 use super::{
-    Backend, BackendKind, COMMENT_ENFORCED, COMMENT_NODE_SOURCE, COMMENT_POD_SOURCE,
-    COMMENT_STRAY_TCP, DropCounts, Names, QUEUED_PROTOCOLS, QueueWhen, RedirectError, RulesetSpec,
-    TPROXY_PROTOCOLS, by_family, routing,
+    ALLOWED_CACHE_MAX, ALLOWED_CACHE_SECS, Backend, BackendKind, COMMENT_ENFORCED,
+    COMMENT_NODE_SOURCE, COMMENT_POD_SOURCE, COMMENT_STRAY_TCP, DropCounts, Names,
+    QUEUED_PROTOCOLS, QueueWhen, RedirectError, RulesetSpec, TPROXY_PROTOCOLS, by_family, routing,
 };
 use crate::config::{Mark, RedirectConfig};
 
@@ -90,6 +90,9 @@ const PODIF: &str = "podif";
 /// Pods on other nodes whose agent enforces (rule 6: not proxied a second time).
 const ENFORCED_V4: &str = "enforced-v4";
 const ENFORCED_V6: &str = "enforced-v6";
+/// The kernel-side cache of allowed TCP classes (rule 7): `saddr . dport . daddr`.
+const ALLOWED_V4: &str = "allowed-v4";
+const ALLOWED_V6: &str = "allowed-v6";
 
 /// The nftables backend (see the module docs of `redirect` for the rules).
 #[derive(Debug, Clone)]
@@ -114,12 +117,37 @@ struct Fam {
     pods: &'static str,
     nodes: &'static str,
     enforced: &'static str,
+    allowed: &'static str,
+    addr: SetType,
 }
 
-const V4: Fam =
-    Fam { proto: "ip", nfproto: "ipv4", pods: PODS_V4, nodes: NODES_V4, enforced: ENFORCED_V4 };
-const V6: Fam =
-    Fam { proto: "ip6", nfproto: "ipv6", pods: PODS_V6, nodes: NODES_V6, enforced: ENFORCED_V6 };
+const V4: Fam = Fam {
+    proto: "ip",
+    nfproto: "ipv4",
+    pods: PODS_V4,
+    nodes: NODES_V4,
+    enforced: ENFORCED_V4,
+    allowed: ALLOWED_V4,
+    addr: SetType::Ipv4Addr,
+};
+const V6: Fam = Fam {
+    proto: "ip6",
+    nfproto: "ipv6",
+    pods: PODS_V6,
+    nodes: NODES_V6,
+    enforced: ENFORCED_V6,
+    allowed: ALLOWED_V6,
+    addr: SetType::Ipv6Addr,
+};
+
+/// A class of TCP SYN in the kernel-side cache: `saddr . tcp dport . daddr` of `fam`.
+fn allowed_class(fam: Fam) -> Expression<'static> {
+    Expression::Named(NamedExpression::Concat(vec![
+        payload(fam.proto, "saddr"),
+        payload("tcp", "dport"),
+        payload(fam.proto, "daddr"),
+    ]))
+}
 
 fn meta(key: MetaKey) -> Expression<'static> {
     Expression::Named(NamedExpression::Meta(Meta { key }))
@@ -447,6 +475,29 @@ impl<'s> Builder<'s> {
         }
     }
 
+    /// The kernel-side cache of allowed TCP classes of `fam` (empty; elements are added by
+    /// the ruleset itself, with a timeout).
+    fn allowed_set(&self, fam: Fam) -> Set<'s> {
+        Set {
+            family: NfFamily::INet,
+            table: self.table.clone().into(),
+            name: fam.allowed.into(),
+            handle: None,
+            set_type: SetTypeValue::Concatenated(
+                vec![fam.addr, SetType::InetService, fam.addr].into(),
+            ),
+            policy: None,
+            // `timeout` only: nft 1.0.6's JSON parser refuses `dynamic`, and a set that the
+            // ruleset updates from the packet path gets it from the kernel anyway.
+            flags: Some(HashSet::from([SetFlag::Timeout])),
+            elem: None,
+            timeout: Some(ALLOWED_CACHE_SECS),
+            gc_interval: None,
+            size: Some(ALLOWED_CACHE_MAX),
+            comment: None,
+        }
+    }
+
     /// The `ifname` set of the local pods' interfaces, with `members` as its elements.
     fn ifname_set(&self, members: &BTreeSet<String>) -> Set<'s> {
         let elem: Vec<Expression<'s>> = members.iter().map(|i| str_expr(i.clone())).collect();
@@ -495,6 +546,9 @@ fn apply_batch(spec: &RulesetSpec) -> Nftables<'static> {
     let (enforced4, enforced6) = by_family(spec.enforced_pods());
     b.set(ENFORCED_V4, SetType::Ipv4Addr, &enforced4);
     b.set(ENFORCED_V6, SetType::Ipv6Addr, &enforced6);
+    for fam in [V4, V6] {
+        b.batch.add(NfListObject::Set(Box::new(b.allowed_set(fam))));
+    }
     b.batch.add(NfListObject::Set(Box::new(b.ifname_set(spec.pod_interfaces()))));
     b.batch.add(NfListObject::Chain(b.prerouting()));
     b.batch.add(NfListObject::Chain(b.regular_chain(DECIDE_CHAIN)));
@@ -762,6 +816,25 @@ fn apply_batch(spec: &RulesetSpec) -> Nftables<'static> {
         "tierproxy: proxy upstream sockets (bypass mark)",
         vec![mark_set(c.bypass_mark), Statement::Return(None)],
     );
+    // An allowed SYN, repeated with the decided mark: its class (client, port, server)
+    // enters the kernel-side cache, so the class's next SYNs skip the queue (rule 7).
+    for fam in [V4, V6] {
+        b.rule(
+            DECIDE_CHAIN,
+            "tierproxy: allowed class, cached",
+            vec![
+                is(meta(MetaKey::Nfproto), Operator::EQ, str_expr(fam.nfproto)),
+                l4proto_in(&["tcp"]),
+                tcp_syn(Operator::EQ),
+                mark_set(c.decided_mark),
+                Statement::Set(::nftables::stmt::Set {
+                    op: SetOp::Update,
+                    elem: allowed_class(fam),
+                    set: format!("@{}", fam.allowed).into(),
+                }),
+            ],
+        );
+    }
     b.rule(
         DECIDE_CHAIN,
         "tierproxy: decided",
@@ -772,6 +845,22 @@ fn apply_batch(spec: &RulesetSpec) -> Nftables<'static> {
     }
     for fam in [V4, V6] {
         b.rule(DECIDE_CHAIN, "tierproxy: UDP to the node itself, decided", udp_to_node(fam));
+    }
+    // A SYN of a class the snapshot in force allowed (the cache is emptied at each new
+    // snapshot): no queue trip. The proxy decides and audits it when it accepts it; a
+    // kernel-forwarded one (from an enforced pod) was decided at its client's node.
+    for fam in [V4, V6] {
+        b.rule(
+            DECIDE_CHAIN,
+            "tierproxy: allowed class, cached",
+            vec![
+                is(meta(MetaKey::Nfproto), Operator::EQ, str_expr(fam.nfproto)),
+                l4proto_in(&["tcp"]),
+                tcp_syn(Operator::EQ),
+                is(allowed_class(fam), Operator::EQ, str_expr(format!("@{}", fam.allowed))),
+                Statement::Return(None),
+            ],
+        );
     }
     // Packets of pod flows, egress then ingress → queue (TCP SYNs, SCTP when new, every UDP
     // datagram: [`QueueWhen`]).
@@ -873,6 +962,16 @@ fn enforced_batch(names: &Names, addrs: &BTreeSet<IpAddr>) -> Nftables<'static> 
         if !members.is_empty() {
             b.batch.add(b.elements(name, &members));
         }
+    }
+    b.batch.to_nftables()
+}
+
+/// The transaction that empties the kernel-side caches of allowed classes.
+fn flush_allowed_batch(names: &Names) -> Nftables<'static> {
+    let mut b = Builder { table: names.table.clone(), batch: Batch::new() };
+    for fam in [V4, V6] {
+        let set = b.allowed_set(fam);
+        b.batch.add_cmd(NfCmd::Flush(FlushObject::Set(Box::new(set))));
     }
     b.batch.to_nftables()
 }
@@ -1051,6 +1150,13 @@ impl Backend for NftablesBackend {
     ) -> Result<(), RedirectError> {
         config.validate()?;
         let batch = enforced_batch(&Names::new(config), addrs);
+        self.nft_cmd().run(Some(&to_json(&batch, false)))?;
+        Ok(())
+    }
+
+    fn flush_allowed(&self, config: &RedirectConfig) -> Result<(), RedirectError> {
+        config.validate()?;
+        let batch = flush_allowed_batch(&Names::new(config));
         self.nft_cmd().run(Some(&to_json(&batch, false)))?;
         Ok(())
     }
