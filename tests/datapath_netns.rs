@@ -1091,20 +1091,12 @@ fn a_cross_node_connection_is_proxied_once_at_the_clients_node() {
     assert_eq!(&back, b"once");
 
     // n2 decided the server's ingress on the connection's first packet.
-    let deadline = Instant::now() + Duration::from_secs(5);
-    let decided = loop {
-        let found = audit_events(&lab, "n2").into_iter().find(|e| {
-            let a = &e["attributes"];
-            e["event"] == "tierproxy.policy.decision"
-                && a["source.port"] == u64::from(seen.port())
-                && a["destination.port"] == 8080
-        });
-        if let Some(e) = found {
-            break e;
-        }
-        assert!(Instant::now() < deadline, "n2 audited no decision of the connection");
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    let decided = wait_for_event_on(&lab, &["n2"], |e| {
+        let a = &e["attributes"];
+        e["event"] == "tierproxy.policy.decision"
+            && a["source.port"] == u64::from(seen.port())
+            && a["destination.port"] == 8080
+    });
     let a = &decided["attributes"];
     assert_eq!(a["tierproxy.decision.point"], "first-packet", "{decided}");
     assert_eq!(a["tierproxy.verdict"], "allow", "{decided}");
@@ -1138,19 +1130,12 @@ fn the_second_connection_of_an_allowed_class_skips_the_queue_and_is_audited_at_a
     let cached = run_in(&n1, &["ipset", "list", "tierproxy-allowed-v4"]);
     assert!(cached.contains("10.60.1.2,tcp:8080,10.60.1.3"), "{cached}");
     let point = |port: u16| -> String {
-        let deadline = Instant::now() + Duration::from_secs(5);
-        loop {
-            let found = audit_events(&lab, "n1").into_iter().find(|e| {
-                e["event"] == "tierproxy.policy.decision"
-                    && e["attributes"]["source.port"] == u64::from(port)
-                    && e["attributes"]["destination.port"] == 8080
-            });
-            if let Some(e) = found {
-                return e["attributes"]["tierproxy.decision.point"].as_str().unwrap().into();
-            }
-            assert!(Instant::now() < deadline, "no decision audited for port {port}");
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        let e = wait_for_event_on(&lab, &["n1"], |e| {
+            e["event"] == "tierproxy.policy.decision"
+                && e["attributes"]["source.port"] == u64::from(port)
+                && e["attributes"]["destination.port"] == 8080
+        });
+        e["attributes"]["tierproxy.decision.point"].as_str().unwrap().into()
     };
     assert_eq!(point(ports[0]), "first-packet");
     assert_eq!(point(ports[1]), "accept");

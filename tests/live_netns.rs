@@ -173,30 +173,6 @@ fn cut_within(conn: &mut BufReader<TcpStream>, limit: Duration) -> Option<Durati
     }
 }
 
-/// Waits (bounded) until the audit file of one of `nodes` holds an event for which `f`
-/// holds.
-fn wait_for_event_on(lab: &Lab, nodes: &[&str], f: impl Fn(&Value) -> bool) -> Value {
-    let deadline = Instant::now() + Duration::from_secs(5);
-    let node = nodes.join(", ");
-    loop {
-        let all: Vec<Value> = nodes.iter().flat_map(|n| audit_events(lab, n)).collect();
-        if let Some(e) = all.into_iter().find(|e| f(e)) {
-            return e;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "no such audit event on {node}; it has:\n{}",
-            nodes
-                .iter()
-                .flat_map(|n| audit_events(lab, n))
-                .map(|e| e.to_string())
-                .collect::<Vec<_>>()
-                .join("\n")
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
 #[test]
 fn a_live_connection_is_cut_within_a_second_of_a_denying_policy_and_others_are_untouched() {
     if !netns_available(

@@ -83,7 +83,9 @@ async fn write(
 ) -> Written {
     let params = PatchParams { field_manager: Some(FIELD_MANAGER.into()), ..Default::default() };
     let mut pause = BACKOFF.0;
-    for attempt in 1.. {
+    let mut attempt = 0u32;
+    loop {
+        attempt += 1;
         let e = match nodes.patch(node, &params, &Patch::Merge(patch_body(want))).await {
             Ok(_) => {
                 tracing::info!(
@@ -126,7 +128,6 @@ async fn write(
         }
         pause = (pause * 2).min(BACKOFF.1);
     }
-    Written::Stop
 }
 
 /// Attempts at removing the annotation on stop before giving up (the agent is exiting).

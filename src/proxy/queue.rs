@@ -163,9 +163,13 @@ fn read(
     let drop = Answer { verdict: Verdict::Drop, mark: None };
     let mut failures = 0;
     loop {
+        let mut busy = false;
         let r = q.process(BATCH, |p| {
-            // Busy before the first decision loads the snapshot in force.
-            activity.busy.store(true, SeqCst);
+            // Busy before the batch's first decision loads the snapshot in force.
+            if !busy {
+                busy = true;
+                activity.busy.store(true, SeqCst);
+            }
             match packet::parse(p.payload) {
                 Ok(key) => match decider.first_packet(key, !kernel_forwarded).verdict {
                     PolicyVerdict::Allow => allow(p.mark),

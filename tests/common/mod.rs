@@ -7,6 +7,7 @@ pub mod apiserver;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
+use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
@@ -218,4 +219,28 @@ pub fn audit_events(lab: &Lab, node: &str) -> Vec<Value> {
         .lines()
         .filter_map(|l| serde_json::from_str(l).ok())
         .collect()
+}
+
+/// Waits (bounded) until the audit file of one of `nodes` holds an event for which `f`
+/// holds.
+pub fn wait_for_event_on(lab: &Lab, nodes: &[&str], f: impl Fn(&Value) -> bool) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let node = nodes.join(", ");
+    loop {
+        let all: Vec<Value> = nodes.iter().flat_map(|n| audit_events(lab, n)).collect();
+        if let Some(e) = all.into_iter().find(|e| f(e)) {
+            return e;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no such audit event on {node}; it has:\n{}",
+            nodes
+                .iter()
+                .flat_map(|n| audit_events(lab, n))
+                .map(|e| e.to_string())
+                .collect::<Vec<_>>()
+                .join("\n")
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }
