@@ -15,7 +15,9 @@
 //! the deciders, every
 //! live connection and UDP flow is decided again (those now denied are cut), and the pod
 //! sets of the ruleset follow the node's pods. A change that cannot be used leaves the last
-//! good snapshot in force; a policy that turns invalid keeps its last good version.
+//! good snapshot in force; an admin policy whose new version is invalid is enforced as the
+//! last good version recorded for it in the API ([`cluster::lastgood`]), else left out,
+//! alike on every node; what a build finds is logged once ([`ProblemLog`]).
 //!
 //! Shutdown: stop accepting, let live connections finish for the drain grace period, stop
 //! the rest, then remove the ruleset (unless configured to keep it: with fail-closed
@@ -217,6 +219,9 @@ pub struct KubeOptions {
     pub source: cluster::apiserver::SourceConfig,
     /// Take part in the election of the policy status writer (`None`: never write status).
     pub status: Option<cluster::status::StatusOptions>,
+    /// The agents' namespace (`POD_NAMESPACE`): where the Lease and the recorded last good
+    /// policy versions ([`cluster::lastgood::CONFIGMAP`]) live.
+    pub namespace: String,
 }
 
 /// One build of the node's snapshot.
@@ -224,10 +229,51 @@ pub struct KubeOptions {
 pub struct Built {
     /// What the deciders use.
     pub current: Current,
-    /// The policies to fall back on at the next change.
-    pub last_good: cluster::LastGood,
     /// Each policy's acceptance, for the status writer.
     pub report: cluster::status::Report,
+}
+
+/// How bad a logged line is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Level {
+    /// INFO.
+    Info,
+    /// WARN.
+    Warn,
+    /// ERROR.
+    Error,
+}
+
+/// Logs what builds find (invalid objects, warnings, notes) once each: a line the previous
+/// build logged too is not logged again, and a problem that went away is said once at INFO.
+/// Every rebuild repeated the ERROR lines of every invalid policy before (issue #19, item
+/// 8); a persistent problem now shows once, then only when it changes.
+#[derive(Debug, Default)]
+pub struct ProblemLog {
+    seen: std::collections::HashSet<(Level, String)>,
+}
+
+impl ProblemLog {
+    /// Logs the `lines` of one build that the previous build did not log; forgets the rest.
+    pub fn log(&mut self, lines: Vec<(Level, String)>) {
+        let now: std::collections::HashSet<(Level, String)> = lines.into_iter().collect();
+        for (level, line) in &now {
+            if self.seen.contains(&(*level, line.clone())) {
+                continue;
+            }
+            match level {
+                Level::Info => tracing::info!("{line}"),
+                Level::Warn => tracing::warn!("{line}"),
+                Level::Error => tracing::error!("{line}"),
+            }
+        }
+        for (level, line) in &self.seen {
+            if *level != Level::Info && !now.contains(&(*level, line.clone())) {
+                tracing::info!("no longer the case: {line}");
+            }
+        }
+        self.seen = now;
+    }
 }
 
 /// Reads `manifests` and adds the API server's objects from `kube` (an object in both: the
@@ -274,68 +320,124 @@ pub fn gather(
 }
 
 /// Compiles `loaded` (manifests and API-server objects) for node `node` as `revision`.
-/// With `last` (the policies of the snapshot in force), a policy whose new version is
-/// invalid keeps its last good version ([`cluster::keep_last_good`]).
+/// An admin policy whose version as given is invalid is compiled as the last good version
+/// `records` holds for it ([`cluster::lastgood`], recorded by the status writer), else left
+/// out. What the build finds goes to `log`.
 ///
 /// # Errors
 /// A file that could not be read or parsed, or a node missing from the Nodes. Invalid
-/// objects are not errors: they are logged, compiled as their API says (fail closed) and
-/// named in [`Built::report`].
+/// objects are not errors: they are logged, left out or replaced by their record, and named
+/// in [`Built::report`].
 pub fn build(
     loaded: manifest::Loaded,
     node: &str,
     revision: Revision,
     audit_defaults: audit::Defaults,
-    last: Option<&cluster::LastGood>,
+    records: Option<&cluster::lastgood::Records>,
+    log: &mut ProblemLog,
 ) -> anyhow::Result<Built> {
     if let Some(e) = loaded.errors.first() {
         bail!("{}", crate::explain::error_chain(e));
     }
-    for n in &loaded.notes {
-        tracing::info!("{n}");
-    }
+    let mut lines: Vec<(Level, String)> =
+        loaded.notes.iter().map(|n| (Level::Info, n.to_string())).collect();
     let mut inputs = loaded.inputs;
     let mut compiled = Snapshot::compile(&inputs, revision);
     for p in loaded.problems.iter().chain(&compiled.problems) {
-        if p.is_error() {
-            tracing::error!("{p}");
-        } else {
-            tracing::warn!("{p}");
-        }
+        lines.push((if p.is_error() { Level::Error } else { Level::Warn }, p.to_string()));
     }
-    // The problems of the objects as given (a recompile with last good versions put back
-    // no longer sees the invalid ones).
+    // The problems of the objects as given (a recompile with recorded versions put back no
+    // longer sees the invalid ones).
     let mut problems = loaded.problems;
     problems.append(&mut compiled.problems);
     let mut invalid: Vec<ObjectRef> =
         problems.iter().filter(|p| p.is_error()).map(|p| p.object.clone()).collect();
+    invalid.sort();
     invalid.dedup();
-    let kept = match last {
-        Some(last) => cluster::keep_last_good(&mut inputs, last, &invalid),
+    let valid = valid_generations(&inputs, &invalid);
+    let mut kept = match records {
+        Some(records) => cluster::lastgood::put_back(&mut inputs, records, &invalid),
         None => Vec::new(),
     };
     if !kept.is_empty() {
-        for r in &kept {
-            tracing::warn!(
-                "{r}: the new version is invalid (see above); its last good version stays in force"
-            );
-        }
         compiled = Snapshot::compile(&inputs, revision);
+        // A recorded version that is itself invalid is left out after all.
+        kept.retain(|(r, _)| !compiled.problems.iter().any(|p| p.is_error() && p.object == *r));
+        for (r, generation) in &kept {
+            lines.push((
+                Level::Warn,
+                format!(
+                    "{r}: the new version is invalid (see above); the last good version recorded{} stays in force",
+                    generation.map(|g| format!(" (generation {g})")).unwrap_or_default()
+                ),
+            ));
+        }
     }
-    invalid.retain(|r| !kept.contains(r));
-    let last_good = cluster::LastGood::new(&inputs, &invalid);
+    for r in invalid.iter().filter(|r| !kept.iter().any(|(k, _)| k == *r)) {
+        if cluster::status::carries_status(r.kind) || r.kind == crate::policy::Kind::NetworkPolicy {
+            lines.push((
+                Level::Error,
+                format!("{r}: left out: none of its rules apply (no valid version is recorded)"),
+            ));
+        }
+    }
     drop(inputs);
     let snapshot = Arc::new(compiled.snapshot);
     let Some(node_id) = snapshot.find_node(node) else {
+        log.log(lines);
         bail!("node {node:?} is not among the Nodes (manifests, API server)");
     };
     let (plan, errors) = audit::Plan::new(&snapshot, audit_defaults);
-    for e in errors {
-        tracing::warn!("{e}");
-    }
+    lines.extend(errors.into_iter().map(|e| (Level::Warn, e.to_string())));
+    log.log(lines);
     problems.extend(crate::policy::compile::priority_conflicts(&snapshot));
-    let report = cluster::status::Report::new(revision.0, &problems, &kept);
-    Ok(Built { current: Current { snapshot, node: node_id, audit: plan }, last_good, report })
+    let mut report = cluster::status::Report::new(revision.0, &problems, &kept);
+    report.valid = valid;
+    Ok(Built { current: Current { snapshot, node: node_id, audit: plan }, report })
+}
+
+/// The admin policies of `inputs` (the three status-carrying kinds) not named in
+/// `invalid`, with their `metadata.generation`: the versions the leader may record.
+fn valid_generations(
+    inputs: &crate::policy::Inputs,
+    invalid: &[ObjectRef],
+) -> std::collections::BTreeMap<ObjectRef, Option<i64>> {
+    use crate::policy::Kind;
+    fn each<T: kube::Resource>(
+        items: &[Arc<T>],
+        kind: Kind,
+        invalid: &[ObjectRef],
+        out: &mut std::collections::BTreeMap<ObjectRef, Option<i64>>,
+    ) {
+        for o in items {
+            let r = ObjectRef::cluster(kind, o.meta().name.clone().unwrap_or_default());
+            if invalid.binary_search(&r).is_err() {
+                out.insert(r, o.meta().generation);
+            }
+        }
+    }
+    let mut out = std::collections::BTreeMap::new();
+    each(&inputs.admin_network_policies, Kind::AdminNetworkPolicy, invalid, &mut out);
+    each(
+        &inputs.baseline_admin_network_policies,
+        Kind::BaselineAdminNetworkPolicy,
+        invalid,
+        &mut out,
+    );
+    each(&inputs.cluster_network_policies, Kind::ClusterNetworkPolicy, invalid, &mut out);
+    out
+}
+
+/// Whether `report` names an invalid admin policy: one a change of the recorded last good
+/// versions could put back (or take out).
+fn needs_records(report: &cluster::status::Report) -> bool {
+    report.policies.values().any(|a| {
+        matches!(
+            a,
+            cluster::status::Acceptance::Invalid(_)
+                | cluster::status::Acceptance::InvalidUpdate(..)
+        )
+    })
 }
 
 /// What the agent would install for `opts`, without touching the node: the backend, why
@@ -355,7 +457,16 @@ pub fn dry_run(opts: &AgentOptions) -> anyhow::Result<String> {
     }
     let loaded = gather(&opts.manifests, kube.as_ref().map(|k| &k.source));
     tracing::info!(rss_mib = rss_mib(), "inputs gathered");
-    let current = build(loaded, &opts.node, Revision(1), opts.audit.defaults, None)?.current;
+    let records = kube.as_ref().map(|k| k.records.records());
+    let current = build(
+        loaded,
+        &opts.node,
+        Revision(1),
+        opts.audit.defaults,
+        records.as_ref(),
+        &mut ProblemLog::default(),
+    )?
+    .current;
     tracing::info!(rss_mib = rss_mib(), peak_rss_mib = peak_rss_mib(), "snapshot compiled");
     let spec = RulesetSpec::new(
         opts.redirect.clone(),
@@ -444,17 +555,21 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
     }
     let initial_fingerprint = manifest::fingerprint(&opts.manifests);
     let initial_generation = kube.as_ref().map_or(0, |k| k.source.generation());
+    let initial_records = kube.as_ref().map_or(0, |k| k.records.version());
+    let mut problem_log = ProblemLog::default();
     let built = build(
         gather(&opts.manifests, kube.as_ref().map(|k| &k.source)),
         &opts.node,
         Revision(1),
         opts.audit.defaults,
-        None,
+        kube.as_ref().map(|k| k.records.records()).as_ref(),
+        &mut problem_log,
     )?;
+    let mut needs_records = needs_records(&built.report);
     if let Some(k) = &kube {
         k.reports.send_replace(Arc::new(built.report));
     }
-    let (current, last_good) = (built.current, built.last_good);
+    let current = built.current;
     let local: Vec<IpAddr> = current.snapshot.local_pod_ips(current.node);
     let node_addrs: Vec<IpAddr> = current.snapshot.node_addrs(current.node).to_vec();
     trim_heap();
@@ -604,7 +719,9 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
             revision: 1,
             fingerprint: initial_fingerprint,
             generation: initial_generation,
-            last_good,
+            records: initial_records,
+            needs_records: std::mem::take(&mut needs_records),
+            problem_log,
             drops: &ruleset_drops,
             ticked: std::time::Instant::now(),
             queue_activity: &queue_activity,
@@ -671,6 +788,8 @@ const ANNOUNCE_STOP_GRACE: Duration = Duration::from_secs(5);
 /// as audit's do; and apart from the proxy's runtime, so the data path never waits on it.
 struct KubeSide {
     source: cluster::apiserver::ApiSource,
+    /// The recorded last good policy versions ([`cluster::lastgood`]).
+    records: Arc<cluster::lastgood::RecordStore>,
     /// Each build's policy report, for the status writer.
     reports: tokio::sync::watch::Sender<Arc<cluster::status::Report>>,
     stop: std::sync::Mutex<Option<tokio::sync::oneshot::Sender<()>>>,
@@ -700,6 +819,8 @@ impl KubeSide {
             tokio::sync::watch::channel(Arc::new(cluster::status::Report::default()));
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
         let opts = opts.clone();
+        let records = Arc::new(cluster::lastgood::RecordStore::default());
+        let records_in = records.clone();
         let thread = std::thread::Builder::new()
             .name("tierproxy-kube".into())
             .spawn(move || {
@@ -724,6 +845,7 @@ impl KubeSide {
                             return;
                         }
                     };
+                    let records_changed = changes.clone();
                     let source = cluster::apiserver::ApiSource::start(
                         client.clone(),
                         opts.source,
@@ -731,12 +853,22 @@ impl KubeSide {
                             let _ = changes.send(());
                         },
                     );
+                    tokio::spawn(cluster::lastgood::watch(
+                        client.clone(),
+                        opts.namespace.clone(),
+                        records_in.clone(),
+                        move || {
+                            let _ = records_changed.send(());
+                        },
+                    ));
                     let _ = ready_tx.send(Ok(source.clone()));
                     let announcer = announce_as.map(|node| {
                         tokio::spawn(cluster::announce::run(client.clone(), node, enforcing_rx))
                     });
                     if let Some(status) = opts.status {
-                        tokio::spawn(cluster::status::run(client, source, status, reports_rx));
+                        tokio::spawn(cluster::status::run(
+                            client, source, status, reports_rx, records_in,
+                        ));
                     }
                     let _ = stop_rx.await;
                     // The annotation's removal, begun when the agent stopped enforcing, is
@@ -750,6 +882,7 @@ impl KubeSide {
         let source = ready_rx.recv().context("the API-server thread ended")??;
         Ok(KubeSide {
             source,
+            records,
             reports,
             stop: std::sync::Mutex::new(Some(stop_tx)),
             thread: std::sync::Mutex::new(Some(thread)),
@@ -771,7 +904,7 @@ impl KubeSide {
     fn wait_initialized(&self) {
         let started = std::time::Instant::now();
         let mut next_log = Duration::from_secs(10);
-        while !self.source.initialized() {
+        while !self.source.initialized() || !self.records.initialized() {
             std::thread::sleep(Duration::from_millis(20));
             if started.elapsed() >= next_log {
                 next_log += Duration::from_secs(10);
@@ -825,8 +958,13 @@ struct Reloader<'a> {
     fingerprint: u64,
     /// [`cluster::apiserver::ApiSource::generation`] the revision in force was built from.
     generation: u64,
-    /// The policies of the revision in force, for a policy whose next version is invalid.
-    last_good: cluster::LastGood,
+    /// [`cluster::lastgood::RecordStore::version`] the revision in force was built with.
+    records: u64,
+    /// Whether the revision in force has an invalid admin policy, which a change of the
+    /// recorded last good versions can change.
+    needs_records: bool,
+    /// What builds found, logged once each.
+    problem_log: ProblemLog,
     /// The ruleset's drop counters and pod interfaces, as last read.
     drops: &'a RulesetDrops,
     /// When [`Reloader::tick`] last ran.
@@ -967,7 +1105,9 @@ impl Reloader<'_> {
         let fingerprint = manifest::fingerprint(&self.opts.manifests);
         // Read before the stores are: a change after this point triggers another reload.
         let generation = self.kube.map_or(0, |k| k.source.generation());
-        if fingerprint == self.fingerprint && generation == self.generation {
+        let records = self.kube.map_or(0, |k| k.records.version());
+        let records_matter = records != self.records && self.needs_records;
+        if fingerprint == self.fingerprint && generation == self.generation && !records_matter {
             tracing::debug!(revision = self.revision, "inputs unchanged; nothing to apply");
             return;
         }
@@ -977,11 +1117,13 @@ impl Reloader<'_> {
             &self.opts.node,
             next,
             self.opts.audit.defaults,
-            Some(&self.last_good),
+            self.kube.map(|k| k.records.records()).as_ref(),
+            &mut self.problem_log,
         );
+        self.records = records;
         let current = match loaded {
             Ok(b) => {
-                self.last_good = b.last_good;
+                self.needs_records = needs_records(&b.report);
                 if let Some(k) = self.kube {
                     k.reports.send_replace(Arc::new(b.report));
                 }

@@ -391,6 +391,7 @@ fn run_agent(a: AgentArgs) -> ExitCode {
                 identity: a.identity.clone().unwrap_or_else(|| opts.node.clone()),
                 lease_seconds: status::DEFAULT_LEASE_SECONDS,
             }),
+            namespace: a.lease_namespace.clone(),
         });
     }
     if a.dry_run {

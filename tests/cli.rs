@@ -278,7 +278,17 @@ spec:
         out.contains("AdminNetworkPolicy one: spec.egress[0]: domainNames peers are not resolved"),
         "{out}"
     );
-    assert!(out.contains("priority 7 is shared with AdminNetworkPolicy two"), "{out}");
+    // On both policies of the tie (issue #19), each naming the other.
+    assert!(
+        out.contains("AdminNetworkPolicy one: spec.priority: priority 7 is shared with AdminNetworkPolicy two")
+            && out.contains("this policy first"),
+        "{out}"
+    );
+    assert!(
+        out.contains("AdminNetworkPolicy two: spec.priority: priority 7 is shared with AdminNetworkPolicy one")
+            && out.contains("the other first"),
+        "{out}"
+    );
 }
 
 #[test]

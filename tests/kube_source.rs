@@ -13,7 +13,8 @@ use std::time::{Duration, Instant};
 use common::apiserver::FakeApi;
 use serde_json::{Value, json};
 use tierproxy::cluster::apiserver::{ApiSource, SourceConfig, WatchedKind};
-use tierproxy::cluster::status::{self, Report, StatusOptions};
+use tierproxy::cluster::lastgood::{self, RecordStore};
+use tierproxy::cluster::status::{self, Acceptance, Report, StatusOptions};
 use tierproxy::policy::{Kind, ObjectRef, Problem};
 
 const ANP: &str = "policy.networking.k8s.io/v1alpha1";
@@ -225,7 +226,9 @@ async fn the_elected_writer_sets_conditions_and_events_and_only_when_they_change
         identity: "node-a".into(),
         lease_seconds: 5,
     };
-    let writer = tokio::spawn(status::run(client(&api).await, source.clone(), options, rx));
+    let records = Arc::new(RecordStore::default());
+    let writer =
+        tokio::spawn(status::run(client(&api).await, source.clone(), options, rx, records));
     let bad = ObjectRef::cluster(Kind::AdminNetworkPolicy, "bad");
     let problem = Problem::error(
         &bad,
@@ -309,6 +312,163 @@ async fn the_elected_writer_sets_conditions_and_events_and_only_when_they_change
     reports.send_replace(Arc::new(Report::new(3, &[], &[])));
     until("condition flipped", || cond("bad").is_some_and(|c| c["status"] == "True")).await;
     assert_eq!(cond("bad").unwrap()["observedGeneration"], 2);
+    writer.abort();
+}
+
+/// One agent of a node: its own watchers and record store, as `agent::run` has them.
+struct Agent {
+    source: ApiSource,
+    records: Arc<RecordStore>,
+}
+
+impl Agent {
+    async fn start(api: &FakeApi) -> Agent {
+        let (source, _) = start(api).await;
+        let records = Arc::new(RecordStore::default());
+        tokio::spawn(lastgood::watch(
+            client(api).await,
+            "tierproxy-system".into(),
+            records.clone(),
+            || {},
+        ));
+        until("initial lists", || source.initialized() && records.initialized()).await;
+        Agent { source, records }
+    }
+
+    /// What this agent would enforce now, as `agent::run` builds it.
+    fn build(&self, revision: u64) -> tierproxy::agent::Built {
+        tierproxy::agent::build(
+            tierproxy::agent::gather(&[], Some(&self.source)),
+            "node-a",
+            tierproxy::policy::Revision(revision),
+            tierproxy::audit::Defaults::default(),
+            Some(&self.records.records()),
+            &mut tierproxy::agent::ProblemLog::default(),
+        )
+        .unwrap()
+    }
+}
+
+/// Issue #19, item 1: an agent started after a policy turned invalid enforces the same as
+/// one that was running when it did (the last good version the leader recorded in the
+/// ConfigMap), and the report (status) says the same on both; a policy that was never
+/// valid is left out on both, and its status says its rules do not apply.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agents_started_before_and_after_a_bad_update_enforce_the_same() {
+    use tierproxy::policy::{Decision, Flow, Protocol, Verdict};
+    let api = FakeApi::start();
+    api.apply(json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "node-a"},
+                     "status": {"addresses": [{"type": "InternalIP", "address": "172.31.0.2"}]}}));
+    api.apply(ns("a", json!({"kubernetes.io/metadata.name": "a"})));
+    api.apply(ns("b", json!({"kubernetes.io/metadata.name": "b"})));
+    api.apply(pod("a", "client", "10.0.0.1", json!({})));
+    api.apply(pod("b", "server", "10.0.0.2", json!({})));
+    api.apply(anp("deny", 10));
+    let flow = Flow {
+        src: "10.0.0.1".parse().unwrap(),
+        dst: "10.0.0.2".parse().unwrap(),
+        protocol: Protocol::Tcp,
+        dst_port: 80,
+    };
+    let verdict = |d: Decision| d.verdict;
+
+    // Agent A runs and leads: its snapshot's report makes it record the valid version.
+    let a = Agent::start(&api).await;
+    let (reports, rx) = tokio::sync::watch::channel(Arc::new(Report::default()));
+    let options = StatusOptions {
+        lease_namespace: "tierproxy-system".into(),
+        lease_name: "tierproxy-policy-status".into(),
+        identity: "node-a".into(),
+        lease_seconds: 5,
+    };
+    let writer = tokio::spawn(status::run(
+        client(&api).await,
+        a.source.clone(),
+        options,
+        rx,
+        a.records.clone(),
+    ));
+    let built = a.build(1);
+    assert_eq!(verdict(built.current.snapshot.decide(&flow)), Verdict::Deny);
+    let deny = ObjectRef::cluster(Kind::AdminNetworkPolicy, "deny");
+    assert_eq!(built.report.valid.get(&deny), Some(&Some(1)));
+    reports.send_replace(Arc::new(built.report));
+    until("the valid version recorded", || {
+        a.records.records().0.get(&deny).is_some_and(|r| r.generation == Some(1))
+    })
+    .await;
+    let cm = api.get("v1", "ConfigMap", Some("tierproxy-system"), lastgood::CONFIGMAP).unwrap();
+    assert!(
+        cm["data"]["adminnetworkpolicy.deny"].as_str().unwrap().contains("\"priority\":10"),
+        "{cm}"
+    );
+
+    // The policy turns invalid; a policy that never was valid appears beside it.
+    let mut broken = anp("deny", 5000);
+    broken["spec"]["ingress"][0]["name"] = json!("x");
+    api.apply(broken);
+    api.apply(anp("never-valid", 1001));
+    until("agent A sees both", || {
+        a.source.admin_network_policies().iter().any(|p| p.spec.priority == 5000)
+            && a.source.admin_network_policies().len() == 2
+    })
+    .await;
+    let from_a = a.build(2);
+    reports.send_replace(Arc::new(from_a.report.clone()));
+
+    // Agent B starts only now: it never saw the valid version.
+    let b = Agent::start(&api).await;
+    let from_b = b.build(1);
+    for (who, built) in [("A", &from_a), ("B", &from_b)] {
+        assert_eq!(
+            verdict(built.current.snapshot.decide(&flow)),
+            Verdict::Deny,
+            "agent {who}: the recorded version stays in force"
+        );
+        assert!(
+            matches!(built.report.of(&deny), Acceptance::InvalidUpdate(_, Some(1))),
+            "agent {who}: {:?}",
+            built.report.of(&deny)
+        );
+        let never = ObjectRef::cluster(Kind::AdminNetworkPolicy, "never-valid");
+        assert!(
+            matches!(built.report.of(&never), Acceptance::Invalid(_)),
+            "agent {who}: {:?}",
+            built.report.of(&never)
+        );
+    }
+    assert_eq!(from_a.report.policies, from_b.report.policies, "the same status from both");
+    // The leader keeps the record of the invalid policy (and records none for the other).
+    let cond = || {
+        api.get(ANP, "AdminNetworkPolicy", None, "never-valid").and_then(|o| {
+            o["status"]["conditions"]
+                .as_array()
+                .and_then(|cs| cs.iter().find(|c| c["type"] == status::CONDITION_TYPE).cloned())
+        })
+    };
+    until("the never-valid policy's condition", || cond().is_some()).await;
+    let message = cond().unwrap()["message"].as_str().unwrap().to_string();
+    assert!(message.contains("none of its rules apply"), "{message}");
+    let records = a.records.records();
+    assert_eq!(records.0.keys().map(|k| k.name.as_str()).collect::<Vec<_>>(), ["deny"]);
+    assert_eq!(records.0[&deny].generation, Some(1));
+
+    // Deleted and created again under the same name, still invalid: another object, whose
+    // record the old one's is not.
+    api.delete(ANP, "AdminNetworkPolicy", None, "deny");
+    let mut again = anp("deny", 5000);
+    again["spec"]["ingress"][0]["name"] = json!("x");
+    api.apply(again);
+    until("agent B sees the new object", || {
+        b.source
+            .admin_network_policies()
+            .iter()
+            .any(|p| p.metadata.name.as_deref() == Some("deny") && p.metadata.generation == Some(1))
+    })
+    .await;
+    let recreated = b.build(2);
+    assert_eq!(verdict(recreated.current.snapshot.decide(&flow)), Verdict::Allow);
+    assert!(matches!(recreated.report.of(&deny), Acceptance::Invalid(_)));
     writer.abort();
 }
 

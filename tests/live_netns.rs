@@ -324,25 +324,43 @@ spec:
         n2_log.contains("out-of-range") && n2_log.contains("spec.priority"),
         "the invalid ANP is named with its field: {n2_log}"
     );
+    // Another change, the same invalid object: it is not logged again (issue #19, item 8:
+    // every rebuild repeated the ERROR lines of every invalid policy).
+    let relabelled = lab.file("a.yaml", &labelled(true));
+    apply(&lab, &[&base, &relabelled, &isolate, &bad]);
+    let said = |log: &str| {
+        std::fs::read_to_string(Path::new("/run/tierproxy-lab").join(&lab.prefix).join(log))
+            .unwrap()
+            .lines()
+            .filter(|l| l.contains("out-of-range") && l.contains("spec.priority"))
+            .count()
+    };
+    assert_eq!(said("agent-n2.log"), 1, "logged once over two snapshots");
+    let a = lab.file("a.yaml", &labelled(false));
 
-    // The isolating policy turns invalid: its last good version stays in force, as an API
-    // server would have refused the update; without that, b/remote would be open again.
+    // The isolating policy turns invalid. Manifest files have no recorded last good version
+    // (issue #19: only the API server's leader records them, so that every agent gives the
+    // same answer whatever its start time): it is left out on every node, b/remote is open
+    // again, and the agents say so by name.
     let broken =
         lab.file("isolate.yaml", &ISOLATE_REMOTE.replace("podSelector: {}", "podSelector: 5"));
     apply(&lab, &[&base, &a, &broken]);
     assert!(
-        !connects(&client, "10.61.2.2:8080", Duration::from_millis(1500)),
-        "still isolated by the last good version"
+        connects(&client, "10.61.2.2:8080", Duration::from_secs(3)),
+        "the invalid version is left out"
     );
     let n1_log = std::fs::read_to_string(
         Path::new("/run/tierproxy-lab").join(&lab.prefix).join("agent-n1.log"),
     )
     .unwrap();
     assert!(
-        n1_log.contains("NetworkPolicy b/isolate")
-            && n1_log.contains("its last good version stays in force"),
+        n1_log.contains("NetworkPolicy b/isolate: left out: none of its rules apply"),
         "{n1_log}"
     );
+    // Valid again: enforced again.
+    let isolate = lab.file("isolate.yaml", ISOLATE_REMOTE);
+    apply(&lab, &[&base, &a, &isolate]);
+    assert!(!connects(&client, "10.61.2.2:8080", Duration::from_millis(1500)), "isolated again");
     // Removed for real, it is gone.
     apply(&lab, &[&base, &a]);
     assert!(connects(&client, "10.61.2.2:8080", Duration::from_secs(3)), "open again");

@@ -7,10 +7,11 @@
 //! - **The condition.** Type [`CONDITION_TYPE`] (`tierproxy.io/Accepted`; KEP-2091 leaves
 //!   condition names to implementations, and a domain-qualified type cannot collide with
 //!   another implementation's). `status: "True"` with reason `Accepted`, or with reason
-//!   `PriorityConflict` and a message naming the policies that share its priority (it is
-//!   enforced, ordered after them by name); `status: "False"` with reason `Invalid` and the
-//!   validation error (the policy is left out, failing closed as its API says), or reason
-//!   `InvalidUpdate` when its last good version stays in force. `observedGeneration` is
+//!   `PriorityConflict` on every policy of a tie, naming the others and which is evaluated
+//!   first (it is enforced, ordered by name); `status: "False"` with reason `Invalid` and
+//!   the validation error (no valid version is recorded: the policy is left out and none of
+//!   its rules apply, Deny and Pass rules neither), or reason `InvalidUpdate` when the last
+//!   good version recorded for it ([`super::lastgood`]) stays in force. `observedGeneration` is
 //!   the object's `metadata.generation`; `lastTransitionTime` changes only when `status`
 //!   does.
 //! - **How it is written.** Server-side apply of the status subresource with field manager
@@ -56,11 +57,14 @@ pub enum Acceptance {
     /// Valid and enforced, but its priority equals another's whose subjects overlap; the
     /// tie is broken by name. The message names the others.
     PriorityConflict(String),
-    /// Invalid and left out of the snapshot (failing closed as its API says). The
-    /// validation errors.
+    /// Invalid, with no recorded last good version: left out of the snapshot, none of its
+    /// rules apply (its Deny and Pass rules neither; what they matched is decided by the
+    /// policies after it). The validation errors.
     Invalid(String),
-    /// The latest version is invalid; its last good version stays in force.
-    InvalidUpdate(String),
+    /// The latest version is invalid; the last good version recorded for it
+    /// ([`super::lastgood`]) stays in force. The validation errors, and the generation in
+    /// force.
+    InvalidUpdate(String, Option<i64>),
 }
 
 /// Each policy's [`Acceptance`], from one snapshot's build.
@@ -71,13 +75,17 @@ pub struct Report {
     /// By policy; a policy of the three status-carrying kinds that is missing here was
     /// valid and had no conflict.
     pub policies: BTreeMap<ObjectRef, Acceptance>,
+    /// The policies of the three status-carrying kinds whose version as given was valid,
+    /// with the `metadata.generation` compiled: what the leader may record as their last
+    /// good version ([`super::lastgood`]).
+    pub valid: BTreeMap<ObjectRef, Option<i64>>,
 }
 
 impl Report {
     /// Builds the report of one snapshot from its problems (decoding, validation and
     /// [`crate::policy::compile::priority_conflicts`]) and the policies whose last good
     /// version was kept ([`super::keep_last_good`]).
-    pub fn new(revision: u64, problems: &[Problem], kept: &[ObjectRef]) -> Report {
+    pub fn new(revision: u64, problems: &[Problem], kept: &[(ObjectRef, Option<i64>)]) -> Report {
         let mut policies: BTreeMap<ObjectRef, Acceptance> = BTreeMap::new();
         let mut errors: BTreeMap<&ObjectRef, Vec<String>> = BTreeMap::new();
         let mut conflicts: BTreeMap<&ObjectRef, Vec<String>> = BTreeMap::new();
@@ -98,14 +106,13 @@ impl Report {
         }
         for (object, texts) in errors {
             let text = texts.join("; ");
-            let a = if kept.contains(object) {
-                Acceptance::InvalidUpdate(text)
-            } else {
-                Acceptance::Invalid(text)
+            let a = match kept.iter().find(|(k, _)| k == object) {
+                Some((_, generation)) => Acceptance::InvalidUpdate(text, *generation),
+                None => Acceptance::Invalid(text),
             };
             policies.insert(object.clone(), a);
         }
-        Report { revision, policies }
+        Report { revision, policies, valid: BTreeMap::new() }
     }
 
     /// The acceptance of `object` (missing: [`Acceptance::Accepted`]).
@@ -140,13 +147,22 @@ pub fn desired_condition(
                 "enforced by tierproxy; equal priority with overlapping subjects, ordered by name: {m}"
             ),
         ),
-        Acceptance::Invalid(m) => {
-            ("False", "Invalid", format!("not enforced (fails closed as its API says): {m}"))
-        }
-        Acceptance::InvalidUpdate(m) => (
+        Acceptance::Invalid(m) => (
+            "False",
+            "Invalid",
+            format!(
+                "not enforced: invalid, and no valid earlier version is recorded, so none of \
+                 its rules apply (Deny and Pass rules neither; the traffic they matched is \
+                 decided by the policies after it): {m}"
+            ),
+        ),
+        Acceptance::InvalidUpdate(m, generation) => (
             "False",
             "InvalidUpdate",
-            format!("this version is invalid; its last good version stays in force: {m}"),
+            format!(
+                "this version is invalid; the last good version recorded{} stays in force: {m}",
+                generation.map(|g| format!(" (generation {g})")).unwrap_or_default()
+            ),
         ),
     };
     // metav1.Condition's message is at most 32768 bytes.
@@ -203,6 +219,7 @@ pub async fn run(
     source: ApiSource,
     options: StatusOptions,
     mut reports: tokio::sync::watch::Receiver<Arc<Report>>,
+    records: Arc<super::lastgood::RecordStore>,
 ) {
     let manager = loop {
         let built =
@@ -231,6 +248,7 @@ pub async fn run(
         ),
         announced: HashMap::new(),
         written: HashMap::new(),
+        record_error: None,
     };
     let mut resync = tokio::time::interval(RESYNC);
     loop {
@@ -249,6 +267,7 @@ pub async fn run(
         if *leading.borrow() {
             let report = reports.borrow().clone();
             writer.sync(&source, &report).await;
+            writer.record(&source, &report, &options.lease_namespace, &records).await;
         }
     }
 }
@@ -288,6 +307,8 @@ struct Writer {
     /// store at that time: until the store has seen the write (its resourceVersion moves),
     /// the same condition is not written again.
     written: HashMap<ObjectRef, (Option<String>, Condition)>,
+    /// The last error recording the last good versions, logged once.
+    record_error: Option<String>,
 }
 
 impl Writer {
@@ -348,7 +369,7 @@ impl Writer {
                 }
             }
         }
-        if let Acceptance::Invalid(m) | Acceptance::InvalidUpdate(m) = &acceptance {
+        if let Acceptance::Invalid(m) | Acceptance::InvalidUpdate(m, _) = &acceptance {
             let key = (object.clone(), generation);
             if self.announced.get(&key) != Some(m) {
                 let event = Event {
@@ -365,6 +386,59 @@ impl Writer {
                     Err(e) => {
                         tracing::warn!(object = %object, error = %e, "cannot publish the InvalidPolicy event")
                     }
+                }
+            }
+        }
+    }
+}
+
+impl Writer {
+    /// Records the last good version of every policy `report` compiled as valid
+    /// ([`super::lastgood`]), in the ConfigMap of `namespace`, when the records change. A
+    /// failure is logged (at most once per distinct error) and retried at the next report or
+    /// resync.
+    async fn record(
+        &mut self,
+        source: &ApiSource,
+        report: &Report,
+        namespace: &str,
+        store: &super::lastgood::RecordStore,
+    ) {
+        use super::lastgood::{self, Current};
+        if report.revision == 0 || !store.initialized() {
+            return;
+        }
+        let mut current = Vec::new();
+        current.extend(
+            source
+                .admin_network_policies()
+                .iter()
+                .map(|p| Current::of(&**p, Kind::AdminNetworkPolicy, &p.spec)),
+        );
+        current.extend(
+            source
+                .baseline_admin_network_policies()
+                .iter()
+                .map(|p| Current::of(&**p, Kind::BaselineAdminNetworkPolicy, &p.spec)),
+        );
+        current.extend(
+            source
+                .cluster_network_policies()
+                .iter()
+                .map(|p| Current::of(&**p, Kind::ClusterNetworkPolicy, &p.spec)),
+        );
+        let want = lastgood::desired(&store.records(), &current, report);
+        match lastgood::write(&self.client, namespace, store, &want).await {
+            Ok(written) => {
+                if written {
+                    tracing::info!(policies = want.0.len(), "last good policy versions recorded");
+                }
+                self.record_error = None;
+            }
+            Err(e) => {
+                if self.record_error.as_deref() != Some(e.as_str()) {
+                    tracing::warn!(error = %e, "cannot record the last good policy versions; retried at the next change or resync");
+                    self.record_error = Some(e);
                 }
             }
         }
@@ -409,17 +483,22 @@ mod tests {
             Problem::warning(
                 &tie,
                 "spec.priority",
-                ProblemKind::PriorityConflict { priority: 5, other: bad.clone(), overlap: 2 },
+                ProblemKind::PriorityConflict {
+                    priority: 5,
+                    other: bad.clone(),
+                    overlap: 2,
+                    first: true,
+                },
             ),
             Problem::error(&np, "spec", ProblemKind::Required),
         ];
-        let r = Report::new(3, &problems, std::slice::from_ref(&kept));
+        let r = Report::new(3, &problems, &[(kept.clone(), Some(2))]);
         assert_eq!(
             r.of(&bad),
             Acceptance::Invalid("spec.priority: 1001 is out of range 0..=1000".into())
         );
         assert!(
-            matches!(r.of(&kept), Acceptance::InvalidUpdate(m) if m.starts_with("spec.subject"))
+            matches!(r.of(&kept), Acceptance::InvalidUpdate(m, Some(2)) if m.starts_with("spec.subject"))
         );
         assert!(matches!(r.of(&tie), Acceptance::PriorityConflict(_)));
         assert_eq!(

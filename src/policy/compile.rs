@@ -2096,8 +2096,11 @@ impl Cluster {
 }
 
 /// Pairs of admin-tier (or baseline-tier CNP) policies with equal priority whose subjects
-/// overlap, each with the number of pods both select. Used by `check` (KEP-2091 "Risks and
-/// Mitigations": "provide a warning if there is another ANP with the same priority").
+/// overlap, each with the number of pods both select: one warning on each policy of a
+/// pair, naming the other and saying which is evaluated first (policies are in evaluation
+/// order, so the first of a pair is the one ordered first). Used by `check` and the policy
+/// status (KEP-2091 "Risks and Mitigations": "provide a warning if there is another ANP
+/// with the same priority").
 pub fn priority_conflicts(s: &Snapshot) -> Vec<Problem> {
     let mut out = Vec::new();
     let by_prio: BTreeMap<(Tier, i32), Vec<&Policy>> = s
@@ -2113,15 +2116,20 @@ pub fn priority_conflicts(s: &Snapshot) -> Vec<Problem> {
             for b in &ps[i + 1..] {
                 let overlap = a.subject.intersection_len(&b.subject) as usize;
                 if overlap > 0 {
-                    out.push(Problem::warning(
-                        &a.object,
-                        "spec.priority",
-                        ProblemKind::PriorityConflict {
-                            priority: prio,
-                            other: b.object.clone(),
-                            overlap,
-                        },
-                    ));
+                    // On both policies: each one's rules are ordered against the other's
+                    // (issue #19: the second of a tie said Accepted).
+                    for (this, other, first) in [(a, b, true), (b, a, false)] {
+                        out.push(Problem::warning(
+                            &this.object,
+                            "spec.priority",
+                            ProblemKind::PriorityConflict {
+                                priority: prio,
+                                other: other.object.clone(),
+                                overlap,
+                                first,
+                            },
+                        ));
+                    }
                 }
             }
         }

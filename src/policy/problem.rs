@@ -190,8 +190,10 @@ pub enum ProblemKind {
     /// Two admin-tier policies with the same priority whose subjects overlap (KEP-2091,
     /// "Risks and Mitigations": the behaviour is undefined upstream; tierproxy orders them
     /// by name).
+    /// Reported on each policy of the tie, naming the other.
     #[error(
-        "priority {priority} is shared with {other}, and their subjects overlap on {overlap} pod(s); evaluated in name order"
+        "priority {priority} is shared with {other}, and their subjects overlap on {overlap} pod(s); evaluated in name order, {} first",
+        if *.first { "this policy" } else { "the other" }
     )]
     PriorityConflict {
         /// The shared priority.
@@ -200,6 +202,8 @@ pub enum ProblemKind {
         other: ObjectRef,
         /// How many pods both subjects select.
         overlap: usize,
+        /// Whether this policy is evaluated before `other`.
+        first: bool,
     },
     /// An object with the same kind, namespace and name was given twice; the later wins.
     #[error("duplicate object; the later definition replaces the earlier one")]
