@@ -472,6 +472,59 @@ async fn agents_started_before_and_after_a_bad_update_enforce_the_same() {
     writer.abort();
 }
 
+/// Issue #19, item 5: two admin policies tied on priority with overlapping subjects both
+/// get PriorityConflict, each naming the other (only the first of the tie had it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_priority_tie_is_reported_on_every_policy_of_it() {
+    let api = FakeApi::start();
+    api.apply(json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "node-a"},
+                     "status": {"addresses": [{"type": "InternalIP", "address": "172.31.0.2"}]}}));
+    api.apply(ns("a", json!({"kubernetes.io/metadata.name": "a"})));
+    api.apply(pod("a", "p", "10.0.0.1", json!({})));
+    api.apply(anp("first", 7));
+    api.apply(anp("second", 7));
+    let a = Agent::start(&api).await;
+    let (reports, rx) = tokio::sync::watch::channel(Arc::new(Report::default()));
+    let options = StatusOptions {
+        lease_namespace: "tierproxy-system".into(),
+        lease_name: "tierproxy-policy-status".into(),
+        identity: "node-a".into(),
+        lease_seconds: 5,
+    };
+    let writer = tokio::spawn(status::run(
+        client(&api).await,
+        a.source.clone(),
+        options,
+        rx,
+        a.records.clone(),
+    ));
+    reports.send_replace(Arc::new(a.build(1).report));
+    let cond = |name: &str| {
+        api.get(ANP, "AdminNetworkPolicy", None, name).and_then(|o| {
+            o["status"]["conditions"]
+                .as_array()
+                .and_then(|cs| cs.iter().find(|c| c["type"] == status::CONDITION_TYPE).cloned())
+        })
+    };
+    until("both conditions", || cond("first").is_some() && cond("second").is_some()).await;
+    for (me, other, order) in
+        [("first", "second", "this policy first"), ("second", "first", "the other first")]
+    {
+        let c = cond(me).unwrap();
+        assert_eq!(
+            (c["status"].as_str(), c["reason"].as_str()),
+            (Some("True"), Some("PriorityConflict")),
+            "{me}: {c}"
+        );
+        let m = c["message"].as_str().unwrap();
+        assert!(
+            m.contains(&format!("shared with AdminNetworkPolicy {other}")) && m.contains(order),
+            "{me}: {m}"
+        );
+    }
+    writer.abort();
+}
+
 /// The same objects from the API server and from a YAML and a JSON manifest file (read as
 /// the agent reads them, `manifest::Form::Compact`) compile to snapshots that decide alike
 /// and report the same problems (issue #17: the file source keeps what this source keeps).
