@@ -265,9 +265,16 @@ struct AgentArgs {
     /// changes nothing on the node.
     #[arg(long)]
     dry_run: bool,
-    /// Serve /metrics (Prometheus), /healthz and /readyz on this address.
+    /// Serve /metrics (Prometheus), /healthz, /readyz and the debug endpoints
+    /// /debug/explain?from=X&to=Y&port=N[&protocol=P] and /debug/snapshot (the snapshot in
+    /// force) on this address.
     #[arg(long)]
     metrics_addr: Option<std::net::SocketAddr>,
+    /// Answer /debug/explain and /debug/snapshot for every peer that reaches the metrics
+    /// address. By default only requests from a loopback address are answered (others get
+    /// 403): the answers name every pod, policy and rule.
+    #[arg(long, requires = "metrics_addr")]
+    debug_endpoints_from_anywhere: bool,
     /// Keep only these capabilities once started (comma-separated, e.g. NET_ADMIN,NET_RAW,
     /// the DaemonSet's); the rest are dropped from every set, the bounding set included, so
     /// the commands the agent runs have no more. `all` (the default): keep what it was
@@ -356,6 +363,7 @@ fn run_agent(a: AgentArgs) -> ExitCode {
     let mut opts = tierproxy::agent::AgentOptions::new(a.node, a.manifests);
     opts.audit = audit;
     opts.metrics_addr = a.metrics_addr;
+    opts.debug_from_anywhere = a.debug_endpoints_from_anywhere;
     opts.netns = a.netns;
     opts.keep_capabilities = match parse_capabilities(&a.capabilities) {
         Ok(keep) => keep,
