@@ -2,7 +2,8 @@
 //!
 //! Start-up, in an order that never leaves a node's pods without a decider:
 //! 0. start audit and, with `--kube`, the API-server watchers (both keep the namespace the
-//!    agent started in); serve `/metrics`, `/healthz` (live) and `/readyz` (not yet);
+//!    agent started in); serve `/metrics`, `/healthz` (live), `/readyz` (not yet) and the
+//!    debug endpoints ([`crate::debug`]: 503 until the first snapshot);
 //! 1. with `--kube`, wait for every watcher's initial list; read and compile the manifests
 //!    and the API server's objects (invalid objects are reported by name and field and
 //!    fail closed as their API says; a file that cannot be read or parsed stops the start);
@@ -144,8 +145,12 @@ pub struct AgentOptions {
     pub max_udp_flows: usize,
     /// Audit: what is logged, where to, lossy or lossless (no sinks: off).
     pub audit: AuditConfig,
-    /// Where to serve `/metrics`, `/healthz` and `/readyz` (`None`: not served).
+    /// Where to serve `/metrics`, `/healthz`, `/readyz` and the debug endpoints
+    /// ([`crate::debug`]) (`None`: not served).
     pub metrics_addr: Option<SocketAddr>,
+    /// Answer the debug endpoints for every peer that reaches the metrics address; by
+    /// default only for loopback peers (their answers name every pod, policy and rule).
+    pub debug_from_anywhere: bool,
     /// Set `net.ipv4.tcp_tw_reuse` to 1 in the enforcing namespace while running (the old
     /// value is put back on exit); see [`TcpTwReuse`].
     pub tcp_tw_reuse: bool,
@@ -193,6 +198,7 @@ impl AgentOptions {
             max_udp_flows: DEFAULT_MAX_UDP_FLOWS,
             audit,
             metrics_addr: None,
+            debug_from_anywhere: false,
             tcp_tw_reuse: true,
             state_dir: PathBuf::from(DEFAULT_STATE_DIR),
             netns: None,
@@ -393,7 +399,8 @@ pub fn build(
     problems.extend(crate::policy::compile::priority_conflicts(&snapshot));
     let mut report = cluster::status::Report::new(revision.0, &problems, &kept);
     report.valid = valid;
-    Ok(Built { current: Current { snapshot, node: node_id, audit: plan }, report })
+    let current = Current { snapshot, node: node_id, audit: plan, problems: problems.into() };
+    Ok(Built { current, report })
 }
 
 /// The admin policies of `inputs` (the three status-carrying kinds) not named in
@@ -545,8 +552,15 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
     // /healthz answers from here on, /readyz once the node enforces: a probe can tell a
     // live agent waiting for the API server's initial lists from a dead one.
     if let Some(addr) = opts.metrics_addr {
-        runtime.block_on(crate::metrics::serve(addr, metrics.clone(), ready.clone()))?;
-        tracing::info!(%addr, "serving /metrics, /healthz, /readyz");
+        let slot = decider_slot.clone();
+        let debug =
+            crate::debug::router(move || slot.get().map(|d| d.current()), opts.debug_from_anywhere);
+        runtime.block_on(crate::metrics::serve(addr, metrics.clone(), ready.clone(), debug))?;
+        tracing::info!(
+            %addr,
+            debug_from_anywhere = opts.debug_from_anywhere,
+            "serving /metrics, /healthz, /readyz, /debug/explain, /debug/snapshot"
+        );
     }
     if let Some(k) = &kube {
         k.wait_initialized();

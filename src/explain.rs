@@ -7,8 +7,14 @@
 //! probe file doubles as a policy test suite. `check` reports invalid objects, priority
 //! conflicts and rules that cannot match.
 //!
+//! With `--kube`, the objects come from the API server ([`read_api_server`]: the agent's
+//! own watchers and merge), so an admin can ask what the cluster's objects decide without
+//! exporting them. A running agent answers the same question against the snapshot it
+//! enforces on its metrics address ([`crate::debug`]).
+//!
 //! Exit codes: 0 = decided (and every expectation met), 1 = an expectation failed,
-//! 2 = invalid input (unreadable files, invalid objects, unresolvable probes).
+//! 2 = invalid input (unreadable files, invalid objects, unresolvable probes, an API server
+//! that cannot be read).
 
 use std::fmt::Write as _;
 use std::io::Write;
@@ -79,6 +85,9 @@ pub enum InputError {
         #[source]
         source: std::io::Error,
     },
+    /// The API server's objects could not be read (`explain --kube`).
+    #[error("reading the API server: {0}")]
+    ApiServer(String),
     /// A probe line is not a valid probe.
     #[error("probe {line}: {message}")]
     Probe {
@@ -93,7 +102,11 @@ pub enum InputError {
 /// load result, the compiled snapshot, and whether any error was found (an unreadable file
 /// or an invalid object: callers then decide nothing and exit [`EXIT_INVALID`]).
 pub fn load_and_compile(manifests: &[PathBuf], err: &mut dyn Write) -> (Loaded, Compiled, bool) {
-    let loaded = manifest::load(manifests);
+    compile_loaded(manifest::load(manifests), err)
+}
+
+/// [`load_and_compile`] of objects already read (`explain --kube`: [`read_api_server`]).
+pub fn compile_loaded(loaded: Loaded, err: &mut dyn Write) -> (Loaded, Compiled, bool) {
     let compiled = Snapshot::compile(&loaded.inputs, Revision(1));
     let mut invalid = false;
     for e in &loaded.errors {
@@ -108,6 +121,72 @@ pub fn load_and_compile(manifests: &[PathBuf], err: &mut dyn Write) -> (Loaded, 
         let _ = writeln!(err, "{p}");
     }
     (loaded, compiled, invalid)
+}
+
+/// How long `explain --kube` waits for the API server's initial lists: a watcher whose
+/// list fails retries (with backoff up to 2 s), so an unreachable API server or a
+/// forbidden list ends the run after this long, with the last error of each kind missing.
+pub const KUBE_LIST_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// Reads Pods, Namespaces, Nodes, NetworkPolicies and the three policy CRDs from the API
+/// server (in-cluster service account, else `KUBECONFIG` or `~/.kube/config`) as the agent's
+/// `--kube` does — the same watchers ([`ApiSource`](crate::cluster::apiserver::ApiSource)),
+/// until every initial list is done (a CRD that is not installed counts as empty) — and
+/// adds `manifests` as the agent does ([`crate::agent::gather`]: an object in both, the API
+/// server's wins). The watchers stop when this returns.
+///
+/// # Errors
+/// [`InputError::ApiServer`]: no usable client configuration, or a list not done within
+/// `timeout` (naming each kind still missing and its last error).
+pub fn read_api_server(
+    manifests: &[PathBuf],
+    timeout: std::time::Duration,
+) -> Result<Loaded, InputError> {
+    use std::time::{Duration, Instant};
+
+    use crate::cluster::apiserver::{self, ApiSource, SourceConfig};
+    let failed = |what: String| InputError::ApiServer(what);
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| failed(format!("starting the async runtime: {e}")))?;
+    rt.block_on(async {
+        // kube's message already holds its causes.
+        let client = apiserver::client(None).await.map_err(|e| {
+            failed(format!(
+                "configuring the client (in-cluster service account, else KUBECONFIG or \
+                 ~/.kube/config): {e}"
+            ))
+        })?;
+        // A command waits for no one: retry a failed list soon, within the timeout.
+        let config = SourceConfig {
+            backoff_initial: Duration::from_millis(200),
+            backoff_max: Duration::from_secs(2),
+            ..SourceConfig::default()
+        };
+        let source = ApiSource::start(client, config, || {});
+        let deadline = Instant::now() + timeout;
+        while !source.initialized() {
+            if Instant::now() >= deadline {
+                let missing: Vec<String> = source
+                    .health()
+                    .into_iter()
+                    .filter(|(_, h)| !h.initialized)
+                    .map(|(kind, h)| match h.last_error {
+                        Some(e) => format!("{kind} ({e})"),
+                        None => kind.to_string(),
+                    })
+                    .collect();
+                return Err(failed(format!(
+                    "the initial lists were not done within {} s: {}",
+                    timeout.as_secs(),
+                    missing.join(", ")
+                )));
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        Ok(crate::agent::gather(manifests, Some(&source)))
+    })
 }
 
 /// `e`'s message followed by each of its sources, `: `-separated.
@@ -140,13 +219,21 @@ pub fn parse_probes(text: &str) -> Result<Vec<(usize, Probe)>, InputError> {
     Ok(out)
 }
 
-/// Addresses a probe endpoint may stand for, in preference order.
-fn candidates(s: &Snapshot, loaded: &Loaded, what: &str) -> Result<Vec<IpAddr>, String> {
+/// The addresses a probe endpoint may stand for, in preference order: an IP address,
+/// `node/<name>` (the node's addresses) or `namespace/pod`. With `loaded` (the objects the
+/// snapshot was compiled from), a hostNetwork pod resolves to its `status.podIP` and its
+/// node's addresses; without (the agent's debug endpoint, which keeps only the snapshot), a
+/// name must be a pod-network pod's. The error says what is missing, naming `what`.
+///
+/// # Errors
+/// `what` is neither an address nor a known node or pod, or names one without an address.
+pub fn addresses(s: &Snapshot, loaded: Option<&Loaded>, what: &str) -> Result<Vec<IpAddr>, String> {
+    let source = if loaded.is_some() { "the manifests" } else { "the snapshot" };
     if let Ok(ip) = what.parse::<IpAddr>() {
         return Ok(vec![ip]);
     }
     if let Some(node) = what.strip_prefix("node/") {
-        let id = s.find_node(node).ok_or_else(|| format!("no node {node:?} in the manifests"))?;
+        let id = s.find_node(node).ok_or_else(|| format!("no node {node:?} in {source}"))?;
         let addrs = s.node_addrs(id);
         return if addrs.is_empty() {
             Err(format!("node {node:?} has no address"))
@@ -165,23 +252,43 @@ fn candidates(s: &Snapshot, loaded: &Loaded, what: &str) -> Result<Vec<IpAddr>, 
             Ok(ips.to_vec())
         };
     }
-    // Not a pod-network pod: a hostNetwork pod resolves to its node's address.
-    let pod = loaded
-        .inputs
-        .pods
-        .iter()
-        .find(|p| {
-            p.metadata.name.as_deref() == Some(name) && p.metadata.namespace.as_deref() == Some(ns)
-        })
-        .ok_or_else(|| format!("no pod {what} in the manifests"))?;
-    let spec = pod.spec.as_ref();
-    if !spec.and_then(|s| s.host_network).unwrap_or(false) {
+    let Some(loaded) = loaded else {
+        return Err(format!(
+            "no pod-network pod {what} in the snapshot (a hostNetwork pod: give node/<its node> \
+             or its address)"
+        ));
+    };
+    // Not a pod-network pod: a hostNetwork pod resolves to its node's address. Pods come
+    // whole from `explain`'s files, as views from the agent's sources (`--kube`).
+    let whole = loaded.inputs.pods.iter().find(|p| {
+        p.metadata.name.as_deref() == Some(name) && p.metadata.namespace.as_deref() == Some(ns)
+    });
+    let (host_network, status_ip, node_name): (bool, Option<IpAddr>, Option<&str>) = match whole {
+        Some(pod) => {
+            let spec = pod.spec.as_ref();
+            (
+                spec.and_then(|s| s.host_network).unwrap_or(false),
+                pod.status
+                    .as_ref()
+                    .and_then(|st| st.pod_ip.as_deref())
+                    .and_then(|ip| ip.parse().ok()),
+                spec.and_then(|sp| sp.node_name.as_deref()),
+            )
+        }
+        None => {
+            let view = loaded
+                .inputs
+                .pod_views
+                .iter()
+                .find(|v| v.name == name && v.namespace == ns)
+                .ok_or_else(|| format!("no pod {what} in {source}"))?;
+            (view.host_network, view.ips.first().copied(), view.node_name.as_deref())
+        }
+    };
+    if !host_network {
         return Err(format!("pod {what} is not running (phase Succeeded/Failed) or invalid"));
     }
-    let status_ip =
-        pod.status.as_ref().and_then(|st| st.pod_ip.as_deref()).and_then(|ip| ip.parse().ok());
-    let node_ips = spec
-        .and_then(|sp| sp.node_name.as_deref())
+    let node_ips = node_name
         .and_then(|n| s.find_node(n))
         .map(|id| s.node_addrs(id).to_vec())
         .unwrap_or_default();
@@ -200,13 +307,27 @@ fn candidates(s: &Snapshot, loaded: &Loaded, what: &str) -> Result<Vec<IpAddr>, 
 /// [`InputError::Probe`] when an end names no pod, node or IP of the manifests, the ends
 /// share no IP family, the protocol is unknown or `expect` is neither `allow` nor `deny`.
 pub fn resolve(s: &Snapshot, loaded: &Loaded, line: usize, p: &Probe) -> Result<Flow, InputError> {
+    resolve_with(s, Some(loaded), line, p)
+}
+
+/// [`resolve`] with or without the objects the snapshot was compiled from (see
+/// [`addresses`]: without them, hostNetwork pods are not known by name).
+///
+/// # Errors
+/// As [`resolve`].
+pub fn resolve_with(
+    s: &Snapshot,
+    loaded: Option<&Loaded>,
+    line: usize,
+    p: &Probe,
+) -> Result<Flow, InputError> {
     let bad = |message: String| InputError::Probe { line, message };
     let protocol: Protocol = p
         .protocol
         .parse()
         .map_err(|e: crate::policy::ports::UnknownProtocol| bad(e.to_string()))?;
-    let mut from = candidates(s, loaded, &p.from).map_err(bad)?;
-    let mut to = candidates(s, loaded, &p.to).map_err(bad)?;
+    let mut from = addresses(s, loaded, &p.from).map_err(bad)?;
+    let mut to = addresses(s, loaded, &p.to).map_err(bad)?;
     if let Some(family) = &p.family {
         let v4 = match family.as_str() {
             "IPv4" => true,
@@ -343,7 +464,18 @@ pub fn explain(
     out: &mut dyn Write,
     err: &mut dyn Write,
 ) -> u8 {
-    let (loaded, compiled, invalid) = load_and_compile(manifests, err);
+    explain_loaded(manifest::load(manifests), probes, format, out, err)
+}
+
+/// [`explain`] over objects already read (`explain --kube`: [`read_api_server`]).
+pub fn explain_loaded(
+    loaded: Loaded,
+    probes: ProbeSource,
+    format: Format,
+    out: &mut dyn Write,
+    err: &mut dyn Write,
+) -> u8 {
+    let (loaded, compiled, invalid) = compile_loaded(loaded, err);
     let probes = match probes {
         ProbeSource::One(p) => vec![(1, p)],
         ProbeSource::File(path) => match read_probes(&path) {
@@ -434,8 +566,9 @@ pub fn read_probes(path: &Path) -> Result<Vec<(usize, Probe)>, InputError> {
     parse_probes(&text)
 }
 
-/// The JSON form of a problem.
-fn problem_json(p: &Problem) -> Value {
+/// The JSON form of a problem, as `check -o json` prints it: `{"severity": "error" |
+/// "warning", "kind", "namespace", "name", "field", "message"}`.
+pub fn problem_json(p: &Problem) -> Value {
     json!({
         "severity": if p.is_error() { "error" } else { "warning" },
         "kind": p.object.kind.as_str(),

@@ -11,8 +11,10 @@
 //!   registry of live connections.
 //! - [`audit`]: OpenTelemetry audit events, their selection, limits and sinks; the data
 //!   path never waits on it in lossy mode.
-//! - [`metrics`]: Prometheus metrics and health endpoints; [`limits`]: the limits an agent
-//!   can reach, counted and logged at most once per 10 s.
+//! - [`metrics`]: Prometheus metrics and health endpoints; [`debug`]: the read-only debug
+//!   endpoints beside them (what the snapshot in force decides and holds, loopback-only by
+//!   default); [`limits`]: the limits an agent can reach, counted and logged at most once
+//!   per 10 s.
 //! - [`agent`]: the wiring of one node's enforcement; [`config`] its typed settings.
 //! - [`explain`]: `explain` and `check`; [`lab`]: the network-namespace lab; [`loadgen`]
 //!   and [`synth`]: load and synthetic clusters for measurements.
@@ -23,6 +25,7 @@ pub mod audit;
 pub mod cluster;
 pub mod config;
 pub mod crds;
+pub mod debug;
 pub mod explain;
 pub mod lab;
 pub mod limits;

@@ -17,13 +17,21 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Decide probes against manifests and show which tier, policy and rule decided.
+    /// Decide probes against manifests (or the API server's objects, --kube) and show
+    /// which tier, policy and rule decided.
     ///
     /// Exit status: 0 decided, 1 an `expect` in the probes was not met, 2 invalid input.
     Explain {
-        /// Manifest files or directories (recursive: .yaml, .yml, .json).
-        #[arg(long, short = 'm', required = true, num_args = 1..)]
+        /// Manifest files or directories (recursive: .yaml, .yml, .json). With --kube,
+        /// their objects are merged with the API server's (the API server's win).
+        #[arg(long, short = 'm', required_unless_present = "kube", num_args = 1..)]
         manifests: Vec<PathBuf>,
+        /// Read Pods, Namespaces, Nodes, NetworkPolicies, AdminNetworkPolicies,
+        /// BaselineAdminNetworkPolicies and ClusterNetworkPolicies from the Kubernetes API
+        /// server, as the agent's --kube does (in-cluster service account, else KUBECONFIG
+        /// or ~/.kube/config); waits at most 30 s for the lists.
+        #[arg(long)]
+        kube: bool,
         /// JSON Lines probes: {"from": "ns/pod"|IP, "to": ..., "port": N, "protocol": "TCP"}.
         #[arg(long, conflicts_with_all = ["from", "to"])]
         probes: Option<PathBuf>,
@@ -257,9 +265,16 @@ struct AgentArgs {
     /// changes nothing on the node.
     #[arg(long)]
     dry_run: bool,
-    /// Serve /metrics (Prometheus), /healthz and /readyz on this address.
+    /// Serve /metrics (Prometheus), /healthz, /readyz and the debug endpoints
+    /// /debug/explain?from=X&to=Y&port=N[&protocol=P] and /debug/snapshot (the snapshot in
+    /// force) on this address.
     #[arg(long)]
     metrics_addr: Option<std::net::SocketAddr>,
+    /// Answer /debug/explain and /debug/snapshot for every peer that reaches the metrics
+    /// address. By default only requests from a loopback address are answered (others get
+    /// 403): the answers name every pod, policy and rule.
+    #[arg(long, requires = "metrics_addr")]
+    debug_endpoints_from_anywhere: bool,
     /// Keep only these capabilities once started (comma-separated, e.g. NET_ADMIN,NET_RAW,
     /// the DaemonSet's); the rest are dropped from every set, the bounding set included, so
     /// the commands the agent runs have no more. `all` (the default): keep what it was
@@ -348,6 +363,7 @@ fn run_agent(a: AgentArgs) -> ExitCode {
     let mut opts = tierproxy::agent::AgentOptions::new(a.node, a.manifests);
     opts.audit = audit;
     opts.metrics_addr = a.metrics_addr;
+    opts.debug_from_anywhere = a.debug_endpoints_from_anywhere;
     opts.netns = a.netns;
     opts.keep_capabilities = match parse_capabilities(&a.capabilities) {
         Ok(keep) => keep,
@@ -497,7 +513,7 @@ fn main() -> ExitCode {
     let mut out = std::io::stdout().lock();
     let mut err = std::io::stderr().lock();
     let code = match cli.command {
-        Command::Explain { manifests, probes, from, to, port, protocol, output } => {
+        Command::Explain { manifests, kube, probes, from, to, port, protocol, output } => {
             let source = match (probes, from, to, port) {
                 (Some(path), ..) => ProbeSource::File(path),
                 (None, Some(from), Some(to), Some(port)) => ProbeSource::One(Probe {
@@ -514,7 +530,19 @@ fn main() -> ExitCode {
                     return ExitCode::from(explain::EXIT_INVALID);
                 }
             };
-            explain::explain(&manifests, source, output, &mut out, &mut err)
+            if !kube {
+                explain::explain(&manifests, source, output, &mut out, &mut err)
+            } else {
+                match explain::read_api_server(&manifests, explain::KUBE_LIST_TIMEOUT) {
+                    Ok(loaded) => {
+                        explain::explain_loaded(loaded, source, output, &mut out, &mut err)
+                    }
+                    Err(e) => {
+                        let _ = writeln!(err, "error: {}", explain::error_chain(&e));
+                        explain::EXIT_INVALID
+                    }
+                }
+            }
         }
         Command::Check { manifests, output } => explain::check(&manifests, output, &mut out),
         Command::Loadgen {

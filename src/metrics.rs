@@ -4,7 +4,8 @@
 //! event, no label lookup); values that already exist elsewhere (audit counters, live
 //! connections, kernel queue drops) are read at scrape time by a [`Scraped`] collector.
 //! [`serve`] answers `GET /metrics` (Prometheus text format), `/healthz` (the process
-//! serves) and `/readyz` (the node is enforcing).
+//! serves) and `/readyz` (the node is enforcing), and the routes the agent adds: the debug
+//! endpoints of [`crate::debug`].
 //!
 //! Sources: issue #4 "Delivery" (the metric list); Prometheus exposition format;
 //! `/proc/net/netfilter/nfnetlink_queue` columns (net/netfilter/nfnetlink_queue.c,
@@ -284,7 +285,10 @@ pub fn parse_tcp_ext(text: &str) -> TcpExt {
     }
 }
 
-/// Serves `/metrics`, `/healthz` and `/readyz` on `addr` until the runtime stops.
+/// Serves `/metrics`, `/healthz`, `/readyz` and the routes of `more` (the agent's debug
+/// endpoints, [`crate::debug::router`]) on `addr` until the runtime stops; returns the
+/// address bound (port 0 in `addr` takes a free one). Handlers can read the peer's address
+/// (`ConnectInfo<SocketAddr>`).
 ///
 /// # Errors
 /// The address cannot be bound.
@@ -292,11 +296,13 @@ pub async fn serve(
     addr: SocketAddr,
     metrics: Arc<Metrics>,
     ready: Arc<AtomicBool>,
-) -> anyhow::Result<()> {
+    more: axum::Router,
+) -> anyhow::Result<SocketAddr> {
     use axum::http::{StatusCode, header};
     let listener = tokio::net::TcpListener::bind(addr)
         .await
         .with_context(|| format!("binding the metrics address {addr}"))?;
+    let bound = listener.local_addr().with_context(|| format!("the metrics address {addr}"))?;
     let app = axum::Router::new()
         .route(
             "/metrics",
@@ -323,13 +329,15 @@ pub async fn serve(
                     }
                 }
             }),
-        );
+        )
+        .merge(more);
     tokio::spawn(async move {
+        let app = app.into_make_service_with_connect_info::<SocketAddr>();
         if let Err(e) = axum::serve(listener, app).await {
             tracing::error!(error = %e, "metrics server stopped");
         }
     });
-    Ok(())
+    Ok(bound)
 }
 
 #[cfg(test)]

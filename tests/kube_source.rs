@@ -616,3 +616,106 @@ async fn the_api_server_and_manifest_files_give_the_same_decisions() {
         }
     }
 }
+
+/// `tierproxy explain --kube` reads the cluster's objects from the API server (the agent's
+/// watchers and merge) and answers as `explain` does on a manifest of the same objects:
+/// alone, with `-m` files merged in, and a hostNetwork pod named as a probe end (the API
+/// source keeps pods as views). Without a usable kubeconfig it says so and exits 2.
+#[test]
+fn explain_kube_answers_as_explain_on_a_manifest_of_the_same_objects() {
+    use std::process::Output;
+    let node = |name: &str, ip: &str| {
+        json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": name},
+               "status": {"addresses": [{"type": "InternalIP", "address": ip}]}})
+    };
+    let mut host = pod("kube-system", "agent", "172.31.0.2", json!({}));
+    host["spec"]["hostNetwork"] = json!(true);
+    let objects = vec![
+        node("node-a", "172.31.0.2"),
+        ns("web", json!({"kubernetes.io/metadata.name": "web", "tier": "front"})),
+        ns("db", json!({"kubernetes.io/metadata.name": "db"})),
+        ns("kube-system", json!({"kubernetes.io/metadata.name": "kube-system"})),
+        pod("web", "app", "10.0.1.1", json!({"app": "web"})),
+        pod("db", "pg", "10.0.2.1", json!({"app": "pg"})),
+        host,
+        json!({"apiVersion": ANP, "kind": "AdminNetworkPolicy", "metadata": {"name": "front-not-db"},
+               "spec": {"priority": 5, "subject": {"namespaces": {"matchLabels": {"tier": "front"}}},
+                        "egress": [{"name": "no-db", "action": "Deny",
+                                    "to": [{"namespaces": {"matchLabels": {"kubernetes.io/metadata.name": "db"}}}],
+                                    "ports": [{"portNumber": {"protocol": "TCP", "port": 5432}}]}]}}),
+        json!({"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+               "metadata": {"name": "pg-from-web", "namespace": "db"},
+               "spec": {"podSelector": {}, "ingress": [{"from": [{"namespaceSelector": {}}],
+                        "ports": [{"port": "http"}]}]}}),
+    ];
+    // Only in a file: the merge adds it.
+    let extra = json!({"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+                       "metadata": {"name": "web-isolated", "namespace": "web"},
+                       "spec": {"podSelector": {}, "policyTypes": ["Ingress"]}});
+    let api = FakeApi::start();
+    for o in &objects {
+        api.apply(o.clone());
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let write = |name: &str, items: &[Value]| {
+        let path = dir.path().join(name);
+        let list = json!({"apiVersion": "v1", "kind": "List", "items": items});
+        std::fs::write(&path, serde_saphyr::to_string(&list).unwrap()).unwrap();
+        path
+    };
+    let cluster = write("cluster.yaml", &objects);
+    let extra_file = write("extra.yaml", std::slice::from_ref(&extra));
+    let probes = dir.path().join("probes.jsonl");
+    std::fs::write(
+        &probes,
+        [
+            r#"{"from": "web/app", "to": "db/pg", "port": 5432, "expect": "deny"}"#,
+            r#"{"from": "web/app", "to": "db/pg", "port": 80}"#,
+            r#"{"from": "db/pg", "to": "web/app", "port": 80, "protocol": "UDP"}"#,
+            r#"{"from": "kube-system/agent", "to": "db/pg", "port": 80}"#,
+            r#"{"from": "node/node-a", "to": "web/app", "port": 80}"#,
+            r#"{"from": "192.0.2.9", "to": "db/pg", "port": 5432, "note": "external"}"#,
+        ]
+        .join("\n"),
+    )
+    .unwrap();
+    let kubeconfig = api.kubeconfig(dir.path());
+    let run = |args: &[&str], kubeconfig: &std::path::Path| -> Output {
+        common::bin()
+            .arg("explain")
+            .args(args)
+            .args(["--probes", probes.to_str().unwrap(), "-o", "json"])
+            .env("KUBECONFIG", kubeconfig)
+            .env("HOME", dir.path())
+            .env_remove("KUBERNETES_SERVICE_HOST")
+            .output()
+            .expect("tierproxy runs")
+    };
+    let lines = |o: &Output| -> Vec<Value> {
+        assert_eq!(o.status.code(), Some(0), "{}", String::from_utf8_lossy(&o.stderr));
+        String::from_utf8_lossy(&o.stdout)
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    };
+    let (c, x) = (cluster.to_str().unwrap(), extra_file.to_str().unwrap());
+
+    let from_api = lines(&run(&["--kube"], &kubeconfig));
+    assert_eq!(from_api, lines(&run(&["-m", c], &kubeconfig)));
+    assert_eq!(from_api.len(), 6);
+    assert_eq!(from_api[0]["verdict"], "deny");
+    assert_eq!(from_api[3]["addresses"]["from"], "172.31.0.2", "the hostNetwork pod's address");
+    let merged = lines(&run(&["--kube", "-m", x], &kubeconfig));
+    assert_eq!(merged, lines(&run(&["-m", c, x], &kubeconfig)));
+    assert_ne!(merged, from_api, "the file's NetworkPolicy isolates web/app");
+    assert!(
+        api.requests()
+            .iter()
+            .any(|r| r.contains("/apis/policy.networking.k8s.io/v1alpha1/adminnetworkpolicies"))
+    );
+
+    let none = run(&["--kube"], &dir.path().join("no-such-kubeconfig"));
+    assert_eq!(none.status.code(), Some(2));
+    let said = String::from_utf8_lossy(&none.stderr);
+    assert!(said.contains("error: reading the API server: configuring the client"), "{said}");
+}

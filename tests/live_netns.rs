@@ -681,3 +681,120 @@ fn churning_connections_lose_no_syn_to_a_conntrack_clash() {
     );
     assert_eq!(syn_retransmits(&client) - retransmits, 0, "SYNs the client resent: {report}");
 }
+
+/// `GET path` from inside `netns` to `addr` over HTTP/1.0: the status code and the body as
+/// JSON.
+fn debug_get(netns: &str, addr: &str, path: &str) -> (u16, Value) {
+    let text = in_netns(netns, || {
+        let mut s = TcpStream::connect_timeout(&addr.parse().unwrap(), Duration::from_secs(5))
+            .map_err(io("connect"))?;
+        s.set_read_timeout(Some(Duration::from_secs(5))).map_err(io("timeout"))?;
+        write!(s, "GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").map_err(io("request"))?;
+        let mut text = String::new();
+        s.read_to_string(&mut text).map_err(io("answer"))?;
+        Ok(text)
+    })
+    .expect("the agent's metrics address answers");
+    let status = text.split(' ').nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    let body = text.split_once("\r\n\r\n").map_or("", |(_, b)| b);
+    (status, serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {text}")))
+}
+
+/// `tierproxy explain -o json` of one probe over `manifests`.
+fn explained(manifests: &[&Path], from: &str, to: &str, port: &str) -> Value {
+    let mut c = bin();
+    c.args(["explain", "-o", "json", "--from", from, "--to", to, "--port", port, "-m"]);
+    let o = c.args(manifests).output().expect("tierproxy runs");
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    serde_json::from_slice(&o.stdout).expect("one JSON object")
+}
+
+#[test]
+fn the_debug_endpoints_answer_from_the_snapshot_in_force_and_to_loopback_only() {
+    if !netns_available(
+        "the_debug_endpoints_answer_from_the_snapshot_in_force_and_to_loopback_only",
+    ) {
+        return;
+    }
+    let lab = Lab::new("debug");
+    let base = lab.file("base.yaml", NODES_AND_NAMESPACES);
+    let a = lab.file("a.yaml", &labelled(false));
+    let (b, af) = (base.to_str().unwrap(), a.to_str().unwrap());
+    // On every address of the node: the peer's address decides.
+    let o = lab.lab(&["up", "--manifests", b, af, "--agent-arg=--metrics-addr=0.0.0.0:9464"]);
+    assert!(o.status.success(), "lab up failed: {}", text(&o));
+    let n1 = netns_of_node(&lab, "n1");
+    let local = |path: &str| debug_get(&n1, "127.0.0.1:9464", path);
+    let query = "/debug/explain?from=a/client&to=b/remote&port=8080";
+
+    let (status, snap) = local("/debug/snapshot");
+    assert_eq!(status, 200, "{snap}");
+    assert_eq!(
+        (&snap["revision"], &snap["node"], &snap["errors"]),
+        (&1.into(), &"n1".into(), &0.into())
+    );
+    assert_eq!(snap["counts"]["AdminNetworkPolicy"], 3, "{snap}");
+    let (status, mut got) = local(query);
+    assert_eq!(status, 200, "{got}");
+    let agent = got.as_object_mut().unwrap().remove("agent").expect("agent");
+    assert_eq!(got, explained(&[&base, &a], "a/client", "b/remote", "8080"));
+    assert_eq!((&agent["verdict"], &agent["revision"]), (&"allow".into(), &1.into()));
+
+    // From the node's own address (not loopback): refused, naming the way to open it.
+    let (status, refused) = debug_get(&n1, "172.31.0.2:9464", query);
+    assert_eq!(status, 403, "{refused}");
+    let error = refused["error"].as_str().unwrap();
+    assert!(error.contains("172.31.0.2") && error.contains("--debug-endpoints-from-anywhere"));
+    let (status, bad) = local("/debug/explain?from=a/client&to=b/remote&port=80a");
+    assert_eq!((status, &bad["parameter"]), (400, &"port".into()), "{bad}");
+
+    // A change with a valid isolation and an invalid ANP: the next revision answers, with
+    // the build's problems, and decides as `explain` on the valid objects.
+    let isolate = lab.file("isolate.yaml", ISOLATE_REMOTE);
+    let invalid = lab.file(
+        "bad-anp.yaml",
+        "apiVersion: policy.networking.k8s.io/v1alpha1\nkind: AdminNetworkPolicy\n\
+         metadata: {name: out-of-range}\nspec: {priority: 5000, subject: {namespaces: {}}}\n",
+    );
+    apply(&lab, &[&base, &a, &isolate, &invalid]);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let snap = loop {
+        let (_, snap) = local("/debug/snapshot");
+        if snap["revision"] != 1 {
+            break snap;
+        }
+        assert!(Instant::now() < deadline, "no new revision within 10 s: {snap}");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(snap["revision"], 2, "{snap}");
+    assert_eq!(snap["counts"]["NetworkPolicy"], 1, "{snap}");
+    assert_eq!(snap["errors"], 1, "{snap}");
+    let problem = &snap["problems"].as_array().unwrap()[0];
+    assert_eq!(
+        (&problem["name"], &problem["field"], &problem["severity"]),
+        (&"out-of-range".into(), &"spec.priority".into(), &"error".into()),
+        "{snap}"
+    );
+    let (_, mut got) = local(query);
+    let agent = got.as_object_mut().unwrap().remove("agent").expect("agent");
+    assert_eq!(got, explained(&[&base, &a, &isolate], "a/client", "b/remote", "8080"));
+    assert_eq!((&agent["verdict"], &agent["revision"]), (&"deny".into(), &2.into()));
+    assert_eq!(agent["ingress"]["reason"], "isolated", "{agent}");
+    drop(lab);
+
+    // Opened by the flag: the node's own address is answered too.
+    let lab = Lab::new("debugany");
+    let base = lab.file("base.yaml", NODES_AND_NAMESPACES);
+    let a = lab.file("a.yaml", &labelled(false));
+    let o = lab.lab(&[
+        "up",
+        "--manifests",
+        base.to_str().unwrap(),
+        a.to_str().unwrap(),
+        "--agent-arg=--metrics-addr=0.0.0.0:9464",
+        "--agent-arg=--debug-endpoints-from-anywhere",
+    ]);
+    assert!(o.status.success(), "lab up failed: {}", text(&o));
+    let (status, got) = debug_get(&netns_of_node(&lab, "n1"), "172.31.0.2:9464", query);
+    assert_eq!((status, &got["agent"]["revision"]), (200, &1.into()), "{got}");
+}

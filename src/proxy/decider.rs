@@ -17,10 +17,11 @@ use super::registry::{Registry, STOP_POLICY_CHANGE, Tracked};
 use crate::audit::{self, Admitted, Auditor, CloseReason, ConnectionEnd, DecisionPoint, FlowInfo};
 use crate::metrics::DataPathMetrics;
 use crate::policy::eval::{Decision, Flow, Verdict};
-use crate::policy::{Revision, Snapshot};
+use crate::policy::{Problem, Revision, Snapshot};
 
 /// What the deciders read: a compiled snapshot, this node's id in it, and the audit
-/// selection built for it.
+/// selection built for it; and, for the agent's debug endpoint, the problems its build
+/// found.
 #[derive(Debug)]
 pub struct Current {
     /// The snapshot; its revision keys the decision cache.
@@ -29,6 +30,10 @@ pub struct Current {
     pub node: u32,
     /// What is audited under `snapshot` ([`audit::Plan::new`]).
     pub audit: Arc<audit::Plan>,
+    /// The problems of the objects `snapshot` was built from (decoding, validation,
+    /// priority conflicts: [`crate::agent::build`]); deciders never read them
+    /// (`GET /debug/snapshot` does, [`crate::debug`]).
+    pub problems: Arc<[Problem]>,
 }
 
 /// A decision handed from the first packet to the proxy: the decision, and whether the
@@ -380,7 +385,7 @@ status: {podIP: 10.60.1.3}
         config.defaults = every_decision();
         let auditor = Arc::new(Auditor::start(config).unwrap());
         let (plan, _) = audit::Plan::new(&snapshot, every_decision());
-        let current = Current { snapshot, node, audit: plan };
+        let current = Current { snapshot, node, audit: plan, problems: Arc::default() };
         let metrics = crate::metrics::Metrics::new(crate::metrics::Scraped(Box::new(Vec::new)));
         let d = Decider::new(current, DeciderLimits::default(), auditor.clone(), metrics.data_path);
         (d, auditor)
