@@ -15,9 +15,9 @@
 //!   "problems"}`: object counts per kind in the snapshot (pod-network pods, namespaces,
 //!   nodes, and the policies in force by kind), and the problems the build of this
 //!   snapshot found (decoding, validation, priority conflicts), each as `tierproxy check -o
-//!   json` prints it. An object with an error is left out of the snapshot, or, where it
-//!   turned invalid on a change, in force in its last good version (the agent's log says
-//!   which).
+//!   json` prints it. An object with an error is left out of the snapshot, or, for an admin
+//!   policy with a recorded last good version ([`crate::cluster::lastgood`]), in force in
+//!   that version (the agent's log and the policy's status say which).
 //!
 //! Answers are JSON (one line). Access: the answers name the cluster's pods, policies and
 //! rules, so by default only a request from a loopback address (127.0.0.0/8, `::1`, and
