@@ -346,8 +346,13 @@ pub fn build(
 pub fn dry_run(opts: &AgentOptions) -> anyhow::Result<String> {
     opts.redirect.validate().context("redirect configuration")?;
     let (triggers, _) = std::sync::mpsc::channel();
-    // A dry run writes nothing: no node annotation.
-    let kube = opts.kube.as_ref().map(|k| KubeSide::start(k, None, triggers)).transpose()?;
+    // A dry run writes nothing: no node annotation, no status writer (no Lease, no
+    // conditions, no Events); the watchers only read.
+    let kube = opts
+        .kube
+        .as_ref()
+        .map(|k| KubeSide::start(&KubeOptions { status: None, ..k.clone() }, None, triggers))
+        .transpose()?;
     if let Some(k) = &kube {
         k.wait_initialized();
         trim_heap();

@@ -2,8 +2,8 @@
 //! ([`tierproxy::cluster::status`]) against a scripted API server over real HTTP
 //! (`common::apiserver`): initial list, add/modify/delete, relist after a watch error and
 //! an outage, a CRD installed later, and status conditions and Events from the elected
-//! writer; the same objects from the source and from manifest files decide alike. No
-//! privileges needed.
+//! writer; a dry run that writes nothing; the same objects from the source and from
+//! manifest files decide alike. No privileges needed.
 mod common;
 
 use std::sync::Arc;
@@ -310,6 +310,39 @@ async fn the_elected_writer_sets_conditions_and_events_and_only_when_they_change
     until("condition flipped", || cond("bad").is_some_and(|c| c["status"] == "True")).await;
     assert_eq!(cond("bad").unwrap()["observedGeneration"], 2);
     writer.abort();
+}
+
+const LEASE_NS: &str = "tierproxy-system";
+
+/// Issue #19, item 4: `agent --dry-run --kube` reads the cluster and writes nothing to it
+/// (no Lease, no status, no Event, no annotation), though a policy is invalid.
+#[test]
+fn a_dry_run_writes_nothing_to_the_cluster() {
+    let api = FakeApi::start();
+    api.apply(json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "node-a"},
+                     "status": {"addresses": [{"type": "InternalIP", "address": "172.18.0.2"}]}}));
+    api.apply(ns("shop", json!({})));
+    api.apply(pod("shop", "web-1", "10.0.0.5", json!({"app": "web"})));
+    api.apply(anp("bad", 1001));
+    let dir = tempfile::tempdir().unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tierproxy"))
+        .args(["agent", "--kube", "--node", "node-a", "--dry-run"])
+        .args(["--redirect-backend", "iptables", "--lease-namespace", LEASE_NS])
+        .env("KUBECONFIG", api.kubeconfig(dir.path()))
+        .env_remove("KUBERNETES_SERVICE_HOST")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("10.0.0.5"), "the API server's pod in the ruleset: {stdout}");
+    let requests = api.requests();
+    assert!(requests.iter().any(|r| r.starts_with("GET /apis/policy.networking.k8s.io/")));
+    let writes: Vec<&String> = requests.iter().filter(|r| !r.starts_with("GET ")).collect();
+    assert!(writes.is_empty(), "a dry run wrote: {writes:?}");
+    // No status writer either: it would have read the Lease (before any attempt to take
+    // it) as soon as it started.
+    let status: Vec<&String> = requests.iter().filter(|r| r.contains("/leases")).collect();
+    assert!(status.is_empty(), "a dry run started the status writer: {status:?}");
 }
 
 /// The same objects from the API server and from a YAML and a JSON manifest file (read as
