@@ -666,7 +666,8 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
 }
 
 /// How long a stopping agent waits for its node annotation's removal
-/// ([`cluster::announce::REMOVE_ATTEMPTS`] writes with backoff).
+/// ([`cluster::announce::REMOVE_ATTEMPTS`] writes with backoff) and, at the same time, for
+/// the status writer's release of its Lease ([`cluster::lease::RELEASE_TIMEOUT`]).
 const ANNOUNCE_STOP_GRACE: Duration = Duration::from_secs(5);
 
 /// The API-server side of the agent: a thread with its own single-threaded runtime running
@@ -740,15 +741,31 @@ impl KubeSide {
                     let announcer = announce_as.map(|node| {
                         tokio::spawn(cluster::announce::run(client.clone(), node, enforcing_rx))
                     });
-                    if let Some(status) = opts.status {
-                        tokio::spawn(cluster::status::run(client, source, status, reports_rx));
-                    }
+                    let (stop_status, status_stopped) = tokio::sync::oneshot::channel::<()>();
+                    let status = opts.status.map(|status| {
+                        tokio::spawn(cluster::status::run(
+                            client,
+                            source,
+                            status,
+                            reports_rx,
+                            async move {
+                                let _ = status_stopped.await;
+                            },
+                        ))
+                    });
                     let _ = stop_rx.await;
-                    // The annotation's removal, begun when the agent stopped enforcing, is
-                    // let finish (bounded: the agent is exiting).
-                    if let Some(a) = announcer {
-                        let _ = tokio::time::timeout(ANNOUNCE_STOP_GRACE, a).await;
-                    }
+                    drop(stop_status);
+                    // The annotation's removal, begun when the agent stopped enforcing, and
+                    // the Lease's release are let finish (bounded: the agent is exiting).
+                    let _ = tokio::time::timeout(ANNOUNCE_STOP_GRACE, async {
+                        if let Some(a) = announcer {
+                            let _ = a.await;
+                        }
+                        if let Some(s) = status {
+                            let _ = s.await;
+                        }
+                    })
+                    .await;
                 });
             })
             .context("starting the API-server thread")?;
@@ -792,7 +809,7 @@ impl KubeSide {
     }
 
     /// Stops the watchers and the status writer and waits for the thread (and, at most
-    /// [`ANNOUNCE_STOP_GRACE`], for the node annotation's removal).
+    /// [`ANNOUNCE_STOP_GRACE`], for the node annotation's removal and the Lease's release).
     fn stop(&self) {
         if let Some(tx) = self.enforcing.lock().unwrap_or_else(|e| e.into_inner()).take() {
             let _ = tx.send(false);

@@ -17,8 +17,12 @@
 //!   `tierproxy`, so the condition is ours alone and other implementations' conditions are
 //!   untouched (the upstream CRDs key `status.conditions` by `type`). A status is written
 //!   only when it differs from the stored one: a steady cluster causes no writes.
-//! - **Who writes it.** The holder of the Lease (`kube-lease-manager`); every other agent
-//!   only enforces. A leader that loses the lease stops writing at once.
+//! - **Who writes it.** The leader elected by the Lease ([`lease`]); every other agent
+//!   only enforces. A leader writes only within the lease its last successful renewal gave
+//!   it: when renewals fail it stops before another agent may take the Lease, and it
+//!   starts again only after a renewal succeeds; a leader that finds the Lease taken (its
+//!   watch shows it and a read confirms it) stops at once. A stopping agent stops writing
+//!   and releases the Lease, so that another takes over at once.
 //!
 //! Sources: issue #6; KEP-2091 "Monitoring Requirements" (status conditions);
 //! Kubernetes API conventions, "Typical status properties" (`metav1.Condition`).
@@ -32,6 +36,7 @@ use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::{Client, Resource, ResourceExt};
 
 use super::apiserver::ApiSource;
+use super::lease::{self, Leadership, LeaseOptions, leading_until};
 use crate::policy::api::{v1alpha1, v1alpha2};
 use crate::policy::problem::ProblemKind;
 use crate::policy::{Kind, ObjectRef, Problem};
@@ -195,62 +200,76 @@ pub struct StatusOptions {
     pub lease_seconds: u64,
 }
 
-/// Runs the status writer until the runtime stops: takes part in the Lease election and,
-/// while leading, writes conditions and Events after every new [`Report`] and every
-/// [`RESYNC`]. Errors are logged and retried; none stops enforcement.
+/// Runs the status writer until `stop` completes: takes part in the Lease election
+/// ([`lease`]) and, while leading, writes conditions and Events after every new
+/// [`Report`], every [`RESYNC`] and on becoming the leader. Each write is bounded by the
+/// leadership: none starts, and none is waited for, past the end of the lease that the last
+/// successful renewal gave. On `stop` it stops writing and then releases the Lease (within
+/// [`lease::RELEASE_TIMEOUT`]). Errors are logged and retried; none stops enforcement.
 pub async fn run(
     client: Client,
     source: ApiSource,
     options: StatusOptions,
     mut reports: tokio::sync::watch::Receiver<Arc<Report>>,
+    stop: impl Future<Output = ()>,
 ) {
-    let manager = loop {
-        let built =
-            kube_lease_manager::LeaseManagerBuilder::new(client.clone(), &options.lease_name)
-                .with_namespace(&options.lease_namespace)
-                .with_identity(&options.identity)
-                .with_duration(options.lease_seconds)
-                .with_grace(options.lease_seconds.div_ceil(3).max(1))
-                .with_field_manager(FIELD_MANAGER)
-                .build()
-                .await;
-        match built {
-            Ok(m) => break m,
-            Err(e) => {
-                tracing::warn!(error = %e, lease = %options.lease_name, "cannot set up the status election; retrying in 10 s");
-                tokio::time::sleep(Duration::from_secs(10)).await;
-            }
-        }
-    };
-    let (mut leading, _task) = manager.watch().await;
+    let (leading, mut lead) = tokio::sync::watch::channel(None);
+    let (stop_election, election_stopped) = tokio::sync::oneshot::channel::<()>();
+    let election = tokio::spawn(lease::run(
+        client.clone(),
+        LeaseOptions {
+            namespace: options.lease_namespace.clone(),
+            name: options.lease_name.clone(),
+            identity: options.identity.clone(),
+            duration: Duration::from_secs(options.lease_seconds.max(1)),
+            field_manager: FIELD_MANAGER.to_string(),
+        },
+        leading,
+        async move {
+            let _ = election_stopped.await;
+        },
+    ));
     let mut writer = Writer {
         client: client.clone(),
         recorder: Recorder::new(
             client,
-            Reporter { controller: "tierproxy".into(), instance: Some(options.identity.clone()) },
+            Reporter { controller: "tierproxy".into(), instance: Some(options.identity) },
         ),
         announced: HashMap::new(),
         written: HashMap::new(),
     };
     let mut resync = tokio::time::interval(RESYNC);
+    let mut was_leading = false;
+    tokio::pin!(stop);
     loop {
         tokio::select! {
-            r = leading.changed() => {
+            biased;
+            () = &mut stop => break,
+            r = lead.changed() => {
                 if r.is_err() {
-                    tracing::warn!("the status election ended; no longer writing policy status");
-                    return;
+                    break;
                 }
-                let now = *leading.borrow_and_update();
-                tracing::info!(leading = now, lease = %options.lease_name, "policy status writer election");
+                // A renewal only moves the lease's end: nothing new to write.
+                if was_leading && leading_until(&lead).is_some() {
+                    continue;
+                }
             }
-            r = reports.changed() => if r.is_err() { return },
+            r = reports.changed() => if r.is_err() { break },
             _ = resync.tick() => {}
         }
-        if *leading.borrow() {
+        was_leading = leading_until(&lead).is_some();
+        if was_leading {
             let report = reports.borrow().clone();
-            writer.sync(&source, &report).await;
+            tokio::select! {
+                biased;
+                () = &mut stop => break,
+                // Cut short by the lease's end: the next renewal syncs again.
+                done = writer.sync(&source, &report, &lead) => was_leading = done,
+            }
         }
     }
+    let _ = stop_election.send(());
+    let _ = election.await;
 }
 
 /// The three cluster-scoped policy kinds whose status tierproxy writes.
@@ -292,23 +311,33 @@ struct Writer {
 
 impl Writer {
     /// Writes every status that differs from `report`, and Events for newly invalid
-    /// policies.
-    async fn sync(&mut self, source: &ApiSource, report: &Report) {
+    /// policies, while `lead` lets this agent lead. Returns false if the lease ran out
+    /// first.
+    async fn sync(&mut self, source: &ApiSource, report: &Report, lead: &Leadership) -> bool {
         if report.revision == 0 {
-            return;
+            return true;
         }
         for p in source.admin_network_policies() {
-            self.one(&*p, report).await;
+            if !self.one(&*p, report, lead).await {
+                return false;
+            }
         }
         for p in source.baseline_admin_network_policies() {
-            self.one(&*p, report).await;
+            if !self.one(&*p, report, lead).await {
+                return false;
+            }
         }
         for p in source.cluster_network_policies() {
-            self.one(&*p, report).await;
+            if !self.one(&*p, report, lead).await {
+                return false;
+            }
         }
+        true
     }
 
-    async fn one<K: StatusPolicy>(&mut self, obj: &K, report: &Report) {
+    /// Writes one policy's condition and Event where needed; false if the lease ran out
+    /// before a write was done.
+    async fn one<K: StatusPolicy>(&mut self, obj: &K, report: &Report, lead: &Leadership) -> bool {
         let name = obj.name_any();
         let object = ObjectRef::cluster(K::KIND, name.clone());
         let acceptance = report.of(&object);
@@ -325,25 +354,23 @@ impl Writer {
         if let Some(cond) = desired_condition(&acceptance, generation, obj.conditions(), now)
             && !pending(&cond)
         {
+            let Some(until) = leading_until(lead) else { return false };
             let api: Api<K> = Api::all(self.client.clone());
             let patch = serde_json::json!({
                 "apiVersion": K::api_version(&()),
                 "kind": K::kind(&()),
                 "status": { "conditions": [cond] },
             });
-            match api
-                .patch_status(
-                    &name,
-                    &PatchParams::apply(FIELD_MANAGER).force(),
-                    &Patch::Apply(&patch),
-                )
-                .await
-            {
-                Ok(_) => {
+            let params = PatchParams::apply(FIELD_MANAGER).force();
+            let patch = Patch::Apply(&patch);
+            let write = api.patch_status(&name, &params, &patch);
+            match tokio::time::timeout_at(until, write).await {
+                Err(_) => return false,
+                Ok(Ok(_)) => {
                     tracing::info!(object = %object, status = %cond.status, reason = %cond.reason, "policy status written");
                     self.written.insert(object.clone(), (version, cond));
                 }
-                Err(e) => {
+                Ok(Err(e)) => {
                     tracing::warn!(object = %object, error = %e, "cannot write policy status; retried at the next change or resync")
                 }
             }
@@ -351,6 +378,7 @@ impl Writer {
         if let Acceptance::Invalid(m) | Acceptance::InvalidUpdate(m) = &acceptance {
             let key = (object.clone(), generation);
             if self.announced.get(&key) != Some(m) {
+                let Some(until) = leading_until(lead) else { return false };
                 let event = Event {
                     type_: EventType::Warning,
                     reason: "InvalidPolicy".into(),
@@ -358,16 +386,20 @@ impl Writer {
                     action: "Validate".into(),
                     secondary: None,
                 };
-                match self.recorder.publish(&event, &obj.object_ref(&())).await {
-                    Ok(()) => {
+                let regarding = obj.object_ref(&());
+                let publish = self.recorder.publish(&event, &regarding);
+                match tokio::time::timeout_at(until, publish).await {
+                    Err(_) => return false,
+                    Ok(Ok(())) => {
                         self.announced.insert(key, m.clone());
                     }
-                    Err(e) => {
+                    Ok(Err(e)) => {
                         tracing::warn!(object = %object, error = %e, "cannot publish the InvalidPolicy event")
                     }
                 }
             }
         }
+        true
     }
 }
 
