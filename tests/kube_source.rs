@@ -582,6 +582,34 @@ async fn a_stopping_leader_releases_the_lease() {
     drop(b);
 }
 
+/// Issue #19, item 9: a new leader with the same report posts no second InvalidPolicy
+/// Event: the Event's name comes from the policy's uid, generation and message, and the
+/// second create is refused (409 AlreadyExists).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_leader_does_not_post_the_same_event_again() {
+    let api = FakeApi::start();
+    api.apply(anp("bad", 1001));
+    let (source, _) = start(&api).await;
+    until("initial lists", || source.initialized()).await;
+    let events = || api.list("events.k8s.io/v1", "Event");
+    let mut a = Writer::start(&api, &source, "a", 15).await;
+    a.report(invalid(1, 1001));
+    until("a posts the Event", || events().len() == 1).await;
+    let b = Writer::start(&api, &source, "b", 15).await;
+    b.report(invalid(1, 1001));
+    a.stop();
+    until("b holds the Lease", || holder(&api).as_deref() == Some("b")).await;
+    until("b tries to post the Event", || {
+        api.requests_by("b").iter().any(|r| r.starts_with("POST") && r.contains("/events"))
+    })
+    .await;
+    let events = events();
+    assert_eq!(events.len(), 1, "{events:?}");
+    assert_eq!(events[0]["reason"], "InvalidPolicy");
+    assert_eq!(events[0]["reportingInstance"], "a");
+    drop(b);
+}
+
 /// Issue #19, item 4: `agent --dry-run --kube` reads the cluster and writes nothing to it
 /// (no Lease, no status, no Event, no annotation), though a policy is invalid.
 #[test]

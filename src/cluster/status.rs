@@ -17,6 +17,10 @@
 //!   `tierproxy`, so the condition is ours alone and other implementations' conditions are
 //!   untouched (the upstream CRDs key `status.conditions` by `type`). A status is written
 //!   only when it differs from the stored one: a steady cluster causes no writes.
+//! - **The Event.** Named after the policy, its uid, generation and the message
+//!   (`invalid_policy_event`) and created, not recorded: a new leader that finds the same
+//!   problem gets 409 AlreadyExists and posts nothing, so there is one Event per problem
+//!   and policy generation, whoever leads.
 //! - **Who writes it.** The leader elected by the Lease ([`lease`]); every other agent
 //!   only enforces. A leader writes only within the lease its last successful renewal gave
 //!   it: when renewals fail it stops before another agent may take the Lease, and it
@@ -27,12 +31,13 @@
 //! Sources: issue #6; KEP-2091 "Monitoring Requirements" (status conditions);
 //! Kubernetes API conventions, "Typical status properties" (`metav1.Condition`).
 use std::collections::{BTreeMap, HashMap};
+use std::hash::Hasher;
 use std::sync::Arc;
 use std::time::Duration;
 
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
-use kube::api::{Api, Patch, PatchParams};
-use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use k8s_openapi::api::events::v1 as events;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, MicroTime, Time};
+use kube::api::{Api, ObjectMeta, Patch, PatchParams, PostParams};
 use kube::{Client, Resource, ResourceExt};
 
 use super::apiserver::ApiSource;
@@ -49,6 +54,9 @@ pub const FIELD_MANAGER: &str = "tierproxy";
 pub const DEFAULT_LEASE_NAME: &str = "tierproxy-policy-status";
 /// Default Lease duration (seconds): a leader that stops renewing is replaced after it.
 pub const DEFAULT_LEASE_SECONDS: u64 = 15;
+/// Namespace of the Events about policies: they are cluster-scoped, and Events of
+/// cluster-scoped objects go to `default` (as kube's and client-go's recorders do).
+pub const EVENT_NAMESPACE: &str = "default";
 /// How often the leader compares every policy's status with what it should be, besides
 /// after each new snapshot (catches a status someone else overwrote).
 pub const RESYNC: Duration = Duration::from_secs(60);
@@ -230,11 +238,8 @@ pub async fn run(
         },
     ));
     let mut writer = Writer {
-        client: client.clone(),
-        recorder: Recorder::new(
-            client,
-            Reporter { controller: "tierproxy".into(), instance: Some(options.identity) },
-        ),
+        client,
+        identity: options.identity,
         announced: HashMap::new(),
         written: HashMap::new(),
     };
@@ -300,8 +305,10 @@ status_policy!(v1alpha2::ClusterNetworkPolicy, Kind::ClusterNetworkPolicy);
 /// The leader's writes.
 struct Writer {
     client: Client,
-    recorder: Recorder,
-    /// The invalid policies already announced by an Event: (object, generation) → message.
+    /// This agent's identity (the Events' `reportingInstance`).
+    identity: String,
+    /// The invalid policies whose Event exists (posted here, or found already posted):
+    /// (object, generation) → message.
     announced: HashMap<(ObjectRef, Option<i64>), String>,
     /// The last condition written per policy, with the object's resourceVersion in the
     /// store at that time: until the store has seen the write (its resourceVersion moves),
@@ -379,27 +386,73 @@ impl Writer {
             let key = (object.clone(), generation);
             if self.announced.get(&key) != Some(m) {
                 let Some(until) = leading_until(lead) else { return false };
-                let event = Event {
-                    type_: EventType::Warning,
-                    reason: "InvalidPolicy".into(),
-                    note: Some(truncate(format!("{object}: {m}"), 1024)),
-                    action: "Validate".into(),
-                    secondary: None,
-                };
-                let regarding = obj.object_ref(&());
-                let publish = self.recorder.publish(&event, &regarding);
-                match tokio::time::timeout_at(until, publish).await {
+                let event = invalid_policy_event(obj, &object, m, &self.identity);
+                let api: Api<events::Event> = Api::namespaced(self.client.clone(), EVENT_NAMESPACE);
+                let params =
+                    PostParams { dry_run: false, field_manager: Some(FIELD_MANAGER.to_string()) };
+                match tokio::time::timeout_at(until, api.create(&params, &event)).await {
                     Err(_) => return false,
-                    Ok(Ok(())) => {
+                    Ok(Ok(_)) => {
+                        tracing::info!(object = %object, event = ?event.metadata.name, "InvalidPolicy event posted");
+                        self.announced.insert(key, m.clone());
+                    }
+                    // Posted before, by this agent or an earlier leader.
+                    Ok(Err(kube::Error::Api(s))) if s.code == 409 => {
                         self.announced.insert(key, m.clone());
                     }
                     Ok(Err(e)) => {
-                        tracing::warn!(object = %object, error = %e, "cannot publish the InvalidPolicy event")
+                        tracing::warn!(object = %object, error = %e, "cannot post the InvalidPolicy event; retried at the next change or resync")
                     }
                 }
             }
         }
         true
+    }
+}
+
+/// The Warning Event `InvalidPolicy` about `obj` (named `object`), whose validation says
+/// `message`. Its name is `<policy name>.<hash>`, the hash (64-bit FNV-1a) taken over the
+/// policy's uid, generation and the Event's note: the same problem of the same object
+/// version gets the same name whichever agent leads, so a second create is refused with
+/// 409 AlreadyExists instead of posting it again (until the API server's event TTL, one
+/// hour by default, removes it). Fields: `events.k8s.io/v1` Event (eventTime,
+/// reportingController and reportingInstance are required of new Events).
+fn invalid_policy_event<K: StatusPolicy>(
+    obj: &K,
+    object: &ObjectRef,
+    message: &str,
+    instance: &str,
+) -> events::Event {
+    let note = truncate(format!("{object}: {message}"), 1024);
+    let name = obj.name_any();
+    let uid = obj.meta().uid.as_deref().unwrap_or(&name);
+    let mut h = fnv::FnvHasher::default();
+    for part in [uid.as_bytes(), &obj.meta().generation.unwrap_or(0).to_le_bytes(), note.as_bytes()]
+    {
+        h.write(&(part.len() as u64).to_le_bytes());
+        h.write(part);
+    }
+    // An object name is at most 253 characters (a DNS subdomain); the suffix takes 17.
+    let mut cut = name.len().min(253 - 17);
+    while !name.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    let prefix = name[..cut].trim_end_matches(['.', '-']);
+    events::Event {
+        metadata: ObjectMeta {
+            name: Some(format!("{prefix}.{:016x}", h.finish())),
+            namespace: Some(EVENT_NAMESPACE.to_string()),
+            ..ObjectMeta::default()
+        },
+        event_time: Some(MicroTime(k8s_openapi::jiff::Timestamp::now())),
+        action: Some("Validate".into()),
+        reason: Some("InvalidPolicy".into()),
+        note: Some(note),
+        regarding: Some(obj.object_ref(&())),
+        reporting_controller: Some(FIELD_MANAGER.into()),
+        reporting_instance: Some(instance.to_string()),
+        type_: Some("Warning".into()),
+        ..events::Event::default()
     }
 }
 
@@ -487,6 +540,38 @@ mod tests {
         // Someone else's condition is not ours.
         let other = Condition { type_: "Ready-In-Zone-a".into(), ..c4.clone() };
         assert!(desired_condition(&bad, Some(4), &[other], t(500)).is_some());
+    }
+
+    /// Issue #19, item 9: the Event's name depends on the policy's uid, generation and
+    /// message only (not on the time or the leader), and is a valid object name.
+    #[test]
+    fn an_events_name_is_fixed_by_the_problem_and_the_policys_generation() {
+        let anp = |name: &str, uid: &str, generation: i64| -> v1alpha1::AdminNetworkPolicy {
+            serde_json::from_value(serde_json::json!({
+                "apiVersion": "policy.networking.k8s.io/v1alpha1", "kind": "AdminNetworkPolicy",
+                "metadata": {"name": name, "uid": uid, "generation": generation},
+                "spec": {"priority": 1001, "subject": {"namespaces": {}}}
+            }))
+            .unwrap()
+        };
+        let object = |name: &str| ObjectRef::cluster(Kind::AdminNetworkPolicy, name);
+        let name = |p: &v1alpha1::AdminNetworkPolicy, m: &str, instance: &str| {
+            let e = invalid_policy_event(p, &object(&p.name_any()), m, instance);
+            assert_eq!(e.metadata.namespace.as_deref(), Some(EVENT_NAMESPACE));
+            assert_eq!(e.regarding.as_ref().and_then(|r| r.name.as_deref()), Some(&*p.name_any()));
+            e.metadata.name.unwrap()
+        };
+        let p = anp("bad", "u1", 3);
+        let n = name(&p, "too big", "a");
+        assert!(n.starts_with("bad.") && n.len() == "bad.".len() + 16, "{n}");
+        assert_eq!(name(&p, "too big", "b"), n, "whichever agent posts it");
+        assert_ne!(name(&anp("bad", "u1", 4), "too big", "a"), n, "a new generation");
+        assert_ne!(name(&p, "too small", "a"), n, "another problem");
+        assert_ne!(name(&anp("bad", "u2", 3), "too big", "a"), n, "a re-created policy");
+        // A name of 253 characters: cut so that the whole is one again, not ending in '.'.
+        let long = format!("{}.{}", "a".repeat(235), "b".repeat(17));
+        let n = name(&anp(&long, "u1", 1), "too big", "a");
+        assert!(n.len() <= 253 && !n.contains(".."), "{n}");
     }
 
     #[test]
