@@ -455,8 +455,13 @@ fn needs_records(report: &cluster::status::Report) -> bool {
 pub fn dry_run(opts: &AgentOptions) -> anyhow::Result<String> {
     opts.redirect.validate().context("redirect configuration")?;
     let (triggers, _) = std::sync::mpsc::channel();
-    // A dry run writes nothing: no node annotation.
-    let kube = opts.kube.as_ref().map(|k| KubeSide::start(k, None, triggers)).transpose()?;
+    // A dry run writes nothing: no node annotation, no status writer (no Lease, no
+    // conditions, no Events); the watchers only read.
+    let kube = opts
+        .kube
+        .as_ref()
+        .map(|k| KubeSide::start(&KubeOptions { status: None, ..k.clone() }, None, triggers))
+        .transpose()?;
     if let Some(k) = &kube {
         k.wait_initialized();
         trim_heap();
@@ -792,7 +797,8 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
 }
 
 /// How long a stopping agent waits for its node annotation's removal
-/// ([`cluster::announce::REMOVE_ATTEMPTS`] writes with backoff).
+/// ([`cluster::announce::REMOVE_ATTEMPTS`] writes with backoff) and, at the same time, for
+/// the status writer's release of its Lease ([`cluster::lease::RELEASE_TIMEOUT`]).
 const ANNOUNCE_STOP_GRACE: Duration = Duration::from_secs(5);
 
 /// The API-server side of the agent: a thread with its own single-threaded runtime running
@@ -879,17 +885,32 @@ impl KubeSide {
                     let announcer = announce_as.map(|node| {
                         tokio::spawn(cluster::announce::run(client.clone(), node, enforcing_rx))
                     });
-                    if let Some(status) = opts.status {
+                    let (stop_status, status_stopped) = tokio::sync::oneshot::channel::<()>();
+                    let status = opts.status.map(|status| {
                         tokio::spawn(cluster::status::run(
-                            client, source, status, reports_rx, records_in,
-                        ));
-                    }
+                            client,
+                            source,
+                            status,
+                            reports_rx,
+                            records_in,
+                            async move {
+                                let _ = status_stopped.await;
+                            },
+                        ))
+                    });
                     let _ = stop_rx.await;
-                    // The annotation's removal, begun when the agent stopped enforcing, is
-                    // let finish (bounded: the agent is exiting).
-                    if let Some(a) = announcer {
-                        let _ = tokio::time::timeout(ANNOUNCE_STOP_GRACE, a).await;
-                    }
+                    drop(stop_status);
+                    // The annotation's removal, begun when the agent stopped enforcing, and
+                    // the Lease's release are let finish (bounded: the agent is exiting).
+                    let _ = tokio::time::timeout(ANNOUNCE_STOP_GRACE, async {
+                        if let Some(a) = announcer {
+                            let _ = a.await;
+                        }
+                        if let Some(s) = status {
+                            let _ = s.await;
+                        }
+                    })
+                    .await;
                 });
             })
             .context("starting the API-server thread")?;
@@ -934,7 +955,7 @@ impl KubeSide {
     }
 
     /// Stops the watchers and the status writer and waits for the thread (and, at most
-    /// [`ANNOUNCE_STOP_GRACE`], for the node annotation's removal).
+    /// [`ANNOUNCE_STOP_GRACE`], for the node annotation's removal and the Lease's release).
     fn stop(&self) {
         if let Some(tx) = self.enforcing.lock().unwrap_or_else(|e| e.into_inner()).take() {
             let _ = tx.send(false);

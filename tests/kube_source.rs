@@ -2,15 +2,16 @@
 //! ([`tierproxy::cluster::status`]) against a scripted API server over real HTTP
 //! (`common::apiserver`): initial list, add/modify/delete, relist after a watch error and
 //! an outage, a CRD installed later, and status conditions and Events from the elected
-//! writer; the same objects from the source and from manifest files decide alike. No
-//! privileges needed.
+//! writer; the election's hand-overs (failed renewals, a revoked permission, a release on
+//! stop) and a dry run that writes nothing; the same objects from the source and from
+//! manifest files decide alike. No privileges needed.
 mod common;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use common::apiserver::FakeApi;
+use common::apiserver::{FakeApi, as_user};
 use serde_json::{Value, json};
 use tierproxy::cluster::apiserver::{ApiSource, SourceConfig, WatchedKind};
 use tierproxy::cluster::lastgood::{self, RecordStore};
@@ -227,8 +228,14 @@ async fn the_elected_writer_sets_conditions_and_events_and_only_when_they_change
         lease_seconds: 5,
     };
     let records = Arc::new(RecordStore::default());
-    let writer =
-        tokio::spawn(status::run(client(&api).await, source.clone(), options, rx, records));
+    let writer = tokio::spawn(status::run(
+        client(&api).await,
+        source.clone(),
+        options,
+        rx,
+        records,
+        std::future::pending(),
+    ));
     let bad = ObjectRef::cluster(Kind::AdminNetworkPolicy, "bad");
     let problem = Problem::error(
         &bad,
@@ -387,6 +394,7 @@ async fn agents_started_before_and_after_a_bad_update_enforce_the_same() {
         options,
         rx,
         a.records.clone(),
+        std::future::pending(),
     ));
     let built = a.build(1);
     assert_eq!(verdict(built.current.snapshot.decide(&flow)), Verdict::Deny);
@@ -497,6 +505,7 @@ async fn a_priority_tie_is_reported_on_every_policy_of_it() {
         options,
         rx,
         a.records.clone(),
+        std::future::pending(),
     ));
     reports.send_replace(Arc::new(a.build(1).report));
     let cond = |name: &str| {
@@ -523,6 +532,330 @@ async fn a_priority_tie_is_reported_on_every_policy_of_it() {
         );
     }
     writer.abort();
+}
+
+const LEASE_NS: &str = "tierproxy-system";
+const LEASE: &str = "tierproxy-policy-status";
+const LEASES: &str = "/apis/coordination.k8s.io/v1/leases";
+
+/// A status writer (`status::run`) of identity `user`, as its own API user.
+struct Writer {
+    reports: tokio::sync::watch::Sender<Arc<Report>>,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Writer {
+    async fn start(api: &FakeApi, source: &ApiSource, user: &str, lease_seconds: u64) -> Writer {
+        let client = tierproxy::cluster::apiserver::client(Some(as_user(api, user))).await.unwrap();
+        let (reports, rx) = tokio::sync::watch::channel(Arc::new(Report::default()));
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let options = StatusOptions {
+            lease_namespace: LEASE_NS.into(),
+            lease_name: LEASE.into(),
+            identity: user.into(),
+            lease_seconds,
+        };
+        let records = Arc::new(RecordStore::default());
+        let task =
+            tokio::spawn(status::run(client, source.clone(), options, rx, records, async move {
+                let _ = stopped.await;
+            }));
+        Writer { reports, stop: Some(stop), task }
+    }
+
+    fn report(&self, r: Report) {
+        self.reports.send_replace(Arc::new(r));
+    }
+
+    fn stop(&mut self) {
+        let _ = self.stop.take().map(|s| s.send(()));
+    }
+}
+
+/// Revision `revision`'s report: policy "bad" is invalid, its priority `priority` out of
+/// range (the condition's message names the value).
+fn invalid(revision: u64, priority: i64) -> Report {
+    let bad = ObjectRef::cluster(Kind::AdminNetworkPolicy, "bad");
+    let problem = Problem::error(
+        &bad,
+        "spec.priority",
+        tierproxy::policy::problem::ProblemKind::OutOfRange { value: priority, min: 0, max: 1000 },
+    );
+    Report::new(revision, &[problem], &[])
+}
+
+/// The holder of the status writers' Lease.
+fn holder(api: &FakeApi) -> Option<String> {
+    let lease = api.get("coordination.k8s.io/v1", "Lease", Some(LEASE_NS), LEASE)?;
+    lease["spec"]["holderIdentity"].as_str().map(str::to_string)
+}
+
+/// The message of tierproxy's condition on ANP `name`.
+fn message(api: &FakeApi, name: &str) -> Option<String> {
+    let o = api.get(ANP, "AdminNetworkPolicy", None, name)?;
+    let c = o["status"]["conditions"]
+        .as_array()?
+        .iter()
+        .find(|c| c["type"] == status::CONDITION_TYPE)?;
+    c["message"].as_str().map(str::to_string)
+}
+
+fn status_patches(requests: &[String]) -> usize {
+    requests.iter().filter(|r| r.starts_with("PATCH") && r.contains("/status")).count()
+}
+
+/// How many times a writer tried to take or renew the Lease (each attempt reads it first).
+fn lease_attempts(requests: &[String]) -> usize {
+    requests
+        .iter()
+        .filter(|r| r.starts_with("GET") && r.contains(&format!("/leases/{LEASE}?")))
+        .count()
+}
+
+/// Issue #19, item 2: a leader whose renewals fail (the API server is down) stops writing
+/// once the lease its last renewal gave it has run out, even though it has not seen
+/// another holder, and writes again only after a renewal succeeds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_that_cannot_renew_stops_writing_when_its_lease_runs_out() {
+    let api = FakeApi::start();
+    api.apply(anp("bad", 1001));
+    let (source, _) = start(&api).await;
+    until("initial lists", || source.initialized()).await;
+    let lease = Duration::from_secs(2);
+    let a = Writer::start(&api, &source, "a", lease.as_secs()).await;
+    a.report(invalid(1, 1001));
+    until("a writes", || message(&api, "bad").is_some_and(|m| m.contains("1001 is out"))).await;
+    assert_eq!(holder(&api).as_deref(), Some("a"));
+
+    // The outage. Every report from now on calls for a new condition, so a leader writes
+    // (tries to) at each one.
+    let down_at = Instant::now();
+    let from = api.requests_by("a").len();
+    api.set_down(true);
+    let mut revision = 1;
+    let mut lapsed: Option<usize> = None;
+    loop {
+        revision += 1;
+        a.report(invalid(revision, 1000 + revision as i64));
+        let requests = api.requests_by("a");
+        // Past the lease (from a renewal before the outage), with a margin for a write
+        // that started just before its end to reach the log.
+        if lapsed.is_none() && down_at.elapsed() > lease + Duration::from_millis(500) {
+            lapsed = Some(requests.len());
+        }
+        // Still trying to renew, and fed reports in between.
+        if lapsed.is_some_and(|l| lease_attempts(&requests[l..]) >= 2) {
+            break;
+        }
+        assert!(down_at.elapsed() < Duration::from_secs(15), "a's renewal attempts: {requests:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let requests = api.requests_by("a");
+    let lapsed = lapsed.unwrap();
+    assert!(
+        status_patches(&requests[from..lapsed]) > 0,
+        "while its lease lasted, the leader tried to write: {:?}",
+        &requests[from..lapsed]
+    );
+    assert_eq!(
+        status_patches(&requests[lapsed..]),
+        0,
+        "no status write once the lease ran out: {:?}",
+        &requests[lapsed..]
+    );
+
+    // The API server is back: a renews (the Lease is still its own) and writes again, the
+    // renewal first.
+    let up = api.requests_by("a").len();
+    api.set_down(false);
+    revision += 1;
+    let last = 1000 + revision as i64;
+    a.report(invalid(revision, last));
+    until("a writes again", || {
+        message(&api, "bad").is_some_and(|m| m.contains(&format!("{last} is out")))
+    })
+    .await;
+    let requests = &api.requests_by("a")[up..];
+    let renewal = requests.iter().position(|r| r.starts_with("PUT") && r.contains("/leases/"));
+    let write = requests.iter().position(|r| r.starts_with("PATCH") && r.contains("/status"));
+    assert!(renewal.is_some() && renewal < write, "{requests:?}");
+}
+
+/// Issue #19, item 2: the leader's permission to the Lease is revoked (403 on its writes,
+/// reads still work). It stops writing when the lease of its last renewal runs out, another
+/// agent takes the Lease after that, and from then on only the new leader writes: the
+/// condition, which the two write differently, never flips back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_that_may_no_longer_renew_gives_way_without_flapping() {
+    let api = FakeApi::start();
+    api.apply(anp("bad", 1001));
+    let (source, _) = start(&api).await;
+    until("initial lists", || source.initialized()).await;
+    // "a" writes "5001 is out of range" and, below, a new value with every report; "b"
+    // writes "1002 is out of range".
+    let lease = Duration::from_secs(6);
+    let a = Writer::start(&api, &source, "a", lease.as_secs()).await;
+    a.report(invalid(1, 5001));
+    until("a writes", || message(&api, "bad").is_some_and(|m| m.contains("5001 is out"))).await;
+    let b = Writer::start(&api, &source, "b", lease.as_secs()).await;
+    b.report(invalid(1, 1002));
+    until("b reads the Lease", || api.requests_by("b").iter().any(|r| r.contains("/leases"))).await;
+    assert_eq!(holder(&api).as_deref(), Some("a"));
+
+    // Revoked right after one of a's renewals: its lease runs out `lease` later.
+    let lease_writes =
+        |r: &[String]| r.iter().filter(|r| !r.starts_with("GET") && r.contains("/leases/")).count();
+    let renewals = lease_writes(&api.requests_by("a"));
+    until("a renews", || lease_writes(&api.requests_by("a")) > renewals).await;
+    api.forbid("a", LEASES);
+    let forbidden = Instant::now();
+    let from = api.requests_by("a").len();
+    let mut revision = 1;
+    let mut lapsed: Option<usize> = None;
+    let mut taken: Option<usize> = None;
+    loop {
+        revision += 1;
+        a.report(invalid(revision, 5000 + revision as i64));
+        b.report(invalid(revision, 1002));
+        // With a margin for a write that started just before the end to reach the log.
+        if lapsed.is_none() && forbidden.elapsed() > lease + Duration::from_millis(500) {
+            lapsed = Some(api.requests_by("a").len());
+        }
+        let by_b = api.requests_by("b");
+        if taken.is_none()
+            && holder(&api).as_deref() == Some("b")
+            && message(&api, "bad").is_some_and(|m| m.contains("1002 is out"))
+        {
+            taken = Some(by_b.len());
+        }
+        // b has renewed once since, and a, fed reports all along, had a condition to
+        // write had it still thought it led.
+        if lapsed.is_some() && taken.is_some_and(|t| lease_writes(&by_b[t..]) >= 1) {
+            assert!(!a.task.is_finished());
+            break;
+        }
+        assert!(
+            forbidden.elapsed() < Duration::from_secs(20),
+            "holder {:?}, condition {:?}; b's requests: {by_b:?}",
+            holder(&api),
+            message(&api, "bad"),
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let by_a = api.requests_by("a");
+    let lapsed = lapsed.unwrap();
+    assert!(
+        status_patches(&by_a[from..lapsed]) > 0,
+        "while its lease lasted, a wrote: {:?}",
+        &by_a[from..lapsed]
+    );
+    assert_eq!(
+        status_patches(&by_a[lapsed..]),
+        0,
+        "a wrote once its lease had run out: {:?}",
+        &by_a[lapsed..]
+    );
+    let writers: Vec<&str> = api
+        .writes()
+        .iter()
+        .filter(|(m, p, _)| m == "PATCH" && p.ends_with("/adminnetworkpolicies/bad/status"))
+        .map(|(_, _, body)| {
+            let m = body["status"]["conditions"][0]["message"].as_str().unwrap_or_default();
+            if m.contains("1002 is out") { "b" } else { "a" }
+        })
+        .collect();
+    let first_b = writers.iter().position(|w| *w == "b").unwrap();
+    assert!(
+        writers[first_b..].iter().all(|w| *w == "b"),
+        "the old leader wrote after the new one: {writers:?}"
+    );
+    assert!(message(&api, "bad").unwrap().contains("1002 is out"));
+    drop((a, b));
+}
+
+/// Issue #19, item 3: a leader told to stop releases the Lease, and another agent takes
+/// over at once, not after the lease duration (15 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopping_leader_releases_the_lease() {
+    let api = FakeApi::start();
+    api.apply(anp("bad", 1001));
+    let (source, _) = start(&api).await;
+    until("initial lists", || source.initialized()).await;
+    let mut a = Writer::start(&api, &source, "a", 15).await;
+    a.report(invalid(1, 1001));
+    until("a writes", || message(&api, "bad").is_some()).await;
+    let b = Writer::start(&api, &source, "b", 15).await;
+    b.report(invalid(1, 1002));
+    until("b reads the Lease", || api.requests_by("b").iter().any(|r| r.contains("/leases"))).await;
+    assert_eq!(holder(&api).as_deref(), Some("a"));
+
+    let stopped = Instant::now();
+    a.stop();
+    until("b holds the Lease", || holder(&api).as_deref() == Some("b")).await;
+    assert!(stopped.elapsed() < Duration::from_secs(3), "taken over after {:?}", stopped.elapsed());
+    until("b writes", || message(&api, "bad").is_some_and(|m| m.contains("1002 is out"))).await;
+    tokio::time::timeout(Duration::from_secs(5), a.task).await.expect("a's writer ends").unwrap();
+    drop(b);
+}
+
+/// Issue #19, item 9: a new leader with the same report posts no second InvalidPolicy
+/// Event: the Event's name comes from the policy's uid, generation and message, and the
+/// second create is refused (409 AlreadyExists).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_leader_does_not_post_the_same_event_again() {
+    let api = FakeApi::start();
+    api.apply(anp("bad", 1001));
+    let (source, _) = start(&api).await;
+    until("initial lists", || source.initialized()).await;
+    let events = || api.list("events.k8s.io/v1", "Event");
+    let mut a = Writer::start(&api, &source, "a", 15).await;
+    a.report(invalid(1, 1001));
+    until("a posts the Event", || events().len() == 1).await;
+    let b = Writer::start(&api, &source, "b", 15).await;
+    b.report(invalid(1, 1001));
+    a.stop();
+    until("b holds the Lease", || holder(&api).as_deref() == Some("b")).await;
+    until("b tries to post the Event", || {
+        api.requests_by("b").iter().any(|r| r.starts_with("POST") && r.contains("/events"))
+    })
+    .await;
+    let events = events();
+    assert_eq!(events.len(), 1, "{events:?}");
+    assert_eq!(events[0]["reason"], "InvalidPolicy");
+    assert_eq!(events[0]["reportingInstance"], "a");
+    drop(b);
+}
+
+/// Issue #19, item 4: `agent --dry-run --kube` reads the cluster and writes nothing to it
+/// (no Lease, no status, no Event, no annotation), though a policy is invalid.
+#[test]
+fn a_dry_run_writes_nothing_to_the_cluster() {
+    let api = FakeApi::start();
+    api.apply(json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "node-a"},
+                     "status": {"addresses": [{"type": "InternalIP", "address": "172.18.0.2"}]}}));
+    api.apply(ns("shop", json!({})));
+    api.apply(pod("shop", "web-1", "10.0.0.5", json!({"app": "web"})));
+    api.apply(anp("bad", 1001));
+    let dir = tempfile::tempdir().unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tierproxy"))
+        .args(["agent", "--kube", "--node", "node-a", "--dry-run"])
+        .args(["--redirect-backend", "iptables", "--lease-namespace", LEASE_NS])
+        .env("KUBECONFIG", api.kubeconfig(dir.path()))
+        .env_remove("KUBERNETES_SERVICE_HOST")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("10.0.0.5"), "the API server's pod in the ruleset: {stdout}");
+    let requests = api.requests();
+    assert!(requests.iter().any(|r| r.starts_with("GET /apis/policy.networking.k8s.io/")));
+    let writes: Vec<&String> = requests.iter().filter(|r| !r.starts_with("GET ")).collect();
+    assert!(writes.is_empty(), "a dry run wrote: {writes:?}");
+    // No status writer either: it would have read the Lease (before any attempt to take
+    // it) as soon as it started.
+    let status: Vec<&String> = requests.iter().filter(|r| r.contains("/leases")).collect();
+    assert!(status.is_empty(), "a dry run started the status writer: {status:?}");
 }
 
 /// The same objects from the API server and from a YAML and a JSON manifest file (read as

@@ -18,21 +18,31 @@
 //!   `tierproxy`, so the condition is ours alone and other implementations' conditions are
 //!   untouched (the upstream CRDs key `status.conditions` by `type`). A status is written
 //!   only when it differs from the stored one: a steady cluster causes no writes.
-//! - **Who writes it.** The holder of the Lease (`kube-lease-manager`); every other agent
-//!   only enforces. A leader that loses the lease stops writing at once.
+//! - **The Event.** Named after the policy, its uid, generation and the message
+//!   (`invalid_policy_event`) and created, not recorded: a new leader that finds the same
+//!   problem gets 409 AlreadyExists and posts nothing, so there is one Event per problem
+//!   and policy generation, whoever leads.
+//! - **Who writes it.** The leader elected by the Lease ([`lease`]); every other agent
+//!   only enforces. A leader writes only within the lease its last successful renewal gave
+//!   it: when renewals fail it stops before another agent may take the Lease, and it
+//!   starts again only after a renewal succeeds; a leader that finds the Lease taken (its
+//!   watch shows it and a read confirms it) stops at once. A stopping agent stops writing
+//!   and releases the Lease, so that another takes over at once.
 //!
 //! Sources: issue #6; KEP-2091 "Monitoring Requirements" (status conditions);
 //! Kubernetes API conventions, "Typical status properties" (`metav1.Condition`).
 use std::collections::{BTreeMap, HashMap};
+use std::hash::Hasher;
 use std::sync::Arc;
 use std::time::Duration;
 
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
-use kube::api::{Api, Patch, PatchParams};
-use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use k8s_openapi::api::events::v1 as events;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, MicroTime, Time};
+use kube::api::{Api, ObjectMeta, Patch, PatchParams, PostParams};
 use kube::{Client, Resource, ResourceExt};
 
 use super::apiserver::ApiSource;
+use super::lease::{self, Leadership, LeaseOptions, leading_until};
 use crate::policy::api::{v1alpha1, v1alpha2};
 use crate::policy::problem::ProblemKind;
 use crate::policy::{Kind, ObjectRef, Problem};
@@ -45,6 +55,9 @@ pub const FIELD_MANAGER: &str = "tierproxy";
 pub const DEFAULT_LEASE_NAME: &str = "tierproxy-policy-status";
 /// Default Lease duration (seconds): a leader that stops renewing is replaced after it.
 pub const DEFAULT_LEASE_SECONDS: u64 = 15;
+/// Namespace of the Events about policies: they are cluster-scoped, and Events of
+/// cluster-scoped objects go to `default` (as kube's and client-go's recorders do).
+pub const EVENT_NAMESPACE: &str = "default";
 /// How often the leader compares every policy's status with what it should be, besides
 /// after each new snapshot (catches a status someone else overwrote).
 pub const RESYNC: Duration = Duration::from_secs(60);
@@ -211,65 +224,79 @@ pub struct StatusOptions {
     pub lease_seconds: u64,
 }
 
-/// Runs the status writer until the runtime stops: takes part in the Lease election and,
-/// while leading, writes conditions and Events after every new [`Report`] and every
-/// [`RESYNC`]. Errors are logged and retried; none stops enforcement.
+/// Runs the status writer until `stop` completes: takes part in the Lease election
+/// ([`lease`]) and, while leading, writes conditions and Events after every new
+/// [`Report`], every [`RESYNC`] and on becoming the leader. Each write is bounded by the
+/// leadership: none starts, and none is waited for, past the end of the lease that the last
+/// successful renewal gave. On `stop` it stops writing and then releases the Lease (within
+/// [`lease::RELEASE_TIMEOUT`]). Errors are logged and retried; none stops enforcement.
 pub async fn run(
     client: Client,
     source: ApiSource,
     options: StatusOptions,
     mut reports: tokio::sync::watch::Receiver<Arc<Report>>,
     records: Arc<super::lastgood::RecordStore>,
+    stop: impl Future<Output = ()>,
 ) {
-    let manager = loop {
-        let built =
-            kube_lease_manager::LeaseManagerBuilder::new(client.clone(), &options.lease_name)
-                .with_namespace(&options.lease_namespace)
-                .with_identity(&options.identity)
-                .with_duration(options.lease_seconds)
-                .with_grace(options.lease_seconds.div_ceil(3).max(1))
-                .with_field_manager(FIELD_MANAGER)
-                .build()
-                .await;
-        match built {
-            Ok(m) => break m,
-            Err(e) => {
-                tracing::warn!(error = %e, lease = %options.lease_name, "cannot set up the status election; retrying in 10 s");
-                tokio::time::sleep(Duration::from_secs(10)).await;
-            }
-        }
-    };
-    let (mut leading, _task) = manager.watch().await;
+    let (leading, mut lead) = tokio::sync::watch::channel(None);
+    let (stop_election, election_stopped) = tokio::sync::oneshot::channel::<()>();
+    let election = tokio::spawn(lease::run(
+        client.clone(),
+        LeaseOptions {
+            namespace: options.lease_namespace.clone(),
+            name: options.lease_name.clone(),
+            identity: options.identity.clone(),
+            duration: Duration::from_secs(options.lease_seconds.max(1)),
+            field_manager: FIELD_MANAGER.to_string(),
+        },
+        leading,
+        async move {
+            let _ = election_stopped.await;
+        },
+    ));
     let mut writer = Writer {
-        client: client.clone(),
-        recorder: Recorder::new(
-            client,
-            Reporter { controller: "tierproxy".into(), instance: Some(options.identity.clone()) },
-        ),
+        client,
+        identity: options.identity,
         announced: HashMap::new(),
         written: HashMap::new(),
         record_error: None,
     };
+    let namespace = options.lease_namespace.clone();
     let mut resync = tokio::time::interval(RESYNC);
+    let mut was_leading = false;
+    tokio::pin!(stop);
     loop {
         tokio::select! {
-            r = leading.changed() => {
+            biased;
+            () = &mut stop => break,
+            r = lead.changed() => {
                 if r.is_err() {
-                    tracing::warn!("the status election ended; no longer writing policy status");
-                    return;
+                    break;
                 }
-                let now = *leading.borrow_and_update();
-                tracing::info!(leading = now, lease = %options.lease_name, "policy status writer election");
+                // A renewal only moves the lease's end: nothing new to write.
+                if was_leading && leading_until(&lead).is_some() {
+                    continue;
+                }
             }
-            r = reports.changed() => if r.is_err() { return },
+            r = reports.changed() => if r.is_err() { break },
             _ = resync.tick() => {}
         }
-        if *leading.borrow() {
+        was_leading = leading_until(&lead).is_some();
+        if was_leading {
             let report = reports.borrow().clone();
-            writer.sync(&source, &report).await;
-            writer.record(&source, &report, &options.lease_namespace, &records).await;
+            tokio::select! {
+                biased;
+                () = &mut stop => break,
+                // Cut short by the lease's end: the next renewal syncs again.
+                done = async {
+                    writer.sync(&source, &report, &lead).await
+                        && writer.record(&source, &report, &namespace, &records, &lead).await
+                } => was_leading = done,
+            }
         }
     }
+    let _ = stop_election.send(());
+    let _ = election.await;
 }
 
 /// The three cluster-scoped policy kinds whose status tierproxy writes.
@@ -300,8 +327,10 @@ status_policy!(v1alpha2::ClusterNetworkPolicy, Kind::ClusterNetworkPolicy);
 /// The leader's writes.
 struct Writer {
     client: Client,
-    recorder: Recorder,
-    /// The invalid policies already announced by an Event: (object, generation) → message.
+    /// This agent's identity (the Events' `reportingInstance`).
+    identity: String,
+    /// The invalid policies whose Event exists (posted here, or found already posted):
+    /// (object, generation) → message.
     announced: HashMap<(ObjectRef, Option<i64>), String>,
     /// The last condition written per policy, with the object's resourceVersion in the
     /// store at that time: until the store has seen the write (its resourceVersion moves),
@@ -313,23 +342,33 @@ struct Writer {
 
 impl Writer {
     /// Writes every status that differs from `report`, and Events for newly invalid
-    /// policies.
-    async fn sync(&mut self, source: &ApiSource, report: &Report) {
+    /// policies, while `lead` lets this agent lead. Returns false if the lease ran out
+    /// first.
+    async fn sync(&mut self, source: &ApiSource, report: &Report, lead: &Leadership) -> bool {
         if report.revision == 0 {
-            return;
+            return true;
         }
         for p in source.admin_network_policies() {
-            self.one(&*p, report).await;
+            if !self.one(&*p, report, lead).await {
+                return false;
+            }
         }
         for p in source.baseline_admin_network_policies() {
-            self.one(&*p, report).await;
+            if !self.one(&*p, report, lead).await {
+                return false;
+            }
         }
         for p in source.cluster_network_policies() {
-            self.one(&*p, report).await;
+            if !self.one(&*p, report, lead).await {
+                return false;
+            }
         }
+        true
     }
 
-    async fn one<K: StatusPolicy>(&mut self, obj: &K, report: &Report) {
+    /// Writes one policy's condition and Event where needed; false if the lease ran out
+    /// before a write was done.
+    async fn one<K: StatusPolicy>(&mut self, obj: &K, report: &Report, lead: &Leadership) -> bool {
         let name = obj.name_any();
         let object = ObjectRef::cluster(K::KIND, name.clone());
         let acceptance = report.of(&object);
@@ -346,25 +385,23 @@ impl Writer {
         if let Some(cond) = desired_condition(&acceptance, generation, obj.conditions(), now)
             && !pending(&cond)
         {
+            let Some(until) = leading_until(lead) else { return false };
             let api: Api<K> = Api::all(self.client.clone());
             let patch = serde_json::json!({
                 "apiVersion": K::api_version(&()),
                 "kind": K::kind(&()),
                 "status": { "conditions": [cond] },
             });
-            match api
-                .patch_status(
-                    &name,
-                    &PatchParams::apply(FIELD_MANAGER).force(),
-                    &Patch::Apply(&patch),
-                )
-                .await
-            {
-                Ok(_) => {
+            let params = PatchParams::apply(FIELD_MANAGER).force();
+            let patch = Patch::Apply(&patch);
+            let write = api.patch_status(&name, &params, &patch);
+            match tokio::time::timeout_at(until, write).await {
+                Err(_) => return false,
+                Ok(Ok(_)) => {
                     tracing::info!(object = %object, status = %cond.status, reason = %cond.reason, "policy status written");
                     self.written.insert(object.clone(), (version, cond));
                 }
-                Err(e) => {
+                Ok(Err(e)) => {
                     tracing::warn!(object = %object, error = %e, "cannot write policy status; retried at the next change or resync")
                 }
             }
@@ -372,41 +409,93 @@ impl Writer {
         if let Acceptance::Invalid(m) | Acceptance::InvalidUpdate(m, _) = &acceptance {
             let key = (object.clone(), generation);
             if self.announced.get(&key) != Some(m) {
-                let event = Event {
-                    type_: EventType::Warning,
-                    reason: "InvalidPolicy".into(),
-                    note: Some(truncate(format!("{object}: {m}"), 1024)),
-                    action: "Validate".into(),
-                    secondary: None,
-                };
-                match self.recorder.publish(&event, &obj.object_ref(&())).await {
-                    Ok(()) => {
+                let Some(until) = leading_until(lead) else { return false };
+                let event = invalid_policy_event(obj, &object, m, &self.identity);
+                let api: Api<events::Event> = Api::namespaced(self.client.clone(), EVENT_NAMESPACE);
+                let params =
+                    PostParams { dry_run: false, field_manager: Some(FIELD_MANAGER.to_string()) };
+                match tokio::time::timeout_at(until, api.create(&params, &event)).await {
+                    Err(_) => return false,
+                    Ok(Ok(_)) => {
+                        tracing::info!(object = %object, event = ?event.metadata.name, "InvalidPolicy event posted");
                         self.announced.insert(key, m.clone());
                     }
-                    Err(e) => {
-                        tracing::warn!(object = %object, error = %e, "cannot publish the InvalidPolicy event")
+                    // Posted before, by this agent or an earlier leader.
+                    Ok(Err(kube::Error::Api(s))) if s.code == 409 => {
+                        self.announced.insert(key, m.clone());
+                    }
+                    Ok(Err(e)) => {
+                        tracing::warn!(object = %object, error = %e, "cannot post the InvalidPolicy event; retried at the next change or resync")
                     }
                 }
             }
         }
+        true
+    }
+}
+
+/// The Warning Event `InvalidPolicy` about `obj` (named `object`), whose validation says
+/// `message`. Its name is `<policy name>.<hash>`, the hash (64-bit FNV-1a) taken over the
+/// policy's uid, generation and the Event's note: the same problem of the same object
+/// version gets the same name whichever agent leads, so a second create is refused with
+/// 409 AlreadyExists instead of posting it again (until the API server's event TTL, one
+/// hour by default, removes it). Fields: `events.k8s.io/v1` Event (eventTime,
+/// reportingController and reportingInstance are required of new Events).
+fn invalid_policy_event<K: StatusPolicy>(
+    obj: &K,
+    object: &ObjectRef,
+    message: &str,
+    instance: &str,
+) -> events::Event {
+    let note = truncate(format!("{object}: {message}"), 1024);
+    let name = obj.name_any();
+    let uid = obj.meta().uid.as_deref().unwrap_or(&name);
+    let mut h = fnv::FnvHasher::default();
+    for part in [uid.as_bytes(), &obj.meta().generation.unwrap_or(0).to_le_bytes(), note.as_bytes()]
+    {
+        h.write(&(part.len() as u64).to_le_bytes());
+        h.write(part);
+    }
+    // An object name is at most 253 characters (a DNS subdomain); the suffix takes 17.
+    let mut cut = name.len().min(253 - 17);
+    while !name.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    let prefix = name[..cut].trim_end_matches(['.', '-']);
+    events::Event {
+        metadata: ObjectMeta {
+            name: Some(format!("{prefix}.{:016x}", h.finish())),
+            namespace: Some(EVENT_NAMESPACE.to_string()),
+            ..ObjectMeta::default()
+        },
+        event_time: Some(MicroTime(k8s_openapi::jiff::Timestamp::now())),
+        action: Some("Validate".into()),
+        reason: Some("InvalidPolicy".into()),
+        note: Some(note),
+        regarding: Some(obj.object_ref(&())),
+        reporting_controller: Some(FIELD_MANAGER.into()),
+        reporting_instance: Some(instance.to_string()),
+        type_: Some("Warning".into()),
+        ..events::Event::default()
     }
 }
 
 impl Writer {
     /// Records the last good version of every policy `report` compiled as valid
-    /// ([`super::lastgood`]), in the ConfigMap of `namespace`, when the records change. A
-    /// failure is logged (at most once per distinct error) and retried at the next report or
-    /// resync.
+    /// ([`super::lastgood`]), in the ConfigMap of `namespace`, when the records change,
+    /// while the lease lasts (false if it ran out first). A failure is logged (at most once
+    /// per distinct error) and retried at the next report or resync.
     async fn record(
         &mut self,
         source: &ApiSource,
         report: &Report,
         namespace: &str,
         store: &super::lastgood::RecordStore,
-    ) {
+        lead: &Leadership,
+    ) -> bool {
         use super::lastgood::{self, Current};
         if report.revision == 0 || !store.initialized() {
-            return;
+            return true;
         }
         let mut current = Vec::new();
         current.extend(
@@ -428,20 +517,27 @@ impl Writer {
                 .map(|p| Current::of(&**p, Kind::ClusterNetworkPolicy, &p.spec)),
         );
         let want = lastgood::desired(&store.records(), &current, report);
-        match lastgood::write(&self.client, namespace, store, &want).await {
-            Ok(written) => {
+        if want == store.records() {
+            return true;
+        }
+        let Some(until) = leading_until(lead) else { return false };
+        let write = lastgood::write(&self.client, namespace, store, &want);
+        match tokio::time::timeout_at(until, write).await {
+            Err(_) => return false,
+            Ok(Ok(written)) => {
                 if written {
                     tracing::info!(policies = want.0.len(), "last good policy versions recorded");
                 }
                 self.record_error = None;
             }
-            Err(e) => {
+            Ok(Err(e)) => {
                 if self.record_error.as_deref() != Some(e.as_str()) {
                     tracing::warn!(error = %e, "cannot record the last good policy versions; retried at the next change or resync");
                     self.record_error = Some(e);
                 }
             }
         }
+        true
     }
 }
 
@@ -534,6 +630,38 @@ mod tests {
         // Someone else's condition is not ours.
         let other = Condition { type_: "Ready-In-Zone-a".into(), ..c4.clone() };
         assert!(desired_condition(&bad, Some(4), &[other], t(500)).is_some());
+    }
+
+    /// Issue #19, item 9: the Event's name depends on the policy's uid, generation and
+    /// message only (not on the time or the leader), and is a valid object name.
+    #[test]
+    fn an_events_name_is_fixed_by_the_problem_and_the_policys_generation() {
+        let anp = |name: &str, uid: &str, generation: i64| -> v1alpha1::AdminNetworkPolicy {
+            serde_json::from_value(serde_json::json!({
+                "apiVersion": "policy.networking.k8s.io/v1alpha1", "kind": "AdminNetworkPolicy",
+                "metadata": {"name": name, "uid": uid, "generation": generation},
+                "spec": {"priority": 1001, "subject": {"namespaces": {}}}
+            }))
+            .unwrap()
+        };
+        let object = |name: &str| ObjectRef::cluster(Kind::AdminNetworkPolicy, name);
+        let name = |p: &v1alpha1::AdminNetworkPolicy, m: &str, instance: &str| {
+            let e = invalid_policy_event(p, &object(&p.name_any()), m, instance);
+            assert_eq!(e.metadata.namespace.as_deref(), Some(EVENT_NAMESPACE));
+            assert_eq!(e.regarding.as_ref().and_then(|r| r.name.as_deref()), Some(&*p.name_any()));
+            e.metadata.name.unwrap()
+        };
+        let p = anp("bad", "u1", 3);
+        let n = name(&p, "too big", "a");
+        assert!(n.starts_with("bad.") && n.len() == "bad.".len() + 16, "{n}");
+        assert_eq!(name(&p, "too big", "b"), n, "whichever agent posts it");
+        assert_ne!(name(&anp("bad", "u1", 4), "too big", "a"), n, "a new generation");
+        assert_ne!(name(&p, "too small", "a"), n, "another problem");
+        assert_ne!(name(&anp("bad", "u2", 3), "too big", "a"), n, "a re-created policy");
+        // A name of 253 characters: cut so that the whole is one again, not ending in '.'.
+        let long = format!("{}.{}", "a".repeat(235), "b".repeat(17));
+        let n = name(&anp(&long, "u1", 1), "too big", "a");
+        assert!(n.len() <= 253 && !n.contains(".."), "{n}");
     }
 
     #[test]

@@ -6,13 +6,17 @@
 //!
 //! What it implements: list (paged by `limit` and `continue`) and watch of any collection
 //! (cluster-wide or in a namespace),
-//! get, create (POST), replace (PUT), patch (merge, strategic and apply patches, merged as
-//! JSON with `status.conditions` keyed by `type`), delete, the `status` subresource. What
-//! the test scripts: objects ([`FakeApi::apply`], [`FakeApi::delete`]), which collections
-//! exist ([`FakeApi::uninstall`]: 404 as for a CRD not installed), failures
-//! ([`FakeApi::fail_next`]: 500s), watch ends ([`FakeApi::close_watches`]), history
-//! compaction ([`FakeApi::compact`]: 410 Gone), an outage ([`FakeApi::set_down`]: every
-//! request refused with 503). Every request is logged ([`FakeApi::requests`]).
+//! get, create (POST; 409 AlreadyExists for a name in use), replace (PUT; 409 Conflict when
+//! the body's `metadata.resourceVersion` is not the stored one), patch (merge, strategic
+//! and apply patches, merged as JSON with `status.conditions` keyed by `type`), delete, the
+//! `status` subresource. What the test scripts: objects ([`FakeApi::apply`],
+//! [`FakeApi::delete`]), which collections exist ([`FakeApi::uninstall`]: 404 as for a CRD
+//! not installed), failures ([`FakeApi::fail_next`]: 500s), watch ends
+//! ([`FakeApi::close_watches`]), history compaction ([`FakeApi::compact`]: 410 Gone), an
+//! outage ([`FakeApi::set_down`]: every request refused with 503), a user's lost write
+//! permission ([`FakeApi::forbid`]: 403). A client is told apart by its bearer token (the
+//! user, [`as_user`]). Every request is logged ([`FakeApi::requests`],
+//! [`FakeApi::requests_by`]).
 #![allow(dead_code)]
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -48,7 +52,10 @@ struct State {
     history: Vec<Change>,
     fail_next: u32,
     down: bool,
-    requests: Vec<String>,
+    /// (user, collection) pairs whose writes are refused with 403.
+    forbidden: BTreeSet<(String, String)>,
+    /// Each request's user (its bearer token) and `METHOD path?query`.
+    requests: Vec<(Option<String>, String)>,
     writes: Vec<(String, String, Value)>,
 }
 
@@ -65,6 +72,18 @@ pub struct FakeApi {
     live: tokio::sync::broadcast::Sender<Live>,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     thread: Option<std::thread::JoinHandle<()>>,
+}
+
+/// A kube client configuration for `api` that authenticates as `user`: a bearer token the
+/// server logs each request under ([`FakeApi::requests_by`]) and [`FakeApi::forbid`]
+/// refers to.
+pub fn as_user(api: &FakeApi, user: &str) -> kube::Config {
+    let mut config = kube::Config::new(format!("http://{}", api.addr).parse().unwrap());
+    config.headers.push((
+        axum::http::header::AUTHORIZATION,
+        axum::http::HeaderValue::from_str(&format!("Bearer {user}")).unwrap(),
+    ));
+    config
 }
 
 /// The collection path of an object: `/api/v1/pods`, `/apis/GROUP/VERSION/PLURAL`.
@@ -356,7 +375,25 @@ impl FakeApi {
 
     /// Every request so far, as `METHOD path?query`.
     pub fn requests(&self) -> Vec<String> {
-        self.with(|s| s.requests.clone())
+        self.with(|s| s.requests.iter().map(|(_, r)| r.clone()).collect())
+    }
+
+    /// Every request so far by `user` (see [`as_user`]), as `METHOD path?query`.
+    pub fn requests_by(&self, user: &str) -> Vec<String> {
+        self.with(|s| {
+            s.requests
+                .iter()
+                .filter(|(u, _)| u.as_deref() == Some(user))
+                .map(|(_, r)| r.clone())
+                .collect()
+        })
+    }
+
+    /// From now on, every write (any method but GET) by `user` to `collection` (a path as
+    /// [`collection_of`] gives it) is refused with 403 Forbidden, as after its RBAC
+    /// permission was revoked; its reads still work.
+    pub fn forbid(&self, user: &str, collection: &str) {
+        self.with(|s| s.forbidden.insert((user.to_string(), collection.to_string())));
     }
 
     /// Every write (POST, PUT, PATCH) so far: (method, path, body).
@@ -388,6 +425,12 @@ async fn handle(
 ) -> Response<Body> {
     let method = req.method().clone();
     let path = req.uri().path().to_string();
+    let user = req
+        .headers()
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::to_string);
     let query: BTreeMap<String, String> = req
         .uri()
         .query()
@@ -403,9 +446,12 @@ async fn handle(
         return reply(404, &status(404, "NotFound", "no such path"));
     };
     let mut s = st.lock().unwrap();
-    s.requests.push(format!(
-        "{method} {path}?{}",
-        query.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join("&")
+    s.requests.push((
+        user.clone(),
+        format!(
+            "{method} {path}?{}",
+            query.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join("&")
+        ),
     ));
     if s.down {
         return reply(503, &status(503, "ServiceUnavailable", "the server is down (scripted)"));
@@ -415,6 +461,13 @@ async fn handle(
             404,
             &status(404, "NotFound", "the server could not find the requested resource"),
         );
+    }
+    if method != Method::GET
+        && let Some(u) = &user
+        && s.forbidden.contains(&(u.clone(), coll.clone()))
+    {
+        let m = format!("user \"{u}\" cannot {method} in {coll} (scripted)");
+        return reply(403, &status(403, "Forbidden", &m));
     }
     if method == Method::GET && name.is_none() && s.fail_next > 0 {
         s.fail_next -= 1;
@@ -519,6 +572,23 @@ async fn handle(
             s.writes.push((m.to_string(), path.clone(), body.clone()));
             let k = (ns.clone().unwrap_or_default(), name.clone());
             let old = s.collections.get(&coll).and_then(|c| c.objects.get(&k)).cloned();
+            // Optimistic concurrency: a replace names the version it read.
+            if m == Method::PUT
+                && let Some(rv) = body["metadata"]["resourceVersion"].as_str()
+                && !rv.is_empty()
+            {
+                match &old {
+                    None => {
+                        return reply(404, &status(404, "NotFound", &format!("{name} not found")));
+                    }
+                    Some(o) if o["metadata"]["resourceVersion"] != rv => {
+                        let msg = "the object has been modified; please apply your changes to \
+                                   the latest version and try again";
+                        return reply(409, &status(409, "Conflict", msg));
+                    }
+                    Some(_) => {}
+                }
+            }
             let obj = match (m, old) {
                 (Method::PUT, _) => body,
                 (_, Some(mut o)) => {
