@@ -2,8 +2,8 @@
 //! ([`tierproxy::cluster::status`]) against a scripted API server over real HTTP
 //! (`common::apiserver`): initial list, add/modify/delete, relist after a watch error and
 //! an outage, a CRD installed later, and status conditions and Events from the elected
-//! writer; the same objects from the source and from manifest files decide alike. No
-//! privileges needed.
+//! writer; the same objects from the source and from manifest files decide alike; the
+//! agent's log during an outage. No privileges needed.
 mod common;
 
 use std::sync::Arc;
@@ -402,4 +402,42 @@ async fn the_api_server_and_manifest_files_give_the_same_decisions() {
             );
         }
     }
+}
+
+/// Issue #19, item 12: with `TIERPROXY_LOG=info` (the shipped `deploy/agent.env`), an
+/// agent whose API server is down logs its own WARN per resource, not kube's client's
+/// ERROR line per failed request.
+#[test]
+fn an_outage_logs_no_kube_client_error_per_request() {
+    let api = FakeApi::start();
+    api.set_down(true);
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("agent.log");
+    let mut agent = common::bin()
+        .args(["agent", "--kube", "--node", "n1", "--dry-run", "--kube-retry-max-ms", "100"])
+        .arg("--log")
+        .arg(&log)
+        .env("KUBECONFIG", api.kubeconfig(dir.path()))
+        .env("TIERPROXY_LOG", "info")
+        .env_remove("KUBERNETES_SERVICE_HOST")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("tierproxy runs");
+    let text = || std::fs::read_to_string(&log).unwrap_or_default();
+    let start = Instant::now();
+    // Every kind has said it failed, and many requests have failed since.
+    while !(text().matches("watch failed").count() >= 7 && api.requests().len() >= 50) {
+        if start.elapsed() > Duration::from_secs(20) || agent.try_wait().unwrap().is_some() {
+            let _ = agent.kill();
+            panic!("no WARN per kind and 50 failed requests in 20 s: {}", text());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    agent.kill().unwrap();
+    agent.wait().unwrap();
+    let text = text();
+    let errors: Vec<&str> =
+        text.lines().filter(|l| l.contains("ERROR") && l.contains("kube_client")).collect();
+    assert!(errors.is_empty(), "{} kube_client ERROR lines: {errors:?}", errors.len());
 }
