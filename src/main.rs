@@ -175,6 +175,12 @@ struct AgentArgs {
     /// time before a CRD installed later is noticed.
     #[arg(long, default_value_t = tierproxy::cluster::apiserver::DEFAULT_BACKOFF_MAX.as_millis() as u64)]
     kube_retry_max_ms: u64,
+    /// Without it, lists of the API server come whole from its watch cache
+    /// (resourceVersion=0). With it, they are quorum reads from etcd in pages of this many
+    /// objects: less memory per list in the agent, more load on etcd when every node
+    /// relists.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    kube_list_page_size: Option<u32>,
     /// Create this (empty) file once the node is enforcing; removed on exit.
     #[arg(long)]
     ready_file: Option<PathBuf>,
@@ -396,6 +402,7 @@ fn run_agent(a: AgentArgs) -> ExitCode {
             source: apiserver::SourceConfig {
                 backoff_max: max,
                 backoff_initial: apiserver::DEFAULT_BACKOFF_INITIAL.min(max),
+                page_size: a.kube_list_page_size,
                 ..apiserver::SourceConfig::default()
             },
             status: (!a.no_policy_status).then(|| status::StatusOptions {

@@ -1,7 +1,7 @@
 //! The API-server source ([`tierproxy::cluster::apiserver`]) and the status writer
 //! ([`tierproxy::cluster::status`]) against a scripted API server over real HTTP
 //! (`common::apiserver`): initial list, add/modify/delete, relist after a watch error and
-//! an outage, a CRD installed later, and status conditions and Events from the elected
+//! an outage (from the watch cache), the agents' User-Agent, a CRD installed later, and status conditions and Events from the elected
 //! writer; the same objects from the source and from manifest files decide alike; the
 //! agent's log during an outage. No privileges needed.
 mod common;
@@ -37,10 +37,44 @@ fn anp(name: &str, priority: i64) -> Value {
                     "ingress": [{"action": "Deny", "from": [{"namespaces": {}}]}]}})
 }
 
+/// The node the tests' clients name in their User-Agent.
+const NODE: &str = "node-a";
+
 /// A client of `api`.
 async fn client(api: &FakeApi) -> kube::Client {
     let config = kube::Config::new(format!("http://{}", api.addr).parse().unwrap());
-    tierproxy::cluster::apiserver::client(Some(config)).await.unwrap()
+    tierproxy::cluster::apiserver::client(Some(config), NODE).await.unwrap()
+}
+
+/// The collection paths of the seven watched kinds.
+const COLLECTIONS: [&str; 7] = [
+    "/api/v1/pods",
+    "/api/v1/namespaces",
+    "/api/v1/nodes",
+    "/apis/networking.k8s.io/v1/networkpolicies",
+    "/apis/policy.networking.k8s.io/v1alpha1/adminnetworkpolicies",
+    "/apis/policy.networking.k8s.io/v1alpha1/baselineadminnetworkpolicies",
+    "/apis/policy.networking.k8s.io/v1alpha2/clusternetworkpolicies",
+];
+
+/// Whether every kind, in the requests from `mark` on, has listed and then started a watch
+/// (from `from`, if given): the watch comes after the watcher has handled the list's end.
+fn relisted(api: &FakeApi, mark: usize, from: Option<&str>) -> bool {
+    let requests = api.requests();
+    let requests = &requests[mark.min(requests.len())..];
+    COLLECTIONS.iter().all(|c| {
+        let prefix = format!("GET {c}?");
+        let Some(list) =
+            requests.iter().position(|r| r.starts_with(&prefix) && !r.contains("watch=true"))
+        else {
+            return false;
+        };
+        requests[list..].iter().any(|r| {
+            r.starts_with(&prefix)
+                && r.contains("watch=true")
+                && from.is_none_or(|rv| r.contains(&format!("resourceVersion={rv}&")))
+        })
+    })
 }
 
 fn fast() -> SourceConfig {
@@ -49,7 +83,7 @@ fn fast() -> SourceConfig {
         max_delay: Duration::from_millis(200),
         backoff_initial: Duration::from_millis(50),
         backoff_max: Duration::from_millis(200),
-        page_size: 500,
+        page_size: None,
     }
 }
 
@@ -402,6 +436,72 @@ async fn the_api_server_and_manifest_files_give_the_same_decisions() {
             );
         }
     }
+}
+
+/// Issue #19, items 7 and 11: every list, the first and each relist after an error, asks
+/// for the watch cache's state (`resourceVersion=0`), not a quorum read from etcd; every
+/// request names the agent and its node.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lists_come_from_the_watch_cache_and_requests_name_the_agent() {
+    let api = FakeApi::start();
+    api.apply(ns("shop", json!({})));
+    // More than a page of pods: the watch cache answers them whole.
+    for i in 0..600 {
+        api.apply(pod("shop", &format!("web-{i}"), "10.0.0.5", json!({})));
+    }
+    let (source, _changes) = start(&api).await;
+    until("initial lists", || source.initialized()).await;
+    assert_eq!(source.inputs().pod_views.len(), 600);
+    let pod_lists = || {
+        api.requests()
+            .iter()
+            .filter(|r| r.starts_with("GET /api/v1/pods?") && !r.contains("watch=true"))
+            .count()
+    };
+    assert_eq!(pod_lists(), 1, "600 pods in one list, not pages of 500");
+    api.set_down(true);
+    until("every watcher failing", || {
+        source.health().iter().all(|(_, h)| h.failing_since.is_some())
+    })
+    .await;
+    let mark = api.requests().len();
+    api.set_down(false);
+    until("every kind relisted", || relisted(&api, mark, None)).await;
+
+    let lists: Vec<String> = api
+        .requests()
+        .into_iter()
+        .filter(|r| r.starts_with("GET /api") && !r.contains("watch=true"))
+        .collect();
+    assert!(lists.len() >= 14, "{lists:?}");
+    for l in &lists {
+        assert!(
+            l.contains("resourceVersion=0&") && l.contains("resourceVersionMatch=NotOlderThan"),
+            "a list from the watch cache: {l}"
+        );
+    }
+
+    // Paged quorum reads where asked for: `limit` and no resourceVersion.
+    let mark = api.requests().len();
+    let paged = ApiSource::start(
+        client(&api).await,
+        SourceConfig { page_size: Some(200), ..fast() },
+        || {},
+    );
+    until("initial paged lists", || paged.initialized()).await;
+    assert_eq!(paged.inputs().pod_views.len(), 600);
+    let pages: Vec<String> = api.requests()[mark..]
+        .iter()
+        .filter(|r| r.starts_with("GET /api/v1/pods?") && !r.contains("watch=true"))
+        .cloned()
+        .collect();
+    assert_eq!(pages.len(), 3, "{pages:?}");
+    assert!(pages.iter().all(|p| p.contains("limit=200") && !p.contains("resourceVersion")));
+
+    let want = format!("tierproxy/{} ({NODE})", env!("CARGO_PKG_VERSION"));
+    let agents = api.user_agents();
+    assert_eq!(agents.len(), api.requests().len());
+    assert!(agents.iter().all(|a| *a == want), "{want:?} on every request: {agents:?}");
 }
 
 /// Issue #19, item 12: with `TIERPROXY_LOG=info` (the shipped `deploy/agent.env`), an

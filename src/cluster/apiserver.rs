@@ -5,6 +5,21 @@
 //!   (`networking.k8s.io/v1`), AdminNetworkPolicies and BaselineAdminNetworkPolicies
 //!   (`policy.networking.k8s.io/v1alpha1`) and ClusterNetworkPolicies
 //!   (`policy.networking.k8s.io/v1alpha2`), cluster-wide: a pod anywhere may be a peer.
+//! - **Lists come from the API server's watch cache.** Every list (the first, and each
+//!   relist) asks for `resourceVersion=0` with `resourceVersionMatch=NotOlderThan`
+//!   (kube-runtime's `ListSemantic::Any`; client-go's informers list from the cache too),
+//!   not for a quorum read from etcd: a thousand nodes relisting seven kinds after an
+//!   API-server restart cost the API server copies from memory, not etcd reads. The
+//!   price: such a list may be a little older than the newest write (the watch that
+//!   follows catches up), and it comes whole, in one response: the watch cache ignores
+//!   `limit` (kubernetes/kubernetes#96182, #118394), and kube leaves `resourceVersion=0`
+//!   out of a list that has a `limit` (kube-rs/kube#1743), so these lists have none. The
+//!   agent then receives and decodes a whole collection at once: for a few seconds after
+//!   a (re)list, the pods' response and its decoded `Pod`s (before they are cut to views)
+//!   are the agent's largest allocation, where pages of 500 held a page at a time. Where
+//!   that is too much (a very large cluster, a small memory limit),
+//!   [`SourceConfig::page_size`] (`--kube-list-page-size`) switches back to paged quorum
+//!   reads from etcd.
 //! - **CRDs that are not installed.** The three policy kinds are custom resources. A list
 //!   that the API server answers with 404 means the CRD (or that API version) is not
 //!   installed: the kind counts as listed and empty ([`KindHealth::absent`]), and the
@@ -32,7 +47,9 @@
 //!
 //! Sources: issue #6; kube-runtime `watcher` and `reflector` (kube 5); the Kubernetes API
 //! concepts "Efficient detection of changes" (list, then watch from the list's
-//! resourceVersion; 410 Gone means relist).
+//! resourceVersion; 410 Gone means relist) and "Resource versions" (`resourceVersion=0`
+//! lists: "Any" semantics, served from the watch cache); client-go's reflector (lists
+//! from the watch cache).
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -64,13 +81,16 @@ pub const DEFAULT_BACKOFF_MAX: Duration = Duration::from_secs(30);
 /// A client of the API server: `config` if given, else the in-cluster service account
 /// (`KUBERNETES_SERVICE_HOST` and the mounted token), else `KUBECONFIG` or
 /// `~/.kube/config` (kube's `Config::infer`), with kube's built-in retry of 429/503/504
-/// off (the watchers back off themselves, and an outage must show as staleness). TLS uses rustls with the `ring`
-/// provider, installed here as the process default if none is.
+/// off (the watchers back off themselves, and an outage must show as staleness). Every
+/// request carries `User-Agent: tierproxy/VERSION (NODE)` ([`user_agent`]), so the API
+/// server's audit log and API Priority and Fairness can tell the agents and their nodes
+/// apart. TLS uses rustls with the `ring` provider, installed here as the process default
+/// if none is.
 ///
 /// # Errors
 /// No usable configuration (not in a cluster and no kubeconfig), or a configuration the
 /// client cannot use (bad certificates, an unsupported auth plugin).
-pub async fn client(config: Option<kube::Config>) -> Result<Client, kube::Error> {
+pub async fn client(config: Option<kube::Config>, node: &str) -> Result<Client, kube::Error> {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let mut config = match config {
         Some(c) => c,
@@ -79,7 +99,24 @@ pub async fn client(config: Option<kube::Config>) -> Result<Client, kube::Error>
     // kube's own retry of 429/503/504 (15 tries, minutes in all) would hide an outage from
     // the watchers: they retry with their own backoff and report staleness instead.
     config.default_retry = false;
+    // kube sends no User-Agent of its own; `headers` are added to every request.
+    config.headers.retain(|(name, _)| *name != http::header::USER_AGENT);
+    config.headers.push((http::header::USER_AGENT, user_agent(node)));
     Client::try_from(config)
+}
+
+/// `tierproxy/VERSION (NODE)`, the agents' User-Agent (RFC 9110 §10.1.5: product/version,
+/// then a comment). A node name is a DNS subdomain (RFC 1123) and fits a header as it is;
+/// characters that do not (from a `--node` that is no node name) become `_`.
+pub fn user_agent(node: &str) -> http::HeaderValue {
+    let node: String = node
+        .chars()
+        .map(|c| if c.is_ascii_graphic() && c != '(' && c != ')' { c } else { '_' })
+        .collect();
+    let text = format!("tierproxy/{} ({node})", env!("CARGO_PKG_VERSION"));
+    // Only visible ASCII is left: always a valid header value.
+    http::HeaderValue::from_str(&text)
+        .unwrap_or_else(|_| http::HeaderValue::from_static("tierproxy"))
 }
 
 /// One of the watched kinds.
@@ -158,8 +195,11 @@ pub struct SourceConfig {
     pub backoff_initial: Duration,
     /// Longest retry delay ([`DEFAULT_BACKOFF_MAX`]).
     pub backoff_max: Duration,
-    /// Objects per page of a list (the API server's `limit`); kube-runtime's default 500.
-    pub page_size: u32,
+    /// `None` (the default): lists ask for the API server's watch cache
+    /// (`resourceVersion=0`), whole. `Some(n)`: lists are quorum reads from etcd in pages
+    /// of `n` objects (the API server's `limit`; kube-runtime's default is 500): less
+    /// memory per list in the agent, more load on etcd when every node relists.
+    pub page_size: Option<u32>,
 }
 
 impl Default for SourceConfig {
@@ -169,7 +209,7 @@ impl Default for SourceConfig {
             max_delay: DEFAULT_MAX_DELAY,
             backoff_initial: DEFAULT_BACKOFF_INITIAL,
             backoff_max: DEFAULT_BACKOFF_MAX,
-            page_size: 500,
+            page_size: None,
         }
     }
 }
@@ -472,9 +512,14 @@ where
     store
 }
 
-/// kube-runtime's watcher configuration: lists in pages of `page_size` objects.
-fn watch_config(page_size: u32) -> watcher::Config {
-    watcher::Config::default().page_size(page_size)
+/// kube-runtime's watcher configuration: without `page_size`, lists from the watch cache
+/// (`ListSemantic::Any`, `resourceVersion=0`, and no `limit`, which would make kube leave
+/// `resourceVersion=0` out); with it, quorum reads in pages of that many objects.
+fn watch_config(page_size: Option<u32>) -> watcher::Config {
+    match page_size {
+        None => watcher::Config { page_size: None, ..watcher::Config::default() }.any_semantic(),
+        Some(n) => watcher::Config::default().page_size(n),
+    }
 }
 
 /// Where a watcher's events go.
@@ -867,6 +912,17 @@ mod tests {
         );
         assert!(np.metadata.managed_fields.is_none());
         assert!(np.spec.is_some());
+    }
+
+    #[test]
+    fn the_user_agent_names_the_version_and_the_node() {
+        let ua = user_agent("node-a.example");
+        assert_eq!(
+            ua.to_str().unwrap(),
+            format!("tierproxy/{} (node-a.example)", env!("CARGO_PKG_VERSION"))
+        );
+        let odd = user_agent("nöde (x)\n");
+        assert!(odd.to_str().unwrap().ends_with("(n_de__x__)"), "{odd:?}");
     }
 
     #[test]
