@@ -1,7 +1,8 @@
 //! The API-server source ([`tierproxy::cluster::apiserver`]) and the status writer
 //! ([`tierproxy::cluster::status`]) against a scripted API server over real HTTP
 //! (`common::apiserver`): initial list, add/modify/delete, relist after a watch error and
-//! an outage (from the watch cache), the agents' User-Agent, a CRD installed later, and status conditions and Events from the elected
+//! an outage (from the watch cache, moving the generation only when the content changed),
+//! the agents' User-Agent, a CRD installed later, and status conditions and Events from the elected
 //! writer; the same objects from the source and from manifest files decide alike; the
 //! agent's log during an outage. No privileges needed.
 mod common;
@@ -438,6 +439,18 @@ async fn the_api_server_and_manifest_files_give_the_same_decisions() {
     }
 }
 
+fn node(name: &str) -> Value {
+    json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": name},
+           "status": {"addresses": [{"type": "InternalIP", "address": "192.168.0.10"}],
+                      "conditions": [{"type": "Ready", "status": "True"}]}})
+}
+
+fn network_policy(ns: &str, name: &str) -> Value {
+    json!({"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+           "metadata": {"name": name, "namespace": ns},
+           "spec": {"podSelector": {"matchLabels": {"app": "web"}}, "policyTypes": ["Ingress"]}})
+}
+
 /// Issue #19, items 7 and 11: every list, the first and each relist after an error, asks
 /// for the watch cache's state (`resourceVersion=0`), not a quorum read from etcd; every
 /// request names the agent and its node.
@@ -502,6 +515,87 @@ async fn lists_come_from_the_watch_cache_and_requests_name_the_agent() {
     let agents = api.user_agents();
     assert_eq!(agents.len(), api.requests().len());
     assert!(agents.iter().all(|a| *a == want), "{want:?} on every request: {agents:?}");
+}
+
+/// Issue #19, item 8: a relist whose objects equal the store's (after an outage, after 410
+/// Gone) moves no generation, so the agent rebuilds nothing; one that brings a change moves
+/// it once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relist_moves_the_generation_only_when_the_content_changed() {
+    let api = FakeApi::start();
+    api.apply(ns("shop", json!({"env": "prod"})));
+    api.apply(node("node-a"));
+    api.apply(pod("shop", "web-1", "10.0.0.5", json!({"app": "web"})));
+    api.apply(pod("shop", "web-2", "10.0.0.6", json!({"app": "web"})));
+    api.apply(network_policy("shop", "web"));
+    api.apply(anp("deny-all", 10));
+    let (source, _changes) = start(&api).await;
+    until("initial lists", || source.initialized()).await;
+    let g = source.generation();
+
+    // An outage: every watcher fails, then relists the same objects.
+    api.set_down(true);
+    until("every watcher failing", || {
+        source.health().iter().all(|(_, h)| h.failing_since.is_some())
+    })
+    .await;
+    let mark = api.requests().len();
+    api.set_down(false);
+    until("every kind relisted", || relisted(&api, mark, None)).await;
+    assert_eq!(source.generation(), g, "relists of unchanged objects are no change");
+    until("recovered", || source.stale_for().is_none()).await;
+
+    // 410 Gone: the watches end, the history is compacted; every kind relists (again and
+    // again, until a change lets a watch start after the compaction), unchanged.
+    let mark = api.requests().len();
+    api.compact();
+    api.close_watches();
+    until("every kind relisted after 410", || relisted(&api, mark, None)).await;
+    assert_eq!(source.generation(), g, "relists after 410 of unchanged objects are no change");
+
+    // A change lets the watches start again: the namespaces' relist brings it, once.
+    api.apply(ns("marker", json!({})));
+    let rv = api.get("v1", "Namespace", None, "marker").unwrap()["metadata"]["resourceVersion"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    until("every kind watching from the new resourceVersion", || relisted(&api, mark, Some(&rv)))
+        .await;
+    assert_eq!(source.inputs().namespaces.len(), 2);
+    assert_eq!(source.generation(), g + 1, "one relist brought a change");
+
+    // An outage during which a pod goes: its relist moves the generation once.
+    api.set_down(true);
+    until("every watcher failing", || {
+        source.health().iter().all(|(_, h)| h.failing_since.is_some())
+    })
+    .await;
+    api.delete("v1", "Pod", Some("shop"), "web-2");
+    let mark = api.requests().len();
+    api.set_down(false);
+    until("every kind relisted", || relisted(&api, mark, None)).await;
+    assert_eq!(pod_names(&source), ["web-1"]);
+    assert_eq!(source.generation(), g + 2, "one relist brought a change");
+
+    // An outage during which a policy's status is written (by the status writer of another
+    // agent): no change for the engine, but the store takes it (the status writer reads
+    // the conditions from it).
+    api.set_down(true);
+    until("every watcher failing", || {
+        source.health().iter().all(|(_, h)| h.failing_since.is_some())
+    })
+    .await;
+    let mut with_status = anp("deny-all", 10);
+    with_status["status"] = json!({"conditions": [{"type": "tierproxy.io/Accepted", "status": "True",
+        "reason": "Accepted", "message": "", "lastTransitionTime": "2026-11-24T00:00:00Z"}]});
+    api.apply(with_status);
+    let mark = api.requests().len();
+    api.set_down(false);
+    until("every kind relisted", || relisted(&api, mark, None)).await;
+    let conditions =
+        source.admin_network_policies()[0].status.as_ref().map_or(0, |s| s.conditions.len());
+    assert_eq!(conditions, 1, "the store has the status the relist brought");
+    assert_eq!(source.generation(), g + 2, "a status is no change for the engine");
 }
 
 /// Issue #19, item 12: with `TIERPROXY_LOG=info` (the shipped `deploy/agent.env`), an

@@ -35,10 +35,16 @@
 //! - **Initial lists.** [`ApiSource::initialized`] is true once every watcher has finished
 //!   its first list (kube-runtime's `InitDone`, or 404 for a CRD); the agent builds its
 //!   first snapshot only then.
-//! - **Changes.** Every applied or deleted object, and every relist, bumps
+//! - **Changes.** Every applied or deleted object the engine can see bumps
 //!   [`ApiSource::generation`] and, after [`SourceConfig::debounce`] of quiet (at most
 //!   [`SourceConfig::max_delay`] after the first change of a burst), calls the trigger the
-//!   agent gave: one rebuild covers a burst such as a Deployment rollout.
+//!   agent gave: one rebuild covers a burst such as a Deployment rollout. A relist bumps it
+//!   once if its content differs from the store's (compared as for a single object:
+//!   `resourceVersion`, and a policy's `status` and `generation`, do not count), and not at
+//!   all if it does not: then the store keeps its objects (and the snapshot in force
+//!   shares them), and seven relists after an API-server restart rebuild nothing. (A
+//!   relist in which policies differ in their status only replaces the store, which the
+//!   status writer reads, without a bump.)
 //! - **Errors.** A watch error (API server unreachable, 4xx/5xx) leaves the stores as
 //!   they were, so the snapshot in force stays the last good one; the watcher retries with
 //!   exponential backoff and relists. [`ApiSource::stale_for`] says for how long some
@@ -505,7 +511,7 @@ where
         + 'static,
 {
     let (store, writer) = reflector::store();
-    let sink = Reflect { writer, reader: store.clone(), kind };
+    let sink = Reflect { writer, reader: store.clone(), kind, relist: None };
     let page = config.page_size;
     let stream = move || watcher(api.clone(), watch_config(page)).modify(project);
     tokio::spawn(run_watch(stream, sink, kind, config.clone(), shared.clone()));
@@ -524,7 +530,9 @@ fn watch_config(page_size: Option<u32>) -> watcher::Config {
 
 /// Where a watcher's events go.
 trait Sink<K>: Send + 'static {
-    /// Applies `event`; for `Apply` and `Delete`, whether the engine can see the change.
+    /// Applies `event`. Returns, for `Apply` and `Delete`, whether the engine can see the
+    /// change; for `InitDone`, whether the list's content differs from the store's (then
+    /// the store takes the list; else it keeps its objects).
     fn apply(&mut self, event: &watcher::Event<K>) -> bool;
 }
 
@@ -533,6 +541,26 @@ struct Reflect<K: Resource<DynamicType = ()> + Clone + 'static> {
     writer: reflector::store::Writer<K>,
     reader: Store<K>,
     kind: WatchedKind,
+    /// The list under way (`Init` to `InitDone`), held here rather than in the writer, so
+    /// that a list equal to the store leaves the store (and the `Arc`s the snapshot in
+    /// force shares with it) as it was.
+    relist: Option<Relist<K>>,
+}
+
+/// A list under way and how it differs from the store so far.
+struct Relist<K> {
+    objects: Vec<K>,
+    /// Some object is new, or differs from the stored one for the engine.
+    changed: bool,
+    /// Some object differs from the stored one in anything but its resourceVersion (a
+    /// policy's status, which the status writer reads from the store, included).
+    differs: bool,
+}
+
+impl<K> Default for Relist<K> {
+    fn default() -> Self {
+        Relist { objects: Vec::new(), changed: false, differs: false }
+    }
 }
 
 impl<K> Sink<K> for Reflect<K>
@@ -540,16 +568,51 @@ where
     K: Resource<DynamicType = ()> + Clone + serde::Serialize + Send + Sync + 'static,
 {
     fn apply(&mut self, event: &watcher::Event<K>) -> bool {
-        // A change the engine cannot see (a policy's status) triggers no rebuild.
-        let seen = match event {
-            watcher::Event::Apply(new) => self
-                .reader
-                .get(&reflector::ObjectRef::from_obj(new))
-                .is_none_or(|old| !same(&*old, new, self.kind)),
-            _ => true,
-        };
-        self.writer.apply_watcher_event(event);
-        seen
+        match event {
+            watcher::Event::Init => {
+                self.relist = Some(Relist::default());
+                false
+            }
+            watcher::Event::InitApply(new) => {
+                let likeness = match self.reader.get(&reflector::ObjectRef::from_obj(new)) {
+                    Some(old) => likeness(&*old, new, self.kind),
+                    None => Likeness::Different,
+                };
+                let r = self.relist.get_or_insert_with(Relist::default);
+                r.changed |= likeness == Likeness::Different;
+                r.differs |= likeness != Likeness::Equal;
+                r.objects.push(new.clone());
+                false
+            }
+            watcher::Event::InitDone => {
+                let Relist { objects, changed, differs } = self.relist.take().unwrap_or_default();
+                // Every listed object is in the store; the same number means nothing was
+                // deleted either.
+                let deleted = objects.len() != self.reader.len();
+                if !differs && !deleted {
+                    return false;
+                }
+                self.writer.apply_watcher_event(&watcher::Event::Init);
+                for o in objects {
+                    self.writer.apply_watcher_event(&watcher::Event::InitApply(o));
+                }
+                self.writer.apply_watcher_event(&watcher::Event::InitDone);
+                changed || deleted
+            }
+            watcher::Event::Apply(new) => {
+                // A change the engine cannot see (a policy's status) triggers no rebuild.
+                let seen = self
+                    .reader
+                    .get(&reflector::ObjectRef::from_obj(new))
+                    .is_none_or(|old| !same(&*old, new, self.kind));
+                self.writer.apply_watcher_event(event);
+                seen
+            }
+            watcher::Event::Delete(_) => {
+                self.writer.apply_watcher_event(event);
+                true
+            }
+        }
     }
 }
 
@@ -567,10 +630,11 @@ impl ViewStore {
 }
 
 /// Fills a [`ViewStore`]; a relist is buffered and swapped in at its end, as the
-/// reflector does, so readers never see half a list.
+/// reflector does, so readers never see half a list, and only if it differs from the
+/// store (else the store keeps its views, which the snapshot in force shares).
 struct ViewSink {
     store: ViewStore,
-    relist: Option<ViewMap>,
+    relist: Option<(ViewMap, bool)>,
 }
 
 fn view_key(v: &PodView) -> (String, String) {
@@ -579,28 +643,37 @@ fn view_key(v: &PodView) -> (String, String) {
 
 impl Sink<Pod> for ViewSink {
     fn apply(&mut self, event: &watcher::Event<Pod>) -> bool {
-        let map = || self.store.0.write().unwrap_or_else(|e| e.into_inner());
+        let read = || self.store.0.read().unwrap_or_else(|e| e.into_inner());
+        let write = || self.store.0.write().unwrap_or_else(|e| e.into_inner());
         match event {
             watcher::Event::Init => {
-                self.relist = Some(ViewMap::new());
-                true
+                self.relist = Some((ViewMap::new(), false));
+                false
             }
             watcher::Event::InitApply(p) => {
                 let v = PodView::from_pod(p);
-                self.relist.get_or_insert_with(ViewMap::new).insert(view_key(&v), Arc::new(v));
-                true
+                let key = view_key(&v);
+                let changed = read().get(&key).is_none_or(|old| **old != v);
+                let (map, c) = self.relist.get_or_insert_with(|| (ViewMap::new(), false));
+                *c |= changed;
+                map.insert(key, Arc::new(v));
+                false
             }
             watcher::Event::InitDone => {
-                *map() = self.relist.take().unwrap_or_default();
+                let (map, changed) = self.relist.take().unwrap_or_default();
+                if !changed && map.len() == read().len() {
+                    return false;
+                }
+                *write() = map;
                 true
             }
             // A pod's readiness and everything else the view leaves out: no change.
             watcher::Event::Apply(p) => {
                 let v = PodView::from_pod(p);
-                let old = map().insert(view_key(&v), Arc::new(v.clone()));
+                let old = write().insert(view_key(&v), Arc::new(v.clone()));
                 old.is_none_or(|o| *o != v)
             }
-            watcher::Event::Delete(p) => map().remove(&view_key(&PodView::from_pod(p))).is_some(),
+            watcher::Event::Delete(p) => write().remove(&view_key(&PodView::from_pod(p))).is_some(),
         }
     }
 }
@@ -611,7 +684,8 @@ impl Sink<Pod> for ViewSink {
 /// fresh list: the end of that list (`InitDone`) is the proof that the store is current
 /// again, which a re-watch from the old resourceVersion could not give (an idle watch
 /// sends nothing). The store keeps its content until the new list is complete (swapped in
-/// at `InitDone`). 410 Gone is handled inside kube's watcher (a relist) and is no failure.
+/// at `InitDone`, and only if it differs). 410 Gone is handled inside kube's watcher (a
+/// relist) and is no failure.
 async fn run_watch<K, S>(
     stream: impl Fn() -> S,
     mut sink: impl Sink<K>,
@@ -636,9 +710,14 @@ async fn run_watch<K, S>(
                         watcher::Event::Init | watcher::Event::InitApply(_) => {}
                         watcher::Event::InitDone => {
                             backoff.reset();
-                            // Counted before `initialized` can turn true, so that the
-                            // first build sees this list's generation.
-                            shared.bump();
+                            // A first list, or one after the CRD was absent, changes the
+                            // inputs whatever the store held. Counted before `initialized`
+                            // can turn true, so that the first build sees this generation.
+                            let (first, was_absent) = shared
+                                .health(|h| (!h[kind.index()].initialized, h[kind.index()].absent));
+                            if seen || first || was_absent {
+                                shared.bump();
+                            }
                             recovered(&shared, kind);
                         }
                         watcher::Event::Apply(_) if !seen => {}
@@ -664,26 +743,51 @@ async fn run_watch<K, S>(
     }
 }
 
-/// Whether `old` and `new` (projected) are equal for the engine: equal but for
-/// `metadata.resourceVersion`, and, for the policy kinds, `status` (written by the status
-/// writer) and `metadata.generation`.
-fn same<K: serde::Serialize>(old: &K, new: &K, kind: WatchedKind) -> bool {
-    let strip = |o: &K| {
+/// How a new version of a stored object compares with the stored one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Likeness {
+    /// Equal but for `metadata.resourceVersion`.
+    Equal,
+    /// Equal for the engine: they differ in a policy's `status` (written by the status
+    /// writer, read by it from the store) or `metadata.generation` only.
+    SameForEngine,
+    /// The engine can see the difference.
+    Different,
+}
+
+/// How `new` compares with `old` (both projected).
+fn likeness<K: serde::Serialize>(old: &K, new: &K, kind: WatchedKind) -> Likeness {
+    let value = |o: &K| {
         let mut v = serde_json::to_value(o).unwrap_or(serde_json::Value::Null);
         if let Some(m) = v.get_mut("metadata").and_then(|m| m.as_object_mut()) {
             m.remove("resourceVersion");
-            if kind.optional() || kind == WatchedKind::NetworkPolicy {
-                m.remove("generation");
-            }
+        }
+        v
+    };
+    let (mut old, mut new) = (value(old), value(new));
+    if old == new {
+        return Likeness::Equal;
+    }
+    for v in [&mut old, &mut new] {
+        if let Some(m) = v.get_mut("metadata").and_then(|m| m.as_object_mut())
+            && (kind.optional() || kind == WatchedKind::NetworkPolicy)
+        {
+            m.remove("generation");
         }
         if kind.optional()
             && let Some(o) = v.as_object_mut()
         {
             o.remove("status");
         }
-        v
-    };
-    strip(old) == strip(new)
+    }
+    if old == new { Likeness::SameForEngine } else { Likeness::Different }
+}
+
+/// Whether `old` and `new` (projected) are equal for the engine: equal but for
+/// `metadata.resourceVersion`, and, for the policy kinds, `status` (written by the status
+/// writer) and `metadata.generation`.
+fn same<K: serde::Serialize>(old: &K, new: &K, kind: WatchedKind) -> bool {
+    likeness(old, new, kind) != Likeness::Different
 }
 
 /// Records that `kind` is not served (404: its CRD is not installed).
