@@ -435,7 +435,16 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
     // /healthz answers from here on, /readyz once the node enforces: a probe can tell a
     // live agent waiting for the API server's initial lists from a dead one.
     if let Some(addr) = opts.metrics_addr {
-        runtime.block_on(crate::metrics::serve(addr, metrics.clone(), ready.clone()))?;
+        // A stale agent stays ready: it enforces its last good snapshot, as it would
+        // after a restart; /readyz's text says which resources are stale.
+        let source = kube.as_ref().map(|k| k.source.clone());
+        let detail = move || source.as_ref().and_then(|s| s.staleness());
+        let addr = runtime.block_on(crate::metrics::serve(
+            addr,
+            metrics.clone(),
+            ready.clone(),
+            detail,
+        ))?;
         tracing::info!(%addr, "serving /metrics, /healthz, /readyz");
     }
     if let Some(k) = &kube {

@@ -284,7 +284,10 @@ pub fn parse_tcp_ext(text: &str) -> TcpExt {
     }
 }
 
-/// Serves `/metrics`, `/healthz` and `/readyz` on `addr` until the runtime stops.
+/// Serves `/metrics`, `/healthz` and `/readyz` on `addr` until the runtime stops; returns
+/// the bound address. `/readyz` answers 200 `ready` once `ready` is set, else 503 `not
+/// enforcing yet`; either way followed by `detail`'s line if it gives one (the agent's:
+/// which API-server resources are stale, [`crate::cluster::apiserver::ApiSource::staleness`]).
 ///
 /// # Errors
 /// The address cannot be bound.
@@ -292,7 +295,8 @@ pub async fn serve(
     addr: SocketAddr,
     metrics: Arc<Metrics>,
     ready: Arc<AtomicBool>,
-) -> anyhow::Result<()> {
+    detail: impl Fn() -> Option<String> + Clone + Send + Sync + 'static,
+) -> anyhow::Result<SocketAddr> {
     use axum::http::{StatusCode, header};
     let listener = tokio::net::TcpListener::bind(addr)
         .await
@@ -315,26 +319,64 @@ pub async fn serve(
             "/readyz",
             axum::routing::get(move || {
                 let ready = ready.load(Ordering::Relaxed);
+                let detail = detail();
                 async move {
-                    if ready {
-                        (StatusCode::OK, "ready\n")
+                    let (code, what) = if ready {
+                        (StatusCode::OK, "ready")
                     } else {
-                        (StatusCode::SERVICE_UNAVAILABLE, "not enforcing yet\n")
+                        (StatusCode::SERVICE_UNAVAILABLE, "not enforcing yet")
+                    };
+                    match detail {
+                        Some(d) => (code, format!("{what}\n{d}\n")),
+                        None => (code, format!("{what}\n")),
                     }
                 }
             }),
         );
+    let bound = listener.local_addr().with_context(|| format!("the address bound for {addr}"))?;
     tokio::spawn(async move {
         if let Err(e) = axum::serve(listener, app).await {
             tracing::error!(error = %e, "metrics server stopped");
         }
     });
-    Ok(())
+    Ok(bound)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `GET path` on `addr`: status code and body.
+    async fn get(addr: SocketAddr, path: &str) -> (u16, String) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let req = format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+        s.write_all(req.as_bytes()).await.unwrap();
+        let mut text = String::new();
+        s.read_to_string(&mut text).await.unwrap();
+        let code = text.split(' ').nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+        let body = text.split_once("\r\n\r\n").map_or("", |(_, b)| b).to_string();
+        (code, body)
+    }
+
+    #[tokio::test]
+    async fn readyz_says_what_is_stale_and_stays_ready() {
+        let ready = Arc::new(AtomicBool::new(false));
+        let stale = Arc::new(std::sync::Mutex::new(None::<String>));
+        let s = stale.clone();
+        let detail = move || s.lock().unwrap().clone();
+        let metrics = Arc::new(Metrics::new(Scraped(Box::new(Vec::new))));
+        let addr =
+            serve("127.0.0.1:0".parse().unwrap(), metrics, ready.clone(), detail).await.unwrap();
+        assert_eq!(get(addr, "/readyz").await, (503, "not enforcing yet\n".into()));
+        ready.store(true, Ordering::Relaxed);
+        assert_eq!(get(addr, "/readyz").await, (200, "ready\n".into()));
+        *stale.lock().unwrap() = Some("stale: pods for 42 s (list: HTTP 503)".into());
+        assert_eq!(
+            get(addr, "/readyz").await,
+            (200, "ready\nstale: pods for 42 s (list: HTTP 503)\n".into())
+        );
+    }
 
     #[test]
     fn tcp_ext_counters_are_read_by_name() {

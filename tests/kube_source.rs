@@ -1,10 +1,11 @@
 //! The API-server source ([`tierproxy::cluster::apiserver`]) and the status writer
 //! ([`tierproxy::cluster::status`]) against a scripted API server over real HTTP
 //! (`common::apiserver`): initial list, add/modify/delete, relist after a watch error and
-//! an outage (from the watch cache, moving the generation only when the content changed),
-//! the agents' User-Agent, a CRD installed later, and status conditions and Events from the elected
-//! writer; the same objects from the source and from manifest files decide alike; the
-//! agent's log during an outage. No privileges needed.
+//! an outage (from the watch cache, moving the generation only when the content changed,
+//! noticed within the prober's bound), the agents' User-Agent, a CRD installed later, and
+//! status conditions and Events from the elected writer; the same objects from the source
+//! and from manifest files decide alike; the agent's log during an outage. No privileges
+//! needed.
 mod common;
 
 use std::sync::Arc;
@@ -85,6 +86,7 @@ fn fast() -> SourceConfig {
         backoff_initial: Duration::from_millis(50),
         backoff_max: Duration::from_millis(200),
         page_size: None,
+        probe_interval: Duration::from_millis(50),
     }
 }
 
@@ -596,6 +598,48 @@ async fn a_relist_moves_the_generation_only_when_the_content_changed() {
         source.admin_network_policies()[0].status.as_ref().map_or(0, |s| s.conditions.len());
     assert_eq!(conditions, 1, "the store has the status the relist brought");
     assert_eq!(source.generation(), g + 2, "a status is no change for the engine");
+}
+
+/// Issue #19, item 10: after an outage longer than the backoff cap, the watchers notice the
+/// API server back within the prober's bound (1.5 probe intervals and round trips), not at
+/// their next backoff retry; while it lasts, `staleness` names the failing kinds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_api_server_back_after_a_long_outage_is_noticed_within_the_probe_bound() {
+    let api = FakeApi::start();
+    api.apply(ns("shop", json!({})));
+    let config = SourceConfig {
+        backoff_initial: Duration::from_secs(1),
+        backoff_max: Duration::from_secs(3),
+        probe_interval: Duration::from_millis(100),
+        ..fast()
+    };
+    let source = ApiSource::start(client(&api).await, config, || {});
+    until("initial lists", || source.initialized()).await;
+    assert!(source.staleness().is_none());
+
+    api.set_down(true);
+    let down = Instant::now();
+    let namespace_errors = || {
+        source.health().into_iter().find(|(k, _)| *k == WatchedKind::Namespace).unwrap().1.errors
+    };
+    // Longer than the cap, with the retries' step at the cap (three errors: 1 s, 2 s, 3 s).
+    until("the outage at the backoff cap", || {
+        namespace_errors() >= 3 && down.elapsed() > Duration::from_secs(3)
+    })
+    .await;
+    let stale = source.staleness().expect("stale during the outage");
+    assert!(stale.starts_with("stale: pods for "), "{stale}");
+    assert!(stale.contains("namespaces for ") && stale.contains("503"), "{stale}");
+
+    api.set_down(false);
+    let back = Instant::now();
+    api.apply(ns("created-after", json!({})));
+    until("the namespace created after the outage", || source.inputs().namespaces.len() == 2).await;
+    let took = back.elapsed();
+    // 1.5 probe intervals (150 ms) and the round trips, far below the 3 s cap; generous for
+    // a loaded machine.
+    assert!(took < Duration::from_millis(1000), "noticed {took:?} after the server was back");
+    until("no kind stale", || source.staleness().is_none()).await;
 }
 
 /// Issue #19, item 12: with `TIERPROXY_LOG=info` (the shipped `deploy/agent.env`), an

@@ -46,16 +46,31 @@
 //!   relist in which policies differ in their status only replaces the store, which the
 //!   status writer reads, without a bump.)
 //! - **Errors.** A watch error (API server unreachable, 4xx/5xx) leaves the stores as
-//!   they were, so the snapshot in force stays the last good one; the watcher retries with
-//!   exponential backoff and relists. [`ApiSource::stale_for`] says for how long some
-//!   watcher has been failing (a metric and a log line in the agent). 410 Gone (the
-//!   watch's resourceVersion was compacted away) is a routine relist, not a failure.
+//!   they were, so the snapshot in force stays the last good one; the watcher retries
+//!   and relists. [`ApiSource::stale_for`] and [`ApiSource::staleness`] say for how long
+//!   which watcher has been failing (a metric, `/readyz`'s text and a log line in the
+//!   agent). 410 Gone (the watch's resourceVersion was compacted away) is a routine
+//!   relist, not a failure.
+//! - **Retries.** Each retry waits a random time up to the current backoff step (800 ms
+//!   doubling to [`SourceConfig::backoff_max`], "full jitter"), so N agents whose watches
+//!   broke at the same moment relist spread over the step, not in step; a relist after
+//!   410 Gone waits a random time up to [`SourceConfig::backoff_initial`] for the same
+//!   reason. While a watcher fails because the API server does not answer (a connection
+//!   error, 502, 503 or 504), one prober per agent asks `GET /readyz` every
+//!   [`SourceConfig::probe_interval`] (randomly 0.5 to 1.5 times it, so the agents'
+//!   probes drift apart); the first answer (ready, or 401/403/404: the server serves but
+//!   will not say) resets the waiting watchers' backoff and they relist at once. So an
+//!   agent notices an API server that is back within 1.5 probe intervals plus a round
+//!   trip (1.5 s by default), whatever the outage's length, and N agents' relists (seven
+//!   each) arrive spread over about one probe interval, served from the watch cache; what
+//!   API Priority and Fairness turns away (429) is retried with the exponential backoff,
+//!   not the prober. Other errors (403, 500, 429) wait for the backoff alone.
 //!
 //! Sources: issue #6; kube-runtime `watcher` and `reflector` (kube 5); the Kubernetes API
 //! concepts "Efficient detection of changes" (list, then watch from the list's
 //! resourceVersion; 410 Gone means relist) and "Resource versions" (`resourceVersion=0`
-//! lists: "Any" semantics, served from the watch cache); client-go's reflector (lists
-//! from the watch cache).
+//! lists: "Any" semantics, served from the watch cache); client-go's reflector (lists at
+//! resourceVersion 0, jittered backoff).
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -81,8 +96,14 @@ pub const DEFAULT_MAX_DELAY: Duration = Duration::from_secs(1);
 /// Default first retry delay after a watch error (kube-runtime's default is 800 ms).
 pub const DEFAULT_BACKOFF_INITIAL: Duration = Duration::from_millis(800);
 /// Default longest retry delay after repeated watch errors (kube-runtime's default, 30 s).
-/// Also the longest time before a CRD installed later is noticed.
+/// Also the longest time before a CRD installed later is noticed. An API server that was
+/// unreachable is noticed sooner, by the prober ([`DEFAULT_PROBE_INTERVAL`]).
 pub const DEFAULT_BACKOFF_MAX: Duration = Duration::from_secs(30);
+/// Default time between two `GET /readyz` of an unreachable API server: 1 s, so an agent
+/// notices the server back within 1.5 s (each wait is 0.5 to 1.5 times this) while sending
+/// it one small request a second during an outage, and N agents' relists after it spread
+/// over about a second.
+pub const DEFAULT_PROBE_INTERVAL: Duration = Duration::from_secs(1);
 
 /// A client of the API server: `config` if given, else the in-cluster service account
 /// (`KUBERNETES_SERVICE_HOST` and the mounted token), else `KUBECONFIG` or
@@ -206,6 +227,10 @@ pub struct SourceConfig {
     /// of `n` objects (the API server's `limit`; kube-runtime's default is 500): less
     /// memory per list in the agent, more load on etcd when every node relists.
     pub page_size: Option<u32>,
+    /// Time between two `GET /readyz` while a watcher fails because the API server does
+    /// not answer ([`DEFAULT_PROBE_INTERVAL`]; each wait is randomly 0.5 to 1.5 times it):
+    /// the server is noticed back within 1.5 times this.
+    pub probe_interval: Duration,
 }
 
 impl Default for SourceConfig {
@@ -216,6 +241,7 @@ impl Default for SourceConfig {
             backoff_initial: DEFAULT_BACKOFF_INITIAL,
             backoff_max: DEFAULT_BACKOFF_MAX,
             page_size: None,
+            probe_interval: DEFAULT_PROBE_INTERVAL,
         }
     }
 }
@@ -245,6 +271,11 @@ struct Shared {
     initialized: AtomicBool,
     changed: tokio::sync::Notify,
     errors: AtomicU64,
+    /// Wakes the prober: some watcher waits for the API server to answer.
+    probe: tokio::sync::Notify,
+    /// Counts the prober's successes: a watcher waiting for the API server subscribes and
+    /// retries when it moves.
+    answered: tokio::sync::watch::Sender<u64>,
 }
 
 impl Shared {
@@ -306,9 +337,12 @@ impl ApiSource {
             initialized: AtomicBool::new(false),
             changed: tokio::sync::Notify::new(),
             errors: AtomicU64::new(0),
+            probe: tokio::sync::Notify::new(),
+            answered: tokio::sync::watch::Sender::new(0),
         });
         let c = &config;
         let s = &shared;
+        let client_for_probe = client.clone();
         let stores = Stores {
             pods: {
                 let store = ViewStore::default();
@@ -356,6 +390,7 @@ impl ApiSource {
                 s,
             ),
         };
+        tokio::spawn(probe(client_for_probe, shared.clone(), config.probe_interval));
         tokio::spawn(debounce(shared.clone(), config, on_change));
         ApiSource { stores, shared }
     }
@@ -387,6 +422,23 @@ impl ApiSource {
     /// it is `Some`, the stores (and the snapshot in force) may miss changes made since.
     pub fn stale_for(&self) -> Option<Duration> {
         self.shared.health(|h| h.iter().filter_map(|k| k.failing_since).min()).map(|t| t.elapsed())
+    }
+
+    /// The failing watchers, for `/readyz`'s text: `None` when all are healthy, else
+    /// `stale: pods for 42 s (list: HTTP 503 ServiceUnavailable: ...), nodes for 41 s
+    /// (...)`, in [`WatchedKind::ALL`] order. The snapshot in force may miss changes of
+    /// those kinds made since.
+    pub fn staleness(&self) -> Option<String> {
+        let failing: Vec<String> = self
+            .health()
+            .into_iter()
+            .filter_map(|(kind, h)| {
+                let since = h.failing_since?;
+                let error = h.last_error.as_deref().unwrap_or("no error recorded");
+                Some(format!("{kind} for {} s ({error})", since.elapsed().as_secs()))
+            })
+            .collect();
+        (!failing.is_empty()).then(|| format!("stale: {}", failing.join(", ")))
     }
 
     /// Watch errors seen since start, over all kinds.
@@ -445,9 +497,10 @@ impl ApiSource {
     }
 }
 
-/// Exponential backoff between watch retries: `initial`, doubling up to `max`, with up to
-/// 10% jitter (so a thousand agents do not relist in step after an API server restart);
-/// reset after a success.
+/// Exponential backoff between watch retries: steps of `initial`, doubling up to `max`;
+/// each delay is a random time up to the step ("full jitter"), so agents whose watches
+/// broke together (an API-server restart) retry spread over the step instead of in step;
+/// reset after a success or when the prober sees the API server answer again.
 struct RetryBackoff {
     initial: Duration,
     max: Duration,
@@ -458,20 +511,78 @@ impl Iterator for RetryBackoff {
     type Item = Duration;
 
     fn next(&mut self) -> Option<Duration> {
-        let d = self.next;
+        let step = self.next;
         self.next = (self.next * 2).min(self.max);
-        let mut b = [0u8; 2];
-        let jitter = match getrandom::fill(&mut b) {
-            Ok(()) => d.mul_f64(f64::from(u16::from_le_bytes(b)) / f64::from(u16::MAX) * 0.1),
-            Err(_) => Duration::ZERO,
-        };
-        Some(d + jitter)
+        Some(step.mul_f64(uniform()))
     }
 }
 
 impl Backoff for RetryBackoff {
     fn reset(&mut self) {
         self.next = self.initial;
+    }
+}
+
+/// A random number in (0, 1]; 1 if the system's random source fails (no jitter then,
+/// the plain backoff).
+fn uniform() -> f64 {
+    let mut b = [0u8; 4];
+    match getrandom::fill(&mut b) {
+        Ok(()) => (f64::from(u32::from_le_bytes(b)) + 1.0) / (f64::from(u32::MAX) + 1.0),
+        Err(_) => 1.0,
+    }
+}
+
+/// Whether `e` says the API server did not answer: no connection, a broken one, or 502,
+/// 503 or 504 (a load balancer or an API server that is not serving). Then the prober's
+/// first answer, not the backoff alone, decides when to retry.
+fn unreachable(e: &watcher::Error) -> bool {
+    let inner = match e {
+        watcher::Error::InitialListFailed(i)
+        | watcher::Error::WatchStartFailed(i)
+        | watcher::Error::WatchFailed(i) => i,
+        watcher::Error::WatchError(s) => return matches!(s.code, 502..=504),
+        watcher::Error::NoResourceVersion => return false,
+    };
+    match inner {
+        kube::Error::Api(s) => matches!(s.code, 502..=504),
+        kube::Error::HyperError(_) | kube::Error::Service(_) | kube::Error::ReadEvents(_) => true,
+        _ => false,
+    }
+}
+
+/// The prober: while some watcher waits for an unreachable API server (it wakes
+/// `shared.probe`), asks `GET /readyz` every `interval` (randomly 0.5 to 1.5 times it),
+/// and counts the first answer in `shared.answered`, which wakes the waiting watchers.
+/// `/readyz` is the API server's own readiness (200 once it serves); anyone may read it
+/// (the `system:public-info-viewer` role), it sends no objects, and 401, 403 or 404
+/// (an API server that does not let us ask) also count as an answer: the relist then
+/// tells.
+async fn probe(client: Client, shared: Arc<Shared>, interval: Duration) {
+    loop {
+        shared.probe.notified().await;
+        loop {
+            tokio::time::sleep(interval.mul_f64(0.5 + uniform())).await;
+            // A server that drops packets would hold the probe for the connect timeout.
+            let answer = tokio::time::timeout(interval, ready(&client)).await;
+            if answer.unwrap_or(false) {
+                tracing::debug!("the API server answers again");
+                shared.answered.send_modify(|n| *n += 1);
+                break;
+            }
+        }
+    }
+}
+
+/// Whether the API server answers `GET /readyz` with 2xx, 401, 403 or 404.
+async fn ready(client: &Client) -> bool {
+    let Ok(request) = http::Request::get("/readyz").body(kube::client::Body::from(Vec::new()))
+    else {
+        return false;
+    };
+    match client.send(request).await {
+        Ok(res) => res.status().is_success() || matches!(res.status().as_u16(), 401 | 403 | 404),
+        Err(_) => false,
     }
 }
 
@@ -685,7 +796,9 @@ impl Sink<Pod> for ViewSink {
 /// again, which a re-watch from the old resourceVersion could not give (an idle watch
 /// sends nothing). The store keeps its content until the new list is complete (swapped in
 /// at `InitDone`, and only if it differs). 410 Gone is handled inside kube's watcher (a
-/// relist) and is no failure.
+/// relist) and is no failure. When the error says the API server did not answer, the
+/// retry comes at the end of the backoff or as soon as the prober sees the server answer,
+/// whichever is first.
 async fn run_watch<K, S>(
     stream: impl Fn() -> S,
     mut sink: impl Sink<K>,
@@ -702,6 +815,7 @@ async fn run_watch<K, S>(
     };
     loop {
         let mut events = std::pin::pin!(stream());
+        let mut wait_for_server = false;
         while let Some(event) = events.next().await {
             match event {
                 Ok(ev) => {
@@ -726,8 +840,12 @@ async fn run_watch<K, S>(
                 }
                 Err(watcher::Error::WatchError(s)) if s.code == 410 => {
                     // The watch's resourceVersion is older than the API server's
-                    // history (etcd compaction): kube's watcher relists; no failure.
+                    // history (etcd compaction, or a restarted API server's new watch
+                    // cache): kube's watcher relists; no failure. The relist waits a
+                    // random time up to the first backoff step, so the agents that got
+                    // their 410 together do not all list at once.
                     tracing::debug!(kind = %kind, "resourceVersion expired (410 Gone); relisting");
+                    tokio::time::sleep(config.backoff_initial.mul_f64(uniform())).await;
                 }
                 Err(e) if kind.optional() && not_found(&e) => {
                     absent(&shared, kind);
@@ -735,11 +853,22 @@ async fn run_watch<K, S>(
                 }
                 Err(e) => {
                     failed(&shared, kind, &e);
+                    wait_for_server = unreachable(&e);
                     break;
                 }
             }
         }
-        tokio::time::sleep(backoff.next().unwrap_or(DEFAULT_BACKOFF_MAX)).await;
+        let delay = backoff.next().unwrap_or(DEFAULT_BACKOFF_MAX);
+        if wait_for_server {
+            let mut answered = shared.answered.subscribe();
+            shared.probe.notify_one();
+            tokio::select! {
+                () = tokio::time::sleep(delay) => {}
+                _ = answered.changed() => backoff.reset(),
+            }
+        } else {
+            tokio::time::sleep(delay).await;
+        }
     }
 }
 
@@ -1019,6 +1148,31 @@ mod tests {
     }
 
     #[test]
+    fn backoff_doubles_to_its_limit_with_full_jitter_and_resets() {
+        let mut b = RetryBackoff {
+            initial: Duration::from_millis(100),
+            max: Duration::from_millis(350),
+            next: Duration::from_millis(100),
+        };
+        let got: Vec<Duration> = (0..4).map(|_| b.next().unwrap()).collect();
+        // Each delay is a random time up to its step.
+        for (g, step) in got.iter().zip([100u64, 200, 350, 350]) {
+            assert!(*g > Duration::ZERO && *g <= Duration::from_millis(step), "{got:?}");
+        }
+        b.reset();
+        assert!(b.next().unwrap() <= Duration::from_millis(100));
+        // Spread over the whole step, not bunched at its end (as 10 % jitter was): of 200
+        // first delays, some fall in each quarter of the step.
+        let mut quarters = [0; 4];
+        for _ in 0..200 {
+            b.reset();
+            let d = b.next().unwrap().as_secs_f64() / 0.1;
+            quarters[((d * 4.0) as usize).min(3)] += 1;
+        }
+        assert!(quarters.iter().all(|&n| n > 0), "{quarters:?}");
+    }
+
+    #[test]
     fn the_user_agent_names_the_version_and_the_node() {
         let ua = user_agent("node-a.example");
         assert_eq!(
@@ -1030,18 +1184,18 @@ mod tests {
     }
 
     #[test]
-    fn backoff_doubles_to_its_limit_and_resets() {
-        let mut b = RetryBackoff {
-            initial: Duration::from_millis(100),
-            max: Duration::from_millis(350),
-            next: Duration::from_millis(100),
+    fn only_an_api_server_that_does_not_answer_waits_for_the_prober() {
+        let api = |code: u16| {
+            watcher::Error::InitialListFailed(kube::Error::Api(Box::new(
+                kube::core::Status::failure("x", "y").with_code(code),
+            )))
         };
-        let got: Vec<u128> = (0..4).map(|_| b.next().unwrap().as_millis()).collect();
-        // Each delay is its base plus at most 10% jitter.
-        for (g, base) in got.iter().zip([100u128, 200, 350, 350]) {
-            assert!((base..=base + base / 10).contains(g), "{got:?}");
-        }
-        b.reset();
-        assert!(b.next().unwrap() < Duration::from_millis(111));
+        assert!(unreachable(&api(503)));
+        assert!(unreachable(&api(504)));
+        assert!(!unreachable(&api(403)));
+        assert!(!unreachable(&api(429)));
+        assert!(!unreachable(&api(500)));
+        let cut = std::io::Error::new(std::io::ErrorKind::ConnectionReset, "reset");
+        assert!(unreachable(&watcher::Error::WatchFailed(kube::Error::ReadEvents(cut))));
     }
 }

@@ -13,7 +13,8 @@
 //! exist ([`FakeApi::uninstall`]: 404 as for a CRD not installed), failures
 //! ([`FakeApi::fail_next`]: 500s), watch ends ([`FakeApi::close_watches`]), history
 //! compaction ([`FakeApi::compact`]: 410 Gone), an outage ([`FakeApi::set_down`]: every
-//! request refused with 503). Every request is logged with its User-Agent ([`FakeApi::requests`],
+//! request refused with 503, `/readyz` too). `GET /readyz` answers 200 `ok` otherwise.
+//! Every request is logged with its User-Agent ([`FakeApi::requests`],
 //! [`FakeApi::user_agents`]).
 #![allow(dead_code)]
 
@@ -422,6 +423,9 @@ async fn handle(
     s.user_agents.push(agent);
     if s.down {
         return reply(503, &status(503, "ServiceUnavailable", "the server is down (scripted)"));
+    }
+    if path == "/readyz" {
+        return Response::builder().status(200).body(Body::from("ok")).unwrap();
     }
     let Some(Target { collection: coll, namespace: ns, name, subresource: sub }) = parse(&path)
     else {
