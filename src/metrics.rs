@@ -4,7 +4,8 @@
 //! event, no label lookup); values that already exist elsewhere (audit counters, live
 //! connections, kernel queue drops) are read at scrape time by a [`Scraped`] collector.
 //! [`serve`] answers `GET /metrics` (Prometheus text format), `/healthz` (the process
-//! serves) and `/readyz` (the node is enforcing).
+//! serves) and `/readyz` (the node is enforcing; its text names the stale API-server
+//! resources, if any).
 //!
 //! Sources: issue #4 "Delivery" (the metric list); Prometheus exposition format;
 //! `/proc/net/netfilter/nfnetlink_queue` columns (net/netfilter/nfnetlink_queue.c,
