@@ -14,6 +14,10 @@
 //! the file source alone reads 125,000 pods from one JSON file (about 40 MB): peak RSS and
 //! the agent's wall time (start to exit: load, compile, render).
 //!
+//! The API-server agent runs twice: with its default lists (`resourceVersion=0`, answered
+//! whole, as from the API server's watch cache) and with `--kube-list-page-size 500`
+//! (paged quorum reads), for the ratio of their peaks (issue #19, item 7).
+//!
 //! With `KUBE_MEMORY_BASELINE=/path/to/an/older/tierproxy`, every file measurement is also
 //! run with that binary in the same run, and the ratios new / baseline are printed (a file
 //! the baseline refuses is reported as refused).
@@ -189,6 +193,11 @@ fn measure(exe: &Path, baseline: Option<&Path>, shape: Shape, target: bool) {
         .args(["--kube", "--no-policy-status"])
         .env("KUBECONFIG", &kubeconfig));
     println!("agent, stores from the API server (--kube): {kube}");
+    let paged = run(agent(exe, &node)
+        .args(["--kube", "--no-policy-status", "--kube-list-page-size", "500"])
+        .env("KUBECONFIG", &kubeconfig));
+    println!("agent, the same in pages of 500 (--kube-list-page-size 500): {paged}");
+    println!("  ratio whole lists / pages (peak RSS): {}", ratio(kube.peak(), paged.peak()));
     for (what, file) in [("JSON", &json), ("YAML", &yaml)] {
         let ours = run(agent(exe, &node).arg("--manifests").arg(file));
         println!("agent, the same objects from a {what} file: {ours}");

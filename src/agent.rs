@@ -460,7 +460,9 @@ pub fn dry_run(opts: &AgentOptions) -> anyhow::Result<String> {
     let kube = opts
         .kube
         .as_ref()
-        .map(|k| KubeSide::start(&KubeOptions { status: None, ..k.clone() }, None, triggers))
+        .map(|k| {
+            KubeSide::start(&KubeOptions { status: None, ..k.clone() }, &opts.node, false, triggers)
+        })
         .transpose()?;
     if let Some(k) = &kube {
         k.wait_initialized();
@@ -521,7 +523,7 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
     let kube = opts
         .kube
         .as_ref()
-        .map(|k| KubeSide::start(k, Some(&opts.node), triggers.clone()))
+        .map(|k| KubeSide::start(k, &opts.node, true, triggers.clone()))
         .transpose()?;
     if let Some(ns) = &opts.netns {
         enter_netns(ns)?;
@@ -560,7 +562,17 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
         let slot = decider_slot.clone();
         let debug =
             crate::debug::router(move || slot.get().map(|d| d.current()), opts.debug_from_anywhere);
-        runtime.block_on(crate::metrics::serve(addr, metrics.clone(), ready.clone(), debug))?;
+        // A stale agent stays ready: it enforces its last good snapshot, as it would
+        // after a restart; /readyz's text says which resources are stale.
+        let source = kube.as_ref().map(|k| k.source.clone());
+        let detail = move || source.as_ref().and_then(|s| s.staleness());
+        let addr = runtime.block_on(crate::metrics::serve(
+            addr,
+            metrics.clone(),
+            ready.clone(),
+            detail,
+            debug,
+        ))?;
         tracing::info!(
             %addr,
             debug_from_anywhere = opts.debug_from_anywhere,
@@ -819,22 +831,25 @@ struct KubeSide {
 }
 
 impl KubeSide {
-    /// Connects (in-cluster configuration, else `KUBECONFIG` / `~/.kube/config`) and starts
-    /// the watchers; each debounced change sends `()` on `changes`. With `announce_as` (this
-    /// node's name), [`KubeSide::set_enforcing`] is written to that Node's annotation
-    /// ([`cluster::announce`]); a dry run passes `None` and writes nothing.
+    /// Connects (in-cluster configuration, else `KUBECONFIG` / `~/.kube/config`; requests
+    /// name `node` in their User-Agent) and starts the watchers; each debounced change
+    /// sends `()` on `changes`. With `announce` (this node's agent, not a dry run),
+    /// [`KubeSide::set_enforcing`] is written to the Node's annotation
+    /// ([`cluster::announce`]); a dry run writes nothing.
     ///
     /// # Errors
     /// No usable client configuration, or the thread cannot start. An API server that
     /// does not answer is not an error here: the watchers retry.
     fn start(
         opts: &KubeOptions,
-        announce_as: Option<&str>,
+        node: &str,
+        announce: bool,
         changes: std::sync::mpsc::Sender<()>,
     ) -> anyhow::Result<KubeSide> {
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
         let (enforcing, enforcing_rx) = tokio::sync::watch::channel(false);
-        let announce_as = announce_as.map(str::to_owned);
+        let node = node.to_owned();
+        let announce_as = announce.then(|| node.clone());
         let (reports, reports_rx) =
             tokio::sync::watch::channel(Arc::new(cluster::status::Report::default()));
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
@@ -852,7 +867,7 @@ impl KubeSide {
                     }
                 };
                 rt.block_on(async move {
-                    let client = match cluster::apiserver::client(None).await {
+                    let client = match cluster::apiserver::client(None, &node).await {
                         Ok(c) => c,
                         Err(e) => {
                             // kube's message already holds its causes; a chain would

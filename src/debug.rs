@@ -376,6 +376,7 @@ spec:
                 "127.0.0.1:0".parse().unwrap(),
                 metrics,
                 Arc::new(AtomicBool::new(true)),
+                || None,
                 routes,
             ))
             .unwrap();

@@ -152,7 +152,8 @@ pub fn read_api_server(
         .map_err(|e| failed(format!("starting the async runtime: {e}")))?;
     rt.block_on(async {
         // kube's message already holds its causes.
-        let client = apiserver::client(None).await.map_err(|e| {
+        // Its requests say they come from explain, not from a node's agent.
+        let client = apiserver::client(None, "explain").await.map_err(|e| {
             failed(format!(
                 "configuring the client (in-cluster service account, else KUBECONFIG or \
                  ~/.kube/config): {e}"

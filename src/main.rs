@@ -183,6 +183,12 @@ struct AgentArgs {
     /// time before a CRD installed later is noticed.
     #[arg(long, default_value_t = tierproxy::cluster::apiserver::DEFAULT_BACKOFF_MAX.as_millis() as u64)]
     kube_retry_max_ms: u64,
+    /// Without it, lists of the API server come whole from its watch cache
+    /// (resourceVersion=0). With it, they are quorum reads from etcd in pages of this many
+    /// objects: less memory per list in the agent, more load on etcd when every node
+    /// relists.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    kube_list_page_size: Option<u32>,
     /// Create this (empty) file once the node is enforcing; removed on exit.
     #[arg(long)]
     ready_file: Option<PathBuf>,
@@ -329,6 +335,25 @@ fn parse_capabilities(names: &[String]) -> Result<Option<Vec<caps::Capability>>,
     names.iter().map(one).collect::<Result<Vec<_>, _>>().map(Some)
 }
 
+/// Where kube's client logs every failed request at ERROR (its tower `TraceLayer`), one
+/// line per request and retry while the API server is down; the watchers report each
+/// failure themselves, with the resource and the backoff, at most every 30 s.
+const KUBE_REQUEST_ERRORS: &str = "kube_client::client::builder";
+
+/// The agent's log filter (`tracing_subscriber::EnvFilter` syntax): `TIERPROXY_LOG`, else
+/// `info`, with [`KUBE_REQUEST_ERRORS`] off unless the filter names that target or one
+/// that contains it (a directive's target matches the targets it begins, so `kube=debug`
+/// names it too).
+fn log_filter(from_env: Option<&str>) -> String {
+    let filter = from_env.map(str::trim).filter(|f| !f.is_empty()).unwrap_or("info");
+    // A bare level (`info`) is no target's prefix.
+    let names_it = filter.split(',').any(|directive| {
+        let target = directive.split(['[', '=']).next().unwrap_or("").trim();
+        !target.is_empty() && KUBE_REQUEST_ERRORS.starts_with(target)
+    });
+    if names_it { filter.to_string() } else { format!("{filter},{KUBE_REQUEST_ERRORS}=off") }
+}
+
 fn run_agent(a: AgentArgs) -> ExitCode {
     use std::time::Duration;
     let writer = match &a.log {
@@ -341,18 +366,12 @@ fn run_agent(a: AgentArgs) -> ExitCode {
         },
         None => tracing_subscriber::fmt::writer::BoxMakeWriter::new(std::io::stderr),
     };
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("TIERPROXY_LOG")
-                // kube's client logs every failed request at ERROR; the watchers report
-                // each failure themselves, with the resource and the backoff.
-                .unwrap_or_else(|_| {
-                    tracing_subscriber::EnvFilter::new("info,kube_client::client::builder=off")
-                }),
-        )
-        .with_writer(writer)
-        .with_ansi(false)
-        .init();
+    let filter = log_filter(std::env::var("TIERPROXY_LOG").ok().as_deref());
+    let filter = tracing_subscriber::EnvFilter::try_new(&filter).unwrap_or_else(|e| {
+        eprintln!("warning: TIERPROXY_LOG {filter:?}: {e}; logging at info");
+        tracing_subscriber::EnvFilter::new(log_filter(None))
+    });
+    tracing_subscriber::fmt().with_env_filter(filter).with_writer(writer).with_ansi(false).init();
     let audit = match a.audit.config(&a.node) {
         Ok(c) => c,
         Err(e) => {
@@ -399,6 +418,7 @@ fn run_agent(a: AgentArgs) -> ExitCode {
             source: apiserver::SourceConfig {
                 backoff_max: max,
                 backoff_initial: apiserver::DEFAULT_BACKOFF_INITIAL.min(max),
+                page_size: a.kube_list_page_size,
                 ..apiserver::SourceConfig::default()
             },
             status: (!a.no_policy_status).then(|| status::StatusOptions {
@@ -604,4 +624,26 @@ fn main() -> ExitCode {
     };
     let _ = out.flush();
     ExitCode::from(code)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kube_request_errors_stay_off_unless_the_filter_names_them() {
+        let off = ",kube_client::client::builder=off";
+        assert_eq!(log_filter(None), format!("info{off}"));
+        assert_eq!(log_filter(Some(" ")), format!("info{off}"));
+        assert_eq!(log_filter(Some("info")), format!("info{off}"));
+        assert_eq!(
+            log_filter(Some("debug,tierproxy::proxy=trace")),
+            format!("debug,tierproxy::proxy=trace{off}")
+        );
+        for named in ["kube_client=debug", "info,kube=trace", "kube_client::client::builder=error"]
+        {
+            assert_eq!(log_filter(Some(named)), named);
+        }
+        assert_eq!(log_filter(Some("kube_runtime=debug")), format!("kube_runtime=debug{off}"));
+    }
 }

@@ -4,8 +4,9 @@
 //! event, no label lookup); values that already exist elsewhere (audit counters, live
 //! connections, kernel queue drops) are read at scrape time by a [`Scraped`] collector.
 //! [`serve`] answers `GET /metrics` (Prometheus text format), `/healthz` (the process
-//! serves) and `/readyz` (the node is enforcing), and the routes the agent adds: the debug
-//! endpoints of [`crate::debug`].
+//! serves) and `/readyz` (the node is enforcing; its text names the stale API-server
+//! resources, if any), and the routes the agent adds: the debug endpoints of
+//! [`crate::debug`].
 //!
 //! Sources: issue #4 "Delivery" (the metric list); Prometheus exposition format;
 //! `/proc/net/netfilter/nfnetlink_queue` columns (net/netfilter/nfnetlink_queue.c,
@@ -287,8 +288,11 @@ pub fn parse_tcp_ext(text: &str) -> TcpExt {
 
 /// Serves `/metrics`, `/healthz`, `/readyz` and the routes of `more` (the agent's debug
 /// endpoints, [`crate::debug::router`]) on `addr` until the runtime stops; returns the
-/// address bound (port 0 in `addr` takes a free one). Handlers can read the peer's address
-/// (`ConnectInfo<SocketAddr>`).
+/// address bound (port 0 in `addr` takes a free one). `/readyz` answers 200 `ready` once
+/// `ready` is set, else 503 `not enforcing yet`; either way followed by `detail`'s line if
+/// it gives one (the agent's: which API-server resources are stale,
+/// [`crate::cluster::apiserver::ApiSource::staleness`]). Handlers can read the peer's
+/// address (`ConnectInfo<SocketAddr>`).
 ///
 /// # Errors
 /// The address cannot be bound.
@@ -296,6 +300,7 @@ pub async fn serve(
     addr: SocketAddr,
     metrics: Arc<Metrics>,
     ready: Arc<AtomicBool>,
+    detail: impl Fn() -> Option<String> + Clone + Send + Sync + 'static,
     more: axum::Router,
 ) -> anyhow::Result<SocketAddr> {
     use axum::http::{StatusCode, header};
@@ -321,11 +326,16 @@ pub async fn serve(
             "/readyz",
             axum::routing::get(move || {
                 let ready = ready.load(Ordering::Relaxed);
+                let detail = detail();
                 async move {
-                    if ready {
-                        (StatusCode::OK, "ready\n")
+                    let (code, what) = if ready {
+                        (StatusCode::OK, "ready")
                     } else {
-                        (StatusCode::SERVICE_UNAVAILABLE, "not enforcing yet\n")
+                        (StatusCode::SERVICE_UNAVAILABLE, "not enforcing yet")
+                    };
+                    match detail {
+                        Some(d) => (code, format!("{what}\n{d}\n")),
+                        None => (code, format!("{what}\n")),
                     }
                 }
             }),
@@ -343,6 +353,45 @@ pub async fn serve(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `GET path` on `addr`: status code and body.
+    async fn get(addr: SocketAddr, path: &str) -> (u16, String) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let req = format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+        s.write_all(req.as_bytes()).await.unwrap();
+        let mut text = String::new();
+        s.read_to_string(&mut text).await.unwrap();
+        let code = text.split(' ').nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+        let body = text.split_once("\r\n\r\n").map_or("", |(_, b)| b).to_string();
+        (code, body)
+    }
+
+    #[tokio::test]
+    async fn readyz_says_what_is_stale_and_stays_ready() {
+        let ready = Arc::new(AtomicBool::new(false));
+        let stale = Arc::new(std::sync::Mutex::new(None::<String>));
+        let s = stale.clone();
+        let detail = move || s.lock().unwrap().clone();
+        let metrics = Arc::new(Metrics::new(Scraped(Box::new(Vec::new))));
+        let addr = serve(
+            "127.0.0.1:0".parse().unwrap(),
+            metrics,
+            ready.clone(),
+            detail,
+            axum::Router::new(),
+        )
+        .await
+        .unwrap();
+        assert_eq!(get(addr, "/readyz").await, (503, "not enforcing yet\n".into()));
+        ready.store(true, Ordering::Relaxed);
+        assert_eq!(get(addr, "/readyz").await, (200, "ready\n".into()));
+        *stale.lock().unwrap() = Some("stale: pods for 42 s (list: HTTP 503)".into());
+        assert_eq!(
+            get(addr, "/readyz").await,
+            (200, "ready\nstale: pods for 42 s (list: HTTP 503)\n".into())
+        );
+    }
 
     #[test]
     fn tcp_ext_counters_are_read_by_name() {

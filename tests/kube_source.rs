@@ -1,10 +1,13 @@
 //! The API-server source ([`tierproxy::cluster::apiserver`]) and the status writer
 //! ([`tierproxy::cluster::status`]) against a scripted API server over real HTTP
 //! (`common::apiserver`): initial list, add/modify/delete, relist after a watch error and
-//! an outage, a CRD installed later, and status conditions and Events from the elected
-//! writer; the election's hand-overs (failed renewals, a revoked permission, a release on
-//! stop) and a dry run that writes nothing; the same objects from the source and from
-//! manifest files decide alike. No privileges needed.
+//! an outage (from the watch cache, moving the generation only when the content changed,
+//! noticed within the prober's bound), the agents' User-Agent, a CRD installed later, and
+//! status conditions and Events from the elected writer; the election's hand-overs
+//! (failed renewals, a revoked permission, a release on stop) and a dry run that writes
+//! nothing; agents started before and after a bad update enforce the same; the same
+//! objects from the source and from manifest files decide alike; the agent's log during an
+//! outage. No privileges needed.
 mod common;
 
 use std::sync::Arc;
@@ -39,10 +42,44 @@ fn anp(name: &str, priority: i64) -> Value {
                     "ingress": [{"action": "Deny", "from": [{"namespaces": {}}]}]}})
 }
 
+/// The node the tests' clients name in their User-Agent.
+const NODE: &str = "node-a";
+
 /// A client of `api`.
 async fn client(api: &FakeApi) -> kube::Client {
     let config = kube::Config::new(format!("http://{}", api.addr).parse().unwrap());
-    tierproxy::cluster::apiserver::client(Some(config)).await.unwrap()
+    tierproxy::cluster::apiserver::client(Some(config), NODE).await.unwrap()
+}
+
+/// The collection paths of the seven watched kinds.
+const COLLECTIONS: [&str; 7] = [
+    "/api/v1/pods",
+    "/api/v1/namespaces",
+    "/api/v1/nodes",
+    "/apis/networking.k8s.io/v1/networkpolicies",
+    "/apis/policy.networking.k8s.io/v1alpha1/adminnetworkpolicies",
+    "/apis/policy.networking.k8s.io/v1alpha1/baselineadminnetworkpolicies",
+    "/apis/policy.networking.k8s.io/v1alpha2/clusternetworkpolicies",
+];
+
+/// Whether every kind, in the requests from `mark` on, has listed and then started a watch
+/// (from `from`, if given): the watch comes after the watcher has handled the list's end.
+fn relisted(api: &FakeApi, mark: usize, from: Option<&str>) -> bool {
+    let requests = api.requests();
+    let requests = &requests[mark.min(requests.len())..];
+    COLLECTIONS.iter().all(|c| {
+        let prefix = format!("GET {c}?");
+        let Some(list) =
+            requests.iter().position(|r| r.starts_with(&prefix) && !r.contains("watch=true"))
+        else {
+            return false;
+        };
+        requests[list..].iter().any(|r| {
+            r.starts_with(&prefix)
+                && r.contains("watch=true")
+                && from.is_none_or(|rv| r.contains(&format!("resourceVersion={rv}&")))
+        })
+    })
 }
 
 fn fast() -> SourceConfig {
@@ -51,7 +88,8 @@ fn fast() -> SourceConfig {
         max_delay: Duration::from_millis(200),
         backoff_initial: Duration::from_millis(50),
         backoff_max: Duration::from_millis(200),
-        page_size: 500,
+        page_size: None,
+        probe_interval: Duration::from_millis(50),
     }
 }
 
@@ -547,7 +585,8 @@ struct Writer {
 
 impl Writer {
     async fn start(api: &FakeApi, source: &ApiSource, user: &str, lease_seconds: u64) -> Writer {
-        let client = tierproxy::cluster::apiserver::client(Some(as_user(api, user))).await.unwrap();
+        let client =
+            tierproxy::cluster::apiserver::client(Some(as_user(api, user)), user).await.unwrap();
         let (reports, rx) = tokio::sync::watch::channel(Arc::new(Report::default()));
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let options = StatusOptions {
@@ -1051,4 +1090,243 @@ fn explain_kube_answers_as_explain_on_a_manifest_of_the_same_objects() {
     assert_eq!(none.status.code(), Some(2));
     let said = String::from_utf8_lossy(&none.stderr);
     assert!(said.contains("error: reading the API server: configuring the client"), "{said}");
+}
+
+fn node(name: &str) -> Value {
+    json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": name},
+           "status": {"addresses": [{"type": "InternalIP", "address": "192.168.0.10"}],
+                      "conditions": [{"type": "Ready", "status": "True"}]}})
+}
+
+fn network_policy(ns: &str, name: &str) -> Value {
+    json!({"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+           "metadata": {"name": name, "namespace": ns},
+           "spec": {"podSelector": {"matchLabels": {"app": "web"}}, "policyTypes": ["Ingress"]}})
+}
+
+/// Issue #19, items 7 and 11: every list, the first and each relist after an error, asks
+/// for the watch cache's state (`resourceVersion=0`), not a quorum read from etcd; every
+/// request names the agent and its node.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lists_come_from_the_watch_cache_and_requests_name_the_agent() {
+    let api = FakeApi::start();
+    api.apply(ns("shop", json!({})));
+    // More than a page of pods: the watch cache answers them whole.
+    for i in 0..600 {
+        api.apply(pod("shop", &format!("web-{i}"), "10.0.0.5", json!({})));
+    }
+    let (source, _changes) = start(&api).await;
+    until("initial lists", || source.initialized()).await;
+    assert_eq!(source.inputs().pod_views.len(), 600);
+    let pod_lists = || {
+        api.requests()
+            .iter()
+            .filter(|r| r.starts_with("GET /api/v1/pods?") && !r.contains("watch=true"))
+            .count()
+    };
+    assert_eq!(pod_lists(), 1, "600 pods in one list, not pages of 500");
+    api.set_down(true);
+    until("every watcher failing", || {
+        source.health().iter().all(|(_, h)| h.failing_since.is_some())
+    })
+    .await;
+    let mark = api.requests().len();
+    api.set_down(false);
+    until("every kind relisted", || relisted(&api, mark, None)).await;
+
+    let lists: Vec<String> = api
+        .requests()
+        .into_iter()
+        .filter(|r| r.starts_with("GET /api") && !r.contains("watch=true"))
+        .collect();
+    assert!(lists.len() >= 14, "{lists:?}");
+    for l in &lists {
+        assert!(
+            l.contains("resourceVersion=0&") && l.contains("resourceVersionMatch=NotOlderThan"),
+            "a list from the watch cache: {l}"
+        );
+    }
+
+    // Paged quorum reads where asked for: `limit` and no resourceVersion.
+    let mark = api.requests().len();
+    let paged = ApiSource::start(
+        client(&api).await,
+        SourceConfig { page_size: Some(200), ..fast() },
+        || {},
+    );
+    until("initial paged lists", || paged.initialized()).await;
+    assert_eq!(paged.inputs().pod_views.len(), 600);
+    let pages: Vec<String> = api.requests()[mark..]
+        .iter()
+        .filter(|r| r.starts_with("GET /api/v1/pods?") && !r.contains("watch=true"))
+        .cloned()
+        .collect();
+    assert_eq!(pages.len(), 3, "{pages:?}");
+    assert!(pages.iter().all(|p| p.contains("limit=200") && !p.contains("resourceVersion")));
+
+    let want = format!("tierproxy/{} ({NODE})", env!("CARGO_PKG_VERSION"));
+    let agents = api.user_agents();
+    assert_eq!(agents.len(), api.requests().len());
+    assert!(agents.iter().all(|a| *a == want), "{want:?} on every request: {agents:?}");
+}
+
+/// Issue #19, item 8: a relist whose objects equal the store's (after an outage, after 410
+/// Gone) moves no generation, so the agent rebuilds nothing; one that brings a change moves
+/// it once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relist_moves_the_generation_only_when_the_content_changed() {
+    let api = FakeApi::start();
+    api.apply(ns("shop", json!({"env": "prod"})));
+    api.apply(node("node-a"));
+    api.apply(pod("shop", "web-1", "10.0.0.5", json!({"app": "web"})));
+    api.apply(pod("shop", "web-2", "10.0.0.6", json!({"app": "web"})));
+    api.apply(network_policy("shop", "web"));
+    api.apply(anp("deny-all", 10));
+    let (source, _changes) = start(&api).await;
+    until("initial lists", || source.initialized()).await;
+    let g = source.generation();
+
+    // An outage: every watcher fails, then relists the same objects.
+    api.set_down(true);
+    until("every watcher failing", || {
+        source.health().iter().all(|(_, h)| h.failing_since.is_some())
+    })
+    .await;
+    let mark = api.requests().len();
+    api.set_down(false);
+    until("every kind relisted", || relisted(&api, mark, None)).await;
+    assert_eq!(source.generation(), g, "relists of unchanged objects are no change");
+    until("recovered", || source.stale_for().is_none()).await;
+
+    // 410 Gone: the watches end, the history is compacted; every kind relists (again and
+    // again, until a change lets a watch start after the compaction), unchanged.
+    let mark = api.requests().len();
+    api.compact();
+    api.close_watches();
+    until("every kind relisted after 410", || relisted(&api, mark, None)).await;
+    assert_eq!(source.generation(), g, "relists after 410 of unchanged objects are no change");
+
+    // A change lets the watches start again: the namespaces' relist brings it, once.
+    api.apply(ns("marker", json!({})));
+    let rv = api.get("v1", "Namespace", None, "marker").unwrap()["metadata"]["resourceVersion"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    until("every kind watching from the new resourceVersion", || relisted(&api, mark, Some(&rv)))
+        .await;
+    assert_eq!(source.inputs().namespaces.len(), 2);
+    assert_eq!(source.generation(), g + 1, "one relist brought a change");
+
+    // An outage during which a pod goes: its relist moves the generation once.
+    api.set_down(true);
+    until("every watcher failing", || {
+        source.health().iter().all(|(_, h)| h.failing_since.is_some())
+    })
+    .await;
+    api.delete("v1", "Pod", Some("shop"), "web-2");
+    let mark = api.requests().len();
+    api.set_down(false);
+    until("every kind relisted", || relisted(&api, mark, None)).await;
+    assert_eq!(pod_names(&source), ["web-1"]);
+    assert_eq!(source.generation(), g + 2, "one relist brought a change");
+
+    // An outage during which a policy's status is written (by the status writer of another
+    // agent): no change for the engine, but the store takes it (the status writer reads
+    // the conditions from it).
+    api.set_down(true);
+    until("every watcher failing", || {
+        source.health().iter().all(|(_, h)| h.failing_since.is_some())
+    })
+    .await;
+    let mut with_status = anp("deny-all", 10);
+    with_status["status"] = json!({"conditions": [{"type": "tierproxy.io/Accepted", "status": "True",
+        "reason": "Accepted", "message": "", "lastTransitionTime": "2026-11-24T00:00:00Z"}]});
+    api.apply(with_status);
+    let mark = api.requests().len();
+    api.set_down(false);
+    until("every kind relisted", || relisted(&api, mark, None)).await;
+    let conditions =
+        source.admin_network_policies()[0].status.as_ref().map_or(0, |s| s.conditions.len());
+    assert_eq!(conditions, 1, "the store has the status the relist brought");
+    assert_eq!(source.generation(), g + 2, "a status is no change for the engine");
+}
+
+/// Issue #19, item 10: after an outage longer than the backoff cap, the watchers notice the
+/// API server back within the prober's bound (1.5 probe intervals and round trips), not at
+/// their next backoff retry; while it lasts, `staleness` names the failing kinds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_api_server_back_after_a_long_outage_is_noticed_within_the_probe_bound() {
+    let api = FakeApi::start();
+    api.apply(ns("shop", json!({})));
+    let config = SourceConfig {
+        backoff_initial: Duration::from_secs(1),
+        backoff_max: Duration::from_secs(3),
+        probe_interval: Duration::from_millis(100),
+        ..fast()
+    };
+    let source = ApiSource::start(client(&api).await, config, || {});
+    until("initial lists", || source.initialized()).await;
+    assert!(source.staleness().is_none());
+
+    api.set_down(true);
+    let down = Instant::now();
+    let namespace_errors = || {
+        source.health().into_iter().find(|(k, _)| *k == WatchedKind::Namespace).unwrap().1.errors
+    };
+    // Longer than the cap, with the retries' step at the cap (three errors: 1 s, 2 s, 3 s).
+    until("the outage at the backoff cap", || {
+        namespace_errors() >= 3 && down.elapsed() > Duration::from_secs(3)
+    })
+    .await;
+    let stale = source.staleness().expect("stale during the outage");
+    assert!(stale.starts_with("stale: pods for "), "{stale}");
+    assert!(stale.contains("namespaces for ") && stale.contains("503"), "{stale}");
+
+    api.set_down(false);
+    let back = Instant::now();
+    api.apply(ns("created-after", json!({})));
+    until("the namespace created after the outage", || source.inputs().namespaces.len() == 2).await;
+    let took = back.elapsed();
+    // 1.5 probe intervals (150 ms) and the round trips, far below the 3 s cap; generous for
+    // a loaded machine.
+    assert!(took < Duration::from_millis(1000), "noticed {took:?} after the server was back");
+    until("no kind stale", || source.staleness().is_none()).await;
+}
+
+/// Issue #19, item 12: with `TIERPROXY_LOG=info` (the shipped `deploy/agent.env`), an
+/// agent whose API server is down logs its own WARN per resource, not kube's client's
+/// ERROR line per failed request.
+#[test]
+fn an_outage_logs_no_kube_client_error_per_request() {
+    let api = FakeApi::start();
+    api.set_down(true);
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("agent.log");
+    let mut agent = common::bin()
+        .args(["agent", "--kube", "--node", "n1", "--dry-run", "--kube-retry-max-ms", "100"])
+        .arg("--log")
+        .arg(&log)
+        .env("KUBECONFIG", api.kubeconfig(dir.path()))
+        .env("TIERPROXY_LOG", "info")
+        .env_remove("KUBERNETES_SERVICE_HOST")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("tierproxy runs");
+    let text = || std::fs::read_to_string(&log).unwrap_or_default();
+    let start = Instant::now();
+    // Every kind has said it failed, and many requests have failed since.
+    while !(text().matches("watch failed").count() >= 7 && api.requests().len() >= 50) {
+        if start.elapsed() > Duration::from_secs(20) || agent.try_wait().unwrap().is_some() {
+            let _ = agent.kill();
+            panic!("no WARN per kind and 50 failed requests in 20 s: {}", text());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    agent.kill().unwrap();
+    agent.wait().unwrap();
+    let text = text();
+    let errors: Vec<&str> =
+        text.lines().filter(|l| l.contains("ERROR") && l.contains("kube_client")).collect();
+    assert!(errors.is_empty(), "{} kube_client ERROR lines: {errors:?}", errors.len());
 }

@@ -5,6 +5,23 @@
 //!   (`networking.k8s.io/v1`), AdminNetworkPolicies and BaselineAdminNetworkPolicies
 //!   (`policy.networking.k8s.io/v1alpha1`) and ClusterNetworkPolicies
 //!   (`policy.networking.k8s.io/v1alpha2`), cluster-wide: a pod anywhere may be a peer.
+//! - **Lists come from the API server's watch cache.** Every list (the first, and each
+//!   relist) asks for `resourceVersion=0` with `resourceVersionMatch=NotOlderThan`
+//!   (kube-runtime's `ListSemantic::Any`; client-go's informers list from the cache too),
+//!   not for a quorum read from etcd: a thousand nodes relisting seven kinds after an
+//!   API-server restart cost the API server copies from memory, not etcd reads. The
+//!   price: such a list may be a little older than the newest write (the watch that
+//!   follows catches up), and it comes whole, in one response: the watch cache ignores
+//!   `limit` (kubernetes/kubernetes#96182, #118394), and kube leaves `resourceVersion=0`
+//!   out of a list that has a `limit` (kube-rs/kube#1743), so these lists have none. The
+//!   agent then receives and decodes a whole collection at once: for a few seconds after
+//!   a (re)list, the pods' response and its decoded `Pod`s (before they are cut to views)
+//!   are the agent's largest allocation, where pages of 500 held a page at a time. Where
+//!   that is too much (a very large cluster, a small memory limit),
+//!   [`SourceConfig::page_size`] (`--kube-list-page-size`) switches back to paged quorum
+//!   reads from etcd. After each relist the source gives the freed heap back to the
+//!   kernel (`malloc_trim`), as the agent does after a build: a relist that changes
+//!   nothing builds nothing, and its transient memory would otherwise stay resident.
 //! - **CRDs that are not installed.** The three policy kinds are custom resources. A list
 //!   that the API server answers with 404 means the CRD (or that API version) is not
 //!   installed: the kind counts as listed and empty ([`KindHealth::absent`]), and the
@@ -20,19 +37,42 @@
 //! - **Initial lists.** [`ApiSource::initialized`] is true once every watcher has finished
 //!   its first list (kube-runtime's `InitDone`, or 404 for a CRD); the agent builds its
 //!   first snapshot only then.
-//! - **Changes.** Every applied or deleted object, and every relist, bumps
+//! - **Changes.** Every applied or deleted object the engine can see bumps
 //!   [`ApiSource::generation`] and, after [`SourceConfig::debounce`] of quiet (at most
 //!   [`SourceConfig::max_delay`] after the first change of a burst), calls the trigger the
-//!   agent gave: one rebuild covers a burst such as a Deployment rollout.
+//!   agent gave: one rebuild covers a burst such as a Deployment rollout. A relist bumps it
+//!   once if its content differs from the store's (compared as for a single object:
+//!   `resourceVersion`, and a policy's `status` and `generation`, do not count), and not at
+//!   all if it does not: then the store keeps its objects (and the snapshot in force
+//!   shares them), and seven relists after an API-server restart rebuild nothing. (A
+//!   relist in which policies differ in their status only replaces the store, which the
+//!   status writer reads, without a bump.)
 //! - **Errors.** A watch error (API server unreachable, 4xx/5xx) leaves the stores as
-//!   they were, so the snapshot in force stays the last good one; the watcher retries with
-//!   exponential backoff and relists. [`ApiSource::stale_for`] says for how long some
-//!   watcher has been failing (a metric and a log line in the agent). 410 Gone (the
-//!   watch's resourceVersion was compacted away) is a routine relist, not a failure.
+//!   they were, so the snapshot in force stays the last good one; the watcher retries
+//!   and relists. [`ApiSource::stale_for`] and [`ApiSource::staleness`] say for how long
+//!   which watcher has been failing (a metric, `/readyz`'s text and a log line in the
+//!   agent). 410 Gone (the watch's resourceVersion was compacted away) is a routine
+//!   relist, not a failure.
+//! - **Retries.** Each retry waits a random time up to the current backoff step (800 ms
+//!   doubling to [`SourceConfig::backoff_max`], "full jitter"), so N agents whose watches
+//!   broke at the same moment relist spread over the step, not in step; a relist after
+//!   410 Gone waits a random time up to [`SourceConfig::backoff_initial`] for the same
+//!   reason. While a watcher fails because the API server does not answer (a connection
+//!   error, 502, 503 or 504), one prober per agent asks `GET /readyz` every
+//!   [`SourceConfig::probe_interval`] (randomly 0.5 to 1.5 times it, so the agents'
+//!   probes drift apart); the first answer (ready, or 401/403/404: the server serves but
+//!   will not say) resets the waiting watchers' backoff and they relist at once. So an
+//!   agent notices an API server that is back within 1.5 probe intervals plus a round
+//!   trip (1.5 s by default), whatever the outage's length, and N agents' relists (seven
+//!   each) arrive spread over about one probe interval, served from the watch cache; what
+//!   API Priority and Fairness turns away (429) is retried with the exponential backoff,
+//!   not the prober. Other errors (403, 500, 429) wait for the backoff alone.
 //!
 //! Sources: issue #6; kube-runtime `watcher` and `reflector` (kube 5); the Kubernetes API
 //! concepts "Efficient detection of changes" (list, then watch from the list's
-//! resourceVersion; 410 Gone means relist).
+//! resourceVersion; 410 Gone means relist) and "Resource versions" (`resourceVersion=0`
+//! lists: "Any" semantics, served from the watch cache); client-go's reflector (lists at
+//! resourceVersion 0, jittered backoff).
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -58,19 +98,28 @@ pub const DEFAULT_MAX_DELAY: Duration = Duration::from_secs(1);
 /// Default first retry delay after a watch error (kube-runtime's default is 800 ms).
 pub const DEFAULT_BACKOFF_INITIAL: Duration = Duration::from_millis(800);
 /// Default longest retry delay after repeated watch errors (kube-runtime's default, 30 s).
-/// Also the longest time before a CRD installed later is noticed.
+/// Also the longest time before a CRD installed later is noticed. An API server that was
+/// unreachable is noticed sooner, by the prober ([`DEFAULT_PROBE_INTERVAL`]).
 pub const DEFAULT_BACKOFF_MAX: Duration = Duration::from_secs(30);
+/// Default time between two `GET /readyz` of an unreachable API server: 1 s, so an agent
+/// notices the server back within 1.5 s (each wait is 0.5 to 1.5 times this) while sending
+/// it one small request a second during an outage, and N agents' relists after it spread
+/// over about a second.
+pub const DEFAULT_PROBE_INTERVAL: Duration = Duration::from_secs(1);
 
 /// A client of the API server: `config` if given, else the in-cluster service account
 /// (`KUBERNETES_SERVICE_HOST` and the mounted token), else `KUBECONFIG` or
 /// `~/.kube/config` (kube's `Config::infer`), with kube's built-in retry of 429/503/504
-/// off (the watchers back off themselves, and an outage must show as staleness). TLS uses rustls with the `ring`
-/// provider, installed here as the process default if none is.
+/// off (the watchers back off themselves, and an outage must show as staleness). Every
+/// request carries `User-Agent: tierproxy/VERSION (NODE)` ([`user_agent`]), so the API
+/// server's audit log and API Priority and Fairness can tell the agents and their nodes
+/// apart. TLS uses rustls with the `ring` provider, installed here as the process default
+/// if none is.
 ///
 /// # Errors
 /// No usable configuration (not in a cluster and no kubeconfig), or a configuration the
 /// client cannot use (bad certificates, an unsupported auth plugin).
-pub async fn client(config: Option<kube::Config>) -> Result<Client, kube::Error> {
+pub async fn client(config: Option<kube::Config>, node: &str) -> Result<Client, kube::Error> {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let mut config = match config {
         Some(c) => c,
@@ -79,7 +128,24 @@ pub async fn client(config: Option<kube::Config>) -> Result<Client, kube::Error>
     // kube's own retry of 429/503/504 (15 tries, minutes in all) would hide an outage from
     // the watchers: they retry with their own backoff and report staleness instead.
     config.default_retry = false;
+    // kube sends no User-Agent of its own; `headers` are added to every request.
+    config.headers.retain(|(name, _)| *name != http::header::USER_AGENT);
+    config.headers.push((http::header::USER_AGENT, user_agent(node)));
     Client::try_from(config)
+}
+
+/// `tierproxy/VERSION (NODE)`, the agents' User-Agent (RFC 9110 §10.1.5: product/version,
+/// then a comment). A node name is a DNS subdomain (RFC 1123) and fits a header as it is;
+/// characters that do not (from a `--node` that is no node name) become `_`.
+pub fn user_agent(node: &str) -> http::HeaderValue {
+    let node: String = node
+        .chars()
+        .map(|c| if c.is_ascii_graphic() && c != '(' && c != ')' { c } else { '_' })
+        .collect();
+    let text = format!("tierproxy/{} ({node})", env!("CARGO_PKG_VERSION"));
+    // Only visible ASCII is left: always a valid header value.
+    http::HeaderValue::from_str(&text)
+        .unwrap_or_else(|_| http::HeaderValue::from_static("tierproxy"))
 }
 
 /// One of the watched kinds.
@@ -158,8 +224,15 @@ pub struct SourceConfig {
     pub backoff_initial: Duration,
     /// Longest retry delay ([`DEFAULT_BACKOFF_MAX`]).
     pub backoff_max: Duration,
-    /// Objects per page of a list (the API server's `limit`); kube-runtime's default 500.
-    pub page_size: u32,
+    /// `None` (the default): lists ask for the API server's watch cache
+    /// (`resourceVersion=0`), whole. `Some(n)`: lists are quorum reads from etcd in pages
+    /// of `n` objects (the API server's `limit`; kube-runtime's default is 500): less
+    /// memory per list in the agent, more load on etcd when every node relists.
+    pub page_size: Option<u32>,
+    /// Time between two `GET /readyz` while a watcher fails because the API server does
+    /// not answer ([`DEFAULT_PROBE_INTERVAL`]; each wait is randomly 0.5 to 1.5 times it):
+    /// the server is noticed back within 1.5 times this.
+    pub probe_interval: Duration,
 }
 
 impl Default for SourceConfig {
@@ -169,7 +242,8 @@ impl Default for SourceConfig {
             max_delay: DEFAULT_MAX_DELAY,
             backoff_initial: DEFAULT_BACKOFF_INITIAL,
             backoff_max: DEFAULT_BACKOFF_MAX,
-            page_size: 500,
+            page_size: None,
+            probe_interval: DEFAULT_PROBE_INTERVAL,
         }
     }
 }
@@ -199,6 +273,11 @@ struct Shared {
     initialized: AtomicBool,
     changed: tokio::sync::Notify,
     errors: AtomicU64,
+    /// Wakes the prober: some watcher waits for the API server to answer.
+    probe: tokio::sync::Notify,
+    /// Counts the prober's successes: a watcher waiting for the API server subscribes and
+    /// retries when it moves.
+    answered: tokio::sync::watch::Sender<u64>,
 }
 
 impl Shared {
@@ -260,9 +339,12 @@ impl ApiSource {
             initialized: AtomicBool::new(false),
             changed: tokio::sync::Notify::new(),
             errors: AtomicU64::new(0),
+            probe: tokio::sync::Notify::new(),
+            answered: tokio::sync::watch::Sender::new(0),
         });
         let c = &config;
         let s = &shared;
+        let client_for_probe = client.clone();
         let stores = Stores {
             pods: {
                 let store = ViewStore::default();
@@ -310,6 +392,7 @@ impl ApiSource {
                 s,
             ),
         };
+        tokio::spawn(probe(client_for_probe, shared.clone(), config.probe_interval));
         tokio::spawn(debounce(shared.clone(), config, on_change));
         ApiSource { stores, shared }
     }
@@ -341,6 +424,23 @@ impl ApiSource {
     /// it is `Some`, the stores (and the snapshot in force) may miss changes made since.
     pub fn stale_for(&self) -> Option<Duration> {
         self.shared.health(|h| h.iter().filter_map(|k| k.failing_since).min()).map(|t| t.elapsed())
+    }
+
+    /// The failing watchers, for `/readyz`'s text: `None` when all are healthy, else
+    /// `stale: pods for 42 s (list: HTTP 503 ServiceUnavailable: ...), nodes for 41 s
+    /// (...)`, in [`WatchedKind::ALL`] order. The snapshot in force may miss changes of
+    /// those kinds made since.
+    pub fn staleness(&self) -> Option<String> {
+        let failing: Vec<String> = self
+            .health()
+            .into_iter()
+            .filter_map(|(kind, h)| {
+                let since = h.failing_since?;
+                let error = h.last_error.as_deref().unwrap_or("no error recorded");
+                Some(format!("{kind} for {} s ({error})", since.elapsed().as_secs()))
+            })
+            .collect();
+        (!failing.is_empty()).then(|| format!("stale: {}", failing.join(", ")))
     }
 
     /// Watch errors seen since start, over all kinds.
@@ -399,9 +499,10 @@ impl ApiSource {
     }
 }
 
-/// Exponential backoff between watch retries: `initial`, doubling up to `max`, with up to
-/// 10% jitter (so a thousand agents do not relist in step after an API server restart);
-/// reset after a success.
+/// Exponential backoff between watch retries: steps of `initial`, doubling up to `max`;
+/// each delay is a random time up to the step ("full jitter"), so agents whose watches
+/// broke together (an API-server restart) retry spread over the step instead of in step;
+/// reset after a success or when the prober sees the API server answer again.
 struct RetryBackoff {
     initial: Duration,
     max: Duration,
@@ -412,20 +513,78 @@ impl Iterator for RetryBackoff {
     type Item = Duration;
 
     fn next(&mut self) -> Option<Duration> {
-        let d = self.next;
+        let step = self.next;
         self.next = (self.next * 2).min(self.max);
-        let mut b = [0u8; 2];
-        let jitter = match getrandom::fill(&mut b) {
-            Ok(()) => d.mul_f64(f64::from(u16::from_le_bytes(b)) / f64::from(u16::MAX) * 0.1),
-            Err(_) => Duration::ZERO,
-        };
-        Some(d + jitter)
+        Some(step.mul_f64(uniform()))
     }
 }
 
 impl Backoff for RetryBackoff {
     fn reset(&mut self) {
         self.next = self.initial;
+    }
+}
+
+/// A random number in (0, 1]; 1 if the system's random source fails (no jitter then,
+/// the plain backoff).
+fn uniform() -> f64 {
+    let mut b = [0u8; 4];
+    match getrandom::fill(&mut b) {
+        Ok(()) => (f64::from(u32::from_le_bytes(b)) + 1.0) / (f64::from(u32::MAX) + 1.0),
+        Err(_) => 1.0,
+    }
+}
+
+/// Whether `e` says the API server did not answer: no connection, a broken one, or 502,
+/// 503 or 504 (a load balancer or an API server that is not serving). Then the prober's
+/// first answer, not the backoff alone, decides when to retry.
+fn unreachable(e: &watcher::Error) -> bool {
+    let inner = match e {
+        watcher::Error::InitialListFailed(i)
+        | watcher::Error::WatchStartFailed(i)
+        | watcher::Error::WatchFailed(i) => i,
+        watcher::Error::WatchError(s) => return matches!(s.code, 502..=504),
+        watcher::Error::NoResourceVersion => return false,
+    };
+    match inner {
+        kube::Error::Api(s) => matches!(s.code, 502..=504),
+        kube::Error::HyperError(_) | kube::Error::Service(_) | kube::Error::ReadEvents(_) => true,
+        _ => false,
+    }
+}
+
+/// The prober: while some watcher waits for an unreachable API server (it wakes
+/// `shared.probe`), asks `GET /readyz` every `interval` (randomly 0.5 to 1.5 times it),
+/// and counts the first answer in `shared.answered`, which wakes the waiting watchers.
+/// `/readyz` is the API server's own readiness (200 once it serves); anyone may read it
+/// (the `system:public-info-viewer` role), it sends no objects, and 401, 403 or 404
+/// (an API server that does not let us ask) also count as an answer: the relist then
+/// tells.
+async fn probe(client: Client, shared: Arc<Shared>, interval: Duration) {
+    loop {
+        shared.probe.notified().await;
+        loop {
+            tokio::time::sleep(interval.mul_f64(0.5 + uniform())).await;
+            // A server that drops packets would hold the probe for the connect timeout.
+            let answer = tokio::time::timeout(interval, ready(&client)).await;
+            if answer.unwrap_or(false) {
+                tracing::debug!("the API server answers again");
+                shared.answered.send_modify(|n| *n += 1);
+                break;
+            }
+        }
+    }
+}
+
+/// Whether the API server answers `GET /readyz` with 2xx, 401, 403 or 404.
+async fn ready(client: &Client) -> bool {
+    let Ok(request) = http::Request::get("/readyz").body(kube::client::Body::from(Vec::new()))
+    else {
+        return false;
+    };
+    match client.send(request).await {
+        Ok(res) => res.status().is_success() || matches!(res.status().as_u16(), 401 | 403 | 404),
+        Err(_) => false,
     }
 }
 
@@ -465,21 +624,28 @@ where
         + 'static,
 {
     let (store, writer) = reflector::store();
-    let sink = Reflect { writer, reader: store.clone(), kind };
+    let sink = Reflect { writer, reader: store.clone(), kind, relist: None };
     let page = config.page_size;
     let stream = move || watcher(api.clone(), watch_config(page)).modify(project);
     tokio::spawn(run_watch(stream, sink, kind, config.clone(), shared.clone()));
     store
 }
 
-/// kube-runtime's watcher configuration: lists in pages of `page_size` objects.
-fn watch_config(page_size: u32) -> watcher::Config {
-    watcher::Config::default().page_size(page_size)
+/// kube-runtime's watcher configuration: without `page_size`, lists from the watch cache
+/// (`ListSemantic::Any`, `resourceVersion=0`, and no `limit`, which would make kube leave
+/// `resourceVersion=0` out); with it, quorum reads in pages of that many objects.
+fn watch_config(page_size: Option<u32>) -> watcher::Config {
+    match page_size {
+        None => watcher::Config { page_size: None, ..watcher::Config::default() }.any_semantic(),
+        Some(n) => watcher::Config::default().page_size(n),
+    }
 }
 
 /// Where a watcher's events go.
 trait Sink<K>: Send + 'static {
-    /// Applies `event`; for `Apply` and `Delete`, whether the engine can see the change.
+    /// Applies `event`. Returns, for `Apply` and `Delete`, whether the engine can see the
+    /// change; for `InitDone`, whether the list's content differs from the store's (then
+    /// the store takes the list; else it keeps its objects).
     fn apply(&mut self, event: &watcher::Event<K>) -> bool;
 }
 
@@ -488,6 +654,26 @@ struct Reflect<K: Resource<DynamicType = ()> + Clone + 'static> {
     writer: reflector::store::Writer<K>,
     reader: Store<K>,
     kind: WatchedKind,
+    /// The list under way (`Init` to `InitDone`), held here rather than in the writer, so
+    /// that a list equal to the store leaves the store (and the `Arc`s the snapshot in
+    /// force shares with it) as it was.
+    relist: Option<Relist<K>>,
+}
+
+/// A list under way and how it differs from the store so far.
+struct Relist<K> {
+    objects: Vec<K>,
+    /// Some object is new, or differs from the stored one for the engine.
+    changed: bool,
+    /// Some object differs from the stored one in anything but its resourceVersion (a
+    /// policy's status, which the status writer reads from the store, included).
+    differs: bool,
+}
+
+impl<K> Default for Relist<K> {
+    fn default() -> Self {
+        Relist { objects: Vec::new(), changed: false, differs: false }
+    }
 }
 
 impl<K> Sink<K> for Reflect<K>
@@ -495,16 +681,51 @@ where
     K: Resource<DynamicType = ()> + Clone + serde::Serialize + Send + Sync + 'static,
 {
     fn apply(&mut self, event: &watcher::Event<K>) -> bool {
-        // A change the engine cannot see (a policy's status) triggers no rebuild.
-        let seen = match event {
-            watcher::Event::Apply(new) => self
-                .reader
-                .get(&reflector::ObjectRef::from_obj(new))
-                .is_none_or(|old| !same(&*old, new, self.kind)),
-            _ => true,
-        };
-        self.writer.apply_watcher_event(event);
-        seen
+        match event {
+            watcher::Event::Init => {
+                self.relist = Some(Relist::default());
+                false
+            }
+            watcher::Event::InitApply(new) => {
+                let likeness = match self.reader.get(&reflector::ObjectRef::from_obj(new)) {
+                    Some(old) => likeness(&*old, new, self.kind),
+                    None => Likeness::Different,
+                };
+                let r = self.relist.get_or_insert_with(Relist::default);
+                r.changed |= likeness == Likeness::Different;
+                r.differs |= likeness != Likeness::Equal;
+                r.objects.push(new.clone());
+                false
+            }
+            watcher::Event::InitDone => {
+                let Relist { objects, changed, differs } = self.relist.take().unwrap_or_default();
+                // Every listed object is in the store; the same number means nothing was
+                // deleted either.
+                let deleted = objects.len() != self.reader.len();
+                if !differs && !deleted {
+                    return false;
+                }
+                self.writer.apply_watcher_event(&watcher::Event::Init);
+                for o in objects {
+                    self.writer.apply_watcher_event(&watcher::Event::InitApply(o));
+                }
+                self.writer.apply_watcher_event(&watcher::Event::InitDone);
+                changed || deleted
+            }
+            watcher::Event::Apply(new) => {
+                // A change the engine cannot see (a policy's status) triggers no rebuild.
+                let seen = self
+                    .reader
+                    .get(&reflector::ObjectRef::from_obj(new))
+                    .is_none_or(|old| !same(&*old, new, self.kind));
+                self.writer.apply_watcher_event(event);
+                seen
+            }
+            watcher::Event::Delete(_) => {
+                self.writer.apply_watcher_event(event);
+                true
+            }
+        }
     }
 }
 
@@ -522,10 +743,11 @@ impl ViewStore {
 }
 
 /// Fills a [`ViewStore`]; a relist is buffered and swapped in at its end, as the
-/// reflector does, so readers never see half a list.
+/// reflector does, so readers never see half a list, and only if it differs from the
+/// store (else the store keeps its views, which the snapshot in force shares).
 struct ViewSink {
     store: ViewStore,
-    relist: Option<ViewMap>,
+    relist: Option<(ViewMap, bool)>,
 }
 
 fn view_key(v: &PodView) -> (String, String) {
@@ -534,28 +756,37 @@ fn view_key(v: &PodView) -> (String, String) {
 
 impl Sink<Pod> for ViewSink {
     fn apply(&mut self, event: &watcher::Event<Pod>) -> bool {
-        let map = || self.store.0.write().unwrap_or_else(|e| e.into_inner());
+        let read = || self.store.0.read().unwrap_or_else(|e| e.into_inner());
+        let write = || self.store.0.write().unwrap_or_else(|e| e.into_inner());
         match event {
             watcher::Event::Init => {
-                self.relist = Some(ViewMap::new());
-                true
+                self.relist = Some((ViewMap::new(), false));
+                false
             }
             watcher::Event::InitApply(p) => {
                 let v = PodView::from_pod(p);
-                self.relist.get_or_insert_with(ViewMap::new).insert(view_key(&v), Arc::new(v));
-                true
+                let key = view_key(&v);
+                let changed = read().get(&key).is_none_or(|old| **old != v);
+                let (map, c) = self.relist.get_or_insert_with(|| (ViewMap::new(), false));
+                *c |= changed;
+                map.insert(key, Arc::new(v));
+                false
             }
             watcher::Event::InitDone => {
-                *map() = self.relist.take().unwrap_or_default();
+                let (map, changed) = self.relist.take().unwrap_or_default();
+                if !changed && map.len() == read().len() {
+                    return false;
+                }
+                *write() = map;
                 true
             }
             // A pod's readiness and everything else the view leaves out: no change.
             watcher::Event::Apply(p) => {
                 let v = PodView::from_pod(p);
-                let old = map().insert(view_key(&v), Arc::new(v.clone()));
+                let old = write().insert(view_key(&v), Arc::new(v.clone()));
                 old.is_none_or(|o| *o != v)
             }
-            watcher::Event::Delete(p) => map().remove(&view_key(&PodView::from_pod(p))).is_some(),
+            watcher::Event::Delete(p) => write().remove(&view_key(&PodView::from_pod(p))).is_some(),
         }
     }
 }
@@ -566,7 +797,10 @@ impl Sink<Pod> for ViewSink {
 /// fresh list: the end of that list (`InitDone`) is the proof that the store is current
 /// again, which a re-watch from the old resourceVersion could not give (an idle watch
 /// sends nothing). The store keeps its content until the new list is complete (swapped in
-/// at `InitDone`). 410 Gone is handled inside kube's watcher (a relist) and is no failure.
+/// at `InitDone`, and only if it differs). 410 Gone is handled inside kube's watcher (a
+/// relist) and is no failure. When the error says the API server did not answer, the
+/// retry comes at the end of the backoff or as soon as the prober sees the server answer,
+/// whichever is first.
 async fn run_watch<K, S>(
     stream: impl Fn() -> S,
     mut sink: impl Sink<K>,
@@ -583,6 +817,7 @@ async fn run_watch<K, S>(
     };
     loop {
         let mut events = std::pin::pin!(stream());
+        let mut wait_for_server = false;
         while let Some(event) = events.next().await {
             match event {
                 Ok(ev) => {
@@ -591,10 +826,18 @@ async fn run_watch<K, S>(
                         watcher::Event::Init | watcher::Event::InitApply(_) => {}
                         watcher::Event::InitDone => {
                             backoff.reset();
-                            // Counted before `initialized` can turn true, so that the
-                            // first build sees this list's generation.
-                            shared.bump();
+                            // A first list, or one after the CRD was absent, changes the
+                            // inputs whatever the store held. Counted before `initialized`
+                            // can turn true, so that the first build sees this generation.
+                            let (first, was_absent) = shared
+                                .health(|h| (!h[kind.index()].initialized, h[kind.index()].absent));
+                            if seen || first || was_absent {
+                                shared.bump();
+                            }
                             recovered(&shared, kind);
+                            if !first {
+                                trim_heap();
+                            }
                         }
                         watcher::Event::Apply(_) if !seen => {}
                         watcher::Event::Apply(_) | watcher::Event::Delete(_) => shared.bump(),
@@ -602,8 +845,12 @@ async fn run_watch<K, S>(
                 }
                 Err(watcher::Error::WatchError(s)) if s.code == 410 => {
                     // The watch's resourceVersion is older than the API server's
-                    // history (etcd compaction): kube's watcher relists; no failure.
+                    // history (etcd compaction, or a restarted API server's new watch
+                    // cache): kube's watcher relists; no failure. The relist waits a
+                    // random time up to the first backoff step, so the agents that got
+                    // their 410 together do not all list at once.
                     tracing::debug!(kind = %kind, "resourceVersion expired (410 Gone); relisting");
+                    tokio::time::sleep(config.backoff_initial.mul_f64(uniform())).await;
                 }
                 Err(e) if kind.optional() && not_found(&e) => {
                     absent(&shared, kind);
@@ -611,34 +858,83 @@ async fn run_watch<K, S>(
                 }
                 Err(e) => {
                     failed(&shared, kind, &e);
+                    wait_for_server = unreachable(&e);
                     break;
                 }
             }
         }
-        tokio::time::sleep(backoff.next().unwrap_or(DEFAULT_BACKOFF_MAX)).await;
+        let delay = backoff.next().unwrap_or(DEFAULT_BACKOFF_MAX);
+        if wait_for_server {
+            let mut answered = shared.answered.subscribe();
+            shared.probe.notify_one();
+            tokio::select! {
+                () = tokio::time::sleep(delay) => {}
+                _ = answered.changed() => backoff.reset(),
+            }
+        } else {
+            tokio::time::sleep(delay).await;
+        }
     }
 }
 
-/// Whether `old` and `new` (projected) are equal for the engine: equal but for
-/// `metadata.resourceVersion`, and, for the policy kinds, `status` (written by the status
-/// writer) and `metadata.generation`.
-fn same<K: serde::Serialize>(old: &K, new: &K, kind: WatchedKind) -> bool {
-    let strip = |o: &K| {
+/// How a new version of a stored object compares with the stored one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Likeness {
+    /// Equal but for `metadata.resourceVersion`.
+    Equal,
+    /// Equal for the engine: they differ in a policy's `status` (written by the status
+    /// writer, read by it from the store) or `metadata.generation` only.
+    SameForEngine,
+    /// The engine can see the difference.
+    Different,
+}
+
+/// How `new` compares with `old` (both projected).
+fn likeness<K: serde::Serialize>(old: &K, new: &K, kind: WatchedKind) -> Likeness {
+    let value = |o: &K| {
         let mut v = serde_json::to_value(o).unwrap_or(serde_json::Value::Null);
         if let Some(m) = v.get_mut("metadata").and_then(|m| m.as_object_mut()) {
             m.remove("resourceVersion");
-            if kind.optional() || kind == WatchedKind::NetworkPolicy {
-                m.remove("generation");
-            }
+        }
+        v
+    };
+    let (mut old, mut new) = (value(old), value(new));
+    if old == new {
+        return Likeness::Equal;
+    }
+    for v in [&mut old, &mut new] {
+        if let Some(m) = v.get_mut("metadata").and_then(|m| m.as_object_mut())
+            && (kind.optional() || kind == WatchedKind::NetworkPolicy)
+        {
+            m.remove("generation");
         }
         if kind.optional()
             && let Some(o) = v.as_object_mut()
         {
             o.remove("status");
         }
-        v
-    };
-    strip(old) == strip(new)
+    }
+    if old == new { Likeness::SameForEngine } else { Likeness::Different }
+}
+
+/// Whether `old` and `new` (projected) are equal for the engine: equal but for
+/// `metadata.resourceVersion`, and, for the policy kinds, `status` (written by the status
+/// writer) and `metadata.generation`.
+fn same<K: serde::Serialize>(old: &K, new: &K, kind: WatchedKind) -> bool {
+    likeness(old, new, kind) != Likeness::Different
+}
+
+/// Gives the heap's free memory back to the kernel (glibc's `malloc_trim`) after a relist:
+/// its response and decoded objects (a whole collection, from the watch cache) are
+/// transient, and a relist that changes nothing triggers no build, after which the agent
+/// trims; without this, each relist of a large collection left its size resident. (The
+/// agent trims after the first lists itself.) A no-op on other C libraries.
+fn trim_heap() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only walks glibc's own heap; it takes no pointer of ours.
+    unsafe {
+        nix::libc::malloc_trim(0);
+    }
 }
 
 /// Records that `kind` is not served (404: its CRD is not installed).
@@ -870,18 +1166,54 @@ mod tests {
     }
 
     #[test]
-    fn backoff_doubles_to_its_limit_and_resets() {
+    fn backoff_doubles_to_its_limit_with_full_jitter_and_resets() {
         let mut b = RetryBackoff {
             initial: Duration::from_millis(100),
             max: Duration::from_millis(350),
             next: Duration::from_millis(100),
         };
-        let got: Vec<u128> = (0..4).map(|_| b.next().unwrap().as_millis()).collect();
-        // Each delay is its base plus at most 10% jitter.
-        for (g, base) in got.iter().zip([100u128, 200, 350, 350]) {
-            assert!((base..=base + base / 10).contains(g), "{got:?}");
+        let got: Vec<Duration> = (0..4).map(|_| b.next().unwrap()).collect();
+        // Each delay is a random time up to its step.
+        for (g, step) in got.iter().zip([100u64, 200, 350, 350]) {
+            assert!(*g > Duration::ZERO && *g <= Duration::from_millis(step), "{got:?}");
         }
         b.reset();
-        assert!(b.next().unwrap() < Duration::from_millis(111));
+        assert!(b.next().unwrap() <= Duration::from_millis(100));
+        // Spread over the whole step, not bunched at its end (as 10 % jitter was): of 200
+        // first delays, some fall in each quarter of the step.
+        let mut quarters = [0; 4];
+        for _ in 0..200 {
+            b.reset();
+            let d = b.next().unwrap().as_secs_f64() / 0.1;
+            quarters[((d * 4.0) as usize).min(3)] += 1;
+        }
+        assert!(quarters.iter().all(|&n| n > 0), "{quarters:?}");
+    }
+
+    #[test]
+    fn the_user_agent_names_the_version_and_the_node() {
+        let ua = user_agent("node-a.example");
+        assert_eq!(
+            ua.to_str().unwrap(),
+            format!("tierproxy/{} (node-a.example)", env!("CARGO_PKG_VERSION"))
+        );
+        let odd = user_agent("nöde (x)\n");
+        assert!(odd.to_str().unwrap().ends_with("(n_de__x__)"), "{odd:?}");
+    }
+
+    #[test]
+    fn only_an_api_server_that_does_not_answer_waits_for_the_prober() {
+        let api = |code: u16| {
+            watcher::Error::InitialListFailed(kube::Error::Api(Box::new(
+                kube::core::Status::failure("x", "y").with_code(code),
+            )))
+        };
+        assert!(unreachable(&api(503)));
+        assert!(unreachable(&api(504)));
+        assert!(!unreachable(&api(403)));
+        assert!(!unreachable(&api(429)));
+        assert!(!unreachable(&api(500)));
+        let cut = std::io::Error::new(std::io::ErrorKind::ConnectionReset, "reset");
+        assert!(unreachable(&watcher::Error::WatchFailed(kube::Error::ReadEvents(cut))));
     }
 }

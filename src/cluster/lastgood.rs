@@ -300,7 +300,9 @@ pub async fn watch(
     on_change: impl Fn() + Send + Sync + 'static,
 ) {
     let api: Api<ConfigMap> = Api::namespaced(client, &namespace);
-    let config = watcher::Config::default().fields(&format!("metadata.name={CONFIGMAP}"));
+    // From the watch cache, as the other watchers list (issue #19, item 7).
+    let config =
+        watcher::Config::default().fields(&format!("metadata.name={CONFIGMAP}")).any_semantic();
     let mut delay = Duration::from_secs(1);
     let mut warned = false;
     loop {

@@ -4,8 +4,9 @@
 //! streams newline-delimited `{"type", "object"}` events; a resourceVersion older than
 //! the kept history gets an `ERROR` event with a 410 Status, and the client relists).
 //!
-//! What it implements: list (paged by `limit` and `continue`) and watch of any collection
-//! (cluster-wide or in a namespace),
+//! What it implements: list (paged by `limit` and `continue`; with `resourceVersion=0`,
+//! whole, from the current state, as an API server answers it from its watch cache,
+//! ignoring `limit`) and watch of any collection (cluster-wide or in a namespace),
 //! get, create (POST; 409 AlreadyExists for a name in use), replace (PUT; 409 Conflict when
 //! the body's `metadata.resourceVersion` is not the stored one), patch (merge, strategic
 //! and apply patches, merged as JSON with `status.conditions` keyed by `type`), delete, the
@@ -13,10 +14,11 @@
 //! [`FakeApi::delete`]), which collections exist ([`FakeApi::uninstall`]: 404 as for a CRD
 //! not installed), failures ([`FakeApi::fail_next`]: 500s), watch ends
 //! ([`FakeApi::close_watches`]), history compaction ([`FakeApi::compact`]: 410 Gone), an
-//! outage ([`FakeApi::set_down`]: every request refused with 503), a user's lost write
-//! permission ([`FakeApi::forbid`]: 403). A client is told apart by its bearer token (the
-//! user, [`as_user`]). Every request is logged ([`FakeApi::requests`],
-//! [`FakeApi::requests_by`]).
+//! outage ([`FakeApi::set_down`]: every request refused with 503, `/readyz` too), a user's
+//! lost write permission ([`FakeApi::forbid`]: 403). `GET /readyz` answers 200 `ok`
+//! otherwise. A client is told apart by its bearer token (the user, [`as_user`]). Every
+//! request is logged with its user and User-Agent ([`FakeApi::requests`],
+//! [`FakeApi::requests_by`], [`FakeApi::user_agents`]).
 #![allow(dead_code)]
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -56,6 +58,8 @@ struct State {
     forbidden: BTreeSet<(String, String)>,
     /// Each request's user (its bearer token) and `METHOD path?query`.
     requests: Vec<(Option<String>, String)>,
+    /// The User-Agent of each of `requests` ("" if none).
+    user_agents: Vec<String>,
     writes: Vec<(String, String, Value)>,
 }
 
@@ -396,6 +400,12 @@ impl FakeApi {
         self.with(|s| s.forbidden.insert((user.to_string(), collection.to_string())));
     }
 
+    /// The User-Agent header of every request so far, in the order of
+    /// [`FakeApi::requests`] ("" for a request without one).
+    pub fn user_agents(&self) -> Vec<String> {
+        self.with(|s| s.user_agents.clone())
+    }
+
     /// Every write (POST, PUT, PATCH) so far: (method, path, body).
     pub fn writes(&self) -> Vec<(String, String, Value)> {
         self.with(|s| s.writes.clone())
@@ -439,12 +449,14 @@ async fn handle(
         .filter_map(|kv| kv.split_once('='))
         .map(|(k, v)| (k.to_string(), v.to_string()))
         .collect();
+    let agent = req
+        .headers()
+        .get(axum::http::header::USER_AGENT)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_string();
     let body = axum::body::to_bytes(req.into_body(), 16 << 20).await.unwrap_or_default();
     let body: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
-    let Some(Target { collection: coll, namespace: ns, name, subresource: sub }) = parse(&path)
-    else {
-        return reply(404, &status(404, "NotFound", "no such path"));
-    };
     let mut s = st.lock().unwrap();
     s.requests.push((
         user.clone(),
@@ -453,9 +465,17 @@ async fn handle(
             query.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join("&")
         ),
     ));
+    s.user_agents.push(agent);
     if s.down {
         return reply(503, &status(503, "ServiceUnavailable", "the server is down (scripted)"));
     }
+    if path == "/readyz" {
+        return Response::builder().status(200).body(Body::from("ok")).unwrap();
+    }
+    let Some(Target { collection: coll, namespace: ns, name, subresource: sub }) = parse(&path)
+    else {
+        return reply(404, &status(404, "NotFound", "no such path"));
+    };
     if s.uninstalled.contains(&coll) {
         return reply(
             404,
@@ -523,9 +543,14 @@ async fn handle(
         }
         (Method::GET, None) => {
             // Pages of `limit` objects, the `continue` token being the next offset, as the
-            // API server pages a list (kube's watcher asks for 500 at a time).
-            let limit: usize =
-                query.get("limit").and_then(|v| v.parse().ok()).unwrap_or(usize::MAX);
+            // API server pages a list from etcd. `resourceVersion=0` ("any") is answered
+            // from the watch cache, whole: the API server ignores `limit` then.
+            let from_cache = query.get("resourceVersion").map(String::as_str) == Some("0");
+            let limit: usize = query
+                .get("limit")
+                .filter(|_| !from_cache)
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(usize::MAX);
             let from: usize = query.get("continue").and_then(|v| v.parse().ok()).unwrap_or(0);
             let all: Vec<&Value> = s
                 .collections
