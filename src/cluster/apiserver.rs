@@ -15,8 +15,10 @@
 //!   `limit` (kubernetes/kubernetes#96182, #118394), and kube leaves `resourceVersion=0`
 //!   out of a list that has a `limit` (kube-rs/kube#1743), so these lists have none. The
 //!   agent then receives and decodes a whole collection at once: for a few seconds after
-//!   a (re)list, the pods' response and its decoded `Pod`s (before they are cut to views)
-//!   are the agent's largest allocation, where pages of 500 held a page at a time. Where
+//!   a (re)list, the pods' response and its decoded pods (before they are cut to views)
+//!   are the agent's largest allocation, where pages of 500 held a page at a time. Pods
+//!   are therefore decoded as [`SlimPod`]s (the fields a view is made of; serde skips the
+//!   rest of the JSON), not as whole k8s-openapi `Pod`s. Where
 //!   that is too much (a very large cluster, a small memory limit),
 //!   [`SourceConfig::page_size`] (`--kube-list-page-size`) switches back to paged quorum
 //!   reads from etcd. After each relist the source gives the freed heap back to the
@@ -349,7 +351,9 @@ impl ApiSource {
             pods: {
                 let store = ViewStore::default();
                 let sink = ViewSink { store: store.clone(), relist: None };
-                let api: Api<Pod> = Api::all(client.clone());
+                // Decoded as what the view needs (SlimPod), not as whole Pods: a whole list
+                // from the watch cache is decoded at once.
+                let api: Api<SlimPod> = Api::all(client.clone());
                 let page = c.page_size;
                 let stream = move || watcher(api.clone(), watch_config(page));
                 tokio::spawn(run_watch(stream, sink, WatchedKind::Pod, c.clone(), s.clone()));
@@ -742,6 +746,152 @@ impl ViewStore {
     }
 }
 
+/// A Pod as the pods' watcher decodes it: the fields a [`PodView`] is made of and the
+/// metadata the watcher reads, nothing else (serde skips the rest of the JSON without
+/// allocating it). A whole k8s-openapi `Pod` is several kB of structs even for a small
+/// object, and a list from the watch cache is decoded whole (issue #19, item 7): decoded
+/// this way, a list of 10,000 pods no longer holds 10,000 whole `Pod`s at once.
+#[derive(Debug, Clone, serde::Deserialize)]
+pub struct SlimPod {
+    /// `metadata`: name, namespace, labels, uid, resourceVersion only.
+    #[serde(deserialize_with = "slim_meta")]
+    pub metadata: k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
+    /// `spec`: nodeName, hostNetwork and the containers' ports.
+    #[serde(default)]
+    pub spec: Option<SlimPodSpec>,
+    /// `status`: phase, podIP and podIPs.
+    #[serde(default)]
+    pub status: Option<SlimPodStatus>,
+}
+
+/// What [`SlimPod`] keeps of `spec`.
+#[derive(Debug, Clone, Default, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SlimPodSpec {
+    /// `spec.nodeName`.
+    #[serde(default)]
+    pub node_name: Option<String>,
+    /// `spec.hostNetwork`.
+    #[serde(default)]
+    pub host_network: Option<bool>,
+    /// `spec.containers[].ports`, per container.
+    #[serde(default)]
+    pub containers: Vec<SlimContainer>,
+}
+
+/// What [`SlimPod`] keeps of a container: its ports.
+#[derive(Debug, Clone, Default, serde::Deserialize)]
+pub struct SlimContainer {
+    /// `ports`.
+    #[serde(default)]
+    pub ports: Option<Vec<k8s_openapi::api::core::v1::ContainerPort>>,
+}
+
+/// What [`SlimPod`] keeps of `status`.
+#[derive(Debug, Clone, Default, serde::Deserialize)]
+pub struct SlimPodStatus {
+    /// `status.phase`.
+    #[serde(default)]
+    pub phase: Option<String>,
+    /// `status.podIP`.
+    #[serde(default, rename = "podIP")]
+    pub pod_ip: Option<String>,
+    /// `status.podIPs`.
+    #[serde(default, rename = "podIPs")]
+    pub pod_ips: Option<Vec<k8s_openapi::api::core::v1::PodIP>>,
+}
+
+/// The metadata fields a [`SlimPod`] keeps.
+#[derive(serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct SlimMeta {
+    #[serde(default)]
+    name: Option<String>,
+    #[serde(default)]
+    namespace: Option<String>,
+    #[serde(default)]
+    labels: Option<std::collections::BTreeMap<String, String>>,
+    #[serde(default)]
+    uid: Option<String>,
+    #[serde(default)]
+    resource_version: Option<String>,
+}
+
+fn slim_meta<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> Result<k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta, D::Error> {
+    let m = <SlimMeta as serde::Deserialize>::deserialize(d)?;
+    Ok(k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
+        name: m.name,
+        namespace: m.namespace,
+        labels: m.labels,
+        uid: m.uid,
+        resource_version: m.resource_version,
+        ..Default::default()
+    })
+}
+
+impl SlimPod {
+    /// Its [`PodView`], as [`PodView::from_pod`] gives for the whole Pod.
+    pub fn view(&self) -> PodView {
+        use k8s_openapi::api::core::v1::{Container, PodSpec, PodStatus};
+        let pod = Pod {
+            metadata: k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
+                name: self.metadata.name.clone(),
+                namespace: self.metadata.namespace.clone(),
+                labels: self.metadata.labels.clone(),
+                ..Default::default()
+            },
+            spec: self.spec.as_ref().map(|s| PodSpec {
+                node_name: s.node_name.clone(),
+                host_network: s.host_network,
+                containers: s
+                    .containers
+                    .iter()
+                    .map(|c| Container { ports: c.ports.clone(), ..Default::default() })
+                    .collect(),
+                ..Default::default()
+            }),
+            status: self.status.as_ref().map(|s| PodStatus {
+                phase: s.phase.clone(),
+                pod_ip: s.pod_ip.clone(),
+                pod_ips: s.pod_ips.clone(),
+                ..Default::default()
+            }),
+        };
+        PodView::from_pod(&pod)
+    }
+}
+
+impl kube::Resource for SlimPod {
+    type DynamicType = ();
+    type Scope = k8s_openapi::NamespaceResourceScope;
+
+    fn kind(_: &()) -> std::borrow::Cow<'_, str> {
+        "Pod".into()
+    }
+
+    fn group(_: &()) -> std::borrow::Cow<'_, str> {
+        "".into()
+    }
+
+    fn version(_: &()) -> std::borrow::Cow<'_, str> {
+        "v1".into()
+    }
+
+    fn plural(_: &()) -> std::borrow::Cow<'_, str> {
+        "pods".into()
+    }
+
+    fn meta(&self) -> &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
+        &self.metadata
+    }
+
+    fn meta_mut(&mut self) -> &mut k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
+        &mut self.metadata
+    }
+}
+
 /// Fills a [`ViewStore`]; a relist is buffered and swapped in at its end, as the
 /// reflector does, so readers never see half a list, and only if it differs from the
 /// store (else the store keeps its views, which the snapshot in force shares).
@@ -754,8 +904,8 @@ fn view_key(v: &PodView) -> (String, String) {
     (v.namespace.clone(), v.name.clone())
 }
 
-impl Sink<Pod> for ViewSink {
-    fn apply(&mut self, event: &watcher::Event<Pod>) -> bool {
+impl Sink<SlimPod> for ViewSink {
+    fn apply(&mut self, event: &watcher::Event<SlimPod>) -> bool {
         let read = || self.store.0.read().unwrap_or_else(|e| e.into_inner());
         let write = || self.store.0.write().unwrap_or_else(|e| e.into_inner());
         match event {
@@ -764,7 +914,7 @@ impl Sink<Pod> for ViewSink {
                 false
             }
             watcher::Event::InitApply(p) => {
-                let v = PodView::from_pod(p);
+                let v = p.view();
                 let key = view_key(&v);
                 let changed = read().get(&key).is_none_or(|old| **old != v);
                 let (map, c) = self.relist.get_or_insert_with(|| (ViewMap::new(), false));
@@ -782,11 +932,11 @@ impl Sink<Pod> for ViewSink {
             }
             // A pod's readiness and everything else the view leaves out: no change.
             watcher::Event::Apply(p) => {
-                let v = PodView::from_pod(p);
+                let v = p.view();
                 let old = write().insert(view_key(&v), Arc::new(v.clone()));
                 old.is_none_or(|o| *o != v)
             }
-            watcher::Event::Delete(p) => write().remove(&view_key(&PodView::from_pod(p))).is_some(),
+            watcher::Event::Delete(p) => write().remove(&view_key(&p.view())).is_some(),
         }
     }
 }
@@ -1141,6 +1291,11 @@ mod tests {
                 }],
             }
         );
+        // Decoded slim, as the watcher decodes pods: the same view.
+        let json = serde_json::to_value(&pod).unwrap();
+        let slim: SlimPod = serde_json::from_value(json).unwrap();
+        assert_eq!(slim.view(), v);
+        assert!(slim.metadata.annotations.is_none() && slim.metadata.managed_fields.is_none());
         // Readiness is not in the view: a condition change is no change.
         let mut unready = pod.clone();
         unready.status.as_mut().unwrap().conditions = None;
