@@ -281,13 +281,7 @@ async fn the_elected_writer_sets_conditions_and_events_and_only_when_they_change
         tierproxy::policy::problem::ProblemKind::OutOfRange { value: 1001, min: 0, max: 1000 },
     );
     reports.send_replace(Arc::new(Report::new(1, std::slice::from_ref(&problem), &[])));
-    let cond = |name: &str| {
-        api.get(ANP, "AdminNetworkPolicy", None, name).and_then(|o| {
-            o["status"]["conditions"]
-                .as_array()
-                .and_then(|cs| cs.iter().find(|c| c["type"] == status::CONDITION_TYPE).cloned())
-        })
-    };
+    let cond = |name: &str| condition(&api, name);
     until("both conditions written", || cond("good").is_some() && cond("bad").is_some()).await;
     let good = cond("good").unwrap();
     assert_eq!(
@@ -360,6 +354,21 @@ async fn the_elected_writer_sets_conditions_and_events_and_only_when_they_change
     writer.abort();
 }
 
+/// tierproxy's condition on the AdminNetworkPolicy `name`, if written.
+fn condition(api: &FakeApi, name: &str) -> Option<Value> {
+    api.get(ANP, "AdminNetworkPolicy", None, name).and_then(|o| {
+        o["status"]["conditions"]
+            .as_array()
+            .and_then(|cs| cs.iter().find(|c| c["type"] == status::CONDITION_TYPE).cloned())
+    })
+}
+
+/// The Node `node-a` (the agents' node in these tests).
+fn node_a() -> Value {
+    json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "node-a"},
+           "status": {"addresses": [{"type": "InternalIP", "address": "172.31.0.2"}]}})
+}
+
 /// One agent of a node: its own watchers and record store, as `agent::run` has them.
 struct Agent {
     source: ApiSource,
@@ -378,6 +387,27 @@ impl Agent {
         ));
         until("initial lists", || source.initialized() && records.initialized()).await;
         Agent { source, records }
+    }
+
+    /// Runs this agent's status writer (identity `node-a`, lease 5 s) until the test ends;
+    /// what is sent on the returned channel is its report.
+    async fn lead(&self, api: &FakeApi) -> tokio::sync::watch::Sender<Arc<Report>> {
+        let (reports, rx) = tokio::sync::watch::channel(Arc::new(Report::default()));
+        let options = StatusOptions {
+            lease_namespace: "tierproxy-system".into(),
+            lease_name: "tierproxy-policy-status".into(),
+            identity: "node-a".into(),
+            lease_seconds: 5,
+        };
+        tokio::spawn(status::run(
+            client(api).await,
+            self.source.clone(),
+            options,
+            rx,
+            self.records.clone(),
+            std::future::pending(),
+        ));
+        reports
     }
 
     /// What this agent would enforce now, as `agent::run` builds it.
@@ -402,8 +432,7 @@ impl Agent {
 async fn agents_started_before_and_after_a_bad_update_enforce_the_same() {
     use tierproxy::policy::{Decision, Flow, Protocol, Verdict};
     let api = FakeApi::start();
-    api.apply(json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "node-a"},
-                     "status": {"addresses": [{"type": "InternalIP", "address": "172.31.0.2"}]}}));
+    api.apply(node_a());
     api.apply(ns("a", json!({"kubernetes.io/metadata.name": "a"})));
     api.apply(ns("b", json!({"kubernetes.io/metadata.name": "b"})));
     api.apply(pod("a", "client", "10.0.0.1", json!({})));
@@ -419,21 +448,7 @@ async fn agents_started_before_and_after_a_bad_update_enforce_the_same() {
 
     // Agent A runs and leads: its snapshot's report makes it record the valid version.
     let a = Agent::start(&api).await;
-    let (reports, rx) = tokio::sync::watch::channel(Arc::new(Report::default()));
-    let options = StatusOptions {
-        lease_namespace: "tierproxy-system".into(),
-        lease_name: "tierproxy-policy-status".into(),
-        identity: "node-a".into(),
-        lease_seconds: 5,
-    };
-    let writer = tokio::spawn(status::run(
-        client(&api).await,
-        a.source.clone(),
-        options,
-        rx,
-        a.records.clone(),
-        std::future::pending(),
-    ));
+    let reports = a.lead(&api).await;
     let built = a.build(1);
     assert_eq!(verdict(built.current.snapshot.decide(&flow)), Verdict::Deny);
     let deny = ObjectRef::cluster(Kind::AdminNetworkPolicy, "deny");
@@ -485,15 +500,8 @@ async fn agents_started_before_and_after_a_bad_update_enforce_the_same() {
     }
     assert_eq!(from_a.report.policies, from_b.report.policies, "the same status from both");
     // The leader keeps the record of the invalid policy (and records none for the other).
-    let cond = || {
-        api.get(ANP, "AdminNetworkPolicy", None, "never-valid").and_then(|o| {
-            o["status"]["conditions"]
-                .as_array()
-                .and_then(|cs| cs.iter().find(|c| c["type"] == status::CONDITION_TYPE).cloned())
-        })
-    };
-    until("the never-valid policy's condition", || cond().is_some()).await;
-    let message = cond().unwrap()["message"].as_str().unwrap().to_string();
+    until("the never-valid policy's condition", || condition(&api, "never-valid").is_some()).await;
+    let message = condition(&api, "never-valid").unwrap()["message"].as_str().unwrap().to_string();
     assert!(message.contains("none of its rules apply"), "{message}");
     let records = a.records.records();
     assert_eq!(records.0.keys().map(|k| k.name.as_str()).collect::<Vec<_>>(), ["deny"]);
@@ -515,7 +523,6 @@ async fn agents_started_before_and_after_a_bad_update_enforce_the_same() {
     let recreated = b.build(2);
     assert_eq!(verdict(recreated.current.snapshot.decide(&flow)), Verdict::Allow);
     assert!(matches!(recreated.report.of(&deny), Acceptance::Invalid(_)));
-    writer.abort();
 }
 
 /// Issue #19, item 5: two admin policies tied on priority with overlapping subjects both
@@ -523,36 +530,15 @@ async fn agents_started_before_and_after_a_bad_update_enforce_the_same() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_priority_tie_is_reported_on_every_policy_of_it() {
     let api = FakeApi::start();
-    api.apply(json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "node-a"},
-                     "status": {"addresses": [{"type": "InternalIP", "address": "172.31.0.2"}]}}));
+    api.apply(node_a());
     api.apply(ns("a", json!({"kubernetes.io/metadata.name": "a"})));
     api.apply(pod("a", "p", "10.0.0.1", json!({})));
     api.apply(anp("first", 7));
     api.apply(anp("second", 7));
     let a = Agent::start(&api).await;
-    let (reports, rx) = tokio::sync::watch::channel(Arc::new(Report::default()));
-    let options = StatusOptions {
-        lease_namespace: "tierproxy-system".into(),
-        lease_name: "tierproxy-policy-status".into(),
-        identity: "node-a".into(),
-        lease_seconds: 5,
-    };
-    let writer = tokio::spawn(status::run(
-        client(&api).await,
-        a.source.clone(),
-        options,
-        rx,
-        a.records.clone(),
-        std::future::pending(),
-    ));
+    let reports = a.lead(&api).await;
     reports.send_replace(Arc::new(a.build(1).report));
-    let cond = |name: &str| {
-        api.get(ANP, "AdminNetworkPolicy", None, name).and_then(|o| {
-            o["status"]["conditions"]
-                .as_array()
-                .and_then(|cs| cs.iter().find(|c| c["type"] == status::CONDITION_TYPE).cloned())
-        })
-    };
+    let cond = |name: &str| condition(&api, name);
     until("both conditions", || cond("first").is_some() && cond("second").is_some()).await;
     for (me, other, order) in
         [("first", "second", "this policy first"), ("second", "first", "the other first")]
@@ -569,7 +555,6 @@ async fn a_priority_tie_is_reported_on_every_policy_of_it() {
             "{me}: {m}"
         );
     }
-    writer.abort();
 }
 
 const LEASE_NS: &str = "tierproxy-system";
@@ -630,14 +615,25 @@ fn holder(api: &FakeApi) -> Option<String> {
     lease["spec"]["holderIdentity"].as_str().map(str::to_string)
 }
 
+/// Asserts that a leader's `requests` hold status writes between `from` and `lapsed` (the
+/// request from which its lease had run out), and none from `lapsed` on.
+fn writes_end_with_the_lease(requests: &[String], from: usize, lapsed: usize) {
+    assert!(
+        status_patches(&requests[from..lapsed]) > 0,
+        "while its lease lasted, the leader wrote: {:?}",
+        &requests[from..lapsed]
+    );
+    assert_eq!(
+        status_patches(&requests[lapsed..]),
+        0,
+        "a status write once the lease had run out: {:?}",
+        &requests[lapsed..]
+    );
+}
+
 /// The message of tierproxy's condition on ANP `name`.
 fn message(api: &FakeApi, name: &str) -> Option<String> {
-    let o = api.get(ANP, "AdminNetworkPolicy", None, name)?;
-    let c = o["status"]["conditions"]
-        .as_array()?
-        .iter()
-        .find(|c| c["type"] == status::CONDITION_TYPE)?;
-    c["message"].as_str().map(str::to_string)
+    condition(api, name).and_then(|c| c["message"].as_str().map(str::to_string))
 }
 
 fn status_patches(requests: &[String]) -> usize {
@@ -691,18 +687,7 @@ async fn a_leader_that_cannot_renew_stops_writing_when_its_lease_runs_out() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let requests = api.requests_by("a");
-    let lapsed = lapsed.unwrap();
-    assert!(
-        status_patches(&requests[from..lapsed]) > 0,
-        "while its lease lasted, the leader tried to write: {:?}",
-        &requests[from..lapsed]
-    );
-    assert_eq!(
-        status_patches(&requests[lapsed..]),
-        0,
-        "no status write once the lease ran out: {:?}",
-        &requests[lapsed..]
-    );
+    writes_end_with_the_lease(&requests, from, lapsed.unwrap());
 
     // The API server is back: a renews (the Lease is still its own) and writes again, the
     // renewal first.
@@ -783,18 +768,7 @@ async fn a_leader_that_may_no_longer_renew_gives_way_without_flapping() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let by_a = api.requests_by("a");
-    let lapsed = lapsed.unwrap();
-    assert!(
-        status_patches(&by_a[from..lapsed]) > 0,
-        "while its lease lasted, a wrote: {:?}",
-        &by_a[from..lapsed]
-    );
-    assert_eq!(
-        status_patches(&by_a[lapsed..]),
-        0,
-        "a wrote once its lease had run out: {:?}",
-        &by_a[lapsed..]
-    );
+    writes_end_with_the_lease(&by_a, from, lapsed.unwrap());
     let writers: Vec<&str> = api
         .writes()
         .iter()
