@@ -22,6 +22,9 @@
 //!   (`invalid_policy_event`) and created, not recorded: a new leader that finds the same
 //!   problem gets 409 AlreadyExists and posts nothing, so there is one Event per problem
 //!   and policy generation, whoever leads.
+//! - **The last good versions.** Under the same lease, after the conditions, the leader
+//!   records the version of every policy the snapshot compiled as valid in the ConfigMap
+//!   of [`super::lastgood`], which every agent reads.
 //! - **Who writes it.** The leader elected by the Lease ([`lease`]); every other agent
 //!   only enforces. A leader writes only within the lease its last successful renewal gave
 //!   it: when renewals fail it stops before another agent may take the Lease, and it
@@ -96,8 +99,8 @@ pub struct Report {
 
 impl Report {
     /// Builds the report of one snapshot from its problems (decoding, validation and
-    /// [`crate::policy::compile::priority_conflicts`]) and the policies whose last good
-    /// version was kept ([`super::keep_last_good`]).
+    /// [`crate::policy::compile::priority_conflicts`]) and the policies whose recorded last
+    /// good version was put back, with its generation ([`super::lastgood::put_back`]).
     pub fn new(revision: u64, problems: &[Problem], kept: &[(ObjectRef, Option<i64>)]) -> Report {
         let mut policies: BTreeMap<ObjectRef, Acceptance> = BTreeMap::new();
         let mut errors: BTreeMap<&ObjectRef, Vec<String>> = BTreeMap::new();
