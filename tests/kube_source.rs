@@ -337,10 +337,21 @@ async fn the_elected_writer_sets_conditions_and_events_and_only_when_they_change
         api.requests().iter().any(|r| r.contains("/adminnetworkpolicies/bad/status")
             && r.contains("fieldManager=tierproxy"))
     );
-    // The same report again: nothing to write.
-    reports.send_replace(Arc::new(Report::new(2, &[problem], &[])));
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    assert_eq!(status_writes(), n, "an unchanged status is not written again");
+    // The same report again, with a new policy beside: only the new one's condition is
+    // written. A third report with another new policy shows that the writer is done with
+    // the second (it takes reports in turn, each a pass over every policy).
+    for (i, name) in ["later", "later-still"].into_iter().enumerate() {
+        api.apply(anp(name, 30 + i as i64));
+        until("the new policy in the store", || source.admin_network_policies().len() == 3 + i)
+            .await;
+        reports.send_replace(Arc::new(Report::new(
+            2 + i as u64,
+            std::slice::from_ref(&problem),
+            &[],
+        )));
+        until("the new policy's condition", || cond(name).is_some()).await;
+    }
+    assert_eq!(status_writes(), n + 2, "an unchanged status is not written again");
 
     // The policy is fixed: its condition flips, with a new transition time.
     api.apply(anp("bad", 20));
