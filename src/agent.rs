@@ -547,6 +547,7 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
             drops: ruleset_drops.clone(),
             pipes: pipes_slot.clone(),
             kube: kube.as_ref().map(|k| k.source.clone()),
+            leader: opts.kube.as_ref().and_then(|k| k.status.as_ref()).map(|s| s.leader.clone()),
         },
         &opts.audit,
     )));
@@ -1608,11 +1609,13 @@ struct Sources {
     drops: Arc<RulesetDrops>,
     pipes: Arc<std::sync::OnceLock<Arc<PipePool>>>,
     kube: Option<cluster::apiserver::ApiSource>,
+    /// Whether the policy status writer leads (`None`: it does not run).
+    leader: Option<Arc<cluster::status::LeaderState>>,
 }
 
 fn scraped(sources: Sources, config: &AuditConfig) -> Scraped {
     use std::sync::atomic::Ordering::Relaxed;
-    let Sources { auditor, registry, decider, udp, drops, pipes, kube } = sources;
+    let Sources { auditor, registry, decider, udp, drops, pipes, kube, leader } = sources;
     let sink_names: Vec<&'static str> = config.sinks.iter().map(|s| s.name()).collect();
     Scraped(Box::new(move || {
         let st = auditor.stats();
@@ -1805,6 +1808,16 @@ fn scraped(sources: Sources, config: &AuditConfig) -> Scraped {
                     u64::from(h.initialized && !h.absent),
                 ));
             }
+        }
+        if let Some(l) = &leader {
+            out.push(g(
+                "policy_status_leader",
+                "1 while this agent holds the policy status Lease (writes status, Events and \
+                 the last good policy versions); summed over the cluster, 1 (0 for at most a \
+                 lease duration after a leader dies without releasing it)",
+                vec![],
+                u64::from(l.leading()),
+            ));
         }
         if let Some(d) = decider.get() {
             out.push(g(

@@ -426,6 +426,7 @@ fn run_agent(a: AgentArgs) -> ExitCode {
                 lease_name: a.lease_name.clone(),
                 identity: a.identity.clone().unwrap_or_else(|| opts.node.clone()),
                 lease_seconds: status::DEFAULT_LEASE_SECONDS,
+                leader: Default::default(),
             }),
             namespace: a.lease_namespace.clone(),
         });

@@ -264,6 +264,7 @@ async fn the_elected_writer_sets_conditions_and_events_and_only_when_they_change
         lease_name: "tierproxy-policy-status".into(),
         identity: "node-a".into(),
         lease_seconds: 5,
+        leader: Default::default(),
     };
     let records = Arc::new(RecordStore::default());
     let writer = tokio::spawn(status::run(
@@ -409,6 +410,7 @@ impl Agent {
             lease_name: "tierproxy-policy-status".into(),
             identity: "node-a".into(),
             lease_seconds: 5,
+            leader: Default::default(),
         };
         tokio::spawn(status::run(
             client(api).await,
@@ -577,6 +579,7 @@ struct Writer {
     reports: tokio::sync::watch::Sender<Arc<Report>>,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     task: tokio::task::JoinHandle<()>,
+    leader: Arc<status::LeaderState>,
 }
 
 impl Writer {
@@ -590,13 +593,15 @@ impl Writer {
             lease_name: LEASE.into(),
             identity: user.into(),
             lease_seconds,
+            leader: Default::default(),
         };
+        let leader = options.leader.clone();
         let records = Arc::new(RecordStore::default());
         let task =
             tokio::spawn(status::run(client, source.clone(), options, rx, records, async move {
                 let _ = stopped.await;
             }));
-        Writer { reports, stop: Some(stop), task }
+        Writer { reports, stop: Some(stop), task, leader }
     }
 
     fn report(&self, r: Report) {
@@ -813,6 +818,7 @@ async fn a_stopping_leader_releases_the_lease() {
     b.report(invalid(1, 1002));
     until("b reads the Lease", || api.requests_by("b").iter().any(|r| r.contains("/leases"))).await;
     assert_eq!(holder(&api).as_deref(), Some("a"));
+    assert!(a.leader.leading() && !b.leader.leading(), "the leader gauge: a leads, b does not");
 
     let stopped = Instant::now();
     a.stop();
@@ -820,6 +826,7 @@ async fn a_stopping_leader_releases_the_lease() {
     assert!(stopped.elapsed() < Duration::from_secs(3), "taken over after {:?}", stopped.elapsed());
     until("b writes", || message(&api, "bad").is_some_and(|m| m.contains("1002 is out"))).await;
     tokio::time::timeout(Duration::from_secs(5), a.task).await.expect("a's writer ends").unwrap();
+    assert!(!a.leader.leading() && b.leader.leading(), "the leader gauge: b leads, a stopped");
     drop(b);
 }
 

@@ -225,6 +225,29 @@ pub struct StatusOptions {
     pub identity: String,
     /// Lease duration in seconds ([`DEFAULT_LEASE_SECONDS`]).
     pub lease_seconds: u64,
+    /// Where the writer says whether it leads, for the agent's metrics.
+    pub leader: Arc<LeaderState>,
+}
+
+/// Whether this agent's status writer leads now: until the end of the lease its last
+/// successful renewal gave ([`lease::Leadership`]), read by the agent's metrics
+/// (`tierproxy_policy_status_leader`). Leading lapses with the lease even when nothing
+/// is written in between.
+#[derive(Debug, Default)]
+pub struct LeaderState(std::sync::Mutex<Option<tokio::time::Instant>>);
+
+impl LeaderState {
+    /// Whether the writer leads now.
+    pub fn leading(&self) -> bool {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some_and(|until| tokio::time::Instant::now() < until)
+    }
+
+    fn set(&self, until: Option<tokio::time::Instant>) {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = until;
+    }
 }
 
 /// Runs the status writer until `stop` completes: takes part in the Lease election
@@ -259,7 +282,7 @@ pub async fn run(
     ));
     let mut writer = Writer {
         client,
-        identity: options.identity,
+        identity: options.identity.clone(),
         announced: HashMap::new(),
         written: HashMap::new(),
         record_error: None,
@@ -276,6 +299,7 @@ pub async fn run(
                 if r.is_err() {
                     break;
                 }
+                options.leader.set(*lead.borrow());
                 // A renewal only moves the lease's end: nothing new to write.
                 if was_leading && leading_until(&lead).is_some() {
                     continue;
@@ -298,6 +322,7 @@ pub async fn run(
             }
         }
     }
+    options.leader.set(None);
     let _ = stop_election.send(());
     let _ = election.await;
 }
