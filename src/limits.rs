@@ -49,11 +49,14 @@ pub struct Limits {
     /// (`ENOBUFS`) and dropped those packets (fail-closed) or let them through undecided
     /// (fail-open).
     pub nfqueue_overrun: Hits,
+    /// [`crate::proxy::icmp::MAX_PER_SECOND`] ICMP errors passed on to clients per second:
+    /// the client of a refused UDP flow gets no "connection refused" and times out instead.
+    pub icmp_errors: Hits,
 }
 
 impl Limits {
     /// Every limit with its name in metrics and logs.
-    pub fn each(&self) -> [(&'static str, &Hits); 6] {
+    pub fn each(&self) -> [(&'static str, &Hits); 7] {
         [
             ("connections", &self.connections),
             ("udp_flows", &self.udp_flows),
@@ -61,6 +64,7 @@ impl Limits {
             ("pipes", &self.pipes),
             ("accept_errors", &self.accept_errors),
             ("nfqueue_overrun", &self.nfqueue_overrun),
+            ("icmp_errors", &self.icmp_errors),
         ]
     }
 }
@@ -73,6 +77,7 @@ pub static LIMITS: Limits = Limits {
     pipes: Hits::new(),
     accept_errors: Hits::new(),
     nfqueue_overrun: Hits::new(),
+    icmp_errors: Hits::new(),
 };
 
 /// Whether `e` is the open files limit (`EMFILE`: this process's `RLIMIT_NOFILE`;

@@ -1140,3 +1140,26 @@ fn the_second_connection_of_an_allowed_class_skips_the_queue_and_is_audited_at_a
     assert_eq!(point(ports[0]), "first-packet");
     assert_eq!(point(ports[1]), "accept");
 }
+
+/// Issue #20, "ICMP errors reach the client": a datagram to a port nothing listens on gets
+/// the client's connected socket "connection refused", as without tierproxy: the server's
+/// ICMP port unreachable reaches the proxy's upstream socket, and the proxy passes it on
+/// from the server's address. Before, the client waited for its timeout.
+#[test]
+fn a_datagram_to_a_closed_port_gives_the_client_connection_refused() {
+    if !netns_available("a_datagram_to_a_closed_port_gives_the_client_connection_refused") {
+        return;
+    }
+    let lab = lab_with_agents("icmp");
+    let client = netns_of_pod(&lab, "a", "client");
+    let got = in_netns(&client, || {
+        let s = std::net::UdpSocket::bind("10.60.1.2:0").map_err(io("bind"))?;
+        s.connect("10.60.1.3:9999").map_err(io("connect"))?;
+        s.set_read_timeout(Some(Duration::from_secs(5))).map_err(io("timeout"))?;
+        s.send(b"anyone there?").map_err(io("send"))?;
+        let mut buf = [0u8; 64];
+        Ok(s.recv(&mut buf).map(|_| ()).map_err(|e| e.kind()))
+    })
+    .expect("client");
+    assert_eq!(got, Err(std::io::ErrorKind::ConnectionRefused));
+}

@@ -11,6 +11,7 @@
 //! Imports `policy` only (DESIGN §4); the redirect ruleset that feeds it lives in
 //! `redirect`, and the agent wires the two together.
 pub mod decider;
+pub mod icmp;
 pub mod nfqueue;
 pub mod packet;
 pub mod queue;

@@ -17,7 +17,8 @@
 //!     socket and arrive on it directly, not through the listener.
 //! - A flow ends when no datagram crossed it either way for the idle timeout, when it is
 //!   told to stop (shutdown, or a new snapshot denies it), or when the destination answers
-//!   with ICMP port unreachable (`ECONNREFUSED` on the connected upstream socket). Its
+//!   with ICMP port unreachable (`ECONNREFUSED` on the connected upstream socket; the
+//!   proxy passes the error on to the client, [`super::icmp`]). Its
 //!   sockets close; a later datagram of the same 4-tuple is queued and decided again (the
 //!   ruleset queues UDP whenever no proxy socket takes it).
 //! - Datagrams are relayed without a buffer per flow: a task waits for readiness, then
@@ -326,6 +327,14 @@ fn forward(to: &UdpSocket, payload: &[u8], bytes: &AtomicU64, table: &Table) {
     }
 }
 
+/// The destination `server` refused a datagram of `client`'s flow (ICMP port unreachable):
+/// the client gets the same error from the proxy ([`super::icmp`]).
+fn refused(client: SocketAddr, server: SocketAddr) {
+    if let Err(e) = super::icmp::port_unreachable(client, server, 0) {
+        tracing::debug!(error = %e, %client, %server, "ICMP port unreachable not passed on");
+    }
+}
+
 /// Relays one flow until it ends; returns why.
 async fn relay(flow: &Flow, reply: &UdpSocket, table: &Table, config: &UdpConfig) -> CloseReason {
     let client = flow.tracked.key.src;
@@ -335,9 +344,30 @@ async fn relay(flow: &Flow, reply: &UdpSocket, table: &Table, config: &UdpConfig
         let last = flow.last.load(Ordering::Relaxed);
         let idle_at = table.epoch + Duration::from_millis(last.saturating_add(idle_ms));
         tokio::select! {
-            r = flow.upstream.readable() => {
-                if r.is_err() {
-                    return CloseReason::Reset;
+            // ERROR too: an ICMP error on a UDP socket is reported as EPOLLERR alone
+            // (datagram_poll), which `readable()` never wakes for, so the flow would wait
+            // for its idle timeout instead of ending on "port unreachable".
+            r = flow.upstream.ready(Interest::READABLE | Interest::ERROR) => {
+                let Ok(ready) = r else { return CloseReason::Reset };
+                // The socket's pending error (`try_recv` would not see it: it is tried only
+                // on READABLE readiness).
+                if ready.is_error() {
+                    match flow.upstream.take_error() {
+                        // ICMP port unreachable from the destination: passed on to the
+                        // client, which would have received it without the proxy.
+                        Ok(Some(e)) if e.kind() == io::ErrorKind::ConnectionRefused => {
+                            refused(client, flow.tracked.key.dst);
+                            return CloseReason::UpstreamUnreachable;
+                        }
+                        Ok(Some(_)) | Err(_) => return CloseReason::Reset,
+                        // Taken already (a send on the socket reports and clears it): the
+                        // readiness is cleared, or `ready` would answer at once again.
+                        Ok(None) => {
+                            let _ = flow.upstream.try_io(Interest::ERROR, || {
+                                Err::<(), _>(io::Error::from(io::ErrorKind::WouldBlock))
+                            });
+                        }
+                    }
                 }
                 // Replies from the original destination → the client.
                 loop {
@@ -351,8 +381,8 @@ async fn relay(flow: &Flow, reply: &UdpSocket, table: &Table, config: &UdpConfig
                     match r {
                         Ok(()) => flow.last.store(table.now_ms(), Ordering::Relaxed),
                         Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                        // ICMP port unreachable from the destination.
                         Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {
+                            refused(client, flow.tracked.key.dst);
                             return CloseReason::UpstreamUnreachable;
                         }
                         Err(_) => return CloseReason::Reset,
