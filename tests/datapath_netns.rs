@@ -1152,14 +1152,6 @@ fn a_datagram_to_a_closed_port_gives_the_client_connection_refused() {
     }
     let lab = lab_with_agents("icmp");
     let client = netns_of_pod(&lab, "a", "client");
-    let got = in_netns(&client, || {
-        let s = std::net::UdpSocket::bind("10.60.1.2:0").map_err(io("bind"))?;
-        s.connect("10.60.1.3:9999").map_err(io("connect"))?;
-        s.set_read_timeout(Some(Duration::from_secs(5))).map_err(io("timeout"))?;
-        s.send(b"anyone there?").map_err(io("send"))?;
-        let mut buf = [0u8; 64];
-        Ok(s.recv(&mut buf).map(|_| ()).map_err(|e| e.kind()))
-    })
-    .expect("client");
+    let got = udp_answer(&client, "10.60.1.2:0", "10.60.1.3:9999");
     assert_eq!(got, Err(std::io::ErrorKind::ConnectionRefused));
 }

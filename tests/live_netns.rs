@@ -601,15 +601,7 @@ fn dual_stack_pods_are_enforced_per_family_and_cidrs_never_cross_families() {
     let client = netns_of_pod(&lab, "a", "client");
     // A datagram to a closed port gets the client "connection refused" over IPv6 too: the
     // proxy passes the server's ICMPv6 port unreachable on (issue #20).
-    let got = in_netns(&client, || {
-        let s = UdpSocket::bind("[fd74:6972::a3d:102]:0").map_err(io("bind"))?;
-        s.connect("[fd74:6972::a3d:103]:9999").map_err(io("connect"))?;
-        s.set_read_timeout(Some(Duration::from_secs(5))).map_err(io("timeout"))?;
-        s.send(b"anyone there?").map_err(io("send"))?;
-        let mut buf = [0u8; 64];
-        Ok(s.recv(&mut buf).map(|_| ()).map_err(|e| e.kind()))
-    })
-    .expect("client");
+    let got = udp_answer(&client, "[fd74:6972::a3d:102]:0", "[fd74:6972::a3d:103]:9999");
     assert_eq!(got, Err(std::io::ErrorKind::ConnectionRefused), "IPv6");
     // A live IPv6 connection is cut by a change too.
     let mut live = open(&client, "[fd74:6972::a3d:103]:8080");

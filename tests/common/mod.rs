@@ -62,6 +62,21 @@ pub fn io(what: &str) -> impl Fn(std::io::Error) -> tierproxy::lab::LabError + '
     }
 }
 
+/// What a connected UDP socket of `netns`, bound to `from` (port 0), hears back within
+/// 5 s after sending one datagram to `to`: `Ok(())` for an answer, else the error's kind
+/// (`ConnectionRefused` for an ICMP port unreachable, `WouldBlock` for nothing).
+pub fn udp_answer(netns: &str, from: &str, to: &str) -> Result<(), std::io::ErrorKind> {
+    tierproxy::lab::netns::in_netns(netns, || {
+        let s = std::net::UdpSocket::bind(from).map_err(io("bind"))?;
+        s.connect(to).map_err(io("connect"))?;
+        s.set_read_timeout(Some(Duration::from_secs(5))).map_err(io("timeout"))?;
+        s.send(b"anyone there?").map_err(io("send"))?;
+        let mut buf = [0u8; 64];
+        Ok(s.recv(&mut buf).map(|_| ()).map_err(|e| e.kind()))
+    })
+    .expect("the UDP client runs")
+}
+
 /// Whether a new TCP connection from `netns` to `to` is made within `timeout`.
 pub fn connects(netns: &str, to: &str, timeout: std::time::Duration) -> bool {
     tierproxy::lab::netns::in_netns(netns, || {
