@@ -263,8 +263,8 @@ impl ProblemLog {
     /// Logs the `lines` of one build that the previous build did not log; forgets the rest.
     pub fn log(&mut self, lines: Vec<(Level, String)>) {
         let now: std::collections::HashSet<(Level, String)> = lines.into_iter().collect();
-        for (level, line) in &now {
-            if self.seen.contains(&(*level, line.clone())) {
+        for seen @ (level, line) in &now {
+            if self.seen.contains(seen) {
                 continue;
             }
             match level {
@@ -273,8 +273,8 @@ impl ProblemLog {
                 Level::Error => tracing::error!("{line}"),
             }
         }
-        for (level, line) in &self.seen {
-            if *level != Level::Info && !now.contains(&(*level, line.clone())) {
+        for old @ (level, line) in &self.seen {
+            if *level != Level::Info && !now.contains(old) {
                 tracing::info!("no longer the case: {line}");
             }
         }
@@ -1171,7 +1171,6 @@ impl Reloader<'_> {
             self.kube.map(|k| k.records.records()).as_ref(),
             &mut self.problem_log,
         );
-        self.records = records;
         let current = match loaded {
             Ok(b) => {
                 self.needs_records = needs_records(&b.report);
@@ -1199,6 +1198,7 @@ impl Reloader<'_> {
         self.revision = next.0;
         self.fingerprint = fingerprint;
         self.generation = generation;
+        self.records = records;
         let compiled = started.elapsed();
         let redecided = self.decider.redecide(self.registry);
         let spec = match RulesetSpec::new(self.opts.redirect.clone(), local, node_addrs) {

@@ -574,6 +574,16 @@ const LEASE_NS: &str = "tierproxy-system";
 const LEASE: &str = "tierproxy-policy-status";
 const LEASES: &str = "/apis/coordination.k8s.io/v1/leases";
 
+/// A scripted API server holding one invalid ANP, `bad` (priority 1001), and a source
+/// that has listed it: what the election tests hand over.
+async fn one_invalid_policy() -> (FakeApi, ApiSource) {
+    let api = FakeApi::start();
+    api.apply(anp("bad", 1001));
+    let (source, _) = start(&api).await;
+    until("initial lists", || source.initialized()).await;
+    (api, source)
+}
+
 /// A status writer (`status::run`) of identity `user`, as its own API user.
 struct Writer {
     reports: tokio::sync::watch::Sender<Arc<Report>>,
@@ -669,10 +679,7 @@ fn lease_attempts(requests: &[String]) -> usize {
 /// another holder, and writes again only after a renewal succeeds.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_leader_that_cannot_renew_stops_writing_when_its_lease_runs_out() {
-    let api = FakeApi::start();
-    api.apply(anp("bad", 1001));
-    let (source, _) = start(&api).await;
-    until("initial lists", || source.initialized()).await;
+    let (api, source) = one_invalid_policy().await;
     let lease = Duration::from_secs(2);
     let a = Writer::start(&api, &source, "a", lease.as_secs()).await;
     a.report(invalid(1, 1001));
@@ -728,10 +735,7 @@ async fn a_leader_that_cannot_renew_stops_writing_when_its_lease_runs_out() {
 /// condition, which the two write differently, never flips back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_leader_that_may_no_longer_renew_gives_way_without_flapping() {
-    let api = FakeApi::start();
-    api.apply(anp("bad", 1001));
-    let (source, _) = start(&api).await;
-    until("initial lists", || source.initialized()).await;
+    let (api, source) = one_invalid_policy().await;
     // "a" writes "5001 is out of range" and, below, a new value with every report; "b"
     // writes "1002 is out of range".
     let lease = Duration::from_secs(6);
@@ -807,10 +811,7 @@ async fn a_leader_that_may_no_longer_renew_gives_way_without_flapping() {
 /// over at once, not after the lease duration (15 s).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stopping_leader_releases_the_lease() {
-    let api = FakeApi::start();
-    api.apply(anp("bad", 1001));
-    let (source, _) = start(&api).await;
-    until("initial lists", || source.initialized()).await;
+    let (api, source) = one_invalid_policy().await;
     let mut a = Writer::start(&api, &source, "a", 15).await;
     a.report(invalid(1, 1001));
     until("a writes", || message(&api, "bad").is_some()).await;
@@ -835,10 +836,7 @@ async fn a_stopping_leader_releases_the_lease() {
 /// second create is refused (409 AlreadyExists).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_new_leader_does_not_post_the_same_event_again() {
-    let api = FakeApi::start();
-    api.apply(anp("bad", 1001));
-    let (source, _) = start(&api).await;
-    until("initial lists", || source.initialized()).await;
+    let (api, source) = one_invalid_policy().await;
     let events = || api.list("events.k8s.io/v1", "Event");
     let mut a = Writer::start(&api, &source, "a", 15).await;
     a.report(invalid(1, 1001));

@@ -122,11 +122,6 @@ impl Records {
             .map(|(r, rec)| (key(r), serde_json::to_string(rec).unwrap_or_else(|_| "{}".into())))
             .collect()
     }
-
-    /// Bytes of keys and values in [`Records::to_data`].
-    pub fn bytes(&self) -> usize {
-        self.to_data().iter().map(|(k, v)| k.len() + v.len()).sum()
-    }
 }
 
 /// Puts back, in `inputs`, the recorded version of each policy named in `invalid` (the
@@ -374,7 +369,8 @@ pub async fn write(
     if *want == store.records() {
         return Ok(false);
     }
-    let bytes = want.bytes();
+    let data = want.to_data();
+    let bytes: usize = data.iter().map(|(k, v)| k.len() + v.len()).sum();
     if bytes > MAX_BYTES {
         return Err(format!(
             "the last good versions take {bytes} bytes, more than the {MAX_BYTES} one ConfigMap \
@@ -389,7 +385,7 @@ pub async fn write(
             "name": CONFIGMAP,
             "labels": {"app.kubernetes.io/name": "tierproxy"},
         },
-        "data": want.to_data(),
+        "data": data,
     });
     api.patch(
         CONFIGMAP,

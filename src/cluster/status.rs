@@ -545,9 +545,6 @@ impl Writer {
                 .map(|p| Current::of(&**p, Kind::ClusterNetworkPolicy, &p.spec)),
         );
         let want = lastgood::desired(&store.records(), &current, report);
-        if want == store.records() {
-            return true;
-        }
         let Some(until) = leading_until(lead) else { return false };
         let write = lastgood::write(&self.client, namespace, store, &want);
         match tokio::time::timeout_at(until, write).await {
