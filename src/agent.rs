@@ -35,7 +35,7 @@ use anyhow::{Context, bail};
 
 use crate::audit::{self, AuditConfig, Auditor};
 use crate::cluster::{self, manifest};
-use crate::config::RedirectConfig;
+use crate::config::{RedirectConfig, UdpPath};
 use crate::metrics::{Metrics, Sample, Scraped};
 use crate::policy::{ObjectRef, Revision, Snapshot};
 use crate::proxy::decider::{Current, Decider, DeciderLimits};
@@ -44,6 +44,7 @@ use crate::proxy::registry::Registry;
 use crate::proxy::relay::{PipeBudget, PipePool, RelayConfig, RelayMode};
 use crate::proxy::tcp::{self, ProxyConfig};
 use crate::proxy::udp::{self, UdpConfig};
+use crate::proxy::{conntrack, forwarded};
 use crate::redirect::{self, RulesetSpec};
 
 /// A field of `/proc/self/status` in MiB (0 if it cannot be read).
@@ -152,8 +153,12 @@ pub struct AgentOptions {
     /// default only for loopback peers (their answers name every pod, policy and rule).
     pub debug_from_anywhere: bool,
     /// Set `net.ipv4.tcp_tw_reuse` to 1 in the enforcing namespace while running (the old
-    /// value is put back on exit); see [`TcpTwReuse`].
+    /// value is put back on exit); see [`TCP_TW_REUSE`].
     pub tcp_tw_reuse: bool,
+    /// Set `net.netfilter.nf_conntrack_acct` to 1 while running (the old value is put back
+    /// on exit), so that kernel-forwarded UDP flows' end records carry their bytes; see
+    /// [`CONNTRACK_ACCT`]. Only with [`crate::config::UdpPath::Kernel`].
+    pub conntrack_acct: bool,
     /// Where the agent keeps what it must undo after a crash ([`DEFAULT_STATE_DIR`]).
     pub state_dir: PathBuf,
     /// A network namespace (a path such as `/run/netns/NAME`, or a name under
@@ -200,6 +205,7 @@ impl AgentOptions {
             metrics_addr: None,
             debug_from_anywhere: false,
             tcp_tw_reuse: true,
+            conntrack_acct: true,
             state_dir: PathBuf::from(DEFAULT_STATE_DIR),
             netns: None,
             keep_capabilities: None,
@@ -528,7 +534,10 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
     if let Some(ns) = &opts.netns {
         enter_netns(ns)?;
     }
-    let _tw_reuse = TcpTwReuse::start(&opts.state_dir, opts.tcp_tw_reuse);
+    let _tw_reuse = HostSysctl::start(&opts.state_dir, TCP_TW_REUSE, opts.tcp_tw_reuse);
+    let udp_kernel = opts.redirect.udp_path == UdpPath::Kernel;
+    let _ct_acct =
+        HostSysctl::start(&opts.state_dir, CONNTRACK_ACCT, udp_kernel && opts.conntrack_acct);
     if let Some(keep) = &opts.keep_capabilities {
         keep_only_capabilities(keep)?;
     }
@@ -628,12 +637,27 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
     );
     let decider = Arc::new(Decider::new(
         current,
-        DeciderLimits::default(),
+        // Kernel-forwarded flows hold no descriptor: the option alone bounds them.
+        DeciderLimits { forwarded_flows: opts.max_udp_flows, ..DeciderLimits::default() },
         auditor.clone(),
         metrics.data_path.clone(),
     ));
     let _ = decider_slot.set(decider.clone());
 
+    // Kernel-forwarded UDP: destroy events are watched before the first flow is admitted,
+    // so none of their ends is missed; the sweeper's sockets re-decide live flows.
+    let sweeper = if udp_kernel {
+        let events = conntrack::DestroyEvents::subscribe(CONNTRACK_EVENTS_RCVBUF)
+            .context("subscribing to conntrack destroy events (needs CAP_NET_ADMIN and nf_conntrack_netlink; --udp-path proxy does without)")?;
+        let watcher = decider.clone();
+        std::thread::Builder::new()
+            .name("tierproxy-ctevents".into())
+            .spawn(move || forwarded::watch(&watcher, events))
+            .context("starting the conntrack event thread")?;
+        Some(Sweeper::open().context("opening ctnetlink sockets (--udp-path proxy does without)")?)
+    } else {
+        None
+    };
     let r = &opts.redirect;
     let queue_activity = queue::QueueActivity::default();
     queue::start(
@@ -681,7 +705,8 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
         SocketAddr::new(IpAddr::V6(r.tproxy_addr_v6), r.tproxy_port),
     ];
     let listeners = runtime.block_on(async { tcp::bind(&addrs) })?;
-    let udp_listeners = runtime.block_on(async { udp::bind(&addrs) })?;
+    let udp_listeners =
+        if udp_kernel { Vec::new() } else { runtime.block_on(async { udp::bind(&addrs) })? };
     let udp_config = UdpConfig {
         bypass_mark: r.bypass_mark.value,
         preserve_source: opts.preserve_source,
@@ -693,6 +718,18 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
     // The guard first: an apply that fails half-way is cleaned up too.
     let installed = Installed { backend: &*backend, config: r, keep: r.keep_rules_on_exit };
     backend.apply(&spec).with_context(|| format!("installing the {} ruleset", backend.name()))?;
+    let mut sweeper = sweeper;
+    if let Some(s) = sweeper.as_mut() {
+        // UDP flows a previous agent admitted are forwarded on their conntrack entries:
+        // decided again under this snapshot like after a change.
+        let cut = s.sweep(&decider, true);
+        if cut > 0 {
+            tracing::info!(
+                cut,
+                "UDP flows admitted before this agent started and denied now were cut"
+            );
+        }
+    }
 
     if let Some(path) = &opts.ready_file {
         std::fs::write(path, b"")
@@ -757,6 +794,7 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
             drops: &ruleset_drops,
             ticked: std::time::Instant::now(),
             queue_activity: &queue_activity,
+            sweeper,
         };
         let spawned = std::thread::Builder::new()
             .name("tierproxy-reload".into())
@@ -800,6 +838,14 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
             k.stop();
         }
     });
+    if udp_kernel {
+        // The kernel goes on forwarding them; this agent stops reporting them.
+        let ended =
+            conntrack::Conntrack::open().and_then(|mut ct| forwarded::shut_down(&decider, &mut ct));
+        if let Err(e) = ended {
+            tracing::warn!(error = %e, "listing conntrack at shutdown failed: the kernel-forwarded UDP flows' ends were reported without bytes");
+        }
+    }
     // Connection ends are queued by now: flush them with the rest.
     auditor.shutdown();
     if let Some(path) = &opts.ready_file {
@@ -1022,6 +1068,78 @@ struct Reloader<'a> {
     ticked: std::time::Instant,
     /// The queue readers' batches, for emptying the kernel-side cache of allowed classes.
     queue_activity: &'a queue::QueueActivity,
+    /// Kernel-forwarded UDP flows' sweeps ([`forwarded::sweep`]); `None` on the proxy path.
+    sweeper: Option<Sweeper>,
+}
+
+/// Receive buffer of the conntrack destroy event socket: 8 MiB, about 30,000 events (a
+/// destroy event of an IPv4 UDP entry is ~250 bytes, charged as its skb's true size).
+pub const CONNTRACK_EVENTS_RCVBUF: usize = 8 << 20;
+
+/// How often the reloader sweeps the kernel-forwarded UDP flows without a policy change
+/// (to forget flows whose first datagram never made a conntrack entry); at the next tick
+/// already after destroy events were lost.
+pub const SWEEP_EVERY: Duration = Duration::from_secs(60);
+
+/// The two ctnetlink sockets of [`forwarded::sweep`] (one lists the table while the other
+/// deletes entries), and when it last ran.
+pub struct Sweeper {
+    dump: conntrack::Conntrack,
+    delete: conntrack::Conntrack,
+    swept: std::time::Instant,
+    /// [`forwarded::ForwardedStats::events_lost`] at the last sweep.
+    lost: u64,
+}
+
+impl Sweeper {
+    /// Opens the sockets.
+    ///
+    /// # Errors
+    /// [`conntrack::Conntrack::open`]'s.
+    pub fn open() -> std::io::Result<Sweeper> {
+        Ok(Sweeper {
+            dump: conntrack::Conntrack::open()?,
+            delete: conntrack::Conntrack::open()?,
+            swept: std::time::Instant::now(),
+            lost: 0,
+        })
+    }
+
+    /// One [`forwarded::sweep`], logged: with `redecide`, after a new snapshot (every live
+    /// flow decided again, the denied ones' entries deleted); without, to forget flows that
+    /// never started. Returns how many entries it deleted.
+    pub fn sweep(&mut self, decider: &Decider, redecide: bool) -> usize {
+        self.swept = std::time::Instant::now();
+        self.lost =
+            decider.forwarded().stats.events_lost.load(std::sync::atomic::Ordering::Relaxed);
+        match forwarded::sweep(decider, &mut self.dump, &mut self.delete, redecide) {
+            Ok(s) => {
+                tracing::debug!(
+                    checked = s.checked,
+                    cut = s.cut,
+                    forgotten = s.forgotten,
+                    tracked = decider.forwarded().len(),
+                    took_us = self.swept.elapsed().as_micros() as u64,
+                    "kernel-forwarded UDP flows swept"
+                );
+                s.cut
+            }
+            Err(e) => {
+                tracing::error!(
+                    error = %e,
+                    "sweeping the kernel-forwarded UDP flows failed: flows a new snapshot denies may live on until their conntrack entries expire; retried at the next change or tick"
+                );
+                0
+            }
+        }
+    }
+
+    /// Whether a sweep without a policy change is due: [`SWEEP_EVERY`] passed, or destroy
+    /// events were lost since the last one.
+    fn due(&self, decider: &Decider) -> bool {
+        let lost = decider.forwarded().stats.events_lost.load(std::sync::atomic::Ordering::Relaxed);
+        lost != self.lost || self.swept.elapsed() >= SWEEP_EVERY
+    }
 }
 
 /// How often the reloader reads the ruleset's drop counters and the routes to the local
@@ -1114,6 +1232,9 @@ impl Reloader<'_> {
         // stayed ~200 MiB higher after a flood for good (issue #17). The caches free their
         // expired entries first.
         self.decider.maintain();
+        if let Some(s) = self.sweeper.as_mut().filter(|s| s.due(self.decider)) {
+            s.sweep(self.decider, false);
+        }
         trim_heap();
         let counts = match self.backend.drop_counts(self.spec.config()) {
             Ok(c) => c,
@@ -1201,6 +1322,7 @@ impl Reloader<'_> {
         self.records = records;
         let compiled = started.elapsed();
         let redecided = self.decider.redecide(self.registry);
+        let udp_cut = self.sweeper.as_mut().map_or(0, |s| s.sweep(self.decider, true));
         let spec = match RulesetSpec::new(self.opts.redirect.clone(), local, node_addrs) {
             Ok(s) => s.with_enforced_pods(enforced),
             Err(e) => {
@@ -1255,6 +1377,7 @@ impl Reloader<'_> {
             total_us = started.elapsed().as_micros() as u64,
             live = redecided.checked,
             cut = redecided.cut,
+            udp_cut,
             rss_mib = rss_mib(),
             pods_added = added.len(),
             pods_removed = removed.len(),
@@ -1290,8 +1413,28 @@ impl Reloader<'_> {
     }
 }
 
-/// `net.ipv4.tcp_tw_reuse = 1` in the agent's network namespace (the node's) while it
-/// runs; the old value is written back when this is dropped.
+/// A sysctl of the agent's network namespace (the node's) that the agent sets to 1 while
+/// it runs ([`HostSysctl`]).
+#[derive(Debug, Clone, Copy)]
+pub struct Sysctl {
+    /// Dotted name, e.g. `net.ipv4.tcp_tw_reuse`.
+    pub name: &'static str,
+    /// What setting it does, for the log line (with the flag that leaves it alone).
+    pub why: &'static str,
+}
+
+impl Sysctl {
+    fn path(&self) -> PathBuf {
+        PathBuf::from("/proc/sys").join(self.name.replace('.', "/"))
+    }
+
+    /// The state file's name: the last component of the name.
+    fn leaf(&self) -> &'static str {
+        self.name.rsplit('.').next().unwrap_or(self.name)
+    }
+}
+
+/// `net.ipv4.tcp_tw_reuse = 1`.
 ///
 /// Why: the proxy's upstream connections carry their client's address, so when clients
 /// close first, the upstream legs' TIME_WAITs (60 s each) pile up per client and
@@ -1303,24 +1446,39 @@ impl Reloader<'_> {
 /// `tcp_tw_reuse`); the kernel's default (2) allows it on loopback only. It applies to
 /// every outgoing connection of the node, which is why the agent says so in its log and
 /// `--no-tcp-tw-reuse` leaves the setting alone.
+pub const TCP_TW_REUSE: Sysctl = Sysctl {
+    name: "net.ipv4.tcp_tw_reuse",
+    why: "for this node's outgoing connections while the agent runs (upstream legs carry client addresses; --no-tcp-tw-reuse leaves it alone)",
+};
+
+/// `net.netfilter.nf_conntrack_acct = 1`: conntrack counts packets and bytes of every
+/// entry created from now on, so that a kernel-forwarded UDP flow's end record has its
+/// bytes each way ([`crate::proxy::forwarded`]; nf_conntrack-sysctl.rst). It costs every
+/// new conntrack entry of the node 32 bytes and every packet two counter updates;
+/// `--no-conntrack-acct` leaves it alone (ends are then reported with 0 bytes).
+pub const CONNTRACK_ACCT: Sysctl = Sysctl {
+    name: "net.netfilter.nf_conntrack_acct",
+    why: "so that the end records of kernel-forwarded UDP flows carry their bytes (--no-conntrack-acct leaves it alone)",
+};
+
+/// A [`Sysctl`] set to 1 while the agent runs; the old value is written back when this
+/// is dropped.
 ///
 /// A crash (SIGKILL, OOM) skips the restore, so the old value is also written to a state
-/// file (`<state dir>/tcp_tw_reuse.<network namespace cookie>`) before the sysctl is
-/// changed, and removed once it is restored: the next agent started in the same namespace
-/// finds it and restores that value first, whether or not it sets the sysctl again (issue
-/// #17: the value stayed 1 for good after a crash). The namespace cookie
-/// (`SO_NETNS_COOKIE`) is unique for the boot, so the file of a namespace that is gone
-/// never applies to another; the state directory is on tmpfs (`/run`), which a reboot,
-/// like the sysctl, resets.
-pub struct TcpTwReuse {
+/// file (`<state dir>/<last name component>.<network namespace cookie>`, e.g.
+/// `tcp_tw_reuse.cookie-42`) before the sysctl is changed, and removed once it is
+/// restored: the next agent started in the same namespace finds it and restores that
+/// value first, whether or not it sets the sysctl again (issue #17: `tcp_tw_reuse` stayed
+/// 1 for good after a crash). The namespace cookie (`SO_NETNS_COOKIE`) is unique for the
+/// boot, so the file of a namespace that is gone never applies to another; the state
+/// directory is on tmpfs (`/run`), which a reboot, like the sysctl, resets.
+pub struct HostSysctl {
+    sysctl: Sysctl,
     old: Option<String>,
     file: Option<PathBuf>,
 }
 
-/// The sysctl [`TcpTwReuse`] sets.
-const TW_REUSE: &str = "/proc/sys/net/ipv4/tcp_tw_reuse";
-
-/// Default directory of the agent's state files ([`TcpTwReuse`]): `/run/tierproxy`
+/// Default directory of the agent's state files ([`HostSysctl`]): `/run/tierproxy`
 /// (tmpfs; the DaemonSet mounts an emptyDir there).
 pub const DEFAULT_STATE_DIR: &str = "/run/tierproxy";
 
@@ -1355,36 +1513,37 @@ fn netns_id() -> Option<String> {
     Some(format!("inode-{inode}"))
 }
 
-impl TcpTwReuse {
+impl HostSysctl {
     /// Restores a value a crashed agent left in `state_dir` for this namespace, then, if
-    /// `enable`, sets the sysctl to 1 if it is not, remembering the old value there.
+    /// `enable`, sets `sysctl` to 1 if it is not, remembering the old value there.
     /// Failures are logged (the agent runs on without it).
-    pub fn start(state_dir: &std::path::Path, enable: bool) -> TcpTwReuse {
-        let file = netns_id().map(|id| state_dir.join(format!("tcp_tw_reuse.{id}")));
+    pub fn start(state_dir: &std::path::Path, sysctl: Sysctl, enable: bool) -> HostSysctl {
+        let (name, path) = (sysctl.name, sysctl.path());
+        let file = netns_id().map(|id| state_dir.join(format!("{}.{id}", sysctl.leaf())));
         if let Some(f) = &file
             && let Ok(left) = std::fs::read_to_string(f)
         {
             let left = left.trim().to_string();
-            match std::fs::write(TW_REUSE, &left) {
+            match std::fs::write(&path, &left) {
                 Ok(()) => {
                     tracing::warn!(
                         value = %left,
                         file = %f.display(),
-                        "restored net.ipv4.tcp_tw_reuse, which an agent that did not exit cleanly left set"
+                        "restored {name}, which an agent that did not exit cleanly left set"
                     );
                     let _ = std::fs::remove_file(f);
                 }
-                Err(e) => tracing::warn!(error = %e, "cannot restore net.ipv4.tcp_tw_reuse={left}"),
+                Err(e) => tracing::warn!(error = %e, "cannot restore {name}={left}"),
             }
         }
-        let none = TcpTwReuse { old: None, file: None };
+        let none = HostSysctl { sysctl, old: None, file: None };
         if !enable {
             return none;
         }
-        let old = match std::fs::read_to_string(TW_REUSE) {
+        let old = match std::fs::read_to_string(&path) {
             Ok(v) => v.trim().to_string(),
             Err(e) => {
-                tracing::warn!(error = %e, "cannot read net.ipv4.tcp_tw_reuse");
+                tracing::warn!(error = %e, "cannot read {name}");
                 return none;
             }
         };
@@ -1398,21 +1557,18 @@ impl TcpTwReuse {
                 tracing::warn!(
                     error = %e,
                     file = %f.display(),
-                    "cannot record net.ipv4.tcp_tw_reuse's old value; a crash would leave it at 1"
+                    "cannot record {name}'s old value; a crash would leave it at 1"
                 );
             }
             saved.is_ok()
         });
-        match std::fs::write(TW_REUSE, "1") {
+        match std::fs::write(&path, "1") {
             Ok(()) => {
-                tracing::info!(
-                    was = %old,
-                    "set net.ipv4.tcp_tw_reuse=1 for this node's outgoing connections while the agent runs (upstream legs carry client addresses; --no-tcp-tw-reuse leaves it alone)"
-                );
-                TcpTwReuse { old: Some(old), file }
+                tracing::info!(was = %old, "set {name}=1 {}", sysctl.why);
+                HostSysctl { sysctl, old: Some(old), file }
             }
             Err(e) => {
-                tracing::warn!(error = %e, "cannot set net.ipv4.tcp_tw_reuse=1");
+                tracing::warn!(error = %e, "cannot set {name}=1");
                 if let Some(f) = file {
                     let _ = std::fs::remove_file(f);
                 }
@@ -1422,16 +1578,16 @@ impl TcpTwReuse {
     }
 }
 
-impl Drop for TcpTwReuse {
+impl Drop for HostSysctl {
     fn drop(&mut self) {
         let Some(old) = &self.old else { return };
-        match std::fs::write(TW_REUSE, old) {
+        match std::fs::write(self.sysctl.path(), old) {
             Ok(()) => {
                 if let Some(f) = &self.file {
                     let _ = std::fs::remove_file(f);
                 }
             }
-            Err(e) => tracing::warn!(error = %e, "cannot restore net.ipv4.tcp_tw_reuse={old}"),
+            Err(e) => tracing::warn!(error = %e, "cannot restore {}={old}", self.sysctl.name),
         }
     }
 }
@@ -1659,7 +1815,12 @@ fn scraped(sources: Sources, config: &AuditConfig) -> Scraped {
                 vec![],
                 registry.len() as u64,
             ),
-            c("udp_flows", "UDP flows opened by the proxy", vec![], udp.flows.load(Relaxed)),
+            c(
+                "udp_flows",
+                "UDP flows opened by the proxy (--udp-path proxy)",
+                vec![],
+                udp.flows.load(Relaxed),
+            ),
             c(
                 "udp_datagrams_dropped",
                 "UDP datagrams the proxy dropped: flow table full, flow setup failed, too \
@@ -1693,6 +1854,40 @@ fn scraped(sources: Sources, config: &AuditConfig) -> Scraped {
                 depth as u64,
             ));
         }
+        if let Some(d) = decider.get() {
+            let f = d.forwarded();
+            out.extend([
+                c(
+                    "udp_forwarded_flows",
+                    "UDP flows allowed on their first datagram and forwarded by the kernel \
+                     (--udp-path kernel), by whether their end is reported (tracked) or not \
+                     (the table was full, --max-udp-flows)",
+                    vec![("end", "tracked".into())],
+                    f.stats.tracked.load(Relaxed),
+                ),
+                c(
+                    "udp_forwarded_flows",
+                    "UDP flows allowed on their first datagram and forwarded by the kernel \
+                     (--udp-path kernel), by whether their end is reported (tracked) or not \
+                     (the table was full, --max-udp-flows)",
+                    vec![("end", "untracked".into())],
+                    f.stats.untracked.load(Relaxed),
+                ),
+                g(
+                    "udp_forwarded_active",
+                    "Kernel-forwarded UDP flows tracked now (until their conntrack entry goes)",
+                    vec![],
+                    f.len() as u64,
+                ),
+                c(
+                    "udp_forwarded_cut",
+                    "Conntrack entries of kernel-forwarded UDP flows deleted because a new \
+                     snapshot denies them",
+                    vec![],
+                    f.stats.cut.load(Relaxed),
+                ),
+            ]);
+        }
         let dr = "Packets the ruleset dropped, by reason: node_source (a node address as the \
                   source, not from the node itself), pod_source (from a local pod's interface, \
                   a source not routed back through it), stray_tcp (TCP of a pod flow that no \
@@ -1719,10 +1914,13 @@ fn scraped(sources: Sources, config: &AuditConfig) -> Scraped {
             drops.enforced.load(Relaxed),
         ));
         let lh = "Times the agent hit one of its limits, by limit: connections (--max-connections, \
-                  new connections wait), udp_flows (--max-udp-flows, datagram dropped), \
+                  new connections wait), udp_flows (--max-udp-flows: a new flow's datagram dropped on the \
+                  proxy path, its end not reported on the kernel path), \
                   open_files (EMFILE/ENFILE), pipes (relay pipe budget: burst copied, or a pipe \
                   refused its size), accept_errors, nfqueue_overrun (an NFQUEUE reader fell \
-                  behind); each is logged at most once per 10 s";
+                  behind), icmp_errors (ICMP errors passed on to UDP proxy clients per second), \
+                  conntrack_events (conntrack destroy events lost: UDP flow ends not \
+                  reported); each is logged at most once per 10 s";
         for (limit, hits) in crate::limits::LIMITS.each() {
             out.push(c("limit_hits", lh, vec![("limit", limit.into())], hits.get()));
         }

@@ -149,6 +149,22 @@ impl fmt::Display for MarkRole {
     }
 }
 
+/// Which path allowed UDP flows take (`--udp-path kernel|proxy`, issue #20).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum UdpPath {
+    /// The first datagram of a flow (its conntrack entry not yet confirmed) is queued and
+    /// decided; the kernel forwards an allowed flow on its conntrack entry, keeping the
+    /// client's address and port. Live cut deletes the entry, the end record comes from its
+    /// destroy event (`proxy::forwarded`).
+    #[default]
+    Kernel,
+    /// Every UDP flow is TPROXY'd to the agent's UDP proxy, which relays it through a pair
+    /// of sockets (`proxy::udp`): the server sees the client's address but a port the
+    /// node picked.
+    Proxy,
+}
+
 /// Which redirection backend to use (`--redirect-backend iptables|nftables|auto`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -324,6 +340,8 @@ pub struct RedirectConfig {
     /// kernel's routes to the local pods' addresses). Without it a pod with CAP_NET_RAW
     /// sends under another pod's identity. Default [`DEFAULT_SOURCE_CHECK`].
     pub source_check: bool,
+    /// The path allowed UDP flows take. Default [`UdpPath::Kernel`].
+    pub udp_path: UdpPath,
 }
 
 impl Default for RedirectConfig {
@@ -345,6 +363,7 @@ impl Default for RedirectConfig {
             keep_rules_on_exit: DEFAULT_KEEP_RULES_ON_EXIT,
             upstream_zone: DEFAULT_UPSTREAM_ZONE,
             source_check: DEFAULT_SOURCE_CHECK,
+            udp_path: UdpPath::Kernel,
         }
     }
 }

@@ -33,7 +33,9 @@ pub struct Limits {
     /// `--max-connections` live proxied connections: the proxy stops accepting, new
     /// connections wait in the listen backlog until one closes.
     pub connections: Hits,
-    /// `--max-udp-flows` live UDP flows: a new flow's first datagram is dropped.
+    /// `--max-udp-flows` live UDP flows: with `--udp-path proxy`, a new flow's first
+    /// datagram is dropped; with the kernel path (the default), a new flow is still decided
+    /// and forwarded, but its end is not reported ([`crate::proxy::forwarded`]).
     pub udp_flows: Hits,
     /// The open files limit (`EMFILE`, `ENFILE`): a socket or pipe could not be created; the
     /// connection or flow concerned fails (a pipe: relayed by copy instead).
@@ -52,11 +54,14 @@ pub struct Limits {
     /// [`crate::proxy::icmp::MAX_PER_SECOND`] ICMP errors passed on to clients per second:
     /// the client of a refused UDP flow gets no "connection refused" and times out instead.
     pub icmp_errors: Hits,
+    /// Conntrack destroy events lost (`ENOBUFS` on the event socket): the ends of some
+    /// kernel-forwarded UDP flows are not reported ([`crate::proxy::forwarded::watch`]).
+    pub conntrack_events: Hits,
 }
 
 impl Limits {
     /// Every limit with its name in metrics and logs.
-    pub fn each(&self) -> [(&'static str, &Hits); 7] {
+    pub fn each(&self) -> [(&'static str, &Hits); 8] {
         [
             ("connections", &self.connections),
             ("udp_flows", &self.udp_flows),
@@ -65,6 +70,7 @@ impl Limits {
             ("accept_errors", &self.accept_errors),
             ("nfqueue_overrun", &self.nfqueue_overrun),
             ("icmp_errors", &self.icmp_errors),
+            ("conntrack_events", &self.conntrack_events),
         ]
     }
 }
@@ -78,6 +84,7 @@ pub static LIMITS: Limits = Limits {
     accept_errors: Hits::new(),
     nfqueue_overrun: Hits::new(),
     icmp_errors: Hits::new(),
+    conntrack_events: Hits::new(),
 };
 
 /// Whether `e` is the open files limit (`EMFILE`: this process's `RLIMIT_NOFILE`;

@@ -251,9 +251,23 @@ struct AgentArgs {
     /// Close a UDP flow after this many seconds without a datagram either way.
     #[arg(long, default_value_t = tierproxy::agent::DEFAULT_UDP_IDLE_TIMEOUT.as_secs())]
     udp_idle_timeout_secs: u64,
-    /// Most live UDP flows; at the limit the first datagram of a new flow is dropped.
+    /// How allowed UDP flows are carried: `kernel` decides a flow's first datagram and lets
+    /// the kernel forward the flow on its conntrack entry (the server sees the client's
+    /// address and port; a policy change deletes the entries it denies; the end record
+    /// comes from conntrack's destroy event); `proxy` relays every flow through the agent's
+    /// UDP proxy (the server sees the client's address, not its port).
+    #[arg(long, value_enum, default_value_t = tierproxy::config::UdpPath::Kernel)]
+    udp_path: tierproxy::config::UdpPath,
+    /// Most live UDP flows. `--udp-path proxy`: at the limit the first datagram of a new
+    /// flow is dropped. `kernel`: the most flows whose end is reported; a flow over it is
+    /// still decided and forwarded.
     #[arg(long, default_value_t = tierproxy::agent::DEFAULT_MAX_UDP_FLOWS)]
     max_udp_flows: usize,
+    /// Leave net.netfilter.nf_conntrack_acct as it is (by default the agent sets it to 1
+    /// while it runs with `--udp-path kernel`, so the end records of UDP flows carry their
+    /// bytes; without it they say 0).
+    #[arg(long)]
+    no_conntrack_acct: bool,
     /// Leave net.ipv4.tcp_tw_reuse as it is (by default the agent sets it to 1 in the node's
     /// namespace while it runs: upstream connections carry client addresses, and their
     /// TIME_WAITs slow every connect under connection churn).
@@ -409,6 +423,8 @@ fn run_agent(a: AgentArgs) -> ExitCode {
     opts.udp_idle_timeout = Duration::from_secs(a.udp_idle_timeout_secs);
     opts.max_udp_flows = a.max_udp_flows;
     opts.tcp_tw_reuse = !a.no_tcp_tw_reuse;
+    opts.redirect.udp_path = a.udp_path;
+    opts.conntrack_acct = !a.no_conntrack_acct;
     opts.enforcing_nodes = a.enforcing_nodes;
     opts.state_dir = a.state_dir;
     if a.kube {

@@ -6,6 +6,7 @@ use std::net::IpAddr;
 use std::path::PathBuf;
 
 use tierproxy::config::RedirectConfig;
+use tierproxy::config::UdpPath;
 use tierproxy::redirect::{Backend, IptablesBackend, NftablesBackend, RulesetSpec};
 
 fn addrs(list: &[&str]) -> Vec<IpAddr> {
@@ -55,6 +56,27 @@ fn check_golden(name: &str, actual: &str) {
 fn iptables_golden() {
     let text = IptablesBackend::new().render(&fixed_spec(RedirectConfig::default()));
     check_golden("iptables.txt", &text);
+}
+
+/// `--udp-path proxy` (issue #20): UDP is TPROXY'd to the UDP proxy and every datagram no
+/// proxy socket took is queued, as before the kernel path; nothing else differs.
+#[test]
+fn the_udp_proxy_path_tproxies_udp_and_queues_every_datagram() {
+    let config = RedirectConfig { udp_path: UdpPath::Proxy, ..Default::default() };
+    let text = IptablesBackend::new().render(&fixed_spec(config.clone()));
+    check_golden("iptables-udp-proxy.txt", &text);
+    let kernel = IptablesBackend::new().render(&fixed_spec(RedirectConfig::default()));
+    let only = |a: &str, b: &str| -> Vec<String> {
+        a.lines().filter(|l| !b.lines().any(|m| m == *l)).map(str::to_owned).collect()
+    };
+    for l in only(&text, &kernel) {
+        assert!(l.contains("-p udp"), "only UDP rules differ: {l}");
+    }
+    for l in only(&kernel, &text) {
+        assert!(l.contains("-p udp"), "only UDP rules differ: {l}");
+    }
+    let nft = NftablesBackend::new().ruleset_json(&fixed_spec(config));
+    assert!(nft.contains("\"udp\""));
 }
 
 #[test]
@@ -113,7 +135,7 @@ fn fail_open_only_adds_queue_bypass() {
     let (c, o) = (ipt.render(&closed), ipt.render(&open));
     assert!(!c.contains("--queue-bypass"));
     let queue_lines = o.lines().filter(|l| l.contains("-j NFQUEUE")).count();
-    assert_eq!(queue_lines, 10, "3 protocols, UDP to the node and TCP not tproxied × 2 families");
+    assert_eq!(queue_lines, 8, "3 protocols and TCP not tproxied × 2 families");
     assert_eq!(o.matches("--queue-bypass").count(), queue_lines);
     assert_eq!(o.replace(" --queue-bypass", ""), c);
 
@@ -127,7 +149,7 @@ fn fail_open_only_adds_queue_bypass() {
     let rules = c["nftables"].as_array_mut().expect("array");
     let before = rules.len();
     rules.retain(|r| !no_listener(r));
-    assert_eq!(before - rules.len(), 8, "TCP and UDP × egress and ingress × 2 families");
+    assert_eq!(before - rules.len(), 4, "TCP × egress and ingress × 2 families");
     assert!(!o["nftables"].as_array().expect("array").iter().any(no_listener));
     let mut bypass_flags = 0;
     for obj in o["nftables"].as_array_mut().expect("array") {
@@ -141,8 +163,8 @@ fn fail_open_only_adds_queue_bypass() {
         }
     }
     assert_eq!(
-        bypass_flags, 20,
-        "(3 protocols + UDP to the node + TCP not tproxied) × egress and ingress × 2 families"
+        bypass_flags, 16,
+        "(3 protocols + TCP not tproxied) × egress and ingress × 2 families"
     );
     assert_eq!(o, c);
 }

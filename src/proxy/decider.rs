@@ -12,6 +12,7 @@ use std::time::{Duration, SystemTime};
 
 use arc_swap::ArcSwap;
 
+use super::forwarded::Forwarded;
 use super::packet::FlowKey;
 use super::registry::{Registry, STOP_POLICY_CHANGE, Tracked};
 use crate::audit::{self, Admitted, Auditor, CloseReason, ConnectionEnd, DecisionPoint, FlowInfo};
@@ -68,6 +69,8 @@ pub struct DeciderLimits {
     /// cache, and its entries must not keep their memory once the flood is over (issue
     /// #17).
     pub cache_idle: Duration,
+    /// Most kernel-forwarded UDP flows whose end is reported ([`Forwarded`]).
+    pub forwarded_flows: usize,
 }
 
 impl Default for DeciderLimits {
@@ -77,6 +80,7 @@ impl Default for DeciderLimits {
             pending_entries: 65_536,
             pending_ttl: Duration::from_secs(10),
             cache_idle: Duration::from_secs(60),
+            forwarded_flows: 16_384,
         }
     }
 }
@@ -121,6 +125,7 @@ pub struct Decider {
     pending: moka::sync::Cache<FlowKey, Admission>,
     auditor: Arc<Auditor>,
     metrics: Arc<DataPathMetrics>,
+    forwarded: Forwarded,
     /// Counters, for logs and tests.
     pub stats: DecisionStats,
 }
@@ -145,8 +150,14 @@ impl Decider {
                 .max_capacity(limits.pending_entries)
                 .time_to_live(limits.pending_ttl)
                 .build(),
+            forwarded: Forwarded::new(limits.forwarded_flows),
             stats: DecisionStats::default(),
         }
+    }
+
+    /// The kernel-forwarded UDP flows this node tracks ([`super::forwarded`]).
+    pub fn forwarded(&self) -> &Forwarded {
+        &self.forwarded
     }
 
     /// Publishes a new snapshot. Cached decisions of older revisions are never returned
@@ -191,15 +202,22 @@ impl Decider {
     /// Decides the first packet of the flow `key`, audits the decision, and, when it is
     /// allowed and `proxied` (the packet was TPROXY'd: the proxy will accept its flow), keeps
     /// it for [`Decider::take`] (the proxy attaches it to the connection it accepts). A flow
-    /// the kernel forwards once decided (the kernel-forwarded flows' queue: SCTP, UDP to
-    /// the node, TCP from an enforced pod) is never taken, so it is not kept. In lossless
-    /// audit mode this waits while the audit queue is full.
+    /// the kernel forwards once decided (the kernel-forwarded flows' queue: UDP, SCTP, TCP
+    /// from an enforced pod) is never taken; an allowed UDP one is tracked in
+    /// [`Decider::forwarded`] until its conntrack entry goes. In lossless audit mode this
+    /// waits while the audit queue is full.
     pub fn first_packet(&self, key: FlowKey, proxied: bool) -> Arc<Decision> {
         let started = std::time::Instant::now();
         let admission = self.decide_and_audit(key, DecisionPoint::FirstPacket);
         let d = admission.decision.clone();
-        if proxied && d.verdict == Verdict::Allow {
-            self.pending.insert(key, admission);
+        if d.verdict == Verdict::Allow {
+            if proxied {
+                self.pending.insert(key, admission);
+            } else if key.protocol == crate::policy::Protocol::Udp
+                && (d.egress.is_some() || d.ingress.is_some())
+            {
+                self.forwarded.admit(key, admission);
+            }
         }
         self.metrics.decision_seconds.observe(started.elapsed().as_secs_f64());
         d
@@ -229,11 +247,25 @@ impl Decider {
     pub fn ended(&self, admission: &Admission, tracked: &Tracked, reason: CloseReason) {
         let to_server = tracked.counters.to_server.load(Ordering::Relaxed);
         let to_client = tracked.counters.to_client.load(Ordering::Relaxed);
+        let duration = tracked.accepted.elapsed();
+        self.ended_flow(admission, tracked.key, reason, to_server, to_client, duration);
+    }
+
+    /// [`Decider::ended`] for a flow named by `key` that moved `to_server` and `to_client`
+    /// bytes in `duration` (a kernel-forwarded UDP flow: [`super::forwarded`]).
+    pub fn ended_flow(
+        &self,
+        admission: &Admission,
+        key: FlowKey,
+        reason: CloseReason,
+        to_server: u64,
+        to_client: u64,
+        duration: Duration,
+    ) {
         self.metrics.closed(reason, to_server, to_client);
         if !self.auditor.enabled() || !(admission.audited || reason == CloseReason::PolicyChange) {
             return;
         }
-        let key = tracked.key;
         let admitted = Admitted {
             flow: FlowInfo {
                 src: key.src,
@@ -244,8 +276,7 @@ impl Decider {
             },
             decision: admission.decision.clone(),
         };
-        let end =
-            ConnectionEnd { reason, to_server, to_client, duration: tracked.accepted.elapsed() };
+        let end = ConnectionEnd { reason, to_server, to_client, duration };
         self.auditor.connection_end(&self.current().snapshot, &admitted, end);
     }
 
@@ -289,8 +320,21 @@ impl Decider {
     }
 
     fn cut(&self, current: &Current, tracked: &Tracked, d: &Arc<Decision>) {
+        self.audit_cut(current, tracked.key, d);
+        tracked.stop(STOP_POLICY_CHANGE);
+    }
+
+    /// Audits (as a re-decision) and counts the cut of the kernel-forwarded flow `key`,
+    /// which the snapshot in force denies; the caller deletes its conntrack entry
+    /// ([`super::forwarded::sweep`]).
+    pub fn cut_forwarded(&self, key: FlowKey) {
+        let current = self.current.load_full();
+        let d = self.decide_in(&current, key.flow());
+        self.audit_cut(&current, key, &d);
+    }
+
+    fn audit_cut(&self, current: &Current, key: FlowKey, d: &Arc<Decision>) {
         if self.auditor.enabled() {
-            let key = tracked.key;
             let flow = FlowInfo {
                 src: key.src,
                 dst: key.dst,
@@ -301,7 +345,6 @@ impl Decider {
             self.auditor.decision(&current.audit, &current.snapshot, flow, d);
         }
         self.stats.policy_cuts.fetch_add(1, Ordering::Relaxed);
-        tracked.stop(STOP_POLICY_CHANGE);
     }
 
     /// Runs the caches' pending housekeeping now, so that entries that expired (a flood's)

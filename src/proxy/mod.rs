@@ -10,7 +10,9 @@
 //!
 //! Imports `policy` only (DESIGN §4); the redirect ruleset that feeds it lives in
 //! `redirect`, and the agent wires the two together.
+pub mod conntrack;
 pub mod decider;
+pub mod forwarded;
 pub mod icmp;
 pub mod nfqueue;
 pub mod packet;

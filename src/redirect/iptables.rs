@@ -25,9 +25,9 @@ use super::exec::Cmd;
 use super::{
     Backend, BackendKind, COMMENT_ENFORCED, COMMENT_NODE_SOURCE, COMMENT_POD_SOURCE,
     COMMENT_STRAY_TCP, DropCounts, Names, QUEUED_PROTOCOLS, QueueWhen, RedirectError, RulesetSpec,
-    TPROXY_PROTOCOLS, by_family, routing,
+    by_family, routing, tproxy_protocols,
 };
-use crate::config::RedirectConfig;
+use crate::config::{RedirectConfig, UdpPath};
 
 /// The programs the backend runs; [`IptablesCommands::default`] uses the distribution's
 /// default `iptables` (on the development machines `iptables v1.8.9 (nf_tables)`),
@@ -414,6 +414,15 @@ fn restore_input(spec: &RulesetSpec, fam: Family) -> String {
          -m set --match-set {nodes} src -j RETURN"
     );
     let _ = writeln!(o, "-A {decide} {udp_to_node}");
+    if c.udp_path == UdpPath::Kernel {
+        // A datagram of a UDP flow whose conntrack entry exists (its first datagram was
+        // allowed): forwarded by the kernel (see `QueueWhen::Unconfirmed`).
+        let _ = writeln!(
+            o,
+            "-A {decide} -p udp -m comment --comment \"tierproxy: UDP flow, decided\" \
+             -m conntrack --ctstatus CONFIRMED -j RETURN"
+        );
+    }
     for (dir, words) in [("src", "from"), ("dst", "to")] {
         let _ = writeln!(
             o,
@@ -440,8 +449,8 @@ fn restore_input(spec: &RulesetSpec, fam: Family) -> String {
         "-A {intercept} -p tcp -m comment --comment \"{COMMENT_ENFORCED}\" \
          -m set --match-set {enforced} src -j RETURN"
     );
-    for proto in TPROXY_PROTOCOLS {
-        match super::queue_when(proto) {
+    for proto in tproxy_protocols(c.udp_path) {
+        match super::queue_when(proto, c.udp_path) {
             QueueWhen::Syn => {
                 let _ =
                     writeln!(o, "-A {intercept} -p {proto} {SYN} -j CONNMARK --set-xmark {route}");
@@ -474,7 +483,7 @@ fn restore_input(spec: &RulesetSpec, fam: Family) -> String {
          {SYN} -m set --match-set {allowed} src,dst,dst -j RETURN"
     );
     for proto in QUEUED_PROTOCOLS {
-        let (new_only, target) = match super::queue_when(proto) {
+        let (new_only, target) = match super::queue_when(proto, c.udp_path) {
             QueueWhen::Syn => {
                 // A SYN without the route mark was not TPROXY'd: one rule 6 lets the
                 // kernel forward (from an enforced pod). Its own queue: the balanced ones
@@ -492,6 +501,8 @@ fn restore_input(spec: &RulesetSpec, fam: Family) -> String {
                 );
                 (String::new(), &queue_target)
             }
+            // The decide chain returned confirmed UDP already.
+            QueueWhen::Unconfirmed => (String::new(), &forwarded),
             QueueWhen::New => (" -m conntrack --ctstate NEW".to_owned(), &forwarded),
         };
         let _ = writeln!(o, "-A {queue} -p {proto}{new_only} -j NFQUEUE {target}{bypass_flag}");

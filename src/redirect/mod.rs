@@ -255,7 +255,7 @@ use std::collections::BTreeSet;
 use std::fmt;
 use std::net::IpAddr;
 
-use crate::config::{BackendChoice, ConfigError, RedirectConfig};
+use crate::config::{BackendChoice, ConfigError, RedirectConfig, UdpPath};
 
 pub use self::iptables::{IptablesBackend, IptablesCommands};
 pub use self::nft::NftablesBackend;
@@ -280,10 +280,16 @@ pub const ALLOWED_CACHE_MAX: u32 = 65_536;
 /// Protocols whose new flows are sent to NFQUEUE (rule 7), in rule order.
 pub const QUEUED_PROTOCOLS: [&str; 3] = ["tcp", "udp", "sctp"];
 
-/// Protocols whose new flows are TPROXY'd to the listener (rule 6) before their decision.
-/// Decided packets of other [`QUEUED_PROTOCOLS`] (SCTP) are accepted and forwarded by the
-/// kernel, as is decided UDP to the node's own addresses (rule 5).
-pub const TPROXY_PROTOCOLS: &[&str] = &["tcp", "udp"];
+/// Protocols whose new flows are TPROXY'd to the listener (rule 6) before their decision,
+/// for `udp_path` ([`RedirectConfig::udp_path`]). Decided packets of other
+/// [`QUEUED_PROTOCOLS`] (SCTP, and UDP on the kernel path) are accepted and forwarded by
+/// the kernel, as is decided UDP to the node's own addresses (rule 5).
+pub fn tproxy_protocols(udp_path: UdpPath) -> &'static [&'static str] {
+    match udp_path {
+        UdpPath::Kernel => &["tcp"],
+        UdpPath::Proxy => &["tcp", "udp"],
+    }
+}
 
 /// Which packets of each of [`QUEUED_PROTOCOLS`] rule 7 queues, when no proxy socket took
 /// them in rule 2 or 3.
@@ -296,20 +302,28 @@ pub enum QueueWhen {
     /// conntrack, and a `ctstate NEW` match would let it be forwarded undecided. Later
     /// packets belong to the proxy's sockets.
     Syn,
-    /// UDP: every datagram. One of a flow the proxy has closed (idle, or denied by a new
-    /// snapshot) is decided again, not forwarded by the kernel on a conntrack entry that
-    /// outlived the flow.
+    /// UDP through the proxy ([`UdpPath::Proxy`]): every datagram. One of a flow the
+    /// proxy has closed (idle, or denied by a new snapshot) is decided again, not forwarded
+    /// by the kernel on a conntrack entry that outlived the flow.
     Always,
+    /// UDP on the kernel path ([`UdpPath::Kernel`]): a datagram whose conntrack entry is
+    /// not confirmed yet (`--ctstatus CONFIRMED` unset; nft `ct status confirmed` unset),
+    /// i.e. the first of its 5-tuple, or the first after its entry went (expired, or
+    /// deleted by a sweep because a new snapshot denies it: `proxy::forwarded`). Not
+    /// `ctstate NEW`: for UDP that holds for every datagram in the original direction
+    /// until the first reply, so a one-way flow would be queued datagram by datagram.
+    Unconfirmed,
     /// SCTP: `ctstate NEW` (the INIT); the kernel forwards the rest of an allowed
     /// association.
     New,
 }
 
-/// When rule 7 queues a packet of `proto` (one of [`QUEUED_PROTOCOLS`]).
-pub fn queue_when(proto: &str) -> QueueWhen {
-    match proto {
-        "tcp" => QueueWhen::Syn,
-        "udp" => QueueWhen::Always,
+/// When rule 7 queues a packet of `proto` (one of [`QUEUED_PROTOCOLS`]) on `udp_path`.
+pub fn queue_when(proto: &str, udp_path: UdpPath) -> QueueWhen {
+    match (proto, udp_path) {
+        ("tcp", _) => QueueWhen::Syn,
+        ("udp", UdpPath::Proxy) => QueueWhen::Always,
+        ("udp", UdpPath::Kernel) => QueueWhen::Unconfirmed,
         _ => QueueWhen::New,
     }
 }

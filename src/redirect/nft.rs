@@ -38,9 +38,9 @@ use super::exec::Cmd;
 use super::{
     ALLOWED_CACHE_MAX, ALLOWED_CACHE_SECS, Backend, BackendKind, COMMENT_ENFORCED,
     COMMENT_NODE_SOURCE, COMMENT_POD_SOURCE, COMMENT_STRAY_TCP, DropCounts, Names,
-    QUEUED_PROTOCOLS, QueueWhen, RedirectError, RulesetSpec, TPROXY_PROTOCOLS, by_family, routing,
+    QUEUED_PROTOCOLS, QueueWhen, RedirectError, RulesetSpec, by_family, routing, tproxy_protocols,
 };
-use crate::config::{Mark, RedirectConfig};
+use crate::config::{Mark, RedirectConfig, UdpPath};
 
 /// Name of the base chain in tierproxy's table that intercepts (hook prerouting).
 pub const CHAIN: &str = "prerouting";
@@ -206,6 +206,11 @@ fn socket(key: SocketAttr, value: u32) -> Statement<'static> {
 /// `ct state`.
 fn ct_state() -> Expression<'static> {
     Expression::Named(NamedExpression::CT(CT { key: "state".into(), family: None, dir: None }))
+}
+
+/// `ct status` (a bit set: `expected`, `seen-reply`, `assured`, `confirmed`, ...).
+fn ct_status() -> Expression<'static> {
+    Expression::Named(NamedExpression::CT(CT { key: "status".into(), family: None, dir: None }))
 }
 
 fn l4proto_in(protos: &[&'static str]) -> Statement<'static> {
@@ -726,7 +731,7 @@ fn apply_batch(spec: &RulesetSpec) -> Nftables<'static> {
             in_set(fam, field, fam.pods),
             l4proto_in(&[proto]),
         ];
-        match super::queue_when(proto) {
+        match super::queue_when(proto, c.udp_path) {
             QueueWhen::Syn => expr.push(tcp_syn(Operator::EQ)),
             _ => expr.push(is(
                 payload(fam.proto, "daddr"),
@@ -781,9 +786,9 @@ fn apply_batch(spec: &RulesetSpec) -> Nftables<'static> {
     }
     for fam in [V4, V6] {
         for (field, comment) in DIRECTIONS {
-            for &proto in TPROXY_PROTOCOLS {
+            for &proto in tproxy_protocols(c.udp_path) {
                 let mut expr = intercepted(fam, field, proto);
-                if super::queue_when(proto) == QueueWhen::Syn {
+                if super::queue_when(proto, c.udp_path) == QueueWhen::Syn {
                     expr.push(set_ct_mark(c.route_mark));
                 }
                 expr.extend(tproxy(fam));
@@ -794,7 +799,7 @@ fn apply_batch(spec: &RulesetSpec) -> Nftables<'static> {
     // Fail-open keeps what no listener takes: with the agent gone, pod flows pass unchecked.
     for fam in [V4, V6].into_iter().filter(|_| !c.queue_bypass) {
         for (field, _) in DIRECTIONS {
-            for &proto in TPROXY_PROTOCOLS {
+            for &proto in tproxy_protocols(c.udp_path) {
                 let mut expr = intercepted(fam, field, proto);
                 expr.push(Statement::Drop(None));
                 b.rule(CHAIN, "tierproxy: no proxy listener", expr);
@@ -846,6 +851,19 @@ fn apply_batch(spec: &RulesetSpec) -> Nftables<'static> {
     for fam in [V4, V6] {
         b.rule(DECIDE_CHAIN, "tierproxy: UDP to the node itself, decided", udp_to_node(fam));
     }
+    if c.udp_path == UdpPath::Kernel {
+        // A datagram of a UDP flow whose conntrack entry exists (its first datagram was
+        // allowed): forwarded by the kernel (see `QueueWhen::Unconfirmed`).
+        b.rule(
+            DECIDE_CHAIN,
+            "tierproxy: UDP flow, decided",
+            vec![
+                l4proto_in(&["udp"]),
+                is(ct_status(), Operator::IN, str_expr("confirmed")),
+                Statement::Return(None),
+            ],
+        );
+    }
     // A SYN of a class the snapshot in force allowed (the cache is emptied at each new
     // snapshot): no queue trip. The proxy decides and audits it when it accepts it; a
     // kernel-forwarded one (from an enforced pod) was decided at its client's node.
@@ -871,7 +889,7 @@ fn apply_batch(spec: &RulesetSpec) -> Nftables<'static> {
         ] {
             for proto in QUEUED_PROTOCOLS {
                 let mut expr = vec![l4proto_in(&[proto])];
-                let target = match super::queue_when(proto) {
+                let target = match super::queue_when(proto, c.udp_path) {
                     QueueWhen::Syn => {
                         // A SYN without the route mark was not tproxied: one rule 6 lets
                         // the kernel forward (from an enforced pod). Its own queue: the
@@ -913,6 +931,8 @@ fn apply_batch(spec: &RulesetSpec) -> Nftables<'static> {
                         );
                         queue(c)
                     }
+                    // The chain returned confirmed UDP already.
+                    QueueWhen::Unconfirmed => forwarded_queue(c),
                     QueueWhen::New => {
                         expr.push(is(ct_state(), Operator::IN, str_expr("new")));
                         forwarded_queue(c)

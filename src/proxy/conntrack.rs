@@ -1,0 +1,588 @@
+//! A minimal `ctnetlink` client: the kernel's connection tracking table read (dump),
+//! changed (delete one entry) and watched (destroy events with their byte counters).
+//!
+//! It serves the UDP flows the kernel forwards once their first datagram is decided
+//! ([`super::forwarded`]): a new snapshot that denies a live flow deletes its entry (the
+//! flow's next datagram is then `ctstate NEW` again, queued and decided), and the entry's
+//! destroy event ends the flow's audit record with its duration and bytes each way.
+//!
+//! Message layouts: include/uapi/linux/netfilter/nfnetlink_conntrack.h (`IPCTNL_MSG_CT_*`,
+//! `CTA_*`, `NFNLGRP_CONNTRACK_DESTROY`), nfnetlink.h (nfgenmsg), netlink(7); attribute
+//! values are big-endian, nested attributes carry `NLA_F_NESTED`. Byte counters need
+//! `net.netfilter.nf_conntrack_acct = 1` when the entry is created (otherwise they are
+//! absent and read as 0): Documentation/networking/nf_conntrack-sysctl.rst. The
+//! libnetfilter_conntrack crate bindings would link a C library; this needs three
+//! messages, like [`super::nfqueue`].
+
+use std::io;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+
+use nix::errno::Errno;
+use nix::sys::socket::{
+    AddressFamily, MsgFlags, NetlinkAddr, SockFlag, SockProtocol, SockType, bind, recv, send,
+    socket,
+};
+
+/// `NFNL_SUBSYS_CTNETLINK`.
+const SUBSYS_CTNETLINK: u16 = 1;
+const MSG_CT_NEW: u16 = 0;
+const MSG_CT_GET: u16 = 1;
+const MSG_CT_DELETE: u16 = 2;
+/// `NFNLGRP_CONNTRACK_DESTROY`: bit `group - 1` of the legacy bind mask.
+const GROUP_DESTROY: u32 = 1 << (3 - 1);
+
+const NLM_F_REQUEST: u16 = 1;
+const NLM_F_ACK: u16 = 4;
+const NLM_F_DUMP: u16 = 0x300;
+const NLMSG_ERROR: u16 = 2;
+const NLMSG_DONE: u16 = 3;
+const NLMSG_HDRLEN: usize = 16;
+const NFGEN_HDRLEN: usize = 4;
+const NLA_F_NESTED: u16 = 0x8000;
+const NLA_TYPE_MASK: u16 = 0x3fff;
+/// `NETLINK_BROADCAST_ERROR` (netlink(7)): a destroy event this socket cannot take is
+/// reported to conntrack, which keeps the entry and delivers the event again (reliable
+/// event delivery) instead of losing it.
+const NETLINK_BROADCAST_ERROR: nix::libc::c_int = 4;
+
+const CTA_TUPLE_ORIG: u16 = 1;
+const CTA_TUPLE_REPLY: u16 = 2;
+const CTA_COUNTERS_ORIG: u16 = 9;
+const CTA_COUNTERS_REPLY: u16 = 10;
+const CTA_ID: u16 = 12;
+const CTA_ZONE: u16 = 18;
+const CTA_TUPLE_IP: u16 = 1;
+const CTA_TUPLE_PROTO: u16 = 2;
+const CTA_IP_V4_SRC: u16 = 1;
+const CTA_IP_V4_DST: u16 = 2;
+const CTA_IP_V6_SRC: u16 = 3;
+const CTA_IP_V6_DST: u16 = 4;
+const CTA_PROTO_NUM: u16 = 1;
+const CTA_PROTO_SRC_PORT: u16 = 2;
+const CTA_PROTO_DST_PORT: u16 = 3;
+const CTA_COUNTERS_PACKETS: u16 = 1;
+const CTA_COUNTERS_BYTES: u16 = 2;
+
+/// IP protocol number of UDP.
+pub const UDP: u8 = 17;
+
+/// One direction of a tracked flow: addresses, ports and IP protocol number, as conntrack
+/// holds them (`CTA_TUPLE_ORIG` is the first packet's header before any NAT,
+/// `CTA_TUPLE_REPLY` the header a reply carries, after NAT).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Tuple {
+    /// Source address and port.
+    pub src: SocketAddr,
+    /// Destination address and port.
+    pub dst: SocketAddr,
+    /// IP protocol number (17: UDP).
+    pub protocol: u8,
+}
+
+/// Packets and bytes one way (`CTA_COUNTERS_ORIG` / `_REPLY`); 0 when the entry has no
+/// accounting (`nf_conntrack_acct` was 0 when it was created).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Counters {
+    /// Packets.
+    pub packets: u64,
+    /// Bytes, IP headers included (conntrack counts whole packets).
+    pub bytes: u64,
+}
+
+/// A conntrack entry as a dump or an event gives it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Entry {
+    /// The original direction (the first packet, before NAT).
+    pub orig: Tuple,
+    /// The reply direction (after NAT).
+    pub reply: Tuple,
+    /// The conntrack zone (`CTA_ZONE`, 0 when absent).
+    pub zone: u16,
+    /// The entry's id (`CTA_ID`), which a delete checks so that it never removes a newer
+    /// entry of the same tuple.
+    pub id: Option<u32>,
+    /// Client to server.
+    pub orig_counters: Counters,
+    /// Server to client.
+    pub reply_counters: Counters,
+}
+
+impl Entry {
+    /// The flow as the ruleset's decision saw it, in mangle INPUT/FORWARD after any DNAT
+    /// and before any SNAT: the original source, and the reply's source (the DNAT'd
+    /// destination: a ClusterIP's backend pod and its target port).
+    pub fn decided(&self) -> (SocketAddr, SocketAddr) {
+        (self.orig.src, self.reply.src)
+    }
+}
+
+/// A netlink socket for requests: dumps and deletes.
+#[derive(Debug)]
+pub struct Conntrack {
+    fd: OwnedFd,
+    buf: Vec<u8>,
+    seq: u32,
+}
+
+/// A netlink socket subscribed to conntrack's destroy events.
+#[derive(Debug)]
+pub struct DestroyEvents {
+    fd: OwnedFd,
+    buf: Vec<u8>,
+}
+
+fn open(groups: u32) -> io::Result<OwnedFd> {
+    let fd = socket(
+        AddressFamily::Netlink,
+        SockType::Raw,
+        SockFlag::SOCK_CLOEXEC,
+        SockProtocol::NetlinkNetFilter,
+    )?;
+    bind(fd.as_raw_fd(), &NetlinkAddr::new(0, groups))?;
+    Ok(fd)
+}
+
+/// Appends a netlink header and an nfgenmsg for `msg` of family `family`; returns the
+/// message start (its length is patched by [`finish`]).
+fn begin(buf: &mut Vec<u8>, msg: u16, flags: u16, seq: u32, family: u8) -> usize {
+    let start = buf.len();
+    buf.extend_from_slice(&0u32.to_ne_bytes());
+    buf.extend_from_slice(&((SUBSYS_CTNETLINK << 8) | msg).to_ne_bytes());
+    buf.extend_from_slice(&(NLM_F_REQUEST | flags).to_ne_bytes());
+    buf.extend_from_slice(&seq.to_ne_bytes());
+    buf.extend_from_slice(&0u32.to_ne_bytes());
+    buf.extend_from_slice(&[family, 0 /* NFNETLINK_V0 */, 0, 0]);
+    start
+}
+
+fn attr(buf: &mut Vec<u8>, kind: u16, value: &[u8]) {
+    buf.extend_from_slice(&((4 + value.len()) as u16).to_ne_bytes());
+    buf.extend_from_slice(&kind.to_ne_bytes());
+    buf.extend_from_slice(value);
+    buf.resize(buf.len().next_multiple_of(4), 0);
+}
+
+/// Appends a nested attribute whose content `inner` writes.
+fn nest(buf: &mut Vec<u8>, kind: u16, inner: impl FnOnce(&mut Vec<u8>)) {
+    let start = buf.len();
+    buf.extend_from_slice(&[0, 0]);
+    buf.extend_from_slice(&(kind | NLA_F_NESTED).to_ne_bytes());
+    inner(buf);
+    let len = (buf.len() - start) as u16;
+    buf[start..start + 2].copy_from_slice(&len.to_ne_bytes());
+}
+
+fn finish(buf: &mut [u8], start: usize) {
+    let len = (buf.len() - start) as u32;
+    buf[start..start + 4].copy_from_slice(&len.to_ne_bytes());
+}
+
+fn family(addr: &SocketAddr) -> u8 {
+    if addr.is_ipv4() { nix::libc::AF_INET as u8 } else { nix::libc::AF_INET6 as u8 }
+}
+
+fn encode_tuple(buf: &mut Vec<u8>, kind: u16, t: &Tuple) {
+    nest(buf, kind, |b| {
+        nest(b, CTA_TUPLE_IP, |b| match (t.src.ip(), t.dst.ip()) {
+            (IpAddr::V4(s), IpAddr::V4(d)) => {
+                attr(b, CTA_IP_V4_SRC, &s.octets());
+                attr(b, CTA_IP_V4_DST, &d.octets());
+            }
+            (s, d) => {
+                attr(b, CTA_IP_V6_SRC, &v6(s).octets());
+                attr(b, CTA_IP_V6_DST, &v6(d).octets());
+            }
+        });
+        nest(b, CTA_TUPLE_PROTO, |b| {
+            attr(b, CTA_PROTO_NUM, &[t.protocol]);
+            attr(b, CTA_PROTO_SRC_PORT, &t.src.port().to_be_bytes());
+            attr(b, CTA_PROTO_DST_PORT, &t.dst.port().to_be_bytes());
+        });
+    });
+}
+
+fn v6(ip: IpAddr) -> Ipv6Addr {
+    match ip {
+        IpAddr::V4(a) => a.to_ipv6_mapped(),
+        IpAddr::V6(a) => a,
+    }
+}
+
+/// The attributes of `data` as (type without flags, value).
+fn attrs(mut data: &[u8]) -> impl Iterator<Item = (u16, &[u8])> {
+    std::iter::from_fn(move || {
+        if data.len() < 4 {
+            return None;
+        }
+        let len = u16::from_ne_bytes([data[0], data[1]]) as usize;
+        let kind = u16::from_ne_bytes([data[2], data[3]]) & NLA_TYPE_MASK;
+        if len < 4 || len > data.len() {
+            return None;
+        }
+        let value = &data[4..len];
+        data = &data[len.next_multiple_of(4).min(data.len())..];
+        Some((kind, value))
+    })
+}
+
+fn be_u16(v: &[u8]) -> Option<u16> {
+    Some(u16::from_be_bytes(v.get(..2)?.try_into().ok()?))
+}
+
+fn be_u32(v: &[u8]) -> Option<u32> {
+    Some(u32::from_be_bytes(v.get(..4)?.try_into().ok()?))
+}
+
+fn be_u64(v: &[u8]) -> Option<u64> {
+    Some(u64::from_be_bytes(v.get(..8)?.try_into().ok()?))
+}
+
+fn decode_tuple(data: &[u8]) -> Option<Tuple> {
+    let (mut src, mut dst): (Option<IpAddr>, Option<IpAddr>) = (None, None);
+    let (mut protocol, mut sport, mut dport) = (None, 0, 0);
+    for (kind, v) in attrs(data) {
+        match kind {
+            CTA_TUPLE_IP => {
+                for (k, a) in attrs(v) {
+                    let ip4 = || Some(IpAddr::V4(Ipv4Addr::from(<[u8; 4]>::try_from(a).ok()?)));
+                    let ip6 = || Some(IpAddr::V6(Ipv6Addr::from(<[u8; 16]>::try_from(a).ok()?)));
+                    match k {
+                        CTA_IP_V4_SRC => src = ip4(),
+                        CTA_IP_V4_DST => dst = ip4(),
+                        CTA_IP_V6_SRC => src = ip6(),
+                        CTA_IP_V6_DST => dst = ip6(),
+                        _ => {}
+                    }
+                }
+            }
+            CTA_TUPLE_PROTO => {
+                for (k, a) in attrs(v) {
+                    match k {
+                        CTA_PROTO_NUM => protocol = a.first().copied(),
+                        CTA_PROTO_SRC_PORT => sport = be_u16(a)?,
+                        CTA_PROTO_DST_PORT => dport = be_u16(a)?,
+                        _ => {}
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    Some(Tuple {
+        src: SocketAddr::new(src?, sport),
+        dst: SocketAddr::new(dst?, dport),
+        protocol: protocol?,
+    })
+}
+
+fn decode_counters(data: &[u8]) -> Counters {
+    let mut c = Counters::default();
+    for (kind, v) in attrs(data) {
+        match kind {
+            CTA_COUNTERS_PACKETS => c.packets = be_u64(v).unwrap_or(0),
+            CTA_COUNTERS_BYTES => c.bytes = be_u64(v).unwrap_or(0),
+            _ => {}
+        }
+    }
+    c
+}
+
+/// Decodes the attributes of one ctnetlink entry message (after the nfgenmsg); `None`
+/// when a tuple is missing or malformed.
+fn decode_entry(data: &[u8]) -> Option<Entry> {
+    let (mut orig, mut reply) = (None, None);
+    let mut e = Entry {
+        orig: Tuple { src: ([0, 0, 0, 0], 0).into(), dst: ([0, 0, 0, 0], 0).into(), protocol: 0 },
+        reply: Tuple { src: ([0, 0, 0, 0], 0).into(), dst: ([0, 0, 0, 0], 0).into(), protocol: 0 },
+        zone: 0,
+        id: None,
+        orig_counters: Counters::default(),
+        reply_counters: Counters::default(),
+    };
+    for (kind, v) in attrs(data) {
+        match kind {
+            CTA_TUPLE_ORIG => orig = decode_tuple(v),
+            CTA_TUPLE_REPLY => reply = decode_tuple(v),
+            CTA_COUNTERS_ORIG => e.orig_counters = decode_counters(v),
+            CTA_COUNTERS_REPLY => e.reply_counters = decode_counters(v),
+            CTA_ID => e.id = be_u32(v),
+            CTA_ZONE => e.zone = be_u16(v).unwrap_or(0),
+            _ => {}
+        }
+    }
+    e.orig = orig?;
+    e.reply = reply?;
+    Some(e)
+}
+
+/// What one datagram of netlink messages held.
+#[derive(Debug, Default, PartialEq, Eq)]
+struct Parsed {
+    /// An ACK (error 0) or the end of a dump was seen.
+    done: bool,
+    /// The kernel's error, if it sent one.
+    error: Option<i32>,
+}
+
+/// Parses the netlink messages of one datagram, passing every entry (of a dump, or of a
+/// destroy event) of protocol `only` (any protocol when 0) to `each`.
+fn parse(mut data: &[u8], only: u8, mut each: impl FnMut(Entry)) -> io::Result<Parsed> {
+    let mut out = Parsed::default();
+    while data.len() >= NLMSG_HDRLEN {
+        let len = u32::from_ne_bytes(data[0..4].try_into().expect("4 bytes")) as usize;
+        let kind = u16::from_ne_bytes(data[4..6].try_into().expect("2 bytes"));
+        if len < NLMSG_HDRLEN || len > data.len() {
+            return Err(io::Error::new(io::ErrorKind::InvalidData, "malformed netlink message"));
+        }
+        let body = &data[NLMSG_HDRLEN..len];
+        match kind {
+            NLMSG_ERROR => {
+                let code = body
+                    .get(0..4)
+                    .map(|b| i32::from_ne_bytes(b.try_into().expect("4 bytes")))
+                    .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "short error"))?;
+                out.done = true;
+                if code != 0 {
+                    out.error = Some(-code);
+                }
+            }
+            NLMSG_DONE => out.done = true,
+            k if (k == (SUBSYS_CTNETLINK << 8) | MSG_CT_NEW
+                || k == (SUBSYS_CTNETLINK << 8) | MSG_CT_DELETE)
+                && body.len() >= NFGEN_HDRLEN =>
+            {
+                if let Some(e) = decode_entry(&body[NFGEN_HDRLEN..])
+                    && (only == 0 || e.orig.protocol == only)
+                {
+                    each(e);
+                }
+            }
+            _ => {}
+        }
+        data = &data[len.next_multiple_of(4).min(data.len())..];
+    }
+    Ok(out)
+}
+
+/// Receive buffer of a socket: a dump datagram, or a batch of events, fits (the kernel
+/// sends dump datagrams of up to a page or 16 KiB, events one message each).
+const RECV_BUF: usize = 64 * 1024;
+
+impl Conntrack {
+    /// Opens a ctnetlink socket for requests.
+    ///
+    /// # Errors
+    /// `socket`/`bind` failures (no netlink: a kernel without CONFIG_NF_CT_NETLINK loads
+    /// the `nf_conntrack_netlink` module on first use, or fails with EPROTONOSUPPORT).
+    pub fn open() -> io::Result<Conntrack> {
+        Ok(Conntrack { fd: open(0)?, buf: vec![0; RECV_BUF], seq: 0 })
+    }
+
+    /// Every entry of IP protocol `protocol` in the table (both families), passed to
+    /// `each` as the kernel lists them. Entries created or destroyed while the dump runs
+    /// may be missed or listed (the kernel walks its hash table bucket by bucket).
+    ///
+    /// # Errors
+    /// Socket errors, and the kernel's error answer (EPERM without CAP_NET_ADMIN in the
+    /// table's network namespace).
+    pub fn dump(&mut self, protocol: u8, mut each: impl FnMut(Entry)) -> io::Result<()> {
+        self.seq = self.seq.wrapping_add(1);
+        let mut req = Vec::with_capacity(32);
+        let start = begin(&mut req, MSG_CT_GET, NLM_F_DUMP, self.seq, nix::libc::AF_UNSPEC as u8);
+        finish(&mut req, start);
+        send(self.fd.as_raw_fd(), &req, MsgFlags::empty())?;
+        loop {
+            let n = match recv(self.fd.as_raw_fd(), &mut self.buf, MsgFlags::empty()) {
+                Ok(n) => n,
+                Err(Errno::EINTR) => continue,
+                Err(e) => return Err(e.into()),
+            };
+            let parsed = parse(&self.buf[..n], protocol, &mut each)?;
+            if let Some(code) = parsed.error {
+                return Err(io::Error::from_raw_os_error(code));
+            }
+            if parsed.done {
+                return Ok(());
+            }
+        }
+    }
+
+    /// Deletes `entry` (by its original tuple, zone and id). Returns `false` when the
+    /// kernel no longer has it (ENOENT: it expired, or was replaced by a newer entry of
+    /// the same tuple, which is left alone). Its destroy event follows, carrying its
+    /// final counters.
+    ///
+    /// # Errors
+    /// Socket errors and the kernel's other error answers.
+    pub fn delete(&mut self, entry: &Entry) -> io::Result<bool> {
+        self.seq = self.seq.wrapping_add(1);
+        let mut req = Vec::with_capacity(128);
+        let start = begin(&mut req, MSG_CT_DELETE, NLM_F_ACK, self.seq, family(&entry.orig.src));
+        encode_tuple(&mut req, CTA_TUPLE_ORIG, &entry.orig);
+        if let Some(id) = entry.id {
+            attr(&mut req, CTA_ID, &id.to_be_bytes());
+        }
+        if entry.zone != 0 {
+            attr(&mut req, CTA_ZONE, &entry.zone.to_be_bytes());
+        }
+        finish(&mut req, start);
+        send(self.fd.as_raw_fd(), &req, MsgFlags::empty())?;
+        loop {
+            let n = match recv(self.fd.as_raw_fd(), &mut self.buf, MsgFlags::empty()) {
+                Ok(n) => n,
+                Err(Errno::EINTR) => continue,
+                Err(e) => return Err(e.into()),
+            };
+            let parsed = parse(&self.buf[..n], 0, |_| {})?;
+            match parsed.error {
+                Some(code) if code == nix::libc::ENOENT => return Ok(false),
+                Some(code) => return Err(io::Error::from_raw_os_error(code)),
+                None if parsed.done => return Ok(true),
+                None => {}
+            }
+        }
+    }
+}
+
+impl DestroyEvents {
+    /// Subscribes to conntrack's destroy events (`NFNLGRP_CONNTRACK_DESTROY`) with a
+    /// receive buffer of `rcvbuf` bytes (`SO_RCVBUFFORCE`) and reliable delivery
+    /// (`NETLINK_BROADCAST_ERROR`: an event the buffer cannot take makes conntrack keep
+    /// the entry and send it again later, instead of losing the event).
+    ///
+    /// # Errors
+    /// `socket`/`bind`/`setsockopt` failures (EPERM without CAP_NET_ADMIN).
+    pub fn subscribe(rcvbuf: usize) -> io::Result<DestroyEvents> {
+        let fd = open(GROUP_DESTROY)?;
+        nix::sys::socket::setsockopt(&fd, nix::sys::socket::sockopt::RcvBufForce, &rcvbuf)?;
+        let one: nix::libc::c_int = 1;
+        // SAFETY: `one` outlives the call and the length is its size.
+        let r = unsafe {
+            nix::libc::setsockopt(
+                fd.as_raw_fd(),
+                nix::libc::SOL_NETLINK,
+                NETLINK_BROADCAST_ERROR,
+                (&one as *const nix::libc::c_int).cast(),
+                std::mem::size_of::<nix::libc::c_int>() as nix::libc::socklen_t,
+            )
+        };
+        if r != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(DestroyEvents { fd, buf: vec![0; RECV_BUF] })
+    }
+
+    /// Waits for the next datagram of events and passes each destroyed entry of IP
+    /// protocol `protocol` to `each`. Returns how many entries it passed.
+    ///
+    /// # Errors
+    /// Socket errors; ENOBUFS means events were lost (the socket's buffer overflowed
+    /// before reliable delivery could hold them back): the caller should resynchronise
+    /// from a dump.
+    pub fn next(&mut self, protocol: u8, mut each: impl FnMut(Entry)) -> io::Result<usize> {
+        loop {
+            match recv(self.fd.as_raw_fd(), &mut self.buf, MsgFlags::empty()) {
+                Ok(n) => {
+                    let mut count = 0;
+                    parse(&self.buf[..n], protocol, |e| {
+                        count += 1;
+                        each(e);
+                    })?;
+                    return Ok(count);
+                }
+                Err(Errno::EINTR) => continue,
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+}
+
+impl AsFd for DestroyEvents {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(orig: (&str, &str), reply: (&str, &str)) -> Entry {
+        let t = |(s, d): (&str, &str)| Tuple {
+            src: s.parse().unwrap(),
+            dst: d.parse().unwrap(),
+            protocol: UDP,
+        };
+        Entry {
+            orig: t(orig),
+            reply: t(reply),
+            zone: 7,
+            id: Some(42),
+            orig_counters: Counters { packets: 3, bytes: 300 },
+            reply_counters: Counters { packets: 2, bytes: 150 },
+        }
+    }
+
+    /// An entry encoded as the kernel sends it in a destroy event.
+    fn event(e: &Entry) -> Vec<u8> {
+        let mut b = Vec::new();
+        let start = begin(&mut b, MSG_CT_DELETE, 0, 0, family(&e.orig.src));
+        encode_tuple(&mut b, CTA_TUPLE_ORIG, &e.orig);
+        encode_tuple(&mut b, CTA_TUPLE_REPLY, &e.reply);
+        for (kind, c) in
+            [(CTA_COUNTERS_ORIG, e.orig_counters), (CTA_COUNTERS_REPLY, e.reply_counters)]
+        {
+            nest(&mut b, kind, |b| {
+                attr(b, CTA_COUNTERS_PACKETS, &c.packets.to_be_bytes());
+                attr(b, CTA_COUNTERS_BYTES, &c.bytes.to_be_bytes());
+            });
+        }
+        attr(&mut b, CTA_ID, &e.id.unwrap().to_be_bytes());
+        attr(&mut b, CTA_ZONE, &e.zone.to_be_bytes());
+        finish(&mut b, start);
+        b
+    }
+
+    #[test]
+    fn an_encoded_entry_decodes_to_itself_and_names_the_decided_flow() {
+        let e = entry(("10.0.0.1:5000", "10.96.0.10:53"), ("10.0.1.5:5353", "10.0.0.1:5000"));
+        let mut seen = Vec::new();
+        let mut two = event(&e);
+        let v6 = entry(("[fd00::1]:5000", "[fd00::2]:53"), ("[fd00::2]:53", "[fd00::1]:5000"));
+        two.extend(event(&v6));
+        let parsed = parse(&two, UDP, |x| seen.push(x)).unwrap();
+        assert_eq!(parsed, Parsed::default());
+        assert_eq!(seen, vec![e, v6]);
+        // The decision saw the DNAT'd destination (the reply's source).
+        assert_eq!(
+            e.decided(),
+            ("10.0.0.1:5000".parse().unwrap(), "10.0.1.5:5353".parse().unwrap())
+        );
+        // Another protocol is skipped.
+        let mut n = 0;
+        parse(&two, 6, |_| n += 1).unwrap();
+        assert_eq!(n, 0);
+    }
+
+    #[test]
+    fn errors_and_acks_are_reported() {
+        let mut b = Vec::new();
+        let start = b.len();
+        b.extend_from_slice(&0u32.to_ne_bytes());
+        b.extend_from_slice(&NLMSG_ERROR.to_ne_bytes());
+        b.extend_from_slice(&[0; 10]);
+        b.extend_from_slice(&(-nix::libc::ENOENT).to_ne_bytes());
+        b.extend_from_slice(&[0; 16]);
+        finish(&mut b, start);
+        let p = parse(&b, 0, |_| {}).unwrap();
+        assert_eq!(p, Parsed { done: true, error: Some(nix::libc::ENOENT) });
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn arbitrary_datagrams_never_panic(bytes in proptest::collection::vec(0u8.., 0..300)) {
+            let _ = parse(&bytes, 0, |_| {});
+        }
+    }
+}

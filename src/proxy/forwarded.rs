@@ -1,0 +1,305 @@
+//! UDP flows the kernel forwards once their first datagram is decided (the default UDP
+//! path, issue #20): the table of those whose end this node reports, the watcher of
+//! conntrack's destroy events that ends them, and the sweep that re-decides the live ones
+//! when a new snapshot is published.
+//!
+//! - **Decision.** The ruleset queues a UDP datagram of a pod flow when it is `ctstate
+//!   NEW` (the first of its 5-tuple, or the first after the flow's conntrack entry went);
+//!   the decider decides it and answers allow (the kernel then forwards the flow on its
+//!   conntrack entry, both ways) or drop (no entry is confirmed, so the next datagram is
+//!   queued again). [`Forwarded::admit`] records the allowed ones here.
+//! - **End.** Conntrack destroys the entry when the flow has been quiet for
+//!   `nf_conntrack_udp_timeout` (30 s) or, once it has seen traffic both ways and lasted,
+//!   `nf_conntrack_udp_timeout_stream` (120 s), or when [`sweep`] deletes it. Its destroy
+//!   event carries the entry's counters (with `net.netfilter.nf_conntrack_acct = 1`,
+//!   which the agent sets while it runs), from which the end record gets the flow's bytes
+//!   each way; the duration is from the first datagram's decision to the event.
+//! - **Live change.** After a new snapshot is published (and every queue reader that was
+//!   deciding under the old one has answered), [`sweep`] lists the table's UDP entries,
+//!   decides each again and deletes the entries of those now denied: their next datagram
+//!   is `NEW`, queued and dropped. A denying re-decision is audited like the proxy's, and
+//!   the end follows with reason `policy-change`.
+//! - **Bounds.** At most [`Forwarded::new`]'s `max` flows are tracked; a flow over it is
+//!   still decided and forwarded, but its end is not reported (counted as the limit
+//!   `udp_flows`, logged once per episode). An entry whose destroy event never comes (the
+//!   datagram was dropped after the decision, so no conntrack entry was confirmed) is
+//!   removed by the next sweep ([`UNCONFIRMED_AFTER`]).
+//!
+//! Source: issue #20; netfilter conntrack (Documentation/networking/nf_conntrack-sysctl.rst:
+//! `nf_conntrack_acct`, `nf_conntrack_udp_timeout`, `nf_conntrack_udp_timeout_stream`).
+
+use std::collections::{HashMap, HashSet};
+use std::net::SocketAddr;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use super::conntrack::{self, Conntrack, DestroyEvents, Entry};
+use super::decider::{Admission, Decider};
+use super::packet::FlowKey;
+use crate::audit::CloseReason;
+use crate::policy::eval::Verdict;
+use crate::policy::ports::Protocol;
+
+/// A tracked flow with no conntrack entry for this long at a sweep is taken as never
+/// started (its first datagram was dropped after the decision) and forgotten.
+pub const UNCONFIRMED_AFTER: Duration = Duration::from_secs(5);
+
+/// Headers conntrack's byte counters include and a UDP payload count does not: IPv4 (20
+/// bytes, no options) + UDP (8).
+const HEADERS_V4: u64 = 28;
+/// IPv6 (40 bytes, no extension headers) + UDP (8).
+const HEADERS_V6: u64 = 48;
+
+/// One tracked flow.
+#[derive(Debug)]
+struct Flow {
+    admission: Admission,
+    started: Instant,
+    /// A sweep denied it and deleted its entry: its end is a policy change.
+    cut: bool,
+}
+
+/// Counters of the kernel-forwarded UDP flows since start.
+#[derive(Debug, Default)]
+pub struct ForwardedStats {
+    /// Flows admitted and tracked.
+    pub tracked: AtomicU64,
+    /// Flows admitted but not tracked (the table was full): their end is not reported.
+    pub untracked: AtomicU64,
+    /// Tracked flows ended by their destroy event.
+    pub ended: AtomicU64,
+    /// Entries deleted because a new snapshot denies them.
+    pub cut: AtomicU64,
+    /// Times destroy events were lost (ENOBUFS) and a sweep had to make up for them.
+    pub events_lost: AtomicU64,
+}
+
+/// The kernel-forwarded UDP flows this node decided and tracks, by the 5-tuple their
+/// first datagram was decided on.
+#[derive(Debug)]
+pub struct Forwarded {
+    flows: Mutex<HashMap<FlowKey, Flow>>,
+    max: usize,
+    /// Counters, for metrics, logs and tests.
+    pub stats: ForwardedStats,
+}
+
+impl Forwarded {
+    /// An empty table tracking at most `max` flows.
+    pub fn new(max: usize) -> Forwarded {
+        Forwarded { flows: Mutex::default(), max, stats: ForwardedStats::default() }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<FlowKey, Flow>> {
+        // Single inserts and removes: a panic elsewhere cannot leave the map inconsistent.
+        self.flows.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Records the allowed first datagram of `key` (UDP, forwarded by the kernel from now
+    /// on) with its `admission`. A key tracked already (a flow whose first datagram was
+    /// queued again) takes the new admission.
+    pub fn admit(&self, key: FlowKey, admission: Admission) {
+        let mut flows = self.lock();
+        if flows.len() >= self.max && !flows.contains_key(&key) {
+            drop(flows);
+            self.stats.untracked.fetch_add(1, Ordering::Relaxed);
+            if let Some(n) = crate::limits::LIMITS.udp_flows.hit() {
+                tracing::warn!(
+                    limit = self.max,
+                    hits = n,
+                    "kernel-forwarded UDP flow table full: new flows are decided and forwarded, but their end is not reported (--max-udp-flows)"
+                );
+            }
+            return;
+        }
+        flows.insert(key, Flow { admission, started: Instant::now(), cut: false });
+        self.stats.tracked.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Number of flows tracked now.
+    pub fn len(&self) -> usize {
+        self.lock().len()
+    }
+
+    /// Whether no flow is tracked.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// The flow key of a conntrack entry, as the decision saw it ([`Entry::decided`]).
+fn key_of(e: &Entry) -> FlowKey {
+    let (src, dst) = e.decided();
+    FlowKey { src, dst, protocol: Protocol::Udp }
+}
+
+/// UDP payload bytes of `c` (conntrack counts whole packets).
+fn payload(c: conntrack::Counters, dst: SocketAddr) -> u64 {
+    let per = if dst.is_ipv4() { HEADERS_V4 } else { HEADERS_V6 };
+    c.bytes.saturating_sub(c.packets.saturating_mul(per))
+}
+
+/// Ends the tracked flow of the destroyed entry `e`, if any: counted and, when its
+/// decision was audited or a sweep cut it, audited with its payload bytes each way.
+/// Returns whether it was tracked.
+pub fn destroyed(decider: &Decider, e: &Entry) -> bool {
+    let key = key_of(e);
+    let Some(flow) = decider.forwarded().lock().remove(&key) else { return false };
+    let reason = if flow.cut { CloseReason::PolicyChange } else { CloseReason::Timeout };
+    end(decider, key, &flow, reason, e);
+    true
+}
+
+fn end(decider: &Decider, key: FlowKey, flow: &Flow, reason: CloseReason, e: &Entry) {
+    decider.forwarded().stats.ended.fetch_add(1, Ordering::Relaxed);
+    decider.ended_flow(
+        &flow.admission,
+        key,
+        reason,
+        payload(e.orig_counters, key.dst),
+        payload(e.reply_counters, key.dst),
+        flow.started.elapsed(),
+    );
+}
+
+/// Reads destroy events until the socket fails for good, ending the tracked flows they
+/// name. Lost events (ENOBUFS) are counted and logged (rate-limited); the next [`sweep`]
+/// forgets the flows whose entries are gone (their ends are not reported). Runs on its
+/// own thread.
+pub fn watch(decider: &Decider, mut events: DestroyEvents) {
+    let mut failures = 0u32;
+    loop {
+        match events.next(conntrack::UDP, |e| {
+            destroyed(decider, &e);
+        }) {
+            Ok(_) => failures = 0,
+            Err(e) if e.raw_os_error() == Some(nix::libc::ENOBUFS) => {
+                decider.forwarded().stats.events_lost.fetch_add(1, Ordering::Relaxed);
+                if let Some(n) = crate::limits::LIMITS.conntrack_events.hit() {
+                    tracing::warn!(
+                        times = n,
+                        "conntrack destroy events were lost (the agent fell behind): the ends of some kernel-forwarded UDP flows are not reported"
+                    );
+                }
+            }
+            Err(e) => {
+                failures += 1;
+                tracing::warn!(error = %e, "reading conntrack destroy events");
+                if failures >= 100 {
+                    tracing::error!(
+                        "conntrack destroy events keep failing; kernel-forwarded UDP flows are no longer ended in audit"
+                    );
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+    }
+}
+
+/// What one [`sweep`] did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Swept {
+    /// UDP entries of the conntrack table decided again.
+    pub checked: usize,
+    /// Entries deleted because the snapshot in force denies their flow.
+    pub cut: usize,
+    /// Tracked flows with no entry, forgotten without an end record (their first datagram
+    /// never made a conntrack entry, or their destroy event was lost).
+    pub forgotten: usize,
+}
+
+/// Lists the conntrack table's UDP entries (zone 0: the pods' flows; the proxy's upstream
+/// legs have their own zone), and with `redecide` decides each against the snapshot in
+/// force, deleting the entries of the flows it denies (their tracked flows end with
+/// reason `policy-change` when the destroy event comes); then forgets tracked flows with
+/// no entry that are older than [`UNCONFIRMED_AFTER`]. Call with `redecide` after a new
+/// snapshot is published and the queue readers have answered their batches, and without
+/// it after lost events.
+///
+/// # Errors
+/// The dump's or a delete's netlink errors; entries not yet visited are then left.
+pub fn sweep(
+    decider: &Decider,
+    dump: &mut Conntrack,
+    delete: &mut Conntrack,
+    redecide: bool,
+) -> std::io::Result<Swept> {
+    let mut out = Swept::default();
+    let mut present = HashSet::new();
+    let tracked = decider.forwarded();
+    let mut failed = None;
+    dump.dump(conntrack::UDP, |e| {
+        if e.zone != 0 || failed.is_some() {
+            return;
+        }
+        let key = key_of(&e);
+        if redecide {
+            out.checked += 1;
+            if decider.decide(key.flow()).verdict == Verdict::Deny {
+                let mut flows = tracked.lock();
+                if let Some(f) = flows.get_mut(&key) {
+                    f.cut = true;
+                }
+                drop(flows);
+                decider.cut_forwarded(key);
+                match delete.delete(&e) {
+                    Ok(_) => {
+                        out.cut += 1;
+                        tracked.stats.cut.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Err(err) => failed = Some(err),
+                }
+                return;
+            }
+        }
+        if tracked.lock().contains_key(&key) {
+            present.insert(key);
+        }
+    })?;
+    if let Some(err) = failed {
+        return Err(err);
+    }
+    let mut flows = tracked.lock();
+    let gone: Vec<FlowKey> = flows
+        .iter()
+        .filter(|(k, f)| !present.contains(k) && !f.cut && f.started.elapsed() >= UNCONFIRMED_AFTER)
+        .map(|(k, _)| *k)
+        .collect();
+    for k in &gone {
+        flows.remove(k);
+    }
+    out.forgotten = gone.len();
+    Ok(out)
+}
+
+/// Ends every tracked flow with reason `shutdown`, with the counters of its entry where
+/// the table still has one (the kernel goes on forwarding the flow; this agent stops
+/// reporting it).
+///
+/// # Errors
+/// The dump's netlink errors (the flows are then ended without byte counts).
+pub fn shut_down(decider: &Decider, dump: &mut Conntrack) -> std::io::Result<()> {
+    let tracked = decider.forwarded();
+    let listed = dump.dump(conntrack::UDP, |e| {
+        let key = key_of(&e);
+        let flow = tracked.lock().remove(&key);
+        if let Some(f) = flow {
+            end(decider, key, &f, CloseReason::Shutdown, &e);
+        }
+    });
+    let left: Vec<(FlowKey, Flow)> = tracked.lock().drain().collect();
+    for (key, f) in left {
+        let none = Entry {
+            orig: conntrack::Tuple { src: key.src, dst: key.dst, protocol: conntrack::UDP },
+            reply: conntrack::Tuple { src: key.dst, dst: key.src, protocol: conntrack::UDP },
+            zone: 0,
+            id: None,
+            orig_counters: conntrack::Counters::default(),
+            reply_counters: conntrack::Counters::default(),
+        };
+        end(decider, key, &f, CloseReason::Shutdown, &none);
+    }
+    listed
+}
