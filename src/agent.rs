@@ -538,6 +538,11 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
     let udp_kernel = opts.redirect.udp_path == UdpPath::Kernel;
     let _ct_acct =
         HostSysctl::start(&opts.state_dir, CONNTRACK_ACCT, udp_kernel && opts.conntrack_acct);
+    if udp_kernel && std::fs::read_to_string(CONNTRACK_ACCT.path()).is_ok_and(|v| v.trim() == "0") {
+        tracing::warn!(
+            "net.netfilter.nf_conntrack_acct is 0: the end records of UDP flows will say 0 bytes each way (set it to 1 on the node)"
+        );
+    }
     if let Some(keep) = &opts.keep_capabilities {
         keep_only_capabilities(keep)?;
     }
@@ -647,12 +652,13 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
     // Kernel-forwarded UDP: destroy events are watched before the first flow is admitted,
     // so none of their ends is missed; the sweeper's sockets re-decide live flows.
     let sweeper = if udp_kernel {
-        let events = conntrack::DestroyEvents::subscribe(CONNTRACK_EVENTS_RCVBUF)
-            .context("subscribing to conntrack destroy events (needs CAP_NET_ADMIN and nf_conntrack_netlink; --udp-path proxy does without)")?;
+        let events = conntrack::Events::subscribe(CONNTRACK_EVENTS_RCVBUF)
+            .context("subscribing to conntrack events (needs CAP_NET_ADMIN and nf_conntrack_netlink; --udp-path proxy does without)")?;
         let watcher = decider.clone();
+        let cached = (opts.redirect.decided_mark.value, opts.redirect.decided_mark.mask);
         std::thread::Builder::new()
             .name("tierproxy-ctevents".into())
-            .spawn(move || forwarded::watch(&watcher, events))
+            .spawn(move || forwarded::watch(&watcher, events, cached))
             .context("starting the conntrack event thread")?;
         Some(Sweeper::open().context("opening ctnetlink sockets (--udp-path proxy does without)")?)
     } else {

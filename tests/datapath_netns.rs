@@ -57,7 +57,7 @@ status: {podIP: 10.60.1.2}
 apiVersion: v1
 kind: Pod
 metadata: {name: server, namespace: a}
-spec: {nodeName: n1, containers: [{name: c, ports: [{containerPort: 8080}]}]}
+spec: {nodeName: n1, containers: [{name: c, ports: [{containerPort: 8080}, {containerPort: 5353, protocol: UDP}]}]}
 status: {podIP: 10.60.1.3}
 ---
 apiVersion: v1
@@ -1142,16 +1142,102 @@ fn the_second_connection_of_an_allowed_class_skips_the_queue_and_is_audited_at_a
 }
 
 /// Issue #20, "ICMP errors reach the client": a datagram to a port nothing listens on gets
-/// the client's connected socket "connection refused", as without tierproxy: the server's
-/// ICMP port unreachable reaches the proxy's upstream socket, and the proxy passes it on
-/// from the server's address. Before, the client waited for its timeout.
+/// the client's connected socket "connection refused", as without tierproxy, on both UDP
+/// paths. The kernel path forwards the server's ICMP port unreachable as related to the
+/// flow's conntrack entry; on the proxy path it reaches the proxy's upstream socket and the
+/// proxy passes it on from the server's address. Before, the client waited for its timeout.
 #[test]
 fn a_datagram_to_a_closed_port_gives_the_client_connection_refused() {
     if !netns_available("a_datagram_to_a_closed_port_gives_the_client_connection_refused") {
         return;
     }
-    let lab = lab_with_agents("icmp");
+    for (short, path) in [("icmpk", "kernel"), ("icmpp", "proxy")] {
+        let lab = lab_with_agent_args(short, &[format!("--udp-path={path}")], &[]);
+        let client = netns_of_pod(&lab, "a", "client");
+        let got = udp_answer(&client, "10.60.1.2:0", "10.60.1.3:9999");
+        assert_eq!(got, Err(std::io::ErrorKind::ConnectionRefused), "--udp-path {path}");
+        // Served ports answer on both paths.
+        assert_eq!(udp_answer(&client, "10.60.1.2:0", "10.60.1.3:5353"), Ok(()), "{path}");
+    }
+}
+
+/// Issue #20: DNS-like UDP (each query from a new source port, one answer each) on the
+/// kernel path. The server sees the client's own port (the UDP proxy showed one the node
+/// picked). The first flow is decided on its queued first datagram, which puts its class
+/// (client, udp:5353, server) in the kernel-side cache; the next flows skip the queue and
+/// are decided and audited when conntrack reports their entries (decision point
+/// `conntrack`). Every flow's end record (from conntrack's destroy event: the entry timed
+/// out) carries exactly its payload bytes each way.
+#[test]
+fn dns_like_udp_flows_keep_the_client_port_and_end_with_their_payload_bytes_each_way() {
+    if !netns_available(
+        "dns_like_udp_flows_keep_the_client_port_and_end_with_their_payload_bytes_each_way",
+    ) {
+        return;
+    }
+    let lab = lab_with_agents("kudp");
+    let n1 = netns_of_node(&lab, "n1");
+    // Entries expire a second after their last datagram (the kernel's default is 30 s).
+    for t in ["nf_conntrack_udp_timeout", "nf_conntrack_udp_timeout_stream"] {
+        run_in(&n1, &["sysctl", "-qw", &format!("net.netfilter.{t}=1")]);
+    }
+    assert_eq!(run_in(&n1, &["sysctl", "-n", "net.netfilter.nf_conntrack_acct"]).trim(), "1");
     let client = netns_of_pod(&lab, "a", "client");
-    let got = udp_answer(&client, "10.60.1.2:0", "10.60.1.3:9999");
-    assert_eq!(got, Err(std::io::ErrorKind::ConnectionRefused));
+    let queries: Vec<(u16, usize, usize)> = in_netns(&client, || {
+        let mut out = Vec::new();
+        for i in 0..20usize {
+            let s = std::net::UdpSocket::bind("10.60.1.2:0").map_err(io("bind"))?;
+            s.connect("10.60.1.3:5353").map_err(io("connect"))?;
+            s.set_read_timeout(Some(Duration::from_secs(5))).map_err(io("timeout"))?;
+            let port = s.local_addr().map_err(io("local"))?.port();
+            let query = vec![b'q'; 10 + i];
+            s.send(&query).map_err(io("send"))?;
+            let mut buf = [0u8; 512];
+            let n = s.recv(&mut buf).map_err(io("recv"))?;
+            let answer = String::from_utf8_lossy(&buf[..n]).into_owned();
+            assert_eq!(answer, format!("tierproxy-lab 10.60.1.2 {port}\n{}", "q".repeat(10 + i)));
+            out.push((port, query.len(), n));
+        }
+        Ok(out)
+    })
+    .expect("the DNS-like client runs");
+    let cached = run_in(&n1, &["ipset", "list", "tierproxy-allowed-v4"]);
+    assert!(cached.contains("10.60.1.2,udp:5353,10.60.1.3"), "{cached}");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut first = true;
+    for (port, sent, answered) in queries {
+        let is_flow = |e: &Value| {
+            e["attributes"]["network.transport"] == "udp"
+                && e["attributes"]["source.port"] == u64::from(port)
+        };
+        let decided = wait_for_event_on(&lab, &["n1"], |e| {
+            e["event"] == "tierproxy.policy.decision" && is_flow(e)
+        });
+        let point = if first { "first-packet" } else { "conntrack" };
+        first = false;
+        assert_eq!(decided["attributes"]["tierproxy.decision.point"], point, "{decided}");
+        let end = loop {
+            let ends: Vec<Value> = audit_events(&lab, "n1")
+                .into_iter()
+                .filter(|e| e["event"] == "tierproxy.connection.end" && is_flow(e))
+                .collect();
+            if let Some(e) = ends.first() {
+                assert_eq!(ends.len(), 1, "one end per flow: {ends:?}");
+                break e.clone();
+            }
+            assert!(Instant::now() < deadline, "no end event for the flow from port {port}");
+            // The kernel reaps expired entries when its garbage collector comes by (up to
+            // a minute apart) or when a listing meets them: list n1's table.
+            in_netns(&n1, || {
+                let mut ct = tierproxy::proxy::conntrack::Conntrack::open().map_err(io("ct"))?;
+                ct.dump(tierproxy::proxy::conntrack::UDP, |_| {}).map_err(io("dump"))
+            })
+            .expect("conntrack listing");
+            std::thread::sleep(Duration::from_millis(200));
+        };
+        let a = &end["attributes"];
+        assert_eq!(a["tierproxy.connection.close_reason"], "timeout", "{end}");
+        assert_eq!(a["tierproxy.connection.bytes_to_server"], sent as u64, "{end}");
+        assert_eq!(a["tierproxy.connection.bytes_to_client"], answered as u64, "{end}");
+    }
 }

@@ -402,6 +402,14 @@ fn udp_flows_keep_the_client_address_and_port_and_are_cut_by_a_policy_change() {
         let answer = ask(&local, b"x").expect("same-node answer");
         assert!(answer.starts_with("tierproxy-lab 10.61.1.2 "), "{answer}");
     }
+    // Handled once across nodes: neither node proxies it (the server saw the client's
+    // port), and the server's node decided its ingress on the first datagram it saw.
+    let ingress = wait_for_event_on(&lab, &["n2"], |e| {
+        e["event"] == "tierproxy.policy.decision"
+            && e["attributes"]["network.transport"] == "udp"
+            && e["attributes"]["source.port"] == u64::from(port)
+    });
+    assert_eq!(ingress["attributes"]["tierproxy.decision.point"], "first-packet", "{ingress}");
 
     let base = lab.file("base.yaml", NODES_AND_NAMESPACES);
     let a = lab.file("a.yaml", &labelled(false));

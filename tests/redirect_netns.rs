@@ -233,9 +233,9 @@ fn iptables_lifecycle(test: &str, cmds: IptablesCommands) {
         (&cmds.ip6tables_restore, &cmds.ip6tables_save),
     ] {
         let expected = rendered_rules(&rendered, restore);
-        // 30 in mangle, 8 in raw (3 checking sources, 5 for the upstream legs' conntrack
+        // 32 in mangle, 8 in raw (3 checking sources, 5 for the upstream legs' conntrack
         // zone).
-        assert_eq!(expected.len(), 38, "{restore} section of:\n{rendered}");
+        assert_eq!(expected.len(), 40, "{restore} section of:\n{rendered}");
         let raw = ns.sh(&[save, "-t", "raw"]);
         let saved = ns.sh(&[save, "-t", "mangle"]);
         let ours: Vec<&str> =
@@ -428,9 +428,8 @@ fn nftables_apply_update_remove() {
         assert!(!ns.sh(&["nft", "list", "tables"]).contains("tierproxy"));
         let (json, dropped) = without_queue_rules(&backend.ruleset_json(&s));
         assert_eq!(
-            dropped, 20,
-            "(3 protocols + UDP to the node + TCP not tproxied) × egress and ingress × 2 \
-             families"
+            dropped, 16,
+            "(3 protocols + TCP not tproxied) × egress and ingress × 2 families"
         );
         let mut child = Command::new("ip")
             .args(["netns", "exec", &ns.name, "nft", "-j", "-f", "-"])
@@ -461,9 +460,13 @@ fn nftables_apply_update_remove() {
             "ip daddr @pods-v4 ip saddr @enforced-v4 meta l4proto tcp return",
             "meta l4proto != tcp socket transparent 1 socket wildcard 0",
             "tcp flags != syn / fin,syn,rst,ack socket transparent 1 socket wildcard 0",
-            "update @allowed-v4 { ip saddr . tcp dport . ip daddr }",
-            "ip saddr . tcp dport . ip daddr @allowed-v4 return",
-            "ip6 saddr . tcp dport . ip6 daddr @allowed-v6 return",
+            "update @allowed-v4 { ip saddr . meta l4proto . tcp dport . ip daddr }",
+            "ip saddr . meta l4proto . tcp dport . ip daddr @allowed-v4 return",
+            "ip6 saddr . meta l4proto . tcp dport . ip6 daddr @allowed-v6 return",
+            "update @allowed-v4 { ip saddr . meta l4proto . udp dport . ip daddr }",
+            "ip saddr . meta l4proto . udp dport . ip daddr @allowed-v4 ct mark set ct mark | \
+             0x00001000 return",
+            "meta l4proto udp ct status confirmed return",
         ] {
             assert!(listing.contains(needle), "{needle:?} missing from:\n{listing}");
         }

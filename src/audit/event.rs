@@ -377,15 +377,21 @@ pub enum DecisionPoint {
     Accept,
     /// Again, for a live connection, after a policy or cluster change (issue #5).
     Redecision,
+    /// When conntrack reported the entry of a UDP flow whose first datagram skipped the
+    /// queue (its class — client, port, server — was in the kernel-side cache of classes
+    /// the snapshot in force allowed; issue #20). The kernel forwarded that datagram on the
+    /// cache's word; a snapshot that denies the flow by now deletes its entry.
+    Conntrack,
 }
 
 impl DecisionPoint {
-    /// The attribute value: `first-packet`, `accept`, `re-decision`.
+    /// The attribute value: `first-packet`, `accept`, `re-decision`, `conntrack`.
     pub fn as_str(self) -> &'static str {
         match self {
             DecisionPoint::FirstPacket => "first-packet",
             DecisionPoint::Accept => "accept",
             DecisionPoint::Redecision => "re-decision",
+            DecisionPoint::Conntrack => "conntrack",
         }
     }
 }

@@ -3,8 +3,10 @@
 //!
 //! It serves the UDP flows the kernel forwards once their first datagram is decided
 //! ([`super::forwarded`]): a new snapshot that denies a live flow deletes its entry (the
-//! flow's next datagram is then `ctstate NEW` again, queued and decided), and the entry's
-//! destroy event ends the flow's audit record with its duration and bytes each way.
+//! flow's next datagram then has no confirmed entry, is queued and decided), an entry's
+//! new event names a flow whose first datagram the kernel-side cache let skip the queue,
+//! and its destroy event ends the flow's audit record with its duration and bytes each
+//! way.
 //!
 //! Message layouts: include/uapi/linux/netfilter/nfnetlink_conntrack.h (`IPCTNL_MSG_CT_*`,
 //! `CTA_*`, `NFNLGRP_CONNTRACK_DESTROY`), nfnetlink.h (nfgenmsg), netlink(7); attribute
@@ -29,7 +31,9 @@ const SUBSYS_CTNETLINK: u16 = 1;
 const MSG_CT_NEW: u16 = 0;
 const MSG_CT_GET: u16 = 1;
 const MSG_CT_DELETE: u16 = 2;
-/// `NFNLGRP_CONNTRACK_DESTROY`: bit `group - 1` of the legacy bind mask.
+/// `NFNLGRP_CONNTRACK_NEW` (group 1): bit `group - 1` of the legacy bind mask.
+const GROUP_NEW: u32 = 1;
+/// `NFNLGRP_CONNTRACK_DESTROY`.
 const GROUP_DESTROY: u32 = 1 << (3 - 1);
 
 const NLM_F_REQUEST: u16 = 1;
@@ -48,6 +52,7 @@ const NETLINK_BROADCAST_ERROR: nix::libc::c_int = 4;
 
 const CTA_TUPLE_ORIG: u16 = 1;
 const CTA_TUPLE_REPLY: u16 = 2;
+const CTA_MARK: u16 = 8;
 const CTA_COUNTERS_ORIG: u16 = 9;
 const CTA_COUNTERS_REPLY: u16 = 10;
 const CTA_ID: u16 = 12;
@@ -99,6 +104,8 @@ pub struct Entry {
     pub reply: Tuple,
     /// The conntrack zone (`CTA_ZONE`, 0 when absent).
     pub zone: u16,
+    /// The connection mark (`CTA_MARK`, 0 when absent).
+    pub mark: u32,
     /// The entry's id (`CTA_ID`), which a delete checks so that it never removes a newer
     /// entry of the same tuple.
     pub id: Option<u32>,
@@ -125,9 +132,9 @@ pub struct Conntrack {
     seq: u32,
 }
 
-/// A netlink socket subscribed to conntrack's destroy events.
+/// A netlink socket subscribed to conntrack's new and destroy events.
 #[derive(Debug)]
-pub struct DestroyEvents {
+pub struct Events {
     fd: OwnedFd,
     buf: Vec<u8>,
 }
@@ -296,6 +303,7 @@ fn decode_entry(data: &[u8]) -> Option<Entry> {
         orig: Tuple { src: ([0, 0, 0, 0], 0).into(), dst: ([0, 0, 0, 0], 0).into(), protocol: 0 },
         reply: Tuple { src: ([0, 0, 0, 0], 0).into(), dst: ([0, 0, 0, 0], 0).into(), protocol: 0 },
         zone: 0,
+        mark: 0,
         id: None,
         orig_counters: Counters::default(),
         reply_counters: Counters::default(),
@@ -308,6 +316,7 @@ fn decode_entry(data: &[u8]) -> Option<Entry> {
             CTA_COUNTERS_REPLY => e.reply_counters = decode_counters(v),
             CTA_ID => e.id = be_u32(v),
             CTA_ZONE => e.zone = be_u16(v).unwrap_or(0),
+            CTA_MARK => e.mark = be_u32(v).unwrap_or(0),
             _ => {}
         }
     }
@@ -325,9 +334,18 @@ struct Parsed {
     error: Option<i32>,
 }
 
-/// Parses the netlink messages of one datagram, passing every entry (of a dump, or of a
-/// destroy event) of protocol `only` (any protocol when 0) to `each`.
-fn parse(mut data: &[u8], only: u8, mut each: impl FnMut(Entry)) -> io::Result<Parsed> {
+/// What a conntrack event says happened to its entry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Event {
+    /// The entry was confirmed (`IPCTNL_MSG_CT_NEW`; a dump's entries are listed so too).
+    New,
+    /// The entry was destroyed (`IPCTNL_MSG_CT_DELETE`): expired, deleted, or flushed.
+    Destroy,
+}
+
+/// Parses the netlink messages of one datagram, passing every entry (of a dump, or of an
+/// event) of protocol `only` (any protocol when 0) to `each`.
+fn parse(mut data: &[u8], only: u8, mut each: impl FnMut(Event, Entry)) -> io::Result<Parsed> {
     let mut out = Parsed::default();
     while data.len() >= NLMSG_HDRLEN {
         let len = u32::from_ne_bytes(data[0..4].try_into().expect("4 bytes")) as usize;
@@ -355,7 +373,8 @@ fn parse(mut data: &[u8], only: u8, mut each: impl FnMut(Entry)) -> io::Result<P
                 if let Some(e) = decode_entry(&body[NFGEN_HDRLEN..])
                     && (only == 0 || e.orig.protocol == only)
                 {
-                    each(e);
+                    let event = if k & 0xff == MSG_CT_NEW { Event::New } else { Event::Destroy };
+                    each(event, e);
                 }
             }
             _ => {}
@@ -398,7 +417,7 @@ impl Conntrack {
                 Err(Errno::EINTR) => continue,
                 Err(e) => return Err(e.into()),
             };
-            let parsed = parse(&self.buf[..n], protocol, &mut each)?;
+            let parsed = parse(&self.buf[..n], protocol, |_, e| each(e))?;
             if let Some(code) = parsed.error {
                 return Err(io::Error::from_raw_os_error(code));
             }
@@ -434,7 +453,7 @@ impl Conntrack {
                 Err(Errno::EINTR) => continue,
                 Err(e) => return Err(e.into()),
             };
-            let parsed = parse(&self.buf[..n], 0, |_| {})?;
+            let parsed = parse(&self.buf[..n], 0, |_, _| {})?;
             match parsed.error {
                 Some(code) if code == nix::libc::ENOENT => return Ok(false),
                 Some(code) => return Err(io::Error::from_raw_os_error(code)),
@@ -445,16 +464,17 @@ impl Conntrack {
     }
 }
 
-impl DestroyEvents {
-    /// Subscribes to conntrack's destroy events (`NFNLGRP_CONNTRACK_DESTROY`) with a
-    /// receive buffer of `rcvbuf` bytes (`SO_RCVBUFFORCE`) and reliable delivery
-    /// (`NETLINK_BROADCAST_ERROR`: an event the buffer cannot take makes conntrack keep
-    /// the entry and send it again later, instead of losing the event).
+impl Events {
+    /// Subscribes to conntrack's new and destroy events (`NFNLGRP_CONNTRACK_NEW`,
+    /// `NFNLGRP_CONNTRACK_DESTROY`) with a receive buffer of `rcvbuf` bytes
+    /// (`SO_RCVBUFFORCE`) and reliable delivery (`NETLINK_BROADCAST_ERROR`: a destroy event
+    /// the buffer cannot take makes conntrack keep the entry and send it again later,
+    /// instead of losing the event).
     ///
     /// # Errors
     /// `socket`/`bind`/`setsockopt` failures (EPERM without CAP_NET_ADMIN).
-    pub fn subscribe(rcvbuf: usize) -> io::Result<DestroyEvents> {
-        let fd = open(GROUP_DESTROY)?;
+    pub fn subscribe(rcvbuf: usize) -> io::Result<Events> {
+        let fd = open(GROUP_NEW | GROUP_DESTROY)?;
         nix::sys::socket::setsockopt(&fd, nix::sys::socket::sockopt::RcvBufForce, &rcvbuf)?;
         let one: nix::libc::c_int = 1;
         // SAFETY: `one` outlives the call and the length is its size.
@@ -470,24 +490,24 @@ impl DestroyEvents {
         if r != 0 {
             return Err(io::Error::last_os_error());
         }
-        Ok(DestroyEvents { fd, buf: vec![0; RECV_BUF] })
+        Ok(Events { fd, buf: vec![0; RECV_BUF] })
     }
 
-    /// Waits for the next datagram of events and passes each destroyed entry of IP
-    /// protocol `protocol` to `each`. Returns how many entries it passed.
+    /// Waits for the next datagram of events and passes each event about an entry of IP
+    /// protocol `protocol` to `each`. Returns how many it passed.
     ///
     /// # Errors
     /// Socket errors; ENOBUFS means events were lost (the socket's buffer overflowed
     /// before reliable delivery could hold them back): the caller should resynchronise
     /// from a dump.
-    pub fn next(&mut self, protocol: u8, mut each: impl FnMut(Entry)) -> io::Result<usize> {
+    pub fn next(&mut self, protocol: u8, mut each: impl FnMut(Event, Entry)) -> io::Result<usize> {
         loop {
             match recv(self.fd.as_raw_fd(), &mut self.buf, MsgFlags::empty()) {
                 Ok(n) => {
                     let mut count = 0;
-                    parse(&self.buf[..n], protocol, |e| {
+                    parse(&self.buf[..n], protocol, |kind, e| {
                         count += 1;
-                        each(e);
+                        each(kind, e);
                     })?;
                     return Ok(count);
                 }
@@ -498,7 +518,7 @@ impl DestroyEvents {
     }
 }
 
-impl AsFd for DestroyEvents {
+impl AsFd for Events {
     fn as_fd(&self) -> BorrowedFd<'_> {
         self.fd.as_fd()
     }
@@ -518,6 +538,7 @@ mod tests {
             orig: t(orig),
             reply: t(reply),
             zone: 7,
+            mark: 0x1000,
             id: Some(42),
             orig_counters: Counters { packets: 3, bytes: 300 },
             reply_counters: Counters { packets: 2, bytes: 150 },
@@ -540,6 +561,7 @@ mod tests {
         }
         attr(&mut b, CTA_ID, &e.id.unwrap().to_be_bytes());
         attr(&mut b, CTA_ZONE, &e.zone.to_be_bytes());
+        attr(&mut b, CTA_MARK, &e.mark.to_be_bytes());
         finish(&mut b, start);
         b
     }
@@ -551,9 +573,9 @@ mod tests {
         let mut two = event(&e);
         let v6 = entry(("[fd00::1]:5000", "[fd00::2]:53"), ("[fd00::2]:53", "[fd00::1]:5000"));
         two.extend(event(&v6));
-        let parsed = parse(&two, UDP, |x| seen.push(x)).unwrap();
+        let parsed = parse(&two, UDP, |k, x| seen.push((k, x))).unwrap();
         assert_eq!(parsed, Parsed::default());
-        assert_eq!(seen, vec![e, v6]);
+        assert_eq!(seen, vec![(Event::Destroy, e), (Event::Destroy, v6)]);
         // The decision saw the DNAT'd destination (the reply's source).
         assert_eq!(
             e.decided(),
@@ -561,7 +583,7 @@ mod tests {
         );
         // Another protocol is skipped.
         let mut n = 0;
-        parse(&two, 6, |_| n += 1).unwrap();
+        parse(&two, 6, |_, _| n += 1).unwrap();
         assert_eq!(n, 0);
     }
 
@@ -575,14 +597,14 @@ mod tests {
         b.extend_from_slice(&(-nix::libc::ENOENT).to_ne_bytes());
         b.extend_from_slice(&[0; 16]);
         finish(&mut b, start);
-        let p = parse(&b, 0, |_| {}).unwrap();
+        let p = parse(&b, 0, |_, _| {}).unwrap();
         assert_eq!(p, Parsed { done: true, error: Some(nix::libc::ENOENT) });
     }
 
     proptest::proptest! {
         #[test]
         fn arbitrary_datagrams_never_panic(bytes in proptest::collection::vec(0u8.., 0..300)) {
-            let _ = parse(&bytes, 0, |_| {});
+            let _ = parse(&bytes, 0, |_, _| {});
         }
     }
 }

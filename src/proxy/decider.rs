@@ -98,9 +98,10 @@ pub struct DecisionStats {
     pub policy_cuts: AtomicU64,
     /// Manifest changes that could not be used (the last good snapshot stayed in force).
     pub reload_errors: AtomicU64,
-    /// Connections and UDP flows the proxy took without a first-packet decision and
-    /// decided itself ([`Decider::take_or_decide`]): a TCP SYN of a class the kernel-side
-    /// cache holds (allowed by the snapshot in force; `redirect` rule 7), a first packet the
+    /// Connections and UDP flows taken without a first-packet decision and decided then
+    /// ([`Decider::take_or_decide`], [`Decider::decide_cached`]): a TCP SYN or a UDP flow's
+    /// first datagram of a class the kernel-side cache holds (allowed by the snapshot in
+    /// force; `redirect` rule 7), a first packet the
     /// kernel passed on undecided (a full queue failing open), or a decision that aged out
     /// before the proxy took the connection.
     pub decided_at_accept: AtomicU64,
@@ -359,6 +360,16 @@ impl Decider {
     /// the caller then decides again with [`Decider::decide`]).
     pub fn take(&self, key: &FlowKey) -> Option<Admission> {
         self.pending.remove(key)
+    }
+
+    /// The admission of the kernel-forwarded UDP flow `key` whose first datagram skipped the
+    /// queue (its class was in the kernel-side cache of allowed classes, `redirect` rule 7):
+    /// decided now, on the snapshot in force, audited with the decision point `conntrack`
+    /// and counted in [`DecisionStats::decided_at_accept`]. Called when conntrack reports
+    /// the flow's new entry ([`super::forwarded::watch`]).
+    pub fn decide_cached(&self, key: FlowKey) -> Admission {
+        self.stats.decided_at_accept.fetch_add(1, Ordering::Relaxed);
+        self.decide_and_audit(key, DecisionPoint::Conntrack)
     }
 
     /// The admission of the flow `key` the proxy just took: its first packet's

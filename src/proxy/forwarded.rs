@@ -13,7 +13,16 @@
 //!   `nf_conntrack_udp_timeout_stream` (120 s), or when [`sweep`] deletes it. Its destroy
 //!   event carries the entry's counters (with `net.netfilter.nf_conntrack_acct = 1`,
 //!   which the agent sets while it runs), from which the end record gets the flow's bytes
-//!   each way; the duration is from the first datagram's decision to the event.
+//!   each way; the duration is from the first datagram's decision to the event. The kernel
+//!   reaps an expired entry when its garbage collector comes by (its interval adapts to
+//!   the table, up to 60 s) or when a listing meets it (the sweep, at least every
+//!   [`crate::agent::SWEEP_EVERY`]), so an end record comes up to about a minute after the
+//!   timeout.
+//! - **Cached classes.** The first datagram of a flow whose class (client, protocol and
+//!   port, server) the snapshot in force allowed before skips the queue (`redirect` rule
+//!   7, the same kernel-side cache as TCP's, emptied at every new snapshot); its entry is
+//!   marked, and conntrack's new event for it makes [`watch`] decide, audit (decision point
+//!   `conntrack`) and track it.
 //! - **Live change.** After a new snapshot is published (and every queue reader that was
 //!   deciding under the old one has answered), [`sweep`] lists the table's UDP entries,
 //!   decides each again and deletes the entries of those now denied: their next datagram
@@ -34,7 +43,7 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use super::conntrack::{self, Conntrack, DestroyEvents, Entry};
+use super::conntrack::{self, Conntrack, Entry, Event, Events};
 use super::decider::{Admission, Decider};
 use super::packet::FlowKey;
 use crate::audit::CloseReason;
@@ -163,15 +172,59 @@ fn end(decider: &Decider, key: FlowKey, flow: &Flow, reason: CloseReason, e: &En
     );
 }
 
-/// Reads destroy events until the socket fails for good, ending the tracked flows they
-/// name. Lost events (ENOBUFS) are counted and logged (rate-limited); the next [`sweep`]
-/// forgets the flows whose entries are gone (their ends are not reported). Runs on its
-/// own thread.
-pub fn watch(decider: &Decider, mut events: DestroyEvents) {
+/// A flow whose first datagram skipped the queue (its class was in the kernel-side cache
+/// of allowed classes, which marked its entry with `cached`): decided now, on the snapshot
+/// in force, audited with the decision point `conntrack`, and tracked. If that snapshot
+/// denies it (a new one came between the cache's answer and this event), its entry is
+/// deleted through `delete` and the decision audited as a cut.
+fn confirmed(decider: &Decider, delete: &mut Conntrack, e: &Entry) {
+    let key = key_of(e);
+    let admission = decider.decide_cached(key);
+    if admission.decision.verdict == Verdict::Allow {
+        decider.forwarded().admit(key, admission);
+        return;
+    }
+    decider.cut_forwarded(key);
+    if let Err(err) = delete.delete(e) {
+        tracing::warn!(error = %err, flow = ?key, "deleting the conntrack entry of a denied UDP flow failed; the next sweep retries");
+    } else {
+        decider.forwarded().stats.cut.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// Reads conntrack's events until the socket fails for good: a new entry whose mark has
+/// the bits of `cached` (`value`, `mask`: a UDP flow whose first datagram the kernel-side
+/// cache let through, `redirect` rule 7) is decided and tracked; a destroyed entry ends the
+/// tracked flow it names. Lost events (ENOBUFS) are counted and logged (rate-limited); the
+/// next [`sweep`] forgets the flows whose entries are gone (their ends are not reported).
+/// Runs on its own thread.
+///
+/// # Errors
+/// None returned: failures are logged; after 100 in a row the thread ends.
+pub fn watch(decider: &Decider, mut events: Events, cached: (u32, u32)) {
+    let (value, mask) = cached;
+    let mut delete = match Conntrack::open() {
+        Ok(c) => Some(c),
+        Err(e) => {
+            tracing::error!(error = %e, "cannot open a ctnetlink socket: UDP flows the kernel-side cache let through are tracked but never deleted if a new snapshot raced them");
+            None
+        }
+    };
     let mut failures = 0u32;
     loop {
-        match events.next(conntrack::UDP, |e| {
-            destroyed(decider, &e);
+        match events.next(conntrack::UDP, |kind, e| match kind {
+            Event::New if e.zone == 0 && e.mark & mask == value => match delete.as_mut() {
+                Some(d) => confirmed(decider, d, &e),
+                None => {
+                    let key = key_of(&e);
+                    let admission = decider.decide_cached(key);
+                    decider.forwarded().admit(key, admission);
+                }
+            },
+            Event::New => {}
+            Event::Destroy => {
+                destroyed(decider, &e);
+            }
         }) {
             Ok(_) => failures = 0,
             Err(e) if e.raw_os_error() == Some(nix::libc::ENOBUFS) => {
@@ -295,6 +348,7 @@ pub fn shut_down(decider: &Decider, dump: &mut Conntrack) -> std::io::Result<()>
             orig: conntrack::Tuple { src: key.src, dst: key.dst, protocol: conntrack::UDP },
             reply: conntrack::Tuple { src: key.dst, dst: key.src, protocol: conntrack::UDP },
             zone: 0,
+            mark: 0,
             id: None,
             orig_counters: conntrack::Counters::default(),
             reply_counters: conntrack::Counters::default(),
@@ -302,4 +356,61 @@ pub fn shut_down(decider: &Decider, dump: &mut Conntrack) -> std::io::Result<()>
         end(decider, key, &f, CloseReason::Shutdown, &none);
     }
     listed
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::SystemTime;
+
+    use super::*;
+    use crate::audit::DecisionPoint;
+
+    fn admission() -> Admission {
+        Admission {
+            decision: Arc::new(crate::policy::eval::Decision {
+                verdict: Verdict::Allow,
+                egress: None,
+                ingress: None,
+                revision: crate::policy::Revision(1),
+            }),
+            audited: true,
+            time: SystemTime::now(),
+            point: DecisionPoint::FirstPacket,
+        }
+    }
+
+    fn key(port: u16) -> FlowKey {
+        FlowKey {
+            src: SocketAddr::from(([10, 0, 0, 1], port)),
+            dst: SocketAddr::from(([10, 0, 0, 2], 53)),
+            protocol: Protocol::Udp,
+        }
+    }
+
+    /// Over the limit a flow is still forwarded (the caller allowed it) but not tracked;
+    /// that is counted, and a flow tracked already is replaced, not refused.
+    #[test]
+    fn the_table_tracks_up_to_its_limit_and_counts_the_rest() {
+        let t = Forwarded::new(2);
+        let before = crate::limits::LIMITS.udp_flows.get();
+        t.admit(key(1), admission());
+        t.admit(key(2), admission());
+        t.admit(key(2), admission());
+        assert_eq!((t.len(), t.stats.untracked.load(Ordering::Relaxed)), (2, 0));
+        t.admit(key(3), admission());
+        assert_eq!((t.len(), t.stats.untracked.load(Ordering::Relaxed)), (2, 1));
+        assert!(crate::limits::LIMITS.udp_flows.get() > before);
+        assert_eq!(t.stats.tracked.load(Ordering::Relaxed), 3);
+    }
+
+    /// Conntrack counts whole packets; the end record counts UDP payload, as the proxy did.
+    #[test]
+    fn payload_bytes_leave_out_the_ip_and_udp_headers() {
+        let c = conntrack::Counters { packets: 2, bytes: 2 * 28 + 100 };
+        assert_eq!(payload(c, "10.0.0.2:53".parse().unwrap()), 100);
+        let c = conntrack::Counters { packets: 1, bytes: 48 + 7 };
+        assert_eq!(payload(c, "[fd00::2]:53".parse().unwrap()), 7);
+        assert_eq!(payload(conntrack::Counters::default(), "10.0.0.2:53".parse().unwrap()), 0);
+    }
 }

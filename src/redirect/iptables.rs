@@ -404,6 +404,14 @@ fn restore_input(spec: &RulesetSpec, fam: Family) -> String {
         "-A {decide} -p tcp -m comment --comment \"tierproxy: allowed class, cached\" \
          {SYN} -m mark --mark {decided} -j SET --add-set {allowed} src,dst,dst --exist"
     );
+    if c.udp_path == UdpPath::Kernel {
+        // The same for a UDP flow's first datagram (the set's port carries the protocol).
+        let _ = writeln!(
+            o,
+            "-A {decide} -p udp -m comment --comment \"tierproxy: allowed class, cached\" \
+             -m mark --mark {decided} -j SET --add-set {allowed} src,dst,dst --exist"
+        );
+    }
     let _ = writeln!(
         o,
         "-A {decide} -m comment --comment \"tierproxy: decided\" -m mark --mark {decided} -j RETURN"
@@ -482,6 +490,19 @@ fn restore_input(spec: &RulesetSpec, fam: Family) -> String {
         "-A {queue} -p tcp -m comment --comment \"tierproxy: allowed class, cached\" \
          {SYN} -m set --match-set {allowed} src,dst,dst -j RETURN"
     );
+    if c.udp_path == UdpPath::Kernel {
+        // A UDP flow of a cached class: no queue trip either. Its conntrack entry gets the
+        // decided mark's bits as its connection mark, by which the agent, reading
+        // conntrack's new events, decides, audits and tracks the flow
+        // (`proxy::forwarded::watch`).
+        for target in [format!("CONNMARK --set-xmark {decided}"), "RETURN".to_owned()] {
+            let _ = writeln!(
+                o,
+                "-A {queue} -p udp -m comment --comment \"tierproxy: allowed class, cached\" \
+                 -m set --match-set {allowed} src,dst,dst -j {target}"
+            );
+        }
+    }
     for proto in QUEUED_PROTOCOLS {
         let (new_only, target) = match super::queue_when(proto, c.udp_path) {
             QueueWhen::Syn => {
@@ -963,8 +984,15 @@ mod tests {
         let config = RedirectConfig { queue_count: 1, queue_first: 7, ..Default::default() };
         let spec = RulesetSpec::new(config, [], []).unwrap();
         let text = restore_input(&spec, Family::V4);
-        assert!(text.contains("-A TIERPROXY-QUEUE -p udp -j NFQUEUE --queue-num 7\n"), "{text}");
-        // The kernel-forwarded flows' queue follows the balanced ones.
+        assert!(
+            text.contains(
+                "-A TIERPROXY-QUEUE -p tcp -m tcp --tcp-flags FIN,SYN,RST,ACK SYN -j NFQUEUE --queue-num 7\n"
+            ),
+            "{text}"
+        );
+        // The kernel-forwarded flows' queue follows the balanced ones: UDP (on the kernel
+        // path) and SCTP go there.
+        assert!(text.contains("-A TIERPROXY-QUEUE -p udp -j NFQUEUE --queue-num 8\n"), "{text}");
         assert!(
             text.contains(
                 "-A TIERPROXY-QUEUE -p sctp -m conntrack --ctstate NEW -j NFQUEUE --queue-num 8\n"

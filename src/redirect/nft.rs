@@ -90,7 +90,8 @@ const PODIF: &str = "podif";
 /// Pods on other nodes whose agent enforces (rule 6: not proxied a second time).
 const ENFORCED_V4: &str = "enforced-v4";
 const ENFORCED_V6: &str = "enforced-v6";
-/// The kernel-side cache of allowed TCP classes (rule 7): `saddr . dport . daddr`.
+/// The kernel-side cache of allowed classes (rule 7): `saddr . l4proto . th dport . daddr`
+/// (TCP, and UDP on the kernel path).
 const ALLOWED_V4: &str = "allowed-v4";
 const ALLOWED_V6: &str = "allowed-v6";
 
@@ -144,7 +145,8 @@ const V6: Fam = Fam {
 fn allowed_class(fam: Fam) -> Expression<'static> {
     Expression::Named(NamedExpression::Concat(vec![
         payload(fam.proto, "saddr"),
-        payload("tcp", "dport"),
+        meta(MetaKey::L4proto),
+        payload("th", "dport"),
         payload(fam.proto, "daddr"),
     ]))
 }
@@ -489,7 +491,7 @@ impl<'s> Builder<'s> {
             name: fam.allowed.into(),
             handle: None,
             set_type: SetTypeValue::Concatenated(
-                vec![fam.addr, SetType::InetService, fam.addr].into(),
+                vec![fam.addr, SetType::InetProto, SetType::InetService, fam.addr].into(),
             ),
             policy: None,
             // `timeout` only: nft 1.0.6's JSON parser refuses `dynamic`, and a set that the
@@ -840,6 +842,25 @@ fn apply_batch(spec: &RulesetSpec) -> Nftables<'static> {
             ],
         );
     }
+    if c.udp_path == UdpPath::Kernel {
+        // The same for a UDP flow's first datagram.
+        for fam in [V4, V6] {
+            b.rule(
+                DECIDE_CHAIN,
+                "tierproxy: allowed class, cached",
+                vec![
+                    is(meta(MetaKey::Nfproto), Operator::EQ, str_expr(fam.nfproto)),
+                    l4proto_in(&["udp"]),
+                    mark_set(c.decided_mark),
+                    Statement::Set(::nftables::stmt::Set {
+                        op: SetOp::Update,
+                        elem: allowed_class(fam),
+                        set: format!("@{}", fam.allowed).into(),
+                    }),
+                ],
+            );
+        }
+    }
     b.rule(
         DECIDE_CHAIN,
         "tierproxy: decided",
@@ -879,6 +900,24 @@ fn apply_batch(spec: &RulesetSpec) -> Nftables<'static> {
                 Statement::Return(None),
             ],
         );
+    }
+    // A UDP flow of a cached class: no queue trip either. Its conntrack entry gets the
+    // decided mark's bits as its connection mark, by which the agent, reading conntrack's
+    // new events, decides, audits and tracks the flow (`proxy::forwarded::watch`).
+    if c.udp_path == UdpPath::Kernel {
+        for fam in [V4, V6] {
+            b.rule(
+                DECIDE_CHAIN,
+                "tierproxy: allowed class, cached",
+                vec![
+                    is(meta(MetaKey::Nfproto), Operator::EQ, str_expr(fam.nfproto)),
+                    l4proto_in(&["udp"]),
+                    is(allowed_class(fam), Operator::EQ, str_expr(format!("@{}", fam.allowed))),
+                    set_ct_mark(c.decided_mark),
+                    Statement::Return(None),
+                ],
+            );
+        }
     }
     // Packets of pod flows, egress then ingress → queue (TCP SYNs, SCTP when new, every UDP
     // datagram: [`QueueWhen`]).
