@@ -1,6 +1,7 @@
 //! A small load generator for the lab's echo servers (`tierproxy loadgen`, run inside a
 //! pod's namespace with `tierproxy lab exec`): request/response latency over one
-//! connection, whole connect–request–response–close cycles, and UDP request/response.
+//! connection, whole connect–request–response–close cycles, UDP request/response over one
+//! socket per client, and DNS-like UDP queries each from a new socket.
 //!
 //! The lab's TCP servers greet each connection with one line (`tierproxy-lab <ip> <port>`)
 //! and then echo; the TCP modes read the greeting first. crr closes first by default; with
@@ -30,6 +31,12 @@ pub enum Mode {
     /// request waits for the echo's answer (greeting line + payload) up to
     /// [`UDP_REPLY_TIMEOUT`]; a datagram lost either way counts in `timeouts`.
     UdpRr,
+    /// DNS-like UDP queries (issue #20): each `size`-byte request from a new socket, so a
+    /// new ephemeral source port and a new flow for every proxy and conntrack table on the
+    /// path; it waits for the echo's answer up to [`UDP_REPLY_TIMEOUT`] as [`Mode::UdpRr`]
+    /// does (a lost answer counts in `timeouts`, never waited on longer) and the socket is
+    /// closed after the query.
+    UdpFlows,
     /// A half-open flood (issue #17): TCP SYNs to `to` from random source ports, at
     /// [`LoadOptions::rate`] per second, never completing a handshake; with
     /// [`LoadOptions::forge_sources`] each from a random source address too. IPv4 only;
@@ -93,8 +100,8 @@ pub struct Report {
     pub p99_us: f64,
     /// Wall time of the run, seconds.
     pub seconds: f64,
-    /// Requests that got no answer within [`UDP_REPLY_TIMEOUT`] (udp-rr only; always 0
-    /// for the TCP modes, where a lost answer is an error).
+    /// Requests that got no answer within [`UDP_REPLY_TIMEOUT`] (udp-rr and udp-flows;
+    /// always 0 for the TCP modes, where a lost answer is an error).
     pub timeouts: u64,
     /// crr with [`LoadOptions::count_errors`]: transactions that failed (a connect refused
     /// or timed out, a greeting or an echo that did not come within the timeout).
@@ -134,67 +141,104 @@ fn connect_within(to: SocketAddr, timeout: Duration) -> anyhow::Result<TcpStream
     Ok(s)
 }
 
-/// One UDP client: a connected socket, `size`-byte requests (the first [`SEQ_BYTES`]
-/// carry a sequence number when `size` allows), each waiting for the answer that ends
-/// with its own payload; answers to earlier (timed-out) requests are skipped.
-fn udp_client(o: LoadOptions, deadline: Instant, max: u64) -> anyhow::Result<ClientResult> {
-    let bind: SocketAddr = if o.to.is_ipv4() {
+/// A UDP socket on an ephemeral port (the kernel picks it at bind(2)) of the wildcard
+/// address of `to`'s family, connected to `to`, so that it receives only `to`'s datagrams
+/// and an ICMP error for what it sent (port unreachable) surfaces on its next call.
+fn udp_connected(to: SocketAddr) -> anyhow::Result<UdpSocket> {
+    let bind: SocketAddr = if to.is_ipv4() {
         SocketAddr::from(([0, 0, 0, 0], 0))
     } else {
         SocketAddr::from(([0u16; 8], 0))
     };
     let s = UdpSocket::bind(bind).context("binding a UDP socket")?;
-    s.connect(o.to).with_context(|| format!("connecting a UDP socket to {}", o.to))?;
+    s.connect(to).with_context(|| format!("connecting a UDP socket to {to}"))?;
+    Ok(s)
+}
+
+/// The error for a datagram that met a closed port at `to` (ECONNREFUSED, the ICMP port
+/// unreachable of RFC 1122 §4.1.3.1 reported on the connected socket).
+fn udp_refused(to: SocketAddr) -> anyhow::Error {
+    anyhow::anyhow!("{to}: UDP port unreachable (is the lab's UDP echo served there?)")
+}
+
+/// Sends `req` on the connected socket `s` and waits up to [`UDP_REPLY_TIMEOUT`] for the
+/// echo's answer that ends with `req` (its sequence tag tells it apart from a late answer
+/// to an earlier request, which is skipped). `Ok(false)`: no answer in time, a loss.
+/// `buf` holds an answer: greeting line (≤ ~70 bytes for an IPv6 peer) plus `req`.
+fn udp_query(s: &UdpSocket, to: SocketAddr, req: &[u8], buf: &mut [u8]) -> anyhow::Result<bool> {
+    // Past the run's deadline too: an answer in flight then is not a loss.
+    let give_up = Instant::now() + UDP_REPLY_TIMEOUT;
+    match s.send(req) {
+        Ok(_) => {}
+        // A previous datagram's ICMP error (port unreachable) surfaces on a later call.
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => return Err(udp_refused(to)),
+        Err(e) => return Err(e).context("sending a UDP request"),
+    }
+    loop {
+        let left = give_up.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Ok(false);
+        }
+        s.set_read_timeout(Some(left))?;
+        match s.recv(buf) {
+            Ok(m) => {
+                let got = &buf[..m];
+                if !got.starts_with(b"tierproxy-lab ") {
+                    bail!("not a lab echo server: answer {:?}", String::from_utf8_lossy(got));
+                }
+                if got.ends_with(req) {
+                    return Ok(true);
+                }
+                // An answer to an earlier request that had timed out: keep waiting.
+            }
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                return Ok(false);
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            // This request's own ICMP error: with a socket per query (udp-flows) it can
+            // only surface here.
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {
+                return Err(udp_refused(to));
+            }
+            Err(e) => return Err(e).context("receiving a UDP answer"),
+        }
+    }
+}
+
+/// One UDP client, number `client` of the run: `size`-byte requests (the first
+/// [`SEQ_BYTES`] carry the client's number and a sequence number when `size` allows), each
+/// answered or lost (see [`udp_query`]). udp-rr sends them all over one connected socket;
+/// udp-flows opens a new one for each request and closes it after the answer or the loss,
+/// so every request leaves from a new ephemeral port. The client's number in the tag keeps
+/// a late answer to another client's query, arriving at a port that client has freed and
+/// this one has been given, from passing for this client's answer.
+fn udp_client(
+    o: LoadOptions,
+    client: u64,
+    deadline: Instant,
+    max: u64,
+) -> anyhow::Result<ClientResult> {
+    let kept = if o.mode == Mode::UdpFlows { None } else { Some(udp_connected(o.to)?) };
     let mut req = vec![b'x'; o.size];
-    // Greeting (≤ ~70 bytes for an IPv6 peer) + payload.
     let mut buf = vec![0u8; o.size + 256];
     let mut lat = Vec::new();
     let mut timeouts = 0u64;
     let mut seq = 0u64;
     while Instant::now() < deadline && (lat.len() as u64) + timeouts < max {
         seq += 1;
-        let tag = seq.to_be_bytes();
+        let tag = ((client << 48) | seq).to_be_bytes();
         let n = SEQ_BYTES.min(req.len());
         req[..n].copy_from_slice(&tag[..n]);
         let t = Instant::now();
-        // Past the run's deadline too: an answer in flight then is not a loss.
-        let give_up = t + UDP_REPLY_TIMEOUT;
-        match s.send(&req) {
-            Ok(_) => {}
-            // A previous datagram's ICMP error (port unreachable) surfaces on a later call.
-            Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {
-                bail!("{}: UDP port unreachable (is the lab's UDP echo served there?)", o.to)
-            }
-            Err(e) => return Err(e).context("sending a UDP request"),
-        }
-        let answered = loop {
-            let left = give_up.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                break false;
-            }
-            s.set_read_timeout(Some(left))?;
-            match s.recv(&mut buf) {
-                Ok(m) => {
-                    let got = &buf[..m];
-                    if !got.starts_with(b"tierproxy-lab ") {
-                        bail!("not a lab echo server: answer {:?}", String::from_utf8_lossy(got));
-                    }
-                    if got.ends_with(&req) {
-                        break true;
-                    }
-                    // An answer to an earlier request that had timed out: keep waiting.
-                }
-                Err(e)
-                    if matches!(
-                        e.kind(),
-                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-                    ) =>
-                {
-                    break false;
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(e).context("receiving a UDP answer"),
-            }
+        let answered = match &kept {
+            Some(s) => udp_query(s, o.to, &req, &mut buf)?,
+            // The socket is dropped, and so closed, right after its query.
+            None => udp_query(&udp_connected(o.to)?, o.to, &req, &mut buf)?,
         };
         if answered {
             lat.push(t.elapsed().as_micros() as u32);
@@ -205,9 +249,14 @@ fn udp_client(o: LoadOptions, deadline: Instant, max: u64) -> anyhow::Result<Cli
     Ok(ClientResult { latencies: lat, timeouts, errors: 0 })
 }
 
-fn one_client(o: LoadOptions, deadline: Instant, max: u64) -> anyhow::Result<ClientResult> {
-    if o.mode == Mode::UdpRr {
-        return udp_client(o, deadline, max);
+fn one_client(
+    o: LoadOptions,
+    client: u64,
+    deadline: Instant,
+    max: u64,
+) -> anyhow::Result<ClientResult> {
+    if matches!(o.mode, Mode::UdpRr | Mode::UdpFlows) {
+        return udp_client(o, client, deadline, max);
     }
     let req = vec![b'x'; o.size];
     let mut resp = vec![0u8; o.size];
@@ -224,7 +273,9 @@ fn one_client(o: LoadOptions, deadline: Instant, max: u64) -> anyhow::Result<Cli
             }
         }
         Mode::Hold => bail!("hold is run by loadgen::hold"),
-        Mode::UdpRr => bail!("udp-rr is run by loadgen::udp_client"),
+        Mode::UdpRr | Mode::UdpFlows => {
+            bail!("udp-rr and udp-flows are run by loadgen::udp_client")
+        }
         Mode::SynFlood => bail!("syn-flood is run by loadgen::syn_flood"),
         Mode::Crr => {
             let mut errors = 0u64;
@@ -273,7 +324,7 @@ pub fn run(o: LoadOptions) -> anyhow::Result<Report> {
     let per_client = o.max_count.div_ceil(o.concurrency.max(1) as u64);
     let results: Vec<anyhow::Result<ClientResult>> = std::thread::scope(|s| {
         let hs: Vec<_> = (0..o.concurrency.max(1))
-            .map(|_| s.spawn(move || one_client(o, deadline, per_client)))
+            .map(|i| s.spawn(move || one_client(o, i as u64, deadline, per_client)))
             .collect();
         hs.into_iter()
             .map(|h| h.join().unwrap_or_else(|_| Err(anyhow::anyhow!("client panicked"))))
@@ -605,6 +656,68 @@ mod tests {
         let r = run(opts(Mode::UdpRr, silent.local_addr().unwrap(), 3, 1)).unwrap();
         assert_eq!((r.count, r.timeouts), (0, 3));
         assert!(t.elapsed() < UDP_REPLY_TIMEOUT * 3 + Duration::from_secs(1));
+    }
+
+    /// A lab UDP echo on loopback that records the source port of every datagram it
+    /// answers (before answering, so a run's answered requests are all recorded when it
+    /// returns).
+    fn udp_echo_recording_ports() -> (SocketAddr, std::sync::Arc<std::sync::Mutex<Vec<u16>>>) {
+        let s = UdpSocket::bind("127.0.0.1:0").unwrap();
+        let addr = s.local_addr().unwrap();
+        let ports = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let seen = ports.clone();
+        std::thread::spawn(move || {
+            let mut buf = [0u8; 2048];
+            while let Ok((n, peer)) = s.recv_from(&mut buf) {
+                seen.lock().unwrap().push(peer.port());
+                let mut reply = crate::lab::serve::greeting(peer).into_bytes();
+                reply.extend_from_slice(&buf[..n]);
+                let _ = s.send_to(&reply, peer);
+            }
+        });
+        (addr, ports)
+    }
+
+    fn distinct(ports: &std::sync::Mutex<Vec<u16>>) -> usize {
+        ports.lock().unwrap().iter().collect::<std::collections::HashSet<_>>().len()
+    }
+
+    #[test]
+    fn udp_flows_sends_each_query_from_a_new_source_port() {
+        let (to, ports) = udp_echo_recording_ports();
+        let r = run(opts(Mode::UdpFlows, to, 100, 2)).unwrap();
+        assert_eq!((r.count, r.timeouts), (100, 0));
+        assert!(r.p50_us > 0.0 && r.p99_us >= r.p50_us);
+        assert_eq!(ports.lock().unwrap().len(), 100);
+        // The kernel picks each ephemeral port at random, so a port freed by an earlier
+        // query may come back now and then (about one pair in 100 queries over the
+        // 28,000-port range), never a fixed one per client.
+        let n = distinct(&ports);
+        assert!(n >= 90, "100 queries from {n} source ports");
+        // udp-rr, by contrast, keeps one socket per client.
+        let (to, ports) = udp_echo_recording_ports();
+        assert_eq!(run(opts(Mode::UdpRr, to, 100, 2)).unwrap().count, 100);
+        assert_eq!(distinct(&ports), 2);
+    }
+
+    #[test]
+    fn udp_flows_counts_a_silent_server_as_timeouts_and_ends() {
+        let silent = UdpSocket::bind("127.0.0.1:0").unwrap();
+        let t = Instant::now();
+        let r = run(opts(Mode::UdpFlows, silent.local_addr().unwrap(), 3, 1)).unwrap();
+        assert_eq!((r.count, r.timeouts), (0, 3));
+        assert!(t.elapsed() < UDP_REPLY_TIMEOUT * 3 + Duration::from_secs(1));
+    }
+
+    #[test]
+    fn udp_flows_and_udp_rr_name_a_closed_port() {
+        // Bound, then closed: the loopback answers with an ICMP port unreachable (never
+        // rate-limited on loopback), which the query's own socket reports on its recv.
+        let to = UdpSocket::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+        for mode in [Mode::UdpFlows, Mode::UdpRr] {
+            let e = run(opts(mode, to, 5, 1)).unwrap_err();
+            assert!(format!("{e:#}").contains("UDP port unreachable"), "{mode:?}: {e:#}");
+        }
     }
 
     #[test]

@@ -76,8 +76,10 @@ enum Command {
         /// rr: request/response over one connection; crr: a connection per request; hold:
         /// open --max-count connections and report when they are cut; udp-rr: UDP
         /// request/response over a connected socket per client (lost answers are counted
-        /// as timeouts); syn-flood: half-open TCP SYNs at --rate per second (needs
-        /// CAP_NET_RAW; bounded by --seconds and --max-count).
+        /// as timeouts); udp-flows: as udp-rr, but each request from a new socket (a new
+        /// source port, a new flow), closed after its answer or loss; syn-flood:
+        /// half-open TCP SYNs at --rate per second (needs CAP_NET_RAW; bounded by
+        /// --seconds and --max-count).
         #[arg(long, value_enum)]
         mode: tierproxy::loadgen::Mode,
         /// The echo server, IP:PORT.
