@@ -233,9 +233,9 @@ fn iptables_lifecycle(test: &str, cmds: IptablesCommands) {
         (&cmds.ip6tables_restore, &cmds.ip6tables_save),
     ] {
         let expected = rendered_rules(&rendered, restore);
-        // 32 in mangle, 8 in raw (3 checking sources, 5 for the upstream legs' conntrack
+        // 33 in mangle, 8 in raw (3 checking sources, 5 for the upstream legs' conntrack
         // zone).
-        assert_eq!(expected.len(), 40, "{restore} section of:\n{rendered}");
+        assert_eq!(expected.len(), 41, "{restore} section of:\n{rendered}");
         let raw = ns.sh(&[save, "-t", "raw"]);
         let saved = ns.sh(&[save, "-t", "mangle"]);
         let ours: Vec<&str> =
@@ -448,7 +448,7 @@ fn nftables_apply_update_remove() {
             "tproxy ip to 127.0.0.1:15001 meta mark set meta mark | 0x00002000 accept",
             "tproxy ip6 to [::1]:15001",
             "ip saddr @nodes-v4 return",
-            "ip daddr @pods-v4 socket mark & 0x00000080 == 0x00000080 \
+            "ip daddr @pods-v4 meta l4proto != udp socket mark & 0x00000080 == 0x00000080 \
              ct zone set 29808",
             "meta mark & 0x00000080 == 0x00000080 ct zone set 29808",
             "iifname \"lo\" ip saddr @nodes-v4 return",

@@ -147,7 +147,7 @@ pub mod attr {
     pub const VERDICT: &str = "tierproxy.verdict";
     /// `allow` / `deny`: the flow's verdict (both directions).
     pub const FLOW_VERDICT: &str = "tierproxy.flow.verdict";
-    /// Where the decision was made: `first-packet`, `accept` or `re-decision`
+    /// Where the decision was made: `first-packet`, `accept`, `re-decision` or `conntrack`
     /// ([`super::DecisionPoint`]).
     pub const DECISION_POINT: &str = "tierproxy.decision.point";
     /// `rule`, `isolation`, `default`, `own-node`: what decided the direction.

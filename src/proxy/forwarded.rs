@@ -1,13 +1,13 @@
 //! UDP flows the kernel forwards once their first datagram is decided (the default UDP
 //! path, issue #20): the table of those whose end this node reports, the watcher of
-//! conntrack's destroy events that ends them, and the sweep that re-decides the live ones
-//! when a new snapshot is published.
+//! conntrack's events that starts (for cached classes) and ends them, and the sweep that
+//! re-decides the live ones when a new snapshot is published.
 //!
-//! - **Decision.** The ruleset queues a UDP datagram of a pod flow when it is `ctstate
-//!   NEW` (the first of its 5-tuple, or the first after the flow's conntrack entry went);
-//!   the decider decides it and answers allow (the kernel then forwards the flow on its
-//!   conntrack entry, both ways) or drop (no entry is confirmed, so the next datagram is
-//!   queued again). [`Forwarded::admit`] records the allowed ones here.
+//! - **Decision.** The ruleset queues a UDP datagram of a pod flow when its conntrack
+//!   entry is not confirmed yet (the first of its 5-tuple, or the first after the flow's
+//!   entry went); the decider decides it and answers allow (the kernel then forwards the
+//!   flow on its conntrack entry, both ways) or drop (no entry is confirmed, so the next
+//!   datagram is queued again). [`Forwarded::admit`] records the allowed ones here.
 //! - **End.** Conntrack destroys the entry when the flow has been quiet for
 //!   `nf_conntrack_udp_timeout` (30 s) or, once it has seen traffic both ways and lasted,
 //!   `nf_conntrack_udp_timeout_stream` (120 s), or when [`sweep`] deletes it. Its destroy
@@ -26,8 +26,8 @@
 //! - **Live change.** After a new snapshot is published (and every queue reader that was
 //!   deciding under the old one has answered), [`sweep`] lists the table's UDP entries,
 //!   decides each again and deletes the entries of those now denied: their next datagram
-//!   is `NEW`, queued and dropped. A denying re-decision is audited like the proxy's, and
-//!   the end follows with reason `policy-change`.
+//!   has no confirmed entry, so it is queued and dropped. A denying re-decision is audited
+//!   like the proxy's, and the end follows with reason `policy-change`.
 //! - **Bounds.** At most [`Forwarded::new`]'s `max` flows are tracked; a flow over it is
 //!   still decided and forwarded, but its end is not reported (counted as the limit
 //!   `udp_flows`, logged once per episode). An entry whose destroy event never comes (the

@@ -331,6 +331,15 @@ fn restore_input(spec: &RulesetSpec, fam: Family) -> String {
         "-A {chain} -m comment --comment \"tierproxy: proxy upstream sockets (bypass mark)\" \
          -m mark --mark {bypass} -j RETURN"
     );
+    if c.udp_path == UdpPath::Kernel {
+        // Nothing below is for UDP on the kernel path (it is neither TPROXY'd nor owned by
+        // a proxy socket): spare every datagram the socket lookups and set matches.
+        let _ = writeln!(
+            o,
+            "-A {chain} -p udp -m comment --comment \"tierproxy: UDP, decided in INPUT and FORWARD\" \
+             -j RETURN"
+        );
+    }
     // Rule 2: established transparent sockets (proxied flows, upstream replies) → local.
     // Not a TCP SYN: the socket match finds TIME_WAIT sockets too, and a SYN reusing the
     // 4-tuple of a client leg in TIME_WAIT must reach TPROXY (rule 6), which hands it to
@@ -397,6 +406,16 @@ fn restore_input(spec: &RulesetSpec, fam: Family) -> String {
         "-A {decide} -m comment --comment \"tierproxy: proxy upstream sockets (bypass mark)\" \
          -m mark --mark {bypass} -j RETURN"
     );
+    // First: every later datagram of every UDP flow takes this chain.
+    if c.udp_path == UdpPath::Kernel {
+        // A datagram of a UDP flow whose conntrack entry exists (its first datagram was
+        // allowed): forwarded by the kernel (see `QueueWhen::Unconfirmed`).
+        let _ = writeln!(
+            o,
+            "-A {decide} -p udp -m comment --comment \"tierproxy: UDP flow, decided\" \
+             -m conntrack --ctstatus CONFIRMED -j RETURN"
+        );
+    }
     // An allowed SYN, repeated with the decided mark: its class (client, port, server)
     // enters the kernel-side cache, so the class's next SYNs skip the queue (rule 7).
     let _ = writeln!(
@@ -422,15 +441,6 @@ fn restore_input(spec: &RulesetSpec, fam: Family) -> String {
          -m set --match-set {nodes} src -j RETURN"
     );
     let _ = writeln!(o, "-A {decide} {udp_to_node}");
-    if c.udp_path == UdpPath::Kernel {
-        // A datagram of a UDP flow whose conntrack entry exists (its first datagram was
-        // allowed): forwarded by the kernel (see `QueueWhen::Unconfirmed`).
-        let _ = writeln!(
-            o,
-            "-A {decide} -p udp -m comment --comment \"tierproxy: UDP flow, decided\" \
-             -m conntrack --ctstatus CONFIRMED -j RETURN"
-        );
-    }
     for (dir, words) in [("src", "from"), ("dst", "to")] {
         let _ = writeln!(
             o,
@@ -584,10 +594,12 @@ fn raw_input(spec: &RulesetSpec, fam: Family, o: &mut String) {
         // only transparent sockets: an upstream leg from the node's own address (to the
         // node itself, or `--no-preserve-source`) is an ordinary socket, and its replies
         // looked up in the default zone were INVALID there.
+        // On the kernel UDP path no upstream leg is UDP: UDP is spared the socket lookup.
+        let not_udp = if c.udp_path == UdpPath::Kernel { "! -p udp " } else { "" };
         for (dir, words) in [("src", "from"), ("dst", "to")] {
             let _ = writeln!(
                 o,
-                "-A {zin} -m comment --comment \"tierproxy: upstream leg {words} a local pod, own zone\" \
+                "-A {zin} {not_udp}-m comment --comment \"tierproxy: upstream leg {words} a local pod, own zone\" \
                  -m set --match-set {pods} {dir} -m socket --restore-skmark \
                  -m mark --mark {bypass} {ct}"
             );

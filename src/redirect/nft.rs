@@ -637,8 +637,13 @@ fn apply_batch(spec: &RulesetSpec) -> Nftables<'static> {
                 ("saddr", "tierproxy: upstream leg from a local pod, own zone"),
                 ("daddr", "tierproxy: upstream leg to a local pod, own zone"),
             ] {
-                // Any socket, not only transparent ones: see the iptables backend.
-                let expr = vec![in_set(fam, field, fam.pods), socket_mark.clone(), zone()];
+                // Any socket, not only transparent ones: see the iptables backend. On the
+                // kernel UDP path no upstream leg is UDP: UDP is spared the socket lookup.
+                let mut expr = vec![in_set(fam, field, fam.pods)];
+                if c.udp_path == UdpPath::Kernel {
+                    expr.push(is(meta(MetaKey::L4proto), Operator::NEQ, str_expr("udp")));
+                }
+                expr.extend([socket_mark.clone(), zone()]);
                 b.rule(ZONE_IN_CHAIN, comment, expr);
             }
         }
@@ -656,6 +661,15 @@ fn apply_batch(spec: &RulesetSpec) -> Nftables<'static> {
         "tierproxy: proxy upstream sockets (bypass mark)",
         vec![mark_set(c.bypass_mark), Statement::Return(None)],
     );
+    if c.udp_path == UdpPath::Kernel {
+        // Nothing below is for UDP on the kernel path (it is neither tproxied nor owned by a
+        // proxy socket): spare every datagram the socket lookups and set matches.
+        b.rule(
+            CHAIN,
+            "tierproxy: UDP, decided in INPUT and FORWARD",
+            vec![l4proto_in(&["udp"]), Statement::Return(None)],
+        );
+    }
     // Rule 2: established transparent sockets (proxied flows, upstream replies) → local.
     // `socket wildcard 0` ignores listeners bound to the any-address, as xt socket does.
     // Not a TCP SYN: the socket lookup finds TIME_WAIT sockets too, and a SYN reusing the
@@ -823,6 +837,20 @@ fn apply_batch(spec: &RulesetSpec) -> Nftables<'static> {
         "tierproxy: proxy upstream sockets (bypass mark)",
         vec![mark_set(c.bypass_mark), Statement::Return(None)],
     );
+    // First: every later datagram of every UDP flow takes this chain.
+    if c.udp_path == UdpPath::Kernel {
+        // A datagram of a UDP flow whose conntrack entry exists (its first datagram was
+        // allowed): forwarded by the kernel (see `QueueWhen::Unconfirmed`).
+        b.rule(
+            DECIDE_CHAIN,
+            "tierproxy: UDP flow, decided",
+            vec![
+                l4proto_in(&["udp"]),
+                is(ct_status(), Operator::IN, str_expr("confirmed")),
+                Statement::Return(None),
+            ],
+        );
+    }
     // An allowed SYN, repeated with the decided mark: its class (client, port, server)
     // enters the kernel-side cache, so the class's next SYNs skip the queue (rule 7).
     for fam in [V4, V6] {
@@ -872,19 +900,7 @@ fn apply_batch(spec: &RulesetSpec) -> Nftables<'static> {
     for fam in [V4, V6] {
         b.rule(DECIDE_CHAIN, "tierproxy: UDP to the node itself, decided", udp_to_node(fam));
     }
-    if c.udp_path == UdpPath::Kernel {
-        // A datagram of a UDP flow whose conntrack entry exists (its first datagram was
-        // allowed): forwarded by the kernel (see `QueueWhen::Unconfirmed`).
-        b.rule(
-            DECIDE_CHAIN,
-            "tierproxy: UDP flow, decided",
-            vec![
-                l4proto_in(&["udp"]),
-                is(ct_status(), Operator::IN, str_expr("confirmed")),
-                Statement::Return(None),
-            ],
-        );
-    }
+
     // A SYN of a class the snapshot in force allowed (the cache is emptied at each new
     // snapshot): no queue trip. The proxy decides and audits it when it accepts it; a
     // kernel-forwarded one (from an enforced pod) was decided at its client's node.
