@@ -652,7 +652,7 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
     // Kernel-forwarded UDP: destroy events are watched before the first flow is admitted,
     // so none of their ends is missed; the sweeper's sockets re-decide live flows.
     let sweeper = if udp_kernel {
-        let events = conntrack::Events::subscribe(CONNTRACK_EVENTS_RCVBUF)
+        let events = conntrack::Events::subscribe(CONNTRACK_EVENTS_RCVBUF, conntrack::UDP)
             .context("subscribing to conntrack events (needs CAP_NET_ADMIN and nf_conntrack_netlink; --udp-path proxy does without)")?;
         let watcher = decider.clone();
         let cached = (opts.redirect.decided_mark.value, opts.redirect.decided_mark.mask);

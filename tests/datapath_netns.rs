@@ -1241,3 +1241,41 @@ fn dns_like_udp_flows_keep_the_client_port_and_end_with_their_payload_bytes_each
         assert_eq!(a["tierproxy.connection.bytes_to_client"], answered as u64, "{end}");
     }
 }
+
+/// Issue #20: the agent's conntrack event socket carries UDP entries only: a socket
+/// filter drops the events of every other protocol in the kernel, so a node's TCP
+/// connections (two entries each, a new and a destroy event per entry) never wake the
+/// event reader. A TCP connection made before a UDP query must not be the first event.
+#[test]
+fn the_conntrack_event_socket_is_woken_by_udp_entries_only() {
+    if !netns_available("the_conntrack_event_socket_is_woken_by_udp_entries_only") {
+        return;
+    }
+    use tierproxy::proxy::conntrack::{Event, Events, UDP};
+    let lab = lab_with_agents("ctflt");
+    let n1 = netns_of_node(&lab, "n1");
+    let mut events = in_netns(&n1, || Events::subscribe(1 << 20, UDP).map_err(io("subscribe")))
+        .expect("an event socket in n1");
+    let timeout = nix::sys::time::TimeVal::new(10, 0);
+    nix::sys::socket::setsockopt(&events, nix::sys::socket::sockopt::ReceiveTimeout, &timeout)
+        .expect("receive timeout");
+    let client = netns_of_pod(&lab, "a", "client");
+    let conn = connect_from(&client, "10.60.1.3:8080");
+    conn.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
+    let mut greeting = String::new();
+    BufReader::new(&conn).read_line(&mut greeting).expect("greeting");
+    drop(conn);
+    assert_eq!(udp_answer(&client, "10.60.1.2:0", "10.60.1.3:5353"), Ok(()));
+    // Every protocol passes the reader's own check (0): only the kernel's filter is tested.
+    let mut first = None;
+    while first.is_none() {
+        events
+            .next(0, |kind, e| {
+                first.get_or_insert((kind, e));
+            })
+            .expect("an event within 10 s");
+    }
+    let (kind, e) = first.expect("an event");
+    assert_eq!((kind, e.orig.protocol), (Event::New, UDP), "{e:?}");
+    assert_eq!(e.reply.src, "10.60.1.3:5353".parse::<SocketAddr>().unwrap(), "{e:?}");
+}

@@ -31,10 +31,6 @@ const SUBSYS_CTNETLINK: u16 = 1;
 const MSG_CT_NEW: u16 = 0;
 const MSG_CT_GET: u16 = 1;
 const MSG_CT_DELETE: u16 = 2;
-/// `NFNLGRP_CONNTRACK_NEW` (group 1): bit `group - 1` of the legacy bind mask.
-const GROUP_NEW: u32 = 1;
-/// `NFNLGRP_CONNTRACK_DESTROY`.
-const GROUP_DESTROY: u32 = 1 << (3 - 1);
 
 const NLM_F_REQUEST: u16 = 1;
 const NLM_F_ACK: u16 = 4;
@@ -139,6 +135,8 @@ pub struct Events {
     buf: Vec<u8>,
 }
 
+/// A netlink socket of the netfilter family, bound to the multicast groups of the legacy
+/// bind mask `groups` (bit `group - 1` per group).
 fn open(groups: u32) -> io::Result<OwnedFd> {
     let fd = socket(
         AddressFamily::Netlink,
@@ -464,17 +462,95 @@ impl Conntrack {
     }
 }
 
+/// `SO_ATTACH_FILTER` (include/uapi/asm-generic/socket.h).
+const SO_ATTACH_FILTER: nix::libc::c_int = 26;
+
+/// A classic BPF program for an event socket that keeps only events about entries of IP
+/// protocol `protocol`: every other event is dropped in the kernel, before it wakes the
+/// reader (a node's TCP connections make two conntrack entries each, and each entry a new
+/// and a destroy event). It finds `CTA_TUPLE_ORIG` → `CTA_TUPLE_PROTO` → `CTA_PROTO_NUM`
+/// with the netlink attribute extensions (`SKF_AD_NLATTR`, `SKF_AD_NLATTR_NEST`:
+/// Documentation/networking/filter.rst) and keeps a message it cannot read.
+fn protocol_filter(protocol: u8) -> [nix::libc::sock_filter; 15] {
+    const LD_IMM: u16 = 0x00; // BPF_LD | BPF_W | BPF_IMM
+    const LDX_IMM: u16 = 0x01; // BPF_LDX | BPF_W | BPF_IMM
+    const LD_ABS: u16 = 0x20; // BPF_LD | BPF_W | BPF_ABS (ancillary loads)
+    const LDB_IND: u16 = 0x50; // BPF_LD | BPF_B | BPF_IND
+    const JEQ_K: u16 = 0x15; // BPF_JMP | BPF_JEQ | BPF_K
+    const TAX: u16 = 0x07; // BPF_MISC | BPF_TAX
+    const RET_K: u16 = 0x06; // BPF_RET | BPF_K
+    const SKF_AD_OFF: i32 = -0x1000;
+    const NLATTR: u32 = (SKF_AD_OFF + 12) as u32;
+    const NLATTR_NEST: u32 = (SKF_AD_OFF + 16) as u32;
+    let op = |code, jt, jf, k| nix::libc::sock_filter { code, jt, jf, k };
+    [
+        // A = offset of the first attribute; X = CTA_TUPLE_ORIG; A = its offset (0: none).
+        op(LD_IMM, 0, 0, (NLMSG_HDRLEN + NFGEN_HDRLEN) as u32),
+        op(LDX_IMM, 0, 0, u32::from(CTA_TUPLE_ORIG)),
+        op(LD_ABS, 0, 0, NLATTR),
+        op(JEQ_K, 9, 0, 0),
+        op(LDX_IMM, 0, 0, u32::from(CTA_TUPLE_PROTO)),
+        op(LD_ABS, 0, 0, NLATTR_NEST),
+        op(JEQ_K, 6, 0, 0),
+        op(LDX_IMM, 0, 0, u32::from(CTA_PROTO_NUM)),
+        op(LD_ABS, 0, 0, NLATTR_NEST),
+        op(JEQ_K, 3, 0, 0),
+        // The protocol number, right after the 4-byte attribute header.
+        op(TAX, 0, 0, 0),
+        op(LDB_IND, 0, 0, 4),
+        op(JEQ_K, 0, 1, u32::from(protocol)),
+        op(RET_K, 0, 0, u32::MAX),
+        op(RET_K, 0, 0, 0),
+    ]
+}
+
 impl Events {
     /// Subscribes to conntrack's new and destroy events (`NFNLGRP_CONNTRACK_NEW`,
-    /// `NFNLGRP_CONNTRACK_DESTROY`) with a receive buffer of `rcvbuf` bytes
+    /// `NFNLGRP_CONNTRACK_DESTROY`) about entries of IP protocol `protocol` (a socket
+    /// filter drops the others in the kernel), with a receive buffer of `rcvbuf` bytes
     /// (`SO_RCVBUFFORCE`) and reliable delivery (`NETLINK_BROADCAST_ERROR`: a destroy event
     /// the buffer cannot take makes conntrack keep the entry and send it again later,
     /// instead of losing the event).
     ///
     /// # Errors
     /// `socket`/`bind`/`setsockopt` failures (EPERM without CAP_NET_ADMIN).
-    pub fn subscribe(rcvbuf: usize) -> io::Result<Events> {
-        let fd = open(GROUP_NEW | GROUP_DESTROY)?;
+    pub fn subscribe(rcvbuf: usize, protocol: u8) -> io::Result<Events> {
+        let fd = open(0)?;
+        let mut program = protocol_filter(protocol);
+        let fprog =
+            nix::libc::sock_fprog { len: program.len() as u16, filter: program.as_mut_ptr() };
+        // SAFETY: `fprog` and the program it points to outlive the call (the kernel copies
+        // the program), and the length is `fprog`'s size.
+        let r = unsafe {
+            nix::libc::setsockopt(
+                fd.as_raw_fd(),
+                nix::libc::SOL_SOCKET,
+                SO_ATTACH_FILTER,
+                (&fprog as *const nix::libc::sock_fprog).cast(),
+                std::mem::size_of::<nix::libc::sock_fprog>() as nix::libc::socklen_t,
+            )
+        };
+        if r != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // Joined only now, with the filter in place: no event of another protocol is
+        // queued before it.
+        let groups = [1u32, 3].map(|g| g as nix::libc::c_int); // NEW, DESTROY
+        for g in groups {
+            // SAFETY: `g` outlives the call and the length is its size.
+            let r = unsafe {
+                nix::libc::setsockopt(
+                    fd.as_raw_fd(),
+                    nix::libc::SOL_NETLINK,
+                    nix::libc::NETLINK_ADD_MEMBERSHIP,
+                    (&g as *const nix::libc::c_int).cast(),
+                    std::mem::size_of::<nix::libc::c_int>() as nix::libc::socklen_t,
+                )
+            };
+            if r != 0 {
+                return Err(io::Error::last_os_error());
+            }
+        }
         nix::sys::socket::setsockopt(&fd, nix::sys::socket::sockopt::RcvBufForce, &rcvbuf)?;
         let one: nix::libc::c_int = 1;
         // SAFETY: `one` outlives the call and the length is its size.
