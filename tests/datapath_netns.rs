@@ -1279,3 +1279,88 @@ fn the_conntrack_event_socket_is_woken_by_udp_entries_only() {
     assert_eq!((kind, e.orig.protocol), (Event::New, UDP), "{e:?}");
     assert_eq!(e.reply.src, "10.60.1.3:5353".parse::<SocketAddr>().unwrap(), "{e:?}");
 }
+
+/// Issue #20: a UDP flow the kernel forwards outlives its agent's crash (the ruleset stays
+/// and forwards confirmed flows without asking), and the next agent decides the live flows
+/// again as it starts: one its snapshot denies is cut (its conntrack entry deleted, the
+/// denying re-decision audited), as a policy change would cut it.
+#[test]
+fn a_udp_flow_outlives_a_crashed_agent_and_the_next_one_cuts_it_if_its_policy_denies_it() {
+    if !netns_available(
+        "a_udp_flow_outlives_a_crashed_agent_and_the_next_one_cuts_it_if_its_policy_denies_it",
+    ) {
+        return;
+    }
+    let lab = lab_with_agents("udprst");
+    let n1 = netns_of_node(&lab, "n1");
+    let client = netns_of_pod(&lab, "a", "client");
+    let flow = in_netns(&client, || {
+        let s = std::net::UdpSocket::bind("10.60.1.2:0").map_err(io("bind"))?;
+        s.connect("10.60.1.3:5353").map_err(io("connect"))?;
+        s.set_read_timeout(Some(Duration::from_secs(2))).map_err(io("timeout"))?;
+        Ok(s)
+    })
+    .expect("a UDP socket");
+    let ask = |what: &[u8]| -> bool {
+        let mut buf = [0u8; 256];
+        flow.send(what).is_ok() && flow.recv(&mut buf).is_ok()
+    };
+    assert!(ask(b"before"), "the flow is up");
+    let pid = agent_pids(&lab).into_iter().find(|(ns, _)| *ns == n1).expect("agent of n1").1;
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::SIGKILL)
+        .expect("kill the agent");
+    wait_gone(pid);
+    assert!(ask(b"crashed"), "a crash does not cut a live UDP flow");
+
+    // The next agent's manifests isolate a/server for ingress.
+    let deny = lab.file(
+        "deny.yaml",
+        "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\n\
+         metadata: {name: isolate-server, namespace: a}\n\
+         spec: {podSelector: {}, policyTypes: [Ingress]}\n",
+    );
+    let ready = lab.dir.path().join("agent2.ready");
+    let audit = lab.dir.path().join("agent2-audit.jsonl");
+    let log = lab.dir.path().join("agent2.log");
+    let child = bin()
+        .args(["agent", "--netns", &n1, "--node", "n1", "--audit-allow-sample", "1"])
+        .arg("--ready-file")
+        .arg(&ready)
+        .arg("--audit-json")
+        .arg(&audit)
+        .arg("--log")
+        .arg(&log)
+        .arg("--manifests")
+        .arg(lab.dir.path().join("cluster.yaml"))
+        .arg(&deny)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("a second agent starts");
+    let mut agent = KillOnDrop(child);
+    let port = flow.local_addr().expect("local").port();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let cut = loop {
+        assert!(agent.0.try_wait().unwrap().is_none(), "the second agent exited");
+        assert!(Instant::now() < deadline, "no re-decision of the flow in 30 s");
+        let events = std::fs::read_to_string(&audit).unwrap_or_default();
+        let found =
+            events.lines().filter_map(|l| serde_json::from_str::<Value>(l).ok()).find(|e| {
+                e["attributes"]["source.port"] == u64::from(port)
+                    && e["attributes"]["tierproxy.decision.point"] == "re-decision"
+            });
+        if let Some(e) = found {
+            break e;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(cut["attributes"]["tierproxy.flow.verdict"], "deny", "{cut}");
+    assert!(ready.exists(), "cut before the agent said it was ready");
+    assert!(!ask(b"after"), "the denied flow is cut: its datagram is decided again, dropped");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(agent.0.id() as i32),
+        nix::sys::signal::SIGTERM,
+    )
+    .expect("stop the second agent");
+    let _ = agent.0.wait();
+}
