@@ -606,8 +606,8 @@ fn a_flood_of_new_flows_does_not_stop_the_deciders() {
     }
     let lab = lab_with_agents("flood");
     let client = netns_of_pod(&lab, "a", "client");
-    // Each datagram to another port is a new flow; client → server hashes to one queue,
-    // the same one the TCP check below uses.
+    // Each datagram to another port is a new flow of a new class (no cache hit), each
+    // queued on the kernel-forwarded flows' queue; the TCP check below uses a balanced one.
     in_netns(&client, || {
         let s = std::net::UdpSocket::bind("10.60.1.2:0").map_err(io("bind"))?;
         for i in 0..30_000u32 {
@@ -625,6 +625,8 @@ fn a_flood_of_new_flows_does_not_stop_the_deciders() {
     for i in 0..20 {
         cycle(&client, "10.60.1.3:8080").unwrap_or_else(|e| panic!("connection {i}: {e}"));
     }
+    // The flooded queue's reader still decides: a new UDP flow is answered.
+    assert_eq!(udp_answer(&client, "10.60.1.2:0", "10.60.1.3:5353"), Ok(()));
     let log = std::fs::read_to_string(
         Path::new("/run/tierproxy-lab").join(&lab.prefix).join("agent-n1.log"),
     )
