@@ -642,8 +642,12 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
     );
     let decider = Arc::new(Decider::new(
         current,
-        // Kernel-forwarded flows hold no descriptor: the option alone bounds them.
-        DeciderLimits { forwarded_flows: opts.max_udp_flows, ..DeciderLimits::default() },
+        // Kernel-forwarded flows hold no descriptor: the option alone bounds them. On the
+        // proxy path no conntrack event ends them: none is tracked.
+        DeciderLimits {
+            forwarded_flows: if udp_kernel { opts.max_udp_flows } else { 0 },
+            ..DeciderLimits::default()
+        },
         auditor.clone(),
         metrics.data_path.clone(),
     ));
@@ -1078,7 +1082,7 @@ struct Reloader<'a> {
     sweeper: Option<Sweeper>,
 }
 
-/// Receive buffer of the conntrack destroy event socket: 8 MiB, about 30,000 events (a
+/// Receive buffer of the conntrack event socket: 8 MiB, about 30,000 events (a
 /// destroy event of an IPv4 UDP entry is ~250 bytes, charged as its skb's true size).
 pub const CONNTRACK_EVENTS_RCVBUF: usize = 8 << 20;
 

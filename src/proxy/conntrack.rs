@@ -135,16 +135,15 @@ pub struct Events {
     buf: Vec<u8>,
 }
 
-/// A netlink socket of the netfilter family, bound to the multicast groups of the legacy
-/// bind mask `groups` (bit `group - 1` per group).
-fn open(groups: u32) -> io::Result<OwnedFd> {
+/// A netlink socket of the netfilter family, bound (the kernel picks its port id).
+fn open() -> io::Result<OwnedFd> {
     let fd = socket(
         AddressFamily::Netlink,
         SockType::Raw,
         SockFlag::SOCK_CLOEXEC,
         SockProtocol::NetlinkNetFilter,
     )?;
-    bind(fd.as_raw_fd(), &NetlinkAddr::new(0, groups))?;
+    bind(fd.as_raw_fd(), &NetlinkAddr::new(0, 0))?;
     Ok(fd)
 }
 
@@ -393,7 +392,7 @@ impl Conntrack {
     /// `socket`/`bind` failures (no netlink: a kernel without CONFIG_NF_CT_NETLINK loads
     /// the `nf_conntrack_netlink` module on first use, or fails with EPROTONOSUPPORT).
     pub fn open() -> io::Result<Conntrack> {
-        Ok(Conntrack { fd: open(0)?, buf: vec![0; RECV_BUF], seq: 0 })
+        Ok(Conntrack { fd: open()?, buf: vec![0; RECV_BUF], seq: 0 })
     }
 
     /// Every entry of IP protocol `protocol` in the table (both families), passed to
@@ -515,7 +514,7 @@ impl Events {
     /// # Errors
     /// `socket`/`bind`/`setsockopt` failures (EPERM without CAP_NET_ADMIN).
     pub fn subscribe(rcvbuf: usize, protocol: u8) -> io::Result<Events> {
-        let fd = open(0)?;
+        let fd = open()?;
         let mut program = protocol_filter(protocol);
         let fprog =
             nix::libc::sock_fprog { len: program.len() as u16, filter: program.as_mut_ptr() };

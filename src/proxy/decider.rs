@@ -69,7 +69,8 @@ pub struct DeciderLimits {
     /// cache, and its entries must not keep their memory once the flood is over (issue
     /// #17).
     pub cache_idle: Duration,
-    /// Most kernel-forwarded UDP flows whose end is reported ([`Forwarded`]).
+    /// Most kernel-forwarded UDP flows whose end is reported ([`Forwarded`]); 0 on the
+    /// UDP proxy path, where nothing reports their end.
     pub forwarded_flows: usize,
 }
 
@@ -101,9 +102,9 @@ pub struct DecisionStats {
     /// Connections and UDP flows taken without a first-packet decision and decided then
     /// ([`Decider::take_or_decide`], [`Decider::decide_cached`]): a TCP SYN or a UDP flow's
     /// first datagram of a class the kernel-side cache holds (allowed by the snapshot in
-    /// force; `redirect` rule 7), a first packet the
-    /// kernel passed on undecided (a full queue failing open), or a decision that aged out
-    /// before the proxy took the connection.
+    /// force; `redirect` rule 7), a first packet the kernel passed on undecided (a full
+    /// queue failing open), or a decision that aged out before the proxy took the
+    /// connection.
     pub decided_at_accept: AtomicU64,
 }
 

@@ -95,7 +95,8 @@ pub struct Forwarded {
 }
 
 impl Forwarded {
-    /// An empty table tracking at most `max` flows.
+    /// An empty table tracking at most `max` flows; 0 tracks none (the UDP proxy path,
+    /// where no conntrack event would ever end them).
     pub fn new(max: usize) -> Forwarded {
         Forwarded { flows: Mutex::default(), max, stats: ForwardedStats::default() }
     }
@@ -109,6 +110,9 @@ impl Forwarded {
     /// on) with its `admission`. A key tracked already (a flow whose first datagram was
     /// queued again) takes the new admission.
     pub fn admit(&self, key: FlowKey, admission: Admission) {
+        if self.max == 0 {
+            return;
+        }
         let mut flows = self.lock();
         if flows.len() >= self.max && !flows.contains_key(&key) {
             drop(flows);
@@ -175,16 +179,18 @@ fn end(decider: &Decider, key: FlowKey, flow: &Flow, reason: CloseReason, e: &En
 /// A flow whose first datagram skipped the queue (its class was in the kernel-side cache
 /// of allowed classes, which marked its entry with `cached`): decided now, on the snapshot
 /// in force, audited with the decision point `conntrack`, and tracked. If that snapshot
-/// denies it (a new one came between the cache's answer and this event), its entry is
-/// deleted through `delete` and the decision audited as a cut.
-fn confirmed(decider: &Decider, delete: &mut Conntrack, e: &Entry) {
+/// denies it (a new one came between the cache's answer and this event; the denying
+/// decision is the one audited), its entry is deleted through `delete`, if there is one,
+/// and counted as a policy cut.
+fn confirmed(decider: &Decider, delete: Option<&mut Conntrack>, e: &Entry) {
     let key = key_of(e);
     let admission = decider.decide_cached(key);
     if admission.decision.verdict == Verdict::Allow {
         decider.forwarded().admit(key, admission);
         return;
     }
-    decider.cut_forwarded(key);
+    decider.stats.policy_cuts.fetch_add(1, Ordering::Relaxed);
+    let Some(delete) = delete else { return };
     if let Err(err) = delete.delete(e) {
         tracing::warn!(error = %err, flow = ?key, "deleting the conntrack entry of a denied UDP flow failed; the next sweep retries");
     } else {
@@ -213,14 +219,9 @@ pub fn watch(decider: &Decider, mut events: Events, cached: (u32, u32)) {
     let mut failures = 0u32;
     loop {
         match events.next(conntrack::UDP, |kind, e| match kind {
-            Event::New if e.zone == 0 && e.mark & mask == value => match delete.as_mut() {
-                Some(d) => confirmed(decider, d, &e),
-                None => {
-                    let key = key_of(&e);
-                    let admission = decider.decide_cached(key);
-                    decider.forwarded().admit(key, admission);
-                }
-            },
+            Event::New if e.zone == 0 && e.mark & mask == value => {
+                confirmed(decider, delete.as_mut(), &e);
+            }
             Event::New => {}
             Event::Destroy => {
                 destroyed(decider, &e);
@@ -392,6 +393,9 @@ mod tests {
     /// that is counted, and a flow tracked already is replaced, not refused.
     #[test]
     fn the_table_tracks_up_to_its_limit_and_counts_the_rest() {
+        let off = Forwarded::new(0);
+        off.admit(key(1), admission());
+        assert_eq!((off.len(), off.stats.untracked.load(Ordering::Relaxed)), (0, 0));
         let t = Forwarded::new(2);
         let before = crate::limits::LIMITS.udp_flows.get();
         t.admit(key(1), admission());
