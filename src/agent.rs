@@ -140,7 +140,7 @@ pub struct AgentOptions {
     pub max_connections: usize,
     /// Drain grace on shutdown.
     pub drain_grace: Duration,
-    /// Idle timeout of a UDP flow.
+    /// Idle timeout of a UDP flow on the proxy path ([`crate::config::UdpPath::Proxy`]).
     pub udp_idle_timeout: Duration,
     /// Most live UDP flows.
     pub max_udp_flows: usize,

@@ -250,7 +250,8 @@ struct AgentArgs {
     /// Most live proxied connections; at the limit new ones wait in the listen backlog.
     #[arg(long, default_value_t = tierproxy::agent::DEFAULT_MAX_CONNECTIONS)]
     max_connections: usize,
-    /// Close a UDP flow after this many seconds without a datagram either way.
+    /// With `--udp-path proxy`: close a UDP flow after this many seconds without a datagram
+    /// either way (on the kernel path conntrack's UDP timeouts end a flow).
     #[arg(long, default_value_t = tierproxy::agent::DEFAULT_UDP_IDLE_TIMEOUT.as_secs())]
     udp_idle_timeout_secs: u64,
     /// How allowed UDP flows are carried: `kernel` decides a flow's first datagram and lets
