@@ -1869,23 +1869,16 @@ fn scraped(sources: Sources, config: &AuditConfig) -> Scraped {
             out.extend([
                 c(
                     "udp_forwarded_flows",
-                    "UDP flows allowed on their first datagram and forwarded by the kernel \
-                     (--udp-path kernel), by whether their end is reported (tracked) or not \
-                     (the table was full, --max-udp-flows)",
-                    vec![("end", "tracked".into())],
-                    f.stats.tracked.load(Relaxed),
-                ),
-                c(
-                    "udp_forwarded_flows",
-                    "UDP flows allowed on their first datagram and forwarded by the kernel \
-                     (--udp-path kernel), by whether their end is reported (tracked) or not \
-                     (the table was full, --max-udp-flows)",
-                    vec![("end", "untracked".into())],
-                    f.stats.untracked.load(Relaxed),
+                    "UDP flows allowed on their first datagram (or by the kernel-side cache) \
+                     and forwarded by the kernel (--udp-path kernel)",
+                    vec![],
+                    f.stats.flows.load(Relaxed),
                 ),
                 g(
                     "udp_forwarded_active",
-                    "Kernel-forwarded UDP flows tracked now (until their conntrack entry goes)",
+                    "Kernel-forwarded UDP flows held for their end record now (those whose \
+                     decision was audited, until their conntrack entry goes; at most \
+                     --max-udp-flows)",
                     vec![],
                     f.len() as u64,
                 ),

@@ -262,8 +262,8 @@ struct AgentArgs {
     #[arg(long, value_enum, default_value_t = tierproxy::config::UdpPath::Kernel)]
     udp_path: tierproxy::config::UdpPath,
     /// Most live UDP flows. `--udp-path proxy`: at the limit the first datagram of a new
-    /// flow is dropped. `kernel`: the most flows whose end is reported; a flow over it is
-    /// still decided and forwarded.
+    /// flow is dropped. `kernel`: the most audited flows held for their end record; a flow
+    /// over it is still decided and forwarded, its end not written.
     #[arg(long, default_value_t = tierproxy::agent::DEFAULT_MAX_UDP_FLOWS)]
     max_udp_flows: usize,
     /// Leave net.netfilter.nf_conntrack_acct as it is (by default the agent sets it to 1

@@ -28,9 +28,13 @@
 //!   decides each again and deletes the entries of those now denied: their next datagram
 //!   has no confirmed entry, so it is queued and dropped. A denying re-decision is audited
 //!   like the proxy's, and the end follows with reason `policy-change`.
-//! - **Bounds.** At most [`Forwarded::new`]'s `max` flows are tracked; a flow over it is
-//!   still decided and forwarded, but its end is not reported (counted as the limit
-//!   `udp_flows`, logged once per episode). An entry whose destroy event never comes (the
+//! - **Memory.** Only flows whose decision was audited are held for their end record (it
+//!   names that decision); the end of every other flow a local pod takes part in is
+//!   counted in the metrics from its destroy event alone (a DNS-heavy node makes a flow
+//!   per query: holding every one cost a lab agent 6 MiB of its peak RSS). At most
+//!   [`Forwarded::new`]'s `max` flows are held; an audited flow over it is still decided
+//!   and forwarded, but its end is not written (counted as the limit `udp_flows`, logged
+//!   once per episode). An entry whose destroy event never comes (the
 //!   datagram was dropped after the decision, so no conntrack entry was confirmed) is
 //!   removed by the next sweep ([`UNCONFIRMED_AFTER`]).
 //!
@@ -72,9 +76,12 @@ struct Flow {
 /// Counters of the kernel-forwarded UDP flows since start.
 #[derive(Debug, Default)]
 pub struct ForwardedStats {
-    /// Flows admitted and tracked.
+    /// Flows allowed (on their first datagram, or by the cache) and forwarded.
+    pub flows: AtomicU64,
+    /// Of those, flows tracked for their end record (their decision was audited).
     pub tracked: AtomicU64,
-    /// Flows admitted but not tracked (the table was full): their end is not reported.
+    /// Flows whose decision was audited but that were not tracked (the table was full):
+    /// their end record is not written.
     pub untracked: AtomicU64,
     /// Tracked flows ended by their destroy event.
     pub ended: AtomicU64,
@@ -84,11 +91,15 @@ pub struct ForwardedStats {
     pub events_lost: AtomicU64,
 }
 
-/// The kernel-forwarded UDP flows this node decided and tracks, by the 5-tuple their
-/// first datagram was decided on.
+/// The kernel-forwarded UDP flows this node decided and whose end it writes to audit, by
+/// the 5-tuple their first datagram was decided on. Only flows whose decision was audited
+/// are held (their end record names that decision); the others' ends are counted in the
+/// metrics from the destroy event alone. An untracked flow a sweep cut is remembered by
+/// its key until its destroy event, so that its end is counted as a policy change.
 #[derive(Debug)]
 pub struct Forwarded {
     flows: Mutex<HashMap<FlowKey, Flow>>,
+    cut_untracked: Mutex<HashSet<FlowKey>>,
     max: usize,
     /// Counters, for metrics, logs and tests.
     pub stats: ForwardedStats,
@@ -98,7 +109,12 @@ impl Forwarded {
     /// An empty table tracking at most `max` flows; 0 tracks none (the UDP proxy path,
     /// where no conntrack event would ever end them).
     pub fn new(max: usize) -> Forwarded {
-        Forwarded { flows: Mutex::default(), max, stats: ForwardedStats::default() }
+        Forwarded {
+            flows: Mutex::default(),
+            cut_untracked: Mutex::default(),
+            max,
+            stats: ForwardedStats::default(),
+        }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<FlowKey, Flow>> {
@@ -107,10 +123,15 @@ impl Forwarded {
     }
 
     /// Records the allowed first datagram of `key` (UDP, forwarded by the kernel from now
-    /// on) with its `admission`. A key tracked already (a flow whose first datagram was
-    /// queued again) takes the new admission.
+    /// on) with its `admission`: counted, and tracked when its decision was audited. A key
+    /// tracked already (a flow whose first datagram was queued again) takes the new
+    /// admission.
     pub fn admit(&self, key: FlowKey, admission: Admission) {
         if self.max == 0 {
+            return;
+        }
+        self.stats.flows.fetch_add(1, Ordering::Relaxed);
+        if !admission.audited {
             return;
         }
         let mut flows = self.lock();
@@ -153,15 +174,27 @@ fn payload(c: conntrack::Counters, dst: SocketAddr) -> u64 {
     c.bytes.saturating_sub(c.packets.saturating_mul(per))
 }
 
-/// Ends the tracked flow of the destroyed entry `e`, if any: counted and, when its
-/// decision was audited or a sweep cut it, audited with its payload bytes each way.
-/// Returns whether it was tracked.
+/// Ends the flow of the destroyed entry `e`: a tracked one is counted and audited with
+/// its payload bytes each way; another this node decided (a pod's end) is counted in the
+/// metrics. Returns whether it was tracked.
 pub fn destroyed(decider: &Decider, e: &Entry) -> bool {
     let key = key_of(e);
-    let Some(flow) = decider.forwarded().lock().remove(&key) else { return false };
-    let reason = if flow.cut { CloseReason::PolicyChange } else { CloseReason::Timeout };
-    end(decider, key, &flow, reason, e);
-    true
+    let tracked = decider.forwarded().lock().remove(&key);
+    if let Some(flow) = tracked {
+        let reason = if flow.cut { CloseReason::PolicyChange } else { CloseReason::Timeout };
+        end(decider, key, &flow, reason, e);
+        return true;
+    }
+    let cut =
+        decider.forwarded().cut_untracked.lock().unwrap_or_else(|p| p.into_inner()).remove(&key);
+    let d = decider.decide(key.flow());
+    if cut || d.egress.is_some() || d.ingress.is_some() {
+        let reason = if cut { CloseReason::PolicyChange } else { CloseReason::Timeout };
+        let (to_server, to_client) =
+            (payload(e.orig_counters, key.dst), payload(e.reply_counters, key.dst));
+        decider.metrics().closed(reason, to_server, to_client);
+    }
+    false
 }
 
 fn end(decider: &Decider, key: FlowKey, flow: &Flow, reason: CloseReason, e: &Entry) {
@@ -293,8 +326,13 @@ pub fn sweep(
             out.checked += 1;
             if decider.decide(key.flow()).verdict == Verdict::Deny {
                 let mut flows = tracked.lock();
-                if let Some(f) = flows.get_mut(&key) {
-                    f.cut = true;
+                match flows.get_mut(&key) {
+                    Some(f) => f.cut = true,
+                    None => {
+                        let mut cut =
+                            tracked.cut_untracked.lock().unwrap_or_else(|p| p.into_inner());
+                        cut.insert(key);
+                    }
                 }
                 drop(flows);
                 decider.cut_forwarded(key);
@@ -325,6 +363,12 @@ pub fn sweep(
         flows.remove(k);
     }
     out.forgotten = gone.len();
+    drop(flows);
+    if !redecide {
+        // A cut's destroy event comes as the entry is deleted, long before this periodic
+        // sweep; what is left here lost its event.
+        tracked.cut_untracked.lock().unwrap_or_else(|p| p.into_inner()).clear();
+    }
     Ok(out)
 }
 
@@ -389,13 +433,17 @@ mod tests {
         }
     }
 
-    /// Over the limit a flow is still forwarded (the caller allowed it) but not tracked;
+    /// Only flows whose decision was audited are held (their end record names it). Over
+    /// the limit such a flow is still forwarded (the caller allowed it) but not tracked;
     /// that is counted, and a flow tracked already is replaced, not refused.
     #[test]
     fn the_table_tracks_up_to_its_limit_and_counts_the_rest() {
         let off = Forwarded::new(0);
         off.admit(key(1), admission());
         assert_eq!((off.len(), off.stats.untracked.load(Ordering::Relaxed)), (0, 0));
+        let quiet = Forwarded::new(2);
+        quiet.admit(key(1), Admission { audited: false, ..admission() });
+        assert_eq!((quiet.len(), quiet.stats.flows.load(Ordering::Relaxed)), (0, 1));
         let t = Forwarded::new(2);
         let before = crate::limits::LIMITS.udp_flows.get();
         t.admit(key(1), admission());
