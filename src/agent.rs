@@ -678,6 +678,7 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
             decided_mask: r.decided_mark.mask,
             fail_open: r.queue_bypass,
             max_len: QUEUE_MAX_LEN,
+            udp_kernel,
         },
         decider.clone(),
         &queue_activity,

@@ -606,8 +606,9 @@ fn a_flood_of_new_flows_does_not_stop_the_deciders() {
     }
     let lab = lab_with_agents("flood");
     let client = netns_of_pod(&lab, "a", "client");
-    // Each datagram to another port is a new flow of a new class (no cache hit), each
-    // queued on the kernel-forwarded flows' queue; the TCP check below uses a balanced one.
+    // Each datagram to another port is a new flow of a new class (no cache hit), queued
+    // on the balanced queues; client → server hashes to one of them, the same one the TCP
+    // check below uses.
     in_netns(&client, || {
         let s = std::net::UdpSocket::bind("10.60.1.2:0").map_err(io("bind"))?;
         for i in 0..30_000u32 {
@@ -625,7 +626,7 @@ fn a_flood_of_new_flows_does_not_stop_the_deciders() {
     for i in 0..20 {
         cycle(&client, "10.60.1.3:8080").unwrap_or_else(|e| panic!("connection {i}: {e}"));
     }
-    // The flooded queue's reader still decides: a new UDP flow is answered.
+    // The flooded queue's reader still decides UDP: a new flow is answered.
     assert_eq!(udp_answer(&client, "10.60.1.2:0", "10.60.1.3:5353"), Ok(()));
     let log = std::fs::read_to_string(
         Path::new("/run/tierproxy-lab").join(&lab.prefix).join("agent-n1.log"),

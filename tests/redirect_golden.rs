@@ -126,9 +126,11 @@ fn rendering_is_deterministic_and_independent_of_input_order() {
 }
 
 /// Fail-open differs from fail-closed exactly in the queue statements gaining the bypass
-/// flag (iptables `--queue-bypass`, nft `"flags": ["bypass"]`), and for nftables in the
-/// drops of intercepted packets no listener took being left out (xt TPROXY drops those
-/// itself, in both modes).
+/// flag (iptables `--queue-bypass`, nft `"flags": ["bypass"]`), in UDP's first datagrams
+/// going to the kernel-forwarded flows' queue instead of the balanced ones (the kernel
+/// would forward what a failing-open queue let through, and nothing would decide it
+/// later), and for nftables in the drops of intercepted packets no listener took being
+/// left out (xt TPROXY drops those itself, in both modes).
 #[test]
 fn fail_open_only_adds_queue_bypass() {
     let closed = fixed_spec(RedirectConfig::default());
@@ -140,7 +142,12 @@ fn fail_open_only_adds_queue_bypass() {
     let queue_lines = o.lines().filter(|l| l.contains("-j NFQUEUE")).count();
     assert_eq!(queue_lines, 8, "3 protocols and TCP not tproxied × 2 families");
     assert_eq!(o.matches("--queue-bypass").count(), queue_lines);
-    assert_eq!(o.replace(" --queue-bypass", ""), c);
+    assert!(c.contains("-A TIERPROXY-QUEUE -p udp -j NFQUEUE --queue-balance 0:1\n"), "{c}");
+    let o = o.replace(" --queue-bypass", "").replace(
+        "-A TIERPROXY-QUEUE -p udp -j NFQUEUE --queue-num 2\n",
+        "-A TIERPROXY-QUEUE -p udp -j NFQUEUE --queue-balance 0:1\n",
+    );
+    assert_eq!(o, c);
 
     let nft = NftablesBackend::new();
     let parse = |s: &str| serde_json::from_str::<serde_json::Value>(s).expect("JSON");
@@ -157,10 +164,17 @@ fn fail_open_only_adds_queue_bypass() {
     let mut bypass_flags = 0;
     for obj in o["nftables"].as_array_mut().expect("array") {
         if let Some(expr) = obj.pointer_mut("/add/rule/expr").and_then(|e| e.as_array_mut()) {
+            let udp = expr.first().and_then(|m| m.pointer("/match/right"))
+                == Some(&serde_json::json!("udp"))
+                && expr.len() == 3;
             for stmt in expr {
                 if let Some(q) = stmt.get_mut("queue").and_then(|q| q.as_object_mut()) {
                     assert_eq!(q.remove("flags"), Some(serde_json::json!(["bypass"])));
                     bypass_flags += 1;
+                    // UDP's first datagrams: the forwarded flows' queue (2), not 0–1.
+                    if q.get("num") == Some(&serde_json::json!(2)) && udp {
+                        q.insert("num".into(), serde_json::json!({"range": [0, 1]}));
+                    }
                 }
             }
         }

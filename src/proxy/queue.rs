@@ -49,6 +49,10 @@ pub struct QueueConfig {
     pub fail_open: bool,
     /// Most packets waiting in each kernel queue.
     pub max_len: u32,
+    /// UDP takes the kernel path ([`crate::config::UdpPath::Kernel`]): its first
+    /// datagrams, queued on the balanced queues too, are decided as kernel-forwarded flows
+    /// (never kept for the proxy).
+    pub udp_kernel: bool,
 }
 
 /// Bytes of each packet the kernel copies to us: the IP header, any IPv6 extension
@@ -171,10 +175,17 @@ fn read(
                 activity.busy.store(true, SeqCst);
             }
             match packet::parse(p.payload) {
-                Ok(key) => match decider.first_packet(key, !kernel_forwarded).verdict {
-                    PolicyVerdict::Allow => allow(p.mark),
-                    PolicyVerdict::Deny => drop,
-                },
+                Ok(key) => {
+                    // UDP on the kernel path is forwarded by the kernel whichever queue
+                    // it came through.
+                    let udp_forwarded =
+                        config.udp_kernel && key.protocol == crate::policy::Protocol::Udp;
+                    let proxied = !(kernel_forwarded || udp_forwarded);
+                    match decider.first_packet(key, proxied).verdict {
+                        PolicyVerdict::Allow => allow(p.mark),
+                        PolicyVerdict::Deny => drop,
+                    }
+                }
                 Err(e) => {
                     tracing::debug!(queue = num, error = %e, "queued packet dropped");
                     drop

@@ -532,8 +532,11 @@ fn restore_input(spec: &RulesetSpec, fam: Family) -> String {
                 );
                 (String::new(), &queue_target)
             }
-            // The decide chain returned confirmed UDP already.
-            QueueWhen::Unconfirmed => (String::new(), &forwarded),
+            // The decide chain returned confirmed UDP already. Balanced over the queues
+            // like TCP, unless they fail open: what they let through undecided the kernel
+            // would forward, and no proxy would decide it later.
+            QueueWhen::Unconfirmed if c.queue_bypass => (String::new(), &forwarded),
+            QueueWhen::Unconfirmed => (String::new(), &queue_target),
             QueueWhen::New => (" -m conntrack --ctstate NEW".to_owned(), &forwarded),
         };
         let _ = writeln!(o, "-A {queue} -p {proto}{new_only} -j NFQUEUE {target}{bypass_flag}");
@@ -1002,9 +1005,9 @@ mod tests {
             ),
             "{text}"
         );
-        // The kernel-forwarded flows' queue follows the balanced ones: UDP (on the kernel
-        // path) and SCTP go there.
-        assert!(text.contains("-A TIERPROXY-QUEUE -p udp -j NFQUEUE --queue-num 8\n"), "{text}");
+        // UDP's first datagrams are balanced like SYNs (one queue here); the kernel-forwarded
+        // flows' queue follows the balanced ones, SCTP goes there.
+        assert!(text.contains("-A TIERPROXY-QUEUE -p udp -j NFQUEUE --queue-num 7\n"), "{text}");
         assert!(
             text.contains(
                 "-A TIERPROXY-QUEUE -p sctp -m conntrack --ctstate NEW -j NFQUEUE --queue-num 8\n"

@@ -987,7 +987,10 @@ fn apply_batch(spec: &RulesetSpec) -> Nftables<'static> {
                         queue(c)
                     }
                     // The chain returned confirmed UDP already.
-                    QueueWhen::Unconfirmed => forwarded_queue(c),
+                    // Balanced like TCP, unless the balanced queues fail open: what
+                    // they let through undecided the kernel would forward.
+                    QueueWhen::Unconfirmed if c.queue_bypass => forwarded_queue(c),
+                    QueueWhen::Unconfirmed => queue(c),
                     QueueWhen::New => {
                         expr.push(is(ct_state(), Operator::IN, str_expr("new")));
                         forwarded_queue(c)
