@@ -503,6 +503,30 @@ fn protocol_filter(protocol: u8) -> [nix::libc::sock_filter; 15] {
     ]
 }
 
+/// `setsockopt(2)` of `value` (passed by address with its size), for the options nix
+/// does not wrap.
+///
+/// # Errors
+/// The call's.
+fn set_option<T>(
+    fd: &OwnedFd,
+    level: nix::libc::c_int,
+    name: nix::libc::c_int,
+    value: &T,
+) -> io::Result<()> {
+    // SAFETY: `value` is a live reference for the whole call and the length is its size.
+    let r = unsafe {
+        nix::libc::setsockopt(
+            fd.as_raw_fd(),
+            level,
+            name,
+            (value as *const T).cast(),
+            std::mem::size_of::<T>() as nix::libc::socklen_t,
+        )
+    };
+    if r == 0 { Ok(()) } else { Err(io::Error::last_os_error()) }
+}
+
 impl Events {
     /// Subscribes to conntrack's new and destroy events (`NFNLGRP_CONNTRACK_NEW`,
     /// `NFNLGRP_CONNTRACK_DESTROY`) about entries of IP protocol `protocol` (a socket
@@ -518,53 +542,15 @@ impl Events {
         let mut program = protocol_filter(protocol);
         let fprog =
             nix::libc::sock_fprog { len: program.len() as u16, filter: program.as_mut_ptr() };
-        // SAFETY: `fprog` and the program it points to outlive the call (the kernel copies
-        // the program), and the length is `fprog`'s size.
-        let r = unsafe {
-            nix::libc::setsockopt(
-                fd.as_raw_fd(),
-                nix::libc::SOL_SOCKET,
-                SO_ATTACH_FILTER,
-                (&fprog as *const nix::libc::sock_fprog).cast(),
-                std::mem::size_of::<nix::libc::sock_fprog>() as nix::libc::socklen_t,
-            )
-        };
-        if r != 0 {
-            return Err(io::Error::last_os_error());
-        }
+        // The kernel copies the program, which outlives the call with `fprog`.
+        set_option(&fd, nix::libc::SOL_SOCKET, SO_ATTACH_FILTER, &fprog)?;
         // Joined only now, with the filter in place: no event of another protocol is
-        // queued before it.
-        let groups = [1u32, 3].map(|g| g as nix::libc::c_int); // NEW, DESTROY
-        for g in groups {
-            // SAFETY: `g` outlives the call and the length is its size.
-            let r = unsafe {
-                nix::libc::setsockopt(
-                    fd.as_raw_fd(),
-                    nix::libc::SOL_NETLINK,
-                    nix::libc::NETLINK_ADD_MEMBERSHIP,
-                    (&g as *const nix::libc::c_int).cast(),
-                    std::mem::size_of::<nix::libc::c_int>() as nix::libc::socklen_t,
-                )
-            };
-            if r != 0 {
-                return Err(io::Error::last_os_error());
-            }
+        // queued before it. Groups NFNLGRP_CONNTRACK_NEW (1) and _DESTROY (3).
+        for group in [1 as nix::libc::c_int, 3] {
+            set_option(&fd, nix::libc::SOL_NETLINK, nix::libc::NETLINK_ADD_MEMBERSHIP, &group)?;
         }
         nix::sys::socket::setsockopt(&fd, nix::sys::socket::sockopt::RcvBufForce, &rcvbuf)?;
-        let one: nix::libc::c_int = 1;
-        // SAFETY: `one` outlives the call and the length is its size.
-        let r = unsafe {
-            nix::libc::setsockopt(
-                fd.as_raw_fd(),
-                nix::libc::SOL_NETLINK,
-                NETLINK_BROADCAST_ERROR,
-                (&one as *const nix::libc::c_int).cast(),
-                std::mem::size_of::<nix::libc::c_int>() as nix::libc::socklen_t,
-            )
-        };
-        if r != 0 {
-            return Err(io::Error::last_os_error());
-        }
+        set_option(&fd, nix::libc::SOL_NETLINK, NETLINK_BROADCAST_ERROR, &(1 as nix::libc::c_int))?;
         Ok(Events { fd, buf: vec![0; RECV_BUF] })
     }
 
