@@ -1,5 +1,6 @@
 //! A minimal `ctnetlink` client: the kernel's connection tracking table read (dump),
-//! changed (delete one entry) and watched (destroy events with their byte counters).
+//! changed (delete one entry) and watched (new and destroy events, the latter with the
+//! entry's byte counters; one protocol's only, filtered in the kernel).
 //!
 //! It serves the UDP flows the kernel forwards once their first datagram is decided
 //! ([`super::forwarded`]): a new snapshot that denies a live flow deletes its entry (the
@@ -9,7 +10,7 @@
 //! way.
 //!
 //! Message layouts: include/uapi/linux/netfilter/nfnetlink_conntrack.h (`IPCTNL_MSG_CT_*`,
-//! `CTA_*`, `NFNLGRP_CONNTRACK_DESTROY`), nfnetlink.h (nfgenmsg), netlink(7); attribute
+//! `CTA_*`, `NFNLGRP_CONNTRACK_*`), nfnetlink.h (nfgenmsg), netlink(7); attribute
 //! values are big-endian, nested attributes carry `NLA_F_NESTED`. Byte counters need
 //! `net.netfilter.nf_conntrack_acct = 1` when the entry is created (otherwise they are
 //! absent and read as 0): Documentation/networking/nf_conntrack-sysctl.rst. The

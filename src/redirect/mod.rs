@@ -141,6 +141,18 @@
 //!      a cookie-completed connection to a ClusterIP still hangs, which [`select`] says.
 //! 4. **From the node's own addresses over `lo` → return.** Traffic the node sends to
 //!    itself; no queue trip (chain S dropped every other packet with a node source).
+//!
+//! **The kernel UDP path** ([`RedirectConfig::udp_path`] = [`UdpPath::Kernel`], the
+//! default; issue #20): every UDP packet returns right after rule 1 (it is neither
+//! TPROXY'd nor owned by a proxy socket), and raw's upstream-leg socket lookup (rule 0)
+//! skips UDP. In the decide chain a UDP packet whose conntrack entry is confirmed
+//! returns first; a flow's first datagram is queued ([`QueueWhen::Unconfirmed`]) and,
+//! allowed, repeated with the decided mark, which adds its class to the kernel-side
+//! cache of allowed classes; a later flow of a cached class returns without a queue trip
+//! and its entry gets the decided mark's bits as its connection mark, by which the
+//! agent finds it in conntrack's new events (`proxy::forwarded`). Where rules 2–7
+//! name UDP, they describe the proxy path (`--udp-path proxy`).
+//!
 //! 5. **UDP to the node's own addresses, not `ctstate NEW` → return.** The proxy cannot
 //!    take a hostNetwork server's address and port for its reply socket, so UDP to the node
 //!    is decided on its first packet (rule 7) and then delivered by the kernel, like SCTP.
@@ -157,7 +169,7 @@
 //!    ingress again on the SYN (rule 7) and lets the kernel forward the connection instead
 //!    of terminating it a second time (issue #18). Then TCP
 //!    SYNs (first their conntrack mark, rule 3) and UDP not to the node's own addresses
-//!    ([`TPROXY_PROTOCOLS`]) are TPROXY'd to the listeners (`--on-ip`
+//!    ([`tproxy_protocols`]) are TPROXY'd to the listeners (`--on-ip`
 //!    [`RedirectConfig::tproxy_addr_v4`]/`_v6`, `--on-port` [`RedirectConfig::tproxy_port`])
 //!    with `--tproxy-mark` = route mark, so policy routing delivers them locally (tproxy.rst,
 //!    "TPROXY target"; iptables-extensions(8), "TPROXY"). xt TPROXY drops a packet for which
