@@ -151,6 +151,20 @@ fn allowed_class(fam: Fam) -> Expression<'static> {
     ]))
 }
 
+/// Adds (or refreshes) the packet's class in the kernel-side cache of `fam` (rule 7).
+fn cache_class(fam: Fam) -> Statement<'static> {
+    Statement::Set(::nftables::stmt::Set {
+        op: SetOp::Update,
+        elem: allowed_class(fam),
+        set: format!("@{}", fam.allowed).into(),
+    })
+}
+
+/// Whether the packet's class is in the kernel-side cache of `fam` (rule 7).
+fn class_cached(fam: Fam) -> Statement<'static> {
+    is(allowed_class(fam), Operator::EQ, str_expr(format!("@{}", fam.allowed)))
+}
+
 fn meta(key: MetaKey) -> Expression<'static> {
     Expression::Named(NamedExpression::Meta(Meta { key }))
 }
@@ -862,11 +876,7 @@ fn apply_batch(spec: &RulesetSpec) -> Nftables<'static> {
                 l4proto_in(&["tcp"]),
                 tcp_syn(Operator::EQ),
                 mark_set(c.decided_mark),
-                Statement::Set(::nftables::stmt::Set {
-                    op: SetOp::Update,
-                    elem: allowed_class(fam),
-                    set: format!("@{}", fam.allowed).into(),
-                }),
+                cache_class(fam),
             ],
         );
     }
@@ -880,11 +890,7 @@ fn apply_batch(spec: &RulesetSpec) -> Nftables<'static> {
                     is(meta(MetaKey::Nfproto), Operator::EQ, str_expr(fam.nfproto)),
                     l4proto_in(&["udp"]),
                     mark_set(c.decided_mark),
-                    Statement::Set(::nftables::stmt::Set {
-                        op: SetOp::Update,
-                        elem: allowed_class(fam),
-                        set: format!("@{}", fam.allowed).into(),
-                    }),
+                    cache_class(fam),
                 ],
             );
         }
@@ -912,7 +918,7 @@ fn apply_batch(spec: &RulesetSpec) -> Nftables<'static> {
                 is(meta(MetaKey::Nfproto), Operator::EQ, str_expr(fam.nfproto)),
                 l4proto_in(&["tcp"]),
                 tcp_syn(Operator::EQ),
-                is(allowed_class(fam), Operator::EQ, str_expr(format!("@{}", fam.allowed))),
+                class_cached(fam),
                 Statement::Return(None),
             ],
         );
@@ -928,7 +934,7 @@ fn apply_batch(spec: &RulesetSpec) -> Nftables<'static> {
                 vec![
                     is(meta(MetaKey::Nfproto), Operator::EQ, str_expr(fam.nfproto)),
                     l4proto_in(&["udp"]),
-                    is(allowed_class(fam), Operator::EQ, str_expr(format!("@{}", fam.allowed))),
+                    class_cached(fam),
                     set_ct_mark(c.decided_mark),
                     Statement::Return(None),
                 ],
