@@ -22,6 +22,8 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 
 use nix::errno::Errno;
+
+use super::netlink::{self, Message, NFGEN_HDRLEN, NLM_F_ACK, NLMSG_HDRLEN, attr, attrs, finish};
 use nix::sys::socket::{
     AddressFamily, MsgFlags, NetlinkAddr, SockFlag, SockProtocol, SockType, bind, recv, send,
     socket,
@@ -33,15 +35,9 @@ const MSG_CT_NEW: u16 = 0;
 const MSG_CT_GET: u16 = 1;
 const MSG_CT_DELETE: u16 = 2;
 
-const NLM_F_REQUEST: u16 = 1;
-const NLM_F_ACK: u16 = 4;
+/// `NLM_F_DUMP` (`NLM_F_ROOT | NLM_F_MATCH`).
 const NLM_F_DUMP: u16 = 0x300;
-const NLMSG_ERROR: u16 = 2;
-const NLMSG_DONE: u16 = 3;
-const NLMSG_HDRLEN: usize = 16;
-const NFGEN_HDRLEN: usize = 4;
 const NLA_F_NESTED: u16 = 0x8000;
-const NLA_TYPE_MASK: u16 = 0x3fff;
 /// `NETLINK_BROADCAST_ERROR` (netlink(7)): a destroy event this socket cannot take is
 /// reported to conntrack, which keeps the entry and delivers the event again (reliable
 /// event delivery) instead of losing it.
@@ -151,21 +147,7 @@ fn open() -> io::Result<OwnedFd> {
 /// Appends a netlink header and an nfgenmsg for `msg` of family `family`; returns the
 /// message start (its length is patched by [`finish`]).
 fn begin(buf: &mut Vec<u8>, msg: u16, flags: u16, seq: u32, family: u8) -> usize {
-    let start = buf.len();
-    buf.extend_from_slice(&0u32.to_ne_bytes());
-    buf.extend_from_slice(&((SUBSYS_CTNETLINK << 8) | msg).to_ne_bytes());
-    buf.extend_from_slice(&(NLM_F_REQUEST | flags).to_ne_bytes());
-    buf.extend_from_slice(&seq.to_ne_bytes());
-    buf.extend_from_slice(&0u32.to_ne_bytes());
-    buf.extend_from_slice(&[family, 0 /* NFNETLINK_V0 */, 0, 0]);
-    start
-}
-
-fn attr(buf: &mut Vec<u8>, kind: u16, value: &[u8]) {
-    buf.extend_from_slice(&((4 + value.len()) as u16).to_ne_bytes());
-    buf.extend_from_slice(&kind.to_ne_bytes());
-    buf.extend_from_slice(value);
-    buf.resize(buf.len().next_multiple_of(4), 0);
+    netlink::begin(buf, SUBSYS_CTNETLINK, msg, flags, seq, family, 0)
 }
 
 /// Appends a nested attribute whose content `inner` writes.
@@ -176,11 +158,6 @@ fn nest(buf: &mut Vec<u8>, kind: u16, inner: impl FnOnce(&mut Vec<u8>)) {
     inner(buf);
     let len = (buf.len() - start) as u16;
     buf[start..start + 2].copy_from_slice(&len.to_ne_bytes());
-}
-
-fn finish(buf: &mut [u8], start: usize) {
-    let len = (buf.len() - start) as u32;
-    buf[start..start + 4].copy_from_slice(&len.to_ne_bytes());
 }
 
 fn family(addr: &SocketAddr) -> u8 {
@@ -212,23 +189,6 @@ fn v6(ip: IpAddr) -> Ipv6Addr {
         IpAddr::V4(a) => a.to_ipv6_mapped(),
         IpAddr::V6(a) => a,
     }
-}
-
-/// The attributes of `data` as (type without flags, value).
-fn attrs(mut data: &[u8]) -> impl Iterator<Item = (u16, &[u8])> {
-    std::iter::from_fn(move || {
-        if data.len() < 4 {
-            return None;
-        }
-        let len = u16::from_ne_bytes([data[0], data[1]]) as usize;
-        let kind = u16::from_ne_bytes([data[2], data[3]]) & NLA_TYPE_MASK;
-        if len < 4 || len > data.len() {
-            return None;
-        }
-        let value = &data[4..len];
-        data = &data[len.next_multiple_of(4).min(data.len())..];
-        Some((kind, value))
-    })
 }
 
 fn be_u16(v: &[u8]) -> Option<u16> {
@@ -343,41 +303,31 @@ pub enum Event {
 
 /// Parses the netlink messages of one datagram, passing every entry (of a dump, or of an
 /// event) of protocol `only` (any protocol when 0) to `each`.
-fn parse(mut data: &[u8], only: u8, mut each: impl FnMut(Event, Entry)) -> io::Result<Parsed> {
+fn parse(data: &[u8], only: u8, mut each: impl FnMut(Event, Entry)) -> io::Result<Parsed> {
     let mut out = Parsed::default();
-    while data.len() >= NLMSG_HDRLEN {
-        let len = u32::from_ne_bytes(data[0..4].try_into().expect("4 bytes")) as usize;
-        let kind = u16::from_ne_bytes(data[4..6].try_into().expect("2 bytes"));
-        if len < NLMSG_HDRLEN || len > data.len() {
-            return Err(io::Error::new(io::ErrorKind::InvalidData, "malformed netlink message"));
-        }
-        let body = &data[NLMSG_HDRLEN..len];
-        match kind {
-            NLMSG_ERROR => {
-                let code = body
-                    .get(0..4)
-                    .map(|b| i32::from_ne_bytes(b.try_into().expect("4 bytes")))
-                    .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "short error"))?;
+    for m in netlink::messages(data) {
+        match m? {
+            Message::Error(code) => {
                 out.done = true;
                 if code != 0 {
-                    out.error = Some(-code);
+                    out.error = Some(code);
                 }
             }
-            NLMSG_DONE => out.done = true,
-            k if (k == (SUBSYS_CTNETLINK << 8) | MSG_CT_NEW
-                || k == (SUBSYS_CTNETLINK << 8) | MSG_CT_DELETE)
-                && body.len() >= NFGEN_HDRLEN =>
+            Message::Done => out.done = true,
+            Message::Other { kind, body }
+                if (kind == (SUBSYS_CTNETLINK << 8) | MSG_CT_NEW
+                    || kind == (SUBSYS_CTNETLINK << 8) | MSG_CT_DELETE)
+                    && body.len() >= NFGEN_HDRLEN =>
             {
                 if let Some(e) = decode_entry(&body[NFGEN_HDRLEN..])
                     && (only == 0 || e.orig.protocol == only)
                 {
-                    let event = if k & 0xff == MSG_CT_NEW { Event::New } else { Event::Destroy };
-                    each(event, e);
+                    let new = kind & 0xff == MSG_CT_NEW;
+                    each(if new { Event::New } else { Event::Destroy }, e);
                 }
             }
-            _ => {}
+            Message::Other { .. } => {}
         }
-        data = &data[len.next_multiple_of(4).min(data.len())..];
     }
     Ok(out)
 }
@@ -589,6 +539,7 @@ impl AsFd for Events {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::proxy::netlink::NLMSG_ERROR;
 
     fn entry(orig: (&str, &str), reply: (&str, &str)) -> Entry {
         let t = |(s, d): (&str, &str)| Tuple {

@@ -14,6 +14,7 @@ pub mod conntrack;
 pub mod decider;
 pub mod forwarded;
 pub mod icmp;
+pub mod netlink;
 pub mod nfqueue;
 pub mod packet;
 pub mod queue;

@@ -17,6 +17,8 @@ use std::io;
 use std::os::fd::{AsFd, OwnedFd};
 
 use nix::errno::Errno;
+
+use super::netlink::{self, Message, NFGEN_HDRLEN, NLM_F_ACK, attr, finish};
 use nix::sys::socket::{
     AddressFamily, MsgFlags, NetlinkAddr, SockFlag, SockProtocol, SockType, bind, recv, send,
     socket,
@@ -28,13 +30,6 @@ const MSG_PACKET: u16 = 0;
 const MSG_VERDICT: u16 = 1;
 const MSG_CONFIG: u16 = 2;
 const MSG_VERDICT_BATCH: u16 = 3;
-
-const NLM_F_REQUEST: u16 = 1;
-const NLM_F_ACK: u16 = 4;
-const NLMSG_ERROR: u16 = 2;
-const NLMSG_DONE: u16 = 3;
-const NLMSG_HDRLEN: usize = 16;
-const NFGEN_HDRLEN: usize = 4;
 
 const CFG_CMD: u16 = 1;
 const CFG_PARAMS: u16 = 2;
@@ -49,8 +44,6 @@ const A_PACKET_HDR: u16 = 1;
 const A_VERDICT_HDR: u16 = 2;
 const A_MARK: u16 = 3;
 const A_PAYLOAD: u16 = 10;
-/// Attribute type bits that are flags (`NLA_F_NESTED`, `NLA_F_NET_BYTEORDER`).
-const NLA_TYPE_MASK: u16 = 0x3fff;
 
 /// Netfilter verdicts (include/uapi/linux/netfilter.h).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -104,29 +97,10 @@ pub struct Queue {
     seq: u32,
 }
 
-/// Appends a netlink message header and the nfgenmsg header; returns the message start.
+/// Appends a netlink message header and the nfgenmsg header of queue `queue`; returns the
+/// message start.
 fn begin(buf: &mut Vec<u8>, msg: u16, flags: u16, seq: u32, queue: u16) -> usize {
-    let start = buf.len();
-    buf.extend_from_slice(&0u32.to_ne_bytes()); // length, patched by `finish`
-    buf.extend_from_slice(&((SUBSYS_QUEUE << 8) | msg).to_ne_bytes());
-    buf.extend_from_slice(&(NLM_F_REQUEST | flags).to_ne_bytes());
-    buf.extend_from_slice(&seq.to_ne_bytes());
-    buf.extend_from_slice(&0u32.to_ne_bytes()); // port id: the kernel
-    buf.extend_from_slice(&[0 /* AF_UNSPEC */, 0 /* NFNETLINK_V0 */]);
-    buf.extend_from_slice(&queue.to_be_bytes());
-    start
-}
-
-fn attr(buf: &mut Vec<u8>, kind: u16, value: &[u8]) {
-    buf.extend_from_slice(&((4 + value.len()) as u16).to_ne_bytes());
-    buf.extend_from_slice(&kind.to_ne_bytes());
-    buf.extend_from_slice(value);
-    buf.resize(buf.len().next_multiple_of(4), 0);
-}
-
-fn finish(buf: &mut [u8], start: usize) {
-    let len = (buf.len() - start) as u32;
-    buf[start..start + 4].copy_from_slice(&len.to_ne_bytes());
+    netlink::begin(buf, SUBSYS_QUEUE, msg, flags, seq, 0 /* AF_UNSPEC */, queue)
 }
 
 /// Appends the verdict message(s) for `answers` (ids ascending) to `buf`: one batch
@@ -164,38 +138,18 @@ fn encode_verdicts(buf: &mut Vec<u8>, queue: u16, seq: u32, answers: &[(u32, Ans
 
 /// Parses the netlink messages of one datagram: packets are passed to `on_packet`; an
 /// error message becomes `Err`; an ACK (error 0) is `Ok(true)`.
-fn parse_datagram(mut data: &[u8], mut on_packet: impl FnMut(Packet<'_>)) -> io::Result<bool> {
+fn parse_datagram(data: &[u8], mut on_packet: impl FnMut(Packet<'_>)) -> io::Result<bool> {
     let mut acked = false;
-    while data.len() >= NLMSG_HDRLEN {
-        let len = u32::from_ne_bytes(data[0..4].try_into().expect("4 bytes")) as usize;
-        let kind = u16::from_ne_bytes(data[4..6].try_into().expect("2 bytes"));
-        if len < NLMSG_HDRLEN || len > data.len() {
-            return Err(io::Error::new(io::ErrorKind::InvalidData, "malformed netlink message"));
-        }
-        let body = &data[NLMSG_HDRLEN..len];
-        match kind {
-            NLMSG_ERROR => {
-                let code = body
-                    .get(0..4)
-                    .map(|b| i32::from_ne_bytes(b.try_into().expect("4 bytes")))
-                    .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "short error"))?;
-                if code != 0 {
-                    return Err(io::Error::from_raw_os_error(-code));
-                }
-                acked = true;
-            }
-            NLMSG_DONE => acked = true,
-            k if k == (SUBSYS_QUEUE << 8) | MSG_PACKET && body.len() >= NFGEN_HDRLEN => {
+    for m in netlink::messages(data) {
+        match m? {
+            Message::Error(0) | Message::Done => acked = true,
+            Message::Error(code) => return Err(io::Error::from_raw_os_error(code)),
+            Message::Other { kind, body }
+                if kind == (SUBSYS_QUEUE << 8) | MSG_PACKET && body.len() >= NFGEN_HDRLEN =>
+            {
                 let mut p = Packet { id: 0, mark: 0, payload: &[] };
                 let mut have_id = false;
-                let mut attrs = &body[NFGEN_HDRLEN..];
-                while attrs.len() >= 4 {
-                    let alen = u16::from_ne_bytes([attrs[0], attrs[1]]) as usize;
-                    let atype = u16::from_ne_bytes([attrs[2], attrs[3]]) & NLA_TYPE_MASK;
-                    if alen < 4 || alen > attrs.len() {
-                        break;
-                    }
-                    let v = &attrs[4..alen];
+                for (atype, v) in netlink::attrs(&body[NFGEN_HDRLEN..]) {
                     match atype {
                         A_PACKET_HDR if v.len() >= 4 => {
                             p.id = u32::from_be_bytes(v[..4].try_into().expect("4 bytes"));
@@ -207,15 +161,13 @@ fn parse_datagram(mut data: &[u8], mut on_packet: impl FnMut(Packet<'_>)) -> io:
                         A_PAYLOAD => p.payload = v,
                         _ => {}
                     }
-                    attrs = &attrs[alen.next_multiple_of(4).min(attrs.len())..];
                 }
                 if have_id {
                     on_packet(p);
                 }
             }
-            _ => {}
+            Message::Other { .. } => {}
         }
-        data = &data[len.next_multiple_of(4).min(data.len())..];
     }
     Ok(acked)
 }
@@ -363,6 +315,7 @@ impl AsFd for Queue {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::proxy::netlink::{NLMSG_ERROR, NLMSG_HDRLEN};
 
     /// A message: its type and its attributes (type, value).
     type Message = (u16, Vec<(u16, Vec<u8>)>);
