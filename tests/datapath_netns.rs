@@ -962,6 +962,40 @@ fn tcp_counter(name: &str) -> u64 {
     values.split_whitespace().nth(i).expect("value").parse().expect("number")
 }
 
+/// Waits (polling `TCP_INFO`, up to `deadline`) until `s` reaches `TCP_CLOSE`: the ACK of
+/// its FIN came back and its 4-tuple is free. Errors with the state it was left in.
+fn wait_until_closed(s: &TcpStream, deadline: Duration) -> Result<(), String> {
+    use nix::libc;
+    use std::os::fd::AsRawFd;
+    let until = std::time::Instant::now() + deadline;
+    loop {
+        // SAFETY: `info` is a plain C struct and `len` its size; the kernel writes at most `len` bytes.
+        let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
+        let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+        // SAFETY: as above; the fd is open for the whole call.
+        let rc = unsafe {
+            libc::getsockopt(
+                s.as_raw_fd(),
+                libc::IPPROTO_TCP,
+                libc::TCP_INFO,
+                (&mut info as *mut libc::tcp_info).cast(),
+                &mut len,
+            )
+        };
+        if rc != 0 {
+            return Err(format!("TCP_INFO: {}", std::io::Error::last_os_error()));
+        }
+        // TCP_CLOSE in include/net/tcp_states.h.
+        if info.tcpi_state == 7 {
+            return Ok(());
+        }
+        if std::time::Instant::now() >= until {
+            return Err(format!("still in TCP state {} after {deadline:?}", info.tcpi_state));
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
 /// Regression (issue #18, item 1): when the server closed first, the proxy's client-facing
 /// socket made the active close and held the client's 4-tuple in TIME_WAIT; rule 2
 /// (`socket --transparent`, which matches TIME_WAIT sockets) sent the client's next SYN on
@@ -1017,6 +1051,12 @@ fn a_client_reusing_its_port_after_the_server_closed_first_is_answered_at_once()
                 let mut answer = Vec::new();
                 s.read_to_end(&mut answer).map_err(io("answer"))?;
                 assert_eq!(answer, [round as u8; 64], "round {round}, port {port}");
+                // Our FIN; the port is ours to reuse once its ACK came back (LAST_ACK →
+                // CLOSE). A connect before that fails on the client's own side
+                // (EADDRNOTAVAIL), as any client's would: not what this test is about.
+                s.shutdown(std::net::Shutdown::Write).map_err(io("shutdown"))?;
+                wait_until_closed(&s, Duration::from_secs(5))
+                    .unwrap_or_else(|state| panic!("round {round}, port {port}: {state}"));
             }
         }
         Ok((tcp_counter("OutRsts") - rst0, tcp_counter("RetransSegs") - retrans0))
