@@ -18,7 +18,8 @@
 //! sets of the ruleset follow the node's pods. A change that cannot be used leaves the last
 //! good snapshot in force; an admin policy whose new version is invalid is enforced as the
 //! last good version recorded for it in the API ([`cluster::lastgood`]), else left out,
-//! alike on every node; what a build finds is logged once ([`ProblemLog`]).
+//! alike on every node ([`cluster::builder`] validates each object once per version, admits,
+//! compiles); what a build finds is logged once ([`ProblemLog`]).
 //!
 //! Shutdown: stop accepting, let live connections finish for the drain grace period, stop
 //! the rest, then remove the ruleset (unless configured to keep it: with fail-closed
@@ -34,10 +35,11 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 
 use crate::audit::{self, AuditConfig, Auditor};
+use crate::cluster::builder::{Builder, Level, ProblemLog, gather, needs_records};
 use crate::cluster::{self, manifest};
 use crate::config::{RedirectConfig, UdpPath};
 use crate::metrics::{Metrics, Sample, Scraped};
-use crate::policy::{ObjectRef, Revision, Snapshot};
+use crate::policy::{Revision, Snapshot};
 use crate::proxy::decider::{Current, Decider, DeciderLimits};
 use crate::proxy::queue::{self, QueueConfig};
 use crate::proxy::registry::Registry;
@@ -243,104 +245,20 @@ pub struct Built {
     pub current: Current,
     /// Each policy's acceptance, for the status writer.
     pub report: cluster::status::Report,
+    /// Objects the build validated ([`cluster::builder::Built::validated`]).
+    pub validated: usize,
 }
 
-/// How bad a logged line is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Level {
-    /// INFO.
-    Info,
-    /// WARN.
-    Warn,
-    /// ERROR.
-    Error,
-}
-
-/// Logs what builds find (invalid objects, warnings, notes) once each: a line the previous
-/// build logged too is not logged again, and a problem that went away is said once at INFO.
-/// Every rebuild repeated the ERROR lines of every invalid policy before (issue #19, item
-/// 8); a persistent problem now shows once, then only when it changes.
-#[derive(Debug, Default)]
-pub struct ProblemLog {
-    seen: std::collections::HashSet<(Level, String)>,
-}
-
-impl ProblemLog {
-    /// Logs the `lines` of one build that the previous build did not log; forgets the rest.
-    pub fn log(&mut self, lines: Vec<(Level, String)>) {
-        let now: std::collections::HashSet<(Level, String)> = lines.into_iter().collect();
-        for seen @ (level, line) in &now {
-            if self.seen.contains(seen) {
-                continue;
-            }
-            match level {
-                Level::Info => tracing::info!("{line}"),
-                Level::Warn => tracing::warn!("{line}"),
-                Level::Error => tracing::error!("{line}"),
-            }
-        }
-        for old @ (level, line) in &self.seen {
-            if *level != Level::Info && !now.contains(old) {
-                tracing::info!("no longer the case: {line}");
-            }
-        }
-        self.seen = now;
-    }
-}
-
-/// Reads `manifests` and adds the API server's objects from `kube` (an object in both: the
-/// API server's wins), as one [`manifest::Loaded`].
-pub fn gather(
-    manifests: &[PathBuf],
-    kube: Option<&cluster::apiserver::ApiSource>,
-) -> manifest::Loaded {
-    /// `api` added to `files`, replacing a file's object of the same namespace and name.
-    fn merge<T: kube::Resource>(files: &mut Vec<Arc<T>>, api: Vec<Arc<T>>) {
-        if !files.is_empty() {
-            let key = |o: &Arc<T>| (o.meta().namespace.clone(), o.meta().name.clone());
-            let theirs: std::collections::HashSet<_> = api.iter().map(key).collect();
-            files.retain(|o| !theirs.contains(&key(o)));
-        }
-        files.extend(api);
-    }
-    // Compact: pods as views, as the API source keeps them (issue #17: 10,000 pods from a
-    // file took 4x the memory they take from the API server).
-    let mut loaded = manifest::load_as(manifests, manifest::Form::Compact);
-    if let Some(source) = kube {
-        let api = source.inputs();
-        let i = &mut loaded.inputs;
-        merge(&mut i.namespaces, api.namespaces);
-        merge(&mut i.nodes, api.nodes);
-        // The API server's pods come as views; a file's pod of the same name gives way.
-        if !i.pods.is_empty() || !i.pod_views.is_empty() {
-            let theirs: std::collections::HashSet<(&str, &str)> =
-                api.pod_views.iter().map(|v| (v.namespace.as_str(), v.name.as_str())).collect();
-            i.pods.retain(|p| {
-                let ns = crate::policy::compile::meta_namespace(&p.metadata);
-                !theirs.contains(&(ns.as_str(), p.metadata.name.as_deref().unwrap_or("")))
-            });
-            i.pod_views.retain(|v| !theirs.contains(&(v.namespace.as_str(), v.name.as_str())));
-        }
-        merge(&mut i.pods, api.pods);
-        i.pod_views.extend(api.pod_views);
-        merge(&mut i.network_policies, api.network_policies);
-        merge(&mut i.admin_network_policies, api.admin_network_policies);
-        merge(&mut i.baseline_admin_network_policies, api.baseline_admin_network_policies);
-        merge(&mut i.cluster_network_policies, api.cluster_network_policies);
-    }
-    loaded
-}
-
-/// Compiles `loaded` (manifests and API-server objects) for node `node` as `revision`.
-/// An admin policy whose version as given is invalid is compiled as the last good version
-/// `records` holds for it ([`cluster::lastgood`], recorded by the status writer), else left
-/// out. What the build finds goes to `log`.
+/// Builds the node's snapshot from `loaded` as `revision` with `builder`
+/// ([`cluster::builder`]), logs what the build found (once each, `log`) and adds the
+/// node's audit plan.
 ///
 /// # Errors
 /// A file that could not be read or parsed, or a node missing from the Nodes. Invalid
 /// objects are not errors: they are logged, left out or replaced by their record, and named
 /// in [`Built::report`].
 pub fn build(
+    builder: &mut Builder,
     loaded: manifest::Loaded,
     node: &str,
     revision: Revision,
@@ -348,53 +266,9 @@ pub fn build(
     records: Option<&cluster::lastgood::Records>,
     log: &mut ProblemLog,
 ) -> anyhow::Result<Built> {
-    if let Some(e) = loaded.errors.first() {
-        bail!("{}", crate::explain::error_chain(e));
-    }
-    let mut lines: Vec<(Level, String)> =
-        loaded.notes.iter().map(|n| (Level::Info, n.to_string())).collect();
-    let mut inputs = loaded.inputs;
-    let mut compiled = Snapshot::compile(&inputs, revision);
-    for p in loaded.problems.iter().chain(&compiled.problems) {
-        lines.push((if p.is_error() { Level::Error } else { Level::Warn }, p.to_string()));
-    }
-    // The problems of the objects as given (a recompile with recorded versions put back no
-    // longer sees the invalid ones).
-    let mut problems = loaded.problems;
-    problems.append(&mut compiled.problems);
-    let mut invalid: Vec<ObjectRef> =
-        problems.iter().filter(|p| p.is_error()).map(|p| p.object.clone()).collect();
-    invalid.sort();
-    invalid.dedup();
-    let valid = valid_generations(&inputs, &invalid);
-    let mut kept = match records {
-        Some(records) => cluster::lastgood::put_back(&mut inputs, records, &invalid),
-        None => Vec::new(),
-    };
-    if !kept.is_empty() {
-        compiled = Snapshot::compile(&inputs, revision);
-        // A recorded version that is itself invalid is left out after all.
-        kept.retain(|(r, _)| !compiled.problems.iter().any(|p| p.is_error() && p.object == *r));
-        for (r, generation) in &kept {
-            lines.push((
-                Level::Warn,
-                format!(
-                    "{r}: the new version is invalid (see above); the last good version recorded{} stays in force",
-                    generation.map(|g| format!(" (generation {g})")).unwrap_or_default()
-                ),
-            ));
-        }
-    }
-    for r in invalid.iter().filter(|r| !kept.iter().any(|(k, _)| k == *r)) {
-        if cluster::status::carries_status(r.kind) || r.kind == crate::policy::Kind::NetworkPolicy {
-            lines.push((
-                Level::Error,
-                format!("{r}: left out: none of its rules apply (no valid version is recorded)"),
-            ));
-        }
-    }
-    drop(inputs);
-    let snapshot = Arc::new(compiled.snapshot);
+    let built = builder.build(loaded, revision, records)?;
+    let mut lines = built.lines;
+    let snapshot = Arc::new(built.snapshot);
     let Some(node_id) = snapshot.find_node(node) else {
         log.log(lines);
         bail!("node {node:?} is not among the Nodes (manifests, API server)");
@@ -402,55 +276,8 @@ pub fn build(
     let (plan, errors) = audit::Plan::new(&snapshot, audit_defaults);
     lines.extend(errors.into_iter().map(|e| (Level::Warn, e.to_string())));
     log.log(lines);
-    problems.extend(crate::policy::compile::priority_conflicts(&snapshot));
-    let mut report = cluster::status::Report::new(revision.0, &problems, &kept);
-    report.valid = valid;
-    let current = Current { snapshot, node: node_id, audit: plan, problems: problems.into() };
-    Ok(Built { current, report })
-}
-
-/// The admin policies of `inputs` (the three status-carrying kinds) not named in
-/// `invalid`, with their `metadata.generation`: the versions the leader may record.
-fn valid_generations(
-    inputs: &crate::policy::Inputs,
-    invalid: &[ObjectRef],
-) -> std::collections::BTreeMap<ObjectRef, Option<i64>> {
-    use crate::policy::Kind;
-    fn each<T: kube::Resource>(
-        items: &[Arc<T>],
-        kind: Kind,
-        invalid: &[ObjectRef],
-        out: &mut std::collections::BTreeMap<ObjectRef, Option<i64>>,
-    ) {
-        for o in items {
-            let r = ObjectRef::cluster(kind, o.meta().name.clone().unwrap_or_default());
-            if invalid.binary_search(&r).is_err() {
-                out.insert(r, o.meta().generation);
-            }
-        }
-    }
-    let mut out = std::collections::BTreeMap::new();
-    each(&inputs.admin_network_policies, Kind::AdminNetworkPolicy, invalid, &mut out);
-    each(
-        &inputs.baseline_admin_network_policies,
-        Kind::BaselineAdminNetworkPolicy,
-        invalid,
-        &mut out,
-    );
-    each(&inputs.cluster_network_policies, Kind::ClusterNetworkPolicy, invalid, &mut out);
-    out
-}
-
-/// Whether `report` names an invalid admin policy: one a change of the recorded last good
-/// versions could put back (or take out).
-fn needs_records(report: &cluster::status::Report) -> bool {
-    report.policies.values().any(|a| {
-        matches!(
-            a,
-            cluster::status::Acceptance::Invalid(_)
-                | cluster::status::Acceptance::InvalidUpdate(..)
-        )
-    })
+    let current = Current { snapshot, node: node_id, audit: plan, problems: built.problems.into() };
+    Ok(Built { current, report: built.report, validated: built.validated })
 }
 
 /// What the agent would install for `opts`, without touching the node: the backend, why
@@ -479,6 +306,7 @@ pub fn dry_run(opts: &AgentOptions) -> anyhow::Result<String> {
     tracing::info!(rss_mib = rss_mib(), "inputs gathered");
     let records = kube.as_ref().map(|k| k.records.records());
     let current = build(
+        &mut Builder::new(),
         loaded,
         &opts.node,
         Revision(1),
@@ -603,7 +431,9 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
     let initial_generation = kube.as_ref().map_or(0, |k| k.source.generation());
     let initial_records = kube.as_ref().map_or(0, |k| k.records.version());
     let mut problem_log = ProblemLog::default();
+    let mut builder = Builder::new();
     let built = build(
+        &mut builder,
         gather(&opts.manifests, kube.as_ref().map(|k| &k.source)),
         &opts.node,
         Revision(1),
@@ -802,6 +632,7 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
             records: initial_records,
             needs_records: std::mem::take(&mut needs_records),
             problem_log,
+            builder,
             drops: &ruleset_drops,
             ticked: std::time::Instant::now(),
             queue_activity: &queue_activity,
@@ -1073,6 +904,8 @@ struct Reloader<'a> {
     needs_records: bool,
     /// What builds found, logged once each.
     problem_log: ProblemLog,
+    /// The snapshot builder (validation results carried from build to build).
+    builder: Builder,
     /// The ruleset's drop counters and pod interfaces, as last read.
     drops: &'a RulesetDrops,
     /// When [`Reloader::tick`] last ran.
@@ -1296,6 +1129,7 @@ impl Reloader<'_> {
         }
         let next = Revision(self.revision + 1);
         let loaded = build(
+            &mut self.builder,
             gather(&self.opts.manifests, self.kube.map(|k| &k.source)),
             &self.opts.node,
             next,
@@ -1303,13 +1137,13 @@ impl Reloader<'_> {
             self.kube.map(|k| k.records.records()).as_ref(),
             &mut self.problem_log,
         );
-        let current = match loaded {
+        let (current, validated) = match loaded {
             Ok(b) => {
                 self.needs_records = needs_records(&b.report);
                 if let Some(k) = self.kube {
                     k.reports.send_replace(Arc::new(b.report));
                 }
-                b.current
+                (b.current, b.validated)
             }
             Err(e) => {
                 self.decider.stats.reload_errors.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -1385,6 +1219,7 @@ impl Reloader<'_> {
         tracing::info!(
             revision = self.revision,
             compile_us = compiled.as_micros() as u64,
+            validated,
             total_us = started.elapsed().as_micros() as u64,
             live = redecided.checked,
             cut = redecided.cut,

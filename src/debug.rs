@@ -353,14 +353,15 @@ spec:
         let dir = tempfile::tempdir().unwrap();
         let file = dir.path().join("cluster.yaml");
         std::fs::write(&file, CLUSTER).unwrap();
-        let loaded = crate::agent::gather(std::slice::from_ref(&file), None);
+        let loaded = crate::cluster::builder::gather(std::slice::from_ref(&file), None);
         let built = crate::agent::build(
+            &mut crate::cluster::builder::Builder::new(),
             loaded,
             node,
             Revision(1),
             Default::default(),
             None,
-            &mut crate::agent::ProblemLog::default(),
+            &mut crate::cluster::builder::ProblemLog::default(),
         )
         .unwrap();
         let current = Arc::new(built.current);

@@ -132,7 +132,7 @@ pub const KUBE_LIST_TIMEOUT: std::time::Duration = std::time::Duration::from_sec
 /// server (in-cluster service account, else `KUBECONFIG` or `~/.kube/config`) as the agent's
 /// `--kube` does — the same watchers ([`ApiSource`](crate::cluster::apiserver::ApiSource)),
 /// until every initial list is done (a CRD that is not installed counts as empty) — and
-/// adds `manifests` as the agent does ([`crate::agent::gather`]: an object in both, the API
+/// adds `manifests` as the agent does ([`crate::cluster::builder::gather`]: an object in both, the API
 /// server's wins). The watchers stop when this returns.
 ///
 /// # Errors
@@ -186,7 +186,7 @@ pub fn read_api_server(
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        Ok(crate::agent::gather(manifests, Some(&source)))
+        Ok(crate::cluster::builder::gather(manifests, Some(&source)))
     })
 }
 

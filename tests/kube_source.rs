@@ -426,12 +426,13 @@ impl Agent {
     /// What this agent would enforce now, as `agent::run` builds it.
     fn build(&self, revision: u64) -> tierproxy::agent::Built {
         tierproxy::agent::build(
-            tierproxy::agent::gather(&[], Some(&self.source)),
+            &mut tierproxy::cluster::builder::Builder::new(),
+            tierproxy::cluster::builder::gather(&[], Some(&self.source)),
             "node-a",
             tierproxy::policy::Revision(revision),
             tierproxy::audit::Defaults::default(),
             Some(&self.records.records()),
-            &mut tierproxy::agent::ProblemLog::default(),
+            &mut tierproxy::cluster::builder::ProblemLog::default(),
         )
         .unwrap()
     }

@@ -448,3 +448,41 @@ proptest! {
         prop_assert_eq!(with_bits.contains(&ip), (probe & mask) == (addr & mask));
     }
 }
+
+/// The problems of a compile as sorted lines (their order within a kind is not part of
+/// the contract the builder keeps).
+fn problem_lines(problems: &[tierproxy::policy::Problem]) -> Vec<String> {
+    let mut lines: Vec<String> = problems.iter().map(|p| format!("{:?}", p)).collect();
+    lines.sort();
+    lines
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    /// Issue #21, item 1: the agent's builder (each object validated once per version,
+    /// results carried between builds, one compile of the admitted objects) decides every
+    /// flow and reports every problem as a full compile of the same objects does, also
+    /// when the previous build held other versions of objects of the same names.
+    #[test]
+    fn the_builder_decides_and_reports_as_a_full_compile(a in inputs(), b in inputs()) {
+        use tierproxy::cluster::builder::Builder;
+        use tierproxy::cluster::manifest::Loaded;
+        let mut builder = Builder::new();
+        for (n, i) in [&a, &b, &a].into_iter().enumerate() {
+            let loaded = Loaded { inputs: i.clone(), ..Loaded::default() };
+            let built = builder.build(loaded, Revision(n as u64 + 1), None).expect("no file errors");
+            let full = Snapshot::compile(i, Revision(n as u64 + 1));
+            let mut full_problems = full.problems;
+            full_problems.extend(tierproxy::policy::compile::priority_conflicts(&full.snapshot));
+            prop_assert_eq!(problem_lines(&built.problems), problem_lines(&full_problems), "build {}", n);
+            for f in flows(i) {
+                prop_assert_eq!(
+                    summary(&built.snapshot, &built.snapshot.decide(&f)),
+                    summary(&full.snapshot, &full.snapshot.decide(&f)),
+                    "build {}, flow {:?}", n, f
+                );
+            }
+        }
+    }
+}
