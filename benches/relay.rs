@@ -68,8 +68,8 @@ const CONN_COUNT: u32 = 2_000;
 const BULK_BYTES: u64 = 2 << 30;
 /// Longest a bulk transfer runs per path and round (checked between [`CHUNK`]s).
 const BULK_SECONDS: f64 = 5.0;
-/// The agent's pipe size ([`tierproxy::agent::DEFAULT_PIPE_BYTES`]).
-const PIPE_BYTES: usize = tierproxy::agent::DEFAULT_PIPE_BYTES;
+/// The agent's pipe size ([`tierproxy::config::DEFAULT_PIPE_BYTES`]).
+const PIPE_BYTES: usize = tierproxy::config::DEFAULT_PIPE_BYTES;
 
 /// A path from a writer socket to a reader socket: direct, or through a relay.
 struct Path {

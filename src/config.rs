@@ -1,8 +1,9 @@
 //! Typed configuration of tierproxy's subsystems, with defaults as `pub const`s and a
 //! `validate()` that names what is wrong.
 //!
-//! Only the redirection section exists so far ([`RedirectConfig`], issue #3 "Redirection",
-//! DESIGN §3). Every field says what it bounds and why its default was chosen.
+//! Two sections: the agent's options ([`AgentOptions`], with the API-server side in
+//! [`KubeOptions`]) and redirection ([`RedirectConfig`], issue #3 "Redirection", DESIGN
+//! §3). Every field says what it bounds and why its default was chosen.
 //!
 //! # Packet marks
 //!
@@ -25,10 +26,207 @@
 //! upstream SYNs back into the proxy).
 
 use std::fmt;
-use std::net::{Ipv4Addr, Ipv6Addr};
+use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::path::PathBuf;
 use std::str::FromStr;
+use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
+
+use crate::audit::AuditConfig;
+use crate::cluster;
+use crate::proxy::relay::RelayMode;
+
+// ---- The agent -------------------------------------------------------------------
+
+/// Default directory of the agent's state files ([`crate::host::HostSysctl`]): `/run/tierproxy`
+/// (tmpfs; the DaemonSet mounts an emptyDir there).
+pub const DEFAULT_STATE_DIR: &str = "/run/tierproxy";
+
+/// Default upstream connect timeout.
+pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// Default idle timeout of a proxied connection (no byte either way). One hour, as
+/// kube-proxy's and Envoy's defaults for TCP idle are of that order; long-lived quiet
+/// connections (databases) should not be cut by the enforcer.
+pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(3600);
+/// Default most live proxied connections, where the open files limit allows them
+/// ([`crate::host::FdPlan`]): two descriptors each.
+pub const DEFAULT_MAX_CONNECTIONS: usize = 65_536;
+/// Default idle timeout of a UDP flow: 60 s, Envoy's UDP proxy default, between the
+/// kernel's conntrack timeouts for unreplied (30 s) and replied (120 s) UDP.
+pub const DEFAULT_UDP_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+/// Default most live UDP flows (two sockets each).
+pub const DEFAULT_MAX_UDP_FLOWS: usize = 16_384;
+/// Default drain grace on shutdown.
+pub const DEFAULT_DRAIN_GRACE: Duration = Duration::from_secs(5);
+/// Default relay pipe size per direction (DESIGN §7: 1 MiB measured best here).
+pub const DEFAULT_PIPE_BYTES: usize = crate::proxy::relay::DEFAULT_PIPE_BYTES;
+/// Most relay pipes open at once (in use or kept idle) where the open files limit allows
+/// them: 256 connections moving bytes both ways at the same moment (a direction holds a
+/// pipe only while it has bytes in flight); a burst beyond is copied through user space.
+pub const DEFAULT_MAX_PIPES: usize = 512;
+/// Descriptors kept for everything but connections, UDP flows and pipes: listeners, queues,
+/// the metrics server and its clients, audit sinks, the API-server client, the manifest
+/// watch, the pipes of the commands the agent runs, log files.
+pub const RESERVED_FDS: usize = 512;
+/// The open files limit the agent needs for its defaults: two descriptors per connection,
+/// UDP flow and pipe, and [`RESERVED_FDS`] (deploy/ sets it, `TIERPROXY_NOFILE`).
+pub const NEEDED_FDS: usize =
+    2 * (DEFAULT_MAX_CONNECTIONS + DEFAULT_MAX_UDP_FLOWS + DEFAULT_MAX_PIPES) + RESERVED_FDS;
+
+/// Everything the agent needs.
+#[derive(Debug, Clone)]
+pub struct AgentOptions {
+    /// This node's `metadata.name` (the downward API's `spec.nodeName` on a cluster).
+    pub node: String,
+    /// Manifest files or directories: cluster state and policies (may be empty with
+    /// [`AgentOptions::kube`]; given with it, their objects are merged in, the API server's
+    /// winning where both have an object).
+    pub manifests: Vec<PathBuf>,
+    /// Read cluster state and policies from the API server too (issue #6); `None`: from
+    /// the manifests only.
+    pub kube: Option<KubeOptions>,
+    /// Created (empty) once the node is enforcing; removed on exit.
+    pub ready_file: Option<PathBuf>,
+    /// Redirection (marks, queues, ports, backend, fail-open, keep rules).
+    pub redirect: RedirectConfig,
+    /// Auto (copy small reads, splice bursts; the default), splice or copy.
+    pub relay: RelayMode,
+    /// Connect upstream from the client's IP.
+    pub preserve_source: bool,
+    /// Upstream connect timeout.
+    pub connect_timeout: Duration,
+    /// Idle timeout of a proxied connection.
+    pub idle_timeout: Duration,
+    /// Most live proxied connections.
+    pub max_connections: usize,
+    /// Drain grace on shutdown.
+    pub drain_grace: Duration,
+    /// Idle timeout of a UDP flow on the proxy path ([`crate::config::UdpPath::Proxy`]).
+    pub udp_idle_timeout: Duration,
+    /// Most live UDP flows.
+    pub max_udp_flows: usize,
+    /// Audit: what is logged, where to, lossy or lossless (no sinks: off).
+    pub audit: AuditConfig,
+    /// Where to serve `/metrics`, `/healthz`, `/readyz` and the debug endpoints
+    /// ([`crate::debug`]) (`None`: not served).
+    pub metrics_addr: Option<SocketAddr>,
+    /// Answer the debug endpoints for every peer that reaches the metrics address; by
+    /// default only for loopback peers (their answers name every pod, policy and rule).
+    pub debug_from_anywhere: bool,
+    /// Set `net.ipv4.tcp_tw_reuse` to 1 in the enforcing namespace while running (the old
+    /// value is put back on exit); see [`crate::host::TCP_TW_REUSE`].
+    pub tcp_tw_reuse: bool,
+    /// Set `net.netfilter.nf_conntrack_acct` to 1 while running (the old value is put back
+    /// on exit), so that kernel-forwarded UDP flows' end records carry their bytes; see
+    /// [`crate::host::CONNTRACK_ACCT`]. Only with [`crate::config::UdpPath::Kernel`].
+    pub conntrack_acct: bool,
+    /// Where the agent keeps what it must undo after a crash ([`DEFAULT_STATE_DIR`]).
+    pub state_dir: PathBuf,
+    /// A network namespace (a path such as `/run/netns/NAME`, or a name under
+    /// `/run/netns`) to enforce in, entered after the audit sinks are started: the sinks
+    /// keep the namespace the agent started in, as a hostNetwork pod's would, while the
+    /// data path works in this one. The lab uses it to reach an OTLP endpoint on the host.
+    pub netns: Option<PathBuf>,
+    /// Capabilities to keep once started (after entering [`AgentOptions::netns`]); the
+    /// others are dropped from every set, the bounding set included, so the agent and the
+    /// commands it runs have only these, as in a container granted exactly them. `None`:
+    /// keep what the agent was started with. The lab keeps the DaemonSet's:
+    /// [`crate::lab::procs::AGENT_CAPABILITIES`].
+    pub keep_capabilities: Option<Vec<caps::Capability>>,
+    /// Percent of the kernel's per-user pipe budget the relay takes where that budget
+    /// applies ([`crate::proxy::relay::PipeBudget::unprivileged`]).
+    pub pipe_budget_percent: usize,
+    /// Nodes whose agents enforce, by name, besides those whose Node carries
+    /// [`crate::policy::compile::ANNOTATION_ENFORCING`]: their pods' TCP connections to
+    /// this node's pods were proxied and decided at their own node, so this node decides
+    /// them on the first packet and lets the kernel forward them (issue #18). The lab
+    /// names every node it starts an agent on.
+    pub enforcing_nodes: Vec<String>,
+}
+
+impl AgentOptions {
+    /// Options with every default, for node `node` and `manifests`.
+    pub fn new(node: String, manifests: Vec<PathBuf>) -> Self {
+        let audit = AuditConfig::new(&node, Vec::new());
+        AgentOptions {
+            node,
+            manifests,
+            kube: None,
+            ready_file: None,
+            redirect: RedirectConfig::default(),
+            relay: RelayMode::Auto,
+            preserve_source: true,
+            connect_timeout: DEFAULT_CONNECT_TIMEOUT,
+            idle_timeout: DEFAULT_IDLE_TIMEOUT,
+            max_connections: DEFAULT_MAX_CONNECTIONS,
+            drain_grace: DEFAULT_DRAIN_GRACE,
+            udp_idle_timeout: DEFAULT_UDP_IDLE_TIMEOUT,
+            max_udp_flows: DEFAULT_MAX_UDP_FLOWS,
+            audit,
+            metrics_addr: None,
+            debug_from_anywhere: false,
+            tcp_tw_reuse: true,
+            conntrack_acct: true,
+            state_dir: PathBuf::from(DEFAULT_STATE_DIR),
+            netns: None,
+            keep_capabilities: None,
+            pipe_budget_percent: crate::proxy::relay::PIPE_BUDGET_SHARE_PERCENT,
+            enforcing_nodes: Vec::new(),
+        }
+    }
+
+    /// Checks what the agent cannot run with: an empty node name, no source of cluster
+    /// state (neither manifests nor the API server), a redirection section that
+    /// [`RedirectConfig::validate`] refuses, a connection limit of 0 (every connection
+    /// would wait forever), zero timeouts (every connection would end at once), a pipe
+    /// budget share outside 1–100 %.
+    ///
+    /// # Errors
+    /// The first problem found, naming the option.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.node.is_empty() {
+            return Err(ConfigError::Required { option: "node" });
+        }
+        if self.manifests.is_empty() && self.kube.is_none() {
+            return Err(ConfigError::Required { option: "manifests (or kube)" });
+        }
+        self.redirect.validate()?;
+        let at_least_one = |option: &'static str, value: u128| {
+            if value == 0 {
+                Err(ConfigError::OutOfRange { option, value, range: "at least 1" })
+            } else {
+                Ok(())
+            }
+        };
+        at_least_one("max_connections", self.max_connections as u128)?;
+        at_least_one("connect_timeout (ms)", self.connect_timeout.as_millis())?;
+        at_least_one("idle_timeout (ms)", self.idle_timeout.as_millis())?;
+        at_least_one("udp_idle_timeout (ms)", self.udp_idle_timeout.as_millis())?;
+        if !(1..=100).contains(&self.pipe_budget_percent) {
+            return Err(ConfigError::OutOfRange {
+                option: "pipe_budget_percent",
+                value: self.pipe_budget_percent as u128,
+                range: "1..=100",
+            });
+        }
+        Ok(())
+    }
+}
+
+/// The API-server side of the agent (issue #6).
+#[derive(Debug, Clone, Default)]
+pub struct KubeOptions {
+    /// Debounce, backoff and paging of the watchers.
+    pub source: cluster::apiserver::SourceConfig,
+    /// Take part in the election of the policy status writer (`None`: never write status).
+    pub status: Option<cluster::status::StatusOptions>,
+    /// The agents' namespace (`POD_NAMESPACE`): where the Lease and the recorded last good
+    /// policy versions ([`cluster::lastgood::CONFIGMAP`]) live.
+    pub namespace: String,
+}
+
+// ---- Redirection -------------------------------------------------------------------
 
 /// Default port of the proxy's `IP_TRANSPARENT` listener that TPROXY delivers to
 /// (DESIGN §3). 15001 is the port Istio uses for the same purpose, familiar to operators and
@@ -269,6 +467,22 @@ pub enum ConfigError {
         /// The prefix.
         prefix: String,
     },
+    /// An agent option that must be given is missing or empty.
+    #[error("agent option {option} is required")]
+    Required {
+        /// The option.
+        option: &'static str,
+    },
+    /// An agent option's value is outside what the agent can run with.
+    #[error("agent option {option} is {value}; it must be {range}")]
+    OutOfRange {
+        /// The option (with its unit).
+        option: &'static str,
+        /// The value given.
+        value: u128,
+        /// What it must be.
+        range: &'static str,
+    },
     /// A backend name other than `auto`, `iptables`, `nftables`.
     #[error("unknown redirect backend {name:?} (expected auto, iptables or nftables)")]
     UnknownBackend {
@@ -460,6 +674,32 @@ mod tests {
     #[test]
     fn defaults_are_valid() {
         assert_eq!(RedirectConfig::default().validate(), Ok(()));
+    }
+
+    #[test]
+    fn agent_options_name_what_the_agent_cannot_run_with() {
+        let ok = AgentOptions::new("n1".into(), vec![PathBuf::from("cluster.yaml")]);
+        assert_eq!(ok.validate(), Ok(()));
+        let bad = |f: &dyn Fn(&mut AgentOptions)| {
+            let mut o = ok.clone();
+            f(&mut o);
+            o.validate().expect_err("options should be rejected").to_string()
+        };
+        assert_eq!(bad(&|o| o.node.clear()), "agent option node is required");
+        assert!(bad(&|o| o.manifests.clear()).contains("manifests (or kube)"));
+        let with_kube =
+            AgentOptions { manifests: vec![], kube: Some(KubeOptions::default()), ..ok.clone() };
+        assert_eq!(with_kube.validate(), Ok(()));
+        assert_eq!(
+            bad(&|o| o.max_connections = 0),
+            "agent option max_connections is 0; it must be at least 1"
+        );
+        assert!(bad(&|o| o.connect_timeout = Duration::ZERO).contains("connect_timeout"));
+        assert!(bad(&|o| o.idle_timeout = Duration::from_micros(10)).contains("idle_timeout"));
+        assert!(bad(&|o| o.udp_idle_timeout = Duration::ZERO).contains("udp_idle_timeout"));
+        assert!(bad(&|o| o.pipe_budget_percent = 101).contains("1..=100"));
+        assert!(bad(&|o| o.pipe_budget_percent = 0).contains("1..=100"));
+        assert_eq!(bad(&|o| o.redirect.queue_count = 0), "redirect.queue_count must be at least 1");
     }
 
     #[test]

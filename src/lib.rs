@@ -15,7 +15,8 @@
 //!   endpoints beside them (what the snapshot in force decides and holds, loopback-only by
 //!   default); [`limits`]: the limits an agent can reach, counted and logged at most once
 //!   per 10 s.
-//! - [`agent`]: the wiring of one node's enforcement; [`config`] its typed settings.
+//! - [`agent`]: the wiring of one node's enforcement; [`config`] its typed settings;
+//!   [`host`] what it sets and reads on the node (sysctls, open files, capabilities).
 //! - [`explain`]: `explain` and `check`; [`lab`]: the network-namespace lab; [`loadgen`]
 //!   and [`synth`]: load and synthetic clusters for measurements.
 //!
@@ -27,6 +28,7 @@ pub mod config;
 pub mod crds;
 pub mod debug;
 pub mod explain;
+pub mod host;
 pub mod lab;
 pub mod limits;
 pub mod loadgen;

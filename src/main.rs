@@ -242,17 +242,17 @@ struct AgentArgs {
     #[arg(long)]
     no_preserve_source: bool,
     /// Close a proxied connection after this many seconds without a byte either way.
-    #[arg(long, default_value_t = tierproxy::agent::DEFAULT_IDLE_TIMEOUT.as_secs())]
+    #[arg(long, default_value_t = tierproxy::config::DEFAULT_IDLE_TIMEOUT.as_secs())]
     idle_timeout_secs: u64,
     /// Upstream connect timeout in milliseconds.
-    #[arg(long, default_value_t = tierproxy::agent::DEFAULT_CONNECT_TIMEOUT.as_millis() as u64)]
+    #[arg(long, default_value_t = tierproxy::config::DEFAULT_CONNECT_TIMEOUT.as_millis() as u64)]
     connect_timeout_ms: u64,
     /// Most live proxied connections; at the limit new ones wait in the listen backlog.
-    #[arg(long, default_value_t = tierproxy::agent::DEFAULT_MAX_CONNECTIONS)]
+    #[arg(long, default_value_t = tierproxy::config::DEFAULT_MAX_CONNECTIONS)]
     max_connections: usize,
     /// With `--udp-path proxy`: close a UDP flow after this many seconds without a datagram
     /// either way (on the kernel path conntrack's UDP timeouts end a flow).
-    #[arg(long, default_value_t = tierproxy::agent::DEFAULT_UDP_IDLE_TIMEOUT.as_secs())]
+    #[arg(long, default_value_t = tierproxy::config::DEFAULT_UDP_IDLE_TIMEOUT.as_secs())]
     udp_idle_timeout_secs: u64,
     /// How allowed UDP flows are carried: `kernel` decides a flow's first datagram and lets
     /// the kernel forward the flow on its conntrack entry (the server sees the client's
@@ -264,7 +264,7 @@ struct AgentArgs {
     /// Most live UDP flows. `--udp-path proxy`: at the limit the first datagram of a new
     /// flow is dropped. `kernel`: the most audited flows held for their end record; a flow
     /// over it is still decided and forwarded, its end not written.
-    #[arg(long, default_value_t = tierproxy::agent::DEFAULT_MAX_UDP_FLOWS)]
+    #[arg(long, default_value_t = tierproxy::config::DEFAULT_MAX_UDP_FLOWS)]
     max_udp_flows: usize,
     /// Leave net.netfilter.nf_conntrack_acct as it is (by default the agent sets it to 1
     /// while it runs with `--udp-path kernel`, so the end records of UDP flows carry their
@@ -279,10 +279,10 @@ struct AgentArgs {
     /// Directory of the state the agent must undo after a crash (the old value of
     /// net.ipv4.tcp_tw_reuse, per network namespace); on tmpfs, so a reboot clears it with
     /// the sysctl.
-    #[arg(long, default_value = tierproxy::agent::DEFAULT_STATE_DIR)]
+    #[arg(long, default_value = tierproxy::config::DEFAULT_STATE_DIR)]
     state_dir: PathBuf,
     /// Seconds live connections may finish after shutdown begins.
-    #[arg(long, default_value_t = tierproxy::agent::DEFAULT_DRAIN_GRACE.as_secs())]
+    #[arg(long, default_value_t = tierproxy::config::DEFAULT_DRAIN_GRACE.as_secs())]
     drain_grace_secs: u64,
     /// Print the ruleset the agent would install (every command's input) and exit;
     /// changes nothing on the node.
@@ -396,7 +396,7 @@ fn run_agent(a: AgentArgs) -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let mut opts = tierproxy::agent::AgentOptions::new(a.node, a.manifests);
+    let mut opts = tierproxy::config::AgentOptions::new(a.node, a.manifests);
     opts.audit = audit;
     opts.metrics_addr = a.metrics_addr;
     opts.debug_from_anywhere = a.debug_endpoints_from_anywhere;
@@ -433,7 +433,7 @@ fn run_agent(a: AgentArgs) -> ExitCode {
     if a.kube {
         use tierproxy::cluster::{apiserver, status};
         let max = Duration::from_millis(a.kube_retry_max_ms.max(1));
-        opts.kube = Some(tierproxy::agent::KubeOptions {
+        opts.kube = Some(tierproxy::config::KubeOptions {
             source: apiserver::SourceConfig {
                 backoff_max: max,
                 backoff_initial: apiserver::DEFAULT_BACKOFF_INITIAL.min(max),
@@ -616,7 +616,7 @@ fn main() -> ExitCode {
             }
             if mode == tierproxy::loadgen::Mode::Hold {
                 let count = usize::try_from(max_count).unwrap_or(usize::MAX).min(100_000);
-                tierproxy::agent::raise_fd_limit();
+                tierproxy::host::raise_fd_limit();
                 let held = tierproxy::loadgen::hold(to, count, opts.duration, &mut out);
                 return print_report(held, &mut out, &mut err);
             }

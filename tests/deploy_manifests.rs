@@ -272,7 +272,7 @@ fn entrypoint_mode(dir: &Path, nft: &str, legacy: &str, mode: Option<&str>) -> (
 }
 
 /// The entrypoint raises the soft open files limit to what the agent needs at its defaults
-/// ([`tierproxy::agent::NEEDED_FDS`]), or, when the hard limit is lower, to the hard limit
+/// ([`tierproxy::config::NEEDED_FDS`]), or, when the hard limit is lower, to the hard limit
 /// (and says so).
 #[test]
 fn entrypoint_raises_the_open_files_limit_the_agent_needs() {
@@ -289,7 +289,7 @@ fn entrypoint_raises_the_open_files_limit_the_agent_needs() {
         }
     }
     let script = std::fs::read_to_string(root().join("deploy/tierproxy-entrypoint.sh")).unwrap();
-    let default = format!("TIERPROXY_NOFILE:-{}", tierproxy::agent::NEEDED_FDS);
+    let default = format!("TIERPROXY_NOFILE:-{}", tierproxy::config::NEEDED_FDS);
     assert!(script.contains(&default), "the entrypoint's default is the agent's need");
     for (hard, want, got) in [("4096", "2048", "2048"), ("1024", "2048", "1024")] {
         let out = Command::new("sh")

@@ -456,7 +456,7 @@ fn interception_follows_pods_added_and_removed_without_rebuilding_the_ruleset() 
             .collect::<Vec<_>>()
     };
     // The agent turned TIME_WAIT reuse on in its node's namespace (upstream legs carry
-    // client addresses; see agent::TCP_TW_REUSE).
+    // client addresses; see host::TCP_TW_REUSE).
     let tw = std::process::Command::new("ip")
         .args(["netns", "exec", &node, "sysctl", "-n", "net.ipv4.tcp_tw_reuse"])
         .output()

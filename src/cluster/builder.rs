@@ -5,7 +5,7 @@
 //! stores) as one [`Loaded`]; a [`Builder`] turns it into the next [`Snapshot`] in three
 //! stages:
 //!
-//! 1. **Validate** each object once per version ([`Versioned`]). Validation results are kept per kind,
+//! 1. **Validate** each object once per version. Validation results are kept per kind,
 //!    namespace and name; an object is validated again only when it changed. "Unchanged"
 //!    means the same allocation (the API server's reflector stores hand out the same
 //!    `Arc` until an object changes) or, failing that, equal content (manifest files are

@@ -19,7 +19,7 @@
 //! - A bounded number of connections: at the limit the proxy stops accepting (new SYNs
 //!   wait in the listen backlog); reaching it is counted and logged, rate-limited
 //!   ([`crate::limits`]). The limit is what the open files limit allows
-//!   ([`crate::agent::FdPlan`]), so the proxy meets it before the kernel's `EMFILE`.
+//!   ([`crate::host::FdPlan`]), so the proxy meets it before the kernel's `EMFILE`.
 //! - Shutdown: stop accepting, let live connections finish for a grace period, then stop
 //!   them (both sides reset).
 //!

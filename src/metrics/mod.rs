@@ -2,7 +2,8 @@
 //!
 //! The data path updates pre-resolved counters ([`DataPathMetrics`]: one atomic add per
 //! event, no label lookup); values that already exist elsewhere (audit counters, live
-//! connections, kernel queue drops) are read at scrape time by a [`Scraped`] collector.
+//! connections, kernel queue drops) are read at scrape time by a [`Scraped`] collector
+//! ([`scrape`]).
 //! [`serve`] answers `GET /metrics` (Prometheus text format), `/healthz` (the process
 //! serves) and `/readyz` (the node is enforcing; its text names the stale API-server
 //! resources, if any), and the routes the agent adds: the debug endpoints of
@@ -12,6 +13,8 @@
 //! `/proc/net/netfilter/nfnetlink_queue` columns (net/netfilter/nfnetlink_queue.c,
 //! `seq_show`: queue, peer port id, queue total, copy mode, copy range, queue dropped,
 //! user dropped, id sequence, 1).
+
+pub mod scrape;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
