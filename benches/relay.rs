@@ -39,7 +39,7 @@ use std::time::{Duration, Instant};
 
 use criterion::{Criterion, Throughput, criterion_group};
 use tierproxy::proxy::relay::{
-    CloseReason, Counters, POOLED_PIPES, PipePool, RelayConfig, RelayMode, relay,
+    Counters, POOLED_PIPES, PipePool, RelayConfig, RelayEnd, RelayMode, relay,
 };
 use tokio::sync::Notify;
 
@@ -75,7 +75,7 @@ const PIPE_BYTES: usize = tierproxy::config::DEFAULT_PIPE_BYTES;
 struct Path {
     writer: TcpStream,
     reader: TcpStream,
-    relay: Option<std::thread::JoinHandle<CloseReason>>,
+    relay: Option<std::thread::JoinHandle<RelayEnd>>,
 }
 
 /// A connected loopback pair: (the end `connect` returned, the end `accept` returned).
@@ -139,7 +139,7 @@ impl Path {
             .name("relay".into())
             .spawn(move || {
                 uring_relay(&client, &server).expect("io_uring relay");
-                CloseReason::Normal
+                RelayEnd::Normal
             })
             .expect("relay thread");
         Path { writer, reader, relay: Some(relay) }
@@ -197,7 +197,7 @@ impl Path {
         let _ = (&self.reader).read_to_end(&mut rest);
         let _ = (&self.writer).read_to_end(&mut rest);
         if let Some(h) = self.relay {
-            assert_eq!(h.join().expect("relay thread"), CloseReason::Normal);
+            assert_eq!(h.join().expect("relay thread"), RelayEnd::Normal);
         }
     }
 }
@@ -571,7 +571,7 @@ async fn short_connection(mode: RelayMode, pipes: &Arc<PipePool>, l: &Listeners)
     };
     let both = async { tokio::join!(relay(client, server, &config, &counters, &stop), apps) };
     let (reason, ()) = tokio::time::timeout(IO_TIMEOUT, both).await.expect("connection done");
-    assert_eq!(reason, CloseReason::Normal);
+    assert_eq!(reason, RelayEnd::Normal);
     t.elapsed()
 }
 

@@ -164,11 +164,13 @@ pub fn dry_run(opts: &AgentOptions) -> anyhow::Result<String> {
     ))
 }
 
-/// Runs the agent until SIGTERM or SIGINT.
+/// Runs the agent until SIGTERM or SIGINT, or until a queue reader gives up.
 ///
 /// # Errors
 /// Start-up failures (manifests, queues, listeners, ruleset), each naming what failed. The
-/// ruleset is removed again if start-up fails after installing it.
+/// ruleset is removed again if start-up fails after installing it. A queue reader that
+/// gave up ([`queue::QueueFailed`]) after the agent stopped as on SIGTERM (drained, the
+/// ruleset removed unless kept, the sysctls restored).
 pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
     opts.validate().context("configuration")?;
     let nofile = raise_fd_limit();
@@ -328,6 +330,9 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
     };
     let r = &opts.redirect;
     let queue_activity = queue::QueueActivity::default();
+    // A reader that gives up is reported here; the agent then stops as on SIGTERM, its
+    // guards run, and `run` returns the failure (exit status 70, `QueueFailed::EXIT_CODE`).
+    let (fatal, mut queue_failed) = tokio::sync::mpsc::unbounded_channel();
     queue::start(
         QueueConfig {
             first: r.queue_first,
@@ -340,6 +345,7 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
         },
         decider.clone(),
         &queue_activity,
+        &fatal,
     )?;
 
     let pipes = Arc::new(PipePool::with_budget(pipe_budget));
@@ -446,7 +452,7 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
     // The reloader ends when every sender is gone: the manifest forwarder's (when the
     // watch is dropped), the API-server side's (when it stops), and this one.
     drop(triggers);
-    std::thread::scope(|scope| {
+    let failed = std::thread::scope(|scope| {
         let reloader = Reloader {
             opts: &opts,
             decider: &decider,
@@ -472,7 +478,7 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
         if let Err(e) = spawned {
             tracing::error!(error = %e, "cannot start the reloader; enforcing revision 1");
         }
-        runtime.block_on(async {
+        let failed = runtime.block_on(async {
             let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
             let udp_serving = tokio::spawn(udp::serve(
                 udp_listeners,
@@ -489,7 +495,10 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
                 registry.clone(),
                 stop_rx,
             ));
-            wait_for_signal().await;
+            let failed = tokio::select! {
+                () = wait_for_signal() => None,
+                Some(failed) = queue_failed.recv() => Some(failed),
+            };
             // Not ready from here on: a load balancer or probe stops counting on this node,
             // and the other nodes proxy this node's pods' connections again.
             ready.store(false, std::sync::atomic::Ordering::Relaxed);
@@ -500,6 +509,7 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
             let _ = stop_tx.send(true);
             let _ = serving.await;
             let _ = udp_serving.await;
+            failed
         });
         // Ends the watch and the API-server side; the reloader's channel closes and it
         // returns.
@@ -507,6 +517,7 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
         if let Some(k) = &kube {
             k.stop();
         }
+        failed
     });
     if udp_kernel {
         // The kernel goes on forwarding them; this agent stops reporting them.
@@ -522,7 +533,10 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
         let _ = std::fs::remove_file(path);
     }
     drop(installed);
-    Ok(())
+    match failed {
+        Some(failed) => Err(failed.into()),
+        None => Ok(()),
+    }
 }
 
 /// How long a stopping agent waits for its node annotation's removal

@@ -8,7 +8,7 @@
 //!   policy status written back.
 //! - [`redirect`]: the netfilter ruleset as a value and its backends; decides nothing.
 //! - [`proxy`]: NFQUEUE first-packet decisions, the transparent proxy and its relay, the
-//!   registry of live connections.
+//!   registry of live connections, the one lifecycle each proxied flow goes through.
 //! - [`audit`]: OpenTelemetry audit events, their selection, limits and sinks; the data
 //!   path never waits on it in lossy mode.
 //! - [`metrics`]: Prometheus metrics and health endpoints; [`debug`]: the read-only debug

@@ -54,6 +54,9 @@ enum Command {
     /// Enforce policy on this node: NFQUEUE first-packet decisions, TPROXY into the
     /// transparent proxy, splice relay. Runs until SIGTERM/SIGINT, then drains and removes
     /// its ruleset. Needs CAP_NET_ADMIN (and root for the ruleset tools).
+    ///
+    /// Exit status: 0 stopped by a signal, 70 a queue reader failed for good (after the
+    /// same drain and clean-up), 1 any other failure.
     #[command(args_override_self = true)]
     Agent(Box<AgentArgs>),
     /// Receive OTLP logs (a stand-in collector for trying audit out and for load tests):
@@ -467,7 +470,9 @@ fn run_agent(a: AgentArgs) -> ExitCode {
         Err(e) => {
             tracing::error!("{e:#}");
             eprintln!("error: {e:#}");
-            ExitCode::from(1)
+            // A queue that failed for good: the status a supervisor restarts on.
+            let failed = e.downcast_ref::<tierproxy::proxy::queue::QueueFailed>();
+            ExitCode::from(failed.map_or(1, |_| tierproxy::proxy::queue::QueueFailed::EXIT_CODE))
         }
     }
 }

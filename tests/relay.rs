@@ -8,7 +8,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use tierproxy::proxy::relay::{CloseReason, Counters, PipePool, RelayConfig, RelayMode, relay};
+use tierproxy::proxy::relay::{Counters, PipePool, RelayConfig, RelayEnd, RelayMode, relay};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Notify;
@@ -29,7 +29,7 @@ fn config(mode: RelayMode, idle: Duration) -> RelayConfig {
 struct Rig {
     client: TcpStream,
     server: TcpStream,
-    relay: tokio::task::JoinHandle<(CloseReason, u64, u64)>,
+    relay: tokio::task::JoinHandle<(RelayEnd, u64, u64)>,
     stop: std::sync::Arc<Notify>,
 }
 
@@ -87,7 +87,7 @@ async fn bytes_arrive_intact_both_ways_and_half_close_propagates() {
         assert_eq!(fnv(&back), down_sum, "{mode:?}: server→client bytes differ");
         let (reason, to_server, to_client) =
             tokio::time::timeout(Duration::from_secs(5), relay).await.expect("relay ends").unwrap();
-        assert_eq!(reason, CloseReason::Normal, "{mode:?}");
+        assert_eq!(reason, RelayEnd::Normal, "{mode:?}");
         assert_eq!((to_server, to_client), (8 << 20, 3 << 20), "{mode:?}: counters");
     }
 }
@@ -102,7 +102,7 @@ async fn reset_on_one_side_resets_the_other() {
         drop(server);
         let (reason, ..) =
             tokio::time::timeout(Duration::from_secs(5), relay).await.expect("relay ends").unwrap();
-        assert_eq!(reason, CloseReason::Reset, "{mode:?}");
+        assert_eq!(reason, RelayEnd::Reset, "{mode:?}");
         let mut buf = [0u8; 16];
         let r = tokio::time::timeout(Duration::from_secs(5), client.read(&mut buf))
             .await
@@ -119,7 +119,7 @@ async fn idle_connection_times_out() {
         let started = std::time::Instant::now();
         let (reason, ..) =
             tokio::time::timeout(Duration::from_secs(5), relay).await.expect("relay ends").unwrap();
-        assert_eq!(reason, CloseReason::Timeout, "{mode:?}");
+        assert_eq!(reason, RelayEnd::Timeout, "{mode:?}");
         assert!(started.elapsed() >= Duration::from_millis(250), "{mode:?}: ended too early");
     }
 }
@@ -145,7 +145,7 @@ async fn stop_resets_both_sides() {
         stop.notify_one();
         let (reason, ..) =
             tokio::time::timeout(Duration::from_secs(5), relay).await.expect("relay ends").unwrap();
-        assert_eq!(reason, CloseReason::Stopped, "{mode:?}");
+        assert_eq!(reason, RelayEnd::Stopped, "{mode:?}");
         let mut buf = [0u8; 4];
         for (who, s) in [("client", &mut client), ("server", &mut server)] {
             let r = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf)).await;

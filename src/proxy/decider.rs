@@ -14,8 +14,8 @@ use arc_swap::ArcSwap;
 
 use super::forwarded::Forwarded;
 use super::packet::FlowKey;
-use super::registry::{Registry, STOP_POLICY_CHANGE, Tracked};
-use crate::audit::{self, Admitted, Auditor, CloseReason, ConnectionEnd, DecisionPoint, FlowInfo};
+use super::registry::{Registry, StopReason, Tracked};
+use crate::audit::{self, Auditor, DecisionPoint, FlowInfo};
 use crate::metrics::DataPathMetrics;
 use crate::policy::eval::{Decision, Flow, Verdict};
 use crate::policy::{Problem, Revision, Snapshot};
@@ -243,47 +243,8 @@ impl Decider {
         Admission { decision, audited, time, point }
     }
 
-    /// Counts and (when its flow was audited, or a policy change cut it) audits the end of
-    /// the connection or UDP flow `tracked`, admitted by `admission`, for `reason`. Never
-    /// waits on audit (connection ends are dropped when the audit queue is full).
-    pub fn ended(&self, admission: &Admission, tracked: &Tracked, reason: CloseReason) {
-        let to_server = tracked.counters.to_server.load(Ordering::Relaxed);
-        let to_client = tracked.counters.to_client.load(Ordering::Relaxed);
-        let duration = tracked.accepted.elapsed();
-        self.ended_flow(admission, tracked.key, reason, to_server, to_client, duration);
-    }
-
-    /// [`Decider::ended`] for a flow named by `key` that moved `to_server` and `to_client`
-    /// bytes in `duration` (a kernel-forwarded UDP flow: [`super::forwarded`]).
-    pub fn ended_flow(
-        &self,
-        admission: &Admission,
-        key: FlowKey,
-        reason: CloseReason,
-        to_server: u64,
-        to_client: u64,
-        duration: Duration,
-    ) {
-        self.metrics.closed(reason, to_server, to_client);
-        if !self.auditor.enabled() || !(admission.audited || reason == CloseReason::PolicyChange) {
-            return;
-        }
-        let admitted = Admitted {
-            flow: FlowInfo {
-                src: key.src,
-                dst: key.dst,
-                protocol: key.protocol,
-                time: admission.time,
-                point: admission.point,
-            },
-            decision: admission.decision.clone(),
-        };
-        let end = ConnectionEnd { reason, to_server, to_client, duration };
-        self.auditor.connection_end(&self.current().snapshot, &admitted, end);
-    }
-
     /// Decides every live connection and UDP flow in `registry` again against the current
-    /// snapshot, and tells those now denied to stop ([`STOP_POLICY_CHANGE`]: TCP resets
+    /// snapshot, and tells those now denied to stop ([`StopReason::PolicyChange`]: TCP resets
     /// both sides, a UDP flow closes its sockets). Each denying decision is audited like a
     /// first packet's (it names the rule that now denies); the end follows with reason
     /// `policy-change`. Call after [`Decider::publish`]: a connection registered while this
@@ -323,7 +284,7 @@ impl Decider {
 
     fn cut(&self, current: &Current, tracked: &Tracked, d: &Arc<Decision>) {
         self.audit_cut(current, tracked.key, d);
-        tracked.stop(STOP_POLICY_CHANGE);
+        tracked.stop(StopReason::PolicyChange);
     }
 
     /// Audits (as a re-decision) and counts the cut of the kernel-forwarded flow `key`,
@@ -389,6 +350,173 @@ impl Decider {
         }
         self.stats.decided_at_accept.fetch_add(1, Ordering::Relaxed);
         self.decide_and_audit(key, DecisionPoint::Accept)
+    }
+}
+
+/// What the data path's unit tests decide with: a decider for node `n1` of a cluster given
+/// as manifests, auditing every decision and end to a JSON Lines file, with metrics they
+/// can read back.
+#[cfg(test)]
+pub(crate) mod testing {
+    use std::path::{Path, PathBuf};
+
+    use super::*;
+    use crate::audit::{AuditConfig, CloseReason, Defaults, JsonTarget, SinkConfig};
+
+    /// The decider, its auditor, its metrics and the audit file.
+    pub(crate) struct TestDecider {
+        pub(crate) decider: Arc<Decider>,
+        pub(crate) auditor: Arc<Auditor>,
+        pub(crate) metrics: crate::metrics::Metrics,
+        pub(crate) audit_file: PathBuf,
+    }
+
+    /// Every decision and end audited.
+    pub(crate) fn every_decision() -> Defaults {
+        Defaults { allow_sample: 1, deny: true, pass: true, close: true }
+    }
+
+    /// The snapshot of `manifests` at `revision`, for node `n1`.
+    pub(crate) fn current(manifests: &str, revision: u64) -> Current {
+        let loaded = crate::cluster::manifest::parse_str(Path::new("t.yaml"), manifests).unwrap();
+        let snapshot = Arc::new(Snapshot::compile(&loaded.inputs, Revision(revision)).snapshot);
+        let node = snapshot.find_node("n1").unwrap();
+        let (plan, _) = audit::Plan::new(&snapshot, every_decision());
+        Current { snapshot, node, audit: plan, problems: Arc::default() }
+    }
+
+    /// A decider over `manifests` (revision 1) auditing to `dir`/audit.jsonl.
+    pub(crate) fn decider(manifests: &str, dir: &Path) -> TestDecider {
+        let audit_file = dir.join("audit.jsonl");
+        let mut config = AuditConfig::new(
+            "n1",
+            vec![SinkConfig::Json(JsonTarget::File {
+                path: audit_file.clone(),
+                max_bytes: 1 << 20,
+                keep: 1,
+            })],
+        );
+        config.defaults = every_decision();
+        let auditor = Arc::new(Auditor::start(config).unwrap());
+        let metrics = crate::metrics::Metrics::new(crate::metrics::Scraped(Box::new(Vec::new)));
+        let decider = Arc::new(Decider::new(
+            current(manifests, 1),
+            DeciderLimits::default(),
+            auditor.clone(),
+            metrics.data_path.clone(),
+        ));
+        TestDecider { decider, auditor, metrics, audit_file }
+    }
+
+    impl TestDecider {
+        /// The value of the sample named `sample` (name and labels as exposed).
+        pub(crate) fn metric(&self, sample: &str) -> u64 {
+            self.metrics
+                .encode()
+                .lines()
+                .find_map(|l| l.strip_prefix(sample)?.strip_prefix(' ')?.parse().ok())
+                .unwrap_or(0)
+        }
+
+        /// `tierproxy_connections_closed_total{reason}` now.
+        pub(crate) fn closed(&self, reason: CloseReason) -> u64 {
+            let sample =
+                format!("tierproxy_connections_closed_total{{reason=\"{}\"}}", reason.as_str());
+            self.metric(&sample)
+        }
+
+        /// `tierproxy_connections_closed_total` over every reason.
+        pub(crate) fn closed_total(&self) -> u64 {
+            self.metrics
+                .encode()
+                .lines()
+                .filter(|l| l.starts_with("tierproxy_connections_closed_total{"))
+                .map(|l| l.rsplit(' ').next().unwrap().parse::<u64>().unwrap())
+                .sum()
+        }
+
+        /// `tierproxy_connections_opened_total` now.
+        pub(crate) fn opened(&self) -> u64 {
+            self.metric("tierproxy_connections_opened_total")
+        }
+
+        /// Flushes audit (no event is written after this) and returns its events.
+        pub(crate) fn events(&self) -> Vec<serde_json::Value> {
+            self.auditor.shutdown();
+            let text = std::fs::read_to_string(&self.audit_file).unwrap_or_default();
+            text.lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+        }
+
+        /// The close reasons of the connection-end events (flushes audit).
+        pub(crate) fn end_events(&self) -> Vec<String> {
+            end_reasons(&self.events())
+        }
+    }
+
+    /// The close reasons of the connection-end events among `events`.
+    pub(crate) fn end_reasons(events: &[serde_json::Value]) -> Vec<String> {
+        events
+            .iter()
+            .filter(|v| v["event"] == crate::audit::event::CONNECTION_END)
+            .map(|v| {
+                v["attributes"][crate::audit::event::attr::CLOSE_REASON]
+                    .as_str()
+                    .unwrap()
+                    .to_owned()
+            })
+            .collect()
+    }
+
+    /// The decision points of the decision events among `events` (one event per audited
+    /// direction: two for a flow between two pods of the node).
+    pub(crate) fn decision_points(events: &[serde_json::Value]) -> Vec<String> {
+        events
+            .iter()
+            .filter(|v| v["event"] == crate::audit::event::DECISION)
+            .map(|v| {
+                v["attributes"][crate::audit::event::attr::DECISION_POINT]
+                    .as_str()
+                    .unwrap()
+                    .to_owned()
+            })
+            .collect()
+    }
+
+    /// Two pods of node n1 on loopback addresses, so that the proxy's upstream leg needs
+    /// no transparent socket: the client 127.0.0.2, the server 127.0.0.3.
+    pub(crate) const LOOPBACK_CLUSTER: &str = r#"
+apiVersion: v1
+kind: Node
+metadata: {name: n1}
+status: {addresses: [{type: InternalIP, address: 172.31.0.2}]}
+---
+apiVersion: v1
+kind: Namespace
+metadata: {name: a}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: client, namespace: a}
+spec: {nodeName: n1, containers: [{name: c}]}
+status: {podIP: 127.0.0.2}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: server, namespace: a}
+spec: {nodeName: n1, containers: [{name: c}]}
+status: {podIP: 127.0.0.3}
+"#;
+
+    /// [`LOOPBACK_CLUSTER`] with the server isolated for ingress, allowing nothing.
+    pub(crate) fn loopback_cluster_denying() -> String {
+        format!(
+            "{LOOPBACK_CLUSTER}---
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {{name: deny-all, namespace: a}}
+spec: {{podSelector: {{}}, policyTypes: [Ingress]}}
+"
+        )
     }
 }
 

@@ -49,8 +49,9 @@ use std::time::{Duration, Instant};
 
 use super::conntrack::{self, Conntrack, Entry, Event, Events};
 use super::decider::{Admission, Decider};
+use super::lifecycle::record_end;
 use super::packet::FlowKey;
-use crate::audit::CloseReason;
+use crate::audit::{CloseReason, ConnectionEnd};
 use crate::policy::eval::Verdict;
 use crate::policy::ports::Protocol;
 
@@ -190,23 +191,26 @@ pub fn destroyed(decider: &Decider, e: &Entry) -> bool {
     let d = decider.decide(key.flow());
     if cut || d.egress.is_some() || d.ingress.is_some() {
         let reason = if cut { CloseReason::PolicyChange } else { CloseReason::Timeout };
-        let (to_server, to_client) =
-            (payload(e.orig_counters, key.dst), payload(e.reply_counters, key.dst));
-        decider.metrics().closed(reason, to_server, to_client);
+        // Its start is not known: the duration is not recorded (the metrics do not read it).
+        record_end(decider, None, key, end_of(e, key, reason, Duration::ZERO));
     }
     false
 }
 
+/// The end of the flow `key` as the conntrack entry `e` saw it.
+fn end_of(e: &Entry, key: FlowKey, reason: CloseReason, duration: Duration) -> ConnectionEnd {
+    ConnectionEnd {
+        reason,
+        to_server: payload(e.orig_counters, key.dst),
+        to_client: payload(e.reply_counters, key.dst),
+        duration,
+    }
+}
+
 fn end(decider: &Decider, key: FlowKey, flow: &Flow, reason: CloseReason, e: &Entry) {
     decider.forwarded().stats.ended.fetch_add(1, Ordering::Relaxed);
-    decider.ended_flow(
-        &flow.admission,
-        key,
-        reason,
-        payload(e.orig_counters, key.dst),
-        payload(e.reply_counters, key.dst),
-        flow.started.elapsed(),
-    );
+    let end = end_of(e, key, reason, flow.started.elapsed());
+    record_end(decider, Some(&flow.admission), key, end);
 }
 
 /// A flow whose first datagram skipped the queue (its class was in the kernel-side cache

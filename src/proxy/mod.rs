@@ -5,7 +5,8 @@
 //! NFQUEUE ─► queue (threads, nfqueue batches) ─► packet::parse ─► Decider::first_packet
 //!                                                      ─► drop | repeat+mark (one send per batch)
 //!                                                      │ (allowed: decision kept by 5-tuple)
-//! TPROXY ─► tcp::serve ─► Decider::take ─► upstream connect ─► relay (auto) ─► Registry
+//! TPROXY ─► tcp::serve ─► Lifecycle::admit (Registry, then Decider::take_or_decide)
+//!              ─► upstream connect ─► relay (auto) ─► end record (Lifecycle, once)
 //! ```
 //!
 //! Imports `policy` only (DESIGN §4); the redirect ruleset that feeds it lives in
@@ -14,6 +15,7 @@ pub mod conntrack;
 pub mod decider;
 pub mod forwarded;
 pub mod icmp;
+pub mod lifecycle;
 pub mod netlink;
 pub mod nfqueue;
 pub mod packet;

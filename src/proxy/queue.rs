@@ -115,11 +115,34 @@ impl QueueActivity {
     }
 }
 
-/// Consecutive failed reads or answers after which the agent exits (EX_SOFTWARE, 70).
+/// Consecutive failed reads or answers after which a reader gives up ([`QueueFailed`]).
 const MAX_FAILURES: u32 = 100;
 
+/// A queue reader gave up: [`MAX_FAILURES`] reads or answers failed in a row. A node whose
+/// queue nobody reads is closed (or open) for good, so the agent stops (its guards remove
+/// the ruleset and restore the sysctls) and exits with [`QueueFailed::EXIT_CODE`], for its
+/// supervisor to restart it, rather than run degraded.
+#[derive(Debug, thiserror::Error)]
+#[error("NFQUEUE {queue} failed {MAX_FAILURES} times in a row")]
+pub struct QueueFailed {
+    /// The queue number.
+    pub queue: u16,
+    /// The last failure (of `recvmsg`/`sendmsg` on its netlink socket).
+    #[source]
+    pub error: std::io::Error,
+}
+
+impl QueueFailed {
+    /// The agent's exit status after a queue failure: 70, `EX_SOFTWARE` (sysexits.h).
+    pub const EXIT_CODE: u8 = 70;
+}
+
+/// Where a reader that gives up reports it; the agent stops on the first report.
+pub type FatalSender = tokio::sync::mpsc::UnboundedSender<QueueFailed>;
+
 /// Binds every queue of `config` and starts its reader thread. Returns after all queues
-/// are bound, so a caller can signal readiness.
+/// are bound, so a caller can signal readiness. A reader that gives up sends a
+/// [`QueueFailed`] on `fatal` and ends.
 ///
 /// # Errors
 /// When a queue cannot be opened or bound (no CAP_NET_ADMIN, or another program holds the
@@ -128,6 +151,7 @@ pub fn start(
     config: QueueConfig,
     decider: Arc<Decider>,
     activity: &QueueActivity,
+    fatal: &FatalSender,
 ) -> anyhow::Result<Vec<JoinHandle<()>>> {
     let mut threads = Vec::new();
     let forwarded = config.first.saturating_add(config.count);
@@ -139,18 +163,24 @@ pub fn start(
         let config = QueueConfig { fail_open, ..config };
         let kernel_forwarded = num == forwarded;
         let activity = activity.reader();
+        let fatal = fatal.clone();
         let handle = std::thread::Builder::new()
             .name(format!("nfqueue-{num}"))
-            .spawn(move || read(num, q, config, kernel_forwarded, &decider, &activity))
+            .spawn(move || {
+                let failed = read(num, q, config, kernel_forwarded, &decider, &activity);
+                tracing::error!(queue = num, error = %failed.error, "NFQUEUE keeps failing; stopping the agent");
+                // No receiver: the agent is stopping already.
+                let _ = fatal.send(failed);
+            })
             .with_context(|| format!("starting the NFQUEUE {num} thread"))?;
         threads.push(handle);
     }
     Ok(threads)
 }
 
-/// Reads queue `num` until the agent stops. `kernel_forwarded`: the kernel-forwarded
-/// flows' queue, whose allowed flows the proxy never accepts (their decisions are not kept
-/// for it).
+/// Reads queue `num` until the agent stops, or until it fails [`MAX_FAILURES`] times in a
+/// row (returned). `kernel_forwarded`: the kernel-forwarded flows' queue, whose allowed
+/// flows the proxy never accepts (their decisions are not kept for it).
 fn read(
     num: u16,
     mut q: Queue,
@@ -158,7 +188,7 @@ fn read(
     kernel_forwarded: bool,
     decider: &Decider,
     activity: &ReaderActivity,
-) {
+) -> QueueFailed {
     use std::sync::atomic::Ordering::SeqCst;
     let allow = |mark: u32| Answer {
         verdict: Verdict::Repeat,
@@ -222,14 +252,36 @@ fn read(
             Err(e) => {
                 failures += 1;
                 if failures >= MAX_FAILURES {
-                    // A node whose queue nobody reads is closed (or open) for good: exit,
-                    // so the supervisor restarts the agent, rather than run degraded.
-                    tracing::error!(queue = num, error = %e, "NFQUEUE keeps failing; exiting");
-                    std::process::exit(70);
+                    return QueueFailed { queue: num, error: e };
                 }
                 tracing::warn!(queue = num, error = %e, "NFQUEUE error; retrying");
                 std::thread::sleep(std::time::Duration::from_millis(10));
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A reader's failure crosses the channel to the agent, which returns it from `run`
+    /// (through any context added on the way); `main` finds it there and exits with 70.
+    #[test]
+    fn a_failed_reader_reaches_the_agent_as_an_error_that_names_its_queue_and_status() {
+        let (fatal, mut failures) = tokio::sync::mpsc::unbounded_channel();
+        let sender: FatalSender = fatal.clone();
+        std::thread::spawn(move || {
+            let error = std::io::Error::from_raw_os_error(nix::libc::ENOMEM);
+            sender.send(QueueFailed { queue: 3, error }).unwrap();
+        })
+        .join()
+        .unwrap();
+        let failed = failures.blocking_recv().expect("reported");
+        let e = anyhow::Error::from(failed).context("running the agent");
+        let found = e.downcast_ref::<QueueFailed>().expect("found under the context");
+        assert_eq!((found.queue, QueueFailed::EXIT_CODE), (3, 70));
+        assert_eq!(found.to_string(), format!("NFQUEUE 3 failed {MAX_FAILURES} times in a row"));
+        assert_eq!(found.error.raw_os_error(), Some(nix::libc::ENOMEM));
     }
 }

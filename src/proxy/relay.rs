@@ -74,9 +74,11 @@ pub struct Counters {
     pub to_client: AtomicU64,
 }
 
-/// Why a relay ended (the close reasons audit reports).
+/// How a relay ended, as the relay sees it. The close reason audit reports
+/// ([`crate::audit::CloseReason`]) is made from it by the connection's
+/// [`super::lifecycle::Lifecycle`], which knows why a `Stopped` relay was told to stop.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum CloseReason {
+pub enum RelayEnd {
     /// Both sides closed their write side (FIN each way).
     Normal,
     /// One side reset or failed; the other was reset.
@@ -88,14 +90,14 @@ pub enum CloseReason {
     Stopped,
 }
 
-impl CloseReason {
+impl RelayEnd {
     /// `normal`, `reset`, `timeout`, `stopped`.
     pub fn as_str(self) -> &'static str {
         match self {
-            CloseReason::Normal => "normal",
-            CloseReason::Reset => "reset",
-            CloseReason::Timeout => "timeout",
-            CloseReason::Stopped => "stopped",
+            RelayEnd::Normal => "normal",
+            RelayEnd::Reset => "reset",
+            RelayEnd::Timeout => "timeout",
+            RelayEnd::Stopped => "stopped",
         }
     }
 }
@@ -112,7 +114,7 @@ pub async fn relay(
     config: &RelayConfig,
     counters: &Counters,
     stop: &Notify,
-) -> CloseReason {
+) -> RelayEnd {
     let (client, server) = (&client, &server);
     let start = Instant::now();
     let last = AtomicU64::new(0);
@@ -131,7 +133,7 @@ pub async fn relay(
             drive(a, b, config.idle_timeout, &last, start, stop).await
         }
     };
-    if reason != CloseReason::Normal {
+    if reason != RelayEnd::Normal {
         // A pipe may still hold bytes that were never written out: its lease closed it.
         abort(client);
         abort(server);
@@ -418,7 +420,7 @@ async fn drive(
     last: &AtomicU64,
     start: Instant,
     stop: &Notify,
-) -> CloseReason {
+) -> RelayEnd {
     tokio::pin!(a, b);
     let (mut a_done, mut b_done) = (false, false);
     let idle_ms = idle.as_millis() as u64;
@@ -439,17 +441,17 @@ async fn drive(
         tokio::select! {
             r = &mut a, if !a_done => match r {
                 Ok(()) => a_done = true,
-                Err(_) => return CloseReason::Reset,
+                Err(_) => return RelayEnd::Reset,
             },
             r = &mut b, if !b_done => match r {
                 Ok(()) => b_done = true,
-                Err(_) => return CloseReason::Reset,
+                Err(_) => return RelayEnd::Reset,
             },
-            () = &mut idle_clock => return CloseReason::Timeout,
-            () = &mut stopped => return CloseReason::Stopped,
+            () = &mut idle_clock => return RelayEnd::Timeout,
+            () = &mut stopped => return RelayEnd::Stopped,
         }
     }
-    CloseReason::Normal
+    RelayEnd::Normal
 }
 
 /// Moves `from` → `to` until EOF on `from`, then shuts down `to`'s write side. Each burst
@@ -690,7 +692,7 @@ mod tests {
     /// Starts a relay between two fresh pairs: (client app end, server app end, relay).
     async fn start(
         config: RelayConfig,
-    ) -> (TcpStream, TcpStream, tokio::task::JoinHandle<CloseReason>) {
+    ) -> (TcpStream, TcpStream, tokio::task::JoinHandle<RelayEnd>) {
         let (client_app, client_proxy) = pair().await;
         let (server_proxy, server_app) = pair().await;
         let relay = tokio::spawn(async move {
@@ -739,13 +741,13 @@ mod tests {
     async fn close_both(
         mut c: TcpStream,
         mut s: TcpStream,
-        relay: tokio::task::JoinHandle<CloseReason>,
+        relay: tokio::task::JoinHandle<RelayEnd>,
     ) {
         c.shutdown().await.unwrap();
         s.shutdown().await.unwrap();
         assert_eq!(s.read(&mut [0u8; 1]).await.unwrap(), 0, "EOF at the server");
         assert_eq!(c.read(&mut [0u8; 1]).await.unwrap(), 0, "EOF at the client");
-        assert_eq!(relay.await.unwrap(), CloseReason::Normal);
+        assert_eq!(relay.await.unwrap(), RelayEnd::Normal);
     }
 
     #[tokio::test]
@@ -814,7 +816,7 @@ mod tests {
         c.read_exact(&mut b).await.unwrap();
         assert_eq!(&b, b"pong");
         drop((c, s));
-        assert_ne!(relay.await.unwrap(), CloseReason::Stopped);
+        assert_ne!(relay.await.unwrap(), RelayEnd::Stopped);
         assert!(pool.open() <= 1);
     }
 
@@ -828,7 +830,7 @@ mod tests {
         until("a pipe is leased", || pool.open() > pool.idle()).await;
         socket2::SockRef::from(&s).set_linger(Some(Duration::ZERO)).unwrap();
         drop(s);
-        assert_eq!(relay.await.unwrap(), CloseReason::Reset);
+        assert_eq!(relay.await.unwrap(), RelayEnd::Reset);
         assert_eq!(pool.open(), pool.idle(), "the busy pipe was closed, not kept");
         for p in pool.lock().iter() {
             let e = nix::unistd::read(&p.read, &mut [0u8; 1]).expect_err("an empty pipe");
@@ -883,7 +885,7 @@ mod tests {
             let mut back = Vec::new();
             c.read_to_end(&mut back).await.unwrap();
             assert_eq!(back, b"bye");
-            assert_eq!(relay.await.unwrap(), CloseReason::Normal);
+            assert_eq!(relay.await.unwrap(), RelayEnd::Normal);
         }
     }
 

@@ -20,8 +20,11 @@
 //!   wait in the listen backlog); reaching it is counted and logged, rate-limited
 //!   ([`crate::limits`]). The limit is what the open files limit allows
 //!   ([`crate::host::FdPlan`]), so the proxy meets it before the kernel's `EMFILE`.
+//! - Each connection goes through one [`super::lifecycle::Lifecycle`]: registered, then
+//!   decided, and exactly one end record however its task ends.
 //! - Shutdown: stop accepting, let live connections finish for a grace period, then stop
-//!   them (both sides reset).
+//!   them (both sides reset); the drain is woken by the last connection leaving the
+//!   registry, not by polling it.
 //!
 //! Source: issue #3 "The proxy"; DESIGN §3.
 
@@ -37,11 +40,11 @@ use tokio::net::{TcpListener, TcpSocket, TcpStream};
 use tokio::sync::{Semaphore, watch};
 
 use super::decider::Decider;
+use super::lifecycle::Lifecycle;
 use super::packet::FlowKey;
 use super::registry::Registry;
-use super::relay::{self, RelayConfig};
+use super::relay::{self, RelayConfig, RelayEnd};
 use crate::audit::CloseReason;
-use crate::policy::eval::Verdict;
 use crate::policy::ports::Protocol;
 
 /// Proxy settings.
@@ -112,8 +115,8 @@ fn listener(addr: SocketAddr) -> io::Result<TcpListener> {
 }
 
 /// Accepts and proxies connections on `listeners` until `shutdown` turns true, then
-/// drains: waits up to `config.drain_grace` for live connections, stops the rest, and
-/// returns when they are gone (or after one more second).
+/// drains ([`drain`]): waits up to `config.drain_grace` for live connections, stops the
+/// rest, and returns when they are gone (or after one more second).
 pub async fn serve(
     listeners: Vec<TcpListener>,
     config: ProxyConfig,
@@ -187,27 +190,36 @@ pub async fn serve(
     };
     let _ = shutdown.wait_for(|stop| *stop).await;
     accepting.abort();
-    let deadline = tokio::time::Instant::now() + config.drain_grace;
-    while !registry.is_empty() && tokio::time::Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(20)).await;
+    drain(&registry, config.drain_grace).await;
+}
+
+/// How long stopped connections get to reset their sockets and write their end records
+/// after the drain grace.
+const STOPPED_GRACE: Duration = Duration::from_secs(1);
+
+/// Waits up to `grace` for the live connections and UDP flows of `registry` to end, tells
+/// the rest to stop, and waits up to [`STOPPED_GRACE`] for them. Woken by the registry
+/// when its last flow leaves ([`Registry::wait_empty`]), so a drain ends as soon as the
+/// last end record is written.
+pub async fn drain(registry: &Registry, grace: Duration) {
+    if tokio::time::timeout(grace, registry.wait_empty()).await.is_ok() {
+        return;
     }
-    if !registry.is_empty() {
-        tracing::info!(live = registry.len(), "drain grace over; stopping live connections");
-        registry.stop_all();
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(1);
-        while !registry.is_empty() && tokio::time::Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+    tracing::info!(live = registry.len(), "drain grace over; stopping live connections");
+    registry.stop_all();
+    if tokio::time::timeout(STOPPED_GRACE, registry.wait_empty()).await.is_err() {
+        tracing::warn!(live = registry.len(), "connections still live after being stopped");
     }
 }
 
-/// Proxies one accepted connection to its end.
+/// Proxies one accepted connection to its end, through its [`Lifecycle`]: registered,
+/// decided, opened, relayed, and one end record however the task ends.
 async fn proxy(
     client: TcpStream,
     peer: SocketAddr,
     listener: Option<SocketAddr>,
     config: &ProxyConfig,
-    decider: &Decider,
+    decider: &Arc<Decider>,
     registry: &Arc<Registry>,
 ) {
     let original = match client.local_addr() {
@@ -225,22 +237,17 @@ async fn proxy(
         return;
     }
     let key = FlowKey { src: unmap(peer), dst: unmap(original), protocol: Protocol::Tcp };
-    let registration = registry.register(key);
-    let tracked = &registration.tracked;
-    let admission = decider.take_or_decide(key);
-    let _ = tracked.decision.set(admission.decision.clone());
-    if admission.decision.verdict == Verdict::Deny {
+    let Some(mut flow) = Lifecycle::admit(decider, registry, key) else {
         tracing::warn!(src = %key.src, dst = %key.dst, "connection reached the proxy but policy denies it; reset");
         reset(&client);
         return;
-    }
-    decider.metrics().connections_opened.inc();
-    let ended = |reason: CloseReason| decider.ended(&admission, tracked, reason);
-    // Admitted under an older snapshot than the one now in force, and registered too late
-    // for the re-decision walk: decide it again here.
-    if !decider.recheck(&admission, tracked) {
+    };
+    // Admitted under an older snapshot than the one now in force (and registered too late
+    // for the re-decision walk: decided again as it opens), or stopped already.
+    if !flow.open() {
         reset(&client);
-        ended(CloseReason::PolicyChange);
+        let reason = flow.stop_reason();
+        flow.end(reason);
         return;
     }
     let to_self = key.dst.ip().is_loopback() || config.local_addrs.contains(&key.dst.ip());
@@ -257,38 +264,39 @@ async fn proxy(
                 tracing::warn!(error = %e, hits = n, "open files limit: upstream socket not created; clients reset");
             }
             reset(&client);
-            ended(CloseReason::ResourceLimit);
+            flow.end(CloseReason::ResourceLimit);
             return;
         }
         Ok(Err(e)) => {
             tracing::debug!(error = %e, dst = %key.dst, "upstream connect failed");
             reset(&client);
-            ended(CloseReason::UpstreamUnreachable);
+            flow.end(CloseReason::UpstreamUnreachable);
             return;
         }
         Err(_) => {
             tracing::debug!(dst = %key.dst, "upstream connect timed out");
             reset(&client);
-            ended(CloseReason::UpstreamUnreachable);
+            flow.end(CloseReason::UpstreamUnreachable);
             return;
         }
     };
-    let reason =
-        relay::relay(client, server, &config.relay, &tracked.counters, &tracked.stop).await;
+    let tracked = flow.tracked();
+    let ended = relay::relay(client, server, &config.relay, &tracked.counters, &tracked.stop).await;
     tracing::debug!(
         src = %key.src,
         dst = %key.dst,
-        reason = reason.as_str(),
+        reason = ended.as_str(),
         to_server = tracked.counters.to_server.load(Ordering::Relaxed),
         to_client = tracked.counters.to_client.load(Ordering::Relaxed),
         "connection closed"
     );
-    ended(match reason {
-        relay::CloseReason::Normal => CloseReason::Normal,
-        relay::CloseReason::Reset => CloseReason::Reset,
-        relay::CloseReason::Timeout => CloseReason::Timeout,
-        relay::CloseReason::Stopped => tracked.stop_reason().unwrap_or(CloseReason::Shutdown),
-    });
+    let reason = match ended {
+        RelayEnd::Normal => CloseReason::Normal,
+        RelayEnd::Reset => CloseReason::Reset,
+        RelayEnd::Timeout => CloseReason::Timeout,
+        RelayEnd::Stopped => flow.stop_reason(),
+    };
+    flow.end(reason);
 }
 
 /// `a` with an IPv4-mapped IPv6 address (`::ffff:a.b.c.d`) written as IPv4: policy and
@@ -314,7 +322,11 @@ async fn connect(
         Type::STREAM.nonblocking(),
         Some(socket2::Protocol::TCP),
     )?;
-    s.set_mark(config.bypass_mark)?;
+    // 0 is no mark (the agent's configuration never has it, `RedirectConfig::validate`):
+    // the component tests connect without CAP_NET_ADMIN, which `SO_MARK` needs.
+    if config.bypass_mark != 0 {
+        s.set_mark(config.bypass_mark)?;
+    }
     s.set_tcp_nodelay(true)?;
     if let Some(ip) = source {
         match ip {
@@ -335,4 +347,68 @@ async fn connect(
 /// Closes with an RST: the client sees the same as from a server that refused.
 fn reset(s: &TcpStream) {
     let _ = socket2::SockRef::from(s).set_linger(Some(Duration::ZERO));
+}
+
+#[cfg(test)]
+mod tests {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    use super::*;
+    use crate::proxy::decider::testing;
+    use crate::proxy::relay::{PipePool, RelayMode};
+
+    fn config() -> ProxyConfig {
+        ProxyConfig {
+            bypass_mark: 0,
+            preserve_source: false,
+            local_addrs: Arc::new([]),
+            connect_timeout: Duration::from_secs(5),
+            max_connections: 16,
+            relay: RelayConfig {
+                mode: RelayMode::Copy,
+                pipes: Arc::new(PipePool::new(1 << 16, 2, 16)),
+                idle_timeout: Duration::from_secs(60),
+            },
+            drain_grace: Duration::from_secs(1),
+        }
+    }
+
+    /// A connection task dropped in the middle of its relay (aborted; a runtime shutting
+    /// down drops its tasks the same way) still writes its end record, once: in the
+    /// metrics and, its decision being audited, in audit.
+    #[tokio::test]
+    async fn a_connection_task_dropped_mid_relay_writes_one_end_record() {
+        let dir = tempfile::tempdir().unwrap();
+        let t = testing::decider(testing::LOOPBACK_CLUSTER, dir.path());
+        // The server's listener is the connection's original destination as well: the
+        // proxy, handed the accepted socket, connects upstream to its local address.
+        let listener = TcpListener::bind("127.0.0.3:0").await.unwrap();
+        let server_addr = listener.local_addr().unwrap();
+        let socket = TcpSocket::new_v4().unwrap();
+        socket.bind("127.0.0.2:0".parse().unwrap()).unwrap();
+        let (client, accepted) = tokio::join!(socket.connect(server_addr), listener.accept());
+        let (mut client, (accepted, peer)) = (client.unwrap(), accepted.unwrap());
+        let registry = Arc::new(Registry::default());
+        let task = {
+            let (decider, registry) = (t.decider.clone(), registry.clone());
+            tokio::spawn(async move {
+                proxy(accepted, peer, None, &config(), &decider, &registry).await;
+            })
+        };
+        let (mut server, _) =
+            tokio::time::timeout(Duration::from_secs(5), listener.accept()).await.unwrap().unwrap();
+        client.write_all(b"ping").await.unwrap();
+        let mut got = [0; 4];
+        tokio::time::timeout(Duration::from_secs(5), server.read_exact(&mut got))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(&got, b"ping");
+        assert_eq!((registry.len(), t.closed_total()), (1, 0));
+        task.abort();
+        assert!(task.await.unwrap_err().is_cancelled());
+        assert_eq!(registry.len(), 0);
+        assert_eq!(t.closed_total(), 1);
+        assert_eq!(t.end_events(), ["shutdown"]);
+    }
 }

@@ -24,6 +24,9 @@
 //! - Datagrams are relayed without a buffer per flow: a task waits for readiness, then
 //!   reads into its thread's scratch buffer and sends at once; a datagram the other socket
 //!   cannot take now (`EWOULDBLOCK`) is dropped, as a congested router would.
+//! - Each flow goes through one [`super::lifecycle::Lifecycle`], as a TCP connection
+//!   does: registered before its first datagram's decision is taken (or made), opened once
+//!   its sockets are, and exactly one end record however its task ends.
 //! - The flow table is bounded: at the limit, the first datagram of a new flow is dropped
 //!   and counted, and the limit is logged once per episode.
 //!
@@ -49,11 +52,11 @@ use tokio::net::UdpSocket;
 use tokio::sync::watch;
 
 use super::decider::Decider;
+use super::lifecycle::Lifecycle;
 use super::packet::FlowKey;
 use super::registry::{Registry, Tracked};
 use super::tcp::unmap;
 use crate::audit::CloseReason;
-use crate::policy::eval::Verdict;
 use crate::policy::ports::Protocol;
 
 /// Largest datagram relayed, in bytes (the largest UDP payload over IPv4; IPv6 jumbograms
@@ -260,15 +263,15 @@ fn datagram(
         return;
     }
     let key = FlowKey { src, dst, protocol: Protocol::Udp };
-    let admission = decider.take_or_decide(key);
-    if admission.decision.verdict == Verdict::Deny {
+    let Some(mut life) = Lifecycle::admit(decider, registry, key) else {
         // A datagram of a flow the kernel queued but a newer snapshot denies.
         table.stats.dropped.fetch_add(1, Ordering::Relaxed);
         return;
-    }
+    };
     let (upstream, reply) = match open(src, dst, config) {
         Ok(pair) => pair,
         Err(e) => {
+            // Not opened: no end record (the lifecycle is dropped before `open`).
             table.stats.dropped.fetch_add(1, Ordering::Relaxed);
             let limits = &crate::limits::LIMITS;
             if crate::limits::is_out_of_files(&e) {
@@ -281,23 +284,19 @@ fn datagram(
             return;
         }
     };
-    let registration = registry.register(key);
-    let tracked = registration.tracked.clone();
-    let _ = tracked.decision.set(admission.decision.clone());
     let flow = Arc::new(Flow {
         upstream: Arc::new(upstream),
-        tracked,
+        tracked: life.tracked().clone(),
         last: AtomicU64::new(table.now_ms()),
     });
     table.lock().insert((src, dst), flow.clone());
     table.stats.flows.fetch_add(1, Ordering::Relaxed);
-    decider.metrics().connections_opened.inc();
-    // Admitted under an older snapshot than the one now in force: the relay sees the stop
-    // at once and the flow ends with reason `policy-change`.
-    if decider.recheck(&admission, &flow.tracked) {
+    // Admitted under an older snapshot than the one now in force, or stopped already: the
+    // relay sees the stop at once and the flow ends with its reason (`policy-change`).
+    if life.open() {
         forward(&flow.upstream, payload, &flow.tracked.counters.to_server, table);
     }
-    let (table, config, decider) = (table.clone(), config.clone(), decider.clone());
+    let (table, config) = (table.clone(), config.clone());
     tokio::spawn(async move {
         let reason = relay(&flow, &reply, &table, &config).await;
         {
@@ -307,8 +306,7 @@ fn datagram(
             }
         }
         tracing::debug!(%src, %dst, reason = reason.as_str(), "UDP flow closed");
-        decider.ended(&admission, &flow.tracked, reason);
-        drop(registration);
+        life.end(reason);
     });
 }
 
@@ -420,7 +418,7 @@ async fn relay(flow: &Flow, reply: &UdpSocket, table: &Table, config: &UdpConfig
                 }
             }
             _ = flow.tracked.stop.notified() => {
-                return flow.tracked.stop_reason().unwrap_or(CloseReason::Shutdown);
+                return flow.tracked.stop_reason().map_or(CloseReason::Shutdown, CloseReason::from);
             }
         }
     }
