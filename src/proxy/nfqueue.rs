@@ -45,9 +45,11 @@ const A_VERDICT_HDR: u16 = 2;
 const A_MARK: u16 = 3;
 const A_PAYLOAD: u16 = 10;
 
-/// Netfilter verdicts (include/uapi/linux/netfilter.h).
+/// Netfilter verdicts on a queued packet (include/uapi/linux/netfilter.h): the kernel's
+/// answer to a packet, not a policy [`crate::policy::Verdict`] (which the queue reader
+/// turns into one of these).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Verdict {
+pub enum NfVerdict {
     /// `NF_DROP`.
     Drop,
     /// `NF_ACCEPT`.
@@ -56,12 +58,12 @@ pub enum Verdict {
     Repeat,
 }
 
-impl Verdict {
+impl NfVerdict {
     fn code(self) -> u32 {
         match self {
-            Verdict::Drop => 0,
-            Verdict::Accept => 1,
-            Verdict::Repeat => 4,
+            NfVerdict::Drop => 0,
+            NfVerdict::Accept => 1,
+            NfVerdict::Repeat => 4,
         }
     }
 }
@@ -82,7 +84,7 @@ pub struct Packet<'a> {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Answer {
     /// The verdict.
-    pub verdict: Verdict,
+    pub verdict: NfVerdict,
     /// Replaces the whole packet mark when set.
     pub mark: Option<u32>,
 }
@@ -347,7 +349,7 @@ mod tests {
 
     #[test]
     fn equal_answers_become_one_batch_verdict_for_the_highest_id() {
-        let allow = Answer { verdict: Verdict::Repeat, mark: Some(0x1000) };
+        let allow = Answer { verdict: NfVerdict::Repeat, mark: Some(0x1000) };
         let mut buf = Vec::new();
         encode_verdicts(&mut buf, 7, 1, &[(10, allow), (11, allow), (14, allow)]);
         let m = messages(&buf);
@@ -361,8 +363,8 @@ mod tests {
 
     #[test]
     fn mixed_answers_become_one_verdict_each_in_one_datagram() {
-        let allow = Answer { verdict: Verdict::Repeat, mark: Some(0x1000) };
-        let deny = Answer { verdict: Verdict::Drop, mark: None };
+        let allow = Answer { verdict: NfVerdict::Repeat, mark: Some(0x1000) };
+        let deny = Answer { verdict: NfVerdict::Drop, mark: None };
         let mut buf = Vec::new();
         encode_verdicts(&mut buf, 7, 1, &[(3, allow), (4, deny)]);
         let m = messages(&buf);

@@ -24,9 +24,9 @@ use std::thread::JoinHandle;
 use anyhow::Context;
 
 use super::decider::Decider;
-use super::nfqueue::{Answer, Queue, Verdict};
+use super::nfqueue::{Answer, NfVerdict, Queue};
 use super::packet;
-use crate::policy::eval::Verdict as PolicyVerdict;
+use crate::policy::eval::Verdict;
 
 /// How the queue readers are set up.
 #[derive(Debug, Clone, Copy)]
@@ -191,10 +191,10 @@ fn read(
 ) -> QueueFailed {
     use std::sync::atomic::Ordering::SeqCst;
     let allow = |mark: u32| Answer {
-        verdict: Verdict::Repeat,
+        verdict: NfVerdict::Repeat,
         mark: Some(mark & !config.decided_mask | config.decided_value),
     };
-    let drop = Answer { verdict: Verdict::Drop, mark: None };
+    let drop = Answer { verdict: NfVerdict::Drop, mark: None };
     let mut failures = 0;
     loop {
         let mut busy = false;
@@ -212,8 +212,8 @@ fn read(
                         config.udp_kernel && key.protocol == crate::policy::Protocol::Udp;
                     let proxied = !(kernel_forwarded || udp_forwarded);
                     match decider.first_packet(key, proxied).verdict {
-                        PolicyVerdict::Allow => allow(p.mark),
-                        PolicyVerdict::Deny => drop,
+                        Verdict::Allow => allow(p.mark),
+                        Verdict::Deny => drop,
                     }
                 }
                 Err(e) => {
