@@ -35,21 +35,15 @@ use super::labels::{LabelSet, Labels, LabelsRef};
 use super::matcher::{
     AddrIndex, MAX_RULES, Matcher, PodAddrs, PortIndex, block_ranges, protocol_index,
 };
+pub use super::model::{
+    ANNOTATION_ENFORCING, ANNOTATION_PREFIX, Action, Direction, Endpoint, Revision, Tier,
+};
+use super::model::{NamespaceEntry, NodeEntry, Peers, PodEntry, Rule, SetId};
 use super::ports::{NamedPort, PortMatch, PortSpec, Ports, Protocol};
 use super::problem::{Kind, ObjectRef, Problem, ProblemKind};
 use super::selector::{LabelIndex, Selector};
+use super::snapshot::{PodPolicies, Policy, Snapshot};
 use super::validate::{self, NAMESPACE_NAME_LABEL};
-
-/// A snapshot's version: increases by one with every snapshot a builder publishes.
-/// Decision caches key on it; audit events carry it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
-pub struct Revision(pub u64);
-
-impl std::fmt::Display for Revision {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}", self.0)
-    }
-}
 
 /// The API objects a snapshot is compiled from. Order within each list does not matter;
 /// an object given twice (same kind, namespace, name) is used once, the later one winning.
@@ -78,173 +72,6 @@ pub struct Inputs {
     pub cluster_network_policies: Vec<Arc<v1alpha2::ClusterNetworkPolicy>>,
 }
 
-/// Traffic direction, seen from the subject pod.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Direction {
-    /// Traffic into the subject; the peer is the source.
-    Ingress = 0,
-    /// Traffic out of the subject; the peer is the destination.
-    Egress = 1,
-}
-
-impl Direction {
-    /// Both directions, ingress first.
-    pub const BOTH: [Direction; 2] = [Direction::Ingress, Direction::Egress];
-
-    /// `ingress` / `egress`.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Direction::Ingress => "ingress",
-            Direction::Egress => "egress",
-        }
-    }
-}
-
-/// A policy tier (DESIGN §2): Admin → NetworkPolicy → Baseline, then the default.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Tier {
-    /// AdminNetworkPolicy and ClusterNetworkPolicy `tier: Admin`.
-    Admin,
-    /// `networking.k8s.io/v1` NetworkPolicy.
-    NetworkPolicy,
-    /// BaselineAdminNetworkPolicy and ClusterNetworkPolicy `tier: Baseline`.
-    Baseline,
-}
-
-impl Tier {
-    /// `admin`, `networkpolicy`, `baseline`.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Tier::Admin => "admin",
-            Tier::NetworkPolicy => "networkpolicy",
-            Tier::Baseline => "baseline",
-        }
-    }
-}
-
-/// A rule's action, normalised across API versions (v1alpha2 `Accept` is `Allow`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Action {
-    /// Allow / Accept: the direction is allowed; no later rule or tier is consulted.
-    Allow,
-    /// Deny: the direction is denied; no later rule or tier is consulted.
-    Deny,
-    /// Pass: skip the rest of the current tier.
-    Pass,
-}
-
-impl Action {
-    /// `Allow`, `Deny`, `Pass`.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Action::Allow => "Allow",
-            Action::Deny => "Deny",
-            Action::Pass => "Pass",
-        }
-    }
-}
-
-/// Index of an interned pod set in [`Snapshot::pod_sets`].
-pub(crate) type SetId = u32;
-
-/// What a peer endpoint is, as far as policy is concerned.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Endpoint {
-    /// A pod-network pod (not hostNetwork, not terminated), by dense id.
-    Pod(u32),
-    /// A node address, or a hostNetwork pod (which shares its node's addresses).
-    Node(u32),
-    /// Anything else.
-    External,
-}
-
-#[derive(Debug, Clone)]
-pub(crate) struct PodEntry {
-    pub(crate) namespace: u32,
-    pub(crate) name: String,
-    pub(crate) node: Option<u32>,
-    pub(crate) ports: Vec<NamedPort>,
-}
-
-#[derive(Debug, Clone)]
-pub(crate) struct NamespaceEntry {
-    pub(crate) name: String,
-    pub(crate) labels: BTreeMap<String, String>,
-    /// Ids of the namespace's pod-network pods.
-    pub(crate) pods: RoaringBitmap,
-}
-
-#[derive(Debug, Clone)]
-pub(crate) struct NodeEntry {
-    pub(crate) name: String,
-    pub(crate) labels: BTreeMap<String, String>,
-    /// The Node's annotations under [`ANNOTATION_PREFIX`] (e.g. [`ANNOTATION_ENFORCING`]).
-    pub(crate) annotations: Box<[(String, String)]>,
-}
-
-/// The peers of one compiled rule: the rule matches a peer if any part does.
-#[derive(Debug, Clone, Default)]
-pub(crate) struct Peers {
-    /// Matches every address (NetworkPolicy rule without `from`/`to`; a fail-closed
-    /// Deny/Pass rule).
-    pub(crate) all: bool,
-    /// Interned pod sets (namespaces / pods / NetworkPolicy selector peers).
-    pub(crate) pod_sets: Vec<SetId>,
-    /// Node ids (a `nodes` peer), matched against node addresses.
-    pub(crate) nodes: Option<RoaringBitmap>,
-    /// `networks` / `ipBlock` peers, matched against any address.
-    pub(crate) blocks: Vec<Block>,
-}
-
-/// One compiled rule.
-#[derive(Debug, Clone)]
-pub(crate) struct Rule {
-    /// The rule's `name`, if it has one.
-    pub(crate) name: Option<String>,
-    /// Position in the policy's ingress or egress list.
-    pub(crate) index: u32,
-    pub(crate) action: Action,
-    pub(crate) peers: Peers,
-    pub(crate) ports: Ports,
-    /// The rule holds a peer of an unknown kind and was turned into "deny all" (a Deny or
-    /// Pass rule) as the API requires.
-    pub(crate) fail_closed: bool,
-}
-
-/// One compiled policy of any kind.
-#[derive(Debug, Clone)]
-pub(crate) struct Policy {
-    pub(crate) object: ObjectRef,
-    pub(crate) tier: Tier,
-    /// `spec.priority`; NetworkPolicy has none (0); BANP sorts after every Baseline CNP.
-    pub(crate) priority: i32,
-    /// Rules by [`Direction`] index.
-    pub(crate) rules: [Vec<Rule>; 2],
-    /// Precompiled rule masks per direction; `None` above [`MAX_RULES`] rules (linear
-    /// evaluation then).
-    pub(crate) matchers: [Option<Matcher>; 2],
-    /// Pods the subject selects.
-    pub(crate) subject: RoaringBitmap,
-    /// Directions the policy applies to (NetworkPolicy: its defaulted `policyTypes`;
-    /// others: directions with rules).
-    pub(crate) applies: [bool; 2],
-    /// The object's annotations whose key starts with [`ANNOTATION_PREFIX`] (others are
-    /// not kept: `kubectl.kubernetes.io/last-applied-configuration` alone can be large).
-    pub(crate) annotations: Box<[(String, String)]>,
-}
-
-/// Prefix of the annotations a [`Snapshot`] keeps for each policy
-/// ([`Snapshot::policy_annotation`]): tierproxy's own settings on upstream objects, such as
-/// `tierproxy.io/audit` (docs/audit.md), which need no change to the CRDs.
-pub const ANNOTATION_PREFIX: &str = "tierproxy.io/";
-
-/// The Node annotation an agent keeps on its own Node while it enforces (value `"true"`;
-/// issue #18): the connections of that node's pods are proxied and decided, egress and the
-/// server's ingress, at that node, so other nodes decide them on the first packet and let
-/// the kernel forward them instead of proxying them a second time. Written by the agent
-/// (`cluster::apiserver`), read here.
-pub const ANNOTATION_ENFORCING: &str = "tierproxy.io/enforcing";
-
 /// The annotations of `meta` whose key starts with [`ANNOTATION_PREFIX`], sorted by key.
 fn own_annotations(
     meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
@@ -255,43 +82,6 @@ fn own_annotations(
         .filter(|(k, _)| k.starts_with(ANNOTATION_PREFIX))
         .map(|(k, v)| (k.clone(), v.clone()))
         .collect()
-}
-
-/// Per pod and direction, the policies that apply, in evaluation order, by tier. Pods with
-/// the same labels in the same kind of namespace share one (interned), so the few distinct
-/// sets stay in cache while deciding.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
-pub(crate) struct PodPolicies {
-    pub(crate) admin: [Vec<u32>; 2],
-    pub(crate) network: [Vec<u32>; 2],
-    pub(crate) baseline: [Vec<u32>; 2],
-}
-
-/// A compiled, immutable view of policies and cluster state, ready to decide flows.
-/// Build it with [`Snapshot::compile`]; share it behind an `Arc` and swap it whole.
-#[derive(Debug, Clone)]
-pub struct Snapshot {
-    pub(crate) revision: Revision,
-    pub(crate) pods: Vec<PodEntry>,
-    pub(crate) namespaces: Vec<NamespaceEntry>,
-    pub(crate) nodes: Vec<NodeEntry>,
-    pub(crate) by_ip: HashMap<IpAddr, Endpoint>,
-    /// Node addresses by node id.
-    pub(crate) node_addrs: Vec<Vec<IpAddr>>,
-    /// Pod IPs by pod id.
-    pub(crate) pod_ips: Vec<Vec<IpAddr>>,
-    pub(crate) pod_sets: Vec<RoaringBitmap>,
-    pub(crate) policies: Vec<Policy>,
-    /// Index into `policy_sets` by pod id.
-    pub(crate) per_pod: Vec<u32>,
-    /// The distinct per-pod policy lists.
-    pub(crate) policy_sets: Vec<PodPolicies>,
-    /// Per direction and protocol: which policies have a rule for a port.
-    pub(crate) port_index: [[PortIndex; 3]; 2],
-    /// Per direction: which policies can match an external address.
-    pub(crate) addr_index: [AddrIndex; 2],
-    /// Pod labels, inverted ([`Snapshot::pod_label_values`]).
-    pub(crate) pod_index: LabelIndex,
 }
 
 /// The result of compiling: the snapshot and everything worth telling about the input.
@@ -892,51 +682,49 @@ fn prepare_admin<'a>(
     let ranges = balanced_ranges(&weights, workers);
     let results = par_ranges(items, &ranges, |worker, chunk| {
         let mut dict = PeerDict::default();
-        let prepared: Vec<Prepared<'a>> = chunk
-            .iter()
-            .map(|&(_, obj)| {
-                let mut problems = Vec::new();
-                let mut rules = rule_counts(obj).map(Vec::with_capacity);
-                // Each rule is compiled right after it is validated, while its peers are
-                // in cache: reading them is the cost of a large input. Its peers are
-                // touched just before (`PeerSlice::touch`). An object found invalid is
-                // dropped whole (its peers' keys go unused).
-                if let Some(first) = PeerSlice::of(obj, Direction::Ingress, 0).or(PeerSlice::of(
-                    obj,
-                    Direction::Egress,
-                    0,
-                )) {
-                    first.touch();
-                }
-                let mut build = |d: Direction, i: usize| {
-                    rules[d as usize].push(admin_rule_at(obj, d, i, &mut dict, node_index));
-                    touch_next_rule(obj, d, i);
-                };
-                if validate {
-                    let out = &mut problems;
-                    match obj {
-                        AdminObject::Anp(p) => {
-                            validate::admin_network_policy_each_rule(p, out, &mut build)
-                        }
-                        AdminObject::Cnp(p) => {
-                            validate::cluster_network_policy_each_rule(p, out, &mut build)
-                        }
-                        AdminObject::Banp(p) => {
-                            validate::baseline_admin_network_policy_each_rule(p, out, &mut build)
-                        }
+        let prepared: Vec<Prepared<'a>> =
+            chunk
+                .iter()
+                .map(|&(_, obj)| {
+                    let mut problems = Vec::new();
+                    let mut rules = rule_counts(obj).map(Vec::with_capacity);
+                    // Each rule is compiled right after it is validated, while its peers are
+                    // in cache: reading them is the cost of a large input. Its peers are
+                    // touched just before (`PeerSlice::touch`). An object found invalid is
+                    // dropped whole (its peers' keys go unused).
+                    if let Some(first) = PeerSlice::of(obj, Direction::Ingress, 0)
+                        .or(PeerSlice::of(obj, Direction::Egress, 0))
+                    {
+                        first.touch();
                     }
-                } else {
-                    let [ingress, egress] = rule_counts(obj);
-                    (0..ingress).for_each(|i| build(Direction::Ingress, i));
-                    (0..egress).for_each(|i| build(Direction::Egress, i));
-                }
-                let body = (!problems.iter().any(Problem::is_error)).then(|| {
-                    let (tier, priority, namespaces, pods) = admin_head(obj);
-                    AdminBody { tier, priority, namespaces, pods, rules }
-                });
-                Prepared { problems, body, worker }
-            })
-            .collect();
+                    let mut build = |d: Direction, i: usize| {
+                        rules[d as usize].push(admin_rule_at(obj, d, i, &mut dict, node_index));
+                        touch_next_rule(obj, d, i);
+                    };
+                    if validate {
+                        let out = &mut problems;
+                        match obj {
+                            AdminObject::Anp(p) => validate::admin_network_policy_rules(p, out)
+                                .for_each(|(d, i)| build(d, i)),
+                            AdminObject::Cnp(p) => validate::cluster_network_policy_rules(p, out)
+                                .for_each(|(d, i)| build(d, i)),
+                            AdminObject::Banp(p) => {
+                                validate::baseline_admin_network_policy_rules(p, out)
+                                    .for_each(|(d, i)| build(d, i))
+                            }
+                        }
+                    } else {
+                        let [ingress, egress] = rule_counts(obj);
+                        (0..ingress).for_each(|i| build(Direction::Ingress, i));
+                        (0..egress).for_each(|i| build(Direction::Egress, i));
+                    }
+                    let body = (!problems.iter().any(Problem::is_error)).then(|| {
+                        let (tier, priority, namespaces, pods) = admin_head(obj);
+                        AdminBody { tier, priority, namespaces, pods, rules }
+                    });
+                    Prepared { problems, body, worker }
+                })
+                .collect();
         (prepared, dict)
     });
     let mut prepared = Vec::with_capacity(items.len());
@@ -1807,69 +1595,6 @@ impl Snapshot {
             pod_index: c.pod_index,
         };
         Compiled { snapshot, problems }
-    }
-
-    /// The revision this snapshot was compiled with.
-    pub fn revision(&self) -> Revision {
-        self.revision
-    }
-
-    /// The id of pod-network pod `namespace/name`, if the snapshot has it.
-    pub fn find_pod(&self, namespace: &str, name: &str) -> Option<u32> {
-        self.pods
-            .iter()
-            .position(|p| p.name == name && self.namespaces[p.namespace as usize].name == namespace)
-            .map(|i| i as u32)
-    }
-
-    /// The IPs of pod `id` (IPv4 and/or IPv6).
-    pub fn pod_ips(&self, id: u32) -> &[IpAddr] {
-        &self.pod_ips[id as usize]
-    }
-
-    /// The addresses of node `id`: `status.addresses` InternalIP/ExternalIP, plus the IPs of
-    /// its hostNetwork pods.
-    pub fn node_addrs(&self, id: u32) -> &[IpAddr] {
-        &self.node_addrs[id as usize]
-    }
-
-    /// The id of node `name`, if known.
-    pub fn find_node(&self, name: &str) -> Option<u32> {
-        self.nodes.iter().position(|n| n.name == name).map(|i| i as u32)
-    }
-
-    /// The addresses of the pod-network pods that run on node `node` (a node id from
-    /// [`Snapshot::find_node`]): the addresses a node agent intercepts. hostNetwork pods
-    /// are not included (they hold their node's addresses). Order: by pod id, then as in
-    /// `status.podIPs`.
-    pub fn local_pod_ips(&self, node: u32) -> Vec<IpAddr> {
-        (0..self.pods.len() as u32)
-            .filter(|&p| self.pods[p as usize].node == Some(node))
-            .flat_map(|p| self.pod_ips(p).iter().copied())
-            .collect()
-    }
-
-    /// Whether node `id` carries [`ANNOTATION_ENFORCING`] with the value `"true"`.
-    pub fn node_enforcing(&self, id: u32) -> bool {
-        self.nodes.get(id as usize).is_some_and(|n| {
-            n.annotations.iter().any(|(k, v)| k == ANNOTATION_ENFORCING && v == "true")
-        })
-    }
-
-    /// The addresses of the pod-network pods whose node `node_matches` accepts (a node id
-    /// from [`Snapshot::find_node`]), in one pass over the pods: e.g. the enforced pods of
-    /// the ruleset (pods on every other node whose agent enforces). Order as
-    /// [`Snapshot::local_pod_ips`].
-    pub fn pod_ips_on(&self, mut node_matches: impl FnMut(u32) -> bool) -> Vec<IpAddr> {
-        (0..self.pods.len() as u32)
-            .filter(|&p| self.pods[p as usize].node.is_some_and(&mut node_matches))
-            .flat_map(|p| self.pod_ips(p).iter().copied())
-            .collect()
-    }
-
-    /// Number of pod-network pods, namespaces, nodes and compiled policies.
-    pub fn counts(&self) -> (usize, usize, usize, usize) {
-        (self.pods.len(), self.namespaces.len(), self.nodes.len(), self.policies.len())
     }
 }
 

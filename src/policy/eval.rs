@@ -12,10 +12,11 @@
 
 use std::net::IpAddr;
 
-use super::compile::{Action, Direction, Endpoint, Peers, Policy, Revision, Snapshot, Tier};
 use super::matcher::{has, protocol_index};
+use super::model::{Action, Direction, Endpoint, Peers, Revision, Tier};
 use super::ports::{NamedPort, Protocol};
 use super::problem::ObjectRef;
+use super::snapshot::{Policy, Snapshot};
 
 /// The order in which tiers are consulted — the only place in the code that says so.
 ///
@@ -179,7 +180,7 @@ impl Snapshot {
     }
 
     /// The value of annotation `key` (which starts with
-    /// [`ANNOTATION_PREFIX`](super::compile::ANNOTATION_PREFIX); others are not kept) on
+    /// [`ANNOTATION_PREFIX`](super::model::ANNOTATION_PREFIX); others are not kept) on
     /// the policy at `index`.
     ///
     /// # Panics

@@ -21,7 +21,7 @@
 use std::net::IpAddr;
 
 use super::cidr::Block;
-use super::compile::{Endpoint, Rule, SetId};
+use super::model::{Endpoint, Rule, SetId};
 use super::ports::{NamedPort, PortSpec, Protocol};
 
 /// One bit per rule of a policy direction, rule `i` = bit `i`.

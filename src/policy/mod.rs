@@ -15,14 +15,16 @@ pub mod compile;
 pub mod eval;
 pub mod labels;
 mod matcher;
+pub mod model;
 pub mod ports;
 pub mod problem;
 pub mod selector;
+mod snapshot;
 pub mod validate;
 
-pub use compile::{
-    Action, Compiled, Direction, Endpoint, Inputs, PodView, Revision, Snapshot, Tier,
-};
+pub use compile::{Compiled, Inputs, PodView};
 pub use eval::{Basis, Decision, Flow, Outcome, RuleHit, RuleInfo, TIER_ORDER, Verdict};
+pub use model::{Action, Direction, Endpoint, Revision, Tier};
 pub use ports::Protocol;
 pub use problem::{Kind, ObjectRef, Problem, ProblemKind, Severity};
+pub use snapshot::Snapshot;

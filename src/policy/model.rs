@@ -1,0 +1,174 @@
+//! The model the policy core shares: what validation, compiling, the matchers and
+//! deciding all speak of.
+//!
+//! Plain data with no behaviour beyond naming itself: directions, tiers, actions,
+//! endpoints, the compiled form of a rule and its peers, and the entries a snapshot keeps
+//! per pod, namespace and node. Everything else in `policy` depends on this file and it
+//! on nothing of theirs but [`cidr`](super::cidr) and [`ports`](super::ports):
+//! validate, matcher and eval read it; compile builds it.
+//! The compiled policies and the snapshot that holds them live in
+//! [`snapshot`](super::snapshot), beside the matchers they carry.
+
+use std::collections::BTreeMap;
+
+use roaring::RoaringBitmap;
+
+use super::cidr::Block;
+use super::ports::{NamedPort, Ports};
+
+/// A snapshot's version: increases by one with every snapshot a builder publishes.
+/// Decision caches key on it; audit events carry it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub struct Revision(pub u64);
+
+impl std::fmt::Display for Revision {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+/// Traffic direction, seen from the subject pod.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Direction {
+    /// Traffic into the subject; the peer is the source.
+    Ingress = 0,
+    /// Traffic out of the subject; the peer is the destination.
+    Egress = 1,
+}
+
+impl Direction {
+    /// Both directions, ingress first.
+    pub const BOTH: [Direction; 2] = [Direction::Ingress, Direction::Egress];
+
+    /// `ingress` / `egress`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Direction::Ingress => "ingress",
+            Direction::Egress => "egress",
+        }
+    }
+}
+
+/// A policy tier (DESIGN §2): Admin → NetworkPolicy → Baseline, then the default.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Tier {
+    /// AdminNetworkPolicy and ClusterNetworkPolicy `tier: Admin`.
+    Admin,
+    /// `networking.k8s.io/v1` NetworkPolicy.
+    NetworkPolicy,
+    /// BaselineAdminNetworkPolicy and ClusterNetworkPolicy `tier: Baseline`.
+    Baseline,
+}
+
+impl Tier {
+    /// `admin`, `networkpolicy`, `baseline`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Tier::Admin => "admin",
+            Tier::NetworkPolicy => "networkpolicy",
+            Tier::Baseline => "baseline",
+        }
+    }
+}
+
+/// A rule's action, normalised across API versions (v1alpha2 `Accept` is `Allow`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Action {
+    /// Allow / Accept: the direction is allowed; no later rule or tier is consulted.
+    Allow,
+    /// Deny: the direction is denied; no later rule or tier is consulted.
+    Deny,
+    /// Pass: skip the rest of the current tier.
+    Pass,
+}
+
+impl Action {
+    /// `Allow`, `Deny`, `Pass`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Action::Allow => "Allow",
+            Action::Deny => "Deny",
+            Action::Pass => "Pass",
+        }
+    }
+}
+
+/// Index of an interned pod set in a snapshot's pod sets ([`Peers::pod_sets`] hold them).
+pub(crate) type SetId = u32;
+
+/// What a peer endpoint is, as far as policy is concerned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Endpoint {
+    /// A pod-network pod (not hostNetwork, not terminated), by dense id.
+    Pod(u32),
+    /// A node address, or a hostNetwork pod (which shares its node's addresses).
+    Node(u32),
+    /// Anything else.
+    External,
+}
+
+#[derive(Debug, Clone)]
+pub(crate) struct PodEntry {
+    pub(crate) namespace: u32,
+    pub(crate) name: String,
+    pub(crate) node: Option<u32>,
+    pub(crate) ports: Vec<NamedPort>,
+}
+
+#[derive(Debug, Clone)]
+pub(crate) struct NamespaceEntry {
+    pub(crate) name: String,
+    pub(crate) labels: BTreeMap<String, String>,
+    /// Ids of the namespace's pod-network pods.
+    pub(crate) pods: RoaringBitmap,
+}
+
+#[derive(Debug, Clone)]
+pub(crate) struct NodeEntry {
+    pub(crate) name: String,
+    pub(crate) labels: BTreeMap<String, String>,
+    /// The Node's annotations under [`ANNOTATION_PREFIX`] (e.g. [`ANNOTATION_ENFORCING`]).
+    pub(crate) annotations: Box<[(String, String)]>,
+}
+
+/// The peers of one compiled rule: the rule matches a peer if any part does.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Peers {
+    /// Matches every address (NetworkPolicy rule without `from`/`to`; a fail-closed
+    /// Deny/Pass rule).
+    pub(crate) all: bool,
+    /// Interned pod sets (namespaces / pods / NetworkPolicy selector peers).
+    pub(crate) pod_sets: Vec<SetId>,
+    /// Node ids (a `nodes` peer), matched against node addresses.
+    pub(crate) nodes: Option<RoaringBitmap>,
+    /// `networks` / `ipBlock` peers, matched against any address.
+    pub(crate) blocks: Vec<Block>,
+}
+
+/// One compiled rule.
+#[derive(Debug, Clone)]
+pub(crate) struct Rule {
+    /// The rule's `name`, if it has one.
+    pub(crate) name: Option<String>,
+    /// Position in the policy's ingress or egress list.
+    pub(crate) index: u32,
+    pub(crate) action: Action,
+    pub(crate) peers: Peers,
+    pub(crate) ports: Ports,
+    /// The rule holds a peer of an unknown kind and was turned into "deny all" (a Deny or
+    /// Pass rule) as the API requires.
+    pub(crate) fail_closed: bool,
+}
+
+/// Prefix of the annotations a [`Snapshot`](super::Snapshot) keeps for each policy
+/// ([`Snapshot::policy_annotation`](super::Snapshot::policy_annotation)): tierproxy's own
+/// settings on upstream objects, such as `tierproxy.io/audit` (docs/audit.md), which need
+/// no change to the CRDs.
+pub const ANNOTATION_PREFIX: &str = "tierproxy.io/";
+
+/// The Node annotation an agent keeps on its own Node while it enforces (value `"true"`;
+/// issue #18): the connections of that node's pods are proxied and decided, egress and the
+/// server's ingress, at that node, so other nodes decide them on the first packet and let
+/// the kernel forward them instead of proxying them a second time. Written by the agent
+/// (`cluster::apiserver`), read here.
+pub const ANNOTATION_ENFORCING: &str = "tierproxy.io/enforcing";

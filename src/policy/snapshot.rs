@@ -1,0 +1,144 @@
+//! The compiled form: [`Snapshot`], the policies it holds, and what it says about the
+//! cluster it was compiled from.
+//!
+//! Built by [`compile`](super::compile), read by [`eval`](super::eval) (deciding) and by
+//! the checks that run on a compiled snapshot. Each [`Policy`] carries its rule-mask
+//! [`Matcher`]s, so this file sits above [`matcher`](super::matcher), which sits above
+//! [`model`](super::model).
+
+use std::collections::HashMap;
+use std::net::IpAddr;
+
+use roaring::RoaringBitmap;
+
+use super::matcher::{AddrIndex, Matcher, PortIndex};
+use super::model::{
+    ANNOTATION_ENFORCING, Endpoint, NamespaceEntry, NodeEntry, PodEntry, Revision, Rule, Tier,
+};
+use super::problem::ObjectRef;
+use super::selector::LabelIndex;
+
+/// One compiled policy of any kind.
+#[derive(Debug, Clone)]
+pub(crate) struct Policy {
+    pub(crate) object: ObjectRef,
+    pub(crate) tier: Tier,
+    /// `spec.priority`; NetworkPolicy has none (0); BANP sorts after every Baseline CNP.
+    pub(crate) priority: i32,
+    /// Rules by [`Direction`](super::model::Direction) index.
+    pub(crate) rules: [Vec<Rule>; 2],
+    /// Precompiled rule masks per direction; `None` above
+    /// [`MAX_RULES`](super::matcher::MAX_RULES) rules (linear evaluation then).
+    pub(crate) matchers: [Option<Matcher>; 2],
+    /// Pods the subject selects.
+    pub(crate) subject: RoaringBitmap,
+    /// Directions the policy applies to (NetworkPolicy: its defaulted `policyTypes`;
+    /// others: directions with rules).
+    pub(crate) applies: [bool; 2],
+    /// The object's annotations whose key starts with
+    /// [`ANNOTATION_PREFIX`](super::model::ANNOTATION_PREFIX) (others are not kept:
+    /// `kubectl.kubernetes.io/last-applied-configuration` alone can be large).
+    pub(crate) annotations: Box<[(String, String)]>,
+}
+
+/// Per pod and direction, the policies that apply, in evaluation order, by tier. Pods with
+/// the same labels in the same kind of namespace share one (interned), so the few distinct
+/// sets stay in cache while deciding.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
+pub(crate) struct PodPolicies {
+    pub(crate) admin: [Vec<u32>; 2],
+    pub(crate) network: [Vec<u32>; 2],
+    pub(crate) baseline: [Vec<u32>; 2],
+}
+
+/// A compiled, immutable view of policies and cluster state, ready to decide flows.
+/// Build it with [`Snapshot::compile`]; share it behind an `Arc` and swap it whole.
+#[derive(Debug, Clone)]
+pub struct Snapshot {
+    pub(crate) revision: Revision,
+    pub(crate) pods: Vec<PodEntry>,
+    pub(crate) namespaces: Vec<NamespaceEntry>,
+    pub(crate) nodes: Vec<NodeEntry>,
+    pub(crate) by_ip: HashMap<IpAddr, Endpoint>,
+    /// Node addresses by node id.
+    pub(crate) node_addrs: Vec<Vec<IpAddr>>,
+    /// Pod IPs by pod id.
+    pub(crate) pod_ips: Vec<Vec<IpAddr>>,
+    pub(crate) pod_sets: Vec<RoaringBitmap>,
+    pub(crate) policies: Vec<Policy>,
+    /// Index into `policy_sets` by pod id.
+    pub(crate) per_pod: Vec<u32>,
+    /// The distinct per-pod policy lists.
+    pub(crate) policy_sets: Vec<PodPolicies>,
+    /// Per direction and protocol: which policies have a rule for a port.
+    pub(crate) port_index: [[PortIndex; 3]; 2],
+    /// Per direction: which policies can match an external address.
+    pub(crate) addr_index: [AddrIndex; 2],
+    /// Pod labels, inverted ([`Snapshot::pod_label_values`]).
+    pub(crate) pod_index: LabelIndex,
+}
+
+impl Snapshot {
+    /// The revision this snapshot was compiled with.
+    pub fn revision(&self) -> Revision {
+        self.revision
+    }
+
+    /// The id of pod-network pod `namespace/name`, if the snapshot has it.
+    pub fn find_pod(&self, namespace: &str, name: &str) -> Option<u32> {
+        self.pods
+            .iter()
+            .position(|p| p.name == name && self.namespaces[p.namespace as usize].name == namespace)
+            .map(|i| i as u32)
+    }
+
+    /// The IPs of pod `id` (IPv4 and/or IPv6).
+    pub fn pod_ips(&self, id: u32) -> &[IpAddr] {
+        &self.pod_ips[id as usize]
+    }
+
+    /// The addresses of node `id`: `status.addresses` InternalIP/ExternalIP, plus the IPs of
+    /// its hostNetwork pods.
+    pub fn node_addrs(&self, id: u32) -> &[IpAddr] {
+        &self.node_addrs[id as usize]
+    }
+
+    /// The id of node `name`, if known.
+    pub fn find_node(&self, name: &str) -> Option<u32> {
+        self.nodes.iter().position(|n| n.name == name).map(|i| i as u32)
+    }
+
+    /// The addresses of the pod-network pods that run on node `node` (a node id from
+    /// [`Snapshot::find_node`]): the addresses a node agent intercepts. hostNetwork pods
+    /// are not included (they hold their node's addresses). Order: by pod id, then as in
+    /// `status.podIPs`.
+    pub fn local_pod_ips(&self, node: u32) -> Vec<IpAddr> {
+        (0..self.pods.len() as u32)
+            .filter(|&p| self.pods[p as usize].node == Some(node))
+            .flat_map(|p| self.pod_ips(p).iter().copied())
+            .collect()
+    }
+
+    /// Whether node `id` carries [`ANNOTATION_ENFORCING`] with the value `"true"`.
+    pub fn node_enforcing(&self, id: u32) -> bool {
+        self.nodes.get(id as usize).is_some_and(|n| {
+            n.annotations.iter().any(|(k, v)| k == ANNOTATION_ENFORCING && v == "true")
+        })
+    }
+
+    /// The addresses of the pod-network pods whose node `node_matches` accepts (a node id
+    /// from [`Snapshot::find_node`]), in one pass over the pods: e.g. the enforced pods of
+    /// the ruleset (pods on every other node whose agent enforces). Order as
+    /// [`Snapshot::local_pod_ips`].
+    pub fn pod_ips_on(&self, mut node_matches: impl FnMut(u32) -> bool) -> Vec<IpAddr> {
+        (0..self.pods.len() as u32)
+            .filter(|&p| self.pods[p as usize].node.is_some_and(&mut node_matches))
+            .flat_map(|p| self.pod_ips(p).iter().copied())
+            .collect()
+    }
+
+    /// Number of pod-network pods, namespaces, nodes and compiled policies.
+    pub fn counts(&self) -> (usize, usize, usize, usize) {
+        (self.pods.len(), self.namespaces.len(), self.nodes.len(), self.policies.len())
+    }
+}
