@@ -16,6 +16,7 @@
 //!   default); [`limits`]: the limits an agent can reach, counted and logged at most once
 //!   per 10 s.
 //! - [`agent`]: the wiring of one node's enforcement; [`config`] its typed settings.
+//! - [`error`]: an error and its causes on one line, for logs and commands.
 //! - [`explain`]: `explain` and `check`; [`lab`]: the network-namespace lab; [`loadgen`]
 //!   and [`synth`]: load and synthetic clusters for measurements.
 //!
@@ -26,6 +27,7 @@ pub mod cluster;
 pub mod config;
 pub mod crds;
 pub mod debug;
+pub mod error;
 pub mod explain;
 pub mod lab;
 pub mod limits;
