@@ -293,15 +293,11 @@ pub fn up(opts: &UpOptions, err: &mut dyn Write) -> Result<State, LabError> {
         }
         None => Vec::new(),
     };
-    let mut plan = Plan::build(&opts.prefix, &loaded, &compiled.snapshot, &flows)?;
     // Services are read from the files given (a `--dual-stack` copy holds the policy
     // inputs only); the policy loader skips them.
     let services =
         service::read(&manifests).map_err(|e| LabError::Invalid(crate::error::chain(&e)))?;
-    let (services, skipped) = service::plan(&services, &loaded.inputs.pods, &plan)
-        .map_err(|e| LabError::Invalid(crate::error::chain(&e)))?;
-    plan.services = services;
-    plan.skipped.extend(skipped);
+    let plan = Plan::build(&opts.prefix, &loaded, &compiled.snapshot, &flows, &services)?;
     for s in &plan.skipped {
         let _ = writeln!(err, "note: lab: skipped {}: {}", s.object, s.reason);
     }
