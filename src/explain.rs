@@ -370,8 +370,10 @@ pub fn outcome_json(s: &Snapshot, dir: Direction, o: Option<&Outcome>) -> Value 
         Basis::Rule { tier, hit } => {
             (json!(tier.as_str()), policy_json(s, hit.policy), rule_json(hit), "rule")
         }
+        // The words of the audit attribute `tierproxy.basis` (docs/audit.md), which SIEMs
+        // and the collector's OCSF transform match on: one name per basis everywhere.
         Basis::Isolated { policy } => {
-            (json!(Tier::NetworkPolicy.as_str()), policy_json(s, policy), Value::Null, "isolated")
+            (json!(Tier::NetworkPolicy.as_str()), policy_json(s, policy), Value::Null, "isolation")
         }
         Basis::NoPolicy => (json!("default"), Value::Null, Value::Null, "default"),
         Basis::OwnNode => (Value::Null, Value::Null, Value::Null, "own-node"),

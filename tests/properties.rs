@@ -281,7 +281,7 @@ fn summary(s: &Snapshot, d: &Decision) -> String {
                 Basis::Rule { tier, hit } => {
                     format!("{}:{}#{}", tier.as_str(), s.policy_ref(hit.policy).name, hit.rule)
                 }
-                Basis::Isolated { .. } => "isolated".to_string(),
+                Basis::Isolated { .. } => "isolation".to_string(),
                 Basis::NoPolicy => "default".to_string(),
                 Basis::OwnNode => "own-node".to_string(),
             };
