@@ -442,7 +442,7 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
             }
             Err(e) => {
                 tracing::error!(
-                    error = %crate::explain::error_chain(&e),
+                    error = %crate::error::chain(&e),
                     "cannot watch the manifests; their changes are not seen until restarted"
                 );
                 None
@@ -859,7 +859,7 @@ fn pod_interfaces(
         Ok(set) => set,
         Err(e) => {
             tracing::warn!(
-                error = %crate::explain::error_chain(&e),
+                error = %crate::error::chain(&e),
                 "cannot read the routes to the local pods; their sources are not checked until the next try"
             );
             Default::default()
@@ -906,7 +906,7 @@ impl Reloader<'_> {
                     self.spec = self.spec.clone().with_pod_interfaces(interfaces);
                 }
                 Err(e) => tracing::error!(
-                    error = %crate::explain::error_chain(&e),
+                    error = %crate::error::chain(&e),
                     "updating the pod interface sets failed; retried at the next tick"
                 ),
             }
@@ -1053,7 +1053,7 @@ impl Reloader<'_> {
         match outcome {
             Ok(()) => self.spec = spec,
             Err(e) => tracing::error!(
-                error = %crate::explain::error_chain(&e),
+                error = %crate::error::chain(&e),
                 "updating the interception sets failed; they will be retried on the next change"
             ),
         }
@@ -1089,7 +1089,7 @@ impl Reloader<'_> {
         let second = self.backend.flush_allowed(config);
         if let Err(e) = first.and(second) {
             tracing::error!(
-                error = %crate::explain::error_chain(&e),
+                error = %crate::error::chain(&e),
                 "emptying the cache of allowed classes failed: SYNs of classes the old snapshot allowed skip the queue until their entries expire ({} s)",
                 redirect::ALLOWED_CACHE_SECS
             );

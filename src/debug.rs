@@ -448,14 +448,14 @@ spec:
                 "from=b/remote&to=10.61.1.3&port=9090",
                 probe("b/remote", "10.61.1.3", 9090, "TCP"),
                 "deny",
-                ("n/a", "other-node", "deny", "isolated"),
+                ("n/a", "other-node", "deny", "isolation"),
             ),
             // A node is no subject (nor a pod peer of the isolating NetworkPolicy).
             (
                 "from=node/n2&to=a%2Fserver&port=8080",
                 probe("node/n2", "a/server", 8080, "TCP"),
                 "deny",
-                ("n/a", "not-a-pod", "deny", "isolated"),
+                ("n/a", "not-a-pod", "deny", "isolation"),
             ),
         ];
         for (query, p, verdict, (ev, er, iv, ir)) in cases {

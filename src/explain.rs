@@ -25,6 +25,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
 use crate::cluster::manifest::{self, Loaded};
+use crate::error;
 use crate::policy::compile::{self, Direction, Endpoint};
 use crate::policy::{Basis, Compiled, Flow, Outcome, Problem, Protocol, Revision, Snapshot, Tier};
 
@@ -111,7 +112,7 @@ pub fn compile_loaded(loaded: Loaded, err: &mut dyn Write) -> (Loaded, Compiled,
     let mut invalid = false;
     for e in &loaded.errors {
         invalid = true;
-        let _ = writeln!(err, "error: {}", error_chain(e));
+        let _ = writeln!(err, "error: {}", error::chain(e));
     }
     for n in &loaded.notes {
         let _ = writeln!(err, "note: {n}");
@@ -188,17 +189,6 @@ pub fn read_api_server(
         }
         Ok(crate::cluster::builder::gather(manifests, Some(&source)))
     })
-}
-
-/// `e`'s message followed by each of its sources, `: `-separated.
-pub fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut src = e.source();
-    while let Some(cause) = src {
-        let _ = write!(s, ": {cause}");
-        src = cause.source();
-    }
-    s
 }
 
 /// Parses probes from JSON Lines text (blank lines and `#` comments skipped).
@@ -380,8 +370,10 @@ pub fn outcome_json(s: &Snapshot, dir: Direction, o: Option<&Outcome>) -> Value 
         Basis::Rule { tier, hit } => {
             (json!(tier.as_str()), policy_json(s, hit.policy), rule_json(hit), "rule")
         }
+        // The words of the audit attribute `tierproxy.basis` (docs/audit.md), which SIEMs
+        // and the collector's OCSF transform match on: one name per basis everywhere.
         Basis::Isolated { policy } => {
-            (json!(Tier::NetworkPolicy.as_str()), policy_json(s, policy), Value::Null, "isolated")
+            (json!(Tier::NetworkPolicy.as_str()), policy_json(s, policy), Value::Null, "isolation")
         }
         Basis::NoPolicy => (json!("default"), Value::Null, Value::Null, "default"),
         Basis::OwnNode => (Value::Null, Value::Null, Value::Null, "own-node"),
@@ -482,7 +474,7 @@ pub fn explain_loaded(
         ProbeSource::File(path) => match read_probes(&path) {
             Ok(p) => p,
             Err(e) => {
-                let _ = writeln!(err, "error: {}", error_chain(&e));
+                let _ = writeln!(err, "error: {}", error::chain(&e));
                 return EXIT_INVALID;
             }
         },
@@ -598,7 +590,7 @@ pub fn check(manifests: &[PathBuf], format: Format, out: &mut dyn Write) -> u8 {
     match format {
         Format::Json => {
             for e in &loaded.errors {
-                let _ = writeln!(out, "{}", json!({"severity": "error", "file": error_chain(e)}));
+                let _ = writeln!(out, "{}", json!({"severity": "error", "file": error::chain(e)}));
             }
             for p in &problems {
                 let _ = writeln!(out, "{}", problem_json(p));
@@ -606,7 +598,7 @@ pub fn check(manifests: &[PathBuf], format: Format, out: &mut dyn Write) -> u8 {
         }
         Format::Table => {
             for e in &loaded.errors {
-                let _ = writeln!(out, "error: {}", error_chain(e));
+                let _ = writeln!(out, "error: {}", error::chain(e));
             }
             for n in &loaded.notes {
                 let _ = writeln!(out, "note: {n}");

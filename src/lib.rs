@@ -17,6 +17,7 @@
 //!   per 10 s.
 //! - [`agent`]: the wiring of one node's enforcement; [`config`] its typed settings;
 //!   [`host`] what it sets and reads on the node (sysctls, open files, capabilities).
+//! - [`error`]: an error and its causes on one line, for logs and commands.
 //! - [`explain`]: `explain` and `check`; [`lab`]: the network-namespace lab; [`loadgen`]
 //!   and [`synth`]: load and synthetic clusters for measurements.
 //!
@@ -27,6 +28,7 @@ pub mod cluster;
 pub mod config;
 pub mod crds;
 pub mod debug;
+pub mod error;
 pub mod explain;
 pub mod host;
 pub mod lab;

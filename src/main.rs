@@ -583,7 +583,7 @@ fn main() -> ExitCode {
                         explain::explain_loaded(loaded, source, output, &mut out, &mut err)
                     }
                     Err(e) => {
-                        let _ = writeln!(err, "error: {}", explain::error_chain(&e));
+                        let _ = writeln!(err, "error: {}", tierproxy::error::chain(&e));
                         explain::EXIT_INVALID
                     }
                 }

@@ -189,6 +189,48 @@ fn find<'a>(recs: &'a [Received], event: &str, pred: impl Fn(&Received) -> bool)
     found[0]
 }
 
+/// One word per basis: an event's `tierproxy.basis` is the `reason` `explain -o json` (and
+/// `/debug/explain`) gives the same direction, for each basis there is (issue #21: the two
+/// once said `isolation` and `isolated`).
+#[test]
+fn the_audit_basis_is_explains_reason() {
+    use tierproxy::policy::Direction;
+    let s = snapshot();
+    let ctx = event::Context::new("n1", Vec::new());
+    let mut names = event::Names::default();
+    names.refresh(&s, &ctx);
+    let mut seen = BTreeSet::new();
+    // Ingress of b/remote: the ANP's Deny (a rule); the NetworkPolicy isolates it on 7070.
+    // Ingress of a/server: from its own node; egress of a/client: no policy (default).
+    for (src, dst) in [
+        (sa(CLIENT, 40000), sa(REMOTE, 9090)),
+        (sa(CLIENT, 40001), sa(REMOTE, 7070)),
+        (sa("172.31.0.2", 40002), sa(SERVER, 8080)),
+        (sa(CLIENT, 40003), sa(SERVER, 8080)),
+    ] {
+        let flow =
+            Flow { src: src.ip(), dst: dst.ip(), protocol: Protocol::Tcp, dst_port: dst.port() };
+        let d = s.decide(&flow);
+        let info = FlowInfo {
+            src,
+            dst,
+            protocol: Protocol::Tcp,
+            time: SystemTime::now(),
+            point: Default::default(),
+        };
+        for (dir, o) in [(Direction::Egress, &d.egress), (Direction::Ingress, &d.ingress)] {
+            let Some(o) = o else { continue };
+            let e = event::decision(&ctx, &s, &mut names, &info, &d, dir);
+            let reason = tierproxy::explain::outcome_json(&s, dir, Some(o))["reason"].clone();
+            let basis = e.str(attr::BASIS).expect("a decision event has a basis");
+            assert_eq!(reason, json!(basis), "{src} -> {dst} {dir:?}");
+            seen.insert(basis.to_string());
+        }
+    }
+    let seen: Vec<&str> = seen.iter().map(String::as_str).collect();
+    assert_eq!(seen, ["default", "isolation", "own-node", "rule"]);
+}
+
 #[test]
 fn allow_deny_pass_and_close_arrive_over_otlp_http_and_grpc_with_their_exact_attributes() {
     for protocol in [OtlpProtocol::HttpProtobuf, OtlpProtocol::Grpc] {

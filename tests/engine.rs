@@ -193,7 +193,7 @@ fn rows() -> Vec<Row> {
         Row {
             name: "policyTypes defaults to [Ingress] without egress rules: ingress isolated",
             policies: NP_INGRESS_ONLY,
-            from: "dev/web",
+            from: "mon/prom",
             to: "prod/db",
             protocol: TCP,
             port: 80,
@@ -1314,6 +1314,22 @@ fn semantics_table() {
         assert_eq!(d.revision, Revision(7));
     }
     assert!(failures.is_empty(), "{} row(s) failed:\n{}", failures.len(), failures.join("\n"));
+}
+
+/// Every row decides a flow of its own: two rows with the same policies and flow check
+/// one thing twice, under two names (issue #21).
+#[test]
+fn rows_are_distinct() {
+    let rows = rows();
+    let mut seen = std::collections::HashMap::new();
+    let mut same = Vec::new();
+    for row in &rows {
+        let key = (row.policies, row.from, row.to, row.protocol, row.port);
+        if let Some(first) = seen.insert(key, row.name) {
+            same.push(format!("{first:?} and {:?}", row.name));
+        }
+    }
+    assert!(same.is_empty(), "rows deciding the same flow:\n{}", same.join("\n"));
 }
 
 #[test]

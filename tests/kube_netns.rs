@@ -20,6 +20,8 @@ use common::apiserver::FakeApi;
 use common::*;
 
 const ANP: &str = "policy.networking.k8s.io/v1alpha1";
+/// The agents' metrics and debug address, in each node's namespace.
+const METRICS: &str = "127.0.0.1:19470";
 
 /// Two nodes; `a/client` and `a/server` on n1, `b/remote` on n2.
 fn topology() -> Vec<Value> {
@@ -105,6 +107,8 @@ fn agents_enforce_what_the_api_server_says_and_write_policy_status() {
         .args(["lab", "up", "--prefix", &lab.prefix, "--manifests", topo.to_str().unwrap()])
         .args(["--agent-arg=--kube", "--agent-arg=--kube-retry-max-ms=300"])
         .args(["--agent-arg=--lease-namespace=tierproxy-system"])
+        // Each agent serves /debug/snapshot on loopback in its node's namespace.
+        .arg(format!("--agent-arg=--metrics-addr={METRICS}"))
         .output()
         .expect("tierproxy runs");
     assert!(o.status.success(), "lab up: {}", text(&o));
@@ -143,16 +147,53 @@ fn agents_enforce_what_the_api_server_says_and_write_policy_status() {
         "both nodes announced: {}",
         agent_log(&lab, "n1") + &agent_log(&lab, "n2")
     );
-    // The status write (a change the engine cannot see) rebuilt no snapshot: the only
-    // rebuilds are those of the two Node annotations (at most one each per agent).
-    std::thread::sleep(Duration::from_millis(500));
+    // Status writes (changes the engine cannot see) rebuild no snapshot. The one above came
+    // with the agents' start, beside the Node annotations: at most one rebuild each per
+    // agent. Then a marker ANP that selects no pod comes, its status is written, and it
+    // goes: the watch delivers the status write between the two, and from the snapshot
+    // that holds the marker to the one without it, each agent's revision moves by one.
     let node_writes =
         api.writes().iter().filter(|(m, p, _)| m == "PATCH" && p.contains("/nodes/")).count();
     assert_eq!(node_writes, 2, "{:?}", api.writes());
+    // (revision, admin policies) of `node`'s snapshot in force.
+    let snapshot = |node: &str| -> Option<(u64, u64)> {
+        let (_, body) = http_get(&netns_of_node(&lab, node), METRICS, "/debug/snapshot")?;
+        let v: Value = serde_json::from_str(&body).ok()?;
+        Some((v["revision"].as_u64()?, v["counts"]["AdminNetworkPolicy"].as_u64()?))
+    };
+    let admin_policies = |node: &str, n: u64| {
+        assert!(
+            eventually(Duration::from_secs(10), || snapshot(node).is_some_and(|(_, a)| a == n)),
+            "{node}'s snapshot has {n} admin policies: {:?} {}",
+            snapshot(node),
+            agent_log(&lab, node)
+        );
+        snapshot(node).expect("answered just now").0
+    };
+    api.apply(json!({"apiVersion": ANP, "kind": "AdminNetworkPolicy", "metadata": {"name": "marker"},
+                     "spec": {"priority": 50, "subject": {"namespaces": {"matchLabels": {"none": "none"}}}}}));
+    let mut with_marker = Vec::new();
     for node in ["n1", "n2"] {
+        with_marker.push(admin_policies(node, 2));
         let log = agent_log(&lab, node);
         let rebuilds = log.matches("snapshot applied").count();
-        assert!(rebuilds <= node_writes, "{node} rebuilt {rebuilds} times: {log}");
+        assert!(rebuilds <= node_writes + 1, "{node} rebuilt {rebuilds} times: {log}");
+    }
+    assert!(
+        eventually(Duration::from_secs(10), || condition(&api, "marker").is_some()),
+        "the marker's status written"
+    );
+    // The marker goes after the leader's next Lease renewal (every 5 s): later than the
+    // agents' debounce (100 ms) after the status write, so a rebuild for the status would
+    // be one of its own, not merged with the deletion's.
+    let renewals =
+        || api.writes().iter().filter(|(m, p, _)| m == "PUT" && p.contains("/leases/")).count();
+    let before = renewals();
+    assert!(eventually(Duration::from_secs(10), || renewals() > before), "a Lease renewal");
+    api.delete(ANP, "AdminNetworkPolicy", None, "marker");
+    for (node, before) in ["n1", "n2"].into_iter().zip(with_marker) {
+        let after = admin_policies(node, 1);
+        assert_eq!(after, before + 1, "{node}: the marker's deletion rebuilt, its status did not");
     }
     let lease = api.get(
         "coordination.k8s.io/v1",

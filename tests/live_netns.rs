@@ -783,7 +783,7 @@ fn the_debug_endpoints_answer_from_the_snapshot_in_force_and_to_loopback_only() 
     let agent = got.as_object_mut().unwrap().remove("agent").expect("agent");
     assert_eq!(got, explained(&[&base, &a, &isolate], "a/client", "b/remote", "8080"));
     assert_eq!((&agent["verdict"], &agent["revision"]), (&"deny".into(), &2.into()));
-    assert_eq!(agent["ingress"]["reason"], "isolated", "{agent}");
+    assert_eq!(agent["ingress"]["reason"], "isolation", "{agent}");
     drop(lab);
 
     // Opened by the flag: the node's own address is answered too.

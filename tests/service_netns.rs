@@ -156,7 +156,7 @@ fn tcp_cycle(
         assert_eq!(echo, "ping\n", "echoed through the proxy");
         Ok((greeting, peer))
     })
-    .map_err(|e| tierproxy::explain::error_chain(&e))
+    .map_err(|e| tierproxy::error::chain(&e))
 }
 
 /// `n` datagrams over one connected UDP socket from `netns` to `to`; the answers, each

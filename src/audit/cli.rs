@@ -13,9 +13,10 @@ use anyhow::{Context as _, bail};
 
 use super::Mode;
 use super::limit::Limits;
+use super::otlp::{OtlpConfig, OtlpProtocol};
 use super::pipeline::{AuditConfig, DEFAULT_DENY_WINDOW, DEFAULT_QUEUE_CAPACITY};
 use super::select::Defaults;
-use super::sink::{JsonTarget, OtlpConfig, OtlpProtocol, SinkConfig};
+use super::sink::{JsonTarget, SinkConfig};
 
 /// `on` / `off`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]

@@ -9,7 +9,9 @@
 //! - [`limit`]: deny aggregation and token-bucket rate limits;
 //! - [`pipeline`]: the bounded queue from the data path, the worker, lossy and lossless
 //!   modes;
-//! - [`sink`]: OTLP (gRPC, HTTP/protobuf) and JSON Lines outputs;
+//! - [`sink`]: OTLP (gRPC, HTTP/protobuf) and JSON Lines outputs, each on its own thread;
+//! - [`otlp`]: the OTLP encoding, transports and configuration (imported by `sink`, which
+//!   `pipeline` imports; never the other way round);
 //! - [`receiver`]: a small OTLP receiver on the official protobuf types (tests, benches,
 //!   the lab).
 //!
@@ -28,9 +30,10 @@ pub mod select;
 pub mod sink;
 
 pub use event::{CloseReason, ConnectionEnd, DecisionPoint, Event, FlowInfo};
+pub use otlp::{OtlpConfig, OtlpProtocol};
 pub use pipeline::{Admitted, AuditConfig, Auditor, Stats};
 pub use select::{Defaults, Plan};
-pub use sink::{JsonTarget, OtlpConfig, OtlpProtocol, SinkConfig};
+pub use sink::{JsonTarget, SinkConfig};
 
 /// What the pipeline does when a queue is full.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

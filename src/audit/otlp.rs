@@ -16,6 +16,7 @@
 //! OTLP exporter configuration (the `OTEL_EXPORTER_OTLP_*` variables).
 
 use std::io::Write as _;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -23,7 +24,6 @@ use anyhow::{Context as _, bail};
 use prost::encoding::{encode_varint, encoded_len_varint};
 
 use super::event::{Event, Severity, Value};
-use super::sink::{OtlpConfig, OtlpProtocol};
 
 // Field numbers (wire type in the comment).
 const REQUEST_RESOURCE_LOGS: u32 = 1; // ExportLogsServiceRequest.resource_logs, message
@@ -199,6 +199,68 @@ pub enum ExportError {
     /// The transport failed, or the collector refused the request.
     #[error("{0}")]
     Failed(String),
+}
+
+/// OTLP transport.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OtlpProtocol {
+    /// `grpc` (port 4317 by convention).
+    Grpc,
+    /// `http/protobuf` (port 4318 by convention; the specification's default).
+    HttpProtobuf,
+}
+
+impl OtlpProtocol {
+    /// Parses `grpc` or `http/protobuf`.
+    ///
+    /// # Errors
+    /// Any other value (`http/json` is not supported), naming it.
+    pub fn parse(s: &str) -> anyhow::Result<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "grpc" => Ok(OtlpProtocol::Grpc),
+            "http/protobuf" => Ok(OtlpProtocol::HttpProtobuf),
+            other => {
+                bail!("OTLP protocol {other:?} is not supported (expected grpc or http/protobuf)")
+            }
+        }
+    }
+}
+
+/// The OTLP sink. Unset fields come from the standard environment variables
+/// ([`Target::resolve`]).
+#[derive(Debug, Clone, Default)]
+pub struct OtlpConfig {
+    /// Transport; `None`: `OTEL_EXPORTER_OTLP_[LOGS_]PROTOCOL`, else `http/protobuf`.
+    pub protocol: Option<OtlpProtocol>,
+    /// Base endpoint (`http://collector:4318`; for HTTP `/v1/logs` is appended, as for
+    /// `OTEL_EXPORTER_OTLP_ENDPOINT`); `None`: the environment, else the default
+    /// (`http://localhost:4317` for gRPC, `http://localhost:4318/v1/logs` for HTTP).
+    pub endpoint: Option<String>,
+    /// Extra headers (gRPC metadata), e.g. an API key.
+    pub headers: Vec<(String, String)>,
+    /// gzip compression; `None`: the environment.
+    pub gzip: Option<bool>,
+    /// PEM file of CA certificates to trust for `https` endpoints; `None`:
+    /// `OTEL_EXPORTER_OTLP_CERTIFICATE`, else the system's roots.
+    pub ca_file: Option<PathBuf>,
+    /// Deadline of one export attempt (above zero); `None`:
+    /// `OTEL_EXPORTER_OTLP_[LOGS_]TIMEOUT`, else [`DEFAULT_TIMEOUT`] (10 s).
+    pub timeout: Option<Duration>,
+    /// Most records in one export request.
+    pub batch_size: usize,
+    /// How long a batch waits to fill before it is sent.
+    pub batch_delay: Duration,
+}
+
+impl OtlpConfig {
+    /// The defaults: everything from the environment, batches of 512 or 200 ms.
+    pub fn from_env() -> Self {
+        OtlpConfig {
+            batch_size: 512,
+            batch_delay: Duration::from_millis(200),
+            ..Default::default()
+        }
+    }
 }
 
 /// Where and how to send, resolved from [`OtlpConfig`] and the standard variables.

@@ -29,8 +29,8 @@
 
 use std::collections::VecDeque;
 use std::net::IpAddr;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime};
 
@@ -41,7 +41,7 @@ use super::Mode;
 use super::event::{self, ConnectionEnd, Context, Event, FlowInfo, Names, Value};
 use super::limit::{Admit, Aggregator, Limits, RateLimiter};
 use super::select::{Defaults, Plan};
-use super::sink::{self, SinkConfig};
+use super::sink::{self, Gate, SinkConfig, SinkStats};
 use crate::policy::compile::Direction;
 use crate::policy::eval::{Decision, Verdict};
 use crate::policy::{Protocol, Snapshot};
@@ -117,133 +117,6 @@ pub struct Stats {
     pub waits: AtomicU64,
     /// Per sink, in [`AuditConfig::sinks`] order.
     pub sinks: Vec<Arc<SinkStats>>,
-}
-
-/// Counters of one sink.
-#[derive(Debug, Default)]
-pub struct SinkStats {
-    /// `otlp` or `json`.
-    pub name: &'static str,
-    /// Events delivered (exported, or written).
-    pub exported: AtomicU64,
-    /// Events dropped because the sink's queue was full (lossy).
-    pub dropped_queue: AtomicU64,
-    /// Events whose export or write failed and were given up.
-    pub failed: AtomicU64,
-    /// Failed exports retried (lossless).
-    pub retries: AtomicU64,
-    /// Export attempts abandoned at their deadline with no answer (a hung collector); each
-    /// also counts as a retry or, when given up, its events as failed.
-    pub timeouts: AtomicU64,
-}
-
-/// How often a closed [`Gate`] is looked at again by a waiter, should a sink's wake-up
-/// be missed: a bound on the extra wait, not a polling rate.
-const GATE_RECHECK: Duration = Duration::from_millis(50);
-/// Least time between two warnings that new flows wait.
-const WARN_EVERY: Duration = Duration::from_secs(10);
-
-/// Lossless back-pressure on new flows: closed while a sink holds `capacity` events or
-/// more that it has not taken yet. While it is closed, [`Auditor::decision`] waits (the
-/// NFQUEUE reader, hence new flows, wait). Every other record goes on: connection ends
-/// (bounded by the connections admitted), deny windows closing, suppression summaries;
-/// and so does every sink that has room.
-///
-/// The worker re-checks after handing out an event; each sink after taking events from
-/// its queue. A sink's queue thus holds at most `capacity` events plus what was already
-/// admitted when the gate closed (the data-path queue: `capacity` records, two events
-/// each at most) plus connection ends and summaries.
-pub(crate) struct Gate {
-    capacity: usize,
-    queues: Vec<(&'static str, Receiver<Arc<Event>>)>,
-    closed: AtomicBool,
-    /// Shutdown: the gate stays open.
-    released: AtomicBool,
-    /// When the last "new flows wait" warning was logged.
-    warned: Mutex<Option<Instant>>,
-    opened: Condvar,
-}
-
-impl Gate {
-    fn new(capacity: usize, queues: Vec<(&'static str, Receiver<Arc<Event>>)>) -> Self {
-        Gate {
-            capacity,
-            queues,
-            closed: AtomicBool::new(false),
-            released: AtomicBool::new(false),
-            warned: Mutex::new(None),
-            opened: Condvar::new(),
-        }
-    }
-
-    /// The first sink holding `capacity` events or more, with their number.
-    fn full(&self) -> Option<(&'static str, usize)> {
-        self.queues.iter().map(|(n, q)| (*n, q.len())).find(|(_, len)| *len >= self.capacity)
-    }
-
-    /// Recomputes the state under the lock (so that the last of the worker's and a
-    /// sink's updates sees both their changes), warns when it closes, wakes the waiters
-    /// when it opens.
-    fn update(&self) {
-        let mut warned = self.warned.lock().unwrap_or_else(|p| p.into_inner());
-        let full = if self.released.load(Ordering::SeqCst) { None } else { self.full() };
-        let was = self.closed.swap(full.is_some(), Ordering::SeqCst);
-        match full {
-            Some((sink, events)) if !was => {
-                if warned.is_none_or(|w| w.elapsed() >= WARN_EVERY) {
-                    *warned = Some(Instant::now());
-                    tracing::warn!(
-                        sink,
-                        events,
-                        "audit sink full: new flows wait for it (lossless mode)"
-                    );
-                }
-            }
-            Some(_) => {}
-            None => self.opened.notify_all(),
-        }
-    }
-
-    /// After the worker handed out an event.
-    fn after_send(&self) {
-        if self.full().is_some() != self.closed.load(Ordering::SeqCst) {
-            self.update();
-        }
-    }
-
-    /// After a sink took events from its queue.
-    pub(crate) fn after_recv(&self) {
-        if self.closed.load(Ordering::SeqCst) {
-            self.update();
-        }
-    }
-
-    fn is_closed(&self) -> bool {
-        self.closed.load(Ordering::SeqCst)
-    }
-
-    /// Waits while the gate is closed.
-    fn wait(&self) {
-        let mut g = self.warned.lock().unwrap_or_else(|p| p.into_inner());
-        while self.closed.load(Ordering::SeqCst) {
-            let (guard, timeout) =
-                self.opened.wait_timeout(g, GATE_RECHECK).unwrap_or_else(|p| p.into_inner());
-            g = guard;
-            if timeout.timed_out() {
-                let open = self.released.load(Ordering::SeqCst) || self.full().is_none();
-                if open {
-                    self.closed.store(false, Ordering::SeqCst);
-                    self.opened.notify_all();
-                }
-            }
-        }
-    }
-
-    /// Opens the gate for good (shutdown: nothing may wait on audit any more).
-    fn release(&self) {
-        self.released.store(true, Ordering::SeqCst);
-        self.update();
-    }
 }
 
 /// A record from the data path. Boxed: a bounded queue allocates (and touches) all its

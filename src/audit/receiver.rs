@@ -24,7 +24,7 @@ use opentelemetry_proto::tonic::collector::logs::v1::{
 use opentelemetry_proto::tonic::common::v1::{AnyValue, any_value};
 use prost::Message as _;
 
-use super::sink::OtlpProtocol;
+use super::otlp::OtlpProtocol;
 
 /// One log record as received, flattened.
 #[derive(Debug, Clone, PartialEq)]

@@ -11,14 +11,18 @@
 //! before the flush deadline; once that has passed it gives up on what is left without
 //! trying.
 //!
-//! Sources: OpenTelemetry Protocol Exporter specification (`OTEL_EXPORTER_OTLP_ENDPOINT`,
-//! `_PROTOCOL`, `_HEADERS`, `_COMPRESSION`, `_TIMEOUT`, `_CERTIFICATE`, their `_LOGS_`
-//! variants; default protocol `http/protobuf`; HTTP path `/v1/logs`).
+//! Each sink reports to its [`SinkStats`], and tells the lossless [`Gate`] when it took
+//! events from its queue; both live here, beside the sinks that update them, so that the
+//! audit files depend one way: `pipeline` → `sink` → `otlp` (the OTLP configuration,
+//! [`OtlpConfig`], is [`otlp`]'s).
+//!
+//! Sources: OpenTelemetry Protocol Exporter specification (batching; the
+//! `OTEL_EXPORTER_OTLP_*` variables are resolved in [`otlp::Target::resolve`]).
 
 use std::io::Write;
 use std::path::PathBuf;
-use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -27,70 +31,7 @@ use crossbeam_channel::{Receiver, RecvTimeoutError};
 
 use super::Mode;
 use super::event::{self, Event};
-use super::otlp;
-use super::pipeline::{Gate, SinkStats};
-
-/// OTLP transport.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum OtlpProtocol {
-    /// `grpc` (port 4317 by convention).
-    Grpc,
-    /// `http/protobuf` (port 4318 by convention; the specification's default).
-    HttpProtobuf,
-}
-
-impl OtlpProtocol {
-    /// Parses `grpc` or `http/protobuf`.
-    ///
-    /// # Errors
-    /// Any other value (`http/json` is not supported), naming it.
-    pub fn parse(s: &str) -> anyhow::Result<Self> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "grpc" => Ok(OtlpProtocol::Grpc),
-            "http/protobuf" => Ok(OtlpProtocol::HttpProtobuf),
-            other => {
-                bail!("OTLP protocol {other:?} is not supported (expected grpc or http/protobuf)")
-            }
-        }
-    }
-}
-
-/// The OTLP sink. Unset fields come from the standard environment variables
-/// ([`otlp::Target::resolve`]).
-#[derive(Debug, Clone, Default)]
-pub struct OtlpConfig {
-    /// Transport; `None`: `OTEL_EXPORTER_OTLP_[LOGS_]PROTOCOL`, else `http/protobuf`.
-    pub protocol: Option<OtlpProtocol>,
-    /// Base endpoint (`http://collector:4318`; for HTTP `/v1/logs` is appended, as for
-    /// `OTEL_EXPORTER_OTLP_ENDPOINT`); `None`: the environment, else the default
-    /// (`http://localhost:4317` for gRPC, `http://localhost:4318/v1/logs` for HTTP).
-    pub endpoint: Option<String>,
-    /// Extra headers (gRPC metadata), e.g. an API key.
-    pub headers: Vec<(String, String)>,
-    /// gzip compression; `None`: the environment.
-    pub gzip: Option<bool>,
-    /// PEM file of CA certificates to trust for `https` endpoints; `None`:
-    /// `OTEL_EXPORTER_OTLP_CERTIFICATE`, else the system's roots.
-    pub ca_file: Option<PathBuf>,
-    /// Deadline of one export attempt (above zero); `None`:
-    /// `OTEL_EXPORTER_OTLP_[LOGS_]TIMEOUT`, else [`otlp::DEFAULT_TIMEOUT`] (10 s).
-    pub timeout: Option<Duration>,
-    /// Most records in one export request.
-    pub batch_size: usize,
-    /// How long a batch waits to fill before it is sent.
-    pub batch_delay: Duration,
-}
-
-impl OtlpConfig {
-    /// The defaults: everything from the environment, batches of 512 or 200 ms.
-    pub fn from_env() -> Self {
-        OtlpConfig {
-            batch_size: 512,
-            batch_delay: Duration::from_millis(200),
-            ..Default::default()
-        }
-    }
-}
+use super::otlp::{self, OtlpConfig};
 
 /// The JSON Lines sink's output.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -125,6 +66,134 @@ impl SinkConfig {
             SinkConfig::Otlp(_) => "otlp",
             SinkConfig::Json(_) => "json",
         }
+    }
+}
+
+/// Counters of one sink.
+#[derive(Debug, Default)]
+pub struct SinkStats {
+    /// `otlp` or `json`.
+    pub name: &'static str,
+    /// Events delivered (exported, or written).
+    pub exported: AtomicU64,
+    /// Events dropped because the sink's queue was full (lossy).
+    pub dropped_queue: AtomicU64,
+    /// Events whose export or write failed and were given up.
+    pub failed: AtomicU64,
+    /// Failed exports retried (lossless).
+    pub retries: AtomicU64,
+    /// Export attempts abandoned at their deadline with no answer (a hung collector); each
+    /// also counts as a retry or, when given up, its events as failed.
+    pub timeouts: AtomicU64,
+}
+
+/// How often a closed [`Gate`] is looked at again by a waiter, should a sink's wake-up
+/// be missed: a bound on the extra wait, not a polling rate.
+const GATE_RECHECK: Duration = Duration::from_millis(50);
+/// Least time between two warnings that new flows wait.
+const GATE_WARN_EVERY: Duration = Duration::from_secs(10);
+
+/// Lossless back-pressure on new flows: closed while a sink holds `capacity` events or
+/// more that it has not taken yet. While it is closed,
+/// [`Auditor::decision`](super::Auditor::decision) waits (the NFQUEUE reader, hence new
+/// flows, wait). Every other record goes on: connection ends (bounded by the connections
+/// admitted), deny windows closing, suppression summaries; and so does every sink that has
+/// room.
+///
+/// The worker re-checks after handing out an event; each sink after taking events from
+/// its queue. A sink's queue thus holds at most `capacity` events plus what was already
+/// admitted when the gate closed (the data-path queue: `capacity` records, two events
+/// each at most) plus connection ends and summaries.
+pub(crate) struct Gate {
+    capacity: usize,
+    queues: Vec<(&'static str, Receiver<Arc<Event>>)>,
+    closed: AtomicBool,
+    /// Shutdown: the gate stays open.
+    released: AtomicBool,
+    /// When the last "new flows wait" warning was logged.
+    warned: Mutex<Option<Instant>>,
+    opened: Condvar,
+}
+
+impl Gate {
+    pub(super) fn new(capacity: usize, queues: Vec<(&'static str, Receiver<Arc<Event>>)>) -> Self {
+        Gate {
+            capacity,
+            queues,
+            closed: AtomicBool::new(false),
+            released: AtomicBool::new(false),
+            warned: Mutex::new(None),
+            opened: Condvar::new(),
+        }
+    }
+
+    /// The first sink holding `capacity` events or more, with their number.
+    fn full(&self) -> Option<(&'static str, usize)> {
+        self.queues.iter().map(|(n, q)| (*n, q.len())).find(|(_, len)| *len >= self.capacity)
+    }
+
+    /// Recomputes the state under the lock (so that the last of the worker's and a
+    /// sink's updates sees both their changes), warns when it closes, wakes the waiters
+    /// when it opens.
+    fn update(&self) {
+        let mut warned = self.warned.lock().unwrap_or_else(|p| p.into_inner());
+        let full = if self.released.load(Ordering::SeqCst) { None } else { self.full() };
+        let was = self.closed.swap(full.is_some(), Ordering::SeqCst);
+        match full {
+            Some((sink, events)) if !was => {
+                if warned.is_none_or(|w| w.elapsed() >= GATE_WARN_EVERY) {
+                    *warned = Some(Instant::now());
+                    tracing::warn!(
+                        sink,
+                        events,
+                        "audit sink full: new flows wait for it (lossless mode)"
+                    );
+                }
+            }
+            Some(_) => {}
+            None => self.opened.notify_all(),
+        }
+    }
+
+    /// After the worker handed out an event.
+    pub(super) fn after_send(&self) {
+        if self.full().is_some() != self.closed.load(Ordering::SeqCst) {
+            self.update();
+        }
+    }
+
+    /// After a sink took events from its queue.
+    pub(crate) fn after_recv(&self) {
+        if self.closed.load(Ordering::SeqCst) {
+            self.update();
+        }
+    }
+
+    pub(super) fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::SeqCst)
+    }
+
+    /// Waits while the gate is closed.
+    pub(super) fn wait(&self) {
+        let mut g = self.warned.lock().unwrap_or_else(|p| p.into_inner());
+        while self.closed.load(Ordering::SeqCst) {
+            let (guard, timeout) =
+                self.opened.wait_timeout(g, GATE_RECHECK).unwrap_or_else(|p| p.into_inner());
+            g = guard;
+            if timeout.timed_out() {
+                let open = self.released.load(Ordering::SeqCst) || self.full().is_none();
+                if open {
+                    self.closed.store(false, Ordering::SeqCst);
+                    self.opened.notify_all();
+                }
+            }
+        }
+    }
+
+    /// Opens the gate for good (shutdown: nothing may wait on audit any more).
+    pub(super) fn release(&self) {
+        self.released.store(true, Ordering::SeqCst);
+        self.update();
     }
 }
 

@@ -1125,7 +1125,7 @@ fn describe(e: &watcher::Error) -> String {
     };
     match inner {
         kube::Error::Api(s) => format!("{what}: HTTP {} {}: {}", s.code, s.reason, s.message),
-        other => format!("{what}: {}", crate::explain::error_chain(other)),
+        other => format!("{what}: {}", crate::error::chain(other)),
     }
 }
 

@@ -366,7 +366,7 @@ impl Builder {
         records: Option<&Records>,
     ) -> anyhow::Result<Built> {
         if let Some(e) = loaded.errors.first() {
-            bail!("{}", crate::explain::error_chain(e));
+            bail!("{}", crate::error::chain(e));
         }
         self.builds += 1;
         let build = self.builds;

@@ -10,7 +10,7 @@ use clap::{Args, Subcommand};
 use super::probe::DEFAULT_TIMEOUT_MS;
 use super::state::DEFAULT_STATE_ROOT;
 use super::{DEFAULT_PREFIX, EXIT_LAB, LabError, Output, ProbeOptions, UpOptions};
-use crate::explain::{self, Format};
+use crate::explain::Format;
 
 /// Arguments of `tierproxy lab`: a subcommand, or none for the built-in example (whose
 /// options are then accepted). The help text is the `Lab` command's in `main.rs`.
@@ -203,7 +203,7 @@ fn log_message(line: &str) -> &str {
 }
 
 fn report_error(err: &mut dyn Write, e: &LabError) -> u8 {
-    let _ = writeln!(err, "error: {}", explain::error_chain(e));
+    let _ = writeln!(err, "error: {}", crate::error::chain(e));
     e.exit_code()
 }
 
@@ -387,7 +387,7 @@ pub fn main(args: LabArgs, out: &mut dyn Write, err: &mut dyn Write) -> u8 {
             match super::serve::run(&bind, &tcp, &tcp_close_first, &udp, &sctp, ready) {
                 Ok(()) => 0,
                 Err(e) => {
-                    let _ = writeln!(err, "error: {}", explain::error_chain(&e));
+                    let _ = writeln!(err, "error: {}", crate::error::chain(&e));
                     EXIT_LAB
                 }
             }

@@ -286,7 +286,7 @@ impl DualStack {
         let text = manifest_text(&augmented)?;
         let path = state_dir.join(FILE);
         let loaded = manifest::parse_str(&path, &text)
-            .map_err(|e| DualStackError::ReadBack(crate::explain::error_chain(&e)))?;
+            .map_err(|e| DualStackError::ReadBack(crate::error::chain(&e)))?;
         let compiled = Snapshot::compile(&loaded.inputs, Revision(1));
         let errors: Vec<String> = loaded
             .problems

@@ -235,7 +235,7 @@ fn resolve_probes(
     path: &Path,
 ) -> Result<Vec<(Probe, Flow)>, LabError> {
     let probes = explain::read_probes(path).map_err(|e| {
-        LabError::Invalid(format!("{}: {}", path.display(), explain::error_chain(&e)))
+        LabError::Invalid(format!("{}: {}", path.display(), crate::error::chain(&e)))
     })?;
     probes
         .into_iter()
@@ -281,7 +281,7 @@ pub fn up(opts: &UpOptions, err: &mut dyn Write) -> Result<State, LabError> {
     // `--dual-stack`: from here on, the manifests with IPv6 addresses added.
     let (loaded, compiled, dual_stack) = if opts.dual_stack {
         let d = dualstack::DualStack::new(&loaded.inputs, &dir)
-            .map_err(|e| LabError::Invalid(explain::error_chain(&e)))?;
+            .map_err(|e| LabError::Invalid(crate::error::chain(&e)))?;
         d.note(err);
         (d.loaded, d.compiled, Some((d.path, d.text)))
     } else {
@@ -293,15 +293,11 @@ pub fn up(opts: &UpOptions, err: &mut dyn Write) -> Result<State, LabError> {
         }
         None => Vec::new(),
     };
-    let mut plan = Plan::build(&opts.prefix, &loaded, &compiled.snapshot, &flows)?;
     // Services are read from the files given (a `--dual-stack` copy holds the policy
     // inputs only); the policy loader skips them.
     let services =
-        service::read(&manifests).map_err(|e| LabError::Invalid(explain::error_chain(&e)))?;
-    let (services, skipped) = service::plan(&services, &loaded.inputs.pods, &plan)
-        .map_err(|e| LabError::Invalid(explain::error_chain(&e)))?;
-    plan.services = services;
-    plan.skipped.extend(skipped);
+        service::read(&manifests).map_err(|e| LabError::Invalid(crate::error::chain(&e)))?;
+    let plan = Plan::build(&opts.prefix, &loaded, &compiled.snapshot, &flows, &services)?;
     for s in &plan.skipped {
         let _ = writeln!(err, "note: lab: skipped {}: {}", s.object, s.reason);
     }
@@ -700,7 +696,7 @@ pub fn run(
     };
     let code = match up(up_opts, err) {
         Err(e) => {
-            let _ = writeln!(err, "error: {}", explain::error_chain(&e));
+            let _ = writeln!(err, "error: {}", crate::error::chain(&e));
             // `up` cleaned up after itself.
             return e.exit_code();
         }
@@ -717,7 +713,7 @@ pub fn run(
             match probe_lab(&opts, out, &mut std::io::sink()) {
                 Ok((_, code)) => code,
                 Err(e) => {
-                    let _ = writeln!(err, "error: {}", explain::error_chain(&e));
+                    let _ = writeln!(err, "error: {}", crate::error::chain(&e));
                     e.exit_code()
                 }
             }
@@ -726,7 +722,7 @@ pub fn run(
     match down(&up_opts.state_root, &up_opts.prefix) {
         Ok(_) => code,
         Err(e) => {
-            let _ = writeln!(err, "error: {}", explain::error_chain(&e));
+            let _ = writeln!(err, "error: {}", crate::error::chain(&e));
             if code == 0 { EXIT_LAB } else { code }
         }
     }
@@ -791,7 +787,7 @@ pub fn stage_manifests(paths: &[PathBuf], dir: &Path) -> Result<PathBuf, LabErro
     let files: Vec<PathBuf> =
         paths.iter().flat_map(|p| crate::cluster::manifest::files(p, &mut errors)).collect();
     if let Some(e) = errors.into_iter().next() {
-        return Err(LabError::Invalid(explain::error_chain(&e)));
+        return Err(LabError::Invalid(crate::error::chain(&e)));
     }
     let mut keep = std::collections::BTreeSet::new();
     for (i, file) in files.iter().enumerate() {
@@ -892,7 +888,7 @@ pub fn apply(
     // A dual-stack lab gets the IPv6 addresses of `lab up --dual-stack` added again.
     let manifests = if state.dual_stack {
         let d = dualstack::DualStack::new(&loaded.inputs, &state.dir)
-            .map_err(|e| LabError::Invalid(explain::error_chain(&e)))?;
+            .map_err(|e| LabError::Invalid(crate::error::chain(&e)))?;
         std::fs::write(&d.path, &d.text)
             .map_err(|source| LabError::State { path: d.path.clone(), source })?;
         if invalid {

@@ -1,5 +1,6 @@
-//! The lab's topology as a value: which network namespaces, links, addresses, routes and
-//! servers a set of manifests (and probes) asks for. Pure: nothing here touches the system;
+//! The lab's topology as a value: which network namespaces, links, addresses, routes,
+//! servers and ClusterIP Services a set of manifests (and probes) asks for. Pure: nothing
+//! here touches the system;
 //! [`Plan::link_script`] and [`Plan::netns_scripts`] render it as `ip -batch` commands.
 //!
 //! Shape (one lab, prefix `P`):
@@ -24,8 +25,10 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
+use k8s_openapi::api::core::v1::Service;
 use serde::{Deserialize, Serialize};
 
+use super::service::{self, ServiceError, ServicePlan};
 use crate::cluster::manifest::Loaded;
 use crate::policy::{Flow, Protocol, Snapshot};
 
@@ -43,7 +46,7 @@ const MAX_NETNS_NAME: usize = 200;
 pub const MAX_PREFIX: usize = 32;
 
 /// Why the manifests cannot become a lab.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, thiserror::Error)]
 pub enum PlanError {
     /// The prefix is not lowercase letters, digits and `-`, starting with a letter or digit.
     #[error(
@@ -61,6 +64,9 @@ pub enum PlanError {
         /// The address.
         addr: IpAddr,
     },
+    /// A Service has an invalid field ([`service::plan`]).
+    #[error(transparent)]
+    Service(#[from] ServiceError),
 }
 
 /// A node of the lab: a router namespace attached to the fabric.
@@ -165,10 +171,10 @@ pub struct Plan {
     #[serde(default)]
     pub uninstantiated: Uninstantiated,
     /// ClusterIP Services, installed as DNAT in every node namespace
-    /// ([`super::service`]); filled by `lab up` after [`Plan::build`] (absent in the state
-    /// files of labs built before Services: none).
+    /// ([`super::service`]), planned by [`Plan::build`] against the pods it built (absent
+    /// in the state files of labs built before Services: none).
     #[serde(default)]
-    pub services: Vec<super::service::ServicePlan>,
+    pub services: Vec<ServicePlan>,
 }
 
 /// Annotation on a Pod or Node: `"false"` keeps the lab from building it (no namespace,
@@ -286,21 +292,25 @@ fn declared_ports(pod: &crate::policy::api::Pod) -> Ports {
 }
 
 impl Plan {
-    /// Plans the lab for `loaded` (compiled into `snapshot`) and the flows of the probes
+    /// Plans the lab for `loaded` (compiled into `snapshot`), the flows of the probes
     /// that will run on it (their ports are served; their addresses that belong to no pod or
-    /// node become external addresses of the fabric namespace).
+    /// node become external addresses of the fabric namespace) and the `v1` Services of the
+    /// manifests (read by [`service::read`]; the policy loader skips them), whose backends
+    /// are the pods planned here.
     ///
     /// Pods that are not running, have no IP, are not scheduled, whose node is missing or
     /// has no usable address, or whose IP is already taken are left out and listed in
-    /// [`Plan::skipped`].
+    /// [`Plan::skipped`]; so are Services the lab does not build (not ClusterIP, headless).
     ///
     /// # Errors
-    /// [`PlanError`] for a bad prefix or a use of [`FABRIC_GATEWAY_V4`].
+    /// [`PlanError`] for a bad prefix, a use of [`FABRIC_GATEWAY_V4`] or an invalid Service
+    /// field.
     pub fn build(
         prefix: &str,
         loaded: &Loaded,
         snapshot: &Snapshot,
         flows: &[Flow],
+        services: &[Service],
     ) -> Result<Plan, PlanError> {
         validate_prefix(prefix)?;
         let mut plan = Plan {
@@ -491,6 +501,16 @@ impl Plan {
                 tcp_close_first: tcp_close_first.into_iter().collect(),
             });
         }
+        let (services, skipped) = service::plan(services, &loaded.inputs.pods, |ns, name| {
+            let p = plan.pods.iter().find(|p| p.namespace == ns && p.name == name)?;
+            Some(p.ips.as_slice())
+        })?;
+        plan.services = services;
+        plan.skipped.extend(
+            skipped
+                .into_iter()
+                .map(|u| Skipped { object: format!("service {}", u.service), reason: u.reason }),
+        );
         Ok(plan)
     }
 
@@ -775,7 +795,7 @@ status: {podIP: 10.0.8.8}
     fn plan(flows: &[Flow]) -> Plan {
         let loaded = manifest::parse_str(Path::new("t.yaml"), CLUSTER).unwrap();
         let compiled = Snapshot::compile(&loaded.inputs, Revision(1));
-        Plan::build("t1", &loaded, &compiled.snapshot, flows).unwrap()
+        Plan::build("t1", &loaded, &compiled.snapshot, flows, &[]).unwrap()
     }
 
     fn flow(src: &str, dst: &str, protocol: Protocol, port: u16) -> Flow {
@@ -806,12 +826,54 @@ status: {podIP: 10.0.7.2}
         let text = format!("{CLUSTER}{extra}");
         let loaded = manifest::parse_str(Path::new("t.yaml"), &text).unwrap();
         let compiled = Snapshot::compile(&loaded.inputs, Revision(1));
-        let p = Plan::build("t1", &loaded, &compiled.snapshot, &[]).unwrap();
+        let p = Plan::build("t1", &loaded, &compiled.snapshot, &[], &[]).unwrap();
         let base = plan(&[]);
         assert_eq!(p.uninstantiated, Uninstantiated { pods: 2, nodes: 1 });
         assert_eq!(p.nodes, base.nodes, "the annotated node is not built");
         assert_eq!(p.pods, base.pods, "neither annotated pod nor the far node's is built");
         assert_eq!(p.skipped, base.skipped, "left out on purpose, not reported one by one");
+    }
+
+    #[test]
+    fn services_are_planned_with_the_built_pods_as_backends() {
+        let extra = r#"
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: web, namespace: x, labels: {app: web}}
+spec: {nodeName: n1, containers: [{name: c}]}
+status: {phase: Running, podIP: 10.0.1.3}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: web-lost, namespace: x, labels: {app: web}}
+spec: {nodeName: n9, containers: [{name: c}]}
+status: {phase: Running, podIP: 10.0.9.3}
+"#;
+        let text = format!("{CLUSTER}{extra}");
+        let loaded = manifest::parse_str(Path::new("t.yaml"), &text).unwrap();
+        let compiled = Snapshot::compile(&loaded.inputs, Revision(1));
+        let service = |yaml: &str| -> Service { serde_saphyr::from_str(yaml).unwrap() };
+        let services = [
+            service(
+                "metadata: {name: web, namespace: x}\n\
+                 spec: {clusterIP: 10.96.0.10, selector: {app: web}, ports: [{port: 80}]}\n",
+            ),
+            service("metadata: {name: np}\nspec: {type: NodePort, clusterIP: 10.96.0.11}\n"),
+        ];
+        let p = Plan::build("t1", &loaded, &compiled.snapshot, &[], &services).unwrap();
+        assert_eq!(p.services.len(), 1);
+        let backends: Vec<&str> =
+            p.services[0].ports[0].backends.iter().map(|b| b.pod.as_str()).collect();
+        // x/web-lost is selected but not built (its node is not in the manifests).
+        assert_eq!(backends, ["x/web"]);
+        let last = p.skipped.last().unwrap();
+        assert_eq!(last.object, "service default/np");
+        assert!(last.reason.contains("NodePort"), "{last:?}");
+
+        let bad = [service("metadata: {name: b}\nspec: {clusterIP: 10.96.0.300}\n")];
+        let e = Plan::build("t1", &loaded, &compiled.snapshot, &[], &bad).unwrap_err();
+        assert!(matches!(e, PlanError::Service(_)), "{e}");
     }
 
     #[test]
@@ -922,6 +984,7 @@ status: {podIP: 10.0.7.2}
             &loaded,
             &compiled.snapshot,
             &[flow("10.0.1.2", "169.254.0.1", Protocol::Tcp, 1)],
+            &[],
         )
         .unwrap_err();
         assert!(matches!(e, PlanError::Reserved { .. }), "{e}");

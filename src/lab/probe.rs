@@ -341,7 +341,7 @@ pub fn observe(job: &Job, timeout: Duration) -> Observation {
         Err(why) => return Observation::new(Observed::Error, why.clone()),
     };
     if let Err(e) = netns::enter(ns) {
-        return Observation::new(Observed::Error, crate::explain::error_chain(&e));
+        return Observation::new(Observed::Error, crate::error::chain(&e));
     }
     let dst = SocketAddr::new(job.flow.dst, job.flow.dst_port);
     match job.flow.protocol {

@@ -36,7 +36,6 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use super::plan::{Plan, Skipped};
 use crate::cluster::manifest::{self, LoadError};
 use crate::policy::Protocol;
 use crate::policy::api::Pod;
@@ -113,6 +112,16 @@ pub struct ServicePlan {
     pub ports: Vec<ServicePortPlan>,
 }
 
+/// A Service the lab does not build (not of type ClusterIP, or headless), and why; the
+/// plan lists it among what it left out.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Unbuilt {
+    /// `namespace/name`.
+    pub service: String,
+    /// Why.
+    pub reason: String,
+}
+
 /// Every `v1` Service in the files of `paths` (directories walked as the policy loader
 /// walks them; `List` objects flattened), with the file each came from.
 ///
@@ -187,17 +196,19 @@ fn target_port(port: &ServicePort, protocol: Protocol, pod: &Pod) -> Option<u16>
     }
 }
 
-/// Plans `services` against the pods of the manifests (`pods`) and the lab's `plan` (only
-/// pods it built are backends). Services that are not of type ClusterIP, or headless, are
-/// returned as [`Skipped`] with the reason.
+/// Plans `services` against the pods of the manifests (`pods`); `built` gives the
+/// addresses of a pod (namespace, name) the lab built, `None` for one it did not build (only
+/// built pods are backends). Part of [`Plan::build`](super::plan::Plan::build), which passes
+/// the pods it has just planned. Services that are not of type ClusterIP, or headless, are
+/// returned second, as [`Unbuilt`].
 ///
 /// # Errors
 /// [`ServiceError::Field`] for an invalid ClusterIP, port, target port or protocol.
-pub fn plan(
+pub fn plan<'a>(
     services: &[Service],
     pods: &[std::sync::Arc<Pod>],
-    lab: &Plan,
-) -> Result<(Vec<ServicePlan>, Vec<Skipped>), ServiceError> {
+    built: impl Fn(&str, &str) -> Option<&'a [IpAddr]>,
+) -> Result<(Vec<ServicePlan>, Vec<Unbuilt>), ServiceError> {
     let mut planned = Vec::new();
     let mut skipped = Vec::new();
     for svc in services {
@@ -209,8 +220,8 @@ pub fn plan(
             field,
             problem,
         };
-        let skip = |skipped: &mut Vec<Skipped>, reason: String| {
-            skipped.push(Skipped { object: format!("service {what}"), reason });
+        let skip = |skipped: &mut Vec<Unbuilt>, reason: String| {
+            skipped.push(Unbuilt { service: what.clone(), reason });
         };
         let Some(spec) = svc.spec.as_ref() else {
             skip(&mut skipped, "no spec".into());
@@ -248,9 +259,8 @@ pub fn plan(
                 .filter(|p| selects(p, &namespace, &selector))
                 .filter_map(|p| {
                     let pod_name = p.metadata.name.as_deref().unwrap_or_default();
-                    let built =
-                        lab.pods.iter().find(|b| b.namespace == namespace && b.name == pod_name)?;
-                    Some((&**p, format!("{namespace}/{pod_name}"), built.ips.as_slice()))
+                    let ips = built(&namespace, pod_name)?;
+                    Some((&**p, format!("{namespace}/{pod_name}"), ips))
                 })
                 .collect()
         };
@@ -389,24 +399,19 @@ mod tests {
         serde_saphyr::from_str(yaml).expect("service")
     }
 
-    fn lab_with(pods: &[(&str, &str, &str)]) -> Plan {
-        let mut plan: Plan = serde_json::from_value(serde_json::json!({
-            "prefix": "t", "fabric": "t_fabric", "nodes": [], "pods": [], "host_pods": {},
-            "external": [], "servers": [], "skipped": []
-        }))
-        .expect("plan");
-        for (ns, name, ip) in pods {
-            plan.pods.push(super::super::plan::PodPlan {
-                namespace: (*ns).into(),
-                name: (*name).into(),
-                node: "n".into(),
-                netns: format!("t_pod_{ns}_{name}"),
-                ips: vec![ip.parse().expect("ip")],
-                host_if: "pod0".into(),
-                pod_if: "eth0".into(),
-            });
+    /// The pods a lab built: (namespace, name, addresses).
+    struct Built(Vec<(&'static str, &'static str, Vec<IpAddr>)>);
+
+    impl Built {
+        fn new(pods: &[(&'static str, &'static str, &str)]) -> Self {
+            Built(pods.iter().map(|(ns, n, ip)| (*ns, *n, vec![ip.parse().expect("ip")])).collect())
         }
-        plan
+
+        fn ips<'a>(&'a self) -> impl Fn(&str, &str) -> Option<&'a [IpAddr]> + 'a {
+            |ns, name| {
+                self.0.iter().find(|(n, p, _)| *n == ns && *p == name).map(|(_, _, ips)| &ips[..])
+            }
+        }
     }
 
     const WEB_A: &str = "metadata: {name: a, namespace: web, labels: {app: web}}\n\
@@ -421,7 +426,7 @@ mod tests {
     #[test]
     fn named_target_ports_resolve_per_pod_and_protocol() {
         let pods = [pod(WEB_A).into(), pod(WEB_B).into(), pod(PENDING).into()];
-        let lab = lab_with(&[
+        let lab = Built::new(&[
             ("web", "a", "10.0.0.1"),
             ("web", "b", "10.0.0.2"),
             ("web", "p", "10.0.0.3"),
@@ -431,7 +436,7 @@ mod tests {
              spec: {clusterIP: 10.96.0.10, selector: {app: web}, ports: [\
              {name: h, port: 80, targetPort: http}, {port: 53, protocol: UDP, targetPort: dns}, {port: 81}]}\n",
         );
-        let (planned, skipped) = plan(&[svc], &pods, &lab).expect("plan");
+        let (planned, skipped) = plan(&[svc], &pods, lab.ips()).expect("plan");
         assert!(skipped.is_empty());
         let ports = &planned[0].ports;
         let backends = |i: usize| -> Vec<String> {
@@ -461,14 +466,14 @@ mod tests {
 
     #[test]
     fn dual_stack_cluster_ips_take_backends_of_their_own_family() {
-        let mut lab = lab_with(&[("web", "a", "10.0.0.1")]);
-        lab.pods[0].ips.push("fd00::1".parse().expect("ip"));
+        let mut lab = Built::new(&[("web", "a", "10.0.0.1")]);
+        lab.0[0].2.push("fd00::1".parse().expect("ip"));
         let svc = service(
             "metadata: {name: s, namespace: web}\n\
              spec: {clusterIPs: [10.96.0.10, 'fd00:96::10'], selector: {app: web}, \
              ports: [{port: 80, targetPort: 8080, protocol: SCTP}]}\n",
         );
-        let (planned, _) = plan(&[svc], &[pod(WEB_A).into()], &lab).expect("plan");
+        let (planned, _) = plan(&[svc], &[pod(WEB_A).into()], lab.ips()).expect("plan");
         let ports = &planned[0].ports;
         assert_eq!(ports.len(), 2);
         assert_eq!(ports[0].backends[0].addr, "10.0.0.1:8080".parse().expect("addr"));
@@ -480,24 +485,24 @@ mod tests {
 
     #[test]
     fn other_types_and_headless_are_skipped_bad_fields_are_errors() {
-        let lab = lab_with(&[]);
+        let lab = Built::new(&[]);
         let np = service(
             "metadata: {name: np}\nspec: {type: NodePort, clusterIP: 10.96.0.1, ports: [{port: 80}]}\n",
         );
         let headless =
             service("metadata: {name: h}\nspec: {clusterIP: None, ports: [{port: 80}]}\n");
-        let (planned, skipped) = plan(&[np, headless], &[], &lab).expect("plan");
+        let (planned, skipped) = plan(&[np, headless], &[], lab.ips()).expect("plan");
         assert!(planned.is_empty());
         assert_eq!(skipped.len(), 2);
         assert!(skipped[0].reason.contains("NodePort"), "{skipped:?}");
         let bad =
             service("metadata: {name: b}\nspec: {clusterIP: 10.96.0.300, ports: [{port: 80}]}\n");
-        let e = plan(&[bad], &[], &lab).unwrap_err().to_string();
+        let e = plan(&[bad], &[], lab.ips()).unwrap_err().to_string();
         assert!(e.starts_with("Service default/b: spec.clusterIPs[0]: \"10.96.0.300\""), "{e}");
         let bad = service(
             "metadata: {name: b}\nspec: {clusterIP: 10.96.0.3, ports: [{port: 80, targetPort: 70000}]}\n",
         );
-        let e = plan(&[bad], &[], &lab).unwrap_err().to_string();
+        let e = plan(&[bad], &[], lab.ips()).unwrap_err().to_string();
         assert_eq!(e, "Service default/b: spec.ports[0].targetPort: 70000 is not 1-65535");
     }
 }

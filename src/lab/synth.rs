@@ -52,7 +52,7 @@ pub fn write(
 ) -> Result<Written, LabError> {
     let loaded = manifest::load(manifests);
     if let Some(e) = loaded.errors.first() {
-        return Err(LabError::Invalid(crate::explain::error_chain(e)));
+        return Err(LabError::Invalid(crate::error::chain(e)));
     }
     let mut traffic = loaded.inputs;
     for ns in &mut traffic.namespaces {
