@@ -18,8 +18,8 @@ use std::time::{Duration, Instant, SystemTime};
 use tierproxy::audit::limit::Limits;
 use tierproxy::audit::receiver::Receiver;
 use tierproxy::audit::{
-    AuditConfig, Auditor, Defaults, FlowInfo, JsonTarget, Mode, OtlpConfig, OtlpProtocol, Plan,
-    SinkConfig,
+    AuditConfig, Auditor, Defaults, FlowInfo, JsonTarget, Mode, OtlpConfig, OtlpProtocol,
+    Selection, SinkConfig,
 };
 use tierproxy::policy::{Decision, Flow, Protocol, Revision, Snapshot};
 
@@ -102,7 +102,7 @@ fn run(name: &str, sink: SinkConfig, s: &Arc<Snapshot>, flows: &[(FlowInfo, Arc<
     c.deny_window = Duration::ZERO;
     c.limits = Limits { per_rule: 0.0, node: 0.0 };
     c.context = tierproxy::audit::event::Context::new("bench-node", vec!["app".into()]);
-    let (plan, _) = Plan::new(s, c.defaults);
+    let (plan, _) = Selection::new(s, c.defaults);
     let auditor = Auditor::start(c).expect("pipeline starts");
     let cpu0 = pipeline_cpu();
     let t0 = Instant::now();

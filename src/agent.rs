@@ -101,7 +101,7 @@ pub fn build(
         log.log(lines);
         bail!("node {node:?} is not among the Nodes (manifests, API server)");
     };
-    let (plan, errors) = audit::Plan::new(&snapshot, audit_defaults);
+    let (plan, errors) = audit::Selection::new(&snapshot, audit_defaults);
     lines.extend(errors.into_iter().map(|e| (Level::Warn, e.to_string())));
     log.log(lines);
     let current = Current { snapshot, node: node_id, audit: plan, problems: built.problems.into() };

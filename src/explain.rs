@@ -584,7 +584,7 @@ pub fn check(manifests: &[PathBuf], format: Format, out: &mut dyn Write) -> u8 {
     problems.extend(compile::unreachable_rules(s));
     // The audit annotation is tierproxy's own: a value that does not parse is a warning
     // (the policy is enforced as written, and audited in full).
-    let (_, audit) = crate::audit::Plan::new(s, crate::audit::Defaults::default());
+    let (_, audit) = crate::audit::Selection::new(s, crate::audit::Defaults::default());
     problems.extend(audit.iter().map(crate::audit::select::AnnotationError::to_problem));
     let invalid = !loaded.errors.is_empty() || problems.iter().any(Problem::is_error);
     match format {

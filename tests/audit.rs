@@ -21,7 +21,7 @@ use tierproxy::audit::limit::Limits;
 use tierproxy::audit::receiver::{Received, Receiver};
 use tierproxy::audit::{
     AuditConfig, Auditor, CloseReason, ConnectionEnd, Defaults, FlowInfo, JsonTarget, Mode,
-    OtlpConfig, OtlpProtocol, Plan, SinkConfig,
+    OtlpConfig, OtlpProtocol, Selection, SinkConfig,
 };
 use tierproxy::cluster::manifest::parse_str;
 use tierproxy::policy::{Flow, Protocol, Revision, Snapshot};
@@ -128,7 +128,7 @@ fn sa(ip: &str, port: u16) -> SocketAddr {
 /// `auditor` as an NFQUEUE reader would; returns whether it was audited.
 fn decide(
     auditor: &Auditor,
-    plan: &Plan,
+    plan: &Selection,
     s: &Arc<Snapshot>,
     src: SocketAddr,
     dst: SocketAddr,
@@ -236,7 +236,7 @@ fn allow_deny_pass_and_close_arrive_over_otlp_http_and_grpc_with_their_exact_att
     for protocol in [OtlpProtocol::HttpProtobuf, OtlpProtocol::Grpc] {
         let receiver = Receiver::start(protocol, loopback()).unwrap();
         let s = snapshot();
-        let (plan, problems) = Plan::new(&s, config(otlp(protocol, String::new())).defaults);
+        let (plan, problems) = Selection::new(&s, config(otlp(protocol, String::new())).defaults);
         assert!(problems.is_empty());
         let auditor = Auditor::start(config(otlp(protocol, receiver.endpoint()))).unwrap();
         // Pass then NetworkPolicy allow (ingress of b/remote); egress of a/client: no policy.
@@ -362,7 +362,7 @@ fn allow_deny_pass_and_close_arrive_over_otlp_http_and_grpc_with_their_exact_att
 fn the_policy_annotation_switches_logging_per_action_and_per_rule() {
     let s = snapshot_with(r#"annotations: {tierproxy.io/audit: "off, rule:no-9090-from-a=on"}"#);
     let defaults = Defaults { allow_sample: 0, deny: true, pass: true, close: true };
-    let (plan, problems) = Plan::new(&s, defaults);
+    let (plan, problems) = Selection::new(&s, defaults);
     assert!(problems.is_empty(), "{problems:?}");
     let d = |port| {
         let (src, dst) = (CLIENT.parse().unwrap(), REMOTE.parse().unwrap());
@@ -385,7 +385,7 @@ fn the_policy_annotation_switches_logging_per_action_and_per_rule() {
 
     // Without the annotation the Pass is logged by the node default.
     let plain = snapshot();
-    let (plan, _) = Plan::new(&plain, defaults);
+    let (plan, _) = Selection::new(&plain, defaults);
     let flow = Flow {
         src: CLIENT.parse().unwrap(),
         dst: REMOTE.parse().unwrap(),
@@ -397,7 +397,7 @@ fn the_policy_annotation_switches_logging_per_action_and_per_rule() {
     // An annotation that does not parse is reported by object and field, and that policy
     // is audited in full (the Pass above is logged again).
     let bad = snapshot_with(r#"annotations: {tierproxy.io/audit: "loud"}"#);
-    let (plan, problems) = Plan::new(&bad, defaults);
+    let (plan, problems) = Selection::new(&bad, defaults);
     assert_eq!(problems.len(), 1);
     let msg = problems[0].to_string();
     assert!(
@@ -413,7 +413,7 @@ fn the_policy_annotation_switches_logging_per_action_and_per_rule() {
 fn allow_sampling_is_one_flow_in_n_and_keeps_both_directions_of_a_flow_together() {
     let s = snapshot();
     let (plan, _) =
-        Plan::new(&s, Defaults { allow_sample: 4, deny: false, pass: false, close: true });
+        Selection::new(&s, Defaults { allow_sample: 4, deny: false, pass: false, close: true });
     let flow = Flow {
         src: CLIENT.parse().unwrap(),
         dst: SERVER.parse().unwrap(),
@@ -447,7 +447,7 @@ fn identical_denies_in_a_window_become_one_event_with_their_count() {
     let mut c = config(json_file(&path));
     c.deny_window = Duration::from_secs(30);
     let s = snapshot();
-    let (plan, _) = Plan::new(&s, c.defaults);
+    let (plan, _) = Selection::new(&s, c.defaults);
     let auditor = Auditor::start(c).unwrap();
     // 20 connection attempts of one client to one denied port (new source port each), and
     // 3 to another port.
@@ -485,7 +485,7 @@ fn rate_limits_suppress_per_rule_and_report_every_suppressed_event() {
     c.limits = Limits { per_rule: 0.01, node: 0.0 };
     c.defaults.allow_sample = 0;
     let s = snapshot();
-    let (plan, _) = Plan::new(&s, c.defaults);
+    let (plan, _) = Selection::new(&s, c.defaults);
     let auditor = Auditor::start(c).unwrap();
     // 50 denies by one rule; aggregation is off (window 0), so each is an event.
     for i in 0..50u16 {
@@ -518,7 +518,7 @@ fn the_json_file_rotates_by_size_without_splitting_or_losing_a_line() {
         keep: 100,
     }));
     let s = snapshot();
-    let (plan, _) = Plan::new(&s, c.defaults);
+    let (plan, _) = Selection::new(&s, c.defaults);
     let auditor = Auditor::start(c).unwrap();
     for i in 0..200u16 {
         decide(&auditor, &plan, &s, sa(CLIENT, 30000 + i), sa(EXTERNAL, 443));
@@ -540,7 +540,7 @@ fn the_json_file_rotates_by_size_without_splitting_or_losing_a_line() {
 }
 
 /// Submits `n` allowed external flows (one event each) with source ports from `first`.
-fn submit(auditor: &Auditor, s: &Arc<Snapshot>, plan: &Plan, first: u16, n: u16) {
+fn submit(auditor: &Auditor, s: &Arc<Snapshot>, plan: &Selection, first: u16, n: u16) {
     for i in 0..n {
         decide(auditor, plan, s, sa(CLIENT, first + i), sa(EXTERNAL, 443));
     }
@@ -584,7 +584,7 @@ fn lossy_never_waits_and_counts_drops_when_the_receiver_is_absent_or_slow() {
         c.queue_capacity = 64;
         c.flush_timeout = Duration::from_millis(500);
         let s = snapshot();
-        let (plan, _) = Plan::new(&s, c.defaults);
+        let (plan, _) = Selection::new(&s, c.defaults);
         let auditor = Arc::new(Auditor::start(c).unwrap());
         let a = auditor.clone();
         let done = within(Duration::from_secs(60), move || submit(&a, &s, &plan, 1000, 20_000));
@@ -627,7 +627,7 @@ fn lossless_waits_and_delivers_every_event_when_the_receiver_comes_back_or_resta
     c.mode = Mode::Lossless;
     c.queue_capacity = 16;
     let s = snapshot();
-    let (plan, _) = Plan::new(&s, c.defaults);
+    let (plan, _) = Selection::new(&s, c.defaults);
     let auditor = Arc::new(Auditor::start(c).unwrap());
     // No receiver: the submitter fills the queues and then waits.
     let (a, s2, p2) = (auditor.clone(), s.clone(), plan.clone());
@@ -674,7 +674,7 @@ fn lossy_survives_a_receiver_killed_mid_stream_and_lossless_waits_out_a_slow_one
     c.queue_capacity = 64;
     c.flush_timeout = Duration::from_millis(500);
     let s = snapshot();
-    let (plan, _) = Plan::new(&s, c.defaults);
+    let (plan, _) = Selection::new(&s, c.defaults);
     let auditor = Arc::new(Auditor::start(c).unwrap());
     submit(&auditor, &s, &plan, 1000, 200);
     receiver.wait_for(Duration::from_secs(10), |r| !r.is_empty());
@@ -731,7 +731,7 @@ fn otlp_with_tls(protocol: OtlpProtocol) {
         let mut c = config(sink);
         // Long enough for the exporter's own retries of a failed handshake.
         c.flush_timeout = Duration::from_secs(30);
-        let (plan, _) = Plan::new(&s, c.defaults);
+        let (plan, _) = Selection::new(&s, c.defaults);
         let auditor = Auditor::start(c).unwrap();
         let first: u16 = if trusted { 5000 } else { 6000 };
         submit(&auditor, &s, &plan, first, 20);
@@ -923,7 +923,7 @@ fn hung_collector(protocol: OtlpProtocol) {
     let path = dir.path().join("audit.jsonl");
     let c = hung_config(protocol, &hole, CAPACITY, &path, CAPACITY);
     let s = snapshot();
-    let (plan, _) = Plan::new(&s, c.defaults);
+    let (plan, _) = Selection::new(&s, c.defaults);
     let auditor = Arc::new(Auditor::start(c).unwrap());
     let stats = auditor.stats().clone();
     let submitted = || stats.submitted.load(Ordering::Relaxed);
@@ -1001,7 +1001,7 @@ fn lossless_shutdown_with_a_hung_collector_ends_by_the_deadline_and_counts_the_l
         let mut c = hung_config(protocol, &hole, 16, &path, 64);
         c.flush_timeout = Duration::from_millis(500);
         let s = snapshot();
-        let (plan, _) = Plan::new(&s, c.defaults);
+        let (plan, _) = Selection::new(&s, c.defaults);
         let auditor = Arc::new(Auditor::start(c).unwrap());
         let stats = auditor.stats().clone();
         // New flows wait on the hung sink...

@@ -40,7 +40,7 @@ use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TrySendError};
 use super::Mode;
 use super::event::{self, ConnectionEnd, Context, Event, FlowInfo, Names, Value};
 use super::limit::{Admit, Aggregator, Limits, RateLimiter};
-use super::select::{Defaults, Plan};
+use super::select::{Defaults, Selection};
 use super::sink::{self, Gate, SinkConfig, SinkStats};
 use crate::policy::compile::Direction;
 use crate::policy::eval::{Decision, Verdict};
@@ -308,7 +308,7 @@ impl Auditor {
     /// [`Gate`] is closed) or the data-path queue is.
     pub fn decision(
         &self,
-        plan: &Plan,
+        plan: &Selection,
         snapshot: &Arc<Snapshot>,
         flow: FlowInfo,
         decision: &Arc<Decision>,

@@ -198,19 +198,19 @@ pub enum Want {
 }
 
 /// The audit selection for one snapshot: every policy's switches, by policy index.
-/// Built once per snapshot revision ([`Plan::new`]), read by the deciders without locks.
+/// Built once per snapshot revision ([`Selection::new`]), read by the deciders without locks.
 #[derive(Debug)]
-pub struct Plan {
+pub struct Selection {
     defaults: Defaults,
     /// By policy index; `None`: no annotation.
     policies: Vec<Option<PolicySwitches>>,
     sample: AtomicU64,
 }
 
-impl Plan {
+impl Selection {
     /// The selection for `snapshot` under node defaults `defaults`, with the annotations
     /// that did not parse (those policies are audited in full).
-    pub fn new(snapshot: &Snapshot, defaults: Defaults) -> (Arc<Plan>, Vec<AnnotationError>) {
+    pub fn new(snapshot: &Snapshot, defaults: Defaults) -> (Arc<Selection>, Vec<AnnotationError>) {
         let mut errors = Vec::new();
         let policies = (0..snapshot.policy_count())
             .map(|p| {
@@ -225,12 +225,12 @@ impl Plan {
                 }))
             })
             .collect();
-        (Arc::new(Plan { defaults, policies, sample: AtomicU64::new(0) }), errors)
+        (Arc::new(Selection { defaults, policies, sample: AtomicU64::new(0) }), errors)
     }
 
     /// A plan that uses `defaults` for every policy (no annotations read).
-    pub fn defaults_only(defaults: Defaults) -> Arc<Plan> {
-        Arc::new(Plan { defaults, policies: Vec::new(), sample: AtomicU64::new(0) })
+    pub fn defaults_only(defaults: Defaults) -> Arc<Selection> {
+        Arc::new(Selection { defaults, policies: Vec::new(), sample: AtomicU64::new(0) })
     }
 
     /// The node defaults this plan was built with.
@@ -340,7 +340,7 @@ mod tests {
     #[test]
     fn the_most_specific_switch_wins() {
         let defaults = Defaults { allow_sample: 10, deny: true, pass: false, close: true };
-        let plan = Plan {
+        let plan = Selection {
             defaults,
             policies: vec![
                 Some(parse("off, deny=on, rule:r1=on").unwrap()),
@@ -370,9 +370,9 @@ mod tests {
         assert_eq!(plan.want(Some(3), unnamed(Direction::Ingress, 2), Action::Allow), Want::Never);
         assert_eq!(plan.want(Some(3), unnamed(Direction::Egress, 1), Action::Allow), Want::Never);
         // Sampling 0 and 1.
-        let never = Plan::defaults_only(Defaults { allow_sample: 0, ..defaults });
+        let never = Selection::defaults_only(Defaults { allow_sample: 0, ..defaults });
         assert_eq!(never.want(None, None, Action::Allow), Want::Never);
-        let all = Plan::defaults_only(Defaults { allow_sample: 1, ..defaults });
+        let all = Selection::defaults_only(Defaults { allow_sample: 1, ..defaults });
         assert_eq!(all.want(None, None, Action::Allow), Want::Always);
     }
 }

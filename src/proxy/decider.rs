@@ -29,8 +29,8 @@ pub struct Current {
     pub snapshot: Arc<Snapshot>,
     /// This node's id in `snapshot` ([`Snapshot::find_node`]).
     pub node: u32,
-    /// What is audited under `snapshot` ([`audit::Plan::new`]).
-    pub audit: Arc<audit::Plan>,
+    /// What is audited under `snapshot` ([`audit::Selection::new`]).
+    pub audit: Arc<audit::Selection>,
     /// The problems of the objects `snapshot` was built from (decoding, validation,
     /// priority conflicts: [`crate::agent::build`]); deciders never read them
     /// (`GET /debug/snapshot` does, [`crate::debug`]).
@@ -381,7 +381,7 @@ pub(crate) mod testing {
         let loaded = crate::cluster::manifest::parse_str(Path::new("t.yaml"), manifests).unwrap();
         let snapshot = Arc::new(Snapshot::compile(&loaded.inputs, Revision(revision)).snapshot);
         let node = snapshot.find_node("n1").unwrap();
-        let (plan, _) = audit::Plan::new(&snapshot, every_decision());
+        let (plan, _) = audit::Selection::new(&snapshot, every_decision());
         Current { snapshot, node, audit: plan, problems: Arc::default() }
     }
 
@@ -567,7 +567,7 @@ status: {podIP: 10.60.1.3}
         );
         config.defaults = every_decision();
         let auditor = Arc::new(Auditor::start(config).unwrap());
-        let (plan, _) = audit::Plan::new(&snapshot, every_decision());
+        let (plan, _) = audit::Selection::new(&snapshot, every_decision());
         let current = Current { snapshot, node, audit: plan, problems: Arc::default() };
         let metrics = crate::metrics::Metrics::new(crate::metrics::Scraped(Box::new(Vec::new)));
         let d = Decider::new(current, DeciderLimits::default(), auditor.clone(), metrics.data_path);
