@@ -21,7 +21,7 @@ use tierproxy::audit::{
     AuditConfig, Auditor, Defaults, FlowInfo, JsonTarget, Mode, OtlpConfig, OtlpProtocol,
     Selection, SinkConfig,
 };
-use tierproxy::policy::{Decision, Flow, Protocol, Revision, Snapshot};
+use tierproxy::policy::{Decision, Flow, FlowKey, Protocol, Revision, Snapshot};
 
 const EVENTS: u64 = 300_000;
 
@@ -77,9 +77,11 @@ fn decisions(s: &Snapshot) -> Vec<(FlowInfo, Arc<Decision>)> {
             continue;
         }
         let info = FlowInfo {
-            src: (src, 40000).into(),
-            dst: (dst, port as u16).into(),
-            protocol: Protocol::Tcp,
+            key: FlowKey {
+                src: (src, 40000).into(),
+                dst: (dst, port as u16).into(),
+                protocol: Protocol::Tcp,
+            },
             time: SystemTime::now(),
             point: Default::default(),
         };
@@ -111,7 +113,7 @@ fn run(name: &str, sink: SinkConfig, s: &Arc<Snapshot>, flows: &[(FlowInfo, Arc<
     let mut port = 0u16;
     while submitted < EVENTS {
         let (mut info, d) = flows[i % flows.len()].clone();
-        info.src.set_port(1024 + port % 60000);
+        info.key.src.set_port(1024 + port % 60000);
         port = port.wrapping_add(1);
         i += 1;
         if auditor.decision(&plan, s, info, &d) {

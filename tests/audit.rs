@@ -24,7 +24,7 @@ use tierproxy::audit::{
     OtlpConfig, OtlpProtocol, Selection, SinkConfig,
 };
 use tierproxy::cluster::manifest::parse_str;
-use tierproxy::policy::{Flow, Protocol, Revision, Snapshot};
+use tierproxy::policy::{Flow, FlowKey, Protocol, Revision, Snapshot};
 
 /// Nodes n1, n2; namespaces a, b; pods with an `app` label. ANP `b-guard` denies 9090 from
 /// a and passes 8080 from a; NetworkPolicy `b/allow-a` allows 8080 from a; BANP denies
@@ -136,9 +136,7 @@ fn decide(
     let flow = Flow { src: src.ip(), dst: dst.ip(), protocol: Protocol::Tcp, dst_port: dst.port() };
     let d = Arc::new(s.decide(&flow));
     let info = FlowInfo {
-        src,
-        dst,
-        protocol: Protocol::Tcp,
+        key: FlowKey { src, dst, protocol: Protocol::Tcp },
         time: SystemTime::now(),
         point: Default::default(),
     };
@@ -212,9 +210,7 @@ fn the_audit_basis_is_explains_reason() {
             Flow { src: src.ip(), dst: dst.ip(), protocol: Protocol::Tcp, dst_port: dst.port() };
         let d = s.decide(&flow);
         let info = FlowInfo {
-            src,
-            dst,
-            protocol: Protocol::Tcp,
+            key: FlowKey { src, dst, protocol: Protocol::Tcp },
             time: SystemTime::now(),
             point: Default::default(),
         };
@@ -254,9 +250,11 @@ fn allow_deny_pass_and_close_arrive_over_otlp_http_and_grpc_with_their_exact_att
         };
         let admitted = tierproxy::audit::Admitted {
             flow: FlowInfo {
-                src: sa(CLIENT, 40001),
-                dst: sa(REMOTE, 8080),
-                protocol: Protocol::Tcp,
+                key: FlowKey {
+                    src: sa(CLIENT, 40001),
+                    dst: sa(REMOTE, 8080),
+                    protocol: Protocol::Tcp,
+                },
                 time: SystemTime::now(),
                 point: Default::default(),
             },
@@ -769,9 +767,11 @@ fn with_connection_ends_off_a_cut_by_policy_change_is_still_reported() {
     for (port, reason) in [(100, CloseReason::Normal), (101, CloseReason::PolicyChange)] {
         let admitted = tierproxy::audit::Admitted {
             flow: FlowInfo {
-                src: sa(CLIENT, port),
-                dst: sa(SERVER, 8080),
-                protocol: Protocol::Tcp,
+                key: FlowKey {
+                    src: sa(CLIENT, port),
+                    dst: sa(SERVER, 8080),
+                    protocol: Protocol::Tcp,
+                },
                 time: SystemTime::now(),
                 point: Default::default(),
             },
@@ -870,9 +870,11 @@ fn end_connections(auditor: &Auditor, s: &Arc<Snapshot>, first: u16, n: u16) {
     for port in first..first + n {
         let admitted = tierproxy::audit::Admitted {
             flow: FlowInfo {
-                src: sa(CLIENT, port),
-                dst: sa(EXTERNAL, 443),
-                protocol: Protocol::Tcp,
+                key: FlowKey {
+                    src: sa(CLIENT, port),
+                    dst: sa(EXTERNAL, 443),
+                    protocol: Protocol::Tcp,
+                },
                 time: SystemTime::now(),
                 point: Default::default(),
             },

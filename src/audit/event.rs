@@ -13,13 +13,13 @@
 
 use std::collections::HashMap;
 use std::fmt::Write as _;
-use std::net::{IpAddr, SocketAddr};
+use std::net::IpAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use crate::policy::compile::{Action, Direction, Endpoint};
 use crate::policy::eval::{Basis, Decision, Outcome, RuleHit, Verdict};
-use crate::policy::{Kind, Protocol, Snapshot};
+use crate::policy::{FlowKey, Kind, Protocol, Snapshot};
 
 /// Event name of a decision record: one per audited direction of a new flow.
 pub const DECISION: &str = "tierproxy.policy.decision";
@@ -352,12 +352,9 @@ impl Names {
 /// packet arrived.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct FlowInfo {
-    /// The client's address and port.
-    pub src: SocketAddr,
-    /// The original destination.
-    pub dst: SocketAddr,
-    /// The transport protocol.
-    pub protocol: Protocol,
+    /// The 5-tuple: the client's address and port, the original destination, the
+    /// transport protocol.
+    pub key: FlowKey,
     /// When the first packet was decided.
     pub time: SystemTime,
     /// Where the decision was made.
@@ -405,12 +402,12 @@ fn transport(p: Protocol) -> &'static str {
 }
 
 fn flow_attrs(e: &mut Event, ctx: &Context, names: &mut Names, flow: &FlowInfo) {
-    e.str_attr(attr::TRANSPORT, transport(flow.protocol));
-    e.str_attr(attr::NETWORK_TYPE, if flow.src.is_ipv4() { "ipv4" } else { "ipv6" });
-    e.push(attr::SRC_ADDR, Value::Str(names.ip(flow.src.ip())));
-    e.int_attr(attr::SRC_PORT, i64::from(flow.src.port()));
-    e.push(attr::DST_ADDR, Value::Str(names.ip(flow.dst.ip())));
-    e.int_attr(attr::DST_PORT, i64::from(flow.dst.port()));
+    e.str_attr(attr::TRANSPORT, transport(flow.key.protocol));
+    e.str_attr(attr::NETWORK_TYPE, if flow.key.src.is_ipv4() { "ipv4" } else { "ipv6" });
+    e.push(attr::SRC_ADDR, Value::Str(names.ip(flow.key.src.ip())));
+    e.int_attr(attr::SRC_PORT, i64::from(flow.key.src.port()));
+    e.push(attr::DST_ADDR, Value::Str(names.ip(flow.key.dst.ip())));
+    e.int_attr(attr::DST_PORT, i64::from(flow.key.dst.port()));
     e.push(attr::NODE, Value::Str(ctx.node.clone()));
 }
 
@@ -568,11 +565,11 @@ pub fn decision(
         e.push(attr::PASS_CHAIN, Value::List(chain));
     }
     e.int_attr(attr::REVISION, i64::try_from(decision.revision.0).unwrap_or(i64::MAX));
-    endpoint_attrs(&mut e, ctx, &SOURCE, snapshot, names, flow.src.ip());
-    endpoint_attrs(&mut e, ctx, &DESTINATION, snapshot, names, flow.dst.ip());
+    endpoint_attrs(&mut e, ctx, &SOURCE, snapshot, names, flow.key.src.ip());
+    endpoint_attrs(&mut e, ctx, &DESTINATION, snapshot, names, flow.key.dst.ip());
     let subject = match dir {
-        Direction::Egress => flow.src.ip(),
-        Direction::Ingress => flow.dst.ip(),
+        Direction::Egress => flow.key.src.ip(),
+        Direction::Ingress => flow.key.dst.ip(),
     };
     let subject = match snapshot.endpoint(subject) {
         Endpoint::Pod(p) => {
@@ -584,9 +581,9 @@ pub fn decision(
     e.body = format!(
         "{} {} {} -> {} ({} of {subject}): {why}",
         o.verdict.as_str(),
-        transport(flow.protocol),
-        flow.src,
-        flow.dst,
+        transport(flow.key.protocol),
+        flow.key.src,
+        flow.key.dst,
         dir.as_str(),
     )
     .into();
@@ -659,9 +656,9 @@ pub fn connection_end(
         severity: Severity::Info,
         body: format!(
             "{} {} -> {} ended ({}) after {:.3} s: {} B to server, {} B to client",
-            transport(flow.protocol),
-            flow.src,
-            flow.dst,
+            transport(flow.key.protocol),
+            flow.key.src,
+            flow.key.dst,
             end.reason.as_str(),
             end.duration.as_secs_f64(),
             end.to_server,
@@ -677,8 +674,8 @@ pub fn connection_end(
     e.int_attr(attr::DURATION_MS, i64::try_from(end.duration.as_millis()).unwrap_or(i64::MAX));
     e.str_attr(attr::FLOW_VERDICT, decision.verdict.as_str());
     e.int_attr(attr::REVISION, i64::try_from(decision.revision.0).unwrap_or(i64::MAX));
-    endpoint_attrs(&mut e, ctx, &SOURCE, snapshot, names, flow.src.ip());
-    endpoint_attrs(&mut e, ctx, &DESTINATION, snapshot, names, flow.dst.ip());
+    endpoint_attrs(&mut e, ctx, &SOURCE, snapshot, names, flow.key.src.ip());
+    endpoint_attrs(&mut e, ctx, &DESTINATION, snapshot, names, flow.key.dst.ip());
     e
 }
 

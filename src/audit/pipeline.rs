@@ -553,10 +553,10 @@ impl Worker {
                     if denied && self.aggregate {
                         let k = DenyKey {
                             dir,
-                            src: flow.src.ip(),
-                            dst: flow.dst.ip(),
-                            dst_port: flow.dst.port(),
-                            protocol: flow.protocol,
+                            src: flow.key.src.ip(),
+                            dst: flow.key.dst.ip(),
+                            dst_port: flow.key.dst.port(),
+                            protocol: flow.key.protocol,
                             revision: decision.revision.0,
                         };
                         if !self.denies.offer(k, e, now) {

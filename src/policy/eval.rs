@@ -10,7 +10,7 @@
 //! it came from, so deciding allocates nothing unless a Pass is taken. Use
 //! [`Snapshot::policy_ref`] and [`Snapshot::rule_info`] to name them.
 
-use std::net::IpAddr;
+use std::net::{IpAddr, SocketAddr};
 
 use super::matcher::{has, protocol_index};
 use super::model::{Action, Direction, Endpoint, Peers, Revision, Tier};
@@ -35,6 +35,32 @@ pub struct Flow {
     pub protocol: Protocol,
     /// Destination port.
     pub dst_port: u16,
+}
+
+/// A flow's 5-tuple, the one key of a flow everywhere outside policy: the key under which
+/// a first-packet decision waits for the proxy to accept the connection it admitted, the
+/// registry's and the flow tables' key, and the flow an audit event names
+/// (`crate::audit::FlowInfo`). [`FlowKey::flow`] is what policy reads of it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct FlowKey {
+    /// Client address and port.
+    pub src: SocketAddr,
+    /// Original destination address and port (after any DNAT that ran before the hook).
+    pub dst: SocketAddr,
+    /// Transport protocol.
+    pub protocol: Protocol,
+}
+
+impl FlowKey {
+    /// The policy view of this 5-tuple (the source port does not matter to policy).
+    pub fn flow(&self) -> Flow {
+        Flow {
+            src: self.src.ip(),
+            dst: self.dst.ip(),
+            protocol: self.protocol,
+            dst_port: self.dst.port(),
+        }
+    }
 }
 
 /// Allow or deny.

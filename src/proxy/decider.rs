@@ -13,10 +13,10 @@ use std::time::{Duration, SystemTime};
 use arc_swap::ArcSwap;
 
 use super::forwarded::Forwarded;
-use super::packet::FlowKey;
 use super::registry::{Registry, StopReason, Tracked};
 use crate::audit::{self, Auditor, DecisionPoint, FlowInfo};
 use crate::metrics::DataPathMetrics;
+use crate::policy::FlowKey;
 use crate::policy::eval::{Decision, Flow, Verdict};
 use crate::policy::{Problem, Revision, Snapshot};
 
@@ -231,7 +231,7 @@ impl Decider {
         let current = self.current.load();
         let decision = self.decide_in(&current, key.flow());
         let time = SystemTime::now();
-        let flow = FlowInfo { src: key.src, dst: key.dst, protocol: key.protocol, time, point };
+        let flow = FlowInfo { key, time, point };
         let audited = self.auditor.enabled()
             && (decision.egress.is_some() || decision.ingress.is_some())
             && self.auditor.decision(&current.audit, &current.snapshot, flow, &decision);
@@ -298,13 +298,7 @@ impl Decider {
 
     fn audit_cut(&self, current: &Current, key: FlowKey, d: &Arc<Decision>) {
         if self.auditor.enabled() {
-            let flow = FlowInfo {
-                src: key.src,
-                dst: key.dst,
-                protocol: key.protocol,
-                time: SystemTime::now(),
-                point: DecisionPoint::Redecision,
-            };
+            let flow = FlowInfo { key, time: SystemTime::now(), point: DecisionPoint::Redecision };
             self.auditor.decision(&current.audit, &current.snapshot, flow, d);
         }
         self.stats.policy_cuts.fetch_add(1, Ordering::Relaxed);

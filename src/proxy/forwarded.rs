@@ -50,8 +50,8 @@ use std::time::{Duration, Instant};
 use super::conntrack::{self, Conntrack, Entry, Event, Events};
 use super::decider::{Admission, Decider};
 use super::lifecycle::record_end;
-use super::packet::FlowKey;
 use crate::audit::{CloseReason, ConnectionEnd};
+use crate::policy::FlowKey;
 use crate::policy::eval::Verdict;
 use crate::policy::ports::Protocol;
 

@@ -29,9 +29,9 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use super::decider::{Admission, Decider};
-use super::packet::FlowKey;
 use super::registry::{Registration, Registry, Tracked};
 use crate::audit::{Admitted, CloseReason, ConnectionEnd, FlowInfo};
+use crate::policy::FlowKey;
 use crate::policy::eval::Verdict;
 
 /// An admitted flow, registered and allowed; its end record is due once it is
@@ -145,13 +145,7 @@ pub fn record_end(
         return;
     }
     let admitted = Admitted {
-        flow: FlowInfo {
-            src: key.src,
-            dst: key.dst,
-            protocol: key.protocol,
-            time: admission.time,
-            point: admission.point,
-        },
+        flow: FlowInfo { key, time: admission.time, point: admission.point },
         decision: admission.decision.clone(),
     };
     auditor.connection_end(&decider.current().snapshot, &admitted, end);

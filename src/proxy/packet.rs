@@ -6,32 +6,9 @@
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
-use crate::policy::eval::Flow;
 use crate::policy::ports::Protocol;
 
-/// A flow's 5-tuple: the key under which a first-packet decision waits for the proxy to
-/// accept the connection it admitted.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct FlowKey {
-    /// Client address and port.
-    pub src: SocketAddr,
-    /// Original destination address and port (after any DNAT that ran before the hook).
-    pub dst: SocketAddr,
-    /// Transport protocol.
-    pub protocol: Protocol,
-}
-
-impl FlowKey {
-    /// The policy view of this 5-tuple (the source port does not matter to policy).
-    pub fn flow(&self) -> Flow {
-        Flow {
-            src: self.src.ip(),
-            dst: self.dst.ip(),
-            protocol: self.protocol,
-            dst_port: self.dst.port(),
-        }
-    }
-}
+use crate::policy::FlowKey;
 
 /// Why a queued packet could not be named.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]

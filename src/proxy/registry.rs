@@ -15,9 +15,9 @@ use std::time::Instant;
 
 use tokio::sync::Notify;
 
-use super::packet::FlowKey;
 use super::relay::Counters;
 use crate::audit::CloseReason;
+use crate::policy::FlowKey;
 use crate::policy::eval::Decision;
 
 /// Why a live flow was told to stop; audited as its close reason.

@@ -41,10 +41,10 @@ use tokio::sync::{Semaphore, watch};
 
 use super::decider::Decider;
 use super::lifecycle::Lifecycle;
-use super::packet::FlowKey;
 use super::registry::Registry;
 use super::relay::{self, RelayConfig, RelayEnd};
 use crate::audit::CloseReason;
+use crate::policy::FlowKey;
 use crate::policy::ports::Protocol;
 
 /// Proxy settings.

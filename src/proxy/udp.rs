@@ -53,10 +53,10 @@ use tokio::sync::watch;
 
 use super::decider::Decider;
 use super::lifecycle::Lifecycle;
-use super::packet::FlowKey;
 use super::registry::{Registry, Tracked};
 use super::tcp::unmap;
 use crate::audit::CloseReason;
+use crate::policy::FlowKey;
 use crate::policy::ports::Protocol;
 
 /// Largest datagram relayed, in bytes (the largest UDP payload over IPv4; IPv6 jumbograms
