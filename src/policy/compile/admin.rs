@@ -803,8 +803,9 @@ fn cnp_action(a: v1alpha2::ClusterNetworkPolicyRuleAction) -> Action {
 }
 
 /// Sort key of the BaselineAdminNetworkPolicy within the Baseline tier: after every
-/// ClusterNetworkPolicy `tier: Baseline` (whose priorities are 0–1000).
-pub(super) const BANP_PRIORITY: i32 = 1001;
+/// ClusterNetworkPolicy `tier: Baseline`, whose priorities are at most
+/// [`validate::MAX_PRIORITY`].
+pub(super) const BANP_PRIORITY: i32 = validate::MAX_PRIORITY + 1;
 
 impl Cluster {
     /// Finishes a validated admin object prepared by [`prepare_admin`], whose rules' peer

@@ -10,7 +10,7 @@ use super::parallel::{balanced_ranges, par_ranges};
 use crate::policy::matcher::{
     AddrIndex, MAX_RULES, Matcher, PodAddrs, PortIndex, block_ranges, protocol_index,
 };
-use crate::policy::model::{Direction, PodEntry, Rule, Tier};
+use crate::policy::model::{Direction, PodEntry, Rule};
 use crate::policy::ports::{PortSpec, Protocol};
 use crate::policy::snapshot::{PodPolicies, Policy};
 
@@ -73,13 +73,7 @@ pub(super) fn per_pod_policies(policies: &[Policy], pods: usize) -> (Vec<u32>, V
                 continue;
             }
             for pod in &p.subject {
-                let lists = &mut per_pod[pod as usize];
-                let list = match p.tier {
-                    Tier::Admin => &mut lists.admin[d as usize],
-                    Tier::NetworkPolicy => &mut lists.network[d as usize],
-                    Tier::Baseline => &mut lists.baseline[d as usize],
-                };
-                list.push(pid as u32);
+                per_pod[pod as usize].by_tier[p.tier.index()][d as usize].push(pid as u32);
             }
         }
     }

@@ -28,7 +28,9 @@
 //! ([`parallel`]); decisions and problems do not depend on how many, and for one thread
 //! count the snapshot does not depend on thread timing.
 //!
-//! The tier order itself lives in one place: [`super::eval::TIER_ORDER`].
+//! The tier order itself lives in one place: [`Tier::ORDER`]. The passes only derive from
+//! it: policies sort by tier through `Tier`'s `Ord` ([`index`]), and the per-pod lists are
+//! by [`Tier::index`].
 //!
 //! [`LabelIndex`]: super::selector::LabelIndex
 
