@@ -38,7 +38,7 @@ type Labels = Vec<(&'static str, &'static str)>;
 #[derive(Debug)]
 pub struct DataPathMetrics {
     /// By `[direction][verdict][tier]` (tiers as [`TIERS`]).
-    directions: [[[Counter; 4]; 2]; 2],
+    directions: [[[Counter; TIERS.len()]; 2]; 2],
     /// By verdict (allow, deny).
     flows: [Counter; 2],
     /// Seconds to decide a first packet (cache and audit hand-over included).
@@ -51,7 +51,17 @@ pub struct DataPathMetrics {
     pub bytes: [Counter; 2],
 }
 
-const TIERS: [&str; 4] = ["admin", "networkpolicy", "baseline", "default"];
+/// The `tier` label values: the tiers in [`Tier::ORDER`], then `default` (no tier
+/// decided).
+const TIERS: [&str; Tier::COUNT + 1] = {
+    let mut out = ["default"; Tier::COUNT + 1];
+    let mut i = 0;
+    while i < Tier::COUNT {
+        out[i] = Tier::ORDER[i].as_str();
+        i += 1;
+    }
+    out
+};
 const CLOSE_REASONS: [crate::audit::CloseReason; 7] = {
     use crate::audit::CloseReason as R;
     [
@@ -68,15 +78,10 @@ const CLOSE_REASONS: [crate::audit::CloseReason; 7] = {
 /// Position of the deciding tier in [`TIERS`]: isolation is the NetworkPolicy tier's; no
 /// policy and the own node count as `default`.
 fn tier_index(basis: &Basis) -> usize {
-    let t = match basis {
-        Basis::Rule { tier, .. } => *tier,
-        Basis::Isolated { .. } => Tier::NetworkPolicy,
-        Basis::NoPolicy | Basis::OwnNode => return 3,
-    };
-    match t {
-        Tier::Admin => 0,
-        Tier::NetworkPolicy => 1,
-        Tier::Baseline => 2,
+    match basis {
+        Basis::Rule { tier, .. } => tier.index(),
+        Basis::Isolated { .. } => Tier::NetworkPolicy.index(),
+        Basis::NoPolicy | Basis::OwnNode => Tier::COUNT,
     }
 }
 

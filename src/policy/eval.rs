@@ -2,9 +2,11 @@
 //!
 //! The contract (DESIGN §2): a connection from client C to server S is allowed iff
 //! `decide(Egress, subject=C, peer=S) == Allow && decide(Ingress, subject=S, peer=C) ==
-//! Allow`, each side evaluated only where the subject is a pod-network pod. Per direction:
-//! the Admin tier (first matching rule by priority; Pass skips the rest of the tier), then
-//! NetworkPolicy (isolation is final), then the Baseline tier, then allow.
+//! Allow`, each side evaluated only where the subject is a pod-network pod. Per direction,
+//! the tiers in [`Tier::ORDER`] (the one place that says the order): the Admin tier (first
+//! matching rule by priority; Pass skips the rest of the tier), then NetworkPolicy
+//! (isolation is final), then the Baseline tier, then allow. What each tier does with its
+//! matches is here; which tier comes when is not.
 //!
 //! A [`Decision`] holds no strings: it names policies and rules by index into the snapshot
 //! it came from, so deciding allocates nothing unless a Pass is taken. Use
@@ -17,12 +19,6 @@ use super::model::{Action, Direction, Endpoint, Peers, Revision, Tier};
 use super::ports::{NamedPort, Protocol};
 use super::problem::ObjectRef;
 use super::snapshot::{Policy, Snapshot};
-
-/// The order in which tiers are consulted — the only place in the code that says so.
-///
-/// Source: network-policy-api `ClusterNetworkPolicySpec.tier`: "Policy tiers are evaluated
-/// in the following order: Admin tier, NetworkPolicy tier, Baseline tier"; KEP-2091.
-pub const TIER_ORDER: [Tier; 3] = [Tier::Admin, Tier::NetworkPolicy, Tier::Baseline];
 
 /// A new flow's first packet, as far as policy cares: the 5-tuple less the source port.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -366,11 +362,11 @@ impl Snapshot {
                 self.first_rule_linear(p, d, peer, peer_ip, flow, dst_ports)
             }
         };
-        for tier in TIER_ORDER {
+        // Tier by tier in `Tier::ORDER`; the lists are by position in it.
+        for (tier, by_direction) in Tier::ORDER.into_iter().zip(&lists.by_tier) {
+            let list = &by_direction[d];
             match tier {
                 Tier::Admin | Tier::Baseline => {
-                    let list =
-                        if tier == Tier::Admin { &lists.admin[d] } else { &lists.baseline[d] };
                     for &pid in list {
                         if skip(pid) {
                             continue;
@@ -398,7 +394,6 @@ impl Snapshot {
                     }
                 }
                 Tier::NetworkPolicy => {
-                    let list = &lists.network[d];
                     let Some(&first) = list.first() else { continue };
                     // The subject is isolated in this direction: "v1.NetworkPolicy always
                     // makes a final decision for selected pods".

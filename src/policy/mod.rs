@@ -23,7 +23,7 @@ mod snapshot;
 pub mod validate;
 
 pub use compile::{Compiled, Inputs, PodView};
-pub use eval::{Basis, Decision, Flow, FlowKey, Outcome, RuleHit, RuleInfo, TIER_ORDER, Verdict};
+pub use eval::{Basis, Decision, Flow, FlowKey, Outcome, RuleHit, RuleInfo, Verdict};
 pub use model::{Action, Direction, Endpoint, Revision, Tier};
 pub use ports::Protocol;
 pub use problem::{Kind, ObjectRef, Problem, ProblemKind, Severity};

@@ -49,8 +49,9 @@ impl Direction {
     }
 }
 
-/// A policy tier (DESIGN §2): Admin → NetworkPolicy → Baseline, then the default.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+/// A policy tier (DESIGN §2). The order tiers are consulted in is [`Tier::ORDER`]; `Ord`
+/// follows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Tier {
     /// AdminNetworkPolicy and ClusterNetworkPolicy `tier: Admin`.
     Admin,
@@ -61,13 +62,74 @@ pub enum Tier {
 }
 
 impl Tier {
+    /// The order in which tiers are consulted — the only place in the code that says so.
+    /// Everything else derives from it: [`Tier::index`] and `Ord` (so the compiled policies
+    /// sort tier by tier in this order), the per-pod policy lists eval walks, the metrics'
+    /// tier labels.
+    ///
+    /// Source: network-policy-api `ClusterNetworkPolicySpec.tier`: "Policy tiers are
+    /// evaluated in the following order: Admin tier, NetworkPolicy tier, Baseline tier";
+    /// KEP-2091.
+    pub const ORDER: [Tier; 3] = [Tier::Admin, Tier::NetworkPolicy, Tier::Baseline];
+
+    /// Number of tiers.
+    pub const COUNT: usize = Self::ORDER.len();
+
+    /// The position of the tier in [`Tier::ORDER`] (`0..Tier::COUNT`).
+    pub const fn index(self) -> usize {
+        let mut i = 0;
+        while i < Self::COUNT {
+            if Self::ORDER[i] as u8 == self as u8 {
+                return i;
+            }
+            i += 1;
+        }
+        panic!("a tier missing from Tier::ORDER")
+    }
+
     /// `admin`, `networkpolicy`, `baseline`.
-    pub fn as_str(self) -> &'static str {
+    pub const fn as_str(self) -> &'static str {
         match self {
             Tier::Admin => "admin",
             Tier::NetworkPolicy => "networkpolicy",
             Tier::Baseline => "baseline",
         }
+    }
+}
+
+// Every tier is in `Tier::ORDER` exactly once, checked when the crate compiles: a tier left
+// out would make `Tier::index` panic, a tier listed twice would shadow its second place.
+// The match is exhaustive, so a new tier does not compile until it is named here (name it
+// in the assertion as well).
+const _: () = {
+    const fn listed_once(t: Tier) -> bool {
+        let mut seen = 0;
+        let mut i = 0;
+        while i < Tier::COUNT {
+            if Tier::ORDER[i] as u8 == t as u8 {
+                seen += 1;
+            }
+            i += 1;
+        }
+        seen == 1
+    }
+    const fn check(t: Tier) -> bool {
+        match t {
+            Tier::Admin | Tier::NetworkPolicy | Tier::Baseline => listed_once(t),
+        }
+    }
+    assert!(check(Tier::Admin) && check(Tier::NetworkPolicy) && check(Tier::Baseline));
+};
+
+impl Ord for Tier {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        self.index().cmp(&other.index())
+    }
+}
+
+impl PartialOrd for Tier {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
     }
 }
 
@@ -172,3 +234,20 @@ pub const ANNOTATION_PREFIX: &str = "tierproxy.io/";
 /// the kernel forward them instead of proxying them a second time. Written by the agent
 /// (`cluster::apiserver`), read here.
 pub const ANNOTATION_ENFORCING: &str = "tierproxy.io/enforcing";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `Ord` and `index` are derived from `Tier::ORDER`: the compile sort, `check`'s
+    /// priority groups and the metrics' labels all rely on them agreeing with it.
+    #[test]
+    fn tiers_index_and_sort_as_tier_order_says() {
+        for (i, t) in Tier::ORDER.into_iter().enumerate() {
+            assert_eq!(t.index(), i, "{t:?}");
+            for (j, u) in Tier::ORDER.into_iter().enumerate() {
+                assert_eq!(t.cmp(&u), i.cmp(&j), "{t:?} vs {u:?}");
+            }
+        }
+    }
+}

@@ -41,14 +41,14 @@ pub(crate) struct Policy {
     pub(crate) annotations: Box<[(String, String)]>,
 }
 
-/// Per pod and direction, the policies that apply, in evaluation order, by tier. Pods with
+/// Per pod, tier and direction, the policies that apply, in evaluation order. Pods with
 /// the same labels in the same kind of namespace share one (interned), so the few distinct
 /// sets stay in cache while deciding.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
 pub(crate) struct PodPolicies {
-    pub(crate) admin: [Vec<u32>; 2],
-    pub(crate) network: [Vec<u32>; 2],
-    pub(crate) baseline: [Vec<u32>; 2],
+    /// Policy ids by [`Tier::index`] (position in [`Tier::ORDER`]), then by
+    /// [`Direction`](super::model::Direction) index.
+    pub(crate) by_tier: [[Vec<u32>; 2]; Tier::COUNT],
 }
 
 /// A compiled, immutable view of policies and cluster state, ready to decide flows.

@@ -1,0 +1,103 @@
+//! Checks that run on a compiled snapshot and report what is legal but worth a look:
+//! equal priorities with overlapping subjects, rules and policies that match nothing.
+//! They read only the [`Snapshot`]; `check`, the builder and the policy status call them.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use super::admin::BANP_PRIORITY;
+use crate::policy::model::{Direction, Tier};
+use crate::policy::problem::{Problem, ProblemKind};
+use crate::policy::snapshot::{Policy, Snapshot};
+
+/// Pairs of admin-tier (or baseline-tier CNP) policies with equal priority whose subjects
+/// overlap, each with the number of pods both select: one warning on each policy of a
+/// pair, naming the other and saying which is evaluated first (policies are in evaluation
+/// order, so the first of a pair is the one ordered first). Used by `check` and the policy
+/// status (KEP-2091 "Risks and Mitigations": "provide a warning if there is another ANP
+/// with the same priority").
+pub fn priority_conflicts(s: &Snapshot) -> Vec<Problem> {
+    let mut out = Vec::new();
+    let by_prio: BTreeMap<(Tier, i32), Vec<&Policy>> = s
+        .policies
+        .iter()
+        .filter(|p| p.tier != Tier::NetworkPolicy && p.priority != BANP_PRIORITY)
+        .fold(BTreeMap::new(), |mut m, p| {
+            m.entry((p.tier, p.priority)).or_insert_with(Vec::new).push(p);
+            m
+        });
+    for ((_, prio), ps) in by_prio {
+        for (i, a) in ps.iter().enumerate() {
+            for b in &ps[i + 1..] {
+                let overlap = a.subject.intersection_len(&b.subject) as usize;
+                if overlap > 0 {
+                    // On both policies: each one's rules are ordered against the other's
+                    // (issue #19: the second of a tie said Accepted).
+                    for (this, other, first) in [(a, b, true), (b, a, false)] {
+                        out.push(Problem::warning(
+                            &this.object,
+                            "spec.priority",
+                            ProblemKind::PriorityConflict {
+                                priority: prio,
+                                other: other.object.clone(),
+                                overlap,
+                                first,
+                            },
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Rules that match no traffic in this snapshot, and policies that select no pod: worth a
+/// look, since pods may be missing from the input or a selector may be misspelled.
+pub fn unreachable_rules(s: &Snapshot) -> Vec<Problem> {
+    let mut out = Vec::new();
+    let declared: BTreeSet<&str> =
+        s.pods.iter().flat_map(|p| p.ports.iter().map(|n| n.name.as_str())).collect();
+    for p in &s.policies {
+        if p.subject.is_empty() {
+            out.push(Problem::warning(
+                &p.object,
+                "spec",
+                ProblemKind::NeverMatches { reason: "the subject selects no pod".into() },
+            ));
+        }
+        for d in Direction::BOTH {
+            for r in &p.rules[d as usize] {
+                let field = format!("spec.{}[{}]", d.as_str(), r.index);
+                let peers = &r.peers;
+                let no_peer = !peers.all
+                    && peers.blocks.is_empty()
+                    && peers.nodes.as_ref().is_none_or(|n| n.is_empty())
+                    && peers.pod_sets.iter().all(|&id| s.pod_sets[id as usize].is_empty());
+                if no_peer {
+                    out.push(Problem::warning(
+                        &p.object,
+                        field.clone(),
+                        ProblemKind::NeverMatches {
+                            reason: "no peer of this rule selects anything".into(),
+                        },
+                    ));
+                }
+                let missing: Vec<&str> =
+                    r.ports.named().filter(|n| !declared.contains(n)).collect();
+                if !missing.is_empty() && missing.len() == r.ports.0.len() {
+                    out.push(Problem::warning(
+                        &p.object,
+                        format!("{field}.ports"),
+                        ProblemKind::NeverMatches {
+                            reason: format!(
+                                "no pod declares the named port(s) {}",
+                                missing.join(", ")
+                            ),
+                        },
+                    ));
+                }
+            }
+        }
+    }
+    out
+}

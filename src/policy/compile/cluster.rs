@@ -1,0 +1,507 @@
+//! The cluster passes of a compile: namespaces, nodes and pods get dense ids, their label
+//! indexes are built, and every address gets its owner.
+//!
+//! Each pass reads its kind of [`Inputs`], validates it unless told the objects were
+//! validated already, reports problems in input order per kind, and fills the compile-time
+//! [`Cluster`] that the policy passes ([`super::admin`], [`super::network`]) read.
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::IpAddr;
+
+use roaring::RoaringBitmap;
+
+use super::parallel::{balanced_ranges, par_ranges};
+use super::{
+    Inputs, dedup_sorted, meta_name, meta_namespace, own_annotations, port_u16, protocol_or_tcp,
+};
+use crate::policy::api::Pod;
+use crate::policy::labels::{Labels, LabelsRef};
+use crate::policy::matcher::PodAddrs;
+use crate::policy::model::{Endpoint, NamespaceEntry, NodeEntry, PodEntry, SetId};
+use crate::policy::ports::NamedPort;
+use crate::policy::problem::{Kind, ObjectRef, Problem, ProblemKind};
+use crate::policy::selector::{LabelIndex, Selector};
+use crate::policy::validate::{self, NAMESPACE_NAME_LABEL};
+
+/// Interns pod sets by the selector(s) that produced them.
+#[derive(Default)]
+pub(super) struct Interner {
+    ids: HashMap<SetKey, SetId>,
+    /// The pod sets, by [`SetId`]: the snapshot's pod sets.
+    pub(super) sets: Vec<RoaringBitmap>,
+}
+
+/// What an interned pod set was resolved from.
+#[derive(Hash, PartialEq, Eq)]
+pub(super) enum SetKey {
+    /// Pods in namespaces matching the selector.
+    Namespaces(Selector),
+    /// Pods matching the pod selector in namespaces matching the namespace selector.
+    Pods(Selector, Selector),
+    /// Pods matching the selector in one namespace (NetworkPolicy `podSelector`).
+    InNamespace(u32, Selector),
+}
+
+/// Compile-time state: the cluster's objects by dense id and the indexes over them. The
+/// passes of this file fill it in order ([`Cluster::namespaces`], [`Cluster::nodes`],
+/// [`Cluster::pods`], [`Cluster::label_indexes`]); the policy passes then read it and
+/// intern pod sets in it; its parts end up in the [`Snapshot`](crate::policy::Snapshot).
+#[derive(Default)]
+pub(super) struct Cluster {
+    /// See [`Cluster::pods_in_namespaces`].
+    ns_pods: HashMap<Selector, RoaringBitmap>,
+    pub(super) pods: Vec<PodEntry>,
+    /// Pod IPs by pod id (`status.podIPs`).
+    pub(super) pod_ips: Vec<Vec<IpAddr>>,
+    pub(super) namespaces: Vec<NamespaceEntry>,
+    pub(super) ns_ids: HashMap<String, u32>,
+    pub(super) nodes: Vec<NodeEntry>,
+    node_ids: HashMap<String, u32>,
+    /// Node addresses by node id: InternalIP/ExternalIP, then its hostNetwork pods' IPs.
+    pub(super) node_addrs: Vec<Vec<IpAddr>>,
+    pub(super) pod_index: LabelIndex,
+    ns_index: LabelIndex,
+    pub(super) node_index: LabelIndex,
+    pub(super) interner: Interner,
+    /// Single-address pods sorted by address, for folding address matches into pod classes.
+    pub(super) addrs: PodAddrs,
+}
+
+impl Cluster {
+    fn namespaces_matching(&self, sel: &Selector) -> RoaringBitmap {
+        self.ns_index.resolve(sel)
+    }
+
+    fn pods_in(&self, namespaces: &RoaringBitmap) -> RoaringBitmap {
+        let mut out = RoaringBitmap::new();
+        for ns in namespaces {
+            out |= &self.namespaces[ns as usize].pods;
+        }
+        out
+    }
+
+    /// The pods of the namespaces `ns` selects, memoised: the few namespace selectors of a
+    /// large policy set recur in many `pods` peers.
+    fn pods_in_namespaces(&mut self, ns: &Selector) -> &RoaringBitmap {
+        if !self.ns_pods.contains_key(ns) {
+            let pods = self.pods_in(&self.namespaces_matching(ns));
+            self.ns_pods.insert(ns.clone(), pods);
+        }
+        &self.ns_pods[ns]
+    }
+
+    /// The id of the pod set `key` names, resolving and storing the set the first time.
+    pub(super) fn intern(&mut self, key: SetKey) -> SetId {
+        if let Some(&id) = self.interner.ids.get(&key) {
+            return id;
+        }
+        let set = match &key {
+            SetKey::Namespaces(ns) => self.pods_in_namespaces(ns).clone(),
+            SetKey::Pods(ns, pods) => {
+                let in_namespaces = self.pods_in_namespaces(ns).clone();
+                in_namespaces & self.pod_index.resolve(pods)
+            }
+            SetKey::InNamespace(ns, pods) => {
+                &self.namespaces[*ns as usize].pods & self.pod_index.resolve(pods)
+            }
+        };
+        let id = self.interner.sets.len() as SetId;
+        self.interner.sets.push(set);
+        self.interner.ids.insert(key, id);
+        id
+    }
+}
+
+impl Cluster {
+    /// Namespaces pass: reads `inputs.namespaces`; gives each valid one an id and its
+    /// labels with `kubernetes.io/metadata.name` set. Namespaces that pods name but that
+    /// are missing are added by [`Cluster::pods`].
+    pub(super) fn namespaces(
+        &mut self,
+        inputs: &Inputs,
+        validate: bool,
+        problems: &mut Vec<Problem>,
+    ) {
+        let namespaces = dedup_sorted(
+            &inputs.namespaces,
+            |n| ObjectRef::cluster(Kind::Namespace, meta_name(&n.metadata)),
+            problems,
+        );
+        for (r, ns) in namespaces {
+            let start = problems.len();
+            if validate {
+                validate::namespace(ns, problems);
+            }
+            if problems[start..].iter().any(Problem::is_error) {
+                continue;
+            }
+            let mut labels = ns.metadata.labels.clone().unwrap_or_default();
+            // SetDefaults_Namespace: the API server sets `kubernetes.io/metadata.name` to the
+            // name, overwriting any other value (KEP-2161), so selectors on it always work.
+            labels.insert(NAMESPACE_NAME_LABEL.to_string(), r.name.clone());
+            self.ns_ids.insert(r.name.clone(), self.namespaces.len() as u32);
+            self.namespaces.push(NamespaceEntry {
+                name: r.name,
+                labels,
+                pods: RoaringBitmap::new(),
+            });
+        }
+    }
+
+    /// Nodes pass: reads `inputs.nodes`; gives each valid one an id, its labels, its
+    /// [`ANNOTATION_PREFIX`](crate::policy::model::ANNOTATION_PREFIX) annotations and its
+    /// addresses (`status.addresses` InternalIP / ExternalIP). Nodes that pods name but
+    /// that are missing are added by [`Cluster::pods`].
+    pub(super) fn nodes(&mut self, inputs: &Inputs, validate: bool, problems: &mut Vec<Problem>) {
+        let nodes = dedup_sorted(
+            &inputs.nodes,
+            |n| ObjectRef::cluster(Kind::Node, meta_name(&n.metadata)),
+            problems,
+        );
+        for (r, node) in nodes {
+            let start = problems.len();
+            if validate {
+                validate::node(node, problems);
+            }
+            if problems[start..].iter().any(Problem::is_error) {
+                continue;
+            }
+            // Node IPs: status.addresses of type InternalIP / ExternalIP.
+            let addrs = node
+                .status
+                .as_ref()
+                .and_then(|s| s.addresses.as_ref())
+                .map(|a| {
+                    parse_ips(
+                        a.iter()
+                            .filter(|a| a.type_ == "InternalIP" || a.type_ == "ExternalIP")
+                            .map(|a| a.address.clone()),
+                    )
+                })
+                .unwrap_or_default();
+            let id = self.nodes.len() as u32;
+            self.node_ids.insert(r.name.clone(), id);
+            self.nodes.push(NodeEntry {
+                name: r.name,
+                labels: node.metadata.labels.clone().unwrap_or_default(),
+                annotations: own_annotations(&node.metadata),
+            });
+            self.node_addrs.push(addrs);
+        }
+    }
+
+    /// Pods pass: reads `inputs.pods` (validated on worker threads) and `inputs.pod_views`
+    /// (a view wins over a Pod of the same name); gives each pod-network pod that is
+    /// valid and not terminated an id, its namespace (created with only its name label if
+    /// missing), its node (created bare if missing) and its IPs. A hostNetwork pod is its
+    /// node for policy: its IPs join the node's addresses. Returns the pods' labels by pod
+    /// id, for [`Cluster::label_indexes`].
+    pub(super) fn pods<'a>(
+        &mut self,
+        inputs: &'a Inputs,
+        validate: bool,
+        workers: usize,
+        problems: &mut Vec<Problem>,
+    ) -> Vec<LabelsRef<'a>> {
+        let pods = dedup_sorted(
+            &inputs.pods,
+            |p| {
+                ObjectRef::namespaced(
+                    Kind::Pod,
+                    meta_namespace(&p.metadata),
+                    meta_name(&p.metadata),
+                )
+            },
+            problems,
+        );
+        let mut pod_labels: Vec<LabelsRef<'_>> = Vec::new();
+        // hostNetwork pods' IPs are their node's: gathered to add to node addresses.
+        let mut host_ips: Vec<(u32, Vec<IpAddr>)> = Vec::new();
+        // Validation and the views of whole Pods on worker threads; then the views a
+        // source gave (they win over a Pod with the same name), in key order.
+        let prepared = par_ranges(&pods, &balanced_ranges(&vec![1; pods.len()], workers), {
+            |_, chunk| chunk.iter().map(|&(_, pod)| prepare_pod(pod, validate)).collect::<Vec<_>>()
+        });
+        let mut items: BTreeMap<ObjectRef, PodItem<'_>> = BTreeMap::new();
+        for ((r, _), (found, item)) in pods.into_iter().zip(prepared.into_iter().flatten()) {
+            problems.extend(found);
+            items.insert(r, item);
+        }
+        for v in &inputs.pod_views {
+            let r = v.object_ref();
+            let item = PodItem { labels: LabelsRef::Compact(&v.labels), fields: pod_fields(v) };
+            if items.insert(r.clone(), item).is_some() {
+                problems.push(Problem::warning(&r, "", ProblemKind::Duplicate));
+            }
+        }
+        for (r, item) in items {
+            let Some(PodFields { node, ips, host_network, ports }) = item.fields else {
+                continue;
+            };
+            let node = node.map(|n| match self.node_ids.get(n.as_str()) {
+                Some(&id) => id,
+                None => {
+                    // A node known only from pods: no labels, no addresses but its
+                    // hostNetwork pods'.
+                    let id = self.nodes.len() as u32;
+                    self.nodes.push(NodeEntry {
+                        name: n.clone(),
+                        labels: BTreeMap::new(),
+                        annotations: Box::default(),
+                    });
+                    self.node_addrs.push(Vec::new());
+                    self.node_ids.insert(n.clone(), id);
+                    id
+                }
+            });
+            if host_network {
+                // "Note that host-networked pods are not included in subject selection" /
+                // "in this type of peer": such a pod is its node, for policy.
+                if let Some(n) = node {
+                    host_ips.push((n, ips));
+                }
+                continue;
+            }
+            let ns = match self.ns_ids.get(r.namespace.as_deref().unwrap_or_default()) {
+                Some(&id) => id,
+                None => {
+                    let name = r.namespace.clone().unwrap_or_default();
+                    let labels = BTreeMap::from([(NAMESPACE_NAME_LABEL.to_string(), name.clone())]);
+                    let id = self.namespaces.len() as u32;
+                    self.ns_ids.insert(name.clone(), id);
+                    self.namespaces.push(NamespaceEntry {
+                        name,
+                        labels,
+                        pods: RoaringBitmap::new(),
+                    });
+                    id
+                }
+            };
+            let id = self.pods.len() as u32;
+            self.namespaces[ns as usize].pods.insert(id);
+            self.pods.push(PodEntry { namespace: ns, name: r.name, node, ports });
+            self.pod_ips.push(ips);
+            pod_labels.push(item.labels);
+        }
+        self.addrs = PodAddrs::new(&self.pod_ips);
+        for (n, ips) in host_ips {
+            let addrs = &mut self.node_addrs[n as usize];
+            for ip in ips {
+                if !addrs.contains(&ip) {
+                    addrs.push(ip);
+                }
+            }
+        }
+        pod_labels
+    }
+
+    /// Label indexes pass: reads `pod_labels` (by pod id, from [`Cluster::pods`]) and the
+    /// namespaces' and nodes' labels, once every pass that adds to them has run; builds
+    /// the pod, namespace and node [`LabelIndex`]es that selectors resolve against.
+    pub(super) fn label_indexes(&mut self, pod_labels: &[LabelsRef<'_>]) {
+        for (i, labels) in pod_labels.iter().enumerate() {
+            self.pod_index.insert(i as u32, labels);
+        }
+        for (i, ns) in self.namespaces.iter().enumerate() {
+            self.ns_index.insert(i as u32, &ns.labels);
+        }
+        for (i, n) in self.nodes.iter().enumerate() {
+            self.node_index.insert(i as u32, &n.labels);
+        }
+    }
+
+    /// Addresses pass: reads the node addresses and pod IPs; returns what each address is.
+    /// Nodes first, then pods; the first claimant keeps an address, and each later one is
+    /// warned about ([`ProblemKind::AddressConflict`]).
+    pub(super) fn addresses(&self, problems: &mut Vec<Problem>) -> HashMap<IpAddr, Endpoint> {
+        let mut by_ip: HashMap<IpAddr, Endpoint> = HashMap::new();
+        let mut owner: HashMap<IpAddr, ObjectRef> = HashMap::new();
+        let claims = self
+            .node_addrs
+            .iter()
+            .enumerate()
+            .flat_map(|(i, a)| a.iter().map(move |ip| (*ip, Endpoint::Node(i as u32))))
+            .chain(
+                self.pod_ips
+                    .iter()
+                    .enumerate()
+                    .flat_map(|(i, a)| a.iter().map(move |ip| (*ip, Endpoint::Pod(i as u32)))),
+            );
+        for (ip, ep) in claims {
+            let who = match ep {
+                Endpoint::Node(n) => {
+                    ObjectRef::cluster(Kind::Node, self.nodes[n as usize].name.clone())
+                }
+                Endpoint::Pod(p) => {
+                    let pod = &self.pods[p as usize];
+                    ObjectRef::namespaced(
+                        Kind::Pod,
+                        self.namespaces[pod.namespace as usize].name.clone(),
+                        pod.name.clone(),
+                    )
+                }
+                Endpoint::External => continue,
+            };
+            match owner.get(&ip) {
+                Some(first) if *first != who => problems.push(Problem::warning(
+                    &who,
+                    "status",
+                    ProblemKind::AddressConflict { addr: ip, other: first.clone() },
+                )),
+                Some(_) => {}
+                None => {
+                    owner.insert(ip, who);
+                    by_ip.insert(ip, ep);
+                }
+            }
+        }
+        by_ip
+    }
+}
+
+fn parse_ips(values: impl IntoIterator<Item = String>) -> Vec<IpAddr> {
+    let mut out: Vec<IpAddr> = Vec::new();
+    for v in values {
+        if let Ok(ip) = v.parse::<IpAddr>()
+            && !out.contains(&ip)
+        {
+            out.push(ip);
+        }
+    }
+    out
+}
+
+/// A Pod as the engine reads it: what a store of many pods keeps instead of the whole
+/// object. Its struct is about 150 bytes, against 4.8 kB for a k8s-openapi `Pod` with
+/// one `Container` before any string; stored with its labels and key, about 1.2 kB of RSS
+/// per pod of the synthetic clusters against 5.4 kB.
+///
+/// Source: the fields the engine reads of `v1` Pod: `metadata.{namespace,name,labels}`,
+/// `spec.nodeName`, `spec.hostNetwork`, the named ports of `spec.containers[*].ports`,
+/// `status.phase`, `status.podIP` and `status.podIPs`.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct PodView {
+    /// `metadata.namespace` (`default` when empty).
+    pub namespace: String,
+    /// `metadata.name`.
+    pub name: String,
+    /// `metadata.labels`.
+    pub labels: Labels,
+    /// `spec.nodeName`.
+    pub node_name: Option<String>,
+    /// `spec.hostNetwork`.
+    pub host_network: bool,
+    /// `status.phase` is Succeeded or Failed: the pod holds no IP and takes no traffic.
+    /// A source that validates pods itself (the manifest source's compact form) sets it
+    /// for an invalid pod too, which the compiler would leave out the same way.
+    pub terminated: bool,
+    /// `status.podIP` and `status.podIPs`, parsed, without duplicates, podIP first; where
+    /// podIPs\[0\] disagrees with podIP, podIPs is dropped (as the v1 conversion does).
+    pub ips: Vec<IpAddr>,
+    /// The named ports of `spec.containers` (named ports resolve on them).
+    pub named_ports: Vec<NamedPort>,
+}
+
+impl PodView {
+    /// The view of `pod`. Unparseable IPs are left out (validation reports them).
+    pub fn from_pod(pod: &Pod) -> PodView {
+        let spec = pod.spec.as_ref();
+        PodView {
+            namespace: meta_namespace(&pod.metadata),
+            name: meta_name(&pod.metadata),
+            labels: pod.metadata.labels.as_ref().map(Labels::from).unwrap_or_default(),
+            node_name: spec.and_then(|s| s.node_name.clone()),
+            host_network: spec.and_then(|s| s.host_network).unwrap_or(false),
+            terminated: terminated(pod),
+            ips: pod_ips(pod),
+            named_ports: named_ports(pod),
+        }
+    }
+
+    pub(super) fn object_ref(&self) -> ObjectRef {
+        ObjectRef::namespaced(Kind::Pod, self.namespace.clone(), self.name.clone())
+    }
+}
+
+struct PodFields<'a> {
+    /// `spec.nodeName`.
+    node: Option<&'a String>,
+    /// `status.podIP` / `status.podIPs`, parsed.
+    ips: Vec<IpAddr>,
+    host_network: bool,
+    /// Named container ports.
+    ports: Vec<NamedPort>,
+}
+
+/// `status.phase` is Succeeded or Failed: the pod holds no IP and takes no traffic.
+fn terminated(pod: &Pod) -> bool {
+    matches!(pod.status.as_ref().and_then(|s| s.phase.as_deref()), Some("Succeeded" | "Failed"))
+}
+
+/// `status.podIP` and `status.podIPs`, parsed, podIP first. "podIPs ... If this field is
+/// specified, the 0th entry must match the podIP field"; where they disagree, the v1
+/// conversion keeps podIP and drops podIPs.
+fn pod_ips(pod: &Pod) -> Vec<IpAddr> {
+    let Some(st) = pod.status.as_ref() else { return Vec::new() };
+    let listed: Vec<String> = st.pod_ips.iter().flatten().map(|p| p.ip.clone()).collect();
+    match &st.pod_ip {
+        Some(ip) if listed.first().is_some_and(|first| first != ip) => parse_ips([ip.clone()]),
+        Some(ip) => parse_ips(std::iter::once(ip.clone()).chain(listed)),
+        None => parse_ips(listed),
+    }
+}
+
+/// The named ports of `spec.containers`.
+fn named_ports(pod: &Pod) -> Vec<NamedPort> {
+    pod.spec
+        .iter()
+        .flat_map(|s| s.containers.iter())
+        .flat_map(|ctr| ctr.ports.iter().flatten())
+        .filter_map(|p| {
+            Some(NamedPort {
+                name: p.name.clone().filter(|n| !n.is_empty())?,
+                protocol: protocol_or_tcp(p.protocol.as_deref()),
+                port: port_u16(p.container_port),
+            })
+        })
+        .collect()
+}
+
+/// Labels of a pod without any.
+static NO_LABELS: BTreeMap<String, String> = BTreeMap::new();
+
+/// One pod as the compile loop reads it, borrowed from a whole Pod or from a view.
+struct PodItem<'a> {
+    labels: LabelsRef<'a>,
+    /// `None`: terminated or invalid (no IP, no traffic).
+    fields: Option<PodFields<'a>>,
+}
+
+/// Validates a whole `pod` (with `validate`) and reads its fields without copying its
+/// labels or names.
+fn prepare_pod(pod: &Pod, validate: bool) -> (Vec<Problem>, PodItem<'_>) {
+    let mut problems = Vec::new();
+    if validate {
+        validate::pod(pod, &mut problems);
+    }
+    let usable = !terminated(pod) && !problems.iter().any(Problem::is_error);
+    let spec = pod.spec.as_ref();
+    let fields = usable.then(|| PodFields {
+        node: spec.and_then(|s| s.node_name.as_ref()),
+        ips: pod_ips(pod),
+        host_network: spec.and_then(|s| s.host_network).unwrap_or(false),
+        ports: named_ports(pod),
+    });
+    let labels = LabelsRef::Map(pod.metadata.labels.as_ref().unwrap_or(&NO_LABELS));
+    (problems, PodItem { labels, fields })
+}
+
+/// The per-pod fields the snapshot keeps; `None` for a terminated pod.
+fn pod_fields(view: &PodView) -> Option<PodFields<'_>> {
+    (!view.terminated).then(|| PodFields {
+        node: view.node_name.as_ref(),
+        ips: view.ips.clone(),
+        host_network: view.host_network,
+        ports: view.named_ports.clone(),
+    })
+}

@@ -1,0 +1,194 @@
+//! The indexes a snapshot decides with, built over the ordered policies: each policy's
+//! rule-mask [`Matcher`]s, the port and external-address indexes, and the per-pod policy
+//! lists, interned.
+
+use std::collections::HashMap;
+
+use roaring::RoaringBitmap;
+
+use super::parallel::{balanced_ranges, par_ranges};
+use crate::policy::matcher::{
+    AddrIndex, MAX_RULES, Matcher, PodAddrs, PortIndex, block_ranges, protocol_index,
+};
+use crate::policy::model::{Direction, PodEntry, Rule};
+use crate::policy::ports::{PortSpec, Protocol};
+use crate::policy::snapshot::{PodPolicies, Policy};
+
+/// Orders `policies` for evaluation: by tier, then inside each tier by priority, then name,
+/// then kind — "ties broken deterministically by name" (DESIGN §2); `check` reports the
+/// ties ([`priority_conflicts`](super::priority_conflicts)). Policy ids are positions in
+/// this order.
+pub(super) fn evaluation_order(policies: &mut [Policy]) {
+    policies.sort_by(|a, b| {
+        (a.tier, a.priority, &a.object.name, a.object.kind, &a.object.namespace).cmp(&(
+            b.tier,
+            b.priority,
+            &b.object.name,
+            b.object.kind,
+            &b.object.namespace,
+        ))
+    });
+}
+
+/// The indexes a policy list is searched with: reads the ordered `policies` (their rules),
+/// the interned pod `sets`, the single-address pods `addrs` and the `pods`' declared
+/// ports; sets every policy's [`Policy::matchers`] and returns the port and address
+/// indexes.
+///
+/// The matchers on worker threads, and beside them (a third thread on a small machine,
+/// which the OS interleaves) the port and address indexes: independent sweeps over every
+/// rule.
+pub(super) fn matchers_and_indexes(
+    policies: &mut [Policy],
+    sets: &[RoaringBitmap],
+    addrs: &PodAddrs,
+    pods: &[PodEntry],
+    workers: usize,
+) -> ([[PortIndex; 3]; 2], [AddrIndex; 2]) {
+    let (matchers, indexes) = std::thread::scope(|scope| {
+        let policies = &*policies;
+        let indexes = (workers > 1 && policies.len() >= 64)
+            .then(|| scope.spawn(|| (port_index(policies, pods), addr_index(policies))));
+        let matchers = build_matchers(policies, sets, addrs, pods.len(), workers);
+        let indexes = match indexes {
+            Some(h) => h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)),
+            None => (port_index(policies, pods), addr_index(policies)),
+        };
+        (matchers, indexes)
+    });
+    for (p, m) in policies.iter_mut().zip(matchers) {
+        p.matchers = m;
+    }
+    indexes
+}
+
+/// Per pod (`pods` of them), the ids of the ordered `policies` that apply to it, per tier
+/// and direction, in evaluation order; the distinct lists interned. Returns the index into
+/// the distinct lists by pod id, and the distinct lists (ids in order of first use).
+pub(super) fn per_pod_policies(policies: &[Policy], pods: usize) -> (Vec<u32>, Vec<PodPolicies>) {
+    let mut per_pod = vec![PodPolicies::default(); pods];
+    for (pid, p) in policies.iter().enumerate() {
+        for d in Direction::BOTH {
+            if !p.applies[d as usize] {
+                continue;
+            }
+            for pod in &p.subject {
+                per_pod[pod as usize].by_tier[p.tier.index()][d as usize].push(pid as u32);
+            }
+        }
+    }
+
+    let mut policy_sets: Vec<PodPolicies> = Vec::new();
+    let mut set_ids: HashMap<PodPolicies, u32> = HashMap::new();
+    let per_pod: Vec<u32> = per_pod
+        .into_iter()
+        .map(|lists| {
+            *set_ids.entry(lists).or_insert_with_key(|lists| {
+                policy_sets.push(lists.clone());
+                (policy_sets.len() - 1) as u32
+            })
+        })
+        .collect();
+    (per_pod, policy_sets)
+}
+
+/// The [`Matcher`]s of every policy direction with at most [`MAX_RULES`] rules, by
+/// policy, built on worker threads (each depends only on its policy's rules and the
+/// interned pod sets).
+fn build_matchers(
+    policies: &[Policy],
+    sets: &[RoaringBitmap],
+    addrs: &PodAddrs,
+    pods: usize,
+    workers: usize,
+) -> Vec<[Option<Matcher>; 2]> {
+    let weights: Vec<usize> = policies
+        .iter()
+        .map(|p| p.rules.iter().flatten().map(|r| 1 + r.peers.pod_sets.len()).sum())
+        .collect();
+    let ranges = balanced_ranges(&weights, workers);
+    let built = par_ranges(policies, &ranges, |_, chunk| {
+        let mut scratch = vec![0; pods];
+        let mut build = |r: &Vec<Rule>| {
+            (r.len() <= MAX_RULES).then(|| Matcher::build(r, sets, addrs, &mut scratch))
+        };
+        chunk.iter().map(|p| [build(&p.rules[0]), build(&p.rules[1])]).collect::<Vec<_>>()
+    });
+    built.into_iter().flatten().collect()
+}
+
+/// Builds the [`PortIndex`] of every direction and protocol. Named ports count as every
+/// port number some pod declares under that name (and protocol): a superset, so the index
+/// never hides a policy that could match.
+fn port_index(policies: &[Policy], pods: &[PodEntry]) -> [[PortIndex; 3]; 2] {
+    let mut declared: HashMap<&str, Vec<(Protocol, u16)>> = HashMap::new();
+    for np in pods.iter().flat_map(|p| &p.ports) {
+        let e = declared.entry(np.name.as_str()).or_default();
+        if !e.contains(&(np.protocol, np.port)) {
+            e.push((np.protocol, np.port));
+        }
+    }
+    let mut out: [[PortIndex; 3]; 2] = Default::default();
+    for d in Direction::BOTH {
+        let mut ranges: [Vec<(u32, u32, u32)>; 3] = Default::default();
+        for (pid, p) in policies.iter().enumerate() {
+            let pid = pid as u32;
+            for r in &p.rules[d as usize] {
+                if r.ports.0.is_empty() {
+                    for proto in &mut ranges {
+                        proto.push((0, u16::MAX as u32, pid));
+                    }
+                }
+                for m in &r.ports.0 {
+                    match (&m.ports, m.protocol) {
+                        (PortSpec::Any, Some(proto)) => {
+                            ranges[protocol_index(proto)].push((0, u16::MAX as u32, pid))
+                        }
+                        (PortSpec::Range(lo, hi), Some(proto)) => {
+                            ranges[protocol_index(proto)].push((*lo as u32, *hi as u32, pid))
+                        }
+                        (PortSpec::Named(name), want) => {
+                            for &(proto, port) in declared.get(name.as_str()).into_iter().flatten()
+                            {
+                                if want.is_none_or(|w| w == proto) {
+                                    ranges[protocol_index(proto)].push((
+                                        port as u32,
+                                        port as u32,
+                                        pid,
+                                    ));
+                                }
+                            }
+                        }
+                        (_, None) => {}
+                    }
+                }
+            }
+        }
+        out[d as usize] = ranges.map(|mut r| PortIndex::build(&mut r, policies.len()));
+    }
+    out
+}
+
+/// Builds the [`AddrIndex`] of each direction: every `networks`/`ipBlock` range of every
+/// rule, and the whole address space for rules that match every peer.
+fn addr_index(policies: &[Policy]) -> [AddrIndex; 2] {
+    Direction::BOTH.map(|d| {
+        let (mut v4, mut v6) = (Vec::new(), Vec::new());
+        let mut scratch = Vec::new();
+        for (pid, p) in policies.iter().enumerate() {
+            let pid = pid as u32;
+            for r in &p.rules[d as usize] {
+                if r.peers.all {
+                    v4.push((0, u32::MAX as u128, pid));
+                    v6.push((0, u128::MAX, pid));
+                }
+                for b in &r.peers.blocks {
+                    block_ranges(b, &mut scratch);
+                    let target = if b.net.addr().is_ipv4() { &mut v4 } else { &mut v6 };
+                    target.extend(scratch.drain(..).map(|(lo, hi)| (lo, hi, pid)));
+                }
+            }
+        }
+        AddrIndex::build(&mut v4, &mut v6, policies.len())
+    })
+}

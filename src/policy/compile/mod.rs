@@ -1,0 +1,355 @@
+//! API objects + cluster state → an immutable, indexed [`Snapshot`].
+//!
+//! Stage two of three (store → snapshot → decision, DESIGN §5): everything that can be
+//! worked out before a packet arrives is worked out here, once per revision:
+//!
+//! - every object is validated ([`super::validate`]); objects with errors are left out and
+//!   reported, the rest is used (the caller may keep the last good version of a rejected
+//!   object);
+//! - namespaces, pods and nodes get dense ids, and each kind gets a [`LabelIndex`];
+//! - every distinct selector (and namespace×pod selector pair) is resolved once into a
+//!   bitmap of pod ids and interned, so a thousand rules naming `app=web` share one set;
+//! - every pod gets, per direction, the ordered list of Admin-tier and Baseline-tier
+//!   policies whose subject selects it and the NetworkPolicies that isolate it, so
+//!   [`Snapshot::decide`](super::eval) walks only what applies.
+//!
+//! One file per pass, in the order `compile_inner` runs them:
+//!
+//! - [`cluster`]: namespaces, nodes, pods (ids, addresses, label indexes), then who owns
+//!   each address; fills the compile-time `Cluster` that the later passes read;
+//! - [`admin`]: ANP, CNP and BANP → Admin- and Baseline-tier policies;
+//! - [`network`]: NetworkPolicy → NetworkPolicy-tier policies;
+//! - [`index`]: evaluation order, each policy's matchers, the port and address indexes,
+//!   the per-pod policy lists;
+//! - [`checks`]: what runs on a finished snapshot ([`priority_conflicts`],
+//!   [`unreachable_rules`]).
+//!
+//! The large parts (pods, admin objects, matchers) run on up to four threads
+//! ([`parallel`]); decisions and problems do not depend on how many, and for one thread
+//! count the snapshot does not depend on thread timing.
+//!
+//! The tier order itself lives in one place: [`Tier::ORDER`]. The passes only derive from
+//! it: policies sort by tier through `Tier`'s `Ord` ([`index`]), and the per-pod lists are
+//! by [`Tier::index`].
+//!
+//! [`LabelIndex`]: super::selector::LabelIndex
+
+mod admin;
+mod checks;
+mod cluster;
+mod index;
+mod network;
+mod parallel;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use super::api::{Namespace, NetworkPolicy, Node, Pod, SelectorRef, v1alpha1, v1alpha2};
+pub use super::model::{
+    ANNOTATION_ENFORCING, ANNOTATION_PREFIX, Action, Direction, Endpoint, Revision, Tier,
+};
+use super::ports::Protocol;
+use super::problem::{ObjectRef, Problem, ProblemKind};
+use super::selector::Selector;
+use super::snapshot::Snapshot;
+pub use checks::{priority_conflicts, unreachable_rules};
+use cluster::Cluster;
+pub use cluster::PodView;
+
+/// The API objects a snapshot is compiled from. Order within each list does not matter;
+/// an object given twice (same kind, namespace, name) is used once, the later one winning.
+/// Objects are shared (`Arc`): a source's store, the last good policies and the compiler
+/// read the same allocation, so a rebuild copies no object.
+#[derive(Debug, Clone, Default)]
+pub struct Inputs {
+    /// `v1` Namespaces. Namespaces that pods or policies live in but that are missing here
+    /// are created implicitly, with only the `kubernetes.io/metadata.name` label.
+    pub namespaces: Vec<Arc<Namespace>>,
+    /// `v1` Nodes; their `status.addresses` (InternalIP, ExternalIP) are node IPs.
+    pub nodes: Vec<Arc<Node>>,
+    /// `v1` Pods. Pods in phase Succeeded or Failed hold no IP and are ignored.
+    pub pods: Vec<Arc<Pod>>,
+    /// Pods already cut to what the engine reads ([`PodView`]), as a source that keeps
+    /// many of them stores them (the API-server watchers); validated by their source. A
+    /// view and a Pod with the same namespace and name: the view wins.
+    pub pod_views: Vec<Arc<PodView>>,
+    /// `networking.k8s.io/v1` NetworkPolicies.
+    pub network_policies: Vec<Arc<NetworkPolicy>>,
+    /// `v1alpha1` AdminNetworkPolicies.
+    pub admin_network_policies: Vec<Arc<v1alpha1::AdminNetworkPolicy>>,
+    /// `v1alpha1` BaselineAdminNetworkPolicies (only `default` is valid).
+    pub baseline_admin_network_policies: Vec<Arc<v1alpha1::BaselineAdminNetworkPolicy>>,
+    /// `v1alpha2` ClusterNetworkPolicies.
+    pub cluster_network_policies: Vec<Arc<v1alpha2::ClusterNetworkPolicy>>,
+}
+
+/// The annotations of `meta` whose key starts with [`ANNOTATION_PREFIX`], sorted by key.
+pub(super) fn own_annotations(
+    meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
+) -> Box<[(String, String)]> {
+    meta.annotations
+        .iter()
+        .flatten()
+        .filter(|(k, _)| k.starts_with(ANNOTATION_PREFIX))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect()
+}
+
+/// The result of compiling: the snapshot and everything worth telling about the input.
+#[derive(Debug)]
+pub struct Compiled {
+    /// The snapshot, built from every object without errors.
+    pub snapshot: Snapshot,
+    /// Errors (object left out) and warnings (object used), in input order per kind.
+    pub problems: Vec<Problem>,
+}
+
+/// Compiles a selector that validation has already checked; an unknown operator (only
+/// possible if validation was skipped) makes the selector match nothing, failing closed.
+pub(super) fn selector<'a>(sel: impl Into<SelectorRef<'a>>) -> Option<Selector> {
+    Selector::compile(sel.into()).ok()
+}
+
+pub(super) fn protocol_or_tcp(p: Option<&str>) -> Protocol {
+    // "If not specified, this field defaults to TCP." Validation rejects other names.
+    p.and_then(|p| p.parse().ok()).unwrap_or(Protocol::Tcp)
+}
+
+pub(super) fn port_u16(p: i32) -> u16 {
+    // Validation guarantees 1..=65535; clamp rather than wrap if it was skipped.
+    p.clamp(0, u16::MAX as i32) as u16
+}
+
+pub(super) fn meta_name(m: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> String {
+    m.name.clone().unwrap_or_default()
+}
+
+/// The namespace of a namespaced object; manifests may omit it, meaning `default`, as
+/// `kubectl apply` does.
+pub fn meta_namespace(m: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> String {
+    m.namespace.clone().filter(|n| !n.is_empty()).unwrap_or_else(|| "default".to_string())
+}
+
+/// Keeps the last object per key, then orders by key, so the result is independent of
+/// input order. Reports each duplicate.
+pub(super) fn dedup_sorted<'a, T>(
+    items: &'a [Arc<T>],
+    key: impl Fn(&T) -> ObjectRef,
+    problems: &mut Vec<Problem>,
+) -> Vec<(ObjectRef, &'a T)> {
+    let mut map: BTreeMap<ObjectRef, &T> = BTreeMap::new();
+    for it in items {
+        let it: &T = it;
+        let k = key(it);
+        if map.insert(k.clone(), it).is_some() {
+            problems.push(Problem::warning(&k, "", ProblemKind::Duplicate));
+        }
+    }
+    map.into_iter().collect()
+}
+
+impl Snapshot {
+    /// Compiles `inputs` into a snapshot with `revision`.
+    ///
+    /// Never fails: objects with validation errors are left out and reported in
+    /// [`Compiled::problems`] (with warnings for what is used but worth knowing). The result
+    /// does not depend on the order of objects within `inputs`.
+    pub fn compile(inputs: &Inputs, revision: Revision) -> Compiled {
+        Self::compile_inner(inputs, revision, true, parallel::default_workers())
+    }
+
+    /// [`Snapshot::compile`] for inputs whose objects were each validated already (the
+    /// daemon validates an object once, when it changes, not on every snapshot) and from
+    /// which invalid objects were removed. Skips validation; everything else is the same.
+    pub fn compile_validated(inputs: &Inputs, revision: Revision) -> Compiled {
+        Self::compile_inner(inputs, revision, false, parallel::default_workers())
+    }
+
+    /// The passes in order. `workers`: most threads to spread the large parts over (see
+    /// [`parallel::balanced_ranges`]). Problems come kind by kind: namespaces, nodes,
+    /// pods, addresses, admin kinds, NetworkPolicies.
+    fn compile_inner(
+        inputs: &Inputs,
+        revision: Revision,
+        validate: bool,
+        workers: usize,
+    ) -> Compiled {
+        let mut problems = Vec::new();
+        let mut c = Cluster::default();
+        c.namespaces(inputs, validate, &mut problems);
+        c.nodes(inputs, validate, &mut problems);
+        let pod_labels = c.pods(inputs, validate, workers, &mut problems);
+        c.label_indexes(&pod_labels);
+        let by_ip = c.addresses(&mut problems);
+
+        let mut policies = admin::admin_policies(&mut c, inputs, validate, workers, &mut problems);
+        policies.extend(network::network_policies(&mut c, inputs, validate, &mut problems));
+        index::evaluation_order(&mut policies);
+        let (port_index, addr_index) = index::matchers_and_indexes(
+            &mut policies,
+            &c.interner.sets,
+            &c.addrs,
+            &c.pods,
+            workers,
+        );
+        let (per_pod, policy_sets) = index::per_pod_policies(&policies, c.pods.len());
+
+        let snapshot = Snapshot {
+            revision,
+            pods: c.pods,
+            namespaces: c.namespaces,
+            nodes: c.nodes,
+            by_ip,
+            node_addrs: c.node_addrs,
+            pod_ips: c.pod_ips,
+            pod_sets: c.interner.sets,
+            policies,
+            per_pod,
+            policy_sets,
+            port_index,
+            addr_index,
+            pod_index: c.pod_index,
+        };
+        Compiled { snapshot, problems }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::IpAddr;
+
+    use super::*;
+    use crate::policy::problem::ProblemKind;
+    use crate::synth::{self, Shape};
+
+    /// A cluster above [`parallel::PARALLEL_MIN_PEERS`], with duplicates, invalid objects and
+    /// warnings among the admin objects, so that every part of the parallel path runs.
+    fn large_inputs() -> Inputs {
+        let shape = Shape {
+            namespaces: 60,
+            pods: 1_200,
+            nodes: 6,
+            network_policies: 80,
+            admin_policies: 24,
+            rules_per_admin_policy: 20,
+            max_peers: 30,
+            admin_selects_all: false,
+        };
+        let mut inputs = synth::cluster(shape, 7);
+        let anps = &mut inputs.admin_network_policies;
+        // A duplicate (warning), an out-of-range priority (error: left out), and a selector
+        // value that is not a label value (a warning inside CRDs; the peer still compiles).
+        anps.push(anps[3].clone());
+        let mut bad = (*anps[5]).clone();
+        bad.metadata.name = Some("bad-priority".into());
+        bad.spec.priority = 5000;
+        anps.insert(1, Arc::new(bad));
+        let mut odd = (*anps[8]).clone();
+        odd.metadata.name = Some("odd-selector".into());
+        if let Some(p) = odd.spec.egress[0].to[0].pods.as_mut() {
+            p.pod_selector.match_labels = Some([("app", "not a label value")].into());
+        }
+        anps.push(Arc::new(odd));
+        inputs
+    }
+
+    #[test]
+    fn a_node_enforces_when_annotated_true_and_its_pods_are_found_in_one_pass() {
+        let shape = Shape { namespaces: 4, pods: 40, nodes: 3, ..Shape::LARGE };
+        let mut inputs = synth::cluster(shape, 3);
+        for (i, value) in [(0, "true"), (1, "false")] {
+            let mut node = (*inputs.nodes[i]).clone();
+            node.metadata
+                .annotations
+                .get_or_insert_default()
+                .insert(ANNOTATION_ENFORCING.into(), value.into());
+            inputs.nodes[i] = Arc::new(node);
+        }
+        let s = Snapshot::compile(&inputs, Revision(1)).snapshot;
+        let name = |i: usize| inputs.nodes[i].metadata.name.clone().unwrap();
+        let id = |i: usize| s.find_node(&name(i)).unwrap();
+        assert!(s.node_enforcing(id(0)), "annotated \"true\"");
+        assert!(!s.node_enforcing(id(1)), "annotated \"false\"");
+        assert!(!s.node_enforcing(id(2)), "not annotated");
+        let mut on_0 = s.pod_ips_on(|n| n == id(0));
+        let mut expected = s.local_pod_ips(id(0));
+        assert!(!expected.is_empty());
+        on_0.sort();
+        expected.sort();
+        assert_eq!(on_0, expected);
+        let all = s.pod_ips_on(|_| true).len();
+        let each: usize = (0..3).map(|i| s.local_pod_ips(id(i)).len()).sum();
+        assert_eq!(all, each);
+    }
+
+    #[test]
+    fn compiling_on_several_workers_gives_what_one_worker_gives() {
+        let inputs = large_inputs();
+        let one = Snapshot::compile_inner(&inputs, Revision(1), true, 1);
+        for workers in [2, 3, 4] {
+            let many = Snapshot::compile_inner(&inputs, Revision(1), true, workers);
+            assert_eq!(one.problems, many.problems, "{workers} workers: problems differ");
+            let names = |s: &Snapshot| -> Vec<ObjectRef> {
+                s.policies.iter().map(|p| p.object.clone()).collect()
+            };
+            assert_eq!(names(&one.snapshot), names(&many.snapshot));
+            let shape = Shape { namespaces: 60, pods: 1_200, nodes: 6, ..Shape::LARGE };
+            for f in synth::flows(shape, 5_000, 11) {
+                let d = many.snapshot.decide(&f);
+                assert_eq!(one.snapshot.decide(&f), d, "{workers} workers: {f:?}");
+                assert_eq!(many.snapshot.decide_reference(&f), d, "{workers} workers: {f:?}");
+            }
+        }
+        assert!(one.problems.iter().any(|p| p.object.name == "bad-priority" && p.is_error()));
+        assert!(one.problems.iter().any(|p| p.object.name == "odd-selector" && !p.is_error()));
+        assert!(one.snapshot.policies.iter().all(|p| p.object.name != "bad-priority"));
+    }
+
+    /// Pods given as views (the API-server source's form) compile to the same snapshot
+    /// as the Pods they came from; a view wins over a Pod of the same name.
+    #[test]
+    fn pod_views_decide_as_the_pods_they_came_from() {
+        let shape = Shape { namespaces: 60, pods: 1_200, nodes: 6, ..Shape::LARGE };
+        let pods_in = synth::cluster(Shape { admin_policies: 12, max_peers: 30, ..shape }, 3);
+        let views_in = Inputs {
+            pods: Vec::new(),
+            pod_views: pods_in.pods.iter().map(|p| Arc::new(PodView::from_pod(p))).collect(),
+            ..pods_in.clone()
+        };
+        let a = Snapshot::compile(&pods_in, Revision(1));
+        let b = Snapshot::compile(&views_in, Revision(1));
+        assert_eq!(a.problems, b.problems);
+        assert_eq!(a.snapshot.counts(), b.snapshot.counts());
+        for f in synth::flows(shape, 5_000, 5) {
+            assert_eq!(a.snapshot.decide(&f), b.snapshot.decide(&f), "{f:?}");
+        }
+        // A view and a Pod with one name: the view is used (and the pair reported as a
+        // duplicate; the agent drops a file's Pod that the API server also has).
+        let pod = &pods_in.pods[0];
+        let mut moved = PodView::from_pod(pod);
+        moved.ips = vec!["10.250.0.1".parse().unwrap()];
+        let both = Inputs { pod_views: vec![Arc::new(moved)], ..pods_in.clone() };
+        let c = Snapshot::compile(&both, Revision(1));
+        let id = c.snapshot.find_pod(&meta_namespace(&pod.metadata), &meta_name(&pod.metadata));
+        assert_eq!(c.snapshot.pod_ips(id.unwrap()), ["10.250.0.1".parse::<IpAddr>().unwrap()]);
+        assert!(c.problems.iter().any(|p| matches!(p.kind, ProblemKind::Duplicate)));
+    }
+
+    /// The validating path builds rules from the validator's `after_rule` visits, the
+    /// other from its own loop: both must see every rule, in order.
+    #[test]
+    fn validated_and_unvalidated_compiles_decide_alike() {
+        let shape = Shape { namespaces: 60, pods: 1_200, nodes: 6, ..Shape::LARGE };
+        let inputs = synth::cluster(Shape { admin_policies: 12, max_peers: 30, ..shape }, 3);
+        let checked = Snapshot::compile_inner(&inputs, Revision(1), true, 2);
+        assert!(checked.problems.iter().all(|p| !p.is_error()));
+        let unchecked = Snapshot::compile_inner(&inputs, Revision(1), false, 2);
+        let rules = |s: &Snapshot| -> usize {
+            s.policies.iter().flat_map(|p| &p.rules).map(Vec::len).sum()
+        };
+        assert_eq!(rules(&checked.snapshot), rules(&unchecked.snapshot));
+        for f in synth::flows(shape, 5_000, 5) {
+            assert_eq!(checked.snapshot.decide(&f), unchecked.snapshot.decide(&f), "{f:?}");
+        }
+    }
+}
