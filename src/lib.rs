@@ -31,8 +31,10 @@ pub mod debug;
 pub mod error;
 pub mod explain;
 pub mod host;
+#[cfg(feature = "lab")]
 pub mod lab;
 pub mod limits;
+#[cfg(feature = "lab")]
 pub mod loadgen;
 pub mod metrics;
 pub mod policy;

@@ -61,6 +61,7 @@ enum Command {
     Agent(Box<AgentArgs>),
     /// Receive OTLP logs (a stand-in collector for trying audit out and for load tests):
     /// prints each record as one JSON object per line, until SIGTERM/SIGINT.
+    #[cfg(feature = "lab")]
     OtlpReceive {
         /// Address to listen on.
         #[arg(long, default_value = "127.0.0.1:4318")]
@@ -75,6 +76,7 @@ enum Command {
     /// Measure request/response latency or connection rate against a lab echo server
     /// (run inside a pod with `tierproxy lab exec`). Prints one JSON object.
     #[command(hide = true)]
+    #[cfg(feature = "lab")]
     Loadgen {
         /// rr: request/response over one connection; crr: a connection per request; hold:
         /// open --max-count connections and report when they are cut; udp-rr: UDP
@@ -139,6 +141,7 @@ enum Command {
     /// Exit status: 0 every observation agrees with explain, 1 some does not (a refused or
     /// reset connection counts: policy only drops), 2 invalid input, 3 the lab could not be
     /// built or used (needs CAP_NET_ADMIN, CAP_SYS_ADMIN and CAP_NET_RAW, and iproute2's `ip`).
+    #[cfg(feature = "lab")]
     Lab(tierproxy::lab::cli::LabArgs),
     /// Print the CustomResourceDefinitions of AdminNetworkPolicy, BaselineAdminNetworkPolicy
     /// (v1alpha1) and ClusterNetworkPolicy (v1alpha2), built from tierproxy's own types, as
@@ -324,6 +327,7 @@ struct AgentArgs {
 
 /// A load generator's report as one JSON line on `out` (exit 0), or its error on `err`
 /// (exit 1).
+#[cfg(feature = "lab")]
 fn print_report<T: serde::Serialize>(
     report: anyhow::Result<T>,
     out: &mut dyn std::io::Write,
@@ -477,6 +481,7 @@ fn run_agent(a: AgentArgs) -> ExitCode {
     }
 }
 
+#[cfg(feature = "lab")]
 fn otlp_receive(listen: std::net::SocketAddr, protocol: &str, count_only: bool) -> ExitCode {
     use tierproxy::audit::receiver::{OnRecords, Receiver};
     let protocol = match tierproxy::audit::OtlpProtocol::parse(protocol) {
@@ -590,6 +595,7 @@ fn main() -> ExitCode {
             }
         }
         Command::Check { manifests, output } => explain::check(&manifests, output, &mut out),
+        #[cfg(feature = "lab")]
         Command::Loadgen {
             mode,
             to,
@@ -640,10 +646,12 @@ fn main() -> ExitCode {
             drop((out, err));
             return run_agent(*args);
         }
+        #[cfg(feature = "lab")]
         Command::OtlpReceive { listen, protocol, count_only } => {
             drop((out, err));
             return otlp_receive(listen, &protocol, count_only);
         }
+        #[cfg(feature = "lab")]
         Command::Lab(args) => tierproxy::lab::cli::main(args, &mut out, &mut err),
         Command::Crds { out_dir } => crds(out_dir.as_deref(), &mut out, &mut err),
     };

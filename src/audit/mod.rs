@@ -25,6 +25,7 @@ pub mod event;
 pub mod limit;
 pub mod otlp;
 pub mod pipeline;
+#[cfg(any(test, feature = "lab"))]
 pub mod receiver;
 pub mod select;
 pub mod sink;

@@ -423,13 +423,18 @@ fn build(
         let first = children.len();
         let mut pending = Vec::new();
         let enforcing: Vec<String> = plan.nodes.iter().map(|n| n.name.clone()).collect();
+        // `TIERPROXY_LAB_AGENT`: another build of tierproxy to run as the agents, such as
+        // the agent image's (built without the lab, `--no-default-features`), so that the
+        // lab and loadtest/ measure the binary nodes run.
+        let agent_exe =
+            std::env::var_os("TIERPROXY_LAB_AGENT").map_or_else(|| exe.clone(), PathBuf::from);
         for node in &plan.nodes {
             let ready = state.dir.join(format!("agent-{}.ready", node.name));
             let log = state.dir.join(format!("agent-{}.log", node.name));
             let out = state.dir.join(format!("agent-{}.out", node.name));
             remove_stale(&ready)?;
             let cmd = procs::agent_command(
-                &exe,
+                &agent_exe,
                 &node.netns,
                 &node.name,
                 &state.manifests,
