@@ -523,32 +523,17 @@ mod tests {
     use crate::audit::{AuditConfig, Defaults, JsonTarget, SinkConfig};
     use crate::policy::Protocol;
 
-    const CLUSTER: &str = r#"
-apiVersion: v1
-kind: Node
-metadata: {name: n1}
-status: {addresses: [{type: InternalIP, address: 172.31.0.2}]}
----
-apiVersion: v1
-kind: Namespace
-metadata: {name: a}
----
-apiVersion: v1
-kind: Pod
-metadata: {name: client, namespace: a}
-spec: {nodeName: n1, containers: [{name: c}]}
-status: {podIP: 10.60.1.2}
----
-apiVersion: v1
-kind: Pod
-metadata: {name: server, namespace: a}
-spec: {nodeName: n1, containers: [{name: c}]}
-status: {podIP: 10.60.1.3}
-"#;
+    /// [`testing::LOOPBACK_CLUSTER`]'s two pods on pod-network addresses: client
+    /// 10.60.1.2, server 10.60.1.3.
+    fn cluster() -> String {
+        testing::LOOPBACK_CLUSTER
+            .replace("127.0.0.2", "10.60.1.2")
+            .replace("127.0.0.3", "10.60.1.3")
+    }
 
-    /// A decider for n1 of [`CLUSTER`] auditing every decision to the JSON file `audit`.
+    /// A decider for n1 of [`cluster`] auditing every decision to the JSON file `audit`.
     fn decider(audit: &Path) -> (Decider, Arc<Auditor>) {
-        let loaded = crate::cluster::manifest::parse_str(Path::new("t.yaml"), CLUSTER).unwrap();
+        let loaded = crate::cluster::manifest::parse_str(Path::new("t.yaml"), &cluster()).unwrap();
         let snapshot = Arc::new(Snapshot::compile(&loaded.inputs, Revision(1)).snapshot);
         let node = snapshot.find_node("n1").unwrap();
         let mut config = AuditConfig::new(
