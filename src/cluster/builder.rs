@@ -142,7 +142,7 @@ pub struct Built {
     /// What to log, once each ([`ProblemLog::log`]).
     pub lines: Vec<(Level, String)>,
     /// Objects validated by this build (changed since the previous build, or new; with
-    /// the recorded versions put back): 0 when nothing but the set of objects changed.
+    /// the recorded versions put back): 0 when no object changed or came, only went.
     pub validated: usize,
 }
 
