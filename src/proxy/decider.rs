@@ -517,10 +517,8 @@ spec: {{podSelector: {{}}, policyTypes: [Ingress]}}
 #[cfg(test)]
 mod tests {
     use std::net::SocketAddr;
-    use std::path::Path;
 
     use super::*;
-    use crate::audit::{AuditConfig, Defaults, JsonTarget, SinkConfig};
     use crate::policy::Protocol;
 
     /// [`testing::LOOPBACK_CLUSTER`]'s two pods on pod-network addresses: client
@@ -529,33 +527,6 @@ mod tests {
         testing::LOOPBACK_CLUSTER
             .replace("127.0.0.2", "10.60.1.2")
             .replace("127.0.0.3", "10.60.1.3")
-    }
-
-    /// A decider for n1 of [`cluster`] auditing every decision to the JSON file `audit`.
-    fn decider(audit: &Path) -> (Decider, Arc<Auditor>) {
-        let loaded = crate::cluster::manifest::parse_str(Path::new("t.yaml"), &cluster()).unwrap();
-        let snapshot = Arc::new(Snapshot::compile(&loaded.inputs, Revision(1)).snapshot);
-        let node = snapshot.find_node("n1").unwrap();
-        let mut config = AuditConfig::new(
-            "n1",
-            vec![SinkConfig::Json(JsonTarget::File {
-                path: audit.to_path_buf(),
-                max_bytes: 1 << 20,
-                keep: 1,
-            })],
-        );
-        config.defaults = every_decision();
-        let auditor = Arc::new(Auditor::start(config).unwrap());
-        let (plan, _) = audit::Selection::new(&snapshot, every_decision());
-        let current = Current { snapshot, node, audit: plan, problems: Arc::default() };
-        let metrics = crate::metrics::Metrics::new(crate::metrics::Scraped(Box::new(Vec::new)));
-        let d = Decider::new(current, DeciderLimits::default(), auditor.clone(), metrics.data_path);
-        (d, auditor)
-    }
-
-    /// Every decision and end audited.
-    fn every_decision() -> Defaults {
-        Defaults { allow_sample: 1, deny: true, pass: true, close: true }
     }
 
     fn key(sport: u16) -> FlowKey {
@@ -569,8 +540,8 @@ mod tests {
     #[test]
     fn a_flow_taken_without_a_first_packet_decision_is_decided_audited_and_counted() {
         let dir = tempfile::tempdir().unwrap();
-        let file = dir.path().join("audit.jsonl");
-        let (d, auditor) = decider(&file);
+        let t = testing::decider(&cluster(), dir.path());
+        let d = &t.decider;
         d.first_packet(key(1000), true);
         let a = d.take_or_decide(key(1000));
         assert_eq!(a.point, DecisionPoint::FirstPacket);
@@ -580,16 +551,15 @@ mod tests {
         assert_eq!(a.decision.verdict, Verdict::Allow);
         assert!(a.audited);
         assert_eq!(d.stats.decided_at_accept.load(Ordering::Relaxed), 1);
-        auditor.shutdown();
-        let text = std::fs::read_to_string(&file).unwrap();
+        let events = t.events();
         let point = |port: u16| {
-            text.lines()
-                .find(|l| l.contains(&format!("\"source.port\":{port}")))
-                .map(|l| {
-                    let v: serde_json::Value = serde_json::from_str(l).unwrap();
-                    v["attributes"]["tierproxy.decision.point"].as_str().unwrap().to_owned()
-                })
-                .unwrap_or_else(|| panic!("no event for port {port} in {text}"))
+            let of_port: Vec<serde_json::Value> =
+                events.iter().filter(|v| v["attributes"]["source.port"] == port).cloned().collect();
+            let points = testing::decision_points(&of_port);
+            points
+                .first()
+                .cloned()
+                .unwrap_or_else(|| panic!("no event for port {port}: {events:?}"))
         };
         assert_eq!(point(1000), "first-packet");
         assert_eq!(point(2000), "accept");
