@@ -13,6 +13,7 @@ use roaring::RoaringBitmap;
 use super::parallel::{balanced_ranges, par_ranges};
 use super::{
     Inputs, dedup_sorted, meta_name, meta_namespace, own_annotations, port_u16, protocol_or_tcp,
+    valid_sorted,
 };
 use crate::policy::api::Pod;
 use crate::policy::labels::{Labels, LabelsRef};
@@ -122,19 +123,14 @@ impl Cluster {
         validate: bool,
         problems: &mut Vec<Problem>,
     ) {
-        let namespaces = dedup_sorted(
+        let namespaces = valid_sorted(
             &inputs.namespaces,
             |n| ObjectRef::cluster(Kind::Namespace, meta_name(&n.metadata)),
+            validate::namespace,
+            validate,
             problems,
         );
         for (r, ns) in namespaces {
-            let start = problems.len();
-            if validate {
-                validate::namespace(ns, problems);
-            }
-            if problems[start..].iter().any(Problem::is_error) {
-                continue;
-            }
             let mut labels = ns.metadata.labels.clone().unwrap_or_default();
             // SetDefaults_Namespace: the API server sets `kubernetes.io/metadata.name` to the
             // name, overwriting any other value (KEP-2161), so selectors on it always work.
@@ -153,19 +149,14 @@ impl Cluster {
     /// addresses (`status.addresses` InternalIP / ExternalIP). Nodes that pods name but
     /// that are missing are added by [`Cluster::pods`].
     pub(super) fn nodes(&mut self, inputs: &Inputs, validate: bool, problems: &mut Vec<Problem>) {
-        let nodes = dedup_sorted(
+        let nodes = valid_sorted(
             &inputs.nodes,
             |n| ObjectRef::cluster(Kind::Node, meta_name(&n.metadata)),
+            validate::node,
+            validate,
             problems,
         );
         for (r, node) in nodes {
-            let start = problems.len();
-            if validate {
-                validate::node(node, problems);
-            }
-            if problems[start..].iter().any(Problem::is_error) {
-                continue;
-            }
             // Node IPs: status.addresses of type InternalIP / ExternalIP.
             let addrs = node
                 .status

@@ -148,6 +148,27 @@ pub(super) fn dedup_sorted<'a, T>(
     map.into_iter().collect()
 }
 
+/// [`dedup_sorted`], then each object validated with `check` (unless `validate` is false),
+/// its problems reported, and the objects with an error left out: the objects a pass
+/// compiles, in key order.
+pub(super) fn valid_sorted<'a, T>(
+    items: &'a [Arc<T>],
+    key: impl Fn(&T) -> ObjectRef,
+    check: fn(&T, &mut Vec<Problem>),
+    validate: bool,
+    problems: &mut Vec<Problem>,
+) -> Vec<(ObjectRef, &'a T)> {
+    let mut out = dedup_sorted(items, key, problems);
+    if validate {
+        out.retain(|&(_, o)| {
+            let start = problems.len();
+            check(o, problems);
+            !problems[start..].iter().any(Problem::is_error)
+        });
+    }
+    out
+}
+
 impl Snapshot {
     /// Compiles `inputs` into a snapshot with `revision`.
     ///

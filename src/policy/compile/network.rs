@@ -6,8 +6,8 @@ use roaring::RoaringBitmap;
 
 use super::cluster::{Cluster, SetKey};
 use super::{
-    Inputs, dedup_sorted, meta_name, meta_namespace, own_annotations, port_u16, protocol_or_tcp,
-    selector,
+    Inputs, meta_name, meta_namespace, own_annotations, port_u16, protocol_or_tcp, selector,
+    valid_sorted,
 };
 use crate::policy::api::NetworkPolicy;
 use crate::policy::cidr::{self, Block};
@@ -27,7 +27,7 @@ pub(super) fn network_policies(
     problems: &mut Vec<Problem>,
 ) -> Vec<Policy> {
     let mut policies = Vec::new();
-    for (r, np) in dedup_sorted(
+    for (r, np) in valid_sorted(
         &inputs.network_policies,
         |p| {
             ObjectRef::namespaced(
@@ -36,15 +36,10 @@ pub(super) fn network_policies(
                 meta_name(&p.metadata),
             )
         },
+        validate::network_policy,
+        validate,
         problems,
     ) {
-        let start = problems.len();
-        if validate {
-            validate::network_policy(np, problems);
-        }
-        if problems[start..].iter().any(Problem::is_error) {
-            continue;
-        }
         if let Some(p) = c.network_policy(r, np) {
             policies.push(p);
         }
@@ -157,32 +152,27 @@ impl Cluster {
             out.pod_sets.dedup();
             out
         };
+        // NetworkPolicy rules only allow; a rule's position is its index.
+        let allow = |index: usize, peers: Peers, ports| Rule {
+            name: None,
+            index: index as u32,
+            action: Action::Allow,
+            peers,
+            ports: np_ports(ports),
+            fail_closed: false,
+        };
         if applies[Direction::Ingress as usize] {
             for (i, r) in ingress.iter().flatten().enumerate() {
                 let NetworkPolicyIngressRule { from, ports } = r;
                 let peers = compile_rule(self, from);
-                rules[0].push(Rule {
-                    name: None,
-                    index: i as u32,
-                    action: Action::Allow,
-                    peers,
-                    ports: np_ports(ports),
-                    fail_closed: false,
-                });
+                rules[0].push(allow(i, peers, ports));
             }
         }
         if applies[Direction::Egress as usize] {
             for (i, r) in egress.iter().flatten().enumerate() {
                 let NetworkPolicyEgressRule { to, ports } = r;
                 let peers = compile_rule(self, to);
-                rules[1].push(Rule {
-                    name: None,
-                    index: i as u32,
-                    action: Action::Allow,
-                    peers,
-                    ports: np_ports(ports),
-                    fail_closed: false,
-                });
+                rules[1].push(allow(i, peers, ports));
             }
         }
         Some(Policy {
