@@ -75,6 +75,8 @@ pub struct Built {
     pub report: cluster::status::Report,
     /// Objects the build validated ([`cluster::builder::Built::validated`]).
     pub validated: usize,
+    /// Compiled in full or patched ([`cluster::builder::Built::pass`]).
+    pub pass: crate::policy::compile::Pass,
 }
 
 /// Builds the node's snapshot from `loaded` as `revision` with `builder`
@@ -105,7 +107,7 @@ pub fn build(
     lines.extend(errors.into_iter().map(|e| (Level::Warn, e.to_string())));
     log.log(lines);
     let current = Current { snapshot, node: node_id, audit: plan, problems: built.problems.into() };
-    Ok(Built { current, report: built.report, validated: built.validated })
+    Ok(Built { current, report: built.report, validated: built.validated, pass: built.pass })
 }
 
 /// What the agent would install for `opts`, without touching the node: the backend, why
@@ -979,13 +981,13 @@ impl Reloader<'_> {
             self.kube.map(|k| k.records.records()).as_ref(),
             &mut self.problem_log,
         );
-        let (current, validated) = match loaded {
+        let (current, validated, pass) = match loaded {
             Ok(b) => {
                 self.needs_records = needs_records(&b.report);
                 if let Some(k) = self.kube {
                     k.reports.send_replace(Arc::new(b.report));
                 }
-                (b.current, b.validated)
+                (b.current, b.validated, b.pass)
             }
             Err(e) => {
                 self.decider.stats.reload_errors.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -1062,6 +1064,7 @@ impl Reloader<'_> {
             revision = self.revision,
             compile_us = compiled.as_micros() as u64,
             validated,
+            compile = %pass,
             total_us = started.elapsed().as_micros() as u64,
             live = redecided.checked,
             cut = redecided.cut,

@@ -534,3 +534,144 @@ proptest! {
         }
     }
 }
+
+/// One change between two compiles of [`an_incremental_compile_decides_as_a_full_compile`]:
+/// pod or namespace labels (which a [`Compiler`](tierproxy::policy::compile::Compiler)
+/// patches), or a change it compiles in full.
+#[derive(Debug, Clone)]
+enum Change {
+    /// Pod `.0`'s `app` label set to `.1` (removed: `None`).
+    PodApp(usize, Option<&'static str>),
+    /// Namespace `.0`'s `env` label set to `.1` (removed: `None`).
+    NamespaceEnv(usize, Option<&'static str>),
+    /// An ANP's priority raised by 7 (moves it among the others): compiled in full.
+    AnpPriority(usize),
+    /// A pod deleted: compiled in full.
+    DeletePod(usize),
+}
+
+fn change() -> impl Strategy<Value = Change> {
+    let app = prop::option::of(prop::sample::select(&["x", "y", "z"][..]));
+    let env = prop::option::of(prop::sample::select(&["a", "b"][..]));
+    prop_oneof![
+        6 => (any::<usize>(), app).prop_map(|(i, v)| Change::PodApp(i, v)),
+        3 => (any::<usize>(), env).prop_map(|(i, v)| Change::NamespaceEnv(i, v)),
+        1 => any::<usize>().prop_map(Change::AnpPriority),
+        1 => any::<usize>().prop_map(Change::DeletePod),
+    ]
+}
+
+/// `change` applied to `i`; whether a patch covers it.
+fn apply(i: &mut Inputs, change: &Change) -> bool {
+    fn set(
+        labels: &mut Option<std::collections::BTreeMap<String, String>>,
+        key: &str,
+        v: Option<&str>,
+    ) {
+        let labels = labels.get_or_insert_default();
+        match v {
+            Some(v) => labels.insert(key.into(), v.into()),
+            None => labels.remove(key),
+        };
+    }
+    match *change {
+        Change::PodApp(k, v) => {
+            if !i.pod_views.is_empty() {
+                let k = k % i.pod_views.len();
+                let mut view = (*i.pod_views[k]).clone();
+                let mut labels: std::collections::BTreeMap<String, String> =
+                    view.labels.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+                let mut some = Some(labels);
+                set(&mut some, "app", v);
+                labels = some.unwrap_or_default();
+                view.labels = labels.into();
+                i.pod_views[k] = Arc::new(view);
+            } else {
+                let k = k % i.pods.len();
+                let mut pod = (*i.pods[k]).clone();
+                set(&mut pod.metadata.labels, "app", v);
+                i.pods[k] = Arc::new(pod);
+            }
+            true
+        }
+        Change::NamespaceEnv(k, v) => {
+            let k = k % i.namespaces.len();
+            let mut ns = (*i.namespaces[k]).clone();
+            set(&mut ns.metadata.labels, "env", v);
+            i.namespaces[k] = Arc::new(ns);
+            true
+        }
+        Change::AnpPriority(k) => {
+            if i.admin_network_policies.is_empty() {
+                return true;
+            }
+            let k = k % i.admin_network_policies.len();
+            let mut anp = (*i.admin_network_policies[k]).clone();
+            anp.spec.priority = (anp.spec.priority + 7) % 1000;
+            i.admin_network_policies[k] = Arc::new(anp);
+            false
+        }
+        Change::DeletePod(k) => {
+            let list_len = i.pods.len() + i.pod_views.len();
+            if list_len <= 1 {
+                return true;
+            }
+            if !i.pod_views.is_empty() {
+                i.pod_views.remove(k % i.pod_views.len());
+            } else {
+                i.pods.remove(k % i.pods.len());
+            }
+            false
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: CASES, ..ProptestConfig::default() })]
+
+    /// Issue #21, item 2: a compiler that patches its previous snapshot after label
+    /// changes (and compiles in full after other changes) decides every flow and reports
+    /// every problem as a full compile of the same objects, change after change, with pods
+    /// given whole or as views.
+    #[test]
+    fn an_incremental_compile_decides_as_a_full_compile(
+        start in inputs(),
+        views in any::<bool>(),
+        steps in prop::collection::vec(prop::collection::vec(change(), 1..4), 1..6),
+    ) {
+        use tierproxy::policy::PodView;
+        use tierproxy::policy::compile::{Compiler, Pass};
+        // Every address the start's pods hold, deleted pods' too (external then).
+        let all_flows = flows(&start);
+        let mut i = start;
+        if views {
+            i.pod_views = i.pods.drain(..).map(|p| Arc::new(PodView::from_pod(&p))).collect();
+        }
+        let mut compiler = Compiler::new();
+        compiler.compile(&i, Revision(1));
+        for (n, changes) in steps.iter().enumerate() {
+            let mut patchable = true;
+            for c in changes {
+                patchable &= apply(&mut i, c);
+            }
+            let revision = Revision(n as u64 + 2);
+            let patched = compiler.compile(&i, revision);
+            if patchable {
+                prop_assert!(
+                    matches!(compiler.last_pass(), Pass::Patched { .. }),
+                    "step {}: {:?} compiled as {}", n, changes, compiler.last_pass()
+                );
+            }
+            let full = Snapshot::compile(&i, revision);
+            prop_assert_eq!(patched.snapshot.revision(), revision);
+            prop_assert_eq!(problem_lines(&patched.problems), problem_lines(&full.problems), "step {}", n);
+            for f in &all_flows {
+                prop_assert_eq!(
+                    summary(&patched.snapshot, &patched.snapshot.decide(f)),
+                    summary(&full.snapshot, &full.snapshot.decide(f)),
+                    "step {}: {:?}, flow {:?}", n, changes, f
+                );
+            }
+        }
+    }
+}

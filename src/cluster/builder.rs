@@ -19,9 +19,11 @@
 //!    version is valid (validated once too); every other invalid object is left out,
 //!    which fails closed as its API says (none of a left-out policy's rules apply; a
 //!    left-out pod, namespace or node is as if it did not exist).
-//! 3. **Compile** the admitted objects, once ([`Snapshot::compile_validated`]). Before
-//!    this module the agent compiled everything, validation included, and compiled again
-//!    when a last good version had to be put back.
+//! 3. **Compile** the admitted objects, once, with a [`Compiler`]: it patches the
+//!    previous snapshot when only pod or namespace labels changed, and otherwise compiles
+//!    in full ([`Snapshot::compile_validated`]). Before this module the agent compiled
+//!    everything, validation included, and compiled again when a last good version had
+//!    to be put back.
 //!
 //! What a build finds (errors, warnings, notes) comes back as lines, logged once each by
 //! a [`ProblemLog`]; each policy's acceptance as a [`Report`] for the status writer.
@@ -41,7 +43,7 @@ use super::lastgood::{self, Records};
 use super::manifest::{self, Loaded};
 use super::status::{self, Report};
 use crate::policy::api::{self, v1alpha1, v1alpha2};
-use crate::policy::compile::meta_namespace;
+use crate::policy::compile::{Compiler, Pass, meta_namespace};
 use crate::policy::{Inputs, Kind, ObjectRef, Problem, Revision, Snapshot, validate};
 
 /// Reads `manifests` and adds the API server's objects from `kube` (an object in both: the
@@ -144,6 +146,8 @@ pub struct Built {
     /// Objects validated by this build (changed since the previous build, or new; with
     /// the recorded versions put back): 0 when no object changed or came, only went.
     pub validated: usize,
+    /// Whether the snapshot was compiled in full (and why) or patched.
+    pub pass: Pass,
 }
 
 /// Validation results of one kind by object, with the version validated.
@@ -265,10 +269,13 @@ struct Caches {
     recorded_cluster: Cache<v1alpha2::ClusterNetworkPolicy>,
 }
 
-/// The agent's snapshot builder: validation results carried from build to build.
+/// The agent's snapshot builder: validation results and the compiler's state carried
+/// from build to build.
 #[derive(Default)]
 pub struct Builder {
     caches: Caches,
+    /// Patches the previous snapshot when only labels changed (issue #21 item 2).
+    compiler: Compiler,
     /// Builds so far.
     builds: u64,
 }
@@ -482,8 +489,10 @@ impl Builder {
             retain(&mut i.cluster_network_policies, Kind::ClusterNetworkPolicy, &out);
         }
 
-        // Stage 3: compile what was admitted.
-        let mut compiled = Snapshot::compile_validated(&inputs, revision);
+        // Stage 3: compile what was admitted, patching the previous snapshot when only
+        // labels changed.
+        let mut compiled = self.compiler.compile(&inputs, revision);
+        let pass = self.compiler.last_pass().clone();
         drop(inputs);
         problems.append(&mut compiled.problems);
         for p in &problems {
@@ -511,7 +520,7 @@ impl Builder {
         problems.extend(crate::policy::compile::priority_conflicts(&compiled.snapshot));
         let mut report = Report::new(revision.0, &problems, &kept);
         report.valid = valid;
-        Ok(Built { snapshot: compiled.snapshot, problems, report, lines, validated })
+        Ok(Built { snapshot: compiled.snapshot, problems, report, lines, validated, pass })
     }
 }
 

@@ -144,6 +144,10 @@ pub(crate) struct Matcher {
     named: Vec<(String, Option<Protocol>, RuleMask)>,
 }
 
+/// A matcher's class table is full: [`Matcher::set_pod`] cannot add a class.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct TooManyClasses;
+
 /// Protocol index into per-protocol tables: TCP 0, UDP 1, SCTP 2.
 pub(crate) fn protocol_index(p: Protocol) -> usize {
     match p {
@@ -320,7 +324,7 @@ impl Matcher {
     /// zeroed mask per pod and is left zeroed.
     pub(crate) fn build(
         rules: &[Rule],
-        pod_sets: &[roaring::RoaringBitmap],
+        pod_sets: &[std::sync::Arc<roaring::RoaringBitmap>],
         addrs: &PodAddrs,
         scratch: &mut [RuleMask],
     ) -> Matcher {
@@ -379,7 +383,7 @@ impl Matcher {
             }
         }
         for (&s, &mask) in &set_masks {
-            for pod in &pod_sets[s as usize] {
+            for pod in pod_sets[s as usize].iter() {
                 let m = &mut scratch[pod as usize];
                 if *m == 0 {
                     touched.push(pod);
@@ -421,6 +425,54 @@ impl Matcher {
             )
         });
         Matcher { masks: interner.masks, all_peers, all_ports, pods, nodes, v4, v6, ports, named }
+    }
+
+    /// Sets the class of pod `pod` to what [`Matcher::build`] would give it now: the rules
+    /// of `rules` (this matcher's) with a pod set in `pod_sets` that holds the pod, plus,
+    /// for a single-address pod (`addr`), the rules whose address ranges hold `addr`. Used
+    /// to patch a snapshot after the pod's labels (or its namespace's) changed.
+    ///
+    /// # Errors
+    /// [`TooManyClasses`] when the pod's new mask would need a class beyond what
+    /// [`Class`] can number; the matcher is unchanged then, and the caller builds it again.
+    pub(crate) fn set_pod(
+        &mut self,
+        pod: u32,
+        rules: &[Rule],
+        pod_sets: &[std::sync::Arc<roaring::RoaringBitmap>],
+        addr: Option<IpAddr>,
+    ) -> Result<(), TooManyClasses> {
+        let mut mask: RuleMask = 0;
+        for (r, rule) in rules.iter().enumerate() {
+            if rule.peers.pod_sets.iter().any(|&s| pod_sets[s as usize].contains(pod)) {
+                mask |= 1 << r;
+            }
+        }
+        mask |= match addr {
+            Some(IpAddr::V4(a)) => self.mask(self.v4.get(u32::from(a) as u128)),
+            Some(IpAddr::V6(a)) => self.mask(self.v6.get(u128::from(a))),
+            None => 0,
+        };
+        let class = match self.masks.iter().position(|&m| m == mask) {
+            Some(c) => c as Class,
+            None if self.masks.len() > Class::MAX as usize => return Err(TooManyClasses),
+            None => {
+                self.masks.push(mask);
+                (self.masks.len() - 1) as Class
+            }
+        };
+        match &mut self.pods {
+            PodClasses::Dense(d) => d[pod as usize] = class,
+            PodClasses::Sparse(s) => match (s.binary_search_by_key(&pod, |e| e.0), class) {
+                (Ok(i), 0) => {
+                    s.remove(i);
+                }
+                (Ok(i), c) => s[i].1 = c,
+                (Err(_), 0) => {}
+                (Err(i), c) => s.insert(i, (pod, c)),
+            },
+        }
+        Ok(())
     }
 
     #[inline]

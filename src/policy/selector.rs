@@ -121,6 +121,31 @@ impl LabelIndex {
         }
     }
 
+    /// Removes object `id`, which was inserted with `labels`; entries left empty go, so
+    /// the index is as if `id` had never been inserted.
+    pub fn remove(&mut self, id: u32, labels: &impl LabelSet) {
+        self.all.remove(id);
+        for (k, v) in labels.pairs() {
+            if let Some(ids) = self.by_key.get_mut(k) {
+                ids.remove(id);
+                if ids.is_empty() {
+                    self.by_key.remove(k);
+                }
+            }
+            if let Some(values) = self.by_value.get_mut(k) {
+                if let Some(ids) = values.get_mut(v) {
+                    ids.remove(id);
+                    if ids.is_empty() {
+                        values.remove(v);
+                    }
+                }
+                if values.is_empty() {
+                    self.by_value.remove(k);
+                }
+            }
+        }
+    }
+
     /// All indexed ids.
     pub fn all(&self) -> &RoaringBitmap {
         &self.all

@@ -8,17 +8,21 @@
 
 use std::collections::HashMap;
 use std::net::IpAddr;
+use std::sync::Arc;
 
 use roaring::RoaringBitmap;
 
 use super::matcher::{AddrIndex, Matcher, PortIndex};
 use super::model::{
-    ANNOTATION_ENFORCING, Endpoint, NamespaceEntry, NodeEntry, PodEntry, Revision, Rule, Tier,
+    ANNOTATION_ENFORCING, Endpoint, NamespaceEntry, NodeEntry, PodEntry, Revision, Rule, SetId,
+    Tier,
 };
 use super::problem::ObjectRef;
 use super::selector::LabelIndex;
 
-/// One compiled policy of any kind.
+/// One compiled policy of any kind. Its large parts are shared (`Arc`): a snapshot
+/// patched after a change ([`Compiler`](super::compile::Compiler)) copies a policy whose
+/// matcher or subject changed without copying its rules.
 #[derive(Debug, Clone)]
 pub(crate) struct Policy {
     pub(crate) object: ObjectRef,
@@ -26,19 +30,22 @@ pub(crate) struct Policy {
     /// `spec.priority`; NetworkPolicy has none (0); BANP sorts after every Baseline CNP.
     pub(crate) priority: i32,
     /// Rules by [`Direction`](super::model::Direction) index.
-    pub(crate) rules: [Vec<Rule>; 2],
+    pub(crate) rules: Arc<[Vec<Rule>; 2]>,
     /// Precompiled rule masks per direction; `None` above
     /// [`MAX_RULES`](super::matcher::MAX_RULES) rules (linear evaluation then).
-    pub(crate) matchers: [Option<Matcher>; 2],
-    /// Pods the subject selects.
-    pub(crate) subject: RoaringBitmap,
+    pub(crate) matchers: [Option<Arc<Matcher>>; 2],
+    /// Pods the subject selects: the interned pod set `subject_set` (the same allocation).
+    pub(crate) subject: Arc<RoaringBitmap>,
+    /// The interned pod set of the subject; `None` when the subject selects nothing by
+    /// construction (no selector, or a NetworkPolicy in a namespace nobody declared).
+    pub(crate) subject_set: Option<SetId>,
     /// Directions the policy applies to (NetworkPolicy: its defaulted `policyTypes`;
     /// others: directions with rules).
     pub(crate) applies: [bool; 2],
     /// The object's annotations whose key starts with
     /// [`ANNOTATION_PREFIX`](super::model::ANNOTATION_PREFIX) (others are not kept:
     /// `kubectl.kubernetes.io/last-applied-configuration` alone can be large).
-    pub(crate) annotations: Box<[(String, String)]>,
+    pub(crate) annotations: Arc<[(String, String)]>,
 }
 
 /// Per pod, tier and direction, the policies that apply, in evaluation order. Pods with
@@ -52,30 +59,35 @@ pub(crate) struct PodPolicies {
 }
 
 /// A compiled, immutable view of policies and cluster state, ready to decide flows.
-/// Build it with [`Snapshot::compile`]; share it behind an `Arc` and swap it whole.
+/// Build it with [`Snapshot::compile`] (or a [`Compiler`](super::compile::Compiler),
+/// which patches the previous one after a small change); share it behind an `Arc` and
+/// swap it whole. Its parts are shared (`Arc`) with the snapshot it was patched from, so
+/// a clone copies only the per-policy headers and the lists of shared parts.
 #[derive(Debug, Clone)]
 pub struct Snapshot {
     pub(crate) revision: Revision,
-    pub(crate) pods: Vec<PodEntry>,
-    pub(crate) namespaces: Vec<NamespaceEntry>,
-    pub(crate) nodes: Vec<NodeEntry>,
-    pub(crate) by_ip: HashMap<IpAddr, Endpoint>,
+    pub(crate) pods: Arc<Vec<PodEntry>>,
+    pub(crate) namespaces: Arc<Vec<NamespaceEntry>>,
+    pub(crate) nodes: Arc<Vec<NodeEntry>>,
+    pub(crate) by_ip: Arc<HashMap<IpAddr, Endpoint>>,
     /// Node addresses by node id.
-    pub(crate) node_addrs: Vec<Vec<IpAddr>>,
+    pub(crate) node_addrs: Arc<Vec<Vec<IpAddr>>>,
     /// Pod IPs by pod id.
-    pub(crate) pod_ips: Vec<Vec<IpAddr>>,
-    pub(crate) pod_sets: Vec<RoaringBitmap>,
+    pub(crate) pod_ips: Arc<Vec<Vec<IpAddr>>>,
+    /// The interned pod sets, by [`SetId`].
+    pub(crate) pod_sets: Vec<Arc<RoaringBitmap>>,
     pub(crate) policies: Vec<Policy>,
     /// Index into `policy_sets` by pod id.
-    pub(crate) per_pod: Vec<u32>,
-    /// The distinct per-pod policy lists.
-    pub(crate) policy_sets: Vec<PodPolicies>,
+    pub(crate) per_pod: Arc<Vec<u32>>,
+    /// The distinct per-pod policy lists (a patched snapshot may hold lists no pod uses
+    /// any more, until the next full compile).
+    pub(crate) policy_sets: Vec<Arc<PodPolicies>>,
     /// Per direction and protocol: which policies have a rule for a port.
-    pub(crate) port_index: [[PortIndex; 3]; 2],
+    pub(crate) port_index: Arc<[[PortIndex; 3]; 2]>,
     /// Per direction: which policies can match an external address.
-    pub(crate) addr_index: [AddrIndex; 2],
+    pub(crate) addr_index: Arc<[AddrIndex; 2]>,
     /// Pod labels, inverted ([`Snapshot::pod_label_values`]).
-    pub(crate) pod_index: LabelIndex,
+    pub(crate) pod_index: Arc<LabelIndex>,
 }
 
 impl Snapshot {

@@ -758,11 +758,12 @@ fn touch_next_rule(obj: AdminObject<'_>, d: Direction, i: usize) {
 }
 
 impl Cluster {
+    /// The subject's pod set and its id (`None`: selects nothing).
     fn subject(
         &mut self,
         namespaces: &Option<LabelSelector>,
         pods: &Option<NamespacedPod>,
-    ) -> RoaringBitmap {
+    ) -> (Arc<RoaringBitmap>, Option<SetId>) {
         let key = match (namespaces, pods) {
             (Some(ns), _) => selector(ns).map(SetKey::Namespaces),
             (None, Some(p)) => namespaced_pod_key(p),
@@ -772,9 +773,9 @@ impl Cluster {
         match key {
             Some(k) => {
                 let id = self.intern(k);
-                self.interner.sets[id as usize].clone()
+                (Arc::clone(&self.interner.sets[id as usize]), Some(id))
             }
-            None => RoaringBitmap::new(),
+            None => (Arc::default(), None),
         }
     }
 }
@@ -818,18 +819,19 @@ impl Cluster {
         annotations: Box<[(String, String)]>,
     ) -> Policy {
         let AdminBody { tier, priority, namespaces, pods, rules } = body;
-        let subject = self.subject(namespaces, pods);
+        let (subject, subject_set) = self.subject(namespaces, pods);
         // "ANPs with no ingress rules do not affect ingress traffic."
         let applies = [!rules[0].is_empty(), !rules[1].is_empty()];
         Policy {
             object,
             tier,
             priority,
-            rules,
+            rules: Arc::new(rules),
             matchers: [None, None],
             subject,
+            subject_set,
             applies,
-            annotations,
+            annotations: annotations.into(),
         }
     }
 }

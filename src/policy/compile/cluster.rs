@@ -7,6 +7,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::IpAddr;
+use std::sync::Arc;
 
 use roaring::RoaringBitmap;
 
@@ -27,9 +28,9 @@ use crate::policy::validate::{self, NAMESPACE_NAME_LABEL};
 /// Interns pod sets by the selector(s) that produced them.
 #[derive(Default)]
 pub(super) struct Interner {
-    ids: HashMap<SetKey, SetId>,
-    /// The pod sets, by [`SetId`]: the snapshot's pod sets.
-    pub(super) sets: Vec<RoaringBitmap>,
+    pub(super) ids: HashMap<SetKey, SetId>,
+    /// The pod sets, by [`SetId`]: the snapshot's pod sets (shared with it).
+    pub(super) sets: Vec<Arc<RoaringBitmap>>,
 }
 
 /// What an interned pod set was resolved from.
@@ -46,22 +47,23 @@ pub(super) enum SetKey {
 /// Compile-time state: the cluster's objects by dense id and the indexes over them. The
 /// passes of this file fill it in order ([`Cluster::namespaces`], [`Cluster::nodes`],
 /// [`Cluster::pods`], [`Cluster::label_indexes`]); the policy passes then read it and
-/// intern pod sets in it; its parts end up in the [`Snapshot`](crate::policy::Snapshot).
+/// intern pod sets in it; its parts end up in the [`Snapshot`](crate::policy::Snapshot),
+/// shared (`Arc`), and a [`Compiler`](super::Compiler) keeps it to patch them.
 #[derive(Default)]
 pub(super) struct Cluster {
     /// See [`Cluster::pods_in_namespaces`].
-    ns_pods: HashMap<Selector, RoaringBitmap>,
-    pub(super) pods: Vec<PodEntry>,
+    pub(super) ns_pods: HashMap<Selector, RoaringBitmap>,
+    pub(super) pods: Arc<Vec<PodEntry>>,
     /// Pod IPs by pod id (`status.podIPs`).
-    pub(super) pod_ips: Vec<Vec<IpAddr>>,
-    pub(super) namespaces: Vec<NamespaceEntry>,
+    pub(super) pod_ips: Arc<Vec<Vec<IpAddr>>>,
+    pub(super) namespaces: Arc<Vec<NamespaceEntry>>,
     pub(super) ns_ids: HashMap<String, u32>,
-    pub(super) nodes: Vec<NodeEntry>,
+    pub(super) nodes: Arc<Vec<NodeEntry>>,
     node_ids: HashMap<String, u32>,
     /// Node addresses by node id: InternalIP/ExternalIP, then its hostNetwork pods' IPs.
-    pub(super) node_addrs: Vec<Vec<IpAddr>>,
-    pub(super) pod_index: LabelIndex,
-    ns_index: LabelIndex,
+    pub(super) node_addrs: Arc<Vec<Vec<IpAddr>>>,
+    pub(super) pod_index: Arc<LabelIndex>,
+    pub(super) ns_index: LabelIndex,
     pub(super) node_index: LabelIndex,
     pub(super) interner: Interner,
     /// Single-address pods sorted by address, for folding address matches into pod classes.
@@ -107,7 +109,7 @@ impl Cluster {
             }
         };
         let id = self.interner.sets.len() as SetId;
-        self.interner.sets.push(set);
+        self.interner.sets.push(Arc::new(set));
         self.interner.ids.insert(key, id);
         id
     }
@@ -136,7 +138,7 @@ impl Cluster {
             // name, overwriting any other value (KEP-2161), so selectors on it always work.
             labels.insert(NAMESPACE_NAME_LABEL.to_string(), r.name.clone());
             self.ns_ids.insert(r.name.clone(), self.namespaces.len() as u32);
-            self.namespaces.push(NamespaceEntry {
+            Arc::make_mut(&mut self.namespaces).push(NamespaceEntry {
                 name: r.name,
                 labels,
                 pods: RoaringBitmap::new(),
@@ -172,12 +174,12 @@ impl Cluster {
                 .unwrap_or_default();
             let id = self.nodes.len() as u32;
             self.node_ids.insert(r.name.clone(), id);
-            self.nodes.push(NodeEntry {
+            Arc::make_mut(&mut self.nodes).push(NodeEntry {
                 name: r.name,
                 labels: node.metadata.labels.clone().unwrap_or_default(),
                 annotations: own_annotations(&node.metadata),
             });
-            self.node_addrs.push(addrs);
+            Arc::make_mut(&mut self.node_addrs).push(addrs);
         }
     }
 
@@ -235,12 +237,12 @@ impl Cluster {
                     // A node known only from pods: no labels, no addresses but its
                     // hostNetwork pods'.
                     let id = self.nodes.len() as u32;
-                    self.nodes.push(NodeEntry {
+                    Arc::make_mut(&mut self.nodes).push(NodeEntry {
                         name: n.clone(),
                         labels: BTreeMap::new(),
                         annotations: Box::default(),
                     });
-                    self.node_addrs.push(Vec::new());
+                    Arc::make_mut(&mut self.node_addrs).push(Vec::new());
                     self.node_ids.insert(n.clone(), id);
                     id
                 }
@@ -260,7 +262,7 @@ impl Cluster {
                     let labels = BTreeMap::from([(NAMESPACE_NAME_LABEL.to_string(), name.clone())]);
                     let id = self.namespaces.len() as u32;
                     self.ns_ids.insert(name.clone(), id);
-                    self.namespaces.push(NamespaceEntry {
+                    Arc::make_mut(&mut self.namespaces).push(NamespaceEntry {
                         name,
                         labels,
                         pods: RoaringBitmap::new(),
@@ -269,14 +271,19 @@ impl Cluster {
                 }
             };
             let id = self.pods.len() as u32;
-            self.namespaces[ns as usize].pods.insert(id);
-            self.pods.push(PodEntry { namespace: ns, name: r.name, node, ports });
-            self.pod_ips.push(ips);
+            Arc::make_mut(&mut self.namespaces)[ns as usize].pods.insert(id);
+            Arc::make_mut(&mut self.pods).push(PodEntry {
+                namespace: ns,
+                name: r.name,
+                node,
+                ports,
+            });
+            Arc::make_mut(&mut self.pod_ips).push(ips);
             pod_labels.push(item.labels);
         }
         self.addrs = PodAddrs::new(&self.pod_ips);
         for (n, ips) in host_ips {
-            let addrs = &mut self.node_addrs[n as usize];
+            let addrs = &mut Arc::make_mut(&mut self.node_addrs)[n as usize];
             for ip in ips {
                 if !addrs.contains(&ip) {
                     addrs.push(ip);
@@ -290,8 +297,9 @@ impl Cluster {
     /// namespaces' and nodes' labels, once every pass that adds to them has run; builds
     /// the pod, namespace and node [`LabelIndex`]es that selectors resolve against.
     pub(super) fn label_indexes(&mut self, pod_labels: &[LabelsRef<'_>]) {
+        let pod_index = Arc::make_mut(&mut self.pod_index);
         for (i, labels) in pod_labels.iter().enumerate() {
-            self.pod_index.insert(i as u32, labels);
+            pod_index.insert(i as u32, labels);
         }
         for (i, ns) in self.namespaces.iter().enumerate() {
             self.ns_index.insert(i as u32, &ns.labels);
@@ -459,7 +467,7 @@ fn named_ports(pod: &Pod) -> Vec<NamedPort> {
 }
 
 /// Labels of a pod without any.
-static NO_LABELS: BTreeMap<String, String> = BTreeMap::new();
+pub(super) static NO_LABELS: BTreeMap<String, String> = BTreeMap::new();
 
 /// One pod as the compile loop reads it, borrowed from a whole Pod or from a view.
 struct PodItem<'a> {

@@ -3,6 +3,7 @@
 //! lists, interned.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use roaring::RoaringBitmap;
 
@@ -40,7 +41,7 @@ pub(super) fn evaluation_order(policies: &mut [Policy]) {
 /// rule.
 pub(super) fn matchers_and_indexes(
     policies: &mut [Policy],
-    sets: &[RoaringBitmap],
+    sets: &[Arc<RoaringBitmap>],
     addrs: &PodAddrs,
     pods: &[PodEntry],
     workers: usize,
@@ -57,7 +58,7 @@ pub(super) fn matchers_and_indexes(
         (matchers, indexes)
     });
     for (p, m) in policies.iter_mut().zip(matchers) {
-        p.matchers = m;
+        p.matchers = m.map(|m| m.map(Arc::new));
     }
     indexes
 }
@@ -65,26 +66,30 @@ pub(super) fn matchers_and_indexes(
 /// Per pod (`pods` of them), the ids of the ordered `policies` that apply to it, per tier
 /// and direction, in evaluation order; the distinct lists interned. Returns the index into
 /// the distinct lists by pod id, and the distinct lists (ids in order of first use).
-pub(super) fn per_pod_policies(policies: &[Policy], pods: usize) -> (Vec<u32>, Vec<PodPolicies>) {
+pub(super) fn per_pod_policies(
+    policies: &[Policy],
+    pods: usize,
+) -> (Vec<u32>, Vec<Arc<PodPolicies>>) {
     let mut per_pod = vec![PodPolicies::default(); pods];
     for (pid, p) in policies.iter().enumerate() {
         for d in Direction::BOTH {
             if !p.applies[d as usize] {
                 continue;
             }
-            for pod in &p.subject {
+            for pod in p.subject.iter() {
                 per_pod[pod as usize].by_tier[p.tier.index()][d as usize].push(pid as u32);
             }
         }
     }
 
-    let mut policy_sets: Vec<PodPolicies> = Vec::new();
-    let mut set_ids: HashMap<PodPolicies, u32> = HashMap::new();
+    let mut policy_sets: Vec<Arc<PodPolicies>> = Vec::new();
+    let mut set_ids: HashMap<Arc<PodPolicies>, u32> = HashMap::new();
     let per_pod: Vec<u32> = per_pod
         .into_iter()
         .map(|lists| {
+            let lists = Arc::new(lists);
             *set_ids.entry(lists).or_insert_with_key(|lists| {
-                policy_sets.push(lists.clone());
+                policy_sets.push(Arc::clone(lists));
                 (policy_sets.len() - 1) as u32
             })
         })
@@ -97,7 +102,7 @@ pub(super) fn per_pod_policies(policies: &[Policy], pods: usize) -> (Vec<u32>, V
 /// interned pod sets).
 fn build_matchers(
     policies: &[Policy],
-    sets: &[RoaringBitmap],
+    sets: &[Arc<RoaringBitmap>],
     addrs: &PodAddrs,
     pods: usize,
     workers: usize,

@@ -37,6 +37,7 @@
 mod admin;
 mod checks;
 mod cluster;
+mod incremental;
 mod index;
 mod network;
 mod parallel;
@@ -55,6 +56,7 @@ use super::snapshot::Snapshot;
 pub use checks::{priority_conflicts, unreachable_rules};
 use cluster::Cluster;
 pub use cluster::PodView;
+pub use incremental::{Compiler, Pass};
 
 /// The API objects a snapshot is compiled from. Order within each list does not matter;
 /// an object given twice (same kind, namespace, name) is used once, the later one winning.
@@ -176,25 +178,26 @@ impl Snapshot {
     /// [`Compiled::problems`] (with warnings for what is used but worth knowing). The result
     /// does not depend on the order of objects within `inputs`.
     pub fn compile(inputs: &Inputs, revision: Revision) -> Compiled {
-        Self::compile_inner(inputs, revision, true, parallel::default_workers())
+        Self::compile_inner(inputs, revision, true, parallel::default_workers()).0
     }
 
     /// [`Snapshot::compile`] for inputs whose objects were each validated already (the
     /// daemon validates an object once, when it changes, not on every snapshot) and from
     /// which invalid objects were removed. Skips validation; everything else is the same.
     pub fn compile_validated(inputs: &Inputs, revision: Revision) -> Compiled {
-        Self::compile_inner(inputs, revision, false, parallel::default_workers())
+        Self::compile_inner(inputs, revision, false, parallel::default_workers()).0
     }
 
     /// The passes in order. `workers`: most threads to spread the large parts over (see
     /// [`parallel::balanced_ranges`]). Problems come kind by kind: namespaces, nodes,
-    /// pods, addresses, admin kinds, NetworkPolicies.
+    /// pods, addresses, admin kinds, NetworkPolicies. Returns the compile-time state
+    /// too, which a [`Compiler`] keeps to patch the snapshot.
     fn compile_inner(
         inputs: &Inputs,
         revision: Revision,
         validate: bool,
         workers: usize,
-    ) -> Compiled {
+    ) -> (Compiled, Cluster) {
         let mut problems = Vec::new();
         let mut c = Cluster::default();
         c.namespaces(inputs, validate, &mut problems);
@@ -217,21 +220,21 @@ impl Snapshot {
 
         let snapshot = Snapshot {
             revision,
-            pods: c.pods,
-            namespaces: c.namespaces,
-            nodes: c.nodes,
-            by_ip,
-            node_addrs: c.node_addrs,
-            pod_ips: c.pod_ips,
-            pod_sets: c.interner.sets,
+            pods: Arc::clone(&c.pods),
+            namespaces: Arc::clone(&c.namespaces),
+            nodes: Arc::clone(&c.nodes),
+            by_ip: Arc::new(by_ip),
+            node_addrs: Arc::clone(&c.node_addrs),
+            pod_ips: Arc::clone(&c.pod_ips),
+            pod_sets: c.interner.sets.clone(),
             policies,
-            per_pod,
+            per_pod: Arc::new(per_pod),
             policy_sets,
-            port_index,
-            addr_index,
-            pod_index: c.pod_index,
+            port_index: Arc::new(port_index),
+            addr_index: Arc::new(addr_index),
+            pod_index: Arc::clone(&c.pod_index),
         };
-        Compiled { snapshot, problems }
+        (Compiled { snapshot, problems }, c)
     }
 }
 
@@ -306,9 +309,9 @@ mod tests {
     #[test]
     fn compiling_on_several_workers_gives_what_one_worker_gives() {
         let inputs = large_inputs();
-        let one = Snapshot::compile_inner(&inputs, Revision(1), true, 1);
+        let one = Snapshot::compile_inner(&inputs, Revision(1), true, 1).0;
         for workers in [2, 3, 4] {
-            let many = Snapshot::compile_inner(&inputs, Revision(1), true, workers);
+            let many = Snapshot::compile_inner(&inputs, Revision(1), true, workers).0;
             assert_eq!(one.problems, many.problems, "{workers} workers: problems differ");
             let names = |s: &Snapshot| -> Vec<ObjectRef> {
                 s.policies.iter().map(|p| p.object.clone()).collect()
@@ -362,11 +365,11 @@ mod tests {
     fn validated_and_unvalidated_compiles_decide_alike() {
         let shape = Shape { namespaces: 60, pods: 1_200, nodes: 6, ..Shape::LARGE };
         let inputs = synth::cluster(Shape { admin_policies: 12, max_peers: 30, ..shape }, 3);
-        let checked = Snapshot::compile_inner(&inputs, Revision(1), true, 2);
+        let checked = Snapshot::compile_inner(&inputs, Revision(1), true, 2).0;
         assert!(checked.problems.iter().all(|p| !p.is_error()));
-        let unchecked = Snapshot::compile_inner(&inputs, Revision(1), false, 2);
+        let unchecked = Snapshot::compile_inner(&inputs, Revision(1), false, 2).0;
         let rules = |s: &Snapshot| -> usize {
-            s.policies.iter().flat_map(|p| &p.rules).map(Vec::len).sum()
+            s.policies.iter().flat_map(|p| p.rules.iter()).map(Vec::len).sum()
         };
         assert_eq!(rules(&checked.snapshot), rules(&unchecked.snapshot));
         for f in synth::flows(shape, 5_000, 5) {

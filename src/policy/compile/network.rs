@@ -2,7 +2,7 @@
 //! [`Policy`]s of the NetworkPolicy tier, their selector peers interned as pod sets.
 
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
-use roaring::RoaringBitmap;
+use std::sync::Arc;
 
 use super::cluster::{Cluster, SetKey};
 use super::{
@@ -11,7 +11,7 @@ use super::{
 };
 use crate::policy::api::NetworkPolicy;
 use crate::policy::cidr::{self, Block};
-use crate::policy::model::{Action, Direction, Peers, Rule, SetId, Tier};
+use crate::policy::model::{Action, Direction, Peers, Rule, Tier};
 use crate::policy::ports::{PortMatch, PortSpec, Ports};
 use crate::policy::problem::{Kind, ObjectRef, Problem};
 use crate::policy::snapshot::Policy;
@@ -96,12 +96,12 @@ impl Cluster {
             np.spec.as_ref().unwrap_or(&no_spec);
         // "This field is optional. If it is not specified, it defaults to an empty
         // selector" — which selects all pods in the namespace.
-        let subject = match selector(&pod_selector.clone().unwrap_or_default()) {
+        let (subject, subject_set) = match selector(&pod_selector.clone().unwrap_or_default()) {
             Some(s) => {
                 let id = self.intern(SetKey::InNamespace(ns, s));
-                self.pod_sets(id).clone()
+                (Arc::clone(&self.interner.sets[id as usize]), Some(id))
             }
-            None => RoaringBitmap::new(),
+            None => (Arc::default(), None),
         };
         // policyTypes defaulting (API server, SetDefaults_NetworkPolicySpec): "If this field
         // is not specified, it will default based on the existence of ingress or egress
@@ -179,15 +179,12 @@ impl Cluster {
             object,
             tier: Tier::NetworkPolicy,
             priority: 0,
-            rules,
+            rules: Arc::new(rules),
             matchers: [None, None],
             subject,
+            subject_set,
             applies,
-            annotations: own_annotations(&np.metadata),
+            annotations: own_annotations(&np.metadata).into(),
         })
-    }
-
-    fn pod_sets(&self, id: SetId) -> &RoaringBitmap {
-        &self.interner.sets[id as usize]
     }
 }

@@ -1,0 +1,659 @@
+//! Incremental compile (issue #21 item 2): a [`Compiler`] keeps what its last compile
+//! built and, when the next inputs differ only in the labels of pods or namespaces,
+//! patches the previous snapshot instead of compiling everything again.
+//!
+//! A label change moves pods in and out of interned pod sets, and nothing else: pod ids,
+//! addresses, policies, their rules and their order stay. So a patch
+//! 1. updates the label indexes and, for every interned [`SetKey`], the membership of each
+//!    pod whose labels (or whose namespace's labels) changed;
+//! 2. for each pod whose membership of some set flipped, sets the pod's class again in the
+//!    [`Matcher`]s that name those sets ([`Matcher::set_pod`]), points the policies whose
+//!    subject is one of those sets at the new set, and rebuilds the pod's per-pod policy
+//!    list (interned with the others).
+//!
+//! What the patch copies is what it changes: the snapshot's parts are shared (`Arc`) with
+//! the snapshot it came from, which stays valid for whoever still decides with it.
+//!
+//! Everything else is compiled in full, with the reason kept in [`Pass::Full`]: the first
+//! compile, a pod or namespace that came or went, a pod whose address, node, ports or
+//! phase changed, any node or policy change, duplicates, and the patched snapshot's
+//! leftovers (per-pod lists no pod uses any more) outgrowing the live ones. The patched
+//! snapshot decides every flow as a full compile of the same inputs does (property test
+//! `an_incremental_compile_decides_as_a_full_compile`, tests/properties.rs); its ids of
+//! per-pod lists may differ, which nothing outside the snapshot sees.
+
+use std::borrow::Cow;
+use std::collections::{BTreeMap, HashMap};
+use std::net::IpAddr;
+use std::sync::Arc;
+
+use kube::Resource;
+
+use super::cluster::{Cluster, NO_LABELS, SetKey};
+use super::{Inputs, own_annotations, parallel};
+use crate::policy::api::{Namespace, NetworkPolicy, Node, Pod, v1alpha1, v1alpha2};
+use crate::policy::labels::LabelsRef;
+use crate::policy::matcher::Matcher;
+use crate::policy::model::{Revision, SetId};
+use crate::policy::problem::Problem;
+use crate::policy::snapshot::{PodPolicies, Snapshot};
+use crate::policy::validate::NAMESPACE_NAME_LABEL;
+use crate::policy::{Compiled, PodView};
+
+/// What the last [`Compiler::compile`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Pass {
+    /// Compiled everything ([`Snapshot::compile_validated`]); the reason a patch could not
+    /// do, e.g. `"a policy changed"`.
+    Full(&'static str),
+    /// Patched the previous snapshot: the pods and the namespaces whose labels changed
+    /// (both 0 when nothing the snapshot reads changed).
+    Patched {
+        /// Pods whose labels changed.
+        pods: usize,
+        /// Namespaces whose labels changed.
+        namespaces: usize,
+    },
+}
+
+impl std::fmt::Display for Pass {
+    /// `full (<reason>)` or `patched (<n> pods, <m> namespaces)`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Pass::Full(reason) => write!(f, "full ({reason})"),
+            Pass::Patched { pods, namespaces } => {
+                write!(f, "patched ({pods} pods, {namespaces} namespaces)")
+            }
+        }
+    }
+}
+
+/// Compiles validated inputs ([`Snapshot::compile_validated`]'s contract: every object
+/// was validated and the invalid ones left out) again and again, patching the previous
+/// snapshot where the change allows it (module docs). One per snapshot builder.
+pub struct Compiler {
+    state: Option<State>,
+    last: Pass,
+    workers: usize,
+}
+
+impl Default for Compiler {
+    fn default() -> Self {
+        Compiler::new()
+    }
+}
+
+impl Compiler {
+    /// A compiler with nothing compiled yet: its first compile is a full one.
+    pub fn new() -> Compiler {
+        Compiler::with_workers(parallel::default_workers())
+    }
+
+    /// [`Compiler::new`] with the number of threads a full compile spreads over.
+    pub(crate) fn with_workers(workers: usize) -> Compiler {
+        Compiler { state: None, last: Pass::Full("first compile"), workers }
+    }
+
+    /// What the last [`Compiler::compile`] did.
+    pub fn last_pass(&self) -> &Pass {
+        &self.last
+    }
+
+    /// The snapshot of `inputs` as `revision`, with the problems a full compile reports
+    /// (for validated inputs: duplicates and address conflicts). Patches the previous
+    /// snapshot when only pod or namespace labels changed since the previous call;
+    /// otherwise compiles everything. Never fails, as [`Snapshot::compile`].
+    pub fn compile(&mut self, inputs: &Inputs, revision: Revision) -> Compiled {
+        let reason = match self.state.as_mut() {
+            None => "first compile",
+            Some(state) => match state.sources.diff(inputs, &state.cluster.ns_ids) {
+                Ok(changes) => {
+                    if state.snapshot.policy_sets.len() > 2 * state.full_policy_sets + 1024 {
+                        "the per-pod lists no pod uses outgrew the live ones"
+                    } else {
+                        self.last = Pass::Patched {
+                            pods: changes.pods.len(),
+                            namespaces: changes.namespaces.len(),
+                        };
+                        state.patch(changes, revision);
+                        return Compiled {
+                            snapshot: state.snapshot.clone(),
+                            problems: state.problems.clone(),
+                        };
+                    }
+                }
+                Err(reason) => reason,
+            },
+        };
+        // The old state goes first: its parts are shared with snapshots still in use, and
+        // what is not shared should not stay alive beside the new compile.
+        self.state = None;
+        self.last = Pass::Full(reason);
+        let (compiled, cluster) = Snapshot::compile_inner(inputs, revision, false, self.workers);
+        self.state = State::new(inputs, &compiled, cluster);
+        compiled
+    }
+}
+
+/// What a compiler keeps between compiles.
+struct State {
+    /// The compile-time state, its parts shared with `snapshot`.
+    cluster: Cluster,
+    /// The last snapshot returned (its parts shared with it).
+    snapshot: Snapshot,
+    problems: Vec<Problem>,
+    sources: Sources,
+    /// By set id: the (policy id, direction) of every matcher one of whose rules names
+    /// the set.
+    set_users: Vec<Vec<(u32, u8)>>,
+    /// By set id: the policies whose subject the set is.
+    subject_users: Vec<Vec<u32>>,
+    /// The per-pod lists' ids (`snapshot.policy_sets`).
+    policy_set_ids: HashMap<Arc<PodPolicies>, u32>,
+    /// Per-pod lists of the last full compile.
+    full_policy_sets: usize,
+}
+
+/// The changes a patch covers, found by [`Sources::diff`].
+#[derive(Default)]
+struct Changes {
+    /// Relabelled namespaces: id and new labels (with `kubernetes.io/metadata.name`).
+    namespaces: Vec<(u32, BTreeMap<String, String>)>,
+    /// Relabelled pod-network pods: id, old and new source.
+    pods: Vec<(u32, PodSource, PodSource)>,
+}
+
+impl State {
+    /// The state after a full compile; `None` when the inputs hold duplicates (each
+    /// later compile is then a full one, which reports them).
+    fn new(inputs: &Inputs, compiled: &Compiled, cluster: Cluster) -> Option<State> {
+        let snapshot = compiled.snapshot.clone();
+        let sources = Sources::of(inputs, &snapshot)?;
+        let sets = cluster.interner.sets.len();
+        let mut set_users: Vec<Vec<(u32, u8)>> = vec![Vec::new(); sets];
+        let mut subject_users: Vec<Vec<u32>> = vec![Vec::new(); sets];
+        let mut named: Vec<SetId> = Vec::new();
+        for (pid, p) in snapshot.policies.iter().enumerate() {
+            if let Some(s) = p.subject_set {
+                subject_users[s as usize].push(pid as u32);
+            }
+            for d in 0..2 {
+                if p.matchers[d].is_none() {
+                    continue;
+                }
+                named.clear();
+                named.extend(p.rules[d].iter().flat_map(|r| r.peers.pod_sets.iter().copied()));
+                named.sort_unstable();
+                named.dedup();
+                for &s in &named {
+                    set_users[s as usize].push((pid as u32, d as u8));
+                }
+            }
+        }
+        let policy_set_ids = snapshot
+            .policy_sets
+            .iter()
+            .enumerate()
+            .map(|(i, l)| (Arc::clone(l), i as u32))
+            .collect();
+        Some(State {
+            full_policy_sets: snapshot.policy_sets.len(),
+            cluster,
+            snapshot,
+            problems: compiled.problems.clone(),
+            sources,
+            set_users,
+            subject_users,
+            policy_set_ids,
+        })
+    }
+
+    /// Applies `changes` to the snapshot (module docs), as `revision`.
+    fn patch(&mut self, changes: Changes, revision: Revision) {
+        // Per pod, the sets whose membership of it flipped.
+        let mut flipped: BTreeMap<u32, Vec<SetId>> = BTreeMap::new();
+        for (ns, labels) in changes.namespaces {
+            self.relabel_namespace(ns, labels, &mut flipped);
+        }
+        for (pod, old, new) in changes.pods {
+            self.relabel_pod(pod, &old, &new, &mut flipped);
+        }
+        let mut changed_sets: Vec<SetId> = flipped.values().flatten().copied().collect();
+        changed_sets.sort_unstable();
+        changed_sets.dedup();
+        let s = &mut self.snapshot;
+        for &set in &changed_sets {
+            for &pid in &self.subject_users[set as usize] {
+                s.policies[pid as usize].subject =
+                    Arc::clone(&self.cluster.interner.sets[set as usize]);
+            }
+        }
+        s.pod_sets.clone_from(&self.cluster.interner.sets);
+        s.pod_index = Arc::clone(&self.cluster.pod_index);
+        s.namespaces = Arc::clone(&self.cluster.namespaces);
+        for (pod, mut sets) in flipped {
+            sets.sort_unstable();
+            sets.dedup();
+            self.repatch_pod(pod, &sets);
+        }
+        self.snapshot.revision = revision;
+    }
+
+    /// Namespace `ns` now has `labels`: its entry and label index, the memo of pods by
+    /// namespace selector, and the pod sets keyed by namespace selectors.
+    fn relabel_namespace(
+        &mut self,
+        ns: u32,
+        labels: BTreeMap<String, String>,
+        flipped: &mut BTreeMap<u32, Vec<SetId>>,
+    ) {
+        let c = &mut self.cluster;
+        let entry = &mut Arc::make_mut(&mut c.namespaces)[ns as usize];
+        let old = std::mem::replace(&mut entry.labels, labels);
+        let new = &entry.labels;
+        let pods = entry.pods.clone();
+        c.ns_index.remove(ns, &old);
+        c.ns_index.insert(ns, new);
+        for (sel, members) in &mut c.ns_pods {
+            match (sel.matches(&old), sel.matches(new)) {
+                (false, true) => *members |= &pods,
+                (true, false) => *members -= &pods,
+                _ => {}
+            }
+        }
+        for (key, &id) in &c.interner.ids {
+            let (ns_sel, pod_sel) = match key {
+                SetKey::Namespaces(n) => (n, None),
+                SetKey::Pods(n, p) => (n, Some(p)),
+                SetKey::InNamespace(..) => continue,
+            };
+            let now = ns_sel.matches(new);
+            if ns_sel.matches(&old) == now {
+                continue;
+            }
+            let moved = match pod_sel {
+                Some(p) => &pods & c.pod_index.resolve(p),
+                None => pods.clone(),
+            };
+            if moved.is_empty() {
+                continue;
+            }
+            let set = Arc::make_mut(&mut c.interner.sets[id as usize]);
+            if now {
+                *set |= &moved;
+            } else {
+                *set -= &moved;
+            }
+            for pod in &moved {
+                flipped.entry(pod).or_default().push(id);
+            }
+        }
+    }
+
+    /// Pod `pod` now has the labels of `new` (it had those of `old`): the pod label index
+    /// and its membership of every pod set keyed by a pod selector.
+    fn relabel_pod(
+        &mut self,
+        pod: u32,
+        old: &PodSource,
+        new: &PodSource,
+        flipped: &mut BTreeMap<u32, Vec<SetId>>,
+    ) {
+        let c = &mut self.cluster;
+        let (old, new) = (old.labels(), new.labels());
+        let index = Arc::make_mut(&mut c.pod_index);
+        index.remove(pod, &old);
+        index.insert(pod, &new);
+        let ns = c.pods[pod as usize].namespace;
+        let ns_labels = &c.namespaces[ns as usize].labels;
+        for (key, &id) in &c.interner.ids {
+            let member = match key {
+                SetKey::Namespaces(_) => continue,
+                SetKey::Pods(n, p) => n.matches(ns_labels) && p.matches(&new),
+                SetKey::InNamespace(n, p) => *n == ns && p.matches(&new),
+            };
+            let set = &mut c.interner.sets[id as usize];
+            if set.contains(pod) == member {
+                continue;
+            }
+            let set = Arc::make_mut(set);
+            if member {
+                set.insert(pod);
+            } else {
+                set.remove(pod);
+            }
+            flipped.entry(pod).or_default().push(id);
+        }
+    }
+
+    /// After the sets `sets` (sorted) gained or lost pod `pod`: the pod's class in every
+    /// matcher naming one of them, and its per-pod policy list.
+    fn repatch_pod(&mut self, pod: u32, sets: &[SetId]) {
+        let s = &mut self.snapshot;
+        let addr: Option<IpAddr> = match s.pod_ips[pod as usize].as_slice() {
+            [a] => Some(*a),
+            _ => None,
+        };
+        let mut users: Vec<(u32, u8)> =
+            sets.iter().flat_map(|&set| self.set_users[set as usize].iter().copied()).collect();
+        users.sort_unstable();
+        users.dedup();
+        for (pid, d) in users {
+            let p = &mut s.policies[pid as usize];
+            let rules = &p.rules[d as usize];
+            let Some(m) = p.matchers[d as usize].as_mut() else { continue };
+            let m = Arc::make_mut(m);
+            if m.set_pod(pod, rules, &s.pod_sets, addr).is_err() {
+                // Its class table is full: build it again from what the sets hold now.
+                let mut scratch = vec![0; s.pods.len()];
+                *m = Matcher::build(rules, &s.pod_sets, &self.cluster.addrs, &mut scratch);
+            }
+        }
+        // The pod's per-pod list: the policies whose subject flipped join or leave it.
+        let current = &s.policy_sets[s.per_pod[pod as usize] as usize];
+        let mut lists: PodPolicies = (**current).clone();
+        let mut changed = false;
+        for &set in sets {
+            for &pid in &self.subject_users[set as usize] {
+                let p = &s.policies[pid as usize];
+                let member = p.subject.contains(pod);
+                for d in 0..2 {
+                    if !p.applies[d] {
+                        continue;
+                    }
+                    let list = &mut lists.by_tier[p.tier.index()][d];
+                    match (list.binary_search(&pid), member) {
+                        (Err(at), true) => list.insert(at, pid),
+                        (Ok(at), false) => {
+                            list.remove(at);
+                        }
+                        _ => continue,
+                    }
+                    changed = true;
+                }
+            }
+        }
+        if !changed {
+            return;
+        }
+        let lists = Arc::new(lists);
+        let id = match self.policy_set_ids.get(&lists) {
+            Some(&id) => id,
+            None => {
+                let id = s.policy_sets.len() as u32;
+                s.policy_sets.push(Arc::clone(&lists));
+                self.policy_set_ids.insert(lists, id);
+                id
+            }
+        };
+        Arc::make_mut(&mut s.per_pod)[pod as usize] = id;
+    }
+}
+
+/// A pod as given: a whole Pod (manifests in full form) or a view.
+#[derive(Clone)]
+enum PodSource {
+    Pod(Arc<Pod>),
+    View(Arc<PodView>),
+}
+
+impl PodSource {
+    fn is(&self, other: &PodSource) -> bool {
+        match (self, other) {
+            (PodSource::Pod(a), PodSource::Pod(b)) => Arc::ptr_eq(a, b),
+            (PodSource::View(a), PodSource::View(b)) => Arc::ptr_eq(a, b),
+            _ => false,
+        }
+    }
+
+    fn view(&self) -> Cow<'_, PodView> {
+        match self {
+            PodSource::Pod(p) => Cow::Owned(PodView::from_pod(p)),
+            PodSource::View(v) => Cow::Borrowed(v),
+        }
+    }
+
+    /// Namespace (`default` when empty, as the compiler reads it) and name.
+    fn key(&self) -> (&str, &str) {
+        match self {
+            PodSource::Pod(p) => (
+                p.metadata.namespace.as_deref().filter(|n| !n.is_empty()).unwrap_or("default"),
+                p.metadata.name.as_deref().unwrap_or_default(),
+            ),
+            PodSource::View(v) => (&v.namespace, &v.name),
+        }
+    }
+
+    fn labels(&self) -> LabelsRef<'_> {
+        match self {
+            PodSource::Pod(p) => LabelsRef::Map(p.metadata.labels.as_ref().unwrap_or(&NO_LABELS)),
+            PodSource::View(v) => LabelsRef::Compact(&v.labels),
+        }
+    }
+}
+
+/// The pods of `inputs` in the order the compiler reads them: whole ones, then views.
+fn pod_sources(inputs: &Inputs) -> Vec<PodSource> {
+    let pods = inputs.pods.iter().map(|p| PodSource::Pod(Arc::clone(p)));
+    pods.chain(inputs.pod_views.iter().map(|v| PodSource::View(Arc::clone(v)))).collect()
+}
+
+/// `(namespace, name)` of an object, the namespace as given.
+fn key_of<T: Resource>(o: &T) -> (Option<&str>, &str) {
+    (o.meta().namespace.as_deref(), o.meta().name.as_deref().unwrap_or_default())
+}
+
+/// The objects of `new` that are not the same allocation as their counterpart of `old`
+/// (`same`), as (old index, new index) pairs; counterparts share a key. `None` when the
+/// keys of `new` are not those of `old`: an object came, went or is given twice.
+///
+/// Sources hand out their objects in a stable order (the stores keep it while objects
+/// only change), so the objects are first compared position by position; only when a
+/// position holds another key are they matched by key.
+fn changed_pairs<'a, O, N, K: std::hash::Hash + Eq>(
+    old: &'a [O],
+    new: &'a [N],
+    same: impl Fn(&O, &N) -> bool,
+    old_key: impl Fn(&'a O) -> K,
+    new_key: impl Fn(&'a N) -> K,
+) -> Option<Vec<(usize, usize)>> {
+    if old.len() != new.len() {
+        return None;
+    }
+    let mut out = Vec::new();
+    let in_place = (0..new.len()).all(|k| {
+        if same(&old[k], &new[k]) {
+            return true;
+        }
+        out.push((k, k));
+        old_key(&old[k]) == new_key(&new[k])
+    });
+    if in_place {
+        return Some(out);
+    }
+    out.clear();
+    let at: rustc_hash::FxHashMap<K, usize> =
+        old.iter().enumerate().map(|(i, o)| (old_key(o), i)).collect();
+    let mut seen = vec![false; old.len()];
+    for (j, n) in new.iter().enumerate() {
+        let &i = at.get(&new_key(n))?;
+        if std::mem::replace(&mut seen[i], true) {
+            return None;
+        }
+        if !same(&old[i], n) {
+            out.push((i, j));
+        }
+    }
+    Some(out)
+}
+
+/// The last inputs, kind by kind in the order given: what [`Sources::diff`] compares the
+/// next ones with.
+struct Sources {
+    pods: Vec<PodSource>,
+    /// The ids of the pod-network pods: namespace → name → id.
+    pod_ids: HashMap<String, HashMap<String, u32>>,
+    namespaces: Vec<Arc<Namespace>>,
+    nodes: Vec<Arc<Node>>,
+    network_policies: Vec<Arc<NetworkPolicy>>,
+    admin: Vec<Arc<v1alpha1::AdminNetworkPolicy>>,
+    baseline: Vec<Arc<v1alpha1::BaselineAdminNetworkPolicy>>,
+    cluster: Vec<Arc<v1alpha2::ClusterNetworkPolicy>>,
+}
+
+/// Whether `new` holds the objects of `old`, each the same allocation or `same` as its
+/// counterpart.
+fn unchanged<T: Resource>(old: &[Arc<T>], new: &[Arc<T>], same: fn(&T, &T) -> bool) -> bool {
+    changed_pairs(old, new, |a, b| Arc::ptr_eq(a, b), |o| key_of(&**o), |o| key_of(&**o))
+        .is_some_and(|pairs| pairs.iter().all(|&(i, j)| same(&old[i], &new[j])))
+}
+
+/// Policies compile from their `spec` and their own annotations.
+macro_rules! same_policy {
+    ($t:ty) => {
+        (|a: &$t, b: &$t| {
+            a.spec == b.spec && own_annotations(&a.metadata) == own_annotations(&b.metadata)
+        }) as fn(&$t, &$t) -> bool
+    };
+}
+
+/// Nodes compile from their labels, own annotations and `status.addresses`.
+fn same_node(a: &Node, b: &Node) -> bool {
+    let addresses = |n: &Node| n.status.as_ref().and_then(|s| s.addresses.clone());
+    a.metadata.labels == b.metadata.labels
+        && own_annotations(&a.metadata) == own_annotations(&b.metadata)
+        && addresses(a) == addresses(b)
+}
+
+/// A namespace's labels as compiled: its own, with `kubernetes.io/metadata.name` set to
+/// its name.
+fn namespace_labels(ns: &Namespace, name: &str) -> BTreeMap<String, String> {
+    let mut labels = ns.metadata.labels.clone().unwrap_or_default();
+    labels.insert(NAMESPACE_NAME_LABEL.to_string(), name.to_string());
+    labels
+}
+
+/// Whether a key repeats in `keys`.
+fn repeats<K: std::hash::Hash + Eq>(keys: impl ExactSizeIterator<Item = K>) -> bool {
+    let n = keys.len();
+    keys.collect::<std::collections::HashSet<K>>().len() != n
+}
+
+impl Sources {
+    /// The sources of `inputs`, compiled into `snapshot`; `None` when a key repeats (the
+    /// compiler then reports it, and every compile is a full one until it goes).
+    fn of(inputs: &Inputs, snapshot: &Snapshot) -> Option<Sources> {
+        let pods = pod_sources(inputs);
+        if repeats(pods.iter().map(PodSource::key))
+            || repeats(inputs.namespaces.iter().map(|o| key_of(&**o)))
+            || repeats(inputs.nodes.iter().map(|o| key_of(&**o)))
+            || repeats(inputs.network_policies.iter().map(|o| key_of(&**o)))
+            || repeats(inputs.admin_network_policies.iter().map(|o| key_of(&**o)))
+            || repeats(inputs.baseline_admin_network_policies.iter().map(|o| key_of(&**o)))
+            || repeats(inputs.cluster_network_policies.iter().map(|o| key_of(&**o)))
+        {
+            return None;
+        }
+        let mut pod_ids: HashMap<String, HashMap<String, u32>> = HashMap::new();
+        for id in 0..snapshot.pod_count() {
+            let (ns, name) = snapshot.pod_name(id);
+            pod_ids.entry(ns.to_string()).or_default().insert(name.to_string(), id);
+        }
+        Some(Sources {
+            pods,
+            pod_ids,
+            namespaces: inputs.namespaces.clone(),
+            nodes: inputs.nodes.clone(),
+            network_policies: inputs.network_policies.clone(),
+            admin: inputs.admin_network_policies.clone(),
+            baseline: inputs.baseline_admin_network_policies.clone(),
+            cluster: inputs.cluster_network_policies.clone(),
+        })
+    }
+
+    /// What changed from the last inputs to `inputs` if a patch covers it, with the new
+    /// inputs recorded; otherwise why not (the sources are then stale: a full compile
+    /// follows, which makes new ones). `ns_ids`: the namespaces' ids.
+    fn diff(
+        &mut self,
+        inputs: &Inputs,
+        ns_ids: &HashMap<String, u32>,
+    ) -> Result<Changes, &'static str> {
+        if !unchanged(&self.nodes, &inputs.nodes, same_node) {
+            return Err("a node changed, came or went");
+        }
+        if !unchanged(&self.network_policies, &inputs.network_policies, same_policy!(NetworkPolicy))
+            || !unchanged(
+                &self.admin,
+                &inputs.admin_network_policies,
+                same_policy!(v1alpha1::AdminNetworkPolicy),
+            )
+            || !unchanged(
+                &self.baseline,
+                &inputs.baseline_admin_network_policies,
+                same_policy!(v1alpha1::BaselineAdminNetworkPolicy),
+            )
+            || !unchanged(
+                &self.cluster,
+                &inputs.cluster_network_policies,
+                same_policy!(v1alpha2::ClusterNetworkPolicy),
+            )
+        {
+            return Err("a policy changed, came or went");
+        }
+        let mut changes = Changes::default();
+
+        fn ns_key(o: &Arc<Namespace>) -> &str {
+            o.metadata.name.as_deref().unwrap_or_default()
+        }
+        let namespaces =
+            changed_pairs(&self.namespaces, &inputs.namespaces, Arc::ptr_eq, ns_key, ns_key)
+                .ok_or("a namespace came or went")?;
+        for &(i, j) in &namespaces {
+            let (was, ns) = (&self.namespaces[i], &inputs.namespaces[j]);
+            if was.metadata.labels != ns.metadata.labels {
+                let name = ns_key(ns);
+                let id = *ns_ids.get(name).ok_or("a namespace came or went")?;
+                changes.namespaces.push((id, namespace_labels(ns, name)));
+            }
+        }
+
+        let pods = pod_sources(inputs);
+        let pairs = changed_pairs(&self.pods, &pods, PodSource::is, PodSource::key, PodSource::key)
+            .ok_or("a pod came or went")?;
+        for &(i, j) in &pairs {
+            let (was, now) = (&self.pods[i], &pods[j]);
+            let (old, new) = (was.view(), now.view());
+            if *old == *new {
+                continue;
+            }
+            let (mut o, mut n) = (old.into_owned(), new.into_owned());
+            o.labels = Default::default();
+            n.labels = Default::default();
+            if o != n {
+                return Err("a pod's node, addresses, ports or phase changed");
+            }
+            let (ns, name) = now.key();
+            if let Some(&id) = self.pod_ids.get(ns).and_then(|m| m.get(name)) {
+                changes.pods.push((id, was.clone(), now.clone()));
+            }
+        }
+
+        // Every check passed: record the new inputs.
+        if namespaces.iter().all(|&(i, j)| i == j) {
+            for (i, _) in namespaces {
+                self.namespaces[i] = Arc::clone(&inputs.namespaces[i]);
+            }
+        } else {
+            self.namespaces.clone_from(&inputs.namespaces);
+        }
+        if pairs.iter().all(|&(i, j)| i == j) {
+            for (i, _) in pairs {
+                self.pods[i] = pods[i].clone();
+            }
+        } else {
+            self.pods = pods;
+        }
+        Ok(changes)
+    }
+}
