@@ -4,14 +4,16 @@
 //! rules, a BANP), issue #21 item 2.
 //!
 //! Run: `cargo bench --bench snapshot` (`SNAPSHOT_CHURN_SECS` sets the churn phase's
-//! length, 60 s by default; `SNAPSHOT_ROUNDS` the rounds per single change, 20). It
+//! length, 60 s by default, 0 to skip it; `SNAPSHOT_ROUNDS` the rounds per single change,
+//! 20; `SNAPSHOT_ONLY=<text>` runs only the single changes whose name holds it). It
 //! prints, measured in the same run:
 //! - the first build (every object validated, then compiled) next to
 //!   [`Snapshot::compile`] of the same objects (validation inside the compile), the
 //!   baseline of everything below;
 //! - a new snapshot after one change, per kind of change: a pod's labels, one
-//!   NetworkPolicy's spec, one ANP's spec, a namespace's labels (p50 / p99 / max over the
-//!   rounds; the targets of issue #21: ≤ 5 ms p99 for a pod or a policy, ≤ 20 ms for a
+//!   NetworkPolicy's spec, one ANP's rules, one ANP's priority, a namespace's labels (p50 /
+//!   p99 / max over the rounds, and how the last build compiled: patched or in full, and
+//!   why; the targets of issue #21: ≤ 5 ms p99 for a pod or a policy, ≤ 20 ms for a
 //!   namespace);
 //! - churn: 100 pod-label changes a second for the churn phase, each followed by a build,
 //!   while another thread decides random flows on whichever snapshot is in force (swapped
@@ -71,7 +73,21 @@ fn edit_network_policy(i: &mut Inputs, k: usize, round: usize) {
     i.network_policies[k] = Arc::new(np);
 }
 
-fn edit_admin_policy(i: &mut Inputs, k: usize, round: usize) {
+/// One ANP's rules edited: its first egress rule's action flipped and its peers rotated
+/// (its place in the evaluation order kept).
+fn edit_admin_rules(i: &mut Inputs, k: usize, round: usize) {
+    use tierproxy::policy::api::v1alpha1::AdminNetworkPolicyRuleAction as A;
+    let mut anp: AdminNetworkPolicy = (*i.admin_network_policies[k]).clone();
+    if let Some(rule) = anp.spec.egress.first_mut() {
+        rule.action = if round.is_multiple_of(2) { A::Deny } else { A::Allow };
+        let n = rule.to.len();
+        rule.to.rotate_left(1 % n.max(1));
+    }
+    i.admin_network_policies[k] = Arc::new(anp);
+}
+
+/// One ANP's priority changed: its place in the evaluation order moves.
+fn edit_admin_priority(i: &mut Inputs, k: usize, round: usize) {
     let mut anp: AdminNetworkPolicy = (*i.admin_network_policies[k]).clone();
     anp.spec.priority = (anp.spec.priority + 1 + round as i32) % 1000;
     i.admin_network_policies[k] = Arc::new(anp);
@@ -90,6 +106,11 @@ fn relabel_namespace(i: &mut Inputs, k: usize, round: usize) {
 type Change = fn(&mut Inputs, usize, usize);
 
 /// Builds after each of `rounds` changes made by `change` (on object `round * 37 % n`).
+/// How the builder's last build compiled.
+fn builder_pass(b: &Builder) -> String {
+    b.last_pass().to_string()
+}
+
 fn single_changes(
     builder: &mut Builder,
     i: &mut Inputs,
@@ -174,18 +195,24 @@ fn main() {
     let mut builder = Builder::new();
     let mut revision = 1;
     builder.build(loaded(&i), Revision(revision), None).expect("builds");
-    let cases: [(&str, usize, Change, f64); 4] = [
+    let cases: [(&str, usize, Change, f64); 5] = [
         ("one pod's labels", i.pod_views.len(), relabel_pod, 5.0),
         ("one NetworkPolicy's spec", i.network_policies.len(), edit_network_policy, 5.0),
-        ("one ANP's spec", i.admin_network_policies.len(), edit_admin_policy, 5.0),
+        ("one ANP's rules", i.admin_network_policies.len(), edit_admin_rules, 5.0),
+        ("one ANP's priority", i.admin_network_policies.len(), edit_admin_priority, 5.0),
         ("one namespace's labels", i.namespaces.len(), relabel_namespace, 20.0),
     ];
+    let only = std::env::var("SNAPSHOT_ONLY").ok();
     for (what, n, change, target) in cases {
+        if only.as_deref().is_some_and(|o| !what.contains(o)) {
+            continue;
+        }
         let d = single_changes(&mut builder, &mut i, &mut revision, rounds, n, change);
         let (p50, p99, max) = percentiles(d);
         println!(
-            "after {what:<26} p50 {p50:7.1} ms  p99 {p99:7.1} ms  max {max:7.1} ms  ({:.2}x compile; target p99 <= {target} ms)",
-            p99 / c50
+            "after {what:<26} p50 {p50:7.1} ms  p99 {p99:7.1} ms  max {max:7.1} ms  ({:.3}x compile; target p99 <= {target} ms; last: {})",
+            p99 / c50,
+            builder_pass(&builder)
         );
     }
 
@@ -236,6 +263,9 @@ fn main() {
         (latencies, merged, h.join().expect("decider"))
     });
     let builds = latencies.len();
+    if builds == 0 {
+        return;
+    }
     let (p50, p99, max) = percentiles(latencies);
     println!(
         "churn, 100 pod-label changes/s for {churn_secs} s: {builds} builds, {merged} changes merged into a later build"

@@ -544,6 +544,12 @@ enum Change {
     PodApp(usize, Option<&'static str>),
     /// Namespace `.0`'s `env` label set to `.1` (removed: `None`).
     NamespaceEnv(usize, Option<&'static str>),
+    /// An ANP's subject replaced by `.1`, and its last egress rule replaced by `.2` (or
+    /// dropped): new pod sets, peers and ports.
+    AnpEdit(usize, Value, Option<Value>),
+    /// A NetworkPolicy's `podSelector` replaced by `.1`, and with `.2` its ingress rules
+    /// dropped.
+    NpEdit(usize, Value, bool),
     /// An ANP's priority raised by 7 (moves it among the others): compiled in full.
     AnpPriority(usize),
     /// A pod deleted: compiled in full.
@@ -556,6 +562,9 @@ fn change() -> impl Strategy<Value = Change> {
     prop_oneof![
         6 => (any::<usize>(), app).prop_map(|(i, v)| Change::PodApp(i, v)),
         3 => (any::<usize>(), env).prop_map(|(i, v)| Change::NamespaceEnv(i, v)),
+        2 => (any::<usize>(), subject(), prop::option::of(admin_rule(&["Allow", "Deny", "Pass"], "to")))
+            .prop_map(|(i, s, r)| Change::AnpEdit(i, s, r)),
+        2 => (any::<usize>(), pod_selector(), any::<bool>()).prop_map(|(i, s, d)| Change::NpEdit(i, s, d)),
         1 => any::<usize>().prop_map(Change::AnpPriority),
         1 => any::<usize>().prop_map(Change::DeletePod),
     ]
@@ -601,6 +610,34 @@ fn apply(i: &mut Inputs, change: &Change) -> bool {
             i.namespaces[k] = Arc::new(ns);
             true
         }
+        Change::AnpEdit(k, ref subject, ref rule) => {
+            if i.admin_network_policies.is_empty() {
+                return true;
+            }
+            let k = k % i.admin_network_policies.len();
+            let mut anp = (*i.admin_network_policies[k]).clone();
+            anp.spec.subject = serde_json::from_value(subject.clone()).expect("subject decodes");
+            anp.spec.egress.pop();
+            if let Some(rule) = rule {
+                anp.spec.egress.push(serde_json::from_value(rule.clone()).expect("rule decodes"));
+            }
+            i.admin_network_policies[k] = Arc::new(anp);
+            true
+        }
+        Change::NpEdit(k, ref selector, drop_rules) => {
+            if i.network_policies.is_empty() {
+                return true;
+            }
+            let k = k % i.network_policies.len();
+            let mut np = (*i.network_policies[k]).clone();
+            let spec = np.spec.get_or_insert_default();
+            spec.pod_selector = Some(serde_json::from_value(selector.clone()).expect("decodes"));
+            if drop_rules {
+                spec.ingress = None;
+            }
+            i.network_policies[k] = Arc::new(np);
+            true
+        }
         Change::AnpPriority(k) => {
             if i.admin_network_policies.is_empty() {
                 return true;
@@ -632,7 +669,8 @@ proptest! {
     /// Issue #21, item 2: a compiler that patches its previous snapshot after label
     /// changes (and compiles in full after other changes) decides every flow and reports
     /// every problem as a full compile of the same objects, change after change, with pods
-    /// given whole or as views.
+    /// given whole or as views; label changes and policy edits that keep a policy's place
+    /// are patched.
     #[test]
     fn an_incremental_compile_decides_as_a_full_compile(
         start in inputs(),
@@ -648,7 +686,9 @@ proptest! {
             i.pod_views = i.pods.drain(..).map(|p| Arc::new(PodView::from_pod(&p))).collect();
         }
         let mut compiler = Compiler::new();
-        compiler.compile(&i, Revision(1));
+        // The previous snapshot, with a full compile of its inputs: a patch must leave it
+        // as it was (deciders may still use it).
+        let mut previous = (compiler.compile(&i, Revision(1)).snapshot, Snapshot::compile(&i, Revision(1)).snapshot);
         for (n, changes) in steps.iter().enumerate() {
             let mut patchable = true;
             for c in changes {
@@ -671,7 +711,13 @@ proptest! {
                     summary(&full.snapshot, &full.snapshot.decide(f)),
                     "step {}: {:?}, flow {:?}", n, changes, f
                 );
+                prop_assert_eq!(
+                    summary(&previous.0, &previous.0.decide(f)),
+                    summary(&previous.1, &previous.1.decide(f)),
+                    "step {}: the previous snapshot changed; flow {:?}", n, f
+                );
             }
+            previous = (patched.snapshot, full.snapshot);
         }
     }
 }

@@ -346,13 +346,12 @@ impl Snapshot {
             .candidates(flow.dst_port)
             .unwrap_or(&[]);
         // An external peer matches only by address (or a rule matching every peer).
-        let by_address: Option<&[u32]> = match peer {
+        let by_address = match peer {
             Endpoint::External if FAST => Some(self.addr_index[d].candidates(peer_ip)),
             _ => None,
         };
         let skip = |pid: u32| {
-            FAST && (!has(candidates, pid)
-                || by_address.is_some_and(|ids| ids.binary_search(&pid).is_err()))
+            FAST && (!has(candidates, pid) || by_address.is_some_and(|c| !c.contains(pid)))
         };
         let first_rule = |pid: u32| {
             if FAST {

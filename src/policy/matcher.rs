@@ -579,6 +579,43 @@ impl PortIndex {
         out
     }
 
+    /// Sets policy `policy`'s bit exactly where `ranges` (inclusive port ranges) say,
+    /// and nowhere else: the index as [`PortIndex::build`] would give it for a policy whose
+    /// rules changed after the build (a patched snapshot). `policies`: the number of
+    /// policies it was built over. Intervals are split where a range starts or ends;
+    /// equal neighbours are not merged again (lookups do not depend on it).
+    pub(crate) fn set_policy(&mut self, policy: u32, ranges: &[(u32, u32)], policies: usize) {
+        for set in &mut self.sets {
+            set_bit(set, policy, false);
+        }
+        let words = policies.div_ceil(64);
+        for &(lo, hi) in ranges {
+            self.split_at(lo, words);
+            if hi < u16::MAX as u32 {
+                self.split_at(hi + 1, words);
+            }
+            let from = self.starts.partition_point(|&s| s < lo);
+            let to = self.starts.partition_point(|&s| s <= hi);
+            for set in &mut self.sets[from..to] {
+                set_bit(set, policy, true);
+            }
+        }
+    }
+
+    /// Makes `at` the start of an interval (a copy of the one holding it).
+    fn split_at(&mut self, at: u32, words: usize) {
+        let i = self.starts.partition_point(|&s| s <= at);
+        if i > 0 && self.starts[i - 1] == at {
+            return;
+        }
+        let set = match i.checked_sub(1) {
+            Some(prev) => self.sets[prev].clone(),
+            None => vec![0; words].into_boxed_slice(),
+        };
+        self.starts.insert(i, at);
+        self.sets.insert(i, set);
+    }
+
     /// The policies with a rule for `port`, as bitset words; `None` if there are none.
     #[inline]
     pub(crate) fn candidates(&self, port: u16) -> Option<&[u64]> {
@@ -597,6 +634,26 @@ impl PortIndex {
 pub(crate) struct AddrIndex {
     v4: Spans,
     v6: Spans,
+    /// Policies that are candidates for every address, sorted: those whose address ranges
+    /// changed after the build (a patched snapshot, until its next full compile). Their
+    /// entries in the intervals may be stale, which only adds candidates.
+    extra: Vec<u32>,
+}
+
+/// What [`AddrIndex::candidates`] finds for one address.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct AddrCandidates<'a> {
+    ids: &'a [u32],
+    extra: &'a [u32],
+}
+
+impl AddrCandidates<'_> {
+    /// Whether policy `policy` may match the address.
+    #[inline]
+    pub(crate) fn contains(&self, policy: u32) -> bool {
+        self.ids.binary_search(&policy).is_ok()
+            || (!self.extra.is_empty() && self.extra.binary_search(&policy).is_ok())
+    }
 }
 
 #[derive(Debug, Clone, Default)]
@@ -658,16 +715,34 @@ impl AddrIndex {
         v6: &mut [(u128, u128, u32)],
         policies: usize,
     ) -> AddrIndex {
-        AddrIndex { v4: Spans::build(v4, policies), v6: Spans::build(v6, policies) }
+        AddrIndex {
+            v4: Spans::build(v4, policies),
+            v6: Spans::build(v6, policies),
+            extra: Vec::new(),
+        }
     }
 
-    /// The sorted ids of policies with a rule that can match `ip` as an external peer.
+    /// The policies with a rule that can match `ip` as an external peer.
     #[inline]
-    pub(crate) fn candidates(&self, ip: IpAddr) -> &[u32] {
-        match ip {
+    pub(crate) fn candidates(&self, ip: IpAddr) -> AddrCandidates<'_> {
+        let ids = match ip {
             IpAddr::V4(a) => self.v4.get(u32::from(a) as u128),
             IpAddr::V6(a) => self.v6.get(u128::from(a)),
+        };
+        AddrCandidates { ids, extra: &self.extra }
+    }
+
+    /// Makes policy `policy` a candidate for every address (its ranges changed after the
+    /// build).
+    pub(crate) fn add_everywhere(&mut self, policy: u32) {
+        if let Err(at) = self.extra.binary_search(&policy) {
+            self.extra.insert(at, policy);
         }
+    }
+
+    /// Policies made candidates for every address ([`AddrIndex::add_everywhere`]).
+    pub(crate) fn extra(&self) -> usize {
+        self.extra.len()
     }
 }
 
@@ -728,6 +803,27 @@ mod tests {
         assert_eq!(swept(&mixed), want);
     }
 
+    /// A port index patched for one policy answers as one built with that policy's new
+    /// ranges, at every port.
+    #[test]
+    fn a_port_index_patched_for_one_policy_answers_as_one_built_so() {
+        let before = [(80, 80, 0), (0, 1000, 1), (443, 8080, 2), (53, 53, 1), (9000, 9000, 3)];
+        let new_ranges = [(0, 0), (81, 442), (65535, 65535), (8000, 9000)];
+        let mut patched = super::PortIndex::build(&mut before.to_vec(), 4);
+        patched.set_policy(1, &new_ranges, 4);
+        let mut after: Vec<(u32, u32, u32)> = before.iter().copied().filter(|r| r.2 != 1).collect();
+        after.extend(new_ranges.iter().map(|&(lo, hi)| (lo, hi, 1)));
+        let built = super::PortIndex::build(&mut after, 4);
+        for port in 0..=u16::MAX {
+            let bits = |i: &super::PortIndex| {
+                (0..4)
+                    .filter(|&p| i.candidates(port).is_some_and(|w| super::has(w, p)))
+                    .collect::<Vec<_>>()
+            };
+            assert_eq!(bits(&patched), bits(&built), "port {port}");
+        }
+    }
+
     #[test]
     fn addr_index_lists_covering_policies() {
         let base = u32::from(std::net::Ipv4Addr::new(10, 0, 0, 0)) as u128;
@@ -736,10 +832,10 @@ mod tests {
         let mut v6 = vec![(0, u128::MAX, 7)];
         let idx = AddrIndex::build(&mut v4, &mut v6, 8);
         let ip = |s: &str| s.parse::<IpAddr>().unwrap();
-        assert_eq!(idx.candidates(ip("10.0.0.1")), &[3, 7]);
-        assert_eq!(idx.candidates(ip("10.0.0.20")), &[1, 3, 7]);
-        assert_eq!(idx.candidates(ip("11.0.0.1")), &[7]);
-        assert_eq!(idx.candidates(ip("::1")), &[7]);
+        assert_eq!(idx.candidates(ip("10.0.0.1")).ids, &[3, 7]);
+        assert_eq!(idx.candidates(ip("10.0.0.20")).ids, &[1, 3, 7]);
+        assert_eq!(idx.candidates(ip("11.0.0.1")).ids, &[7]);
+        assert_eq!(idx.candidates(ip("::1")).ids, &[7]);
     }
 
     #[test]

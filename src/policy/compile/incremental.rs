@@ -30,12 +30,13 @@ use std::sync::Arc;
 use kube::Resource;
 
 use super::cluster::{Cluster, NO_LABELS, SetKey};
-use super::{Inputs, own_annotations, parallel};
+use super::index::{DeclaredPorts, addr_ranges, declared_ports, port_ranges};
+use super::{Inputs, meta_name, meta_namespace, own_annotations, parallel};
 use crate::policy::api::{Namespace, NetworkPolicy, Node, Pod, v1alpha1, v1alpha2};
 use crate::policy::labels::LabelsRef;
-use crate::policy::matcher::Matcher;
-use crate::policy::model::{Revision, SetId};
-use crate::policy::problem::Problem;
+use crate::policy::matcher::{MAX_RULES, Matcher};
+use crate::policy::model::{Revision, Rule, SetId};
+use crate::policy::problem::{Kind, ObjectRef, Problem};
 use crate::policy::snapshot::{PodPolicies, Snapshot};
 use crate::policy::validate::NAMESPACE_NAME_LABEL;
 use crate::policy::{Compiled, PodView};
@@ -46,13 +47,15 @@ pub enum Pass {
     /// Compiled everything ([`Snapshot::compile_validated`]); the reason a patch could not
     /// do, e.g. `"a policy changed"`.
     Full(&'static str),
-    /// Patched the previous snapshot: the pods and the namespaces whose labels changed
-    /// (both 0 when nothing the snapshot reads changed).
+    /// Patched the previous snapshot: the pods and the namespaces whose labels changed,
+    /// the policies edited (all 0 when nothing the snapshot reads changed).
     Patched {
         /// Pods whose labels changed.
         pods: usize,
         /// Namespaces whose labels changed.
         namespaces: usize,
+        /// Policies whose spec (or own annotations) changed.
+        policies: usize,
     },
 }
 
@@ -61,8 +64,8 @@ impl std::fmt::Display for Pass {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Pass::Full(reason) => write!(f, "full ({reason})"),
-            Pass::Patched { pods, namespaces } => {
-                write!(f, "patched ({pods} pods, {namespaces} namespaces)")
+            Pass::Patched { pods, namespaces, policies } => {
+                write!(f, "patched ({pods} pods, {namespaces} namespaces, {policies} policies)")
             }
         }
     }
@@ -108,18 +111,20 @@ impl Compiler {
             None => "first compile",
             Some(state) => match state.sources.diff(inputs, &state.cluster.ns_ids) {
                 Ok(changes) => {
-                    if state.snapshot.policy_sets.len() > 2 * state.full_policy_sets + 1024 {
-                        "the per-pod lists no pod uses outgrew the live ones"
-                    } else {
-                        self.last = Pass::Patched {
-                            pods: changes.pods.len(),
-                            namespaces: changes.namespaces.len(),
-                        };
-                        state.patch(changes, revision);
-                        return Compiled {
-                            snapshot: state.snapshot.clone(),
-                            problems: state.problems.clone(),
-                        };
+                    let pass = Pass::Patched {
+                        pods: changes.pods.len(),
+                        namespaces: changes.namespaces.len(),
+                        policies: changes.policies.len(),
+                    };
+                    match state.patch(changes, revision) {
+                        Ok(()) => {
+                            self.last = pass;
+                            return Compiled {
+                                snapshot: state.snapshot.clone(),
+                                problems: state.problems.clone(),
+                            };
+                        }
+                        Err(reason) => reason,
                     }
                 }
                 Err(reason) => reason,
@@ -152,7 +157,21 @@ struct State {
     policy_set_ids: HashMap<Arc<PodPolicies>, u32>,
     /// Per-pod lists of the last full compile.
     full_policy_sets: usize,
+    /// Interned pod sets of the last full compile.
+    full_sets: usize,
+    /// Policy ids by object.
+    policy_ids: HashMap<ObjectRef, u32>,
+    /// The named ports the pods declare (pods do not change in a patch).
+    declared: DeclaredPorts,
 }
+
+/// Most policies per direction whose address ranges a patch may change
+/// ([`AddrIndex::add_everywhere`]) before a full compile: each is a candidate for every
+/// external peer until then, which makes deciding a flow with an external peer a little
+/// slower.
+///
+/// [`AddrIndex::add_everywhere`]: crate::policy::matcher::AddrIndex::add_everywhere
+const MAX_ADDR_EXTRA: usize = 64;
 
 /// The changes a patch covers, found by [`Sources::diff`].
 #[derive(Default)]
@@ -161,6 +180,16 @@ struct Changes {
     namespaces: Vec<(u32, BTreeMap<String, String>)>,
     /// Relabelled pod-network pods: id, old and new source.
     pods: Vec<(u32, PodSource, PodSource)>,
+    /// Policies whose `spec` or own annotations changed, as they are now.
+    policies: Vec<Edit>,
+}
+
+/// The new version of a policy that changed.
+enum Edit {
+    Network(Arc<NetworkPolicy>),
+    Admin(Arc<v1alpha1::AdminNetworkPolicy>),
+    Baseline(Arc<v1alpha1::BaselineAdminNetworkPolicy>),
+    Cluster(Arc<v1alpha2::ClusterNetworkPolicy>),
 }
 
 impl State {
@@ -172,7 +201,9 @@ impl State {
         let sets = cluster.interner.sets.len();
         let mut set_users: Vec<Vec<(u32, u8)>> = vec![Vec::new(); sets];
         let mut subject_users: Vec<Vec<u32>> = vec![Vec::new(); sets];
-        let mut named: Vec<SetId> = Vec::new();
+        // Each matcher's distinct sets, found with a mark per set (which matcher saw it
+        // last) rather than a sort: a million peers name a few thousand sets.
+        let mut seen_by: Vec<Option<(u32, u8)>> = vec![None; sets];
         for (pid, p) in snapshot.policies.iter().enumerate() {
             if let Some(s) = p.subject_set {
                 subject_users[s as usize].push(pid as u32);
@@ -181,12 +212,14 @@ impl State {
                 if p.matchers[d].is_none() {
                     continue;
                 }
-                named.clear();
-                named.extend(p.rules[d].iter().flat_map(|r| r.peers.pod_sets.iter().copied()));
-                named.sort_unstable();
-                named.dedup();
-                for &s in &named {
-                    set_users[s as usize].push((pid as u32, d as u8));
+                let user = (pid as u32, d as u8);
+                for r in &p.rules[d] {
+                    for &s in &r.peers.pod_sets {
+                        if seen_by[s as usize] != Some(user) {
+                            seen_by[s as usize] = Some(user);
+                            set_users[s as usize].push(user);
+                        }
+                    }
                 }
             }
         }
@@ -196,8 +229,17 @@ impl State {
             .enumerate()
             .map(|(i, l)| (Arc::clone(l), i as u32))
             .collect();
+        let policy_ids = snapshot
+            .policies
+            .iter()
+            .enumerate()
+            .map(|(i, p)| (p.object.clone(), i as u32))
+            .collect();
         Some(State {
             full_policy_sets: snapshot.policy_sets.len(),
+            full_sets: sets,
+            policy_ids,
+            declared: declared_ports(&snapshot.pods),
             cluster,
             snapshot,
             problems: compiled.problems.clone(),
@@ -209,7 +251,26 @@ impl State {
     }
 
     /// Applies `changes` to the snapshot (module docs), as `revision`.
-    fn patch(&mut self, changes: Changes, revision: Revision) {
+    ///
+    /// # Errors
+    /// Why the changes need a full compile after all (the state is then spent): a policy
+    /// whose place in the evaluation order changed, too many edits or leftovers since the
+    /// last full compile.
+    fn patch(&mut self, changes: Changes, revision: Revision) -> Result<(), &'static str> {
+        if self.snapshot.policy_sets.len() > 2 * self.full_policy_sets + 1024 {
+            return Err("the per-pod lists no pod uses outgrew the live ones");
+        }
+        if self.cluster.interner.sets.len() > 2 * self.full_sets + 1024 {
+            return Err("the pod sets no policy uses outgrew the live ones");
+        }
+        if self
+            .snapshot
+            .addr_index
+            .iter()
+            .any(|a| a.extra() + changes.policies.len() > MAX_ADDR_EXTRA)
+        {
+            return Err("too many policies' address ranges changed since the last full compile");
+        }
         // Per pod, the sets whose membership of it flipped.
         let mut flipped: BTreeMap<u32, Vec<SetId>> = BTreeMap::new();
         for (ns, labels) in changes.namespaces {
@@ -236,7 +297,150 @@ impl State {
             sets.dedup();
             self.repatch_pod(pod, &sets);
         }
+        for edit in changes.policies {
+            self.edit_policy(edit)?;
+        }
+        self.snapshot.pod_sets.clone_from(&self.cluster.interner.sets);
         self.snapshot.revision = revision;
+        Ok(())
+    }
+
+    /// Compiles the new version of a policy into its place: its pod sets interned (new
+    /// ones resolved against the cluster as it is now), its matchers built, the per-pod
+    /// lists of the pods it selected or selects now, the port index patched exactly, and
+    /// the address index made to take it as a candidate for every external address when
+    /// its address ranges changed.
+    ///
+    /// # Errors
+    /// When the policy's place in the evaluation order changed (its tier or priority).
+    fn edit_policy(&mut self, edit: Edit) -> Result<(), &'static str> {
+        let c = &mut self.cluster;
+        // The admin pass over one object (validated: it reports no problem).
+        let admin = |c: &mut Cluster, inputs: Inputs| {
+            super::admin::admin_policies(c, &inputs, false, 1, &mut Vec::new()).pop()
+        };
+        let policy = match edit {
+            Edit::Network(np) => {
+                let r = ObjectRef::namespaced(
+                    Kind::NetworkPolicy,
+                    meta_namespace(&np.metadata),
+                    meta_name(&np.metadata),
+                );
+                c.network_policy(r, &np)
+            }
+            Edit::Admin(o) => {
+                admin(c, Inputs { admin_network_policies: vec![o], ..Inputs::default() })
+            }
+            Edit::Baseline(o) => {
+                admin(c, Inputs { baseline_admin_network_policies: vec![o], ..Inputs::default() })
+            }
+            Edit::Cluster(o) => {
+                admin(c, Inputs { cluster_network_policies: vec![o], ..Inputs::default() })
+            }
+        };
+        let Some(mut policy) = policy else {
+            return Err("an edited policy compiles to none (its namespace is not declared)");
+        };
+        let pid = *self
+            .policy_ids
+            .get(&policy.object)
+            .ok_or("an edited policy was not compiled before")?;
+        let s = &mut self.snapshot;
+        let old = &s.policies[pid as usize];
+        if (old.tier, old.priority) != (policy.tier, policy.priority) {
+            return Err("a policy's tier or priority changed (its place in the evaluation order)");
+        }
+        let mut scratch = vec![0; s.pods.len()];
+        let sets = &self.cluster.interner.sets;
+        for d in 0..2 {
+            let rules = &policy.rules[d];
+            policy.matchers[d] = (rules.len() <= MAX_RULES)
+                .then(|| Arc::new(Matcher::build(rules, sets, &self.cluster.addrs, &mut scratch)));
+        }
+
+        // Who names which set now.
+        self.set_users.resize(sets.len(), Vec::new());
+        self.subject_users.resize(sets.len(), Vec::new());
+        for (p, remove) in [(old, true), (&policy, false)] {
+            if let Some(set) = p.subject_set {
+                let users = &mut self.subject_users[set as usize];
+                if remove {
+                    users.retain(|&u| u != pid);
+                } else {
+                    users.push(pid);
+                }
+            }
+            for d in 0..2 {
+                if p.matchers[d].is_none() {
+                    continue;
+                }
+                for set in named_sets(&p.rules[d]) {
+                    let users = &mut self.set_users[set as usize];
+                    if remove {
+                        users.retain(|&u| u != (pid, d as u8));
+                    } else {
+                        users.push((pid, d as u8));
+                    }
+                }
+            }
+        }
+
+        // The per-pod lists of the pods it selected or selects, where that changed.
+        let (s0, s1) = (Arc::clone(&old.subject), Arc::clone(&policy.subject));
+        let (a0, a1, tier) = (old.applies, policy.applies, policy.tier.index());
+        if a0 != a1 || !(Arc::ptr_eq(&s0, &s1) || *s0 == *s1) {
+            let mut memo: HashMap<(u32, bool, bool), u32> = HashMap::new();
+            let per_pod = Arc::make_mut(&mut s.per_pod);
+            for pod in (&*s0 | &*s1).iter() {
+                let (in0, in1) = (s0.contains(pod), s1.contains(pod));
+                let current = per_pod[pod as usize];
+                per_pod[pod as usize] = *memo.entry((current, in0, in1)).or_insert_with(|| {
+                    let mut lists = (*s.policy_sets[current as usize]).clone();
+                    for (list, applies) in lists.by_tier[tier].iter_mut().zip(a1) {
+                        match (list.binary_search(&pid), in1 && applies) {
+                            (Err(at), true) => list.insert(at, pid),
+                            (Ok(at), false) => {
+                                list.remove(at);
+                            }
+                            _ => {}
+                        }
+                    }
+                    intern_lists(&mut self.policy_set_ids, &mut s.policy_sets, lists)
+                });
+            }
+        }
+
+        // The port index exactly; the address index by a superset when it changed.
+        let policies = s.policies.len();
+        for d in 0..2 {
+            let ports = |rules: &[Rule]| {
+                let mut out: [Vec<(u32, u32)>; 3] = Default::default();
+                port_ranges(rules, &self.declared, |proto, lo, hi| out[proto].push((lo, hi)));
+                out.map(merged)
+            };
+            let (before, after) = (ports(&old.rules[d]), ports(&policy.rules[d]));
+            for proto in 0..3 {
+                if before[proto] != after[proto] {
+                    let index = &mut Arc::make_mut(&mut s.port_index)[d][proto];
+                    index.set_policy(pid, &after[proto], policies);
+                }
+            }
+            let addresses = |rules: &[Rule]| {
+                let (mut v4, mut v6) = (Vec::new(), Vec::new());
+                addr_ranges(
+                    rules,
+                    |is_v4, lo, hi| {
+                        if is_v4 { v4.push((lo, hi)) } else { v6.push((lo, hi)) }
+                    },
+                );
+                (merged(v4), merged(v6))
+            };
+            if addresses(&old.rules[d]) != addresses(&policy.rules[d]) {
+                Arc::make_mut(&mut s.addr_index)[d].add_everywhere(pid);
+            }
+        }
+        s.policies[pid as usize] = policy;
+        Ok(())
     }
 
     /// Namespace `ns` now has `labels`: its entry and label index, the memo of pods by
@@ -376,18 +580,66 @@ impl State {
         if !changed {
             return;
         }
-        let lists = Arc::new(lists);
-        let id = match self.policy_set_ids.get(&lists) {
-            Some(&id) => id,
-            None => {
-                let id = s.policy_sets.len() as u32;
-                s.policy_sets.push(Arc::clone(&lists));
-                self.policy_set_ids.insert(lists, id);
-                id
-            }
-        };
+        let id = intern_lists(&mut self.policy_set_ids, &mut s.policy_sets, lists);
         Arc::make_mut(&mut s.per_pod)[pod as usize] = id;
     }
+}
+
+/// The id of per-pod list `lists` in `sets` (`ids` indexes them), added if new.
+fn intern_lists(
+    ids: &mut HashMap<Arc<PodPolicies>, u32>,
+    sets: &mut Vec<Arc<PodPolicies>>,
+    lists: PodPolicies,
+) -> u32 {
+    if let Some(&id) = ids.get(&lists) {
+        return id;
+    }
+    let lists = Arc::new(lists);
+    let id = sets.len() as u32;
+    sets.push(Arc::clone(&lists));
+    ids.insert(lists, id);
+    id
+}
+
+/// `ranges` (inclusive) sorted, with overlapping and adjacent ones merged: equal results
+/// cover equal positions.
+fn merged<T: Copy + Ord + num_like::Successor>(mut ranges: Vec<(T, T)>) -> Vec<(T, T)> {
+    ranges.sort_unstable();
+    let mut out: Vec<(T, T)> = Vec::with_capacity(ranges.len());
+    for (lo, hi) in ranges {
+        match out.last_mut() {
+            Some(last) if last.1.successor().is_none_or(|next| lo <= next) => {
+                last.1 = last.1.max(hi);
+            }
+            _ => out.push((lo, hi)),
+        }
+    }
+    out
+}
+
+mod num_like {
+    /// The next value, if any.
+    pub(super) trait Successor: Sized {
+        fn successor(self) -> Option<Self>;
+    }
+    impl Successor for u32 {
+        fn successor(self) -> Option<Self> {
+            self.checked_add(1)
+        }
+    }
+    impl Successor for u128 {
+        fn successor(self) -> Option<Self> {
+            self.checked_add(1)
+        }
+    }
+}
+
+/// The distinct pod sets `rules` name, sorted.
+fn named_sets(rules: &[Rule]) -> Vec<SetId> {
+    let mut out: Vec<SetId> = rules.iter().flat_map(|r| r.peers.pod_sets.iter().copied()).collect();
+    out.sort_unstable();
+    out.dedup();
+    out
 }
 
 /// A pod as given: a whole Pod (manifests in full form) or a view.
@@ -508,6 +760,21 @@ fn unchanged<T: Resource>(old: &[Arc<T>], new: &[Arc<T>], same: fn(&T, &T) -> bo
         .is_some_and(|pairs| pairs.iter().all(|&(i, j)| same(&old[i], &new[j])))
 }
 
+/// The indexes into `new` of the policies whose `spec` or own annotations (`same`) differ
+/// from their counterpart in `old`.
+///
+/// # Errors
+/// When a policy came, went or is given twice.
+fn edited<T: Resource>(
+    old: &[Arc<T>],
+    new: &[Arc<T>],
+    same: fn(&T, &T) -> bool,
+) -> Result<Vec<usize>, &'static str> {
+    let pairs = changed_pairs(old, new, Arc::ptr_eq, |o| key_of(&**o), |o| key_of(&**o))
+        .ok_or("a policy came or went")?;
+    Ok(pairs.into_iter().filter(|&(i, j)| !same(&old[i], &new[j])).map(|(_, j)| j).collect())
+}
+
 /// Policies compile from their `spec` and their own annotations.
 macro_rules! same_policy {
     ($t:ty) => {
@@ -582,26 +849,43 @@ impl Sources {
         if !unchanged(&self.nodes, &inputs.nodes, same_node) {
             return Err("a node changed, came or went");
         }
-        if !unchanged(&self.network_policies, &inputs.network_policies, same_policy!(NetworkPolicy))
-            || !unchanged(
+        let mut changes = Changes::default();
+        let edited = (
+            edited(&self.network_policies, &inputs.network_policies, same_policy!(NetworkPolicy))?,
+            edited(
                 &self.admin,
                 &inputs.admin_network_policies,
                 same_policy!(v1alpha1::AdminNetworkPolicy),
-            )
-            || !unchanged(
+            )?,
+            edited(
                 &self.baseline,
                 &inputs.baseline_admin_network_policies,
                 same_policy!(v1alpha1::BaselineAdminNetworkPolicy),
-            )
-            || !unchanged(
+            )?,
+            edited(
                 &self.cluster,
                 &inputs.cluster_network_policies,
                 same_policy!(v1alpha2::ClusterNetworkPolicy),
-            )
-        {
-            return Err("a policy changed, came or went");
-        }
-        let mut changes = Changes::default();
+            )?,
+        );
+        changes.policies.extend(
+            edited.0.iter().map(|&j| Edit::Network(Arc::clone(&inputs.network_policies[j]))),
+        );
+        changes.policies.extend(
+            edited.1.iter().map(|&j| Edit::Admin(Arc::clone(&inputs.admin_network_policies[j]))),
+        );
+        changes.policies.extend(
+            edited
+                .2
+                .iter()
+                .map(|&j| Edit::Baseline(Arc::clone(&inputs.baseline_admin_network_policies[j]))),
+        );
+        changes.policies.extend(
+            edited
+                .3
+                .iter()
+                .map(|&j| Edit::Cluster(Arc::clone(&inputs.cluster_network_policies[j]))),
+        );
 
         fn ns_key(o: &Arc<Namespace>) -> &str {
             o.metadata.name.as_deref().unwrap_or_default()
@@ -640,6 +924,10 @@ impl Sources {
         }
 
         // Every check passed: record the new inputs.
+        self.network_policies.clone_from(&inputs.network_policies);
+        self.admin.clone_from(&inputs.admin_network_policies);
+        self.baseline.clone_from(&inputs.baseline_admin_network_policies);
+        self.cluster.clone_from(&inputs.cluster_network_policies);
         if namespaces.iter().all(|&(i, j)| i == j) {
             for (i, _) in namespaces {
                 self.namespaces[i] = Arc::clone(&inputs.namespaces[i]);

@@ -122,77 +122,102 @@ fn build_matchers(
     built.into_iter().flatten().collect()
 }
 
-/// Builds the [`PortIndex`] of every direction and protocol. Named ports count as every
-/// port number some pod declares under that name (and protocol): a superset, so the index
-/// never hides a policy that could match.
-fn port_index(policies: &[Policy], pods: &[PodEntry]) -> [[PortIndex; 3]; 2] {
-    let mut declared: HashMap<&str, Vec<(Protocol, u16)>> = HashMap::new();
+/// Per named port, the (protocol, number) pairs some pod declares under that name.
+pub(super) type DeclaredPorts = HashMap<String, Vec<(Protocol, u16)>>;
+
+/// The named ports the `pods` declare ([`DeclaredPorts`]).
+pub(super) fn declared_ports(pods: &[PodEntry]) -> DeclaredPorts {
+    let mut declared: DeclaredPorts = HashMap::new();
     for np in pods.iter().flat_map(|p| &p.ports) {
-        let e = declared.entry(np.name.as_str()).or_default();
+        let e = declared.entry(np.name.clone()).or_default();
         if !e.contains(&(np.protocol, np.port)) {
             e.push((np.protocol, np.port));
         }
     }
+    declared
+}
+
+/// The inclusive port ranges the `rules` of one policy direction have, by protocol index
+/// (TCP, UDP, SCTP): each with its `id` appended by `push`. Named ports count as every
+/// port number some pod declares under that name (and protocol): a superset, so the
+/// [`PortIndex`] never hides a policy that could match.
+pub(super) fn port_ranges(
+    rules: &[Rule],
+    declared: &DeclaredPorts,
+    mut push: impl FnMut(usize, u32, u32),
+) {
+    for r in rules {
+        if r.ports.0.is_empty() {
+            for proto in 0..3 {
+                push(proto, 0, u16::MAX as u32);
+            }
+        }
+        for m in &r.ports.0 {
+            match (&m.ports, m.protocol) {
+                (PortSpec::Any, Some(proto)) => push(protocol_index(proto), 0, u16::MAX as u32),
+                (PortSpec::Range(lo, hi), Some(proto)) => {
+                    push(protocol_index(proto), *lo as u32, *hi as u32)
+                }
+                (PortSpec::Named(name), want) => {
+                    for &(proto, port) in declared.get(name.as_str()).into_iter().flatten() {
+                        if want.is_none_or(|w| w == proto) {
+                            push(protocol_index(proto), port as u32, port as u32);
+                        }
+                    }
+                }
+                (_, None) => {}
+            }
+        }
+    }
+}
+
+/// Builds the [`PortIndex`] of every direction and protocol ([`port_ranges`]).
+fn port_index(policies: &[Policy], pods: &[PodEntry]) -> [[PortIndex; 3]; 2] {
+    let declared = declared_ports(pods);
     let mut out: [[PortIndex; 3]; 2] = Default::default();
     for d in Direction::BOTH {
         let mut ranges: [Vec<(u32, u32, u32)>; 3] = Default::default();
         for (pid, p) in policies.iter().enumerate() {
             let pid = pid as u32;
-            for r in &p.rules[d as usize] {
-                if r.ports.0.is_empty() {
-                    for proto in &mut ranges {
-                        proto.push((0, u16::MAX as u32, pid));
-                    }
-                }
-                for m in &r.ports.0 {
-                    match (&m.ports, m.protocol) {
-                        (PortSpec::Any, Some(proto)) => {
-                            ranges[protocol_index(proto)].push((0, u16::MAX as u32, pid))
-                        }
-                        (PortSpec::Range(lo, hi), Some(proto)) => {
-                            ranges[protocol_index(proto)].push((*lo as u32, *hi as u32, pid))
-                        }
-                        (PortSpec::Named(name), want) => {
-                            for &(proto, port) in declared.get(name.as_str()).into_iter().flatten()
-                            {
-                                if want.is_none_or(|w| w == proto) {
-                                    ranges[protocol_index(proto)].push((
-                                        port as u32,
-                                        port as u32,
-                                        pid,
-                                    ));
-                                }
-                            }
-                        }
-                        (_, None) => {}
-                    }
-                }
-            }
+            port_ranges(&p.rules[d as usize], &declared, |proto, lo, hi| {
+                ranges[proto].push((lo, hi, pid))
+            });
         }
         out[d as usize] = ranges.map(|mut r| PortIndex::build(&mut r, policies.len()));
     }
     out
 }
 
-/// Builds the [`AddrIndex`] of each direction: every `networks`/`ipBlock` range of every
-/// rule, and the whole address space for rules that match every peer.
+/// The address ranges `rules` (one policy direction) can match an external peer with:
+/// every `networks`/`ipBlock` range, and the whole address space for a rule that
+/// matches every peer; as `(v4, v6)` inclusive ranges, each with its `id` appended by
+/// `push`.
+pub(super) fn addr_ranges(rules: &[Rule], mut push: impl FnMut(bool, u128, u128)) {
+    let mut scratch = Vec::new();
+    for r in rules {
+        if r.peers.all {
+            push(true, 0, u32::MAX as u128);
+            push(false, 0, u128::MAX);
+        }
+        for b in &r.peers.blocks {
+            block_ranges(b, &mut scratch);
+            let v4 = b.net.addr().is_ipv4();
+            for (lo, hi) in scratch.drain(..) {
+                push(v4, lo, hi);
+            }
+        }
+    }
+}
+
+/// Builds the [`AddrIndex`] of each direction ([`addr_ranges`]).
 fn addr_index(policies: &[Policy]) -> [AddrIndex; 2] {
     Direction::BOTH.map(|d| {
         let (mut v4, mut v6) = (Vec::new(), Vec::new());
-        let mut scratch = Vec::new();
         for (pid, p) in policies.iter().enumerate() {
             let pid = pid as u32;
-            for r in &p.rules[d as usize] {
-                if r.peers.all {
-                    v4.push((0, u32::MAX as u128, pid));
-                    v6.push((0, u128::MAX, pid));
-                }
-                for b in &r.peers.blocks {
-                    block_ranges(b, &mut scratch);
-                    let target = if b.net.addr().is_ipv4() { &mut v4 } else { &mut v6 };
-                    target.extend(scratch.drain(..).map(|(lo, hi)| (lo, hi, pid)));
-                }
-            }
+            addr_ranges(&p.rules[d as usize], |is_v4, lo, hi| {
+                if is_v4 { v4.push((lo, hi, pid)) } else { v6.push((lo, hi, pid)) }
+            });
         }
         AddrIndex::build(&mut v4, &mut v6, policies.len())
     })

@@ -81,7 +81,11 @@ impl Cluster {
     /// Compiles one validated NetworkPolicy: its subject (its `podSelector` in its own
     /// namespace; `None` when nobody declared the namespace, so no pod lives there), its
     /// defaulted `policyTypes` and its rules, each peer's selectors interned.
-    fn network_policy(&mut self, object: ObjectRef, np: &NetworkPolicy) -> Option<Policy> {
+    pub(super) fn network_policy(
+        &mut self,
+        object: ObjectRef,
+        np: &NetworkPolicy,
+    ) -> Option<Policy> {
         use k8s_openapi::api::networking::v1::{
             NetworkPolicyEgressRule, NetworkPolicyIngressRule, NetworkPolicyPeer, NetworkPolicySpec,
         };
