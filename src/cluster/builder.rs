@@ -20,8 +20,8 @@
 //!    which fails closed as its API says (none of a left-out policy's rules apply; a
 //!    left-out pod, namespace or node is as if it did not exist).
 //! 3. **Compile** the admitted objects, once, with a [`Compiler`]: it patches the
-//!    previous snapshot when only pod or namespace labels changed, and otherwise compiles
-//!    in full ([`Snapshot::compile_validated`]). Before this module the agent compiled
+//!    previous snapshot when only pod or namespace labels changed or policies were edited
+//!    in their place, and otherwise compiles in full ([`Snapshot::compile_validated`]). Before this module the agent compiled
 //!    everything, validation included, and compiled again when a last good version had
 //!    to be put back.
 //!
@@ -286,7 +286,7 @@ struct Caches {
 #[derive(Default)]
 pub struct Builder {
     caches: Caches,
-    /// Patches the previous snapshot when only labels changed (issue #21 item 2).
+    /// Patches the previous snapshot after small changes (issue #21 item 2).
     compiler: Compiler,
     /// Builds so far.
     builds: u64,
@@ -522,8 +522,8 @@ impl Builder {
             retain(&mut i.cluster_network_policies, Kind::ClusterNetworkPolicy, &out);
         }
 
-        // Stage 3: compile what was admitted, patching the previous snapshot when only
-        // labels changed.
+        // Stage 3: compile what was admitted, patching the previous snapshot where the
+        // change allows it.
         let mut compiled = self.compiler.compile(&inputs, revision);
         let pass = self.compiler.last_pass().clone();
         drop(inputs);

@@ -1,6 +1,7 @@
 //! Incremental compile (issue #21 item 2): a [`Compiler`] keeps what its last compile
-//! built and, when the next inputs differ only in the labels of pods or namespaces,
-//! patches the previous snapshot instead of compiling everything again.
+//! built and, when the next inputs differ only in the labels of pods or namespaces or in
+//! policies edited in their place, patches the previous snapshot instead of compiling
+//! everything again.
 //!
 //! A label change moves pods in and out of interned pod sets, and nothing else: pod ids,
 //! addresses, policies, their rules and their order stay. So a patch
@@ -9,18 +10,25 @@
 //! 2. for each pod whose membership of some set flipped, sets the pod's class again in the
 //!    [`Matcher`]s that name those sets ([`Matcher::set_pod`]), points the policies whose
 //!    subject is one of those sets at the new set, and rebuilds the pod's per-pod policy
-//!    list (interned with the others).
+//!    list (interned with the others);
+//! 3. compiles each edited policy alone against the cluster as it is now, into the same
+//!    place ([`State::edit_policy`]): same policy id, so nothing that names other policies
+//!    changes.
 //!
 //! What the patch copies is what it changes: the snapshot's parts are shared (`Arc`) with
 //! the snapshot it came from, which stays valid for whoever still decides with it.
 //!
 //! Everything else is compiled in full, with the reason kept in [`Pass::Full`]: the first
-//! compile, a pod or namespace that came or went, a pod whose address, node, ports or
-//! phase changed, any node or policy change, duplicates, and the patched snapshot's
-//! leftovers (per-pod lists no pod uses any more) outgrowing the live ones. The patched
-//! snapshot decides every flow as a full compile of the same inputs does (property test
-//! `an_incremental_compile_decides_as_a_full_compile`, tests/properties.rs); its ids of
-//! per-pod lists may differ, which nothing outside the snapshot sees.
+//! compile, a pod, namespace, node or policy that came or went, a pod whose address, node,
+//! ports or phase changed, any node change, a policy whose tier or priority changed (its
+//! place in the evaluation order), duplicates, and the patched snapshot's leftovers (per-pod
+//! lists or pod sets no one uses any more) outgrowing the live ones. The patched snapshot
+//! decides every flow and reports every problem as a full compile of the same inputs
+//! (property test `an_incremental_compile_decides_as_a_full_compile`,
+//! tests/properties.rs); its ids of per-pod lists and pod sets may differ, which nothing
+//! outside the snapshot sees.
+//!
+//! Source: issue #21 item 2; docs/architecture.md, "Incremental compile".
 
 use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
@@ -45,7 +53,7 @@ use crate::policy::{Compiled, PodView};
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Pass {
     /// Compiled everything ([`Snapshot::compile_validated`]); the reason a patch could not
-    /// do, e.g. `"a policy changed"`.
+    /// do, e.g. `"a pod came or went"`.
     Full(&'static str),
     /// Patched the previous snapshot: the pods and the namespaces whose labels changed,
     /// the policies edited (all 0 when nothing the snapshot reads changed).
@@ -60,7 +68,7 @@ pub enum Pass {
 }
 
 impl std::fmt::Display for Pass {
-    /// `full (<reason>)` or `patched (<n> pods, <m> namespaces)`.
+    /// `full (<reason>)` or `patched (<n> pods, <m> namespaces, <k> policies)`.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Pass::Full(reason) => write!(f, "full ({reason})"),
@@ -104,8 +112,9 @@ impl Compiler {
 
     /// The snapshot of `inputs` as `revision`, with the problems a full compile reports
     /// (for validated inputs: duplicates and address conflicts). Patches the previous
-    /// snapshot when only pod or namespace labels changed since the previous call;
-    /// otherwise compiles everything. Never fails, as [`Snapshot::compile`].
+    /// snapshot when, since the previous call, only pod or namespace labels changed or
+    /// policies were edited in their place; otherwise compiles everything
+    /// ([`Compiler::last_pass`] says which, and why). Never fails, as [`Snapshot::compile`].
     pub fn compile(&mut self, inputs: &Inputs, revision: Revision) -> Compiled {
         let reason = match self.state.as_mut() {
             None => "first compile",
@@ -943,5 +952,108 @@ impl Sources {
             self.pods = pods;
         }
         Ok(changes)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::synth::{self, Shape};
+
+    fn small() -> Inputs {
+        let shape = Shape { namespaces: 6, pods: 60, nodes: 3, ..Shape::LARGE };
+        let shape = Shape { network_policies: 10, admin_policies: 6, ..shape };
+        let mut i = synth::cluster(Shape { rules_per_admin_policy: 5, max_peers: 5, ..shape }, 5);
+        i.pod_views = i.pods.drain(..).map(|p| Arc::new(PodView::from_pod(&p))).collect();
+        i
+    }
+
+    fn relabel(i: &mut Inputs, k: usize, value: &str) {
+        let mut v = (*i.pod_views[k]).clone();
+        let mut labels: BTreeMap<String, String> =
+            v.labels.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        labels.insert("tier".into(), value.into());
+        v.labels = labels.into();
+        i.pod_views[k] = Arc::new(v);
+    }
+
+    /// Each kind of change compiles as the module docs say, and `last_pass` names it.
+    #[test]
+    fn each_change_is_patched_or_compiled_in_full_as_documented() {
+        let mut i = small();
+        let mut c = Compiler::with_workers(1);
+        let mut step = 0;
+        let mut compile = |c: &mut Compiler, i: &Inputs| {
+            step += 1;
+            c.compile(i, Revision(step)).snapshot
+        };
+        compile(&mut c, &i);
+        assert_eq!(c.last_pass(), &Pass::Full("first compile"));
+        compile(&mut c, &i);
+        assert_eq!(c.last_pass(), &Pass::Patched { pods: 0, namespaces: 0, policies: 0 });
+
+        relabel(&mut i, 3, "db");
+        compile(&mut c, &i);
+        assert_eq!(c.last_pass(), &Pass::Patched { pods: 1, namespaces: 0, policies: 0 });
+
+        let mut ns = (*i.namespaces[2]).clone();
+        ns.metadata.labels.get_or_insert_default().insert("env".into(), "elsewhere".into());
+        i.namespaces[2] = Arc::new(ns);
+        let mut np = (*i.network_policies[1]).clone();
+        let spec = np.spec.get_or_insert_default();
+        spec.pod_selector.get_or_insert_default().match_labels =
+            Some([("tier".to_string(), "edited".to_string())].into());
+        i.network_policies[1] = Arc::new(np);
+        compile(&mut c, &i);
+        assert_eq!(c.last_pass(), &Pass::Patched { pods: 0, namespaces: 1, policies: 1 });
+
+        let mut anp = (*i.admin_network_policies[0]).clone();
+        anp.spec.priority += 1;
+        i.admin_network_policies[0] = Arc::new(anp);
+        compile(&mut c, &i);
+        assert_eq!(
+            c.last_pass(),
+            &Pass::Full("a policy's tier or priority changed (its place in the evaluation order)")
+        );
+
+        let mut moved = (*i.pod_views[4]).clone();
+        moved.ips = vec!["10.250.0.9".parse().unwrap()];
+        i.pod_views[4] = Arc::new(moved);
+        compile(&mut c, &i);
+        assert_eq!(c.last_pass(), &Pass::Full("a pod's node, addresses, ports or phase changed"));
+
+        i.pod_views.pop();
+        compile(&mut c, &i);
+        assert_eq!(c.last_pass(), &Pass::Full("a pod came or went"));
+
+        // Lists in another order are matched by key: still a patch.
+        i.pod_views.reverse();
+        i.network_policies.reverse();
+        compile(&mut c, &i);
+        assert_eq!(c.last_pass(), &Pass::Patched { pods: 0, namespaces: 0, policies: 0 });
+
+        i.pod_views.push(Arc::clone(&i.pod_views[0]));
+        compile(&mut c, &i);
+        assert_eq!(c.last_pass(), &Pass::Full("a pod came or went"));
+    }
+
+    /// A patch shares what it did not change with the snapshot it came from.
+    #[test]
+    fn a_pod_relabel_copies_only_what_it_changes() {
+        let mut i = small();
+        let mut c = Compiler::with_workers(1);
+        let before = c.compile(&i, Revision(1)).snapshot;
+        relabel(&mut i, 7, "api");
+        let after = c.compile(&i, Revision(2)).snapshot;
+        assert!(matches!(c.last_pass(), Pass::Patched { pods: 1, .. }));
+        assert!(Arc::ptr_eq(&before.pods, &after.pods));
+        assert!(Arc::ptr_eq(&before.pod_ips, &after.pod_ips));
+        assert!(Arc::ptr_eq(&before.by_ip, &after.by_ip));
+        assert!(Arc::ptr_eq(&before.port_index, &after.port_index));
+        assert!(Arc::ptr_eq(&before.addr_index, &after.addr_index));
+        assert!(!Arc::ptr_eq(&before.pod_index, &after.pod_index), "the pod's labels moved");
+        for (a, b) in before.policies.iter().zip(&after.policies) {
+            assert!(Arc::ptr_eq(&a.rules, &b.rules), "{}: rules copied", a.object);
+        }
     }
 }

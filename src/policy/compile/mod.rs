@@ -22,7 +22,9 @@
 //! - [`index`]: evaluation order, each policy's matchers, the port and address indexes,
 //!   the per-pod policy lists;
 //! - [`checks`]: what runs on a finished snapshot ([`priority_conflicts`],
-//!   [`unreachable_rules`]).
+//!   [`unreachable_rules`]);
+//! - [`incremental`]: the [`Compiler`], which keeps the compile-time state and patches the
+//!   last snapshot after small changes instead of running the passes again.
 //!
 //! The large parts (pods, admin objects, matchers) run on up to four threads
 //! ([`parallel`]); decisions and problems do not depend on how many, and for one thread
