@@ -137,10 +137,10 @@ pub(super) fn declared_ports(pods: &[PodEntry]) -> DeclaredPorts {
     declared
 }
 
-/// The inclusive port ranges the `rules` of one policy direction have, by protocol index
-/// (TCP, UDP, SCTP): each with its `id` appended by `push`. Named ports count as every
-/// port number some pod declares under that name (and protocol): a superset, so the
-/// [`PortIndex`] never hides a policy that could match.
+/// The inclusive port ranges the `rules` of one policy direction have, each handed to
+/// `push` as (protocol index: TCP 0, UDP 1, SCTP 2; first port; last port). Named ports
+/// count as every port number some pod declares under that name (and protocol): a
+/// superset, so the [`PortIndex`] never hides a policy that could match.
 pub(super) fn port_ranges(
     rules: &[Rule],
     declared: &DeclaredPorts,
@@ -190,8 +190,7 @@ fn port_index(policies: &[Policy], pods: &[PodEntry]) -> [[PortIndex; 3]; 2] {
 
 /// The address ranges `rules` (one policy direction) can match an external peer with:
 /// every `networks`/`ipBlock` range, and the whole address space for a rule that
-/// matches every peer; as `(v4, v6)` inclusive ranges, each with its `id` appended by
-/// `push`.
+/// matches every peer; each inclusive range handed to `push` as (is IPv4, first, last).
 pub(super) fn addr_ranges(rules: &[Rule], mut push: impl FnMut(bool, u128, u128)) {
     let mut scratch = Vec::new();
     for r in rules {
