@@ -536,8 +536,9 @@ proptest! {
 }
 
 /// One change between two compiles of [`an_incremental_compile_decides_as_a_full_compile`]:
-/// pod or namespace labels (which a [`Compiler`](tierproxy::policy::compile::Compiler)
-/// patches), or a change it compiles in full.
+/// pod or namespace labels and policy edits that keep the policy's place (which a
+/// [`Compiler`](tierproxy::policy::compile::Compiler) patches), or a change it compiles in
+/// full.
 #[derive(Debug, Clone)]
 enum Change {
     /// Pod `.0`'s `app` label set to `.1` (removed: `None`).
@@ -588,12 +589,10 @@ fn apply(i: &mut Inputs, change: &Change) -> bool {
             if !i.pod_views.is_empty() {
                 let k = k % i.pod_views.len();
                 let mut view = (*i.pod_views[k]).clone();
-                let mut labels: std::collections::BTreeMap<String, String> =
-                    view.labels.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
-                let mut some = Some(labels);
-                set(&mut some, "app", v);
-                labels = some.unwrap_or_default();
-                view.labels = labels.into();
+                let mut labels =
+                    Some(view.labels.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect());
+                set(&mut labels, "app", v);
+                view.labels = labels.unwrap_or_default().into();
                 i.pod_views[k] = Arc::new(view);
             } else {
                 let k = k % i.pods.len();
