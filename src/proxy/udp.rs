@@ -296,18 +296,32 @@ fn datagram(
     if life.open() {
         forward(&flow.upstream, payload, &flow.tracked.counters.to_server, table);
     }
-    let (table, config) = (table.clone(), config.clone());
+    let (entry, config) = (Entry { table: table.clone(), key: (src, dst), flow }, config.clone());
     tokio::spawn(async move {
-        let reason = relay(&flow, &reply, &table, &config).await;
-        {
-            let mut flows = table.lock();
-            if flows.get(&(src, dst)).is_some_and(|f| Arc::ptr_eq(f, &flow)) {
-                flows.remove(&(src, dst));
-            }
-        }
+        let reason = relay(&entry.flow, &reply, &entry.table, &config).await;
+        drop(entry);
         tracing::debug!(%src, %dst, reason = reason.as_str(), "UDP flow closed");
         life.end(reason);
     });
+}
+
+/// A flow's place in the table, held by its task: the entry leaves the table when the task
+/// ends, however it ends (a panic in the relay, or the runtime dropping the task, included),
+/// so later datagrams of its 4-tuple open a new flow instead of going to a dead one. An
+/// entry that a newer flow of the same 4-tuple replaced is left alone.
+struct Entry {
+    table: Arc<Table>,
+    key: (SocketAddr, SocketAddr),
+    flow: Arc<Flow>,
+}
+
+impl Drop for Entry {
+    fn drop(&mut self) {
+        let mut flows = self.table.lock();
+        if flows.get(&self.key).is_some_and(|f| Arc::ptr_eq(f, &self.flow)) {
+            flows.remove(&self.key);
+        }
+    }
 }
 
 /// Sends `payload` on `to` now, or drops it; counts what was sent in `bytes`. The send is
@@ -489,4 +503,48 @@ fn recv_original(fd: i32, buf: &mut [u8]) -> io::Result<(SocketAddr, SocketAddr,
     }
     let dst = dst.ok_or_else(|| invalid("datagram without an original destination"))?;
     Ok((src, dst, msg.bytes))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A flow whose task panics leaves the table (the bug: its entry stayed, and later
+    /// datagrams of its 4-tuple went to the dead flow until shutdown); a newer flow of the
+    /// same 4-tuple is not removed by an older one's end.
+    #[tokio::test]
+    async fn a_flow_whose_task_panics_leaves_the_table() {
+        let table = Arc::new(Table {
+            flows: Mutex::new(HashMap::new()),
+            epoch: Instant::now(),
+            stats: Arc::default(),
+        });
+        let (src, dst): (SocketAddr, SocketAddr) =
+            ("127.0.0.1:40000".parse().unwrap(), "127.0.0.1:53".parse().unwrap());
+        let registry = Arc::new(Registry::default());
+        let flow = || async {
+            Arc::new(Flow {
+                upstream: Arc::new(UdpSocket::bind("127.0.0.1:0").await.expect("loopback")),
+                tracked: registry
+                    .register(FlowKey { src, dst, protocol: Protocol::Udp })
+                    .tracked
+                    .clone(),
+                last: AtomicU64::new(0),
+            })
+        };
+        let first = flow().await;
+        table.lock().insert((src, dst), first.clone());
+        let entry = Entry { table: table.clone(), key: (src, dst), flow: first };
+        let task = tokio::spawn(async move {
+            let _entry = entry;
+            panic!("a relay that panics");
+        });
+        assert!(task.await.expect_err("the task panicked").is_panic());
+        assert!(table.lock().is_empty(), "the panicked flow's entry stayed in the table");
+
+        let (older, newer) = (flow().await, flow().await);
+        table.lock().insert((src, dst), newer.clone());
+        drop(Entry { table: table.clone(), key: (src, dst), flow: older });
+        assert!(table.lock().get(&(src, dst)).is_some_and(|f| Arc::ptr_eq(f, &newer)));
+    }
 }
