@@ -306,12 +306,12 @@ impl State {
         changed_sets.dedup();
         let s = &mut self.snapshot;
         for &set in &changed_sets {
+            let now = &self.cluster.interner.sets[set as usize];
+            s.pod_sets[set as usize] = Arc::clone(now);
             for &pid in &self.subject_users[set as usize] {
-                s.policies[pid as usize].subject =
-                    Arc::clone(&self.cluster.interner.sets[set as usize]);
+                s.policies[pid as usize].subject = Arc::clone(now);
             }
         }
-        s.pod_sets.clone_from(&self.cluster.interner.sets);
         s.pod_index = Arc::clone(&self.cluster.pod_index);
         s.namespaces = Arc::clone(&self.cluster.namespaces);
         for (pod, mut sets) in flipped {
@@ -322,7 +322,9 @@ impl State {
         for edit in changes.policies {
             self.edit_policy(edit)?;
         }
-        self.snapshot.pod_sets.clone_from(&self.cluster.interner.sets);
+        // An edit only adds sets (the ones its new selectors name).
+        let (known, sets) = (self.snapshot.pod_sets.len(), &self.cluster.interner.sets);
+        self.snapshot.pod_sets.extend_from_slice(&sets[known..]);
         self.snapshot.revision = revision;
         Ok(())
     }
