@@ -536,9 +536,9 @@ proptest! {
 }
 
 /// One change between two compiles of [`an_incremental_compile_decides_as_a_full_compile`]:
-/// pod or namespace labels and policy edits that keep the policy's place (which a
-/// [`Compiler`](tierproxy::policy::compile::Compiler) patches), or a change it compiles in
-/// full.
+/// pod or namespace labels and policy edits, moves in the evaluation order included (which
+/// a [`Compiler`](tierproxy::policy::compile::Compiler) patches), or a change it compiles
+/// in full.
 #[derive(Debug, Clone)]
 enum Change {
     /// Pod `.0`'s `app` label set to `.1` (removed: `None`).
@@ -548,11 +548,15 @@ enum Change {
     /// An ANP's subject replaced by `.1`, and its last egress rule replaced by `.2` (or
     /// dropped): new pod sets, peers and ports.
     AnpEdit(usize, Value, Option<Value>),
+    /// An ANP's first rule dropped (ingress with `.1`, else egress): the rules after it
+    /// move up one position.
+    AnpDropFirst(usize, bool),
     /// A NetworkPolicy's `podSelector` replaced by `.1`, and with `.2` its ingress rules
     /// dropped.
     NpEdit(usize, Value, bool),
-    /// An ANP's priority raised by 7 (moves it among the others): compiled in full.
-    AnpPriority(usize),
+    /// An ANP's priority set to `.1` (moves it among the others, or ties it with one,
+    /// whose order is then by name).
+    AnpPriority(usize, i32),
     /// A pod deleted: compiled in full.
     DeletePod(usize),
 }
@@ -565,8 +569,9 @@ fn change() -> impl Strategy<Value = Change> {
         3 => (any::<usize>(), env).prop_map(|(i, v)| Change::NamespaceEnv(i, v)),
         2 => (any::<usize>(), subject(), prop::option::of(admin_rule(&["Allow", "Deny", "Pass"], "to")))
             .prop_map(|(i, s, r)| Change::AnpEdit(i, s, r)),
+        1 => (any::<usize>(), any::<bool>()).prop_map(|(i, d)| Change::AnpDropFirst(i, d)),
         2 => (any::<usize>(), pod_selector(), any::<bool>()).prop_map(|(i, s, d)| Change::NpEdit(i, s, d)),
-        1 => any::<usize>().prop_map(Change::AnpPriority),
+        2 => (any::<usize>(), 0i32..6).prop_map(|(i, p)| Change::AnpPriority(i, p)),
         1 => any::<usize>().prop_map(Change::DeletePod),
     ]
 }
@@ -623,6 +628,20 @@ fn apply(i: &mut Inputs, change: &Change) -> bool {
             i.admin_network_policies[k] = Arc::new(anp);
             true
         }
+        Change::AnpDropFirst(k, ingress) => {
+            if i.admin_network_policies.is_empty() {
+                return true;
+            }
+            let k = k % i.admin_network_policies.len();
+            let mut anp = (*i.admin_network_policies[k]).clone();
+            if ingress && !anp.spec.ingress.is_empty() {
+                anp.spec.ingress.remove(0);
+            } else if !anp.spec.egress.is_empty() {
+                anp.spec.egress.remove(0);
+            }
+            i.admin_network_policies[k] = Arc::new(anp);
+            true
+        }
         Change::NpEdit(k, ref selector, drop_rules) => {
             if i.network_policies.is_empty() {
                 return true;
@@ -637,15 +656,15 @@ fn apply(i: &mut Inputs, change: &Change) -> bool {
             i.network_policies[k] = Arc::new(np);
             true
         }
-        Change::AnpPriority(k) => {
+        Change::AnpPriority(k, priority) => {
             if i.admin_network_policies.is_empty() {
                 return true;
             }
             let k = k % i.admin_network_policies.len();
             let mut anp = (*i.admin_network_policies[k]).clone();
-            anp.spec.priority = (anp.spec.priority + 7) % 1000;
+            anp.spec.priority = priority;
             i.admin_network_policies[k] = Arc::new(anp);
-            false
+            true
         }
         Change::DeletePod(k) => {
             let list_len = i.pods.len() + i.pod_views.len();
@@ -668,8 +687,8 @@ proptest! {
     /// Issue #21, item 2: a compiler that patches its previous snapshot after label
     /// changes (and compiles in full after other changes) decides every flow and reports
     /// every problem as a full compile of the same objects, change after change, with pods
-    /// given whole or as views; label changes and policy edits that keep a policy's place
-    /// are patched.
+    /// given whole or as views, and the same priority conflicts; label changes and policy
+    /// edits (priority changes included) are patched.
     #[test]
     fn an_incremental_compile_decides_as_a_full_compile(
         start in inputs(),
@@ -704,6 +723,14 @@ proptest! {
             let full = Snapshot::compile(&i, revision);
             prop_assert_eq!(patched.snapshot.revision(), revision);
             prop_assert_eq!(problem_lines(&patched.problems), problem_lines(&full.problems), "step {}", n);
+            {
+                use tierproxy::policy::compile::priority_conflicts;
+                prop_assert_eq!(
+                    format!("{:?}", priority_conflicts(&patched.snapshot)),
+                    format!("{:?}", priority_conflicts(&full.snapshot)),
+                    "step {}: priority conflicts", n
+                );
+            }
             for f in &all_flows {
                 prop_assert_eq!(
                     summary(&patched.snapshot, &patched.snapshot.decide(f)),

@@ -5,14 +5,15 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use super::admin::BANP_PRIORITY;
+use super::index::place;
 use crate::policy::model::{Direction, Tier};
 use crate::policy::problem::{Problem, ProblemKind};
 use crate::policy::snapshot::{Policy, Snapshot};
 
 /// Pairs of admin-tier (or baseline-tier CNP) policies with equal priority whose subjects
 /// overlap, each with the number of pods both select: one warning on each policy of a
-/// pair, naming the other and saying which is evaluated first (policies are in evaluation
-/// order, so the first of a pair is the one ordered first). Used by `check` and the policy
+/// pair, naming the other and saying which is evaluated first (the first by
+/// [`place`]). Used by `check` and the policy
 /// status (KEP-2091 "Risks and Mitigations": "provide a warning if there is another ANP
 /// with the same priority").
 pub fn priority_conflicts(s: &Snapshot) -> Vec<Problem> {
@@ -25,7 +26,9 @@ pub fn priority_conflicts(s: &Snapshot) -> Vec<Problem> {
             m.entry((p.tier, p.priority)).or_insert_with(Vec::new).push(p);
             m
         });
-    for ((_, prio), ps) in by_prio {
+    for ((_, prio), mut ps) in by_prio {
+        // Policy ids are slots after a patch moved one: order by place, not by id.
+        ps.sort_by(|a, b| place(a).cmp(&place(b)));
         for (i, a) in ps.iter().enumerate() {
             for b in &ps[i + 1..] {
                 let overlap = a.subject.intersection_len(&b.subject) as usize;
@@ -57,7 +60,9 @@ pub fn unreachable_rules(s: &Snapshot) -> Vec<Problem> {
     let mut out = Vec::new();
     let declared: BTreeSet<&str> =
         s.pods.iter().flat_map(|p| p.ports.iter().map(|n| n.name.as_str())).collect();
-    for p in &s.policies {
+    let mut in_order: Vec<&Policy> = s.policies.iter().collect();
+    in_order.sort_by(|a, b| place(a).cmp(&place(b)));
+    for p in in_order {
         if p.subject.is_empty() {
             out.push(Problem::warning(
                 &p.object,

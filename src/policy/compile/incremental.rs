@@ -1,7 +1,7 @@
 //! Incremental compile (issue #21 item 2): a [`Compiler`] keeps what its last compile
 //! built and, when the next inputs differ only in the labels of pods or namespaces or in
-//! policies edited in their place, patches the previous snapshot instead of compiling
-//! everything again.
+//! the specs of policies, patches the previous snapshot instead of compiling everything
+//! again.
 //!
 //! A label change moves pods in and out of interned pod sets, and nothing else: pod ids,
 //! addresses, policies, their rules and their order stay. So a patch
@@ -11,17 +11,19 @@
 //!    [`Matcher`]s that name those sets ([`Matcher::set_pod`]), points the policies whose
 //!    subject is one of those sets at the new set, and rebuilds the pod's per-pod policy
 //!    list (interned with the others);
-//! 3. compiles each edited policy alone against the cluster as it is now, into the same
-//!    place ([`State::edit_policy`]): same policy id, so nothing that names other policies
-//!    changes.
+//! 3. compiles each edited policy alone against the cluster as it is now, under the same
+//!    policy id ([`State::edit_policy`]), so nothing that names other policies changes. A
+//!    policy whose tier or priority changed keeps its id too: ids are slots, not
+//!    positions in the evaluation order, and the per-pod lists, which carry the order,
+//!    take it out where it was and put it in at its new place ([`place`]). The port and
+//!    address indexes are by id, and order-free.
 //!
 //! What the patch copies is what it changes: the snapshot's parts are shared (`Arc`) with
 //! the snapshot it came from, which stays valid for whoever still decides with it.
 //!
 //! Everything else is compiled in full, with the reason kept in [`Pass::Full`]: the first
 //! compile, a pod, namespace, node or policy that came or went, a pod whose address, node,
-//! ports or phase changed, any node change, a policy whose tier or priority changed (its
-//! place in the evaluation order), more relabelled pods or namespaces at once than a patch
+//! ports or phase changed, any node change, more relabelled pods or namespaces at once than a patch
 //! is worth ([`MIN_BULK`]), too many policies whose address ranges changed
 //! ([`MAX_ADDR_EXTRA`]), duplicates, and the patched snapshot's leftovers (per-pod lists or
 //! pod sets no one uses any more) outgrowing the live ones. The patched snapshot
@@ -40,7 +42,7 @@ use std::sync::Arc;
 use kube::Resource;
 
 use super::cluster::{Cluster, NO_LABELS, SetKey};
-use super::index::{DeclaredPorts, addr_ranges, declared_ports, port_ranges};
+use super::index::{DeclaredPorts, addr_ranges, declared_ports, place, port_ranges};
 use super::{Inputs, meta_name, meta_namespace, own_annotations, parallel};
 use crate::policy::api::{Namespace, NetworkPolicy, Node, Pod, v1alpha1, v1alpha2};
 use crate::policy::labels::LabelsRef;
@@ -114,8 +116,8 @@ impl Compiler {
 
     /// The snapshot of `inputs` as `revision`, with the problems a full compile reports
     /// (for validated inputs: duplicates and address conflicts). Patches the previous
-    /// snapshot when, since the previous call, only pod or namespace labels changed or
-    /// policies were edited in their place; otherwise compiles everything
+    /// snapshot when, since the previous call, only pod or namespace labels or policies'
+    /// specs changed; otherwise compiles everything
     /// ([`Compiler::last_pass`] says which, and why). Never fails, as [`Snapshot::compile`].
     pub fn compile(&mut self, inputs: &Inputs, revision: Revision) -> Compiled {
         let reason = match self.state.as_mut() {
@@ -200,12 +202,13 @@ struct Changes {
     policies: Vec<Edit>,
 }
 
-/// The new version of a policy that changed.
+/// A policy that changed: its new version, and for the admin kinds the version compiled
+/// last (whose unchanged rules the edit reuses).
 enum Edit {
     Network(Arc<NetworkPolicy>),
-    Admin(Arc<v1alpha1::AdminNetworkPolicy>),
-    Baseline(Arc<v1alpha1::BaselineAdminNetworkPolicy>),
-    Cluster(Arc<v1alpha2::ClusterNetworkPolicy>),
+    Admin(Arc<v1alpha1::AdminNetworkPolicy>, Arc<v1alpha1::AdminNetworkPolicy>),
+    Baseline(Arc<v1alpha1::BaselineAdminNetworkPolicy>, Arc<v1alpha1::BaselineAdminNetworkPolicy>),
+    Cluster(Arc<v1alpha2::ClusterNetworkPolicy>, Arc<v1alpha2::ClusterNetworkPolicy>),
 }
 
 impl State {
@@ -269,8 +272,8 @@ impl State {
     /// Applies `changes` to the snapshot (module docs), as `revision`.
     ///
     /// # Errors
-    /// Why the changes need a full compile after all (the state is then spent): a policy
-    /// whose place in the evaluation order changed, more changes at once than a patch is
+    /// Why the changes need a full compile after all (the state is then spent): an edited
+    /// policy that compiles to none, more changes at once than a patch is
     /// worth, too many address-range edits or leftovers since the last full compile.
     fn patch(&mut self, changes: Changes, revision: Revision) -> Result<(), &'static str> {
         if self.snapshot.policy_sets.len() > 2 * self.full_policy_sets + 1024 {
@@ -329,51 +332,54 @@ impl State {
         Ok(())
     }
 
-    /// Compiles the new version of a policy into its place: its pod sets interned (new
+    /// Compiles the new version of a policy under its id: its pod sets interned (new
     /// ones resolved against the cluster as it is now), its matchers built, the per-pod
-    /// lists of the pods it selected or selects now, the port index patched exactly, and
-    /// the address index made to take it as a candidate for every external address when
-    /// its address ranges changed.
+    /// lists of the pods it selected or selects now (and, when its tier or priority
+    /// changed, of every pod it selects, at its new place), the port index patched
+    /// exactly, and the address index made to take it as a candidate for every external
+    /// address when its address ranges changed.
     ///
     /// # Errors
-    /// When the policy's place in the evaluation order changed (its tier or priority).
+    /// When the policy compiles to none, or was not compiled before (neither happens for
+    /// a policy [`Sources::diff`] found edited; a full compile follows).
     fn edit_policy(&mut self, edit: Edit) -> Result<(), &'static str> {
-        let c = &mut self.cluster;
-        // The admin pass over one object (validated: it reports no problem).
-        let admin = |c: &mut Cluster, inputs: Inputs| {
-            super::admin::admin_policies(c, &inputs, false, 1, &mut Vec::new()).pop()
+        use super::admin::{AdminObject, admin_policy_edited};
+        let object = match &edit {
+            Edit::Network(np) => ObjectRef::namespaced(
+                Kind::NetworkPolicy,
+                meta_namespace(&np.metadata),
+                meta_name(&np.metadata),
+            ),
+            Edit::Admin(o, _) => {
+                ObjectRef::cluster(Kind::AdminNetworkPolicy, meta_name(&o.metadata))
+            }
+            Edit::Baseline(o, _) => {
+                ObjectRef::cluster(Kind::BaselineAdminNetworkPolicy, meta_name(&o.metadata))
+            }
+            Edit::Cluster(o, _) => {
+                ObjectRef::cluster(Kind::ClusterNetworkPolicy, meta_name(&o.metadata))
+            }
         };
-        let policy = match edit {
-            Edit::Network(np) => {
-                let r = ObjectRef::namespaced(
-                    Kind::NetworkPolicy,
-                    meta_namespace(&np.metadata),
-                    meta_name(&np.metadata),
-                );
-                c.network_policy(r, &np)
+        let pid =
+            *self.policy_ids.get(&object).ok_or("an edited policy was not compiled before")?;
+        let c = &mut self.cluster;
+        let s = &mut self.snapshot;
+        let old = &s.policies[pid as usize];
+        let policy = match &edit {
+            Edit::Network(np) => c.network_policy(object, np),
+            Edit::Admin(new, was) => {
+                admin_policy_edited(c, object, AdminObject::Anp(new), AdminObject::Anp(was), old)
             }
-            Edit::Admin(o) => {
-                admin(c, Inputs { admin_network_policies: vec![o], ..Inputs::default() })
+            Edit::Baseline(new, was) => {
+                admin_policy_edited(c, object, AdminObject::Banp(new), AdminObject::Banp(was), old)
             }
-            Edit::Baseline(o) => {
-                admin(c, Inputs { baseline_admin_network_policies: vec![o], ..Inputs::default() })
-            }
-            Edit::Cluster(o) => {
-                admin(c, Inputs { cluster_network_policies: vec![o], ..Inputs::default() })
+            Edit::Cluster(new, was) => {
+                admin_policy_edited(c, object, AdminObject::Cnp(new), AdminObject::Cnp(was), old)
             }
         };
         let Some(mut policy) = policy else {
             return Err("an edited policy compiles to none (its namespace is not declared)");
         };
-        let pid = *self
-            .policy_ids
-            .get(&policy.object)
-            .ok_or("an edited policy was not compiled before")?;
-        let s = &mut self.snapshot;
-        let old = &s.policies[pid as usize];
-        if (old.tier, old.priority) != (policy.tier, policy.priority) {
-            return Err("a policy's tier or priority changed (its place in the evaluation order)");
-        }
         let mut scratch = vec![0; s.pods.len()];
         let sets = &self.cluster.interner.sets;
         for d in 0..2 {
@@ -409,10 +415,15 @@ impl State {
             }
         }
 
-        // The per-pod lists of the pods it selected or selects, where that changed.
+        // The per-pod lists of the pods it selected or selects, where that changed or
+        // where its place did: out of the lists it was in, into the lists it belongs
+        // in now, at its place.
         let (s0, s1) = (Arc::clone(&old.subject), Arc::clone(&policy.subject));
-        let (a0, a1, tier) = (old.applies, policy.applies, policy.tier.index());
-        if a0 != a1 || !(Arc::ptr_eq(&s0, &s1) || *s0 == *s1) {
+        let moved = place(old) != place(&policy);
+        let (a0, a1) = (old.applies, policy.applies);
+        if moved || a0 != a1 || !(Arc::ptr_eq(&s0, &s1) || *s0 == *s1) {
+            let (t0, t1) = (old.tier.index(), policy.tier.index());
+            let at = place(&policy);
             let mut memo: HashMap<(u32, bool, bool), u32> = HashMap::new();
             let per_pod = Arc::make_mut(&mut s.per_pod);
             for pod in (&*s0 | &*s1).iter() {
@@ -420,13 +431,13 @@ impl State {
                 let current = per_pod[pod as usize];
                 per_pod[pod as usize] = *memo.entry((current, in0, in1)).or_insert_with(|| {
                     let mut lists = (*s.policy_sets[current as usize]).clone();
-                    for (list, applies) in lists.by_tier[tier].iter_mut().zip(a1) {
-                        match (list.binary_search(&pid), in1 && applies) {
-                            (Err(at), true) => list.insert(at, pid),
-                            (Ok(at), false) => {
-                                list.remove(at);
-                            }
-                            _ => {}
+                    for list in &mut lists.by_tier[t0] {
+                        list.retain(|&q| q != pid);
+                    }
+                    for (list, applies) in lists.by_tier[t1].iter_mut().zip(a1) {
+                        if in1 && applies {
+                            let i = list.partition_point(|&q| place(&s.policies[q as usize]) < at);
+                            list.insert(i, pid);
                         }
                     }
                     intern_lists(&mut self.policy_set_ids, &mut s.policy_sets, lists)
@@ -590,10 +601,14 @@ impl State {
                         continue;
                     }
                     let list = &mut lists.by_tier[p.tier.index()][d];
-                    match (list.binary_search(&pid), member) {
-                        (Err(at), true) => list.insert(at, pid),
-                        (Ok(at), false) => {
-                            list.remove(at);
+                    match (list.iter().position(|&q| q == pid), member) {
+                        (None, true) => {
+                            let at = place(p);
+                            let i = list.partition_point(|&q| place(&s.policies[q as usize]) < at);
+                            list.insert(i, pid);
+                        }
+                        (Some(i), false) => {
+                            list.remove(i);
                         }
                         _ => continue,
                     }
@@ -784,8 +799,11 @@ fn unchanged<T: Resource>(old: &[Arc<T>], new: &[Arc<T>], same: fn(&T, &T) -> bo
         .is_some_and(|pairs| pairs.iter().all(|&(i, j)| same(&old[i], &new[j])))
 }
 
-/// The indexes into `new` of the policies whose `spec` or own annotations (`same`) differ
-/// from their counterpart in `old`.
+/// Two versions of each of some objects: (old, new).
+type Versions<T> = Vec<(Arc<T>, Arc<T>)>;
+
+/// The policies whose `spec` or own annotations (`same`) differ from their counterpart in
+/// `old`, as (old, new) pairs.
 ///
 /// # Errors
 /// When a policy came, went or is given twice.
@@ -793,10 +811,14 @@ fn edited<T: Resource>(
     old: &[Arc<T>],
     new: &[Arc<T>],
     same: fn(&T, &T) -> bool,
-) -> Result<Vec<usize>, &'static str> {
+) -> Result<Versions<T>, &'static str> {
     let pairs = changed_pairs(old, new, Arc::ptr_eq, |o| key_of(&**o), |o| key_of(&**o))
         .ok_or("a policy came or went")?;
-    Ok(pairs.into_iter().filter(|&(i, j)| !same(&old[i], &new[j])).map(|(_, j)| j).collect())
+    Ok(pairs
+        .into_iter()
+        .filter(|&(i, j)| !same(&old[i], &new[j]))
+        .map(|(i, j)| (Arc::clone(&old[i]), Arc::clone(&new[j])))
+        .collect())
 }
 
 /// Policies compile from their `spec` and their own annotations.
@@ -892,24 +914,11 @@ impl Sources {
                 same_policy!(v1alpha2::ClusterNetworkPolicy),
             )?,
         );
-        changes.policies.extend(
-            edited.0.iter().map(|&j| Edit::Network(Arc::clone(&inputs.network_policies[j]))),
-        );
-        changes.policies.extend(
-            edited.1.iter().map(|&j| Edit::Admin(Arc::clone(&inputs.admin_network_policies[j]))),
-        );
-        changes.policies.extend(
-            edited
-                .2
-                .iter()
-                .map(|&j| Edit::Baseline(Arc::clone(&inputs.baseline_admin_network_policies[j]))),
-        );
-        changes.policies.extend(
-            edited
-                .3
-                .iter()
-                .map(|&j| Edit::Cluster(Arc::clone(&inputs.cluster_network_policies[j]))),
-        );
+        let (network, admin, baseline, cluster) = edited;
+        changes.policies.extend(network.into_iter().map(|(_, new)| Edit::Network(new)));
+        changes.policies.extend(admin.into_iter().map(|(was, new)| Edit::Admin(new, was)));
+        changes.policies.extend(baseline.into_iter().map(|(was, new)| Edit::Baseline(new, was)));
+        changes.policies.extend(cluster.into_iter().map(|(was, new)| Edit::Cluster(new, was)));
 
         fn ns_key(o: &Arc<Namespace>) -> &str {
             o.metadata.name.as_deref().unwrap_or_default()
@@ -973,6 +982,7 @@ impl Sources {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::policy::ProblemKind;
     use crate::synth::{self, Shape};
 
     fn small() -> Inputs {
@@ -1026,10 +1036,7 @@ mod tests {
         anp.spec.priority += 1;
         i.admin_network_policies[0] = Arc::new(anp);
         compile(&mut c, &i);
-        assert_eq!(
-            c.last_pass(),
-            &Pass::Full("a policy's tier or priority changed (its place in the evaluation order)")
-        );
+        assert_eq!(c.last_pass(), &Pass::Patched { pods: 0, namespaces: 0, policies: 1 });
 
         let mut moved = (*i.pod_views[4]).clone();
         moved.ips = vec!["10.250.0.9".parse().unwrap()];
@@ -1079,5 +1086,115 @@ mod tests {
         for (a, b) in before.policies.iter().zip(&after.policies) {
             assert!(Arc::ptr_eq(&a.rules, &b.rules), "{}: rules copied", a.object);
         }
+    }
+
+    /// Every flow of `shape`'s cluster decided by `patched` as by a full compile of `i`,
+    /// compared by policy names (ids may differ), and the same priority conflicts.
+    fn assert_decides_as_full(patched: &Snapshot, i: &Inputs, what: &str) {
+        use crate::policy::compile::priority_conflicts;
+        let full = Snapshot::compile(i, patched.revision()).snapshot;
+        let named = |s: &Snapshot, d: crate::policy::Decision| {
+            let side = |o: Option<crate::policy::Outcome>| {
+                o.map(|o| {
+                    let basis = match o.basis {
+                        crate::policy::Basis::Rule { hit, .. } => {
+                            format!("{}#{}", s.policy_ref(hit.policy), hit.rule)
+                        }
+                        crate::policy::Basis::Isolated { policy } => {
+                            format!("isolated by {}", s.policy_ref(policy))
+                        }
+                        other => format!("{other:?}"),
+                    };
+                    let passed: Vec<String> =
+                        o.passed.iter().map(|h| s.policy_ref(h.policy).to_string()).collect();
+                    (o.verdict, basis, passed)
+                })
+            };
+            (d.verdict, side(d.egress), side(d.ingress))
+        };
+        let shape = Shape { namespaces: 6, pods: 60, nodes: 3, ..Shape::LARGE };
+        for f in synth::flows(shape, 3_000, 17) {
+            assert_eq!(
+                named(patched, patched.decide(&f)),
+                named(&full, full.decide(&f)),
+                "{what}: {f:?}"
+            );
+        }
+        let lines = |s: &Snapshot| -> Vec<String> {
+            priority_conflicts(s).iter().map(ToString::to_string).collect()
+        };
+        assert_eq!(lines(patched), lines(&full), "{what}: priority conflicts");
+    }
+
+    /// A policy whose priority or tier changes keeps its id and is patched: each pod's
+    /// lists take it out where it was and put it in at its new place, ties by name
+    /// included, and every flow is decided as a full compile decides it.
+    #[test]
+    fn a_policy_that_moves_in_the_evaluation_order_is_patched() {
+        let mut i = small();
+        let cnp = |name: &str, tier: &str, priority: i32, action: &str| {
+            let v = serde_json::json!({
+                "apiVersion": "policy.networking.k8s.io/v1alpha2",
+                "kind": "ClusterNetworkPolicy",
+                "metadata": {"name": name},
+                "spec": {
+                    "tier": tier, "priority": priority,
+                    "subject": {"namespaces": {"matchLabels": {"env": "prod"}}},
+                    "egress": [{"action": action, "to": [{"pods": {
+                        "namespaceSelector": {}, "podSelector": {"matchLabels": {"tier": "db"}}}}]}],
+                    "ingress": [{"action": action, "from": [{"namespaces": {}}]}],
+                },
+            });
+            Arc::new(serde_json::from_value::<v1alpha2::ClusterNetworkPolicy>(v).unwrap())
+        };
+        i.cluster_network_policies = vec![
+            cnp("a-deny", "Admin", 40, "Deny"),
+            cnp("b-accept", "Baseline", 5, "Accept"),
+            cnp("c-deny", "Admin", 10, "Deny"),
+        ];
+        let mut c = Compiler::with_workers(1);
+        let mut revision = 1;
+        c.compile(&i, Revision(revision));
+        let priorities: Vec<i32> =
+            i.admin_network_policies.iter().map(|p| p.spec.priority).collect();
+        let mut step = |c: &mut Compiler, i: &Inputs, what: &str| {
+            revision += 1;
+            let s = c.compile(i, Revision(revision)).snapshot;
+            assert_eq!(
+                c.last_pass(),
+                &Pass::Patched { pods: 0, namespaces: 0, policies: 1 },
+                "{what}"
+            );
+            assert_decides_as_full(&s, i, what);
+        };
+        // Each ANP to the front, to the back, and onto its neighbour's priority (a tie
+        // broken by name, on either side).
+        for k in 0..i.admin_network_policies.len() {
+            for to in [0, 1000, priorities[(k + 1) % priorities.len()], priorities[k]] {
+                let mut anp = (*i.admin_network_policies[k]).clone();
+                if anp.spec.priority == to {
+                    continue;
+                }
+                anp.spec.priority = to;
+                i.admin_network_policies[k] = Arc::new(anp);
+                step(&mut c, &i, &format!("ANP {k} to priority {to}"));
+            }
+        }
+        // A ClusterNetworkPolicy from the Admin tier to the Baseline tier and back, its
+        // priority onto another's in each tier. At Admin 10 it ties with `c-deny` (same
+        // subject), which has the lower id but comes second by name: the conflict must
+        // say `a-deny` is evaluated first.
+        for (tier, priority) in [("Baseline", 40), ("Baseline", 5), ("Admin", 5), ("Admin", 10)] {
+            i.cluster_network_policies[0] = cnp("a-deny", tier, priority, "Deny");
+            step(&mut c, &i, &format!("CNP to {tier} {priority}"));
+        }
+        let last = c.compile(&i, Revision(revision + 1)).snapshot;
+        let conflicts = crate::policy::compile::priority_conflicts(&last);
+        assert!(
+            conflicts.iter().any(|p| p.object.name == "a-deny"
+                && matches!(&p.kind, ProblemKind::PriorityConflict { other, first: true, .. }
+                    if other.name == "c-deny")),
+            "{conflicts:?}"
+        );
     }
 }

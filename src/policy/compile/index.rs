@@ -11,24 +11,26 @@ use super::parallel::{balanced_ranges, par_ranges};
 use crate::policy::matcher::{
     AddrIndex, MAX_RULES, Matcher, PodAddrs, PortIndex, block_ranges, protocol_index,
 };
-use crate::policy::model::{Direction, PodEntry, Rule};
+use crate::policy::model::{Direction, PodEntry, Rule, Tier};
 use crate::policy::ports::{PortSpec, Protocol};
+use crate::policy::problem::Kind;
 use crate::policy::snapshot::{PodPolicies, Policy};
 
-/// Orders `policies` for evaluation: by tier, then inside each tier by priority, then name,
-/// then kind — "ties broken deterministically by name" (DESIGN §2); `check` reports the
-/// ties ([`priority_conflicts`](super::priority_conflicts)). Policy ids are positions in
-/// this order.
+/// A policy's place in the evaluation order: by tier, then inside each tier by priority,
+/// then name, then kind, then namespace: "ties broken deterministically by name" (DESIGN
+/// §2); `check` reports the ties ([`priority_conflicts`](super::priority_conflicts)).
+/// Distinct objects have distinct places. The one definition of the order: the full
+/// compile sorts by it, and a patch that moves a policy inserts it into the per-pod lists
+/// by it.
+pub(crate) fn place(p: &Policy) -> (Tier, i32, &str, Kind, Option<&str>) {
+    (p.tier, p.priority, &p.object.name, p.object.kind, p.object.namespace.as_deref())
+}
+
+/// Orders `policies` for evaluation ([`place`]). After a full compile policy ids are
+/// positions in this order; a patch that moves a policy keeps its id (ids are then slots,
+/// and only the per-pod lists carry the order).
 pub(super) fn evaluation_order(policies: &mut [Policy]) {
-    policies.sort_by(|a, b| {
-        (a.tier, a.priority, &a.object.name, a.object.kind, &a.object.namespace).cmp(&(
-            b.tier,
-            b.priority,
-            &b.object.name,
-            b.object.kind,
-            &b.object.namespace,
-        ))
-    });
+    policies.sort_by(|a, b| place(a).cmp(&place(b)));
 }
 
 /// The indexes a policy list is searched with: reads the ordered `policies` (their rules),
@@ -63,8 +65,8 @@ pub(super) fn matchers_and_indexes(
     indexes
 }
 
-/// Per pod (`pods` of them), the ids of the ordered `policies` that apply to it, per tier
-/// and direction, in evaluation order; the distinct lists interned. Returns the index into
+/// Per pod (`pods` of them), the ids of the ordered `policies` (sorted by [`place`]) that
+/// apply to it, per tier and direction, in evaluation order; the distinct lists interned. Returns the index into
 /// the distinct lists by pod id, and the distinct lists (ids in order of first use).
 pub(super) fn per_pod_policies(
     policies: &[Policy],
