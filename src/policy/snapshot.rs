@@ -22,10 +22,11 @@ use super::selector::LabelIndex;
 
 /// One compiled policy of any kind. Its large parts are shared (`Arc`): a snapshot
 /// patched after a change ([`Compiler`](super::compile::Compiler)) copies a policy whose
-/// matcher or subject changed without copying its rules.
+/// matcher or subject changed without copying its rules, and a snapshot's clone copies
+/// no string of any policy.
 #[derive(Debug, Clone)]
 pub(crate) struct Policy {
-    pub(crate) object: ObjectRef,
+    pub(crate) object: Arc<ObjectRef>,
     pub(crate) tier: Tier,
     /// `spec.priority`; NetworkPolicy has none (0); BANP sorts after every Baseline CNP.
     pub(crate) priority: i32,

@@ -72,14 +72,16 @@ pub(super) fn admin_policies(
 /// their selector peers interned. `new` must be valid (validated by the caller). A
 /// 100-rule policy of which one rule changed costs one rule's compile, not a hundred.
 ///
-/// Returns `None` when `new` and `was` are not of the same kind.
+/// Returns the policy, with per direction whether each of its rules is the one `old` has
+/// at the same position (nothing added, dropped or changed in that direction); `None`
+/// when `new` and `was` are not of the same kind.
 pub(super) fn admin_policy_edited(
     c: &mut Cluster,
     object: ObjectRef,
     new: AdminObject<'_>,
     was: AdminObject<'_>,
     old: &Policy,
-) -> Option<Policy> {
+) -> Option<(Policy, [bool; 2])> {
     let mut dict = PeerDict::default();
     let mut rules: [Vec<Rule>; 2] = rule_counts(new).map(Vec::with_capacity);
     // Per direction, the positions of the rules compiled here (their peers are worker keys).
@@ -113,9 +115,10 @@ pub(super) fn admin_policy_edited(
             sets.dedup();
         }
     }
+    let kept = [0, 1].map(|d| fresh[d].is_empty() && rules[d].len() == old.rules[d].len());
     let (tier, priority, namespaces, pods) = admin_head(new);
     let body = AdminBody { tier, priority, namespaces, pods, rules };
-    Some(c.admin_policy(object, body, own_annotations(new.metadata())))
+    Some((c.admin_policy(object, body, own_annotations(new.metadata())), kept))
 }
 
 /// Whether rule `i` of direction `d` of `a` equals the rule at the same position of `b`
@@ -906,7 +909,7 @@ impl Cluster {
         // "ANPs with no ingress rules do not affect ingress traffic."
         let applies = [!rules[0].is_empty(), !rules[1].is_empty()];
         Policy {
-            object,
+            object: Arc::new(object),
             tier,
             priority,
             rules: Arc::new(rules),

@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use super::admin::BANP_PRIORITY;
 use super::index::place;
 use crate::policy::model::{Direction, Tier};
-use crate::policy::problem::{Problem, ProblemKind};
+use crate::policy::problem::{ObjectRef, Problem, ProblemKind};
 use crate::policy::snapshot::{Policy, Snapshot};
 
 /// Pairs of admin-tier (or baseline-tier CNP) policies with equal priority whose subjects
@@ -41,7 +41,7 @@ pub fn priority_conflicts(s: &Snapshot) -> Vec<Problem> {
                             "spec.priority",
                             ProblemKind::PriorityConflict {
                                 priority: prio,
-                                other: other.object.clone(),
+                                other: ObjectRef::clone(&other.object),
                                 overlap,
                                 first,
                             },

@@ -316,7 +316,7 @@ mod tests {
             let many = Snapshot::compile_inner(&inputs, Revision(1), true, workers).0;
             assert_eq!(one.problems, many.problems, "{workers} workers: problems differ");
             let names = |s: &Snapshot| -> Vec<ObjectRef> {
-                s.policies.iter().map(|p| p.object.clone()).collect()
+                s.policies.iter().map(|p| ObjectRef::clone(&p.object)).collect()
             };
             assert_eq!(names(&one.snapshot), names(&many.snapshot));
             let shape = Shape { namespaces: 60, pods: 1_200, nodes: 6, ..Shape::LARGE };

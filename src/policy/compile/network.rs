@@ -180,7 +180,7 @@ impl Cluster {
             }
         }
         Some(Policy {
-            object,
+            object: Arc::new(object),
             tier: Tier::NetworkPolicy,
             priority: 0,
             rules: Arc::new(rules),
