@@ -192,7 +192,17 @@ trait Versioned: Resource {
     /// metadata are not compared: a status write by the status writer changes them, not
     /// the result.
     fn validates_as(&self, other: &Self) -> bool;
+
+    /// Validates `self`, a new version of `was` (same kind, namespace and name), which
+    /// validated to `was_problems`, reusing what still holds; the same problems as
+    /// validating `self` alone. `None`: the kind is validated whole (its objects are
+    /// small); the admin kinds reuse the problems of their unchanged rules
+    /// ([`validate::admin_network_policy_edited`]).
+    const REVALIDATE: Option<Revalidate<Self>> = None;
 }
+
+/// [`Versioned::REVALIDATE`]: `(new, was, was_problems, out)`.
+type Revalidate<T> = fn(&T, &T, &[Problem], &mut Vec<Problem>);
 
 /// [`Versioned::validates_as`] for the metadata.
 fn same_meta(a: &ObjectMeta, b: &ObjectMeta) -> bool {
@@ -203,11 +213,12 @@ fn same_meta(a: &ObjectMeta, b: &ObjectMeta) -> bool {
 }
 
 macro_rules! versioned {
-    ($($t:ty => $($field:ident),*;)*) => {$(
+    ($($t:ty => $($field:ident),* $([revalidate $re:path])?;)*) => {$(
         impl Versioned for $t {
             fn validates_as(&self, other: &Self) -> bool {
                 same_meta(&self.metadata, &other.metadata) $(&& self.$field == other.$field)*
             }
+            $(const REVALIDATE: Option<Revalidate<Self>> = Some($re);)?
         }
     )*};
 }
@@ -217,9 +228,10 @@ versioned! {
     api::Node => spec, status;
     api::Pod => spec, status;
     api::NetworkPolicy => spec;
-    v1alpha1::AdminNetworkPolicy => spec;
-    v1alpha1::BaselineAdminNetworkPolicy => spec;
-    v1alpha2::ClusterNetworkPolicy => spec;
+    v1alpha1::AdminNetworkPolicy => spec [revalidate validate::admin_network_policy_edited];
+    v1alpha1::BaselineAdminNetworkPolicy => spec
+        [revalidate validate::baseline_admin_network_policy_edited];
+    v1alpha2::ClusterNetworkPolicy => spec [revalidate validate::cluster_network_policy_edited];
 }
 
 impl<T: Versioned> Cache<T> {
@@ -244,7 +256,12 @@ impl<T: Versioned> Cache<T> {
         };
         if fresh {
             let mut problems = Vec::new();
-            validate(object, &mut problems);
+            match (self.entries.get(r), T::REVALIDATE) {
+                (Some(was), Some(revalidate)) => {
+                    revalidate(object, &was.object, &was.problems, &mut problems)
+                }
+                _ => validate(object, &mut problems),
+            }
             *validated += 1;
             let invalid = problems.iter().any(Problem::is_error);
             let checked = Checked {

@@ -414,8 +414,8 @@ impl State {
         };
         let mut scratch = Vec::new();
         let sets = &self.cluster.interner.sets;
-        for d in 0..2 {
-            if kept[d] {
+        for (d, kept) in kept.into_iter().enumerate() {
+            if kept {
                 // The same rules against the same sets: the same matcher.
                 policy.matchers[d] = old.matchers[d].clone();
                 continue;

@@ -12,7 +12,7 @@ use super::crd::{
     priority, rule_name, subject, union_exactly_one,
 };
 use super::selectors::{namespaced_pod, selector};
-use super::{CRD_SELECTOR_SEVERITY, Path, Rules, Sink, V1ALPHA2_MAX_ITEMS, invalid};
+use super::{CRD_SELECTOR_SEVERITY, Path, Rules, Sink, V1ALPHA2_MAX_ITEMS, invalid, same_rule};
 
 fn cnp_fail(action: v1alpha2::ClusterNetworkPolicyRuleAction) -> FailClosed {
     match action {
@@ -35,6 +35,19 @@ fn cnp_fail(action: v1alpha2::ClusterNetworkPolicyRuleAction) -> FailClosed {
 /// Source: network-policy-api `apis/v1alpha2/clusternetworkpolicy_types.go`.
 pub fn cluster_network_policy(obj: &v1alpha2::ClusterNetworkPolicy, out: &mut Vec<Problem>) {
     for _ in cluster_network_policy_rules(obj, out) {}
+}
+
+/// [`cluster_network_policy`] of `obj`, an edit of `was`, which validated to
+/// `was_problems`, reusing the problems of each rule equal to the rule at the same
+/// position of `was`, as [`admin_network_policy_edited`](super::admin_network_policy_edited)
+/// does. Reports what [`cluster_network_policy`] reports.
+pub fn cluster_network_policy_edited(
+    obj: &v1alpha2::ClusterNetworkPolicy,
+    was: &v1alpha2::ClusterNetworkPolicy,
+    was_problems: &[Problem],
+    out: &mut Vec<Problem>,
+) {
+    cluster_network_policy_rules(obj, out).finish_reusing(was_problems, same_rule!(obj, was));
 }
 
 /// [`cluster_network_policy`] rule by rule: checks the object's own fields now and each
