@@ -193,16 +193,62 @@ trait Versioned: Resource {
     /// the result.
     fn validates_as(&self, other: &Self) -> bool;
 
-    /// Validates `self`, a new version of `was` (same kind, namespace and name), which
-    /// validated to `was_problems`, reusing what still holds; the same problems as
-    /// validating `self` alone. `None`: the kind is validated whole (its objects are
-    /// small); the admin kinds reuse the problems of their unchanged rules
-    /// ([`validate::admin_network_policy_edited`]).
+    /// For the kinds validated rule by rule: validates `self`, a new version of `was` (same
+    /// kind, namespace and name) that is not the same allocation, which validated to
+    /// `was_problems`, into `out` (the same problems as validating `self` alone), reusing
+    /// the problems of its unchanged rules; returns [`Versioned::validates_as`]`(was)`,
+    /// found by the same pass (each rule compared once, where comparing first and then
+    /// validating compared the rules twice). `None`: the kind is validated whole (its
+    /// objects are small).
     const REVALIDATE: Option<Revalidate<Self>> = None;
 }
 
-/// [`Versioned::REVALIDATE`]: `(new, was, was_problems, out)`.
-type Revalidate<T> = fn(&T, &T, &[Problem], &mut Vec<Problem>);
+/// [`Versioned::REVALIDATE`]: `(new, was, was_problems, out) -> new validates as was`.
+type Revalidate<T> = fn(&T, &T, &[Problem], &mut Vec<Problem>) -> bool;
+
+/// [`Versioned::REVALIDATE`] of an AdminNetworkPolicy.
+fn revalidate_anp(
+    new: &v1alpha1::AdminNetworkPolicy,
+    was: &v1alpha1::AdminNetworkPolicy,
+    was_problems: &[Problem],
+    out: &mut Vec<Problem>,
+) -> bool {
+    let same_rules = validate::admin_network_policy_edited(new, was, was_problems, out);
+    let v1alpha1::AdminNetworkPolicySpec { priority, subject, ingress: _, egress: _ } = &new.spec;
+    same_rules
+        && same_meta(&new.metadata, &was.metadata)
+        && *priority == was.spec.priority
+        && *subject == was.spec.subject
+}
+
+/// [`Versioned::REVALIDATE`] of a BaselineAdminNetworkPolicy.
+fn revalidate_banp(
+    new: &v1alpha1::BaselineAdminNetworkPolicy,
+    was: &v1alpha1::BaselineAdminNetworkPolicy,
+    was_problems: &[Problem],
+    out: &mut Vec<Problem>,
+) -> bool {
+    let same_rules = validate::baseline_admin_network_policy_edited(new, was, was_problems, out);
+    let v1alpha1::BaselineAdminNetworkPolicySpec { subject, ingress: _, egress: _ } = &new.spec;
+    same_rules && same_meta(&new.metadata, &was.metadata) && *subject == was.spec.subject
+}
+
+/// [`Versioned::REVALIDATE`] of a ClusterNetworkPolicy.
+fn revalidate_cnp(
+    new: &v1alpha2::ClusterNetworkPolicy,
+    was: &v1alpha2::ClusterNetworkPolicy,
+    was_problems: &[Problem],
+    out: &mut Vec<Problem>,
+) -> bool {
+    let same_rules = validate::cluster_network_policy_edited(new, was, was_problems, out);
+    let v1alpha2::ClusterNetworkPolicySpec { tier, priority, subject, ingress: _, egress: _ } =
+        &new.spec;
+    same_rules
+        && same_meta(&new.metadata, &was.metadata)
+        && *tier == was.spec.tier
+        && *priority == was.spec.priority
+        && *subject == was.spec.subject
+}
 
 /// [`Versioned::validates_as`] for the metadata.
 fn same_meta(a: &ObjectMeta, b: &ObjectMeta) -> bool {
@@ -228,10 +274,9 @@ versioned! {
     api::Node => spec, status;
     api::Pod => spec, status;
     api::NetworkPolicy => spec;
-    v1alpha1::AdminNetworkPolicy => spec [revalidate validate::admin_network_policy_edited];
-    v1alpha1::BaselineAdminNetworkPolicy => spec
-        [revalidate validate::baseline_admin_network_policy_edited];
-    v1alpha2::ClusterNetworkPolicy => spec [revalidate validate::cluster_network_policy_edited];
+    v1alpha1::AdminNetworkPolicy => spec [revalidate revalidate_anp];
+    v1alpha1::BaselineAdminNetworkPolicy => spec [revalidate revalidate_banp];
+    v1alpha2::ClusterNetworkPolicy => spec [revalidate revalidate_cnp];
 }
 
 impl<T: Versioned> Cache<T> {
@@ -245,33 +290,52 @@ impl<T: Versioned> Cache<T> {
         build: u64,
         validated: &mut usize,
     ) -> &Checked<T> {
-        let fresh = match self.entries.get_mut(r) {
-            Some(c) if Arc::ptr_eq(&c.object, object) || c.object.validates_as(object) => {
-                // Hold the current allocation, so an older equal one can be freed.
-                c.object = Arc::clone(object);
-                c.seen = build;
-                false
-            }
-            _ => true,
-        };
-        if fresh {
-            let mut problems = Vec::new();
-            match (self.entries.get(r), T::REVALIDATE) {
-                (Some(was), Some(revalidate)) => {
-                    revalidate(object, &was.object, &was.problems, &mut problems)
-                }
-                _ => validate(object, &mut problems),
-            }
-            *validated += 1;
-            let invalid = problems.iter().any(Problem::is_error);
-            let checked = Checked {
-                object: Arc::clone(object),
-                problems: problems.into(),
-                invalid,
-                seen: build,
-            };
-            self.entries.insert(r.clone(), checked);
+        /// What the cached entry says of `object`.
+        enum Found {
+            /// The same allocation, or equal in what validation reads: the same problems.
+            Same,
+            /// Changed, and revalidated rule by rule against the cached version.
+            Revalidated(Vec<Problem>),
+            /// New, or changed in a kind validated whole.
+            Unknown,
         }
+        let found = match self.entries.get(r) {
+            Some(c) if Arc::ptr_eq(&c.object, object) => Found::Same,
+            Some(c) => match T::REVALIDATE {
+                // Compared and validated in one pass.
+                Some(revalidate) => {
+                    let mut problems = Vec::new();
+                    match revalidate(object, &c.object, &c.problems, &mut problems) {
+                        true => Found::Same,
+                        false => Found::Revalidated(problems),
+                    }
+                }
+                None if c.object.validates_as(object) => Found::Same,
+                None => Found::Unknown,
+            },
+            None => Found::Unknown,
+        };
+        let problems = match found {
+            Found::Same => {
+                if let Some(c) = self.entries.get_mut(r) {
+                    // Hold the current allocation, so an older equal one can be freed.
+                    c.object = Arc::clone(object);
+                    c.seen = build;
+                }
+                return &self.entries[r];
+            }
+            Found::Revalidated(problems) => problems,
+            Found::Unknown => {
+                let mut problems = Vec::new();
+                validate(object, &mut problems);
+                problems
+            }
+        };
+        *validated += 1;
+        let invalid = problems.iter().any(Problem::is_error);
+        let checked =
+            Checked { object: Arc::clone(object), problems: problems.into(), invalid, seen: build };
+        self.entries.insert(r.clone(), checked);
         &self.entries[r]
     }
 
@@ -659,6 +723,94 @@ spec:
 
     fn policy_names(s: &Snapshot) -> Vec<String> {
         (0..s.policy_count()).map(|i| s.policy_ref(i).to_string()).collect()
+    }
+
+    /// Revalidating an admin policy against a version of it finds what validating it whole
+    /// finds, and says whether the two validate alike exactly when `validates_as` does:
+    /// for every ordered pair of versions that differ in labels, priority, tier, subject,
+    /// one rule (into an invalid one), a rule more or a rule less.
+    #[test]
+    fn revalidating_an_admin_policy_finds_what_validating_it_whole_finds() {
+        use serde_json::{Value, json};
+        fn versions(base: Value, tiered: bool) -> Vec<Value> {
+            let mut out = vec![base.clone()];
+            let mut edit = |f: &dyn Fn(&mut Value)| {
+                let mut v = base.clone();
+                f(&mut v);
+                out.push(v);
+            };
+            edit(&|v| v["metadata"]["labels"] = json!({"team": "x"}));
+            edit(&|v| v["spec"]["subject"] = json!({"namespaces": {"matchLabels": {"a": "b"}}}));
+            edit(&|v| v["spec"]["egress"][0]["to"][0] = json!({"networks": ["10.0.0.1/8"]}));
+            edit(&|v| {
+                let rule = v["spec"]["egress"][0].clone();
+                v["spec"]["egress"].as_array_mut().unwrap().push(rule);
+            });
+            edit(&|v| v["spec"]["egress"] = json!([]));
+            if !base["spec"]["priority"].is_null() {
+                edit(&|v| v["spec"]["priority"] = json!(7));
+            }
+            if tiered {
+                edit(&|v| v["spec"]["tier"] = json!("Baseline"));
+            }
+            out
+        }
+        fn pairs<T: Versioned + serde::de::DeserializeOwned>(
+            versions: Vec<Value>,
+            validate: fn(&T, &mut Vec<Problem>),
+        ) {
+            let objects: Vec<T> =
+                versions.into_iter().map(|v| serde_json::from_value(v).unwrap()).collect();
+            let revalidate = T::REVALIDATE.expect("an admin kind");
+            for (i, was) in objects.iter().enumerate() {
+                for (j, new) in objects.iter().enumerate() {
+                    let (mut was_problems, mut whole, mut again) = (vec![], vec![], vec![]);
+                    validate(was, &mut was_problems);
+                    validate(new, &mut whole);
+                    let alike = revalidate(new, was, &was_problems, &mut again);
+                    assert_eq!(alike, new.validates_as(was), "version {j} after {i}");
+                    assert_eq!(again, whole, "version {j} after {i}");
+                }
+            }
+        }
+        let rules = json!({
+            "ingress": [{"action": "Deny", "from": [{"namespaces": {}}]}],
+            "egress": [{"action": "Deny", "to": [{"networks": ["10.0.0.0/8"]}]}],
+        });
+        let spec = |extra: Value| {
+            let mut s = rules.clone();
+            s["subject"] = json!({"namespaces": {}});
+            for (k, v) in extra.as_object().unwrap() {
+                s[k] = v.clone();
+            }
+            s
+        };
+        let object = |api: &str, kind: &str, name: &str, spec: Value| json!({"apiVersion": api, "kind": kind, "metadata": {"name": name}, "spec": spec});
+        let v1alpha1 = "policy.networking.k8s.io/v1alpha1";
+        pairs::<v1alpha1::AdminNetworkPolicy>(
+            versions(
+                object(v1alpha1, "AdminNetworkPolicy", "a", spec(json!({"priority": 3}))),
+                false,
+            ),
+            validate::admin_network_policy,
+        );
+        pairs::<v1alpha1::BaselineAdminNetworkPolicy>(
+            versions(
+                object(v1alpha1, "BaselineAdminNetworkPolicy", "default", spec(json!({}))),
+                false,
+            ),
+            validate::baseline_admin_network_policy,
+        );
+        let cnp = spec(json!({"priority": 3, "tier": "Admin"}));
+        let mut cnp_versions = versions(
+            object("policy.networking.k8s.io/v1alpha2", "ClusterNetworkPolicy", "c", cnp),
+            true,
+        );
+        for v in &mut cnp_versions {
+            // v1alpha2 says Accept where v1alpha1 says Allow; these rules Deny.
+            v["spec"]["ingress"][0]["action"] = json!("Deny");
+        }
+        pairs::<v1alpha2::ClusterNetworkPolicy>(cnp_versions, validate::cluster_network_policy);
     }
 
     #[test]

@@ -23,8 +23,8 @@
 //!
 //! Everything else is compiled in full, with the reason kept in [`Pass::Full`]: the first
 //! compile, a pod, namespace, node or policy that came or went, a pod whose address, node,
-//! ports or phase changed, any node change, more relabelled pods or namespaces at once than a patch
-//! is worth ([`MIN_BULK`]), too many policies whose address ranges changed
+//! ports or phase changed, any node change, more relabelled pods or namespaces at once
+//! than a patch is worth ([`MIN_BULK`]), too many policies whose address ranges changed
 //! ([`MAX_ADDR_EXTRA`]), duplicates, and pod sets no policy uses any more outgrowing the
 //! live ones. (Per-pod lists no pod uses any more are dropped by the patch itself,
 //! [`State::compact_policy_sets`].) The patched snapshot

@@ -352,19 +352,21 @@ impl<T> Rules<'_, T> {
     /// `was` (those whose field lies within the rule, `spec.ingress[i]` or `spec.egress[i]`)
     /// instead of being found again. A rule's problems depend only on the rule and its
     /// position, so the result is what checking it would give (test
-    /// `an_edit_revalidates_to_what_validating_it_whole_gives`).
+    /// `an_edit_revalidates_to_what_validating_it_whole_gives`). Returns whether every
+    /// rule was reused.
     pub(crate) fn finish_reusing(
         mut self,
         was: &[Problem],
         same: impl Fn(Direction, usize) -> bool,
-    ) {
+    ) -> bool {
         let (mut d, mut i) = self.next;
         let mut prefix = String::new();
+        let mut all_reused = true;
         loop {
             while d < 2 && i >= self.counts[d] {
                 (d, i) = (d + 1, 0);
             }
-            let Some(&dir) = Direction::BOTH.get(d) else { return };
+            let Some(&dir) = Direction::BOTH.get(d) else { return all_reused };
             if same(dir, i) {
                 use std::fmt::Write;
                 prefix.clear();
@@ -377,6 +379,7 @@ impl<T> Rules<'_, T> {
                 self.sink.out.extend(was.iter().filter(|p| within(&p.field)).cloned());
             } else {
                 (self.check)(&mut self.sink, self.object, dir, i);
+                all_reused = false;
             }
             i += 1;
         }

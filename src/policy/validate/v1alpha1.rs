@@ -65,13 +65,19 @@ pub fn admin_network_policy(obj: &v1alpha1::AdminNetworkPolicy, out: &mut Vec<Pr
 /// rule equal to the rule at the same position of `was` takes its problems from
 /// `was_problems` instead of being checked again. Reports what [`admin_network_policy`]
 /// reports; an edit of one rule of a 100-rule policy costs one rule's check.
+///
+/// Returns whether `obj` has `was`'s rules, each in its place (then only the object's
+/// own fields can differ).
 pub fn admin_network_policy_edited(
     obj: &v1alpha1::AdminNetworkPolicy,
     was: &v1alpha1::AdminNetworkPolicy,
     was_problems: &[Problem],
     out: &mut Vec<Problem>,
-) {
-    admin_network_policy_rules(obj, out).finish_reusing(was_problems, same_rule!(obj, was));
+) -> bool {
+    let same_counts = obj.spec.ingress.len() == was.spec.ingress.len()
+        && obj.spec.egress.len() == was.spec.egress.len();
+    admin_network_policy_rules(obj, out).finish_reusing(was_problems, same_rule!(obj, was))
+        && same_counts
 }
 
 /// [`admin_network_policy`] rule by rule: checks the object's own fields now and each
@@ -203,14 +209,19 @@ pub fn baseline_admin_network_policy(
 /// `was_problems`, reusing the problems of each rule equal to the rule at the same
 /// position of `was`, as [`admin_network_policy_edited`] does. Reports what
 /// [`baseline_admin_network_policy`] reports.
+///
+/// Returns whether `obj` has `was`'s rules, each in its place (then only the object's
+/// own fields can differ).
 pub fn baseline_admin_network_policy_edited(
     obj: &v1alpha1::BaselineAdminNetworkPolicy,
     was: &v1alpha1::BaselineAdminNetworkPolicy,
     was_problems: &[Problem],
     out: &mut Vec<Problem>,
-) {
+) -> bool {
+    let same_counts = obj.spec.ingress.len() == was.spec.ingress.len()
+        && obj.spec.egress.len() == was.spec.egress.len();
     let rules = baseline_admin_network_policy_rules(obj, out);
-    rules.finish_reusing(was_problems, same_rule!(obj, was));
+    rules.finish_reusing(was_problems, same_rule!(obj, was)) && same_counts
 }
 
 /// [`baseline_admin_network_policy`] rule by rule: checks the object's own fields now and each

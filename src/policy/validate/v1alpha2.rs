@@ -41,13 +41,19 @@ pub fn cluster_network_policy(obj: &v1alpha2::ClusterNetworkPolicy, out: &mut Ve
 /// `was_problems`, reusing the problems of each rule equal to the rule at the same
 /// position of `was`, as [`admin_network_policy_edited`](super::admin_network_policy_edited)
 /// does. Reports what [`cluster_network_policy`] reports.
+///
+/// Returns whether `obj` has `was`'s rules, each in its place (then only the object's
+/// own fields can differ).
 pub fn cluster_network_policy_edited(
     obj: &v1alpha2::ClusterNetworkPolicy,
     was: &v1alpha2::ClusterNetworkPolicy,
     was_problems: &[Problem],
     out: &mut Vec<Problem>,
-) {
-    cluster_network_policy_rules(obj, out).finish_reusing(was_problems, same_rule!(obj, was));
+) -> bool {
+    let same_counts = obj.spec.ingress.len() == was.spec.ingress.len()
+        && obj.spec.egress.len() == was.spec.egress.len();
+    cluster_network_policy_rules(obj, out).finish_reusing(was_problems, same_rule!(obj, was))
+        && same_counts
 }
 
 /// [`cluster_network_policy`] rule by rule: checks the object's own fields now and each
