@@ -72,23 +72,38 @@ pub(super) fn admin_policies(
 /// their selector peers interned. `new` must be valid (validated by the caller). A
 /// 100-rule policy of which one rule changed costs one rule's compile, not a hundred.
 ///
-/// Returns the policy, with per direction whether each of its rules is the one `old` has
-/// at the same position (nothing added, dropped or changed in that direction); `None`
-/// when `new` and `was` are not of the same kind.
+/// Each rule is compared with `was`'s once, here: the caller passes any new allocation,
+/// and [`Edited::Unchanged`] says when nothing the compile reads changed (a status write).
+/// `None` when `new` and `was` are not of the same kind.
 pub(super) fn admin_policy_edited(
     c: &mut Cluster,
     object: ObjectRef,
     new: AdminObject<'_>,
     was: AdminObject<'_>,
     old: &Policy,
-) -> Option<(Policy, [bool; 2])> {
+) -> Option<Edited> {
+    let counts = rule_counts(new);
+    let mut same: [Vec<bool>; 2] = Default::default();
+    for d in Direction::BOTH {
+        for i in 0..counts[d as usize] {
+            same[d as usize].push(same_rule(new, was, d, i)?);
+        }
+    }
+    // Per direction, whether every rule is `was`'s, in its place.
+    let kept = [0, 1].map(|d| same[d].iter().all(|&s| s) && counts[d] == rule_counts(was)[d]);
+    if kept == [true; 2]
+        && same_head(new, was)?
+        && own_annotations(new.metadata()) == own_annotations(was.metadata())
+    {
+        return Some(Edited::Unchanged);
+    }
     let mut dict = PeerDict::default();
-    let mut rules: [Vec<Rule>; 2] = rule_counts(new).map(Vec::with_capacity);
+    let mut rules: [Vec<Rule>; 2] = counts.map(Vec::with_capacity);
     // Per direction, the positions of the rules compiled here (their peers are worker keys).
     let mut fresh: [Vec<usize>; 2] = Default::default();
     for d in Direction::BOTH {
-        for i in 0..rule_counts(new)[d as usize] {
-            let reused = match same_rule(new, was, d, i)? {
+        for (i, &same) in same[d as usize].iter().enumerate() {
+            let reused = match same {
                 true => old.rules[d as usize].get(i).cloned(),
                 false => None,
             };
@@ -115,10 +130,47 @@ pub(super) fn admin_policy_edited(
             sets.dedup();
         }
     }
-    let kept = [0, 1].map(|d| fresh[d].is_empty() && rules[d].len() == old.rules[d].len());
     let (tier, priority, namespaces, pods) = admin_head(new);
     let body = AdminBody { tier, priority, namespaces, pods, rules };
-    Some((c.admin_policy(object, body, own_annotations(new.metadata())), kept))
+    Some(Edited::Compiled(c.admin_policy(object, body, own_annotations(new.metadata())), kept))
+}
+
+/// What [`admin_policy_edited`] made of a new version.
+pub(super) enum Edited {
+    /// Equal to the previous version in everything the compile reads.
+    Unchanged,
+    /// The policy, with per direction whether each of its rules is the one the previous
+    /// version has at the same position (nothing added, dropped or changed in that
+    /// direction).
+    Compiled(Policy, [bool; 2]),
+}
+
+/// Whether `a` and `b` have the same tier, priority and subject; `None` when they are not
+/// of the same kind.
+fn same_head(a: AdminObject<'_>, b: AdminObject<'_>) -> Option<bool> {
+    Some(match (a, b) {
+        (AdminObject::Anp(a), AdminObject::Anp(b)) => {
+            let v1alpha1::AdminNetworkPolicySpec { priority, subject, ingress: _, egress: _ } =
+                &a.spec;
+            *priority == b.spec.priority && *subject == b.spec.subject
+        }
+        (AdminObject::Banp(a), AdminObject::Banp(b)) => {
+            let v1alpha1::BaselineAdminNetworkPolicySpec { subject, ingress: _, egress: _ } =
+                &a.spec;
+            *subject == b.spec.subject
+        }
+        (AdminObject::Cnp(a), AdminObject::Cnp(b)) => {
+            let v1alpha2::ClusterNetworkPolicySpec {
+                tier,
+                priority,
+                subject,
+                ingress: _,
+                egress: _,
+            } = &a.spec;
+            *tier == b.spec.tier && *priority == b.spec.priority && *subject == b.spec.subject
+        }
+        _ => return None,
+    })
 }
 
 /// Whether rule `i` of direction `d` of `a` equals the rule at the same position of `b`

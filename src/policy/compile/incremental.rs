@@ -125,14 +125,10 @@ impl Compiler {
             None => "first compile",
             Some(state) => match state.sources.diff(inputs, &state.cluster.ns_ids) {
                 Ok(changes) => {
-                    let pass = Pass::Patched {
-                        pods: changes.pods.len(),
-                        namespaces: changes.namespaces.len(),
-                        policies: changes.policies.len(),
-                    };
+                    let (pods, namespaces) = (changes.pods.len(), changes.namespaces.len());
                     match state.patch(changes, revision) {
-                        Ok(()) => {
-                            self.last = pass;
+                        Ok(policies) => {
+                            self.last = Pass::Patched { pods, namespaces, policies };
                             return Compiled {
                                 snapshot: state.snapshot.clone(),
                                 problems: state.problems.clone(),
@@ -270,13 +266,14 @@ impl State {
         })
     }
 
-    /// Applies `changes` to the snapshot (module docs), as `revision`.
+    /// Applies `changes` to the snapshot (module docs), as `revision`. Returns how many
+    /// policies were edited (an admin policy given as a new allocation may prove unchanged).
     ///
     /// # Errors
     /// Why the changes need a full compile after all (the state is then spent): an edited
     /// policy that compiles to none, more changes at once than a patch is
     /// worth, too many address-range edits or unused pod sets since the last full compile.
-    fn patch(&mut self, changes: Changes, revision: Revision) -> Result<(), &'static str> {
+    fn patch(&mut self, changes: Changes, revision: Revision) -> Result<usize, &'static str> {
         if self.cluster.interner.sets.len() > 2 * self.full_sets + 1024 {
             return Err("the pod sets no policy uses outgrew the live ones");
         }
@@ -285,14 +282,6 @@ impl State {
             || changes.namespaces.len() > MIN_BULK.max(namespaces / 20)
         {
             return Err("many pods or namespaces changed at once: a full compile costs less");
-        }
-        if self
-            .snapshot
-            .addr_index
-            .iter()
-            .any(|a| a.extra() + changes.policies.len() > MAX_ADDR_EXTRA)
-        {
-            return Err("too many policies' address ranges changed since the last full compile");
         }
         // Per pod, the sets whose membership of it flipped.
         let mut flipped: BTreeMap<u32, Vec<SetId>> = BTreeMap::new();
@@ -325,8 +314,9 @@ impl State {
         // the new snapshot: a 100-rule ANP of 100 peers each takes ~0.3 ms to free.
         let mut retired = Vec::with_capacity(changes.policies.len());
         for edit in changes.policies {
-            retired.push(self.edit_policy(edit)?);
+            retired.extend(self.edit_policy(edit)?);
         }
+        let edited = retired.len();
         free_elsewhere(retired);
         if self.snapshot.policy_sets.len() > 2 * self.live_policy_sets + 1024 {
             self.compact_policy_sets();
@@ -335,7 +325,7 @@ impl State {
         let (known, sets) = (self.snapshot.pod_sets.len(), &self.cluster.interner.sets);
         self.snapshot.pod_sets.extend_from_slice(&sets[known..]);
         self.snapshot.revision = revision;
-        Ok(())
+        Ok(edited)
     }
 
     /// Drops the per-pod lists no pod uses any more (edits and relabels leave the lists
@@ -368,13 +358,15 @@ impl State {
     /// exactly, and the address index made to take it as a candidate for every external
     /// address when its address ranges changed.
     ///
-    /// Returns the edit and the policy it replaced, for the caller to free.
+    /// Returns the edit and the policy it replaced, for the caller to free; `None` when
+    /// the new version of an admin policy proves to compile as the last one (the same
+    /// rules, tier, priority, subject and own annotations).
     ///
     /// # Errors
     /// When the policy compiles to none, or was not compiled before (neither happens for
     /// a policy [`Sources::diff`] found edited; a full compile follows).
-    fn edit_policy(&mut self, edit: Edit) -> Result<(Edit, Policy), &'static str> {
-        use super::admin::{AdminObject, admin_policy_edited};
+    fn edit_policy(&mut self, edit: Edit) -> Result<Option<(Edit, Policy)>, &'static str> {
+        use super::admin::{AdminObject, Edited, admin_policy_edited};
         let object = match &edit {
             Edit::Network(np) => ObjectRef::namespaced(
                 Kind::NetworkPolicy,
@@ -398,7 +390,9 @@ impl State {
         let old = &s.policies[pid as usize];
         // Per direction, whether every rule is the one compiled before (admin kinds).
         let policy = match &edit {
-            Edit::Network(np) => c.network_policy(object, np).map(|p| (p, [false; 2])),
+            Edit::Network(np) => {
+                c.network_policy(object, np).map(|p| Edited::Compiled(p, [false; 2]))
+            }
             Edit::Admin(new, was) => {
                 admin_policy_edited(c, object, AdminObject::Anp(new), AdminObject::Anp(was), old)
             }
@@ -409,8 +403,12 @@ impl State {
                 admin_policy_edited(c, object, AdminObject::Cnp(new), AdminObject::Cnp(was), old)
             }
         };
-        let Some((mut policy, kept)) = policy else {
-            return Err("an edited policy compiles to none (its namespace is not declared)");
+        let (mut policy, kept) = match policy {
+            Some(Edited::Compiled(policy, kept)) => (policy, kept),
+            Some(Edited::Unchanged) => return Ok(None),
+            None => {
+                return Err("an edited policy compiles to none (its namespace is not declared)");
+            }
         };
         let mut scratch = Vec::new();
         let sets = &self.cluster.interner.sets;
@@ -511,11 +509,17 @@ impl State {
                 (merged(v4), merged(v6))
             };
             if addresses(&old.rules[d]) != addresses(&policy.rules[d]) {
-                Arc::make_mut(&mut s.addr_index)[d].add_everywhere(pid);
+                let index = &mut Arc::make_mut(&mut s.addr_index)[d];
+                if index.extra() >= MAX_ADDR_EXTRA {
+                    return Err(
+                        "too many policies' address ranges changed since the last full compile",
+                    );
+                }
+                index.add_everywhere(pid);
             }
         }
         let old = std::mem::replace(&mut s.policies[pid as usize], policy);
-        Ok((edit, old))
+        Ok(Some((edit, old)))
     }
 
     /// Namespace `ns` now has `labels`: its entry and label index, the memo of pods by
@@ -872,8 +876,8 @@ fn unchanged<T: Resource>(old: &[Arc<T>], new: &[Arc<T>], same: fn(&T, &T) -> bo
 /// Two versions of each of some objects: (old, new).
 type Versions<T> = Vec<(Arc<T>, Arc<T>)>;
 
-/// The policies whose `spec` or own annotations (`same`) differ from their counterpart in
-/// `old`, as (old, new) pairs.
+/// The policies that are not the same allocation as their counterpart in `old` and that
+/// `same` does not find equal, as (old, new) pairs.
 ///
 /// # Errors
 /// When a policy came, went or is given twice.
@@ -891,7 +895,7 @@ fn edited<T: Resource>(
         .collect())
 }
 
-/// Policies compile from their `spec` and their own annotations.
+/// NetworkPolicies compile from their `spec` and their own annotations.
 macro_rules! same_policy {
     ($t:ty) => {
         (|a: &$t, b: &$t| {
@@ -966,23 +970,14 @@ impl Sources {
             return Err("a node changed, came or went");
         }
         let mut changes = Changes::default();
+        // Every new allocation of an admin policy is a candidate: the edit compares it rule
+        // by rule with the last one, once, and leaves it alone if nothing changed
+        // (`admin_policy_edited`), where comparing here first would compare twice.
         let edited = (
             edited(&self.network_policies, &inputs.network_policies, same_policy!(NetworkPolicy))?,
-            edited(
-                &self.admin,
-                &inputs.admin_network_policies,
-                same_policy!(v1alpha1::AdminNetworkPolicy),
-            )?,
-            edited(
-                &self.baseline,
-                &inputs.baseline_admin_network_policies,
-                same_policy!(v1alpha1::BaselineAdminNetworkPolicy),
-            )?,
-            edited(
-                &self.cluster,
-                &inputs.cluster_network_policies,
-                same_policy!(v1alpha2::ClusterNetworkPolicy),
-            )?,
+            edited(&self.admin, &inputs.admin_network_policies, |_, _| false)?,
+            edited(&self.baseline, &inputs.baseline_admin_network_policies, |_, _| false)?,
+            edited(&self.cluster, &inputs.cluster_network_policies, |_, _| false)?,
         );
         let (network, admin, baseline, cluster) = edited;
         changes.policies.extend(network.into_iter().map(|(_, new)| Edit::Network(new)));
@@ -1107,6 +1102,29 @@ mod tests {
         i.admin_network_policies[0] = Arc::new(anp);
         compile(&mut c, &i);
         assert_eq!(c.last_pass(), &Pass::Patched { pods: 0, namespaces: 0, policies: 1 });
+
+        // Every admin policy given again as a new allocation (a manifest parsed again, a
+        // status write): compared, nothing edited. Then one own annotation: an edit.
+        for p in &mut i.admin_network_policies {
+            *p = Arc::new((**p).clone());
+        }
+        compile(&mut c, &i);
+        assert_eq!(c.last_pass(), &Pass::Patched { pods: 0, namespaces: 0, policies: 0 });
+        let mut anp = (*i.admin_network_policies[1]).clone();
+        anp.metadata.annotations = Some([("tierproxy.io/audit".into(), "all".into())].into());
+        i.admin_network_policies[1] = Arc::new(anp);
+        let s = compile(&mut c, &i);
+        assert_eq!(c.last_pass(), &Pass::Patched { pods: 0, namespaces: 0, policies: 1 });
+        let id = (0..s.policy_count())
+            .find(|&p| {
+                *s.policy_ref(p)
+                    == ObjectRef::cluster(
+                        Kind::AdminNetworkPolicy,
+                        meta_name(&i.admin_network_policies[1].metadata),
+                    )
+            })
+            .unwrap();
+        assert_eq!(s.policy_annotation(id, "tierproxy.io/audit"), Some("all"));
 
         let mut moved = (*i.pod_views[4]).clone();
         moved.ips = vec!["10.250.0.9".parse().unwrap()];
