@@ -430,7 +430,20 @@ mod tests {
     /// and itself with the first rule of a direction dropped (which moves the others up).
     #[test]
     fn an_edit_revalidates_to_what_validating_it_whole_gives() {
-        use crate::policy::api::{v1alpha1, v1alpha2};
+        /// `now` validated whole, and revalidated after `was`.
+        fn both<T: serde::de::DeserializeOwned>(
+            was: &Value,
+            now: &Value,
+            whole: fn(&T, &mut Vec<Problem>),
+            edited: fn(&T, &T, &[Problem], &mut Vec<Problem>) -> bool,
+        ) -> (Vec<Problem>, Vec<Problem>) {
+            let (was, now): (T, T) = (de(was.clone()), de(now.clone()));
+            let (mut was_problems, mut all, mut again) = (Vec::new(), Vec::new(), Vec::new());
+            whole(&was, &mut was_problems);
+            whole(&now, &mut all);
+            edited(&now, &was, &was_problems, &mut again);
+            (all, again)
+        }
         let rows = all_rows();
         let mut pairs = 0;
         for target in [Target::Anp, Target::Banp, Target::Cnp] {
@@ -458,54 +471,21 @@ mod tests {
                     pairs_of_kind.push((v.clone(), other));
                 }
             }
-            {
-                for (was, now) in &pairs_of_kind {
-                    let (whole, edited) = match target {
-                        Target::Anp => {
-                            let (was, now): (
-                                v1alpha1::AdminNetworkPolicy,
-                                v1alpha1::AdminNetworkPolicy,
-                            ) = (de(was.clone()), de(now.clone()));
-                            let mut was_problems = Vec::new();
-                            admin_network_policy(&was, &mut was_problems);
-                            let (mut whole, mut edited) = (Vec::new(), Vec::new());
-                            admin_network_policy(&now, &mut whole);
-                            admin_network_policy_edited(&now, &was, &was_problems, &mut edited);
-                            (whole, edited)
-                        }
-                        Target::Banp => {
-                            let (was, now): (
-                                v1alpha1::BaselineAdminNetworkPolicy,
-                                v1alpha1::BaselineAdminNetworkPolicy,
-                            ) = (de(was.clone()), de(now.clone()));
-                            let mut was_problems = Vec::new();
-                            baseline_admin_network_policy(&was, &mut was_problems);
-                            let (mut whole, mut edited) = (Vec::new(), Vec::new());
-                            baseline_admin_network_policy(&now, &mut whole);
-                            baseline_admin_network_policy_edited(
-                                &now,
-                                &was,
-                                &was_problems,
-                                &mut edited,
-                            );
-                            (whole, edited)
-                        }
-                        _ => {
-                            let (was, now): (
-                                v1alpha2::ClusterNetworkPolicy,
-                                v1alpha2::ClusterNetworkPolicy,
-                            ) = (de(was.clone()), de(now.clone()));
-                            let mut was_problems = Vec::new();
-                            cluster_network_policy(&was, &mut was_problems);
-                            let (mut whole, mut edited) = (Vec::new(), Vec::new());
-                            cluster_network_policy(&now, &mut whole);
-                            cluster_network_policy_edited(&now, &was, &was_problems, &mut edited);
-                            (whole, edited)
-                        }
-                    };
-                    assert_eq!(edited, whole, "{target:?}: {now} after {was}");
-                    pairs += 1;
-                }
+            for (was, now) in &pairs_of_kind {
+                let (whole, edited) = match target {
+                    Target::Anp => {
+                        both(was, now, admin_network_policy, admin_network_policy_edited)
+                    }
+                    Target::Banp => both(
+                        was,
+                        now,
+                        baseline_admin_network_policy,
+                        baseline_admin_network_policy_edited,
+                    ),
+                    _ => both(was, now, cluster_network_policy, cluster_network_policy_edited),
+                };
+                assert_eq!(edited, whole, "{target:?}: {now} after {was}");
+                pairs += 1;
             }
         }
         assert!(pairs > 500, "only {pairs} pairs");
