@@ -20,10 +20,14 @@
 //!    which fails closed as its API says (none of a left-out policy's rules apply; a
 //!    left-out pod, namespace or node is as if it did not exist).
 //! 3. **Compile** the admitted objects, once, with a [`Compiler`]: it patches the
-//!    previous snapshot when only pod or namespace labels changed or policies were edited
-//!    in their place, and otherwise compiles in full ([`Snapshot::compile_validated`]). Before this module the agent compiled
-//!    everything, validation included, and compiled again when a last good version had
-//!    to be put back.
+//!    previous snapshot when only pod or namespace labels or policies' specs changed, and
+//!    otherwise compiles in full ([`Snapshot::compile_validated`]). Before this module the
+//!    agent compiled everything, validation included, and compiled again when a last good
+//!    version had to be put back.
+//!
+//! An admin policy (ANP, BANP, CNP) that changed is validated rule by rule against the
+//! version validated last: a rule equal to the one in its place keeps its problems, and
+//! the same pass tells whether anything changed at all (`Versioned::REVALIDATE`).
 //!
 //! What a build finds (errors, warnings, notes) comes back as lines, logged once each by
 //! a [`ProblemLog`]; each policy's acceptance as a [`Report`] for the status writer.
