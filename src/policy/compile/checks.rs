@@ -12,8 +12,8 @@ use crate::policy::snapshot::{Policy, Snapshot};
 
 /// Pairs of admin-tier (or baseline-tier CNP) policies with equal priority whose subjects
 /// overlap, each with the number of pods both select: one warning on each policy of a
-/// pair, naming the other and saying which is evaluated first (the first by
-/// [`place`]). Used by `check` and the policy
+/// pair, naming the other and saying which is evaluated first (the first in evaluation
+/// order: tier, priority, then name, kind, namespace). Used by `check` and the policy
 /// status (KEP-2091 "Risks and Mitigations": "provide a warning if there is another ANP
 /// with the same priority").
 pub fn priority_conflicts(s: &Snapshot) -> Vec<Problem> {
