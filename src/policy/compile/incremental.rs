@@ -12,7 +12,9 @@
 //!    subject is one of those sets at the new set, and rebuilds the pod's per-pod policy
 //!    list (interned with the others);
 //! 3. compiles each edited policy alone against the cluster as it is now, under the same
-//!    policy id ([`State::edit_policy`]), so nothing that names other policies changes. A
+//!    policy id ([`State::edit_policy`]), so nothing that names other policies changes;
+//!    an admin policy's rules that equal the previous version's, in their place, are
+//!    reused as compiled, and so are the matchers of a direction whose rules all are. A
 //!    policy whose tier or priority changed keeps its id too: ids are slots, not
 //!    positions in the evaluation order, and the per-pod lists, which carry the order,
 //!    take it out where it was and put it in at its new place ([`place`]). The port and
