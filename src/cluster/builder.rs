@@ -210,48 +210,18 @@ trait Versioned: Resource {
 /// [`Versioned::REVALIDATE`]: `(new, was, was_problems, out) -> new validates as was`.
 type Revalidate<T> = fn(&T, &T, &[Problem], &mut Vec<Problem>) -> bool;
 
-/// [`Versioned::REVALIDATE`] of an AdminNetworkPolicy.
-fn revalidate_anp(
-    new: &v1alpha1::AdminNetworkPolicy,
-    was: &v1alpha1::AdminNetworkPolicy,
+/// [`Versioned::REVALIDATE`] of the admin kinds: the rules revalidated and compared in
+/// one pass ([`validate::AdminEdit::validate_edited`]), then the metadata and the spec's
+/// head (tier, priority, subject).
+fn revalidate_admin<T: validate::AdminEdit + Resource>(
+    new: &T,
+    was: &T,
     was_problems: &[Problem],
     out: &mut Vec<Problem>,
 ) -> bool {
-    let same_rules = validate::admin_network_policy_edited(new, was, was_problems, out);
-    let v1alpha1::AdminNetworkPolicySpec { priority, subject, ingress: _, egress: _ } = &new.spec;
-    same_rules
-        && same_meta(&new.metadata, &was.metadata)
-        && *priority == was.spec.priority
-        && *subject == was.spec.subject
-}
-
-/// [`Versioned::REVALIDATE`] of a BaselineAdminNetworkPolicy.
-fn revalidate_banp(
-    new: &v1alpha1::BaselineAdminNetworkPolicy,
-    was: &v1alpha1::BaselineAdminNetworkPolicy,
-    was_problems: &[Problem],
-    out: &mut Vec<Problem>,
-) -> bool {
-    let same_rules = validate::baseline_admin_network_policy_edited(new, was, was_problems, out);
-    let v1alpha1::BaselineAdminNetworkPolicySpec { subject, ingress: _, egress: _ } = &new.spec;
-    same_rules && same_meta(&new.metadata, &was.metadata) && *subject == was.spec.subject
-}
-
-/// [`Versioned::REVALIDATE`] of a ClusterNetworkPolicy.
-fn revalidate_cnp(
-    new: &v1alpha2::ClusterNetworkPolicy,
-    was: &v1alpha2::ClusterNetworkPolicy,
-    was_problems: &[Problem],
-    out: &mut Vec<Problem>,
-) -> bool {
-    let same_rules = validate::cluster_network_policy_edited(new, was, was_problems, out);
-    let v1alpha2::ClusterNetworkPolicySpec { tier, priority, subject, ingress: _, egress: _ } =
-        &new.spec;
-    same_rules
-        && same_meta(&new.metadata, &was.metadata)
-        && *tier == was.spec.tier
-        && *priority == was.spec.priority
-        && *subject == was.spec.subject
+    new.validate_edited(was, was_problems, out)
+        && same_meta(new.meta(), was.meta())
+        && new.same_head(was)
 }
 
 /// [`Versioned::validates_as`] for the metadata.
@@ -278,9 +248,9 @@ versioned! {
     api::Node => spec, status;
     api::Pod => spec, status;
     api::NetworkPolicy => spec;
-    v1alpha1::AdminNetworkPolicy => spec [revalidate revalidate_anp];
-    v1alpha1::BaselineAdminNetworkPolicy => spec [revalidate revalidate_banp];
-    v1alpha2::ClusterNetworkPolicy => spec [revalidate revalidate_cnp];
+    v1alpha1::AdminNetworkPolicy => spec [revalidate revalidate_admin];
+    v1alpha1::BaselineAdminNetworkPolicy => spec [revalidate revalidate_admin];
+    v1alpha2::ClusterNetworkPolicy => spec [revalidate revalidate_admin];
 }
 
 impl<T: Versioned> Cache<T> {

@@ -27,7 +27,7 @@ use crate::policy::ports::{PortMatch, PortSpec, Ports, Protocol};
 use crate::policy::problem::{Kind, ObjectRef, Problem};
 use crate::policy::selector::LabelIndex;
 use crate::policy::snapshot::Policy;
-use crate::policy::validate;
+use crate::policy::validate::{self, AdminEdit};
 
 /// Admin pass: reads `inputs`' ANPs, CNPs and BANP (validated unless `validate` is false)
 /// and `c`'s node label index; returns the policies of the valid ones, kind by kind (ANP,
@@ -145,59 +145,24 @@ pub(super) enum Edited {
     Compiled(Policy, [bool; 2]),
 }
 
-/// Whether `a` and `b` have the same tier, priority and subject; `None` when they are not
-/// of the same kind.
+/// Whether `a` and `b` have the same tier, priority and subject
+/// ([`AdminEdit::same_head`]); `None` when they are not of the same kind.
 fn same_head(a: AdminObject<'_>, b: AdminObject<'_>) -> Option<bool> {
     Some(match (a, b) {
-        (AdminObject::Anp(a), AdminObject::Anp(b)) => {
-            let v1alpha1::AdminNetworkPolicySpec { priority, subject, ingress: _, egress: _ } =
-                &a.spec;
-            *priority == b.spec.priority && *subject == b.spec.subject
-        }
-        (AdminObject::Banp(a), AdminObject::Banp(b)) => {
-            let v1alpha1::BaselineAdminNetworkPolicySpec { subject, ingress: _, egress: _ } =
-                &a.spec;
-            *subject == b.spec.subject
-        }
-        (AdminObject::Cnp(a), AdminObject::Cnp(b)) => {
-            let v1alpha2::ClusterNetworkPolicySpec {
-                tier,
-                priority,
-                subject,
-                ingress: _,
-                egress: _,
-            } = &a.spec;
-            *tier == b.spec.tier && *priority == b.spec.priority && *subject == b.spec.subject
-        }
+        (AdminObject::Anp(a), AdminObject::Anp(b)) => a.same_head(b),
+        (AdminObject::Banp(a), AdminObject::Banp(b)) => a.same_head(b),
+        (AdminObject::Cnp(a), AdminObject::Cnp(b)) => a.same_head(b),
         _ => return None,
     })
 }
 
 /// Whether rule `i` of direction `d` of `a` equals the rule at the same position of `b`
-/// (`false` when `b` has none); `None` when `a` and `b` are not of the same kind.
+/// ([`AdminEdit::same_rule`]); `None` when `a` and `b` are not of the same kind.
 fn same_rule(a: AdminObject<'_>, b: AdminObject<'_>, d: Direction, i: usize) -> Option<bool> {
-    fn at<T: PartialEq>(a: &[T], b: &[T], i: usize) -> bool {
-        matches!((a.get(i), b.get(i)), (Some(x), Some(y)) if x == y)
-    }
-    Some(match (a, b, d) {
-        (AdminObject::Anp(a), AdminObject::Anp(b), Direction::Ingress) => {
-            at(&a.spec.ingress, &b.spec.ingress, i)
-        }
-        (AdminObject::Anp(a), AdminObject::Anp(b), Direction::Egress) => {
-            at(&a.spec.egress, &b.spec.egress, i)
-        }
-        (AdminObject::Cnp(a), AdminObject::Cnp(b), Direction::Ingress) => {
-            at(&a.spec.ingress, &b.spec.ingress, i)
-        }
-        (AdminObject::Cnp(a), AdminObject::Cnp(b), Direction::Egress) => {
-            at(&a.spec.egress, &b.spec.egress, i)
-        }
-        (AdminObject::Banp(a), AdminObject::Banp(b), Direction::Ingress) => {
-            at(&a.spec.ingress, &b.spec.ingress, i)
-        }
-        (AdminObject::Banp(a), AdminObject::Banp(b), Direction::Egress) => {
-            at(&a.spec.egress, &b.spec.egress, i)
-        }
+    Some(match (a, b) {
+        (AdminObject::Anp(a), AdminObject::Anp(b)) => a.same_rule(b, d, i),
+        (AdminObject::Banp(a), AdminObject::Banp(b)) => a.same_rule(b, d, i),
+        (AdminObject::Cnp(a), AdminObject::Cnp(b)) => a.same_rule(b, d, i),
         _ => return None,
     })
 }

@@ -328,22 +328,80 @@ impl<'a, T> Rules<'a, T> {
     }
 }
 
-/// Whether `a` and `b` both have an item at `i`, and it is equal.
-fn same_at<T: PartialEq>(a: &[T], b: &[T], i: usize) -> bool {
-    matches!((a.get(i), b.get(i)), (Some(x), Some(y)) if x == y)
+/// The admin kinds (ANP, BANP, CNP) as versions of one object: what the builder's
+/// validation and the compiler compare when a new version arrives, each rule once
+/// (issue #21 item 2).
+pub trait AdminEdit {
+    /// Whether rule `i` of direction `d` equals the rule at the same position of `was`
+    /// (`false` when `was` has none).
+    fn same_rule(&self, was: &Self, d: Direction, i: usize) -> bool;
+    /// Whether `self` has as many rules per direction as `was`.
+    fn same_counts(&self, was: &Self) -> bool;
+    /// Whether the spec apart from its rules (tier, priority, subject) equals `was`'s.
+    fn same_head(&self, was: &Self) -> bool;
+    /// This kind's `*_edited` validator ([`admin_network_policy_edited`] and the like):
+    /// the problems of `self`, reusing those `was` had in each rule still in its place;
+    /// whether every rule is `was`'s, in its place.
+    fn validate_edited(&self, was: &Self, was_problems: &[Problem], out: &mut Vec<Problem>)
+    -> bool;
 }
 
-/// For an edit of an admin object: whether rule `i` of direction `d` of `$new` equals the
-/// rule at the same position of `$was` (both with `spec.ingress` and `spec.egress`).
-macro_rules! same_rule {
-    ($new:expr, $was:expr) => {
-        |d: Direction, i: usize| match d {
-            Direction::Ingress => super::same_at(&$new.spec.ingress, &$was.spec.ingress, i),
-            Direction::Egress => super::same_at(&$new.spec.egress, &$was.spec.egress, i),
+macro_rules! admin_edit {
+    ($($t:ty => $edited:path, |$a:ident, $b:ident| $head:expr;)*) => {$(
+        impl AdminEdit for $t {
+            fn same_rule(&self, was: &Self, d: Direction, i: usize) -> bool {
+                fn at<T: PartialEq>(a: &[T], b: &[T], i: usize) -> bool {
+                    matches!((a.get(i), b.get(i)), (Some(x), Some(y)) if x == y)
+                }
+                match d {
+                    Direction::Ingress => at(&self.spec.ingress, &was.spec.ingress, i),
+                    Direction::Egress => at(&self.spec.egress, &was.spec.egress, i),
+                }
+            }
+
+            fn same_counts(&self, was: &Self) -> bool {
+                self.spec.ingress.len() == was.spec.ingress.len()
+                    && self.spec.egress.len() == was.spec.egress.len()
+            }
+
+            fn same_head(&self, was: &Self) -> bool {
+                let ($a, $b) = (&self.spec, &was.spec);
+                $head
+            }
+
+            fn validate_edited(
+                &self,
+                was: &Self,
+                was_problems: &[Problem],
+                out: &mut Vec<Problem>,
+            ) -> bool {
+                $edited(self, was, was_problems, out)
+            }
         }
+    )*};
+}
+
+admin_edit! {
+    crate::policy::api::v1alpha1::AdminNetworkPolicy => admin_network_policy_edited, |a, b| {
+        let crate::policy::api::v1alpha1::AdminNetworkPolicySpec {
+            priority, subject, ingress: _, egress: _,
+        } = a;
+        *priority == b.priority && *subject == b.subject
+    };
+    crate::policy::api::v1alpha1::BaselineAdminNetworkPolicy =>
+        baseline_admin_network_policy_edited, |a, b| {
+        let crate::policy::api::v1alpha1::BaselineAdminNetworkPolicySpec {
+            subject, ingress: _, egress: _,
+        } = a;
+        *subject == b.subject
+    };
+    crate::policy::api::v1alpha2::ClusterNetworkPolicy => cluster_network_policy_edited, |a, b| {
+        let crate::policy::api::v1alpha2::ClusterNetworkPolicySpec {
+            tier, priority, subject, ingress: _, egress: _,
+        } = a;
+        *tier == b.tier && *priority == b.priority && *subject == b.subject
     };
 }
-use same_rule;
 
 impl<T> Rules<'_, T> {
     /// Checks the rules not checked yet, as iterating to the end would, except each rule

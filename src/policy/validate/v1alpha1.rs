@@ -14,9 +14,7 @@ use super::crd::{
     priority, rule_name, subject, union_exactly_one,
 };
 use super::selectors::{namespaced_pod, selector};
-use super::{
-    CRD_SELECTOR_SEVERITY, PROTOCOLS, Path, Rules, Sink, V1ALPHA1_MAX_ITEMS, invalid, same_rule,
-};
+use super::{CRD_SELECTOR_SEVERITY, PROTOCOLS, Path, Rules, Sink, V1ALPHA1_MAX_ITEMS, invalid};
 
 fn anp_fail(action: v1alpha1::AdminNetworkPolicyRuleAction) -> FailClosed {
     match action {
@@ -74,10 +72,9 @@ pub fn admin_network_policy_edited(
     was_problems: &[Problem],
     out: &mut Vec<Problem>,
 ) -> bool {
-    let same_counts = obj.spec.ingress.len() == was.spec.ingress.len()
-        && obj.spec.egress.len() == was.spec.egress.len();
-    admin_network_policy_rules(obj, out).finish_reusing(was_problems, same_rule!(obj, was))
-        && same_counts
+    use super::AdminEdit;
+    let rules = admin_network_policy_rules(obj, out);
+    rules.finish_reusing(was_problems, |d, i| obj.same_rule(was, d, i)) && obj.same_counts(was)
 }
 
 /// [`admin_network_policy`] rule by rule: checks the object's own fields now and each
@@ -218,10 +215,9 @@ pub fn baseline_admin_network_policy_edited(
     was_problems: &[Problem],
     out: &mut Vec<Problem>,
 ) -> bool {
-    let same_counts = obj.spec.ingress.len() == was.spec.ingress.len()
-        && obj.spec.egress.len() == was.spec.egress.len();
+    use super::AdminEdit;
     let rules = baseline_admin_network_policy_rules(obj, out);
-    rules.finish_reusing(was_problems, same_rule!(obj, was)) && same_counts
+    rules.finish_reusing(was_problems, |d, i| obj.same_rule(was, d, i)) && obj.same_counts(was)
 }
 
 /// [`baseline_admin_network_policy`] rule by rule: checks the object's own fields now and each

@@ -12,7 +12,7 @@ use super::crd::{
     priority, rule_name, subject, union_exactly_one,
 };
 use super::selectors::{namespaced_pod, selector};
-use super::{CRD_SELECTOR_SEVERITY, Path, Rules, Sink, V1ALPHA2_MAX_ITEMS, invalid, same_rule};
+use super::{CRD_SELECTOR_SEVERITY, Path, Rules, Sink, V1ALPHA2_MAX_ITEMS, invalid};
 
 fn cnp_fail(action: v1alpha2::ClusterNetworkPolicyRuleAction) -> FailClosed {
     match action {
@@ -50,10 +50,9 @@ pub fn cluster_network_policy_edited(
     was_problems: &[Problem],
     out: &mut Vec<Problem>,
 ) -> bool {
-    let same_counts = obj.spec.ingress.len() == was.spec.ingress.len()
-        && obj.spec.egress.len() == was.spec.egress.len();
-    cluster_network_policy_rules(obj, out).finish_reusing(was_problems, same_rule!(obj, was))
-        && same_counts
+    use super::AdminEdit;
+    let rules = cluster_network_policy_rules(obj, out);
+    rules.finish_reusing(was_problems, |d, i| obj.same_rule(was, d, i)) && obj.same_counts(was)
 }
 
 /// [`cluster_network_policy`] rule by rule: checks the object's own fields now and each
