@@ -576,6 +576,22 @@ fn change() -> impl Strategy<Value = Change> {
     ]
 }
 
+/// ANP `k` (modulo their number, if any) replaced by a copy `edit` changed; a patch covers
+/// it.
+fn edit_anp(
+    i: &mut Inputs,
+    k: usize,
+    edit: impl FnOnce(&mut v1alpha1::AdminNetworkPolicy),
+) -> bool {
+    if !i.admin_network_policies.is_empty() {
+        let k = k % i.admin_network_policies.len();
+        let mut anp = (*i.admin_network_policies[k]).clone();
+        edit(&mut anp);
+        i.admin_network_policies[k] = Arc::new(anp);
+    }
+    true
+}
+
 /// `change` applied to `i`; whether a patch covers it.
 fn apply(i: &mut Inputs, change: &Change) -> bool {
     fn set(
@@ -614,34 +630,20 @@ fn apply(i: &mut Inputs, change: &Change) -> bool {
             i.namespaces[k] = Arc::new(ns);
             true
         }
-        Change::AnpEdit(k, ref subject, ref rule) => {
-            if i.admin_network_policies.is_empty() {
-                return true;
-            }
-            let k = k % i.admin_network_policies.len();
-            let mut anp = (*i.admin_network_policies[k]).clone();
+        Change::AnpEdit(k, ref subject, ref rule) => edit_anp(i, k, |anp| {
             anp.spec.subject = serde_json::from_value(subject.clone()).expect("subject decodes");
             anp.spec.egress.pop();
             if let Some(rule) = rule {
                 anp.spec.egress.push(serde_json::from_value(rule.clone()).expect("rule decodes"));
             }
-            i.admin_network_policies[k] = Arc::new(anp);
-            true
-        }
-        Change::AnpDropFirst(k, ingress) => {
-            if i.admin_network_policies.is_empty() {
-                return true;
-            }
-            let k = k % i.admin_network_policies.len();
-            let mut anp = (*i.admin_network_policies[k]).clone();
+        }),
+        Change::AnpDropFirst(k, ingress) => edit_anp(i, k, |anp| {
             if ingress && !anp.spec.ingress.is_empty() {
                 anp.spec.ingress.remove(0);
             } else if !anp.spec.egress.is_empty() {
                 anp.spec.egress.remove(0);
             }
-            i.admin_network_policies[k] = Arc::new(anp);
-            true
-        }
+        }),
         Change::NpEdit(k, ref selector, drop_rules) => {
             if i.network_policies.is_empty() {
                 return true;
@@ -656,16 +658,7 @@ fn apply(i: &mut Inputs, change: &Change) -> bool {
             i.network_policies[k] = Arc::new(np);
             true
         }
-        Change::AnpPriority(k, priority) => {
-            if i.admin_network_policies.is_empty() {
-                return true;
-            }
-            let k = k % i.admin_network_policies.len();
-            let mut anp = (*i.admin_network_policies[k]).clone();
-            anp.spec.priority = priority;
-            i.admin_network_policies[k] = Arc::new(anp);
-            true
-        }
+        Change::AnpPriority(k, priority) => edit_anp(i, k, |anp| anp.spec.priority = priority),
         Change::DeletePod(k) => {
             let list_len = i.pods.len() + i.pod_views.len();
             if list_len <= 1 {
