@@ -39,7 +39,7 @@ use std::time::{Duration, Instant};
 
 use criterion::{Criterion, Throughput, criterion_group};
 use tierproxy::proxy::relay::{
-    Counters, POOLED_PIPES, PipePool, RelayConfig, RelayEnd, RelayMode, relay,
+    Counters, POOLED_PIPES, PipePool, RelayConfig, RelayEnd, RelayMode, Resume, relay,
 };
 use tokio::sync::Notify;
 
@@ -123,7 +123,7 @@ impl Path {
                     };
                     let counters = Counters::default();
                     let stop = Arc::new(Notify::new());
-                    relay(client, server, &config, &counters, &stop).await
+                    relay(client, server, &config, &counters, &stop, Resume::default()).await.end()
                 })
             })
             .expect("relay thread");
@@ -569,7 +569,14 @@ async fn short_connection(mode: RelayMode, pipes: &Arc<PipePool>, l: &Listeners)
         assert_eq!(server_app.read(&mut b).await.expect("EOF"), 0);
         assert_eq!(client_app.read(&mut b).await.expect("EOF"), 0);
     };
-    let both = async { tokio::join!(relay(client, server, &config, &counters, &stop), apps) };
+    let both = async {
+        tokio::join!(
+            async {
+                relay(client, server, &config, &counters, &stop, Resume::default()).await.end()
+            },
+            apps
+        )
+    };
     let (reason, ()) = tokio::time::timeout(IO_TIMEOUT, both).await.expect("connection done");
     assert_eq!(reason, RelayEnd::Normal);
     t.elapsed()

@@ -376,6 +376,7 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
             idle_timeout: opts.idle_timeout,
         },
         drain_grace: opts.drain_grace,
+        handover: None,
     };
     let addrs = [
         SocketAddr::new(IpAddr::V4(r.tproxy_addr_v4), r.tproxy_port),
@@ -496,6 +497,7 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
                 decider.clone(),
                 registry.clone(),
                 stop_rx,
+                Vec::new(),
             ));
             let failed = tokio::select! {
                 () = wait_for_signal() => None,

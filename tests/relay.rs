@@ -8,7 +8,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use tierproxy::proxy::relay::{Counters, PipePool, RelayConfig, RelayEnd, RelayMode, relay};
+use tierproxy::proxy::relay::{
+    Counters, PipePool, RelayConfig, RelayEnd, RelayMode, Resume, relay,
+};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Notify;
@@ -40,7 +42,10 @@ async fn rig(mode: RelayMode, idle: Duration) -> Rig {
     let s = stop.clone();
     let relay = tokio::spawn(async move {
         let counters = Counters::default();
-        let reason = relay(client_side, server_side, &config(mode, idle), &counters, &s).await;
+        let reason =
+            relay(client_side, server_side, &config(mode, idle), &counters, &s, Resume::default())
+                .await
+                .end();
         use std::sync::atomic::Ordering::Relaxed;
         (reason, counters.to_server.load(Relaxed), counters.to_client.load(Relaxed))
     });

@@ -379,16 +379,21 @@ pub enum DecisionPoint {
     /// the snapshot in force allowed; issue #20). The kernel forwarded that datagram on the
     /// cache's word; a snapshot that denies the flow by now deletes its entry.
     Conntrack,
+    /// By the next agent, for a live connection the previous agent handed over to it on an
+    /// upgrade or restart, before relaying a byte of it (issue #23).
+    HandOver,
 }
 
 impl DecisionPoint {
-    /// The attribute value: `first-packet`, `accept`, `re-decision`, `conntrack`.
+    /// The attribute value: `first-packet`, `accept`, `re-decision`, `conntrack`,
+    /// `hand-over`.
     pub fn as_str(self) -> &'static str {
         match self {
             DecisionPoint::FirstPacket => "first-packet",
             DecisionPoint::Accept => "accept",
             DecisionPoint::Redecision => "re-decision",
             DecisionPoint::Conntrack => "conntrack",
+            DecisionPoint::HandOver => "hand-over",
         }
     }
 }

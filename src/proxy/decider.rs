@@ -345,6 +345,20 @@ impl Decider {
         self.stats.decided_at_accept.fetch_add(1, Ordering::Relaxed);
         self.decide_and_audit(key, DecisionPoint::Accept)
     }
+
+    /// The admission of the live connection `key` the previous agent handed over (issue
+    /// #23): decided now on the snapshot in force, audited like a first packet's with the
+    /// decision point `hand-over`, before a byte of it is relayed here. A policy that
+    /// changed while the agents changed over is thus enforced on it.
+    pub fn adopt(&self, key: FlowKey) -> Admission {
+        self.decide_and_audit(key, DecisionPoint::HandOver)
+    }
+
+    /// Counts a live connection cut because the snapshot in force denies it, where the
+    /// decision saying so was audited already ([`Decider::adopt`]).
+    pub fn count_policy_cut(&self) {
+        self.stats.policy_cuts.fetch_add(1, Ordering::Relaxed);
+    }
 }
 
 /// What the data path's unit tests decide with: a decider for node `n1` of a cluster given

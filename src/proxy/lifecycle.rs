@@ -29,7 +29,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use super::decider::{Admission, Decider};
-use super::registry::{Registration, Registry, Tracked};
+use super::registry::{Registration, Registry, StopReason, Tracked};
 use crate::audit::{Admitted, CloseReason, ConnectionEnd, FlowInfo};
 use crate::policy::FlowKey;
 use crate::policy::eval::Verdict;
@@ -80,7 +80,45 @@ impl Lifecycle {
         self.decider.metrics().connections_opened.inc();
         self.open = true;
         let tracked = &self.registration.tracked;
-        tracked.stop_reason().is_none() && self.decider.recheck(&self.admission, tracked)
+        // A connection told to hand over before it opened opens: its relay stops at once
+        // and hands it over with nothing in flight.
+        tracked.stop_reason().is_none_or(|r| r == StopReason::HandOver)
+            && self.decider.recheck(&self.admission, tracked)
+    }
+
+    /// Takes in a live connection the previous agent handed over (issue #23): registers it
+    /// with its start (`age` ago) and its byte counts so far, decides it again on the
+    /// snapshot in force ([`Decider::adopt`]) and counts it as opened: its end record,
+    /// written here, gives its whole duration and bytes. Returns the flow and whether that
+    /// decision allows it; when it does not, the flow is told to stop for a policy change
+    /// (the caller resets it and ends it with [`Lifecycle::stop_reason`]).
+    pub fn adopt(
+        decider: &Arc<Decider>,
+        registry: &Arc<Registry>,
+        key: FlowKey,
+        age: std::time::Duration,
+        counters: crate::proxy::relay::Counters,
+    ) -> (Self, bool) {
+        let accepted =
+            std::time::Instant::now().checked_sub(age).unwrap_or_else(std::time::Instant::now);
+        let registration = registry.register_at(key, accepted, counters);
+        let admission = decider.adopt(key);
+        let _ = registration.tracked.decision.set(admission.decision.clone());
+        decider.metrics().connections_opened.inc();
+        let allowed = admission.decision.verdict == Verdict::Allow;
+        if !allowed {
+            registration.tracked.stop(StopReason::PolicyChange);
+            decider.count_policy_cut();
+        }
+        (Lifecycle { decider: decider.clone(), admission, open: true, registration }, allowed)
+    }
+
+    /// Hands the flow over to the next agent: it leaves the registry and this agent writes
+    /// no end record for it (the next one will). Returns what the next agent needs: how
+    /// long ago it began and the revision of the decision that admitted it.
+    pub fn hand_over(mut self) -> (std::time::Duration, crate::policy::Revision) {
+        self.open = false;
+        (self.tracked().accepted.elapsed(), self.admission.decision.revision)
     }
 
     /// The registry's entry: key, counters, stop notification.
@@ -353,5 +391,40 @@ mod tests {
         assert!(registry.is_empty());
         assert_eq!((t.closed(CloseReason::Reset), t.closed_total()), (1, 1));
         assert_eq!(t.end_events(), ["reset"]);
+    }
+
+    /// Issue #23: a connection taken from the previous agent keeps its start and its bytes,
+    /// so its end record, written here, gives its whole duration and byte counts.
+    #[test]
+    fn an_adopted_connection_ends_with_its_whole_duration_and_bytes() {
+        let (_dir, t, registry) = setup(LOOPBACK_CLUSTER);
+        let counters =
+            crate::proxy::relay::Counters { to_server: 100.into(), to_client: 200.into() };
+        let (flow, allowed) =
+            Lifecycle::adopt(&t.decider, &registry, key(1), Duration::from_secs(3600), counters);
+        assert!(allowed);
+        flow.tracked().counters.to_server.fetch_add(1, Ordering::Relaxed);
+        flow.end(CloseReason::Normal);
+        let events = t.events();
+        let end =
+            events.iter().find(|v| v["event"] == crate::audit::event::CONNECTION_END).unwrap();
+        let attrs = &end["attributes"];
+        assert_eq!(attrs[crate::audit::event::attr::BYTES_TO_SERVER], 101);
+        assert_eq!(attrs[crate::audit::event::attr::BYTES_TO_CLIENT], 200);
+        assert!(attrs[crate::audit::event::attr::DURATION_MS].as_u64().unwrap() >= 3_600_000);
+        assert_eq!(testing::decision_points(&events)[0], "hand-over");
+    }
+
+    /// A flow handed over leaves the registry without an end record here.
+    #[test]
+    fn a_flow_handed_over_writes_no_end_record() {
+        let (_dir, t, registry) = setup(LOOPBACK_CLUSTER);
+        let mut flow = Lifecycle::admit(&t.decider, &registry, key(1)).expect("allowed");
+        assert!(flow.open());
+        let (_, revision) = flow.hand_over();
+        assert_eq!(revision, crate::policy::Revision(1));
+        assert!(registry.is_empty());
+        assert_eq!(t.closed_total(), 0);
+        assert!(t.end_events().is_empty());
     }
 }

@@ -14,6 +14,7 @@
 pub mod conntrack;
 pub mod decider;
 pub mod forwarded;
+pub mod handover;
 pub mod icmp;
 pub mod lifecycle;
 pub mod netlink;

@@ -28,6 +28,10 @@ pub enum StopReason {
     Shutdown = 1,
     /// A new snapshot denies the flow (issue #5).
     PolicyChange = 2,
+    /// The flow goes to the next agent (issue #23): its relay stops without touching its
+    /// sockets and the connection is handed over ([`super::handover`]). A flow that cannot
+    /// be handed over (not TCP, or no hand-over under way) ends as at shutdown.
+    HandOver = 3,
 }
 
 impl StopReason {
@@ -35,6 +39,7 @@ impl StopReason {
         match v {
             1 => Some(StopReason::Shutdown),
             2 => Some(StopReason::PolicyChange),
+            3 => Some(StopReason::HandOver),
             _ => None,
         }
     }
@@ -43,7 +48,7 @@ impl StopReason {
 impl From<StopReason> for CloseReason {
     fn from(r: StopReason) -> CloseReason {
         match r {
-            StopReason::Shutdown => CloseReason::Shutdown,
+            StopReason::Shutdown | StopReason::HandOver => CloseReason::Shutdown,
             StopReason::PolicyChange => CloseReason::PolicyChange,
         }
     }
@@ -90,6 +95,10 @@ pub struct Registry {
     next: AtomicU64,
     /// Notified (every waiter) when the last live flow leaves.
     emptied: Notify,
+    /// A hand-over is under way: every flow that leaves notifies [`Registry::left`].
+    handing_over: std::sync::atomic::AtomicBool,
+    /// Notified (every waiter) when a flow leaves during a hand-over.
+    left: Notify,
 }
 
 /// Removes its flow from the registry when dropped.
@@ -109,6 +118,9 @@ impl Drop for Registration {
         if empty {
             self.registry.emptied.notify_waiters();
         }
+        if self.registry.handing_over.load(Ordering::Relaxed) {
+            self.registry.left.notify_waiters();
+        }
     }
 }
 
@@ -121,17 +133,79 @@ impl Registry {
 
     /// Registers a flow (before its decision: [`super::lifecycle`]).
     pub fn register(self: &Arc<Self>, key: FlowKey) -> Registration {
+        self.register_at(key, Instant::now(), Counters::default())
+    }
+
+    /// Registers the flow `key` that began at `accepted` and has moved `counters` bytes
+    /// already: a connection the previous agent handed over (issue #23), whose end record
+    /// gives its whole duration and byte counts.
+    pub fn register_at(
+        self: &Arc<Self>,
+        key: FlowKey,
+        accepted: Instant,
+        counters: Counters,
+    ) -> Registration {
         let tracked = Arc::new(Tracked {
             id: self.next.fetch_add(1, Ordering::Relaxed),
             key,
-            accepted: Instant::now(),
+            accepted,
             decision: OnceLock::new(),
-            counters: Counters::default(),
+            counters,
             stop: Notify::new(),
             stop_why: AtomicU8::new(0),
         });
+        // Registered after a hand-over's walk began: told at once, so the walk's wait for
+        // no TCP connection is not left waiting on it.
+        if key.protocol == crate::policy::ports::Protocol::Tcp
+            && self.handing_over.load(Ordering::Relaxed)
+        {
+            tracked.stop(StopReason::HandOver);
+        }
         self.lock().insert(tracked.id, tracked.clone());
         Registration { registry: self.clone(), tracked }
+    }
+
+    /// Tells every live TCP connection to stop for a hand-over ([`StopReason::HandOver`]):
+    /// each relay stops where it is and its task hands the connection on. Returns how many
+    /// were told. From now on [`Registry::wait_no_tcp`] is woken as flows leave.
+    pub fn hand_over_tcp(&self) -> usize {
+        self.handing_over.store(true, Ordering::Relaxed);
+        let mut n = 0;
+        for t in self.connections() {
+            if t.key.protocol == crate::policy::ports::Protocol::Tcp {
+                t.stop(StopReason::HandOver);
+                n += 1;
+            }
+        }
+        n
+    }
+
+    /// Live TCP connections now.
+    pub fn tcp_len(&self) -> usize {
+        self.lock()
+            .values()
+            .filter(|t| t.key.protocol == crate::policy::ports::Protocol::Tcp)
+            .count()
+    }
+
+    /// Returns once no TCP connection is live (at once if none is); only during a
+    /// hand-over ([`Registry::hand_over_tcp`]), which makes leaving flows wake it.
+    pub async fn wait_no_tcp(&self) {
+        loop {
+            let left = self.left.notified();
+            tokio::pin!(left);
+            left.as_mut().enable();
+            if self.tcp_len() == 0 {
+                return;
+            }
+            left.await;
+        }
+    }
+
+    /// Ends a hand-over that did not complete: leaving flows stop waking
+    /// [`Registry::wait_no_tcp`].
+    pub fn hand_over_ended(&self) {
+        self.handing_over.store(false, Ordering::Relaxed);
     }
 
     /// Number of live flows.

@@ -108,37 +108,197 @@ impl RelayEnd {
 /// In splice mode each direction leases a pipe from `config.pipes` while it has bytes in
 /// flight ([`PipePool::lease`]); a burst for which no pipe can be had is copied through a
 /// user-space buffer instead.
+///
+/// `resume` is where a connection handed over by the previous agent left off (issue #23):
+/// each direction first writes the bytes it had in flight, and a direction that had ended
+/// stays ended; [`Resume::default`] for a new connection.
+///
+/// # Returns
+/// [`Relayed::Ended`] with how it ended (both sockets closed; reset unless `Normal`), or,
+/// when `stop` was notified, [`Relayed::Stopped`] with both sockets untouched and each
+/// direction's bytes in flight: the caller resets them ([`Suspended::abort`]) or hands
+/// them over ([`super::handover`]). Nothing read is lost in a stop: every direction keeps
+/// what it read and did not write in a state that outlives its future.
 pub async fn relay(
     client: TcpStream,
     server: TcpStream,
     config: &RelayConfig,
     counters: &Counters,
     stop: &Notify,
-) -> RelayEnd {
-    let (client, server) = (&client, &server);
+    resume: Resume,
+) -> Relayed {
     let start = Instant::now();
     let last = AtomicU64::new(0);
     let (to_server, to_client) = (&counters.to_server, &counters.to_client);
-    let reason = match config.mode {
-        RelayMode::Splice | RelayMode::Auto => {
-            let pool = &config.pipes;
-            let auto = config.mode == RelayMode::Auto;
-            let a = pump(client, server, pool, auto, to_server, &last, start);
-            let b = pump(server, client, pool, auto, to_client, &last, start);
-            drive(a, b, config.idle_timeout, &last, start, stop).await
-        }
-        RelayMode::Copy => {
-            let a = copy_pump(client, server, to_server, &last, start);
-            let b = copy_pump(server, client, to_client, &last, start);
-            drive(a, b, config.idle_timeout, &last, start, stop).await
-        }
+    let mut up = Flight::resumed(resume.to_server);
+    let mut down = Flight::resumed(resume.to_client);
+    let reason = {
+        let (client, server) = (&client, &server);
+        let pool = &config.pipes;
+        let mode = config.mode;
+        let a = pump(client, server, pool, mode, to_server, &last, start, &mut up);
+        let b = pump(server, client, pool, mode, to_client, &last, start, &mut down);
+        drive(a, b, config.idle_timeout, &last, start, stop).await
     };
-    if reason != RelayEnd::Normal {
-        // A pipe may still hold bytes that were never written out: its lease closed it.
-        abort(client);
-        abort(server);
+    match reason {
+        RelayEnd::Normal => Relayed::Ended(RelayEnd::Normal),
+        RelayEnd::Stopped => {
+            let suspended = (|| {
+                Ok::<_, io::Error>(Suspended {
+                    to_server: up.suspend()?,
+                    to_client: down.suspend()?,
+                    client: client.into_std()?,
+                    server: server.into_std()?,
+                })
+            })();
+            match suspended {
+                Ok(s) => Relayed::Stopped(s),
+                // The bytes in flight could not be kept (no pipe for them), or a socket
+                // could not be taken from the runtime: the connection is reset.
+                Err(e) => {
+                    tracing::warn!(error = %e, "a stopped connection's state could not be kept; reset");
+                    Relayed::Ended(RelayEnd::Stopped)
+                }
+            }
+        }
+        reason => {
+            // A pipe may still hold bytes that were never written out: its lease closed it.
+            abort(&client);
+            abort(&server);
+            Relayed::Ended(reason)
+        }
     }
-    reason
+}
+
+/// What [`relay`] returns.
+#[derive(Debug)]
+pub enum Relayed {
+    /// The relay ended; its sockets are closed.
+    Ended(RelayEnd),
+    /// `stop` was notified: the sockets are open and untouched, each direction's state kept.
+    Stopped(Suspended),
+}
+
+impl Relayed {
+    /// How it ended, a stopped relay's sockets reset first ([`Suspended::abort`]): for a
+    /// caller that never hands a connection over.
+    pub fn end(self) -> RelayEnd {
+        match self {
+            Relayed::Ended(end) => end,
+            Relayed::Stopped(s) => {
+                s.abort();
+                RelayEnd::Stopped
+            }
+        }
+    }
+}
+
+/// A relay stopped with its state: both sockets (non-blocking, out of the runtime) and
+/// each direction's bytes in flight. Dropped, the sockets are closed with a FIN; see
+/// [`Suspended::abort`] for a reset.
+#[derive(Debug)]
+pub struct Suspended {
+    /// The client's connection (accepted from the transparent listener).
+    pub client: std::net::TcpStream,
+    /// The upstream connection to the original destination.
+    pub server: std::net::TcpStream,
+    /// Client → server.
+    pub to_server: DirectionState,
+    /// Server → client.
+    pub to_client: DirectionState,
+}
+
+impl Suspended {
+    /// Closes both sockets with an RST (`SO_LINGER` 0, tcp(7)), as a stopped relay does.
+    pub fn abort(self) {
+        for s in [&self.client, &self.server] {
+            let _ = socket2::SockRef::from(s).set_linger(Some(Duration::ZERO));
+        }
+    }
+}
+
+/// One direction of a stopped relay, or where a resumed one starts.
+#[derive(Debug, Default)]
+pub struct DirectionState {
+    /// Bytes read from the source and not yet written to the destination: the read end of
+    /// a pipe holding exactly them, and their count.
+    pub in_flight: Option<(OwnedFd, usize)>,
+    /// The source's EOF was read; the destination's write side is shut down once the
+    /// bytes in flight are written.
+    pub eof: bool,
+    /// The EOF was passed on (the destination's write side is shut down): the direction is
+    /// over.
+    pub done: bool,
+}
+
+/// Where a relay starts: [`Resume::default`] for a new connection, a [`Suspended`]'s
+/// directions for one handed over.
+#[derive(Debug, Default)]
+pub struct Resume {
+    /// Client → server.
+    pub to_server: DirectionState,
+    /// Server → client.
+    pub to_client: DirectionState,
+}
+
+/// One direction's bytes read and not yet written, and how far it got: kept outside the
+/// direction's future, so that dropping the future at any await (a stop) loses nothing.
+#[derive(Debug, Default)]
+struct Flight<'p> {
+    /// A leased pipe and the bytes spliced into it.
+    lease: Option<Lease<'p>>,
+    /// A pipe the previous agent handed over and the bytes in it; written first.
+    inherited: Option<(OwnedFd, usize)>,
+    /// Bytes read through user space; `pending[sent..]` are not written yet.
+    pending: Vec<u8>,
+    sent: usize,
+    /// EOF read from the source.
+    eof: bool,
+    /// EOF passed on: the destination's write side is shut down.
+    done: bool,
+}
+
+impl<'p> Flight<'p> {
+    fn resumed(state: DirectionState) -> Flight<'p> {
+        Flight {
+            inherited: state.in_flight.filter(|(_, n)| *n > 0),
+            eof: state.eof,
+            done: state.done,
+            ..Flight::default()
+        }
+    }
+
+    /// The bytes in flight, moved into a pipe of their own (the leased pipe leaves the
+    /// pool), and how far the direction got.
+    fn suspend(&mut self) -> io::Result<DirectionState> {
+        let in_flight = if let Some((fd, n)) = self.inherited.take() {
+            Some((fd, n))
+        } else if let Some(lease) = self.lease.take().filter(|l| l.in_flight > 0) {
+            let n = lease.in_flight;
+            Some((lease.into_read_end(), n))
+        } else if self.sent < self.pending.len() {
+            let bytes = &self.pending[self.sent..];
+            Some((pipe_holding(bytes)?, bytes.len()))
+        } else {
+            None
+        };
+        Ok(DirectionState { in_flight, eof: self.eof, done: self.done })
+    }
+}
+
+/// The read end of a new pipe holding `bytes` (at most [`COPY_BUFFER`]: a pipe's default
+/// size, pipe(7), so one write takes them all).
+fn pipe_holding(bytes: &[u8]) -> io::Result<OwnedFd> {
+    let (read, write) = nix::unistd::pipe2(OFlag::O_NONBLOCK | OFlag::O_CLOEXEC)?;
+    if bytes.len() > COPY_BUFFER {
+        let want = i32::try_from(bytes.len()).unwrap_or(i32::MAX);
+        fcntl(&write, FcntlArg::F_SETPIPE_SZ(want))?;
+    }
+    let n = nix::unistd::write(&write, bytes)?;
+    if n < bytes.len() {
+        return Err(io::Error::other(format!("a pipe took {n} of {} bytes", bytes.len())));
+    }
+    Ok(read)
 }
 
 /// How many empty pipes a [`PipePool`] of the agent keeps: enough for 8 connections'
@@ -375,6 +535,14 @@ impl Lease<'_> {
     fn pipe(&self) -> &Pipe {
         self.pipe.as_ref().expect("a lease holds its pipe until dropped")
     }
+
+    /// The pipe's read end, out of the pool for good, with the bytes in it: a hand-over
+    /// takes them to the next agent.
+    fn into_read_end(mut self) -> OwnedFd {
+        let pipe = self.pipe.take().expect("a lease holds its pipe until dropped");
+        self.pool.open.fetch_sub(1, Ordering::Relaxed);
+        pipe.read
+    }
 }
 
 impl Drop for Lease<'_> {
@@ -458,91 +626,160 @@ async fn drive(
 /// (from readable until it would block) goes through a pipe leased from `pool`, given back
 /// empty when `from` has nothing more; without a pipe, through a user-space buffer.
 ///
-/// With `auto`, a burst starts only when a read through the thread's small buffer filled
-/// it ([`copy_small`]); reads that do not stay in user space.
-async fn pump(
+/// In [`RelayMode::Auto`], a burst starts only when a read through the thread's small
+/// buffer filled it ([`copy_read`]); reads that do not stay in user space.
+/// [`RelayMode::Copy`] reads every time through a buffer of [`COPY_BUFFER`] bytes.
+///
+/// Everything read and not yet written is in `flight`, and the bytes counted are the bytes
+/// written: the future can be dropped at any await and `flight` says exactly where it was.
+#[allow(clippy::too_many_arguments)]
+async fn pump<'p>(
     from: &TcpStream,
     to: &TcpStream,
-    pool: &PipePool,
-    auto: bool,
+    pool: &'p PipePool,
+    mode: RelayMode,
     count: &AtomicU64,
     last: &AtomicU64,
     start: Instant,
+    flight: &mut Flight<'p>,
 ) -> io::Result<()> {
     let flags = SpliceFFlags::SPLICE_F_MOVE | SpliceFFlags::SPLICE_F_NONBLOCK;
-    // Held while `from` keeps having bytes; dropped (given back empty) when it has none.
-    let mut lease: Option<Lease<'_>> = None;
     // In auto mode: whether the next read splices: the last copy filled the small buffer,
     // or the last burst spliced at least as much (a stream: its next burst, once `from`
     // is readable again, is most likely as large, and starting it with a copy cost bulk
     // transfers CPU).
-    let mut burst = !auto;
+    let auto = mode == RelayMode::Auto;
+    let mut burst = mode == RelayMode::Splice;
     let mut burst_bytes = 0usize;
+    // Copy mode's buffer: it holds bytes only between a read and the write that follows.
+    let mut copy_buf = Vec::new();
     loop {
+        flush(flight, to, count, last, start).await?;
+        if flight.done {
+            return Ok(());
+        }
+        if flight.eof {
+            flight.done = true;
+            return shutdown_write(to);
+        }
         from.readable().await?;
+        if mode == RelayMode::Copy {
+            if copy_buf.is_empty() {
+                copy_buf = vec![0; COPY_BUFFER];
+            }
+            copy_read(from, to, &mut copy_buf, flight, count, last, start)?;
+            continue;
+        }
         if !burst {
-            match copy_small(from, to).await? {
-                None => {}
-                Some(0) => return shutdown_write(to),
-                Some(n) => {
-                    burst = n == AUTO_COPY_BYTES;
-                    count.fetch_add(n as u64, Ordering::Relaxed);
-                    last.store(millis(start), Ordering::Relaxed);
-                }
+            let got = SCRATCH
+                .with_borrow_mut(|buf| copy_read(from, to, buf, flight, count, last, start))?;
+            if let Some(n) = got {
+                burst = n == AUTO_COPY_BYTES;
             }
             continue;
         }
-        if lease.is_none() {
-            lease = pool.lease();
+        if flight.lease.is_none() {
+            flight.lease = pool.lease();
         }
-        let n = match lease.as_mut() {
+        match flight.lease.as_mut() {
             Some(l) => {
                 let pipe = l.pipe();
                 match from.try_io(Interest::READABLE, || {
                     splice(from.as_fd(), None, pipe.write.as_fd(), None, pipe.capacity, flags)
                         .map_err(io::Error::from)
                 }) {
+                    Ok(0) => {
+                        flight.lease = None;
+                        flight.eof = true;
+                    }
                     Ok(n) => {
                         l.in_flight = n;
-                        n
+                        burst_bytes = burst_bytes.saturating_add(n);
                     }
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                         // The burst is over: the pipe is empty, give it back.
-                        lease = None;
+                        flight.lease = None;
                         burst = !auto || burst_bytes >= AUTO_COPY_BYTES;
                         burst_bytes = 0;
-                        continue;
                     }
                     Err(e) => return Err(e),
                 }
             }
-            None => match copy_burst(from, to).await? {
-                Some(n) => n,
-                None => continue,
-            },
-        };
-        if n == 0 {
-            drop(lease);
-            return shutdown_write(to);
-        }
-        if let Some(l) = lease.as_mut() {
-            while l.in_flight > 0 {
-                to.writable().await?;
-                let pipe = l.pipe();
-                match to.try_io(Interest::WRITABLE, || {
-                    splice(pipe.read.as_fd(), None, to.as_fd(), None, l.in_flight, flags)
-                        .map_err(io::Error::from)
-                }) {
-                    Ok(m) => l.in_flight -= m,
-                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
-                    Err(e) => return Err(e),
-                }
+            None => {
+                // No pipe: this burst through a user-space buffer of its own.
+                let mut buf = vec![0u8; COPY_BUFFER];
+                copy_read(from, to, &mut buf, flight, count, last, start)?;
             }
         }
-        burst_bytes = burst_bytes.saturating_add(n);
-        count.fetch_add(n as u64, Ordering::Relaxed);
-        last.store(millis(start), Ordering::Relaxed);
     }
+}
+
+/// Writes what `flight` holds to `to`: the inherited pipe's bytes, the leased pipe's, then
+/// the user-space ones, counting each write; a user-space buffer is freed once written
+/// (an idle connection holds none). Cancel-safe: `flight` is updated after every write.
+async fn flush(
+    flight: &mut Flight<'_>,
+    to: &TcpStream,
+    count: &AtomicU64,
+    last: &AtomicU64,
+    start: Instant,
+) -> io::Result<()> {
+    let flags = SpliceFFlags::SPLICE_F_MOVE | SpliceFFlags::SPLICE_F_NONBLOCK;
+    let wrote = |m: usize| {
+        count.fetch_add(m as u64, Ordering::Relaxed);
+        last.store(millis(start), Ordering::Relaxed);
+    };
+    if let Some((pipe, left)) = flight.inherited.as_mut() {
+        while *left > 0 {
+            to.writable().await?;
+            match to.try_io(Interest::WRITABLE, || {
+                splice(pipe.as_fd(), None, to.as_fd(), None, *left, flags).map_err(io::Error::from)
+            }) {
+                // The pipe holds fewer bytes than it was handed over with.
+                Ok(0) => return Err(io::Error::other("a handed-over pipe ended early")),
+                Ok(m) => {
+                    *left -= m;
+                    wrote(m);
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                Err(e) => return Err(e),
+            }
+        }
+        flight.inherited = None;
+    }
+    if let Some(l) = flight.lease.as_mut() {
+        while l.in_flight > 0 {
+            to.writable().await?;
+            let pipe = l.pipe();
+            match to.try_io(Interest::WRITABLE, || {
+                splice(pipe.read.as_fd(), None, to.as_fd(), None, l.in_flight, flags)
+                    .map_err(io::Error::from)
+            }) {
+                Ok(m) => {
+                    l.in_flight -= m;
+                    wrote(m);
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                Err(e) => return Err(e),
+            }
+        }
+    }
+    while flight.sent < flight.pending.len() {
+        to.writable().await?;
+        match to.try_write(&flight.pending[flight.sent..]) {
+            Ok(m) => {
+                flight.sent += m;
+                wrote(m);
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+            Err(e) => return Err(e),
+        }
+    }
+    if !flight.pending.is_empty() {
+        flight.pending = Vec::new();
+        flight.sent = 0;
+    }
+    Ok(())
 }
 
 /// Bytes a read takes through user space in [`RelayMode::Auto`] before the direction
@@ -558,75 +795,60 @@ thread_local! {
     static SCRATCH: std::cell::RefCell<Vec<u8>> = std::cell::RefCell::new(vec![0; AUTO_COPY_BYTES]);
 }
 
-/// One read of up to [`AUTO_COPY_BYTES`] from `from` through the thread's buffer, written
-/// to `to` at once; what `to` does not take at once is kept in a buffer of its own until
-/// written. `Some(0)` at EOF, `None` when `from` had nothing after all.
+/// One read of up to `buf.len()` bytes from `from`, written to `to` at once; what `to`
+/// does not take at once is copied into `flight` (its pending bytes, written by
+/// [`flush`]). At EOF `flight.eof` is set. Returns the bytes read: `Some(0)` at EOF, `None`
+/// when `from` had nothing after all.
 ///
 /// A short read leaves the socket's receive queue empty, so it clears `from`'s readiness
 /// as tokio's own `poll_read` does (tcp(7) `recv` returns what is queued, up to the
 /// length): the next wait goes to epoll instead of a `read` that would return `EAGAIN`.
 /// The clearing happens inside `try_io`, against the readiness seen before the read, so
 /// bytes that arrived meanwhile are not missed.
-async fn copy_small(from: &TcpStream, to: &TcpStream) -> io::Result<Option<usize>> {
+fn copy_read(
+    from: &TcpStream,
+    to: &TcpStream,
+    buf: &mut [u8],
+    flight: &mut Flight<'_>,
+    count: &AtomicU64,
+    last: &AtomicU64,
+    start: Instant,
+) -> io::Result<Option<usize>> {
     use std::io::{Read, Write};
-    let mut rest = Vec::new();
-    let got = SCRATCH.with_borrow_mut(|buf| -> io::Result<Option<usize>> {
-        let mut got = 0;
-        let read = from.try_io(Interest::READABLE, || {
-            got = (&*socket2::SockRef::from(from)).read(buf)?;
-            if got > 0 && got < buf.len() {
-                return Err(io::ErrorKind::WouldBlock.into());
-            }
-            Ok(got)
-        });
-        match read {
-            Ok(_) => {}
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock && got == 0 => return Ok(None),
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-            Err(e) => return Err(e),
+    let mut got = 0;
+    let read = from.try_io(Interest::READABLE, || {
+        got = (&*socket2::SockRef::from(from)).read(buf)?;
+        if got > 0 && got < buf.len() {
+            return Err(io::ErrorKind::WouldBlock.into());
         }
-        let mut done = 0;
-        while done < got {
-            match to.try_io(Interest::WRITABLE, || {
-                (&*socket2::SockRef::from(to)).write(&buf[done..got])
-            }) {
-                Ok(m) => done += m,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                Err(e) => return Err(e),
-            }
+        Ok(got)
+    });
+    match read {
+        Ok(0) => {
+            flight.eof = true;
+            return Ok(Some(0));
         }
-        rest.extend_from_slice(&buf[done..got]);
-        Ok(Some(got))
-    })?;
-    write_all(to, &rest).await?;
-    Ok(got)
-}
-
-/// One burst without a pipe: reads what `from` has (up to [`COPY_BUFFER`]) and writes it
-/// all to `to`. `Some(0)` at EOF, `None` when `from` had nothing after all.
-async fn copy_burst(from: &TcpStream, to: &TcpStream) -> io::Result<Option<usize>> {
-    let mut buf = vec![0u8; COPY_BUFFER];
-    let n = match from.try_read(&mut buf) {
-        Ok(n) => n,
-        Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(None),
+        Ok(_) => {}
+        Err(e) if e.kind() == io::ErrorKind::WouldBlock && got == 0 => return Ok(None),
+        Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
         Err(e) => return Err(e),
-    };
-    write_all(to, &buf[..n]).await?;
-    Ok(Some(n))
-}
-
-/// Writes all of `bytes` to `to`, waiting for writability as needed.
-async fn write_all(to: &TcpStream, bytes: &[u8]) -> io::Result<()> {
+    }
     let mut done = 0;
-    while done < bytes.len() {
-        to.writable().await?;
-        match to.try_write(&bytes[done..]) {
+    while done < got {
+        match to
+            .try_io(Interest::WRITABLE, || (&*socket2::SockRef::from(to)).write(&buf[done..got]))
+        {
             Ok(m) => done += m,
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
             Err(e) => return Err(e),
         }
     }
-    Ok(())
+    if done > 0 {
+        count.fetch_add(done as u64, Ordering::Relaxed);
+        last.store(millis(start), Ordering::Relaxed);
+    }
+    flight.pending.extend_from_slice(&buf[done..got]);
+    Ok(Some(got))
 }
 
 fn shutdown_write(s: &TcpStream) -> io::Result<()> {
@@ -642,35 +864,9 @@ fn abort(s: &TcpStream) {
     let _ = socket2::SockRef::from(s).set_linger(Some(Duration::ZERO));
 }
 
-/// User-space buffer per direction in copy mode (DESIGN §7: tokio copies need at least
-/// 64 KiB buffers to keep up).
+/// User-space buffer of a direction in copy mode, and of a burst that got no pipe (DESIGN
+/// §7: tokio copies need at least 64 KiB buffers to keep up).
 const COPY_BUFFER: usize = 65_536;
-
-/// [`pump`] through a user-space buffer.
-async fn copy_pump(
-    from: &TcpStream,
-    to: &TcpStream,
-    count: &AtomicU64,
-    last: &AtomicU64,
-    start: Instant,
-) -> io::Result<()> {
-    let mut buf = vec![0u8; COPY_BUFFER];
-    loop {
-        from.readable().await?;
-        let n = match from.try_read(&mut buf) {
-            Ok(n) => n,
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
-            Err(e) => return Err(e),
-        };
-        if n == 0 {
-            return shutdown_write(to);
-        }
-        write_all(to, &buf[..n]).await?;
-        count.fetch_add(n as u64, Ordering::Relaxed);
-        last.store(millis(start), Ordering::Relaxed);
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use std::os::fd::AsRawFd;
@@ -696,7 +892,14 @@ mod tests {
         let (client_app, client_proxy) = pair().await;
         let (server_proxy, server_app) = pair().await;
         let relay = tokio::spawn(async move {
-            relay(client_proxy, server_proxy, &config, &Counters::default(), &Notify::new()).await
+            let counters = Counters::default();
+            let stop = Notify::new();
+            match relay(client_proxy, server_proxy, &config, &counters, &stop, Resume::default())
+                .await
+            {
+                Relayed::Ended(end) => end,
+                Relayed::Stopped(_) => unreachable!("never told to stop"),
+            }
         });
         (client_app, server_app, relay)
     }

@@ -40,9 +40,10 @@ use tokio::net::{TcpListener, TcpSocket, TcpStream};
 use tokio::sync::{Semaphore, watch};
 
 use super::decider::Decider;
+use super::handover::{Connection, Giver, Outcome, Outgoing};
 use super::lifecycle::Lifecycle;
-use super::registry::Registry;
-use super::relay::{self, RelayConfig, RelayEnd};
+use super::registry::{Registry, StopReason};
+use super::relay::{self, RelayConfig, RelayEnd, Relayed, Resume};
 use crate::audit::CloseReason;
 use crate::policy::FlowKey;
 use crate::policy::ports::Protocol;
@@ -69,6 +70,19 @@ pub struct ProxyConfig {
     pub relay: RelayConfig,
     /// How long live connections may finish after shutdown begins.
     pub drain_grace: Duration,
+    /// Where live connections go when the next agent asks for them (issue #23); `None`:
+    /// no hand-over, a stop drains.
+    pub handover: Option<Arc<Giver>>,
+}
+
+/// How [`serve`] ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Served {
+    /// Shutdown: live connections were drained, then stopped.
+    Drained,
+    /// The listeners and every live connection went to the next agent
+    /// ([`super::handover`]); nothing was reset.
+    HandedOver,
 }
 
 /// Binds the transparent listeners on `addrs` (the addresses TPROXY looks listeners up
@@ -117,19 +131,97 @@ fn listener(addr: SocketAddr) -> io::Result<TcpListener> {
 /// Accepts and proxies connections on `listeners` until `shutdown` turns true, then
 /// drains ([`drain`]): waits up to `config.drain_grace` for live connections, stops the
 /// rest, and returns when they are gone (or after one more second).
+///
+/// `adopted`: connections the previous agent handed over ([`super::handover::take`]),
+/// relayed from where they stopped once decided again ([`adopt`]).
+///
+/// With `config.handover`, a next agent that asks gets the listeners and every live TCP
+/// connection ([`hand_over`]); [`Served::HandedOver`] is returned once it acknowledged.
+/// A hand-over that fails part-way resets the connections not sent and accepting
+/// resumes.
 pub async fn serve(
     listeners: Vec<TcpListener>,
     config: ProxyConfig,
     decider: Arc<Decider>,
     registry: Arc<Registry>,
     mut shutdown: watch::Receiver<bool>,
-) {
+    adopted: Vec<Connection>,
+) -> Served {
     // One accept loop over every listener, a permit taken before each accept: with a loop
     // per listener, each would hold a permit while waiting, and a limit below the number
     // of listeners would never let a connection through.
     let limit = Arc::new(Semaphore::new(config.max_connections));
+    for c in adopted {
+        // Over the limit (the next agent's is lower), a handed-over connection is still
+        // taken: it holds no permit then.
+        let permit = limit.clone().try_acquire_owned().ok();
+        let (decider, registry, config) = (decider.clone(), registry.clone(), config.clone());
+        tokio::spawn(async move {
+            adopt(c, &config, &decider, &registry).await;
+            drop(permit);
+        });
+    }
+    let listeners = Arc::new(listeners);
+    loop {
+        let accepting = accept_loop(&listeners, &limit, &config, &decider, &registry);
+        let handover = async {
+            match &config.handover {
+                Some(g) => g.requested().await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            () = async { let _ = shutdown.wait_for(|stop| *stop).await; } => {
+                accepting.abort();
+                drain(&registry, config.drain_grace).await;
+                return Served::Drained;
+            }
+            () = handover => {
+                accepting.abort();
+                let _ = accepting.await;
+                let giver = config.handover.as_ref().expect("asked through it");
+                match hand_over(&listeners, &registry, giver).await {
+                    Outcome::Completed => return Served::HandedOver,
+                    Outcome::Failed => continue,
+                }
+            }
+        }
+    }
+}
+
+/// Gives the next agent (through `giver`) a duplicate of each listener's descriptor,
+/// then stops every live TCP connection of `registry` for a hand-over (each one's task
+/// gives it on, [`proxy`]) and waits until none is left; the caller has stopped
+/// accepting. Returns how the hand-over ended.
+pub async fn hand_over(listeners: &[TcpListener], registry: &Registry, giver: &Giver) -> Outcome {
+    for l in listeners {
+        let dup = l
+            .local_addr()
+            .and_then(|a| std::os::fd::AsFd::as_fd(l).try_clone_to_owned().map(|fd| (a, fd)));
+        match dup {
+            Ok((addr, fd)) => giver.give(Outgoing::Listener(addr, fd)),
+            Err(e) => tracing::warn!(error = %e, "a listener could not be handed over"),
+        }
+    }
+    let told = registry.hand_over_tcp();
+    tracing::info!(connections = told, "stopping live connections for the hand-over");
+    registry.wait_no_tcp().await;
+    registry.hand_over_ended();
+    giver.give(Outgoing::Finished);
+    giver.outcome().await
+}
+
+/// The accept loop over `listeners`, on a task of its own.
+fn accept_loop(
+    listeners: &Arc<Vec<TcpListener>>,
+    limit: &Arc<Semaphore>,
+    config: &ProxyConfig,
+    decider: &Arc<Decider>,
+    registry: &Arc<Registry>,
+) -> tokio::task::JoinHandle<()> {
     let owns: Vec<Option<SocketAddr>> = listeners.iter().map(|l| l.local_addr().ok()).collect();
-    let accepting = {
+    let (listeners, limit) = (listeners.clone(), limit.clone());
+    {
         let (decider, registry, config) = (decider.clone(), registry.clone(), config.clone());
         tokio::spawn(async move {
             let limits = &crate::limits::LIMITS;
@@ -187,10 +279,7 @@ pub async fn serve(
                 });
             }
         })
-    };
-    let _ = shutdown.wait_for(|stop| *stop).await;
-    accepting.abort();
-    drain(&registry, config.drain_grace).await;
+    }
 }
 
 /// How long stopped connections get to reset their sockets and write their end records
@@ -280,14 +369,84 @@ async fn proxy(
             return;
         }
     };
-    let tracked = flow.tracked();
-    let ended = relay::relay(client, server, &config.relay, &tracked.counters, &tracked.stop).await;
+    run(flow, client, server, Resume::default(), config).await;
+}
+
+/// Takes in a connection the previous agent handed over: registered with its age and
+/// bytes, decided again on the snapshot in force ([`Lifecycle::adopt`]; a denied one is
+/// reset and ends `policy-change`), then relayed from where it stopped.
+pub async fn adopt(
+    c: Connection,
+    config: &ProxyConfig,
+    decider: &Arc<Decider>,
+    registry: &Arc<Registry>,
+) {
+    let (key, age, [to_server, to_client], suspended) = c.into_parts();
+    let counters = relay::Counters { to_server: to_server.into(), to_client: to_client.into() };
+    let (flow, allowed) = Lifecycle::adopt(decider, registry, key, age, counters);
+    if !allowed {
+        tracing::info!(src = %key.src, dst = %key.dst, "a handed-over connection is denied by the snapshot in force; reset");
+        suspended.abort();
+        let reason = flow.stop_reason();
+        flow.end(reason);
+        return;
+    }
+    let (client, server, resume) = suspended.into_resume();
+    let streams = TcpStream::from_std(client).and_then(|c| Ok((c, TcpStream::from_std(server)?)));
+    match streams {
+        Ok((client, server)) => run(flow, client, server, resume, config).await,
+        Err(e) => {
+            tracing::warn!(error = %e, src = %key.src, dst = %key.dst, "a handed-over connection could not be registered with the runtime");
+            flow.end(CloseReason::Reset);
+        }
+    }
+}
+
+/// Relays an open connection from `resume` to its end record, or hands it over when it
+/// was stopped for that.
+async fn run(
+    flow: Lifecycle,
+    client: TcpStream,
+    server: TcpStream,
+    resume: Resume,
+    config: &ProxyConfig,
+) {
+    let tracked = flow.tracked().clone();
+    let key = tracked.key;
+    let relayed =
+        relay::relay(client, server, &config.relay, &tracked.counters, &tracked.stop, resume).await;
+    let (to_server, to_client) = (
+        tracked.counters.to_server.load(Ordering::Relaxed),
+        tracked.counters.to_client.load(Ordering::Relaxed),
+    );
+    let ended = match relayed {
+        Relayed::Ended(end) => end,
+        Relayed::Stopped(suspended) => {
+            if let (Some(StopReason::HandOver), Some(giver)) =
+                (tracked.stop_reason(), &config.handover)
+            {
+                let (age, revision) = flow.hand_over();
+                let relay = suspended;
+                giver.give(Outgoing::Connection(Connection {
+                    key,
+                    age,
+                    to_server,
+                    to_client,
+                    revision,
+                    relay,
+                }));
+                return;
+            }
+            suspended.abort();
+            RelayEnd::Stopped
+        }
+    };
     tracing::debug!(
         src = %key.src,
         dst = %key.dst,
         reason = ended.as_str(),
-        to_server = tracked.counters.to_server.load(Ordering::Relaxed),
-        to_client = tracked.counters.to_client.load(Ordering::Relaxed),
+        to_server,
+        to_client,
         "connection closed"
     );
     let reason = match ended {
@@ -354,10 +513,16 @@ mod tests {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     use super::*;
+    use crate::audit::event::attr;
     use crate::proxy::decider::testing;
+    use crate::proxy::handover;
     use crate::proxy::relay::{PipePool, RelayMode};
 
     fn config() -> ProxyConfig {
+        config_with(RelayMode::Copy)
+    }
+
+    fn config_with(mode: RelayMode) -> ProxyConfig {
         ProxyConfig {
             bypass_mark: 0,
             preserve_source: false,
@@ -365,11 +530,12 @@ mod tests {
             connect_timeout: Duration::from_secs(5),
             max_connections: 16,
             relay: RelayConfig {
-                mode: RelayMode::Copy,
+                mode,
                 pipes: Arc::new(PipePool::new(1 << 16, 2, 16)),
                 idle_timeout: Duration::from_secs(60),
             },
             drain_grace: Duration::from_secs(1),
+            handover: None,
         }
     }
 
@@ -410,5 +576,271 @@ mod tests {
         assert_eq!(registry.len(), 0);
         assert_eq!(t.closed_total(), 1);
         assert_eq!(t.end_events(), ["shutdown"]);
+    }
+
+    /// Bytes of a bulk connection in the hand-over test: more than every socket buffer on
+    /// its path holds (loopback's `tcp_wmem`/`tcp_rmem` maxima are 4 and 6 MiB), so its
+    /// relay is stopped with bytes in flight.
+    const BULK: usize = 24 << 20;
+
+    /// The byte at `i` of a bulk stream: a pattern a lost, repeated or reordered chunk
+    /// breaks.
+    fn pattern(i: usize) -> u8 {
+        (i % 251) as u8
+    }
+
+    /// One proxied loopback connection through `proxy` (the old agent): the client's and
+    /// the server application's ends.
+    async fn proxied(
+        listener: &TcpListener,
+        config: &ProxyConfig,
+        decider: &Arc<Decider>,
+        registry: &Arc<Registry>,
+    ) -> (TcpStream, TcpStream) {
+        let socket = TcpSocket::new_v4().unwrap();
+        socket.bind("127.0.0.2:0".parse().unwrap()).unwrap();
+        let (client, accepted) =
+            tokio::join!(socket.connect(listener.local_addr().unwrap()), listener.accept());
+        let (client, (accepted, peer)) = (client.unwrap(), accepted.unwrap());
+        let (config, decider, registry) = (config.clone(), decider.clone(), registry.clone());
+        tokio::spawn(
+            async move { proxy(accepted, peer, None, &config, &decider, &registry).await },
+        );
+        let (server, _) =
+            tokio::time::timeout(Duration::from_secs(5), listener.accept()).await.unwrap().unwrap();
+        (client, server)
+    }
+
+    /// Waits (up to 10 s) until `cond` holds, checking every millisecond.
+    async fn until(what: &str, cond: impl Fn() -> bool) {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while !cond() {
+            assert!(tokio::time::Instant::now() < deadline, "timed out waiting for {what}");
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    }
+
+    /// Issue #23: an agent hands its listener and live connections to the next one over the
+    /// hand-over socket, and nothing is lost or reset: bulk connections stopped with bytes
+    /// in flight arrive whole and in order, a half-closed connection keeps its half-close,
+    /// an idle one works on, a connection waiting in the listener's backlog is accepted by
+    /// the next agent. The old agent writes no end record; the new one writes one per
+    /// connection, with its whole duration and bytes, after deciding each again.
+    async fn hand_over_round(mode: RelayMode) {
+        let dir = tempfile::tempdir().unwrap();
+        let old = testing::decider(testing::LOOPBACK_CLUSTER, &dir.path().join("old"));
+        let new = testing::decider(testing::LOOPBACK_CLUSTER, &dir.path().join("new"));
+        let giver = Arc::new(Giver::default());
+        let socket_path = dir.path().join("handover.sock");
+        giver.serve(&socket_path).unwrap();
+        let old_config = ProxyConfig { handover: Some(giver.clone()), ..config_with(mode) };
+        let new_config = config_with(mode);
+        let (old_registry, new_registry) =
+            (Arc::new(Registry::default()), Arc::new(Registry::default()));
+        let server = TcpListener::bind("127.0.0.3:0").await.unwrap();
+
+        // Bulk: the client writes BULK bytes; the server reads none until after the
+        // hand-over.
+        let mut bulk = Vec::new();
+        for _ in 0..4 {
+            let (mut client, server_end) =
+                proxied(&server, &old_config, &old.decider, &old_registry).await;
+            let writer = tokio::spawn(async move {
+                let chunk: Vec<u8> = (0..1 << 16).map(pattern).collect();
+                let mut sent = 0;
+                while sent < BULK {
+                    let n = (BULK - sent).min(chunk.len());
+                    // The pattern's period (251) does not divide 65,536: start where we are.
+                    let off = sent % 251;
+                    let piece: Vec<u8> = (off..off + n).map(pattern).collect();
+                    client.write_all(&piece).await.unwrap();
+                    sent += n;
+                }
+                client.shutdown().await.unwrap();
+                client
+            });
+            bulk.push((writer, server_end));
+        }
+        // Half-closed: the client said all and shut down its side before the hand-over;
+        // the server answers after it.
+        let (mut half_client, mut half_server) =
+            proxied(&server, &old_config, &old.decider, &old_registry).await;
+        half_client.write_all(b"request").await.unwrap();
+        half_client.shutdown().await.unwrap();
+        let mut got = Vec::new();
+        half_server.read_to_end(&mut got).await.unwrap();
+        assert_eq!(got, b"request");
+        // Idle.
+        let (mut idle_client, mut idle_server) =
+            proxied(&server, &old_config, &old.decider, &old_registry).await;
+        // A transparent listener of the old agent, with a connection in its backlog.
+        let listener = TcpListener::bind("127.0.0.4:0").await.unwrap();
+        let waiting = TcpStream::connect(listener.local_addr().unwrap()).await.unwrap();
+
+        until("the bulk relays to move bytes", || {
+            old_registry
+                .connections()
+                .iter()
+                .filter(|t| t.counters.to_server.load(Ordering::Relaxed) > 0)
+                .count()
+                >= 5
+        })
+        .await;
+        assert_eq!(old_registry.len(), 6);
+
+        let giving = {
+            let (giver, registry) = (giver.clone(), old_registry.clone());
+            tokio::spawn(async move {
+                giver.requested().await;
+                hand_over(&[listener], &registry, &giver).await
+            })
+        };
+        let path = socket_path.clone();
+        let mut taken = match tokio::task::spawn_blocking(move || handover::take(&path))
+            .await
+            .unwrap()
+            .unwrap()
+        {
+            handover::Take::Taken(t) => t,
+            other => panic!("no hand-over: {other:?}"),
+        };
+        assert_eq!(
+            (taken.version, taken.listeners.len(), taken.connections.len()),
+            (handover::VERSION, 1, 6)
+        );
+        let in_flight =
+            taken.connections.iter().filter(|c| c.relay.to_server.in_flight.is_some()).count();
+        assert!(in_flight > 0, "no bulk connection was stopped with bytes in flight");
+        let half = taken.connections.iter().filter(|c| c.relay.to_server.done).count();
+        assert_eq!(half, 1, "the half-closed connection's client side is over");
+        for c in std::mem::take(&mut taken.connections) {
+            let (config, decider, registry) =
+                (new_config.clone(), new.decider.clone(), new_registry.clone());
+            tokio::spawn(async move { adopt(c, &config, &decider, &registry).await });
+        }
+        let (_, next_listener) = taken.listeners.pop().unwrap();
+        taken.ack().unwrap();
+        assert_eq!(giving.await.unwrap(), Outcome::Completed);
+        assert_eq!(old_registry.len(), 0);
+        assert_eq!(old.closed_total(), 0, "the old agent wrote an end record");
+
+        // The next agent's listener accepts the connection that waited in the backlog.
+        let next_listener = TcpListener::from_std(next_listener).unwrap();
+        let (mut accepted, _) = next_listener.accept().await.unwrap();
+        let mut waiting = waiting;
+        waiting.write_all(b"waited").await.unwrap();
+        let mut buf = [0u8; 6];
+        accepted.read_exact(&mut buf).await.unwrap();
+        assert_eq!(&buf, b"waited");
+
+        // Every connection goes on through the new agent.
+        half_server.write_all(b"response").await.unwrap();
+        half_server.shutdown().await.unwrap();
+        let mut got = Vec::new();
+        half_client.read_to_end(&mut got).await.unwrap();
+        assert_eq!(got, b"response");
+        idle_client.write_all(b"ping").await.unwrap();
+        let mut buf = [0u8; 4];
+        idle_server.read_exact(&mut buf).await.unwrap();
+        assert_eq!(&buf, b"ping");
+        drop((idle_client, idle_server));
+        for (writer, mut server_end) in bulk {
+            let mut got = Vec::with_capacity(BULK);
+            server_end.read_to_end(&mut got).await.unwrap();
+            assert_eq!(got.len(), BULK, "bytes lost or repeated");
+            assert!(got.iter().enumerate().all(|(i, &b)| b == pattern(i)), "bytes out of order");
+            drop(server_end);
+            let mut client = writer.await.unwrap();
+            let mut rest = Vec::new();
+            client.read_to_end(&mut rest).await.unwrap();
+            assert!(rest.is_empty());
+        }
+        until("the new agent's connections to end", || new_registry.is_empty()).await;
+        assert_eq!(new.opened(), 6);
+        let events = new.events();
+        let ends: Vec<_> =
+            events.iter().filter(|v| v["event"] == crate::audit::event::CONNECTION_END).collect();
+        let bytes = |k: &str| {
+            let mut v: Vec<u64> =
+                ends.iter().map(|e| e["attributes"][k].as_u64().unwrap()).collect();
+            v.sort_unstable();
+            v
+        };
+        let b = BULK as u64;
+        assert_eq!(bytes(attr::BYTES_TO_SERVER), [4, 7, b, b, b, b]);
+        assert_eq!(bytes(attr::BYTES_TO_CLIENT), [0, 0, 0, 0, 0, 8]);
+        assert_eq!(testing::end_reasons(&events), ["normal"; 6]);
+        let points = testing::decision_points(&events);
+        assert_eq!(points.iter().filter(|p| *p == "hand-over").count(), points.len());
+        assert!(!points.is_empty());
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn live_connections_are_handed_over_without_a_byte_lost_auto() {
+        hand_over_round(RelayMode::Auto).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn live_connections_are_handed_over_without_a_byte_lost_splice() {
+        hand_over_round(RelayMode::Splice).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn live_connections_are_handed_over_without_a_byte_lost_copy() {
+        hand_over_round(RelayMode::Copy).await;
+    }
+
+    /// Issue #23: the next agent decides every handed-over connection again before it
+    /// relays a byte; a policy that changed during the hand-over cuts it there (both sides
+    /// reset), and the end record, from the next agent, says `policy-change`.
+    #[tokio::test]
+    async fn a_handed_over_connection_the_new_snapshot_denies_is_cut() {
+        let dir = tempfile::tempdir().unwrap();
+        let old = testing::decider(testing::LOOPBACK_CLUSTER, &dir.path().join("old"));
+        let new = testing::decider(testing::LOOPBACK_CLUSTER, &dir.path().join("new"));
+        new.decider.publish(testing::current(&testing::loopback_cluster_denying(), 2));
+        let giver = Arc::new(Giver::default());
+        let socket_path = dir.path().join("handover.sock");
+        giver.serve(&socket_path).unwrap();
+        let old_config = ProxyConfig { handover: Some(giver.clone()), ..config() };
+        let (old_registry, new_registry) =
+            (Arc::new(Registry::default()), Arc::new(Registry::default()));
+        let server = TcpListener::bind("127.0.0.3:0").await.unwrap();
+        let (mut client, mut server_end) =
+            proxied(&server, &old_config, &old.decider, &old_registry).await;
+        client.write_all(b"ping").await.unwrap();
+        let mut buf = [0u8; 4];
+        server_end.read_exact(&mut buf).await.unwrap();
+        let giving = {
+            let (giver, registry) = (giver.clone(), old_registry.clone());
+            tokio::spawn(async move {
+                giver.requested().await;
+                hand_over(&[], &registry, &giver).await
+            })
+        };
+        let taken = match tokio::task::spawn_blocking(move || handover::take(&socket_path))
+            .await
+            .unwrap()
+            .unwrap()
+        {
+            handover::Take::Taken(t) => t,
+            other => panic!("no hand-over: {other:?}"),
+        };
+        let mut taken = taken;
+        let c = taken.connections.pop().unwrap();
+        taken.ack().unwrap();
+        assert_eq!(giving.await.unwrap(), Outcome::Completed);
+        adopt(c, &config(), &new.decider, &new_registry).await;
+        assert!(new_registry.is_empty());
+        let mut rest = Vec::new();
+        let read = client.read_to_end(&mut rest).await;
+        assert_eq!(read.unwrap_err().kind(), io::ErrorKind::ConnectionReset);
+        let read = server_end.read_to_end(&mut rest).await;
+        assert_eq!(read.unwrap_err().kind(), io::ErrorKind::ConnectionReset);
+        assert_eq!(old.closed_total(), 0);
+        let events = new.events();
+        assert_eq!(testing::end_reasons(&events), ["policy-change"]);
+        assert_eq!(new.closed(CloseReason::PolicyChange), 1);
+        assert!(testing::decision_points(&events).iter().all(|p| p == "hand-over"));
     }
 }

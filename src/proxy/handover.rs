@@ -1,0 +1,638 @@
+//! Hand-over of the TCP proxy to the next agent on an upgrade or restart (issue #23): the
+//! transparent listeners and every live connection — both sockets, the bytes in flight each
+//! way, how long it has lived and what it has moved — pass to the next agent over a Unix
+//! socket, and nothing is reset.
+//!
+//! Protocol, version 1, over a `SOCK_SEQPACKET` Unix socket (unix(7): each message keeps its
+//! boundaries and carries its descriptors). A message is one JSON object ([`Message`]) with
+//! its descriptors in one `SCM_RIGHTS` control message:
+//! 1. next → previous: `hello`, the oldest and newest versions it speaks;
+//! 2. previous → next: `accept` with the newest version both speak, or `refuse` with the
+//!    reason (no common version): the next agent then starts without a hand-over and says
+//!    so, and the previous one drains as at any stop;
+//! 3. previous → next: one `listener` per transparent listener (descriptor: the listening
+//!    socket), one `connection` per live TCP connection (descriptors: the client's socket,
+//!    the upstream socket, then a pipe for each direction with bytes in flight), then
+//!    `done` with how many of each it sent;
+//! 4. next → previous: `ack` once it has taken them in; the previous agent then exits
+//!    without resetting anything.
+//!
+//! A descriptor passed with `SCM_RIGHTS` refers to the same open socket: the same TCP
+//! connection with its queued bytes, the same listening socket with the connections
+//! waiting in its backlog. A pipe passed holds exactly the bytes the previous agent read
+//! and did not write ([`super::relay::Suspended`]). So no connection and no byte is lost
+//! or duplicated between the agents; a connection waits, never longer than the hand-over.
+//!
+//! The giving side: [`Giver`], shared by the proxy ([`super::tcp::serve`]) and the
+//! thread that serves the socket ([`Giver::serve`]). The taking side: [`take`].
+//!
+//! Sources: unix(7) (`SOCK_SEQPACKET`, `SCM_RIGHTS`, `SO_PEERCRED`), cmsg(3), issue #23.
+
+use std::io::{self, IoSlice, IoSliceMut};
+use std::net::SocketAddr;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::time::Duration;
+
+use crossbeam_channel::{Receiver, Sender};
+use nix::sys::socket::{ControlMessage, ControlMessageOwned, MsgFlags, recvmsg, sendmsg};
+use socket2::{Domain, SockAddr, Socket, Type};
+
+use super::relay::{DirectionState, Resume, Suspended};
+use crate::policy::ports::Protocol;
+use crate::policy::{FlowKey, Revision};
+
+/// The newest protocol version this build speaks.
+pub const VERSION: u32 = 1;
+
+/// The oldest protocol version this build speaks.
+pub const OLDEST_VERSION: u32 = 1;
+
+/// Most descriptors one message carries: a connection's two sockets and two pipes.
+const MAX_FDS: usize = 4;
+
+/// Largest message, bytes (a connection's header is about 300).
+const MAX_MESSAGE: usize = 16 << 10;
+
+/// How long either side waits for the other's next message before giving up.
+pub const STEP_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// One message of the protocol.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(tag = "type", rename_all = "kebab-case")]
+enum Message {
+    Hello { oldest: u32, newest: u32 },
+    Accept { version: u32 },
+    Refuse { reason: String },
+    Listener { addr: SocketAddr },
+    Connection(Header),
+    Done { listeners: usize, connections: usize },
+    Ack,
+}
+
+/// A connection's `connection` message; its descriptors travel beside it.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+struct Header {
+    /// The client's address.
+    src: SocketAddr,
+    /// The original destination.
+    dst: SocketAddr,
+    /// How long ago the connection was accepted, milliseconds.
+    age_ms: u64,
+    /// Bytes written to the server so far.
+    to_server: u64,
+    /// Bytes written to the client so far.
+    to_client: u64,
+    /// Revision of the snapshot whose decision admitted it.
+    revision: u64,
+    /// Client → server.
+    up: Dir,
+    /// Server → client.
+    down: Dir,
+}
+
+/// One direction of a [`Header`].
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+struct Dir {
+    /// Bytes in this direction's pipe (0: no pipe sent).
+    in_flight: usize,
+    /// EOF read from the source.
+    eof: bool,
+    /// EOF passed on.
+    done: bool,
+}
+
+impl Dir {
+    fn of(d: &DirectionState) -> Dir {
+        Dir { in_flight: d.in_flight.as_ref().map_or(0, |(_, n)| *n), eof: d.eof, done: d.done }
+    }
+}
+
+/// A live TCP connection passing between agents.
+#[derive(Debug)]
+pub struct Connection {
+    /// Client address and original destination.
+    pub key: FlowKey,
+    /// How long ago it was accepted (by whichever agent took it first).
+    pub age: Duration,
+    /// Bytes written to the server so far.
+    pub to_server: u64,
+    /// Bytes written to the client so far.
+    pub to_client: u64,
+    /// Revision of the snapshot whose decision admitted it in the giving agent.
+    pub revision: Revision,
+    /// Its sockets and the bytes in flight each way.
+    pub relay: Suspended,
+}
+
+impl Connection {
+    /// Where its relay resumes: each direction's bytes in flight and whether it ended.
+    pub fn into_parts(self) -> (FlowKey, Duration, [u64; 2], Suspended) {
+        (self.key, self.age, [self.to_server, self.to_client], self.relay)
+    }
+}
+
+/// What the proxy gives the hand-over thread ([`Giver::give`]).
+#[derive(Debug)]
+pub enum Outgoing {
+    /// A transparent listener (a duplicate of its descriptor) and its address.
+    Listener(SocketAddr, OwnedFd),
+    /// A live connection, stopped where it was.
+    Connection(Connection),
+    /// Everything has been given.
+    Finished,
+}
+
+/// How the last hand-over went, as [`Giver::outcome`] reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// The next agent took everything and acknowledged: this agent stops without a drain.
+    Completed,
+    /// The next agent went away or answered wrongly part-way: the connections not yet sent
+    /// were reset; this agent accepts again.
+    Failed,
+}
+
+/// The giving side of a hand-over, shared by the TCP proxy and the thread serving the
+/// socket: the thread asks ([`Giver::requested`]), the proxy stops accepting and hands
+/// its listeners and connections over one by one ([`Giver::give`]), the thread sends them
+/// and reports how it went ([`Giver::outcome`]).
+#[derive(Debug)]
+pub struct Giver {
+    request: tokio::sync::Notify,
+    tx: Sender<Outgoing>,
+    rx: Receiver<Outgoing>,
+    /// 0 while none ended; 1 completed; 2 failed.
+    outcome: AtomicU8,
+    ended: tokio::sync::Notify,
+}
+
+impl Default for Giver {
+    fn default() -> Self {
+        let (tx, rx) = crossbeam_channel::unbounded();
+        Giver {
+            request: tokio::sync::Notify::new(),
+            tx,
+            rx,
+            outcome: AtomicU8::new(0),
+            ended: tokio::sync::Notify::new(),
+        }
+    }
+}
+
+impl Giver {
+    /// Returns when a next agent asks for a hand-over (a request made before the wait is
+    /// kept for it).
+    pub async fn requested(&self) {
+        self.request.notified().await;
+    }
+
+    /// Hands `item` to the thread that sends it. Never blocks.
+    pub fn give(&self, item: Outgoing) {
+        // The receiver lives as long as `self`.
+        let _ = self.tx.send(item);
+    }
+
+    /// Returns how the hand-over under way ended, once it has (after
+    /// [`Outgoing::Finished`] was given).
+    pub async fn outcome(&self) -> Outcome {
+        loop {
+            let ended = self.ended.notified();
+            tokio::pin!(ended);
+            ended.as_mut().enable();
+            match self.outcome.swap(0, Ordering::AcqRel) {
+                1 => return Outcome::Completed,
+                2 => return Outcome::Failed,
+                _ => ended.await,
+            }
+        }
+    }
+
+    fn end(&self, outcome: Outcome) {
+        let v = if outcome == Outcome::Completed { 1 } else { 2 };
+        self.outcome.store(v, Ordering::Release);
+        self.ended.notify_waiters();
+        self.ended.notify_one();
+    }
+
+    /// Binds the hand-over socket at `path` (a stale file there is replaced; mode 0600)
+    /// and serves next agents on a thread of its own, one at a time, until the process
+    /// ends: each one that speaks a common version gets this agent's listeners and
+    /// connections.
+    ///
+    /// # Errors
+    /// When the socket cannot be created or bound.
+    pub fn serve(self: &Arc<Self>, path: &Path) -> io::Result<std::thread::JoinHandle<()>> {
+        let listener = bind(path)?;
+        let giver = self.clone();
+        let path = path.to_owned();
+        std::thread::Builder::new().name("tierproxy-handover".into()).spawn(move || {
+            loop {
+                let peer = match listener.accept() {
+                    Ok((s, _)) => s,
+                    Err(e) => {
+                        tracing::warn!(error = %e, path = %path.display(), "hand-over socket: accept failed");
+                        std::thread::sleep(Duration::from_millis(100));
+                        continue;
+                    }
+                };
+                if let Err(e) = giver.give_to(peer) {
+                    tracing::warn!(error = %e, "hand-over to the next agent failed");
+                }
+            }
+        })
+    }
+
+    /// One next agent on `peer`: the version handshake, then, when it is accepted, the
+    /// proxy asked to give everything, which is sent as it comes.
+    fn give_to(&self, peer: Socket) -> io::Result<()> {
+        peer.set_read_timeout(Some(STEP_TIMEOUT))?;
+        peer.set_write_timeout(Some(STEP_TIMEOUT))?;
+        same_user(&peer)?;
+        let fd: OwnedFd = peer.into();
+        let (hello, _) = recv(&fd)?;
+        let Message::Hello { oldest, newest } = hello else {
+            return Err(protocol(format!("expected hello, got {hello:?}")));
+        };
+        let Some(version) = common_version(oldest, newest) else {
+            let reason = format!(
+                "no common hand-over version: the next agent speaks {oldest}..={newest}, this one {OLDEST_VERSION}..={VERSION}"
+            );
+            send(&fd, &Message::Refuse { reason: reason.clone() }, &[])?;
+            return Err(protocol(reason));
+        };
+        send(&fd, &Message::Accept { version }, &[])?;
+        tracing::info!(version, "handing over to the next agent");
+        self.request.notify_one();
+        let (mut listeners, mut connections) = (0, 0);
+        let mut failed: Option<io::Error> = None;
+        loop {
+            let item = match self.rx.recv_timeout(STEP_TIMEOUT) {
+                Ok(item) => item,
+                Err(_) => {
+                    // The proxy did not give anything for too long: it is stuck or gone.
+                    failed.get_or_insert(io::Error::other("the proxy gave nothing for 10 s"));
+                    break;
+                }
+            };
+            if let Outgoing::Finished = item {
+                break;
+            }
+            if failed.is_some() {
+                // The next agent is gone: what was not sent is reset, as a drain would.
+                if let Outgoing::Connection(c) = item {
+                    c.relay.abort();
+                }
+                continue;
+            }
+            let sent = match &item {
+                Outgoing::Listener(addr, l) => {
+                    listeners += 1;
+                    send(&fd, &Message::Listener { addr: *addr }, &[l.as_raw_fd()])
+                }
+                Outgoing::Connection(c) => {
+                    connections += 1;
+                    send_connection(&fd, c)
+                }
+                Outgoing::Finished => unreachable!("handled above"),
+            };
+            if let Err(e) = sent {
+                if let Outgoing::Connection(c) = item {
+                    c.relay.abort();
+                }
+                failed = Some(e);
+            }
+        }
+        let result =
+            match failed {
+                Some(e) => Err(e),
+                None => send(&fd, &Message::Done { listeners, connections }, &[]).and_then(|()| {
+                    match recv(&fd)?.0 {
+                        Message::Ack => Ok(()),
+                        other => Err(protocol(format!("expected ack, got {other:?}"))),
+                    }
+                }),
+            };
+        match &result {
+            Ok(()) => {
+                tracing::info!(listeners, connections, "handed over to the next agent");
+                self.end(Outcome::Completed);
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, listeners, connections, "hand-over failed part-way; connections not sent were reset");
+                self.end(Outcome::Failed);
+            }
+        }
+        result
+    }
+}
+
+/// The newest version both sides speak, if any.
+fn common_version(oldest: u32, newest: u32) -> Option<u32> {
+    let v = newest.min(VERSION);
+    (v >= oldest.max(OLDEST_VERSION)).then_some(v)
+}
+
+fn send_connection(fd: &OwnedFd, c: &Connection) -> io::Result<()> {
+    let r = &c.relay;
+    let header = Header {
+        src: c.key.src,
+        dst: c.key.dst,
+        age_ms: c.age.as_millis() as u64,
+        to_server: c.to_server,
+        to_client: c.to_client,
+        revision: c.revision.0,
+        up: Dir::of(&r.to_server),
+        down: Dir::of(&r.to_client),
+    };
+    let mut fds = vec![r.client.as_raw_fd(), r.server.as_raw_fd()];
+    fds.extend(r.to_server.in_flight.as_ref().map(|(p, _)| p.as_raw_fd()));
+    fds.extend(r.to_client.in_flight.as_ref().map(|(p, _)| p.as_raw_fd()));
+    send(fd, &Message::Connection(header), &fds)
+}
+
+/// What [`take`] found at the hand-over socket.
+#[derive(Debug)]
+pub enum Take {
+    /// No agent listens there: start as usual.
+    Nobody,
+    /// The running agent speaks no common version (its reason): start as usual; it
+    /// drains when it is stopped.
+    Refused(String),
+    /// The running agent handed everything over.
+    Taken(Taken),
+}
+
+/// Listeners and connections taken from the previous agent; [`Taken::ack`] once they are
+/// in use, and the previous agent exits.
+#[derive(Debug)]
+pub struct Taken {
+    /// The protocol version used.
+    pub version: u32,
+    /// The transparent listeners, with the addresses they were bound to.
+    pub listeners: Vec<(SocketAddr, std::net::TcpListener)>,
+    /// The live connections, each stopped where it was.
+    pub connections: Vec<Connection>,
+    socket: OwnedFd,
+}
+
+impl Taken {
+    /// Tells the previous agent everything arrived; it exits without a reset.
+    ///
+    /// # Errors
+    /// When the previous agent is gone already (it then reset nothing it had sent).
+    pub fn ack(self) -> io::Result<()> {
+        send(&self.socket, &Message::Ack, &[])
+    }
+}
+
+/// Asks the agent serving `path` to hand its listeners and live connections over, and
+/// takes them. Blocking (each step waits at most [`STEP_TIMEOUT`]).
+///
+/// # Errors
+/// When the socket exists but the exchange fails part-way (the previous agent went away
+/// or sent what this version cannot read); a connection received before that is lost.
+pub fn take(path: &Path) -> io::Result<Take> {
+    let socket = Socket::new(Domain::UNIX, Type::SEQPACKET.cloexec(), None)?;
+    match socket.connect(&SockAddr::unix(path)?) {
+        Ok(()) => {}
+        Err(e)
+            if matches!(e.kind(), io::ErrorKind::NotFound | io::ErrorKind::ConnectionRefused) =>
+        {
+            return Ok(Take::Nobody);
+        }
+        Err(e) => return Err(e),
+    }
+    socket.set_read_timeout(Some(STEP_TIMEOUT))?;
+    socket.set_write_timeout(Some(STEP_TIMEOUT))?;
+    same_user(&socket)?;
+    let fd: OwnedFd = socket.into();
+    send(&fd, &Message::Hello { oldest: OLDEST_VERSION, newest: VERSION }, &[])?;
+    let version = match recv(&fd)?.0 {
+        Message::Accept { version } if (OLDEST_VERSION..=VERSION).contains(&version) => version,
+        Message::Refuse { reason } => return Ok(Take::Refused(reason)),
+        other => return Err(protocol(format!("expected accept or refuse, got {other:?}"))),
+    };
+    let mut taken = Taken { version, listeners: Vec::new(), connections: Vec::new(), socket: fd };
+    loop {
+        let (message, mut fds) = recv(&taken.socket)?;
+        match message {
+            Message::Listener { addr } => {
+                let [l] = take_fds::<1>(&mut fds, "listener")?;
+                let l = std::net::TcpListener::from(l);
+                l.set_nonblocking(true)?;
+                taken.listeners.push((addr, l));
+            }
+            Message::Connection(h) => taken.connections.push(connection(h, fds)?),
+            Message::Done { listeners, connections } => {
+                if (listeners, connections) != (taken.listeners.len(), taken.connections.len()) {
+                    return Err(protocol(format!(
+                        "done says {listeners} listeners and {connections} connections, {} and {} arrived",
+                        taken.listeners.len(),
+                        taken.connections.len()
+                    )));
+                }
+                return Ok(Take::Taken(taken));
+            }
+            other => return Err(protocol(format!("unexpected {other:?}"))),
+        }
+    }
+}
+
+/// A received `connection` and its descriptors.
+fn connection(h: Header, mut fds: Vec<OwnedFd>) -> io::Result<Connection> {
+    let want = 2 + usize::from(h.up.in_flight > 0) + usize::from(h.down.in_flight > 0);
+    if fds.len() != want {
+        return Err(protocol(format!(
+            "a connection with {} descriptors, {want} expected",
+            fds.len()
+        )));
+    }
+    let [client, server] = take_fds::<2>(&mut fds, "connection")?;
+    let mut pipes = fds.into_iter();
+    let mut dir = |d: &Dir| DirectionState {
+        in_flight: (d.in_flight > 0).then(|| pipes.next().map(|p| (p, d.in_flight))).flatten(),
+        eof: d.eof,
+        done: d.done,
+    };
+    let (to_server, to_client) = (dir(&h.up), dir(&h.down));
+    let (client, server) = (std::net::TcpStream::from(client), std::net::TcpStream::from(server));
+    client.set_nonblocking(true)?;
+    server.set_nonblocking(true)?;
+    Ok(Connection {
+        key: FlowKey { src: h.src, dst: h.dst, protocol: Protocol::Tcp },
+        age: Duration::from_millis(h.age_ms),
+        to_server: h.to_server,
+        to_client: h.to_client,
+        revision: Revision(h.revision),
+        relay: Suspended { client, server, to_server, to_client },
+    })
+}
+
+impl Suspended {
+    /// Where the relay of these sockets resumes.
+    pub fn into_resume(self) -> (std::net::TcpStream, std::net::TcpStream, Resume) {
+        (self.client, self.server, Resume { to_server: self.to_server, to_client: self.to_client })
+    }
+}
+
+fn take_fds<const N: usize>(fds: &mut Vec<OwnedFd>, what: &str) -> io::Result<[OwnedFd; N]> {
+    if fds.len() < N {
+        return Err(protocol(format!("a {what} message with {} descriptors", fds.len())));
+    }
+    let rest = fds.split_off(N);
+    let head = std::mem::replace(fds, rest);
+    head.try_into().map_err(|_| protocol(format!("a {what} message's descriptors")))
+}
+
+fn protocol(what: String) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, format!("hand-over protocol: {what}"))
+}
+
+/// Only a process of this agent's user may take its connections (the socket lives on a
+/// hostPath that only the agent's pods mount; this is the second lock).
+fn same_user(s: &Socket) -> io::Result<()> {
+    let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(s.as_raw_fd()) };
+    let cred = nix::sys::socket::getsockopt(&fd, nix::sys::socket::sockopt::PeerCredentials)
+        .map_err(io::Error::from)?;
+    let me = nix::unistd::geteuid().as_raw();
+    if cred.uid() != me {
+        return Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            format!("hand-over peer runs as uid {}, this agent as {me}", cred.uid()),
+        ));
+    }
+    Ok(())
+}
+
+/// A listening `SOCK_SEQPACKET` socket at `path`, replacing a stale one, mode 0600.
+fn bind(path: &Path) -> io::Result<Socket> {
+    match std::fs::remove_file(path) {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
+        _ => {}
+    }
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let s = Socket::new(Domain::UNIX, Type::SEQPACKET.cloexec(), None)?;
+    s.bind(&SockAddr::unix(path)?)?;
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+    s.listen(4)?;
+    Ok(s)
+}
+
+/// Sends `message` with `fds`.
+fn send(fd: &OwnedFd, message: &Message, fds: &[RawFd]) -> io::Result<()> {
+    let body = serde_json::to_vec(message).map_err(io::Error::other)?;
+    let iov = [IoSlice::new(&body)];
+    let rights = [ControlMessage::ScmRights(fds)];
+    let cmsgs: &[ControlMessage<'_>] = if fds.is_empty() { &[] } else { &rights };
+    let n = sendmsg::<()>(fd.as_raw_fd(), &iov, cmsgs, MsgFlags::MSG_NOSIGNAL, None)?;
+    if n != body.len() {
+        return Err(protocol(format!("sent {n} of {} bytes", body.len())));
+    }
+    Ok(())
+}
+
+/// Receives one message and its descriptors (close-on-exec).
+fn recv(fd: &OwnedFd) -> io::Result<(Message, Vec<OwnedFd>)> {
+    let mut buf = vec![0u8; MAX_MESSAGE];
+    let mut space = nix::cmsg_space!([RawFd; MAX_FDS]);
+    let mut iov = [IoSliceMut::new(&mut buf)];
+    let (n, flags, fds) = {
+        let msg =
+            recvmsg::<()>(fd.as_raw_fd(), &mut iov, Some(&mut space), MsgFlags::MSG_CMSG_CLOEXEC)?;
+        let mut fds = Vec::new();
+        // Descriptors are owned from here on, whatever else is wrong with the message.
+        for c in msg.cmsgs().map_err(io::Error::from)? {
+            if let ControlMessageOwned::ScmRights(raw) = c {
+                // SAFETY: the kernel just installed these descriptors in this process.
+                fds.extend(raw.into_iter().map(|r| unsafe { OwnedFd::from_raw_fd(r) }));
+            }
+        }
+        (msg.bytes, msg.flags, fds)
+    };
+    if flags.contains(MsgFlags::MSG_TRUNC) {
+        return Err(protocol("a message longer than 16 KiB".into()));
+    }
+    if n == 0 {
+        return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "hand-over peer closed"));
+    }
+    let message = serde_json::from_slice(&buf[..n])
+        .map_err(|e| protocol(format!("unreadable message: {e}")))?;
+    Ok((message, fds))
+}
+
+/// The default hand-over socket: on the hostPath the DaemonSet gives every agent pod of a
+/// node (`deploy/`), so the next agent finds the running one.
+pub fn default_path() -> PathBuf {
+    PathBuf::from("/run/tierproxy/handover.sock")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_newest_common_version_is_chosen_or_none() {
+        assert_eq!(common_version(1, 1), Some(1));
+        assert_eq!(common_version(1, 7), Some(VERSION));
+        assert_eq!(common_version(VERSION + 1, VERSION + 3), None);
+        assert_eq!(common_version(0, 0), None);
+    }
+
+    #[test]
+    fn nobody_listening_is_no_hand_over() {
+        let dir = tempfile::tempdir().unwrap();
+        assert!(matches!(take(&dir.path().join("none.sock")).unwrap(), Take::Nobody));
+    }
+
+    /// An agent that speaks no version of the next one's refuses, and says why; the next
+    /// agent then starts without a hand-over.
+    #[test]
+    fn an_agent_without_a_common_version_refuses_with_its_reason() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("handover.sock");
+        let listener = bind(&path).unwrap();
+        let future = std::thread::spawn(move || {
+            let (peer, _) = listener.accept().unwrap();
+            let fd: OwnedFd = peer.into();
+            let (hello, _) = recv(&fd).unwrap();
+            assert_eq!(hello, Message::Hello { oldest: OLDEST_VERSION, newest: VERSION });
+            // A later agent that speaks only version 9.
+            send(&fd, &Message::Refuse { reason: "speaks 9..=9".into() }, &[]).unwrap();
+        });
+        match take(&path).unwrap() {
+            Take::Refused(reason) => assert_eq!(reason, "speaks 9..=9"),
+            other => panic!("{other:?}"),
+        }
+        future.join().unwrap();
+        // And the giving side refuses a next agent newer than it.
+        let giver = Arc::new(Giver::default());
+        let path = dir.path().join("giver.sock");
+        giver.serve(&path).unwrap();
+        let s = Socket::new(Domain::UNIX, Type::SEQPACKET.cloexec(), None).unwrap();
+        s.connect(&SockAddr::unix(&path).unwrap()).unwrap();
+        let fd: OwnedFd = s.into();
+        send(&fd, &Message::Hello { oldest: VERSION + 1, newest: VERSION + 1 }, &[]).unwrap();
+        match recv(&fd).unwrap().0 {
+            Message::Refuse { reason } => assert!(reason.contains("no common hand-over version")),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// A message that is not JSON of this protocol is an error naming the protocol, never a
+    /// panic.
+    #[test]
+    fn an_unreadable_message_is_an_error() {
+        let (a, b) = std::os::unix::net::UnixDatagram::pair().unwrap();
+        a.send(b"{\"type\":\"nonsense\"}").unwrap();
+        let fd: OwnedFd = b.into();
+        let e = recv(&fd).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::InvalidData);
+        assert!(e.to_string().contains("hand-over protocol"), "{e}");
+    }
+}
