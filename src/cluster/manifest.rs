@@ -1033,6 +1033,8 @@ fn add(
                 .map(|p| if compact { compact_meta(p) } else { p })
                 .map(Arc::new),
         ),
+        // Not dispatched here yet: `crd.antrea.io` objects are skipped above with a note.
+        Kind::AntreaTier | Kind::AntreaClusterNetworkPolicy | Kind::AntreaNetworkPolicy => {}
     }
 }
 
