@@ -560,11 +560,14 @@ pub fn read_probes(path: &Path) -> Result<Vec<(usize, Probe)>, InputError> {
 }
 
 /// The JSON form of a problem, as `check -o json` prints it: `{"severity": "error" |
-/// "warning", "kind", "namespace", "name", "field", "message"}`.
+/// "warning", "kind", "group", "namespace", "name", "field", "message"}`. `group` is the
+/// kind's API group (`""` for core), which tells Antrea's ClusterNetworkPolicy and
+/// NetworkPolicy (`crd.antrea.io`) from the upstream kinds of the same name.
 pub fn problem_json(p: &Problem) -> Value {
     json!({
         "severity": if p.is_error() { "error" } else { "warning" },
         "kind": p.object.kind.as_str(),
+        "group": p.object.kind.api_group(),
         "namespace": p.object.namespace,
         "name": p.object.name,
         "field": p.field,

@@ -163,6 +163,57 @@ fn invalid_objects_exit_2_naming_object_and_field() {
     assert_eq!(v["field"], "spec.priority");
 }
 
+/// Antrea-native objects: an invalid one fails `check` and `explain` with exit 2, naming
+/// object (with its API group) and field; a valid one passes with a warning that it is not
+/// enforced (issue #22); the upstream kind of the same name is unaffected.
+#[test]
+fn antrea_policies_are_validated_and_said_not_to_be_enforced() {
+    let dir = tempfile::tempdir().unwrap();
+    let bad = write(
+        dir.path(),
+        "bad.yaml",
+        "apiVersion: crd.antrea.io/v1beta1\nkind: ClusterNetworkPolicy\nmetadata: {name: acnp}\nspec:\n  tier: nope\n  priority: 5\n  appliedTo: [{podSelector: {}}]\n  ingress: [{action: Drop}]\n",
+    );
+    let o = run(&["check", "-m", bad.to_str().unwrap(), "-o", "json"]);
+    assert_eq!(o.status.code(), Some(2));
+    let v: Value = serde_json::from_slice(o.stdout.split(|b| *b == b'\n').next().unwrap()).unwrap();
+    assert_eq!(v["severity"], "error");
+    assert_eq!(v["kind"], "ClusterNetworkPolicy");
+    assert_eq!(v["group"], "crd.antrea.io");
+    assert_eq!(v["name"], "acnp");
+    assert_eq!(v["field"], "spec.tier");
+    let o = run(&[
+        "explain",
+        "-m",
+        bad.to_str().unwrap(),
+        "--from",
+        "10.0.0.1",
+        "--to",
+        "10.0.0.2",
+        "--port",
+        "80",
+    ]);
+    assert_eq!(o.status.code(), Some(2));
+    let err = stderr(&o);
+    assert!(err.contains("ClusterNetworkPolicy.crd.antrea.io acnp: spec.tier"), "{err}");
+
+    let good = write(
+        dir.path(),
+        "good.yaml",
+        "apiVersion: crd.antrea.io/v1beta1\nkind: NetworkPolicy\nmetadata: {name: p, namespace: a}\nspec:\n  priority: 5\n  appliedTo: [{podSelector: {}}]\n  ingress: [{action: Drop, from: [{fqdn: example.com}]}]\n---\napiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: p, namespace: a}\nspec: {podSelector: {}}\n",
+    );
+    let o = run(&["check", "-m", good.to_str().unwrap()]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert_eq!(o.status.code(), Some(0), "{out}");
+    assert!(
+        out.contains("warning: NetworkPolicy.crd.antrea.io a/p: validated, but not enforced"),
+        "{out}"
+    );
+    // An out-of-scope field is named, never dropped in silence.
+    assert!(out.contains("NetworkPolicy.crd.antrea.io a/p: spec.ingress[0].from[0].fqdn"), "{out}");
+    assert!(out.contains("0 error(s), 2 warning(s)"), "{out}");
+}
+
 #[test]
 fn wrong_types_and_malformed_yaml_exit_2() {
     let dir = tempfile::tempdir().unwrap();

@@ -4,9 +4,21 @@
 //! recursively, in name order), multi-document YAML, concatenated JSON objects, and
 //! `kind: List` / `*List` objects, which are flattened. Kinds read: Namespace, Node, Pod
 //! (`v1`), NetworkPolicy (`networking.k8s.io/v1`), AdminNetworkPolicy and
-//! BaselineAdminNetworkPolicy (`policy.networking.k8s.io/v1alpha1`) and ClusterNetworkPolicy
-//! (`policy.networking.k8s.io/v1alpha2`). Anything else — including Antrea's
-//! `crd.antrea.io` ClusterNetworkPolicy — is skipped with a [`Note`].
+//! BaselineAdminNetworkPolicy (`policy.networking.k8s.io/v1alpha1`), ClusterNetworkPolicy
+//! (`policy.networking.k8s.io/v1alpha2`), and Antrea's Tier, ClusterNetworkPolicy and
+//! NetworkPolicy (`crd.antrea.io/v1beta1`), told from the upstream kinds of the same name
+//! by `apiVersion`. Anything else is skipped with a [`Note`].
+//!
+//! # Antrea-native objects (issue #22, first slice)
+//!
+//! They are decoded and validated here, against each other, once every file is read
+//! (`admit_antrea`): the Tier objects build the Tier table ([`TierTable`]), then each
+//! policy is validated against it ([`validate::antrea_cluster_network_policy`]). Invalid
+//! ones are reported like any invalid object (errors: `check` and `explain` exit 2) and
+//! left out; valid ones are kept in [`Loaded::antrea`] with a warning that they are not
+//! enforced yet — the engine does not compile them. Antrea's older API versions of these kinds
+//! (`crd.antrea.io/v1alpha1`, `v1alpha2`, `security.antrea.tanzu.vmware.com/*`) are
+//! refused with an error naming the object.
 //!
 //! # Memory
 //!
@@ -53,9 +65,10 @@ use serde::de::DeserializeOwned;
 use serde::de::{DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde_json::Value;
 
-use crate::policy::api::{Namespace, NetworkPolicy, Node, Pod, v1alpha1, v1alpha2};
+use crate::policy::antrea_tiers::TierTable;
+use crate::policy::api::{Namespace, NetworkPolicy, Node, Pod, antrea, v1alpha1, v1alpha2};
 use crate::policy::compile::meta_namespace;
-use crate::policy::{Inputs, Kind, ObjectRef, PodView, Problem, ProblemKind};
+use crate::policy::{Inputs, Kind, ObjectRef, PodView, Problem, ProblemKind, validate};
 
 /// Largest manifest file read, in bytes (64 MiB): far above any real manifest set (a
 /// 10,000-pod cluster with 1,000 policies is ~20 MiB of YAML), small enough that a
@@ -202,6 +215,9 @@ impl fmt::Display for Note {
 pub struct Loaded {
     /// The decoded objects.
     pub inputs: Inputs,
+    /// The valid Antrea-native objects (`crd.antrea.io/v1beta1`), which the engine does
+    /// not compile yet (issue #22).
+    pub antrea: antrea::Objects,
     /// Objects that failed to decode (wrong types: errors), unknown fields (warnings), and
     /// with [`Form::Compact`] the Pods' validation problems.
     pub problems: Vec<Problem>,
@@ -223,6 +239,7 @@ impl Loaded {
         i.admin_network_policies.append(&mut o.admin_network_policies);
         i.baseline_admin_network_policies.append(&mut o.baseline_admin_network_policies);
         i.cluster_network_policies.append(&mut o.cluster_network_policies);
+        self.antrea.append(&mut other.antrea);
         self.problems.append(&mut other.problems);
         self.notes.append(&mut other.notes);
         self.errors.append(&mut other.errors);
@@ -247,7 +264,85 @@ pub fn load_as(paths: &[PathBuf], form: Form) -> Loaded {
             }
         }
     }
+    admit_antrea(&mut out);
     out
+}
+
+/// What the warning on every valid Antrea-native policy says.
+const ANTREA_NOT_ENFORCED: &str = "validated, but not enforced: tierproxy does not \
+    evaluate Antrea-native policies yet (issue #22); traffic is decided as if this policy \
+    did not exist";
+
+/// `items` with one object per [`ObjectRef`]: the last of each, where it stands; every
+/// earlier one is reported ([`ProblemKind::Duplicate`], as the compiler does for the
+/// other kinds).
+fn last_of_each<T: kube::Resource>(
+    items: Vec<Arc<T>>,
+    kind: Kind,
+    problems: &mut Vec<Problem>,
+) -> Vec<Arc<T>> {
+    let mut seen = std::collections::HashSet::new();
+    let mut kept: Vec<Arc<T>> = Vec::with_capacity(items.len());
+    for it in items.into_iter().rev() {
+        let r = validate::object_ref(kind, it.meta());
+        if seen.insert(r.clone()) {
+            kept.push(it);
+        } else {
+            problems.push(Problem::warning(&r, "", ProblemKind::Duplicate));
+        }
+    }
+    kept.reverse();
+    kept
+}
+
+/// Validates the Antrea-native objects of `out` against each other (module docs): the
+/// Tier table from the Tier objects, then each policy against it. Keeps the valid ones,
+/// each policy with a warning that it is not enforced.
+fn admit_antrea(out: &mut Loaded) {
+    let read = std::mem::take(&mut out.antrea);
+    if read.is_empty() {
+        return;
+    }
+    let problems = &mut out.problems;
+    let tiers = last_of_each(read.tiers, Kind::AntreaTier, problems);
+    let (table, tiers) = TierTable::build(&tiers, problems);
+    let mut kept = antrea::Objects { tiers, ..antrea::Objects::default() };
+    fn admit<T: kube::Resource>(
+        items: Vec<Arc<T>>,
+        kind: Kind,
+        check: impl Fn(&T, &mut Vec<Problem>),
+        problems: &mut Vec<Problem>,
+        kept: &mut Vec<Arc<T>>,
+    ) {
+        for p in last_of_each(items, kind, problems) {
+            let start = problems.len();
+            check(&p, problems);
+            if !problems[start..].iter().any(Problem::is_error) {
+                let r = validate::object_ref(kind, p.meta());
+                problems.push(Problem::warning(
+                    &r,
+                    "",
+                    ProblemKind::NotEnforced { reason: ANTREA_NOT_ENFORCED },
+                ));
+                kept.push(p);
+            }
+        }
+    }
+    admit(
+        read.cluster_network_policies,
+        Kind::AntreaClusterNetworkPolicy,
+        |p, out| validate::antrea_cluster_network_policy(p, &table, out),
+        problems,
+        &mut kept.cluster_network_policies,
+    );
+    admit(
+        read.network_policies,
+        Kind::AntreaNetworkPolicy,
+        |p, out| validate::antrea_network_policy(p, &table, out),
+        problems,
+        &mut kept.network_policies,
+    );
+    out.antrea = kept;
 }
 
 /// A 64-bit hash of what [`load`] would read under `paths`: each file's path and bytes, in
@@ -431,6 +526,7 @@ pub fn parse_str_as(origin: &Path, text: &str, form: Form) -> Result<Loaded, Loa
         }
     })?;
     set_note_paths(&mut out, origin);
+    admit_antrea(&mut out);
     Ok(out)
 }
 
@@ -902,7 +998,7 @@ fn object_ref(kind: Kind, doc: &Value) -> ObjectRef {
     let meta = doc.get("metadata");
     let name = meta.and_then(|m| m.get("name")).and_then(Value::as_str).unwrap_or("").to_string();
     match kind {
-        Kind::Pod | Kind::NetworkPolicy => {
+        Kind::Pod | Kind::NetworkPolicy | Kind::AntreaNetworkPolicy => {
             let ns = meta
                 .and_then(|m| m.get("namespace"))
                 .and_then(Value::as_str)
@@ -976,6 +1072,34 @@ fn add(
             Kind::BaselineAdminNetworkPolicy
         }
         ("policy.networking.k8s.io/v1alpha2", "ClusterNetworkPolicy") => Kind::ClusterNetworkPolicy,
+        (antrea::API_VERSION, "Tier") => Kind::AntreaTier,
+        (antrea::API_VERSION, "ClusterNetworkPolicy") => Kind::AntreaClusterNetworkPolicy,
+        (antrea::API_VERSION, "NetworkPolicy") => Kind::AntreaNetworkPolicy,
+        (v, k @ ("Tier" | "ClusterNetworkPolicy" | "NetworkPolicy")) if is_antrea_group(v) => {
+            let kind = match k {
+                "Tier" => Kind::AntreaTier,
+                "ClusterNetworkPolicy" => Kind::AntreaClusterNetworkPolicy,
+                _ => Kind::AntreaNetworkPolicy,
+            };
+            let obj = object_ref(kind, &doc);
+            out.problems.push(Problem::error(
+                &obj,
+                "apiVersion",
+                ProblemKind::Invalid { value: v.to_owned(), reason: antrea_version_refusal(v) },
+            ));
+            return;
+        }
+        (v, k @ ("ClusterGroup" | "Group")) if is_antrea_group(v) => {
+            let name = doc.pointer("/metadata/name").and_then(Value::as_str).unwrap_or("");
+            note(
+                out,
+                format!(
+                    "skipped {v} {k} {name:?}: Antrea ClusterGroups and Groups are not supported \
+                     by tierproxy; policies that reference one are warned about"
+                ),
+            );
+            return;
+        }
         _ => {
             let name = doc.pointer("/metadata/name").and_then(Value::as_str).unwrap_or("");
             let what = if kind.is_empty() {
@@ -1033,6 +1157,54 @@ fn add(
                 .map(|p| if compact { compact_meta(p) } else { p })
                 .map(Arc::new),
         ),
+        // Validated with each other once every file is read (`admit_antrea`).
+        Kind::AntreaTier => out.antrea.tiers.extend(
+            decode::<antrea::Tier>(&obj, doc, problems)
+                .map(|p| if compact { compact_meta(p) } else { p })
+                .map(Arc::new),
+        ),
+        Kind::AntreaClusterNetworkPolicy => out.antrea.cluster_network_policies.extend(
+            decode::<antrea::ClusterNetworkPolicy>(&obj, doc, problems)
+                .map(|p| if compact { compact_meta(p) } else { p })
+                .map(Arc::new),
+        ),
+        Kind::AntreaNetworkPolicy => out.antrea.network_policies.extend(
+            decode::<antrea::NetworkPolicy>(&obj, doc, problems)
+                .map(|mut p| {
+                    p.metadata.namespace = Some(meta_namespace(&p.metadata));
+                    p
+                })
+                .map(|p| if compact { compact_meta(p) } else { p })
+                .map(Arc::new),
+        ),
+    }
+}
+
+/// Whether `api_version` is in one of Antrea's policy API groups, current
+/// (`crd.antrea.io`) or pre-1.0 (`security.antrea.tanzu.vmware.com`).
+fn is_antrea_group(api_version: &str) -> bool {
+    let group = api_version.split_once('/').map_or("", |(g, _)| g);
+    group == antrea::GROUP || group == antrea::LEGACY_GROUP
+}
+
+/// Why a Tier, ClusterNetworkPolicy or NetworkPolicy of an Antrea `api_version` other than
+/// `crd.antrea.io/v1beta1` is refused.
+fn antrea_version_refusal(api_version: &str) -> String {
+    let older = api_version.starts_with(antrea::LEGACY_GROUP)
+        || api_version.starts_with("crd.antrea.io/v1alpha");
+    if older {
+        format!(
+            "an older Antrea API version, no longer served by Antrea; tierproxy reads this kind \
+             only as {}: rewrite apiVersion and check the spec against it (the v1beta1 \
+             static Tiers are emergency 50, securityops 100, networkops 150, platform 200, \
+             application 250, baseline 253)",
+            antrea::API_VERSION
+        )
+    } else {
+        format!(
+            "an Antrea API version tierproxy does not know; it reads this kind only as {}",
+            antrea::API_VERSION
+        )
     }
 }
 
@@ -1132,11 +1304,163 @@ mod tests {
     #[test]
     fn other_kinds_and_api_groups_are_skipped_with_a_note() {
         let l = parse(
-            "apiVersion: crd.antrea.io/v1beta1\nkind: ClusterNetworkPolicy\nmetadata: {name: acnp}\n---\napiVersion: apps/v1\nkind: Deployment\nmetadata: {name: d}\n",
+            "apiVersion: crd.antrea.io/v1beta1\nkind: ExternalIPPool\nmetadata: {name: pool}\n---\napiVersion: apps/v1\nkind: Deployment\nmetadata: {name: d}\n---\napiVersion: crd.antrea.io/v1alpha2\nkind: ExternalIPPool\nmetadata: {name: old-pool}\n---\napiVersion: crd.antrea.io/v1beta1\nkind: ClusterGroup\nmetadata: {name: cg}\n",
         );
-        assert!(l.inputs.cluster_network_policies.is_empty());
-        assert_eq!(l.notes.len(), 2);
-        assert!(l.notes[0].message.contains("crd.antrea.io/v1beta1 ClusterNetworkPolicy"));
+        assert!(l.inputs.cluster_network_policies.is_empty() && l.antrea.is_empty());
+        assert!(l.problems.is_empty(), "{:?}", l.problems);
+        let notes: Vec<_> = l.notes.iter().map(|n| n.message.as_str()).collect();
+        assert_eq!(notes.len(), 4, "{notes:?}");
+        assert!(notes[0].contains("crd.antrea.io/v1beta1 ExternalIPPool \"pool\""), "{notes:?}");
+        // Another Antrea kind of an older version is not a policy: noted, not refused.
+        assert!(notes[2].contains("crd.antrea.io/v1alpha2 ExternalIPPool"), "{notes:?}");
+        assert!(notes[3].contains("ClusterGroups and Groups are not supported"), "{notes:?}");
+    }
+
+    /// An Antrea object: `kind`, `apiVersion: crd.antrea.io/v1beta1`, the given metadata
+    /// and spec, as YAML flow.
+    fn antrea(kind: &str, meta: &str, spec: &str) -> String {
+        format!(
+            "apiVersion: crd.antrea.io/v1beta1\nkind: {kind}\nmetadata: {meta}\nspec: {spec}\n---\n"
+        )
+    }
+
+    /// The kinds Antrea shares with upstream are told apart by apiVersion: each goes to its
+    /// own list, the upstream ones unchanged; valid Antrea policies are kept and warned as
+    /// not enforced (issue #22), Tiers without a warning.
+    #[test]
+    fn antrea_kinds_are_dispatched_on_api_version() {
+        let text = [
+            "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: p, namespace: x}\nspec: {podSelector: {}}\n---\n".to_owned(),
+            "apiVersion: policy.networking.k8s.io/v1alpha2\nkind: ClusterNetworkPolicy\nmetadata: {name: c}\nspec: {tier: Admin, priority: 1, subject: {namespaces: {}}}\n---\n".to_owned(),
+            antrea("NetworkPolicy", "{name: p, namespace: x}", "{priority: 1, appliedTo: [{podSelector: {}}], ingress: [{action: Drop}]}"),
+            antrea("ClusterNetworkPolicy", "{name: c}", "{tier: dev, priority: 2.5, appliedTo: [{namespaceSelector: {}}], egress: [{action: Reject, to: [{ipBlock: {cidr: 10.0.0.0/8}}]}]}"),
+            antrea("Tier", "{name: dev}", "{priority: 90}"),
+        ]
+        .concat();
+        let l = parse(&text);
+        assert_eq!(l.inputs.network_policies.len(), 1);
+        assert_eq!(l.inputs.cluster_network_policies.len(), 1);
+        assert_eq!(l.inputs.cluster_network_policies[0].spec.priority, 1);
+        let a = &l.antrea;
+        assert_eq!(
+            (a.tiers.len(), a.cluster_network_policies.len(), a.network_policies.len()),
+            (1, 1, 1)
+        );
+        assert_eq!(a.network_policies[0].metadata.namespace.as_deref(), Some("x"));
+        let problems: Vec<String> = l.problems.iter().map(ToString::to_string).collect();
+        assert_eq!(problems.len(), 2, "{problems:#?}");
+        assert!(
+            problems[0].starts_with(
+                "warning: ClusterNetworkPolicy.crd.antrea.io c: validated, but not enforced"
+            ),
+            "{problems:#?}"
+        );
+        assert!(
+            problems[1].starts_with(
+                "warning: NetworkPolicy.crd.antrea.io x/p: validated, but not enforced"
+            ),
+            "{problems:#?}"
+        );
+        assert!(problems[1].contains("issue #22"), "{problems:#?}");
+    }
+
+    /// Antrea's older API versions of its policy kinds are errors naming the object.
+    #[test]
+    fn older_antrea_api_versions_are_refused_naming_the_object() {
+        let l = parse(
+            "apiVersion: crd.antrea.io/v1alpha1\nkind: ClusterNetworkPolicy\nmetadata: {name: old}\nspec: {priority: 1}\n---\napiVersion: security.antrea.tanzu.vmware.com/v1alpha1\nkind: NetworkPolicy\nmetadata: {name: legacy, namespace: n}\n---\napiVersion: crd.antrea.io/v1alpha2\nkind: Tier\nmetadata: {name: t}\n---\napiVersion: crd.antrea.io/v2\nkind: Tier\nmetadata: {name: future}\n",
+        );
+        assert!(l.antrea.is_empty());
+        let got: Vec<(String, &str, bool)> = l
+            .problems
+            .iter()
+            .map(|p| (p.object.to_string(), p.field.as_str(), p.is_error()))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                ("ClusterNetworkPolicy.crd.antrea.io old".to_owned(), "apiVersion", true),
+                ("NetworkPolicy.crd.antrea.io n/legacy".to_owned(), "apiVersion", true),
+                ("Tier.crd.antrea.io t".to_owned(), "apiVersion", true),
+                ("Tier.crd.antrea.io future".to_owned(), "apiVersion", true),
+            ]
+        );
+        let msg = l.problems[0].to_string();
+        assert!(
+            msg.contains("\"crd.antrea.io/v1alpha1\" is invalid: an older Antrea API version"),
+            "{msg}"
+        );
+        assert!(msg.contains("only as crd.antrea.io/v1beta1"), "{msg}");
+        assert!(l.problems[3].to_string().contains("does not know"), "{}", l.problems[3]);
+    }
+
+    /// Invalid Antrea objects are errors naming object and field, and are left out; a
+    /// policy naming a refused Tier names no Tier.
+    #[test]
+    fn invalid_antrea_objects_are_named_and_left_out() {
+        let text = [
+            antrea("Tier", "{name: reserved}", "{priority: 251}"),
+            antrea("ClusterNetworkPolicy", "{name: in-reserved}", "{tier: reserved, priority: 1, appliedTo: [{podSelector: {}}]}"),
+            antrea("NetworkPolicy", "{name: pass, namespace: a}", "{tier: baseline, priority: 1, appliedTo: [{podSelector: {}}], egress: [{action: Pass}]}"),
+            antrea("ClusterNetworkPolicy", "{name: no-priority}", "{appliedTo: [{podSelector: {}}]}"),
+        ]
+        .concat();
+        let l = parse(&text);
+        assert!(l.antrea.is_empty(), "{:?}", l.antrea);
+        let got: Vec<String> = l.problems.iter().map(ToString::to_string).collect();
+        assert_eq!(
+            got,
+            [
+                "error: ClusterNetworkPolicy.crd.antrea.io no-priority: spec: cannot decode: missing field `priority`",
+                "error: Tier.crd.antrea.io reserved: spec.priority: \"251\" is invalid: Tier priority 251 is reserved",
+                "error: ClusterNetworkPolicy.crd.antrea.io in-reserved: spec.tier: \"reserved\" is invalid: tier does not exist: no static Tier and no Tier object has this name",
+                "error: NetworkPolicy.crd.antrea.io a/pass: spec.egress[0].action: `Pass` action should not be set for Baseline Tier policy rules",
+            ],
+        );
+    }
+
+    /// The Tiers of every file are known before any policy is checked, whatever the file
+    /// order; of two objects with one name the later replaces the earlier.
+    #[test]
+    fn antrea_tiers_of_other_files_and_duplicates() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(
+            dir.path().join("a-policy.yaml"),
+            antrea(
+                "NetworkPolicy",
+                "{name: p, namespace: a}",
+                "{tier: late, priority: 1, appliedTo: [{podSelector: {}}]}",
+            ),
+        )
+        .unwrap();
+        std::fs::write(
+            dir.path().join("b-tiers.yaml"),
+            [
+                antrea("Tier", "{name: late}", "{priority: 252}"),
+                antrea("Tier", "{name: late}", "{priority: 240}"),
+            ]
+            .concat(),
+        )
+        .unwrap();
+        for form in [Form::Whole, Form::Compact] {
+            let l = load_as(&[dir.path().to_path_buf()], form);
+            assert_eq!(l.antrea.tiers.len(), 1);
+            assert_eq!(l.antrea.tiers[0].spec.priority, 240);
+            assert_eq!(l.antrea.network_policies.len(), 1);
+            let kinds: Vec<_> =
+                l.problems.iter().map(|p| (p.object.kind, p.kind.clone())).collect();
+            assert!(
+                matches!(
+                    &kinds[..],
+                    [
+                        (Kind::AntreaTier, ProblemKind::Duplicate),
+                        (Kind::AntreaNetworkPolicy, ProblemKind::NotEnforced { .. }),
+                    ]
+                ),
+                "{:?}",
+                l.problems
+            );
+        }
     }
 
     #[test]

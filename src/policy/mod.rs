@@ -9,6 +9,7 @@
 //!    [`Snapshot`] with a [`Revision`];
 //! 3. [`eval`]: [`Snapshot::decide`] turns a [`Flow`] into a [`Decision`] that names the
 //!    tier, policy and rule that decided each direction.
+pub mod antrea_tiers;
 pub mod api;
 pub mod cidr;
 pub mod compile;

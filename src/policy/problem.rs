@@ -10,8 +10,10 @@ use std::fmt;
 
 /// The Kubernetes kinds the engine reads.
 ///
-/// Source: `networking.k8s.io/v1`, `v1` core, and `policy.networking.k8s.io`
-/// `v1alpha1` / `v1alpha2` (network-policy-api).
+/// Source: `networking.k8s.io/v1`, `v1` core, `policy.networking.k8s.io` `v1alpha1` /
+/// `v1alpha2` (network-policy-api), and Antrea's `crd.antrea.io/v1beta1`. Two Antrea kinds
+/// share their `kind` with upstream ones; [`Kind::api_group`] tells them apart, and their
+/// `Display` names the group (`ClusterNetworkPolicy.crd.antrea.io`, kubectl's spelling).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Kind {
     /// `v1` Namespace.
@@ -28,6 +30,12 @@ pub enum Kind {
     BaselineAdminNetworkPolicy,
     /// `policy.networking.k8s.io/v1alpha2` ClusterNetworkPolicy.
     ClusterNetworkPolicy,
+    /// `crd.antrea.io/v1beta1` Tier.
+    AntreaTier,
+    /// `crd.antrea.io/v1beta1` ClusterNetworkPolicy (ACNP).
+    AntreaClusterNetworkPolicy,
+    /// `crd.antrea.io/v1beta1` NetworkPolicy (ANNP), namespaced.
+    AntreaNetworkPolicy,
 }
 
 impl Kind {
@@ -41,13 +49,37 @@ impl Kind {
             Kind::AdminNetworkPolicy => "AdminNetworkPolicy",
             Kind::BaselineAdminNetworkPolicy => "BaselineAdminNetworkPolicy",
             Kind::ClusterNetworkPolicy => "ClusterNetworkPolicy",
+            Kind::AntreaTier => "Tier",
+            Kind::AntreaClusterNetworkPolicy => "ClusterNetworkPolicy",
+            Kind::AntreaNetworkPolicy => "NetworkPolicy",
+        }
+    }
+
+    /// The kind's API group (`""` for core `v1`).
+    pub fn api_group(self) -> &'static str {
+        match self {
+            Kind::Namespace | Kind::Node | Kind::Pod => "",
+            Kind::NetworkPolicy => "networking.k8s.io",
+            Kind::AdminNetworkPolicy
+            | Kind::BaselineAdminNetworkPolicy
+            | Kind::ClusterNetworkPolicy => "policy.networking.k8s.io",
+            Kind::AntreaTier | Kind::AntreaClusterNetworkPolicy | Kind::AntreaNetworkPolicy => {
+                "crd.antrea.io"
+            }
         }
     }
 }
 
 impl fmt::Display for Kind {
+    /// The kind as a manifest spells it; the Antrea kinds as `Kind.crd.antrea.io`, so that
+    /// an Antrea ClusterNetworkPolicy is never taken for the upstream one.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
+        match self {
+            Kind::AntreaTier | Kind::AntreaClusterNetworkPolicy | Kind::AntreaNetworkPolicy => {
+                write!(f, "{}.{}", self.as_str(), self.api_group())
+            }
+            _ => f.write_str(self.as_str()),
+        }
     }
 }
 
@@ -208,6 +240,37 @@ pub enum ProblemKind {
     /// An object with the same kind, namespace and name was given twice; the later wins.
     #[error("duplicate object; the later definition replaces the earlier one")]
     Duplicate,
+    /// A combination of fields or values an admission webhook refuses (Antrea's
+    /// `validate.go`), in its words.
+    #[error("{reason}")]
+    Forbidden {
+        /// What is refused and why.
+        reason: String,
+    },
+    /// A field this engine decodes but does not evaluate (an Antrea feature outside
+    /// tierproxy's scope: ClusterGroup/Group, serviceAccount, externalEntitySelector,
+    /// toServices, l7Protocols, sourcePort, fqdn, scope ClusterSet, Node and Service
+    /// appliedTo).
+    #[error("{feature} is not supported by tierproxy")]
+    Unsupported {
+        /// What is not supported.
+        feature: &'static str,
+    },
+    /// A field of the kind's Go type that the kind's CRD schema does not have at this
+    /// position (`namespaces` in an Antrea NetworkPolicy, `to` in an ingress rule).
+    #[error(
+        "not in the {schema} schema here: the API server prunes it, or refuses the object under strict field validation"
+    )]
+    OutsideSchema {
+        /// The schema (`Antrea ClusterNetworkPolicy ingress rule`).
+        schema: &'static str,
+    },
+    /// A valid object of a kind tierproxy reads and validates but does not enforce yet.
+    #[error("{reason}")]
+    NotEnforced {
+        /// Why, and what is missing.
+        reason: &'static str,
+    },
     /// An IP address claimed by more than one object.
     #[error("address {addr} is also claimed by {other}; it resolves to the first")]
     AddressConflict {

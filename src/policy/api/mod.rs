@@ -5,6 +5,8 @@
 //!   them, experimental fields included.
 //! - [`v1alpha2`]: `policy.networking.k8s.io/v1alpha2` ClusterNetworkPolicy
 //!   (network-policy-api v0.2.0+).
+//! - [`antrea`]: Antrea's `crd.antrea.io/v1beta1` Tier, ClusterNetworkPolicy and
+//!   NetworkPolicy (read from manifests and validated; not enforced yet, issue #22).
 //! - NetworkPolicy, Namespace, Pod and Node come from `k8s-openapi` (re-exported here).
 //!
 //! These types mirror the wire format field for field and carry no defaults beyond what
@@ -16,6 +18,7 @@
 //! A field these types do not know is ignored by serde and reported as a warning by the
 //! manifest loader, because newer upstream versions add fields.
 
+pub mod antrea;
 pub mod v1alpha1;
 pub mod v1alpha2;
 

@@ -8,7 +8,8 @@
 //! One file per upstream source: `apimachinery` (metadata, names, labels, ports),
 //! `selectors` (label selectors), `crd` (what the policy CRDs share), `v1alpha1`
 //! (ANP, BANP), `v1alpha2` (CNP), `networkpolicy` (v1 NetworkPolicy), `corev1`
-//! (Namespace, Pod, Node). This file holds the limits, the field [`Path`] and the problem
+//! (Namespace, Pod, Node), `antrea` (Antrea's Tier, ClusterNetworkPolicy and
+//! NetworkPolicy, `crd.antrea.io/v1beta1`: CRD schemas and admission webhook). This file holds the limits, the field [`Path`] and the problem
 //! sink they all write through, and [`Rules`], rule-by-rule validation of the admin kinds.
 //!
 //! Sources:
@@ -27,6 +28,8 @@
 //!   object metadata: apimachinery `pkg/api/validation` (`ValidateObjectMeta`).
 //! - Namespace, Pod, Node: kubernetes `pkg/apis/core/validation/validation.go`,
 //!   `pkg/apis/core/v1/defaults.go` and `conversion.go`.
+//! - Antrea-native kinds: antrea-io/antrea CRDs `build/charts/antrea/crds/` and the
+//!   webhook `pkg/controller/networkpolicy/validate.go` (see `antrea`).
 //!
 //! Severity follows one rule: [`Severity::Error`] for what the API server rejects,
 //! [`Severity::Warning`] for what it stores but the operator should know about. Two
@@ -39,6 +42,7 @@
 //!   `portRange` `start < end`, `domainNames` only in Allow rules, the protocol enum of
 //!   v1alpha1 ports), the finding is a warning that says so.
 
+mod antrea;
 mod apimachinery;
 mod corev1;
 mod crd;
@@ -49,6 +53,10 @@ mod table;
 mod v1alpha1;
 mod v1alpha2;
 
+pub use antrea::{
+    MAX_POLICY_PRIORITY, MIN_POLICY_PRIORITY, antrea_cluster_network_policy, antrea_network_policy,
+    antrea_tier,
+};
 pub use corev1::{namespace, node, pod};
 pub use crd::is_domain_name;
 pub use networkpolicy::network_policy;
@@ -134,11 +142,12 @@ const SELECTOR_OPERATORS: &str = "In, NotIn, Exists, DoesNotExist";
 
 const POLICY_TYPES: &str = "Ingress, Egress";
 
-/// `true` for the kinds that live in a namespace (Pod, NetworkPolicy); every policy CRD,
-/// Namespace and Node are cluster-scoped. Source: the kinds' API scope
-/// (`+genclient:nonNamespaced` / `scope=Cluster` for the policy CRDs).
+/// `true` for the kinds that live in a namespace (Pod, NetworkPolicy, Antrea
+/// NetworkPolicy); the other policy CRDs, Namespace and Node are cluster-scoped. Source:
+/// the kinds' API scope (`+genclient:nonNamespaced` / `scope: Cluster` for the policy
+/// CRDs, `scope: Namespaced` for Antrea's NetworkPolicy CRD).
 pub fn is_namespaced(kind: Kind) -> bool {
-    matches!(kind, Kind::Pod | Kind::NetworkPolicy)
+    matches!(kind, Kind::Pod | Kind::NetworkPolicy | Kind::AntreaNetworkPolicy)
 }
 
 /// The [`ObjectRef`] of an object: its kind, `metadata.namespace` (namespaced kinds only;
@@ -476,6 +485,7 @@ mod tests {
             v1alpha2::tests::rows(),
             networkpolicy::tests::rows(),
             corev1::tests::rows(),
+            antrea::tests::rows(),
         ]
         .into_iter()
         .flatten()
@@ -594,6 +604,9 @@ mod tests {
             Target::Ns,
             Target::Pod,
             Target::Node,
+            Target::Tier,
+            Target::Acnp,
+            Target::Annp,
         ] {
             let problems = target.run(target.base());
             assert!(problems.is_empty(), "{target:?}: {problems:#?}");

@@ -72,6 +72,33 @@ fn is_valid_requirement(req: &LabelSelectorRequirement) -> bool {
     operator_ok && is_qualified_name(key) && values.iter().all(|v| is_label_value(v))
 }
 
+/// A label selector inside an Antrea-native policy (`crd.antrea.io/v1beta1`): the
+/// admission webhook checks `matchLabels` (`validate.go checkSelectorsLabels`:
+/// `IsQualifiedName` keys, `IsValidLabelValue` values) and the CRD schema the
+/// `matchExpressions` operator enum (`In`, `NotIn`, `Exists`, `DoesNotExist`): those are
+/// errors. The rest of `ValidateLabelSelector` is not run on custom resources
+/// ([`CRD_SELECTOR_SEVERITY`]).
+pub(super) fn antrea_selector<'a>(
+    s: &mut Sink<'_>,
+    sel: impl Into<SelectorRef<'a>>,
+    path: &Path<'_>,
+) {
+    let sel = sel.into();
+    if is_valid_selector(sel) {
+        return;
+    }
+    let SelectorRef { match_expressions, match_labels } = sel;
+    if let Some(labels) = match_labels {
+        labels_map(s, &path.field("matchLabels"), &labels, Severity::Error);
+    }
+    if let Some(reqs) = match_expressions {
+        let path = path.field("matchExpressions");
+        for (i, req) in reqs.iter().enumerate() {
+            requirement(s, req, &path.index(i), CRD_SELECTOR_SEVERITY, Severity::Error);
+        }
+    }
+}
+
 /// The problems of a selector, in the order [`selector`] reports them.
 #[cold]
 #[inline(never)]
@@ -83,13 +110,20 @@ fn selector_problems(s: &mut Sink<'_>, sel: SelectorRef<'_>, path: &Path<'_>, se
     if let Some(reqs) = match_expressions {
         let path = path.field("matchExpressions");
         for (i, req) in reqs.iter().enumerate() {
-            requirement(s, req, &path.index(i), sev);
+            requirement(s, req, &path.index(i), sev, sev);
         }
     }
 }
 
-/// apimachinery `ValidateLabelSelectorRequirement`.
-fn requirement(s: &mut Sink<'_>, req: &LabelSelectorRequirement, path: &Path<'_>, sev: Severity) {
+/// apimachinery `ValidateLabelSelectorRequirement`; an operator outside the enum is
+/// reported at `operator_sev`, the rest at `sev`.
+fn requirement(
+    s: &mut Sink<'_>,
+    req: &LabelSelectorRequirement,
+    path: &Path<'_>,
+    sev: Severity,
+    operator_sev: Severity,
+) {
     let LabelSelectorRequirement { key, operator, values } = req;
     let values: &[String] = values.as_deref().unwrap_or_default();
     match operator.as_str() {
@@ -114,7 +148,7 @@ fn requirement(s: &mut Sink<'_>, req: &LabelSelectorRequirement, path: &Path<'_>
         }
         // "not a valid selector operator"
         _ => s.push(
-            sev,
+            operator_sev,
             &path.field("operator"),
             ProblemKind::NotInEnum { value: operator.clone(), allowed: SELECTOR_OPERATORS },
         ),

@@ -4,9 +4,11 @@
 use serde_json::{Value, json};
 
 use super::{
-    admin_network_policy, baseline_admin_network_policy, cluster_network_policy, invalid,
-    namespace, network_policy, node, pod,
+    admin_network_policy, antrea_cluster_network_policy, antrea_network_policy, antrea_tier,
+    baseline_admin_network_policy, cluster_network_policy, invalid, namespace, network_policy,
+    node, pod,
 };
+use crate::policy::antrea_tiers::TierTable;
 use crate::policy::problem::{Problem, ProblemKind, Severity};
 
 /// The kind a table row validates, with a valid manifest of that kind.
@@ -19,6 +21,19 @@ pub(super) enum Target {
     Ns,
     Pod,
     Node,
+    /// `crd.antrea.io/v1beta1` Tier.
+    Tier,
+    /// Antrea ClusterNetworkPolicy; validated with the static Tiers and a Tier `dev`.
+    Acnp,
+    /// Antrea NetworkPolicy; as `Acnp`.
+    Annp,
+}
+
+/// The Tiers Antrea policy rows are validated against: the static ones and `dev` (90).
+fn antrea_tiers() -> TierTable {
+    let dev = de(json!({"metadata": {"name": "dev"}, "spec": {"priority": 90}}));
+    let (table, _) = TierTable::build(&[std::sync::Arc::new(dev)], &mut Vec::new());
+    table
 }
 
 impl Target {
@@ -174,6 +189,66 @@ impl Target {
                     "podIPs": [{"ip": "10.0.0.5"}, {"ip": "fd00::5"}]
                 }
             }),
+            Target::Tier => json!({
+                "apiVersion": "crd.antrea.io/v1beta1",
+                "kind": "Tier",
+                "metadata": {"name": "dev"},
+                "spec": {"priority": 90, "description": "developers"}
+            }),
+            Target::Acnp => json!({
+                "apiVersion": "crd.antrea.io/v1beta1",
+                "kind": "ClusterNetworkPolicy",
+                "metadata": {"name": "acnp"},
+                "spec": {
+                    "tier": "securityops",
+                    "priority": 5.5,
+                    "appliedTo": [{
+                        "podSelector": {"matchLabels": {"app": "db"}},
+                        "namespaceSelector": {"matchExpressions": [
+                            {"key": "env", "operator": "In", "values": ["prod"]}
+                        ]}
+                    }],
+                    "ingress": [{
+                        "name": "allow-web",
+                        "action": "Allow",
+                        "from": [
+                            {"podSelector": {"matchLabels": {"app": "web"}}},
+                            {"namespaces": {"match": "Self"}},
+                            {"namespaces": {"sameLabels": ["tenant"]}, "podSelector": {}},
+                            {"nodeSelector": {}}
+                        ],
+                        "ports": [{"protocol": "TCP", "port": 80}, {"port": "metrics"}],
+                        "enableLogging": true,
+                        "logLabel": "web"
+                    }],
+                    "egress": [{
+                        "action": "Drop",
+                        "to": [
+                            {"ipBlock": {"cidr": "10.0.0.0/8", "except": ["10.1.0.0/16"]}},
+                            {"namespaceSelector": {}}
+                        ],
+                        "ports": [{"protocol": "UDP", "port": 1000, "endPort": 2000}]
+                    }]
+                }
+            }),
+            Target::Annp => json!({
+                "apiVersion": "crd.antrea.io/v1beta1",
+                "kind": "NetworkPolicy",
+                "metadata": {"name": "annp", "namespace": "prod"},
+                "spec": {
+                    "priority": 3,
+                    "appliedTo": [{"podSelector": {"matchLabels": {"app": "db"}}}],
+                    "ingress": [{
+                        "action": "Reject",
+                        "from": [{"podSelector": {}, "namespaceSelector": {}}],
+                        "ports": [{"protocol": "SCTP"}]
+                    }],
+                    "egress": [{
+                        "action": "Drop",
+                        "to": [{"ipBlock": {"cidr": "0.0.0.0/0"}}]
+                    }]
+                }
+            }),
             Target::Node => json!({
                 "apiVersion": "v1",
                 "kind": "Node",
@@ -197,6 +272,9 @@ impl Target {
             Target::Ns => namespace(&de(v), &mut out),
             Target::Pod => pod(&de(v), &mut out),
             Target::Node => node(&de(v), &mut out),
+            Target::Tier => antrea_tier(&de(v), &mut out),
+            Target::Acnp => antrea_cluster_network_policy(&de(v), &antrea_tiers(), &mut out),
+            Target::Annp => antrea_network_policy(&de(v), &antrea_tiers(), &mut out),
         }
         out
     }
