@@ -46,6 +46,7 @@ use crate::metrics::Metrics;
 use crate::metrics::scrape::{Sources, scraped};
 use crate::policy::{Revision, Snapshot};
 use crate::proxy::decider::{Current, Decider, DeciderLimits};
+use crate::proxy::handover::{self, Giver};
 use crate::proxy::queue::{self, QueueConfig};
 use crate::proxy::registry::Registry;
 use crate::proxy::relay::{PipePool, RelayConfig};
@@ -194,9 +195,9 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
     if let Some(ns) = &opts.netns {
         enter_netns(ns)?;
     }
-    let _tw_reuse = HostSysctl::start(&opts.state_dir, TCP_TW_REUSE, opts.tcp_tw_reuse);
+    let mut tw_reuse = HostSysctl::start(&opts.state_dir, TCP_TW_REUSE, opts.tcp_tw_reuse);
     let udp_kernel = opts.redirect.udp_path == UdpPath::Kernel;
-    let _ct_acct =
+    let mut ct_acct =
         HostSysctl::start(&opts.state_dir, CONNTRACK_ACCT, udp_kernel && opts.conntrack_acct);
     if udp_kernel && std::fs::read_to_string(CONNTRACK_ACCT.path()).is_ok_and(|v| v.trim() == "0") {
         tracing::warn!(
@@ -335,19 +336,38 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
     // A reader that gives up is reported here; the agent then stops as on SIGTERM, its
     // guards run, and `run` returns the failure (exit status 70, `QueueFailed::EXIT_CODE`).
     let (fatal, mut queue_failed) = tokio::sync::mpsc::unbounded_channel();
+    let queue_config = QueueConfig {
+        first: r.queue_first,
+        count: r.queue_count,
+        decided_value: r.decided_mark.value,
+        decided_mask: r.decided_mark.mask,
+        fail_open: r.queue_bypass,
+        max_len: QUEUE_MAX_LEN,
+        udp_kernel,
+    };
+    // Issue #23: the running agent, if any, hands its queues, listeners and connections
+    // over now; from here on this agent must serve them without delay.
+    let giver = opts
+        .handover_socket
+        .as_ref()
+        .map(|_| Arc::new(Giver::new(queue::queue_count(&queue_config))));
+    let mut taken = match &opts.handover_socket {
+        Some(path) if udp_kernel => take_over(path),
+        Some(_) => {
+            tracing::warn!(
+                "no hand-over with --udp-path proxy: its UDP listeners and flows cannot pass yet"
+            );
+            None
+        }
+        None => None,
+    };
     queue::start(
-        QueueConfig {
-            first: r.queue_first,
-            count: r.queue_count,
-            decided_value: r.decided_mark.value,
-            decided_mask: r.decided_mark.mask,
-            fail_open: r.queue_bypass,
-            max_len: QUEUE_MAX_LEN,
-            udp_kernel,
-        },
+        queue_config,
         decider.clone(),
         &queue_activity,
         &fatal,
+        giver.clone(),
+        taken.as_mut().map(|t| std::mem::take(&mut t.queues)).unwrap_or_default(),
     )?;
 
     let pipes = Arc::new(PipePool::with_budget(pipe_budget));
@@ -376,13 +396,15 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
             idle_timeout: opts.idle_timeout,
         },
         drain_grace: opts.drain_grace,
-        handover: None,
+        handover: giver.clone(),
     };
     let addrs = [
         SocketAddr::new(IpAddr::V4(r.tproxy_addr_v4), r.tproxy_port),
         SocketAddr::new(IpAddr::V6(r.tproxy_addr_v6), r.tproxy_port),
     ];
-    let listeners = runtime.block_on(async { tcp::bind(&addrs) })?;
+    let handed_listeners = taken.as_mut().map(|t| std::mem::take(&mut t.listeners));
+    let listeners = runtime.block_on(async { listen(&addrs, handed_listeners) })?;
+    let adopted = taken.as_mut().map(|t| std::mem::take(&mut t.connections)).unwrap_or_default();
     let udp_listeners =
         if udp_kernel { Vec::new() } else { runtime.block_on(async { udp::bind(&addrs) })? };
     let udp_config = UdpConfig {
@@ -394,7 +416,7 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
     };
 
     // The guard first: an apply that fails half-way is cleaned up too.
-    let installed = Installed { backend: &*backend, config: r, keep: r.keep_rules_on_exit };
+    let mut installed = Installed { backend: &*backend, config: r, keep: r.keep_rules_on_exit };
     backend.apply(&spec).with_context(|| format!("installing the {} ruleset", backend.name()))?;
     let mut sweeper = sweeper;
     if let Some(s) = sweeper.as_mut() {
@@ -409,6 +431,16 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
         }
     }
 
+    if let Some(t) = taken.take() {
+        // The queues, listeners and connections are this agent's now (their relays resume
+        // as the proxy starts): the previous agent may go. Ready only after this.
+        match t.ack() {
+            Ok(()) => tracing::info!("hand-over acknowledged; the previous agent exits"),
+            Err(e) => {
+                tracing::warn!(error = %e, "the previous agent went away before the hand-over was acknowledged")
+            }
+        }
+    }
     if let Some(path) = &opts.ready_file {
         std::fs::write(path, b"")
             .with_context(|| format!("writing the ready file {}", path.display()))?;
@@ -497,23 +529,45 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
                 decider.clone(),
                 registry.clone(),
                 stop_rx,
-                Vec::new(),
+                adopted,
             ));
-            let failed = tokio::select! {
-                () = wait_for_signal() => None,
-                Some(failed) = queue_failed.recv() => Some(failed),
+            if let (Some(g), Some(path)) = (&giver, &opts.handover_socket) {
+                // For the next agent; replaces the previous agent's socket file.
+                if let Err(e) = g.serve(path) {
+                    tracing::error!(error = %e, path = %path.display(), "cannot serve the hand-over socket: the next agent will start without a hand-over");
+                }
+            }
+            let mut serving = serving;
+            let (failed, mut served) = tokio::select! {
+                () = wait_for_signal() => (None, None),
+                Some(failed) = queue_failed.recv() => (Some(failed), None),
+                served = &mut serving => (None, served.ok()),
             };
+            if served.is_none() && giver.as_ref().is_some_and(|g| g.committed()) {
+                // Stopped during a hand-over: the next agent holds the queues, listeners
+                // and connections already; finish it rather than drain.
+                tracing::info!("stop asked during a hand-over: finishing it first");
+                served = (&mut serving).await.ok();
+            }
+            let handed_over = served == Some(tcp::Served::HandedOver);
             // Not ready from here on: a load balancer or probe stops counting on this node,
             // and the other nodes proxy this node's pods' connections again.
             ready.store(false, std::sync::atomic::Ordering::Relaxed);
-            if let Some(k) = &kube {
-                k.set_enforcing(false);
+            if handed_over {
+                // The next agent enforces and keeps the Node's annotation.
+                tracing::info!("handed over to the next agent: exiting without a drain");
+            } else {
+                if let Some(k) = &kube {
+                    k.set_enforcing(false);
+                }
+                tracing::info!("shutting down: no new connections; draining");
             }
-            tracing::info!("shutting down: no new connections; draining");
             let _ = stop_tx.send(true);
-            let _ = serving.await;
+            if served.is_none() {
+                let _ = serving.await;
+            }
             let _ = udp_serving.await;
-            failed
+            (failed, handed_over)
         });
         // Ends the watch and the API-server side; the reloader's channel closes and it
         // returns.
@@ -523,7 +577,14 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
         }
         failed
     });
-    if udp_kernel {
+    let (failed, handed_over) = failed;
+    if handed_over {
+        // The next agent owns the ruleset and the sysctls now, and reports the
+        // kernel-forwarded UDP flows' ends.
+        installed.keep = true;
+        tw_reuse.hand_over();
+        ct_acct.hand_over();
+    } else if udp_kernel {
         // The kernel goes on forwarding them; this agent stops reporting them.
         let ended =
             conntrack::Conntrack::open().and_then(|mut ct| forwarded::shut_down(&decider, &mut ct));
@@ -537,10 +598,81 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
         let _ = std::fs::remove_file(path);
     }
     drop(installed);
+    if handed_over {
+        // Everything this agent served is the next one's; its runtime (the metrics
+        // endpoint among it) goes. It stays a process until told to stop: one that exited
+        // would be restarted by its supervisor (a DaemonSet's pod restarts its container)
+        // and take everything back.
+        drop(runtime);
+        tracing::info!("handed over: idle until SIGTERM");
+        let idle = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+        idle.block_on(wait_for_signal());
+    }
     match failed {
         Some(failed) => Err(failed.into()),
         None => Ok(()),
     }
+}
+
+/// Asks the agent serving the hand-over socket at `path` for its queues, listeners and
+/// live connections (issue #23). `None` when there is none, when it refuses (no common
+/// protocol version: it drains when stopped) or when the exchange fails; each is logged.
+fn take_over(path: &std::path::Path) -> Option<handover::Taken> {
+    match handover::take(path) {
+        Ok(handover::Take::Nobody) => {
+            tracing::info!(path = %path.display(), "no agent to take over from");
+            None
+        }
+        Ok(handover::Take::Refused(reason)) => {
+            tracing::warn!(%reason, "the running agent refused the hand-over: starting without; its connections are drained when it stops");
+            None
+        }
+        Ok(handover::Take::Taken(t)) => {
+            tracing::info!(
+                version = t.version,
+                queues = t.queues.len(),
+                listeners = t.listeners.len(),
+                connections = t.connections.len(),
+                "took over from the running agent"
+            );
+            Some(t)
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "hand-over from the running agent failed: starting without");
+            None
+        }
+    }
+}
+
+/// The transparent listeners on `addrs`: the previous agent's where it handed one over for
+/// that address (issue #23), else bound anew ([`tcp::bind`]). A handed-over listener for
+/// an address this agent does not listen on is closed, with a warning.
+fn listen(
+    addrs: &[SocketAddr],
+    handed: Option<Vec<(SocketAddr, std::net::TcpListener)>>,
+) -> anyhow::Result<Vec<tokio::net::TcpListener>> {
+    let mut handed = handed.unwrap_or_default();
+    let mut out = Vec::new();
+    let mut unbound = Vec::new();
+    for &addr in addrs {
+        match handed.iter().position(|(a, _)| *a == addr) {
+            Some(i) => {
+                let (_, l) = handed.swap_remove(i);
+                out.push(
+                    tokio::net::TcpListener::from_std(l)
+                        .with_context(|| format!("the handed-over listener on {addr}"))?,
+                );
+            }
+            None => unbound.push(addr),
+        }
+    }
+    for (addr, _) in handed {
+        tracing::warn!(%addr, "the previous agent handed over a listener this agent does not use: closed");
+    }
+    if !unbound.is_empty() {
+        out.extend(tcp::bind(&unbound)?);
+    }
+    Ok(out)
 }
 
 /// How long a stopping agent waits for its node annotation's removal

@@ -88,6 +88,10 @@ pub struct AgentOptions {
     pub kube: Option<KubeOptions>,
     /// Created (empty) once the node is enforcing; removed on exit.
     pub ready_file: Option<PathBuf>,
+    /// The hand-over socket (issue #23): at start, the agent asks the one serving it for
+    /// its queues, listeners and live connections; then it serves it for the next agent.
+    /// `None`: no hand-over, a stop drains.
+    pub handover_socket: Option<PathBuf>,
     /// Redirection (marks, queues, ports, backend, fail-open, keep rules).
     pub redirect: RedirectConfig,
     /// Auto (copy small reads, splice bursts; the default), splice or copy.
@@ -154,6 +158,7 @@ impl AgentOptions {
             manifests,
             kube: None,
             ready_file: None,
+            handover_socket: None,
             redirect: RedirectConfig::default(),
             relay: RelayMode::Auto,
             preserve_source: true,

@@ -207,6 +207,14 @@ impl HostSysctl {
     }
 }
 
+impl HostSysctl {
+    /// Leaves the sysctl as it is at exit, and its state file in place: the next agent,
+    /// which took over from this one (issue #23), owns both now.
+    pub fn hand_over(&mut self) {
+        self.old = None;
+    }
+}
+
 impl Drop for HostSysctl {
     fn drop(&mut self) {
         let Some(old) = &self.old else { return };

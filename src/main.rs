@@ -200,6 +200,12 @@ struct AgentArgs {
     /// Create this (empty) file once the node is enforcing; removed on exit.
     #[arg(long)]
     ready_file: Option<PathBuf>,
+    /// Hand-over socket (a Unix socket on a hostPath every agent pod of the node mounts,
+    /// e.g. /run/tierproxy/handover.sock): at start, take the queues, listeners and live
+    /// connections of the agent serving it, which then exits without resetting any; then
+    /// serve it for the next agent. Without it, a stop drains and resets.
+    #[arg(long)]
+    handover_socket: Option<PathBuf>,
     /// Append logs to this file instead of standard error.
     #[arg(long)]
     log: Option<PathBuf>,
@@ -417,6 +423,7 @@ fn run_agent(a: AgentArgs) -> ExitCode {
     };
     opts.pipe_budget_percent = usize::from(a.pipe_budget_percent);
     opts.ready_file = a.ready_file;
+    opts.handover_socket = a.handover_socket;
     opts.redirect.backend = a.redirect_backend;
     opts.redirect.queue_bypass = a.fail_open;
     opts.redirect.keep_rules_on_exit = a.keep_rules;

@@ -116,6 +116,17 @@ enum LabCommand {
         #[command(flatten)]
         common: Common,
     },
+    /// Replace each node's agent with a new one (this build, or `TIERPROXY_LAB_AGENT`)
+    /// that takes over its queues, listeners and live connections through the node's
+    /// hand-over socket (issue #23), then stop the old one. One JSON line per node:
+    /// `node`, `old_pid`, `new_pid`, `handed_over`, `ready_ms`.
+    Upgrade {
+        /// Only this node's agent.
+        #[arg(long)]
+        node: Option<String>,
+        #[command(flatten)]
+        common: Common,
+    },
     /// Make every probe for real and show it beside explain's verdict.
     Probe {
         /// JSON Lines probes, explain's format.
@@ -313,6 +324,29 @@ pub fn main(args: LabArgs, out: &mut dyn Write, err: &mut dyn Write) -> u8 {
                         dir.display()
                     );
                     0
+                }
+                Err(e) => report_error(err, &e),
+            }
+        }
+        Some(LabCommand::Upgrade { node, common }) => {
+            install_signals(err);
+            let exe = match std::env::var_os("TIERPROXY_LAB_AGENT") {
+                Some(a) => Ok(PathBuf::from(a)),
+                None => std::env::current_exe(),
+            };
+            let exe = match exe {
+                Ok(e) => e,
+                Err(e) => {
+                    let _ = writeln!(err, "error: this program's path: {e}");
+                    return 2;
+                }
+            };
+            match super::upgrade(&common.state_root, &common.prefix, &exe, node.as_deref()) {
+                Ok(done) => {
+                    for u in &done {
+                        let _ = writeln!(out, "{}", serde_json::to_string(u).unwrap_or_default());
+                    }
+                    u8::from(done.iter().any(|u| !u.handed_over))
                 }
                 Err(e) => report_error(err, &e),
             }

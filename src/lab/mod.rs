@@ -442,6 +442,7 @@ fn build(
                     log: log.clone(),
                     ready: ready.clone(),
                     audit: audit.then(|| procs::audit_file(&state.dir, &node.name)),
+                    handover: procs::handover_socket(&state.dir, &node.name),
                 },
                 &enforcing,
                 agent_args,
@@ -531,6 +532,120 @@ pub fn down(state_root: &Path, prefix: &str) -> Result<DownReport, LabError> {
     } else {
         Err(LabError::Leftovers { prefix: prefix.to_string(), problems: problems.join("; ") })
     }
+}
+
+/// One node's agent replaced by `lab upgrade`.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Upgraded {
+    /// The node.
+    pub node: String,
+    /// The agent that ran.
+    pub old_pid: u32,
+    /// The agent that runs now.
+    pub new_pid: u32,
+    /// Whether the old agent handed its queues, listeners and connections over (its log
+    /// says so); `false`: it was stopped and drained instead.
+    pub handed_over: bool,
+    /// From the new agent's start until it was ready, milliseconds.
+    pub ready_ms: u64,
+}
+
+/// `lab upgrade`: starts a new agent on each node of lab `prefix` (only `node`, when
+/// given), running `exe` with the old agent's own arguments (new log and ready files),
+/// waits until it is ready — it takes over from the old agent through the node's
+/// hand-over socket (issue #23) — then stops the old one (SIGTERM; after a hand-over it
+/// only waits for that) and records the new one in the lab's state.
+///
+/// # Errors
+/// [`LabError`]: no such lab or node, the old agent's arguments unreadable, the new agent
+/// not ready in [`procs::AGENT_READY_TIMEOUT`] (it is stopped again; the old one runs on).
+pub fn upgrade(
+    state_root: &Path,
+    prefix: &str,
+    exe: &Path,
+    node: Option<&str>,
+) -> Result<Vec<Upgraded>, LabError> {
+    netns::check_environment()?;
+    let mut state = State::load(state_root, prefix)?;
+    let nodes: Vec<plan::NodePlan> = state
+        .plan
+        .nodes
+        .iter()
+        .filter(|n| node.is_none_or(|want| n.name == want))
+        .cloned()
+        .collect();
+    if nodes.is_empty() {
+        return Err(LabError::UnknownTarget {
+            target: format!("node/{}", node.unwrap_or("")),
+            prefix: prefix.to_string(),
+        });
+    }
+    let mut done = Vec::new();
+    for n in nodes {
+        let Some(i) = state.processes.iter().position(|p| {
+            p.role == Role::Agent && p.netns == n.netns && procs::alive(p.pid as i32)
+        }) else {
+            return Err(LabError::Start {
+                what: format!("upgrade of node {}", n.name),
+                reason: "no agent runs on it (a lab without agents, or its agent exited)".into(),
+                log: String::new(),
+            });
+        };
+        let old = state.processes[i].clone();
+        let cmdline_path = PathBuf::from(format!("/proc/{}/cmdline", old.pid));
+        let cmdline = std::fs::read(&cmdline_path)
+            .map_err(|e| LabError::State { path: cmdline_path.clone(), source: e })?;
+        // Each agent its own files: an old agent removes its ready file as it exits.
+        let generation = (2..)
+            .find(|g| !state.dir.join(format!("agent-{}.{g}.log", n.name)).exists())
+            .expect("a free generation");
+        let file = |ext: &str| state.dir.join(format!("agent-{}.{generation}.{ext}", n.name));
+        let (log, ready, out) = (file("log"), file("ready"), file("out"));
+        remove_stale(&ready)?;
+        let mut args: Vec<std::ffi::OsString> = cmdline
+            .split(|b| *b == 0)
+            .filter(|a| !a.is_empty())
+            .skip(1)
+            .map(|a| <std::ffi::OsStr as std::os::unix::ffi::OsStrExt>::from_bytes(a).to_owned())
+            .collect();
+        // The old agent's own log: it says whether it handed over.
+        let old_log =
+            args.iter().position(|a| a == "--log").and_then(|k| args.get(k + 1)).map(PathBuf::from);
+        for (flag, value) in [("--log", &log), ("--ready-file", &ready)] {
+            if let Some(v) = args.iter().position(|a| a == flag).and_then(|k| args.get_mut(k + 1)) {
+                *v = value.clone().into_os_string();
+            }
+        }
+        let mut cmd = std::process::Command::new(exe);
+        cmd.args(&args);
+        let started = std::time::Instant::now();
+        let mut child = procs::spawn_detached(cmd, &out)?;
+        let what = format!("new agent on node {}", n.name);
+        if let Err(e) = wait_for(
+            &[(what, ready.clone(), vec![log.clone(), out.clone()])],
+            std::slice::from_mut(&mut child),
+            procs::AGENT_READY_TIMEOUT,
+        ) {
+            procs::stop(&[child.id() as i32]);
+            return Err(e);
+        }
+        let ready_ms = started.elapsed().as_millis() as u64;
+        procs::stop(&[old.pid as i32]);
+        let handed_over = old_log.is_some_and(|l| {
+            std::fs::read_to_string(l).is_ok_and(|t| t.contains("handed over to the next agent"))
+        });
+        state.processes[i] =
+            ProcessRecord { pid: child.id(), netns: n.netns.clone(), role: Role::Agent, log: out };
+        state.save()?;
+        done.push(Upgraded {
+            node: n.name.clone(),
+            old_pid: old.pid,
+            new_pid: child.id(),
+            handed_over,
+            ready_ms,
+        });
+    }
+    Ok(done)
 }
 
 /// Output of `lab probe`.

@@ -107,6 +107,14 @@ pub struct AgentFiles {
     pub ready: PathBuf,
     /// Its audit events, JSON Lines (`--audit-json`; [`audit_file`]); `None`: no audit.
     pub audit: Option<PathBuf>,
+    /// Its hand-over socket (`--handover-socket`; [`handover_socket`]): `lab upgrade`
+    /// starts the next agent of the node on it.
+    pub handover: PathBuf,
+}
+
+/// The hand-over socket of node `node`'s agents in state directory `dir`.
+pub fn handover_socket(dir: &Path, node: &str) -> PathBuf {
+    dir.join(format!("handover-{node}.sock"))
 }
 
 /// The capabilities a lab agent keeps: the DaemonSet's (`deploy/daemonset.yaml`), so that
@@ -115,7 +123,8 @@ pub struct AgentFiles {
 pub const AGENT_CAPABILITIES: &str = "NET_ADMIN,NET_RAW,NET_BIND_SERVICE";
 
 /// The agent command for one node: `<exe> agent --netns <netns> --node <node> --manifests
-/// <paths...> --log <log> --ready-file <ready> --capabilities NET_ADMIN,NET_RAW,NET_BIND_SERVICE
+/// <paths...> --log <log> --ready-file <ready> --handover-socket <socket>
+/// --capabilities NET_ADMIN,NET_RAW,NET_BIND_SERVICE
 /// [--enforcing-node=<other node>...] --audit-json <audit> --audit-allow-sample 1
 /// --audit-deny-window-ms 1000 <extra...>` (`enforcing`: the nodes the lab starts an agent
 /// on; each agent names the others, so a connection between pods on two nodes is proxied
@@ -146,11 +155,12 @@ pub fn agent_command(
     enforcing: &[String],
     extra: &[String],
 ) -> Command {
-    let AgentFiles { log, ready, audit } = files;
+    let AgentFiles { log, ready, audit, handover } = files;
     let mut c = Command::new(exe);
     c.args(["agent", "--netns", netns, "--node", node, "--manifests"]);
     c.args(manifests);
     c.arg("--log").arg(log).arg("--ready-file").arg(ready);
+    c.arg("--handover-socket").arg(handover);
     c.arg(format!("--capabilities={AGENT_CAPABILITIES}"));
     for other in enforcing.iter().filter(|n| *n != node) {
         c.arg(format!("--enforcing-node={other}"));
@@ -259,7 +269,7 @@ pub fn wait_ready(pending: &mut [Pending<'_>], timeout: Duration) -> Result<(), 
 }
 
 /// Whether `pid` is a live process (not gone, not a zombie).
-fn alive(pid: i32) -> bool {
+pub fn alive(pid: i32) -> bool {
     let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { return false };
     // "pid (comm) S ...": comm may hold spaces and parentheses; the state follows the last ')'.
     let state = stat.rsplit_once(')').and_then(|(_, rest)| rest.trim_start().chars().next());

@@ -10,10 +10,12 @@
 //! 2. previous → next: `accept` with the newest version both speak, or `refuse` with the
 //!    reason (no common version): the next agent then starts without a hand-over and says
 //!    so, and the previous one drains as at any stop;
-//! 3. previous → next: one `listener` per transparent listener (descriptor: the listening
-//!    socket), one `connection` per live TCP connection (descriptors: the client's socket,
-//!    the upstream socket, then a pipe for each direction with bytes in flight), then
-//!    `done` with how many of each it sent;
+//! 3. previous → next: one `queue` per NFQUEUE queue (descriptor: its netlink socket,
+//!    bound to the queue, with the packets waiting on it; the previous agent's reader has
+//!    stopped reading it), one `listener` per transparent listener (descriptor: the
+//!    listening socket), one `connection` per live TCP connection (descriptors: the
+//!    client's socket, the upstream socket, then a pipe for each direction with bytes in
+//!    flight), then `done` with how many of each it sent;
 //! 4. next → previous: `ack` once it has taken them in; the previous agent then exits
 //!    without resetting anything.
 //!
@@ -32,8 +34,8 @@ use std::io::{self, IoSlice, IoSliceMut};
 use std::net::SocketAddr;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 use crossbeam_channel::{Receiver, Sender};
@@ -66,9 +68,10 @@ enum Message {
     Hello { oldest: u32, newest: u32 },
     Accept { version: u32 },
     Refuse { reason: String },
+    Queue { num: u16 },
     Listener { addr: SocketAddr },
     Connection(Header),
-    Done { listeners: usize, connections: usize },
+    Done { queues: usize, listeners: usize, connections: usize },
     Ack,
 }
 
@@ -134,9 +137,12 @@ impl Connection {
     }
 }
 
-/// What the proxy gives the hand-over thread ([`Giver::give`]).
+/// What the proxy and the queue readers give the hand-over thread ([`Giver::give`]).
 #[derive(Debug)]
 pub enum Outgoing {
+    /// An NFQUEUE queue's number and netlink socket (a duplicate), its reader parked
+    /// ([`Giver::parked`]).
+    Queue(u16, OwnedFd),
     /// A transparent listener (a duplicate of its descriptor) and its address.
     Listener(SocketAddr, OwnedFd),
     /// A live connection, stopped where it was.
@@ -155,34 +161,80 @@ pub enum Outcome {
     Failed,
 }
 
-/// The giving side of a hand-over, shared by the TCP proxy and the thread serving the
-/// socket: the thread asks ([`Giver::requested`]), the proxy stops accepting and hands
-/// its listeners and connections over one by one ([`Giver::give`]), the thread sends them
-/// and reports how it went ([`Giver::outcome`]).
+/// The giving side of a hand-over, shared by the TCP proxy, the queue readers and the
+/// thread serving the socket: the thread asks ([`Giver::requested`], [`Giver::park`]);
+/// each queue reader parks and gives its queue ([`Giver::parked`]); the proxy stops
+/// accepting and gives its listeners and connections one by one ([`Giver::give`]); the
+/// thread sends them and reports how it went ([`Giver::outcome`]).
 #[derive(Debug)]
 pub struct Giver {
+    /// How many queues the readers give in each hand-over.
+    queues: usize,
     request: tokio::sync::Notify,
+    /// Set while the queue readers are to park.
+    park: AtomicBool,
     tx: Sender<Outgoing>,
     rx: Receiver<Outgoing>,
-    /// 0 while none ended; 1 completed; 2 failed.
-    outcome: AtomicU8,
+    /// How the hand-over under way ended; `None` until it has.
+    outcome: Mutex<Option<Outcome>>,
+    /// Wakes parked queue readers when it ended.
+    ended_cv: Condvar,
+    /// Wakes the proxy when it ended.
     ended: tokio::sync::Notify,
 }
 
-impl Default for Giver {
-    fn default() -> Self {
+impl Giver {
+    /// A giver for an agent with `queues` NFQUEUE readers (each gives its queue in a
+    /// hand-over; 0: none, as in tests of the proxy alone).
+    pub fn new(queues: usize) -> Giver {
         let (tx, rx) = crossbeam_channel::unbounded();
         Giver {
+            queues,
             request: tokio::sync::Notify::new(),
+            park: AtomicBool::new(false),
             tx,
             rx,
-            outcome: AtomicU8::new(0),
+            outcome: Mutex::new(None),
+            ended_cv: Condvar::new(),
             ended: tokio::sync::Notify::new(),
         }
     }
-}
 
-impl Giver {
+    /// Whether the queue readers are to park now: a hand-over is under way.
+    pub fn park(&self) -> bool {
+        self.park.load(Ordering::Acquire)
+    }
+
+    /// Whether a hand-over is under way or has completed: a stop asked for now must wait
+    /// for the proxy's end of it ([`super::tcp::serve`]) instead of draining what the next
+    /// agent holds too.
+    pub fn committed(&self) -> bool {
+        self.park() || *self.lock_outcome() == Some(Outcome::Completed)
+    }
+
+    /// A queue reader parks: gives queue `num` (a duplicate of its socket, `fd`) and waits
+    /// until the hand-over ended. Returns `true` when it failed and the reader reads on,
+    /// `false` when the next agent has the queue (the reader ends).
+    pub fn parked(&self, num: u16, fd: OwnedFd) -> bool {
+        self.give(Outgoing::Queue(num, fd));
+        let mut outcome = self.lock_outcome();
+        loop {
+            match *outcome {
+                Some(o) => return o == Outcome::Failed,
+                None => {
+                    outcome = self
+                        .ended_cv
+                        .wait(outcome)
+                        .unwrap_or_else(std::sync::PoisonError::into_inner);
+                }
+            }
+        }
+    }
+
+    fn lock_outcome(&self) -> std::sync::MutexGuard<'_, Option<Outcome>> {
+        self.outcome.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
     /// Returns when a next agent asks for a hand-over (a request made before the wait is
     /// kept for it).
     pub async fn requested(&self) {
@@ -202,19 +254,25 @@ impl Giver {
             let ended = self.ended.notified();
             tokio::pin!(ended);
             ended.as_mut().enable();
-            match self.outcome.swap(0, Ordering::AcqRel) {
-                1 => return Outcome::Completed,
-                2 => return Outcome::Failed,
-                _ => ended.await,
+            if let Some(o) = *self.lock_outcome() {
+                return o;
             }
+            ended.await;
         }
     }
 
+    /// A hand-over begins: no outcome yet, the readers park, the proxy is asked.
+    fn begin(&self) {
+        *self.lock_outcome() = None;
+        self.park.store(true, Ordering::Release);
+        self.request.notify_one();
+    }
+
     fn end(&self, outcome: Outcome) {
-        let v = if outcome == Outcome::Completed { 1 } else { 2 };
-        self.outcome.store(v, Ordering::Release);
+        self.park.store(false, Ordering::Release);
+        *self.lock_outcome() = Some(outcome);
+        self.ended_cv.notify_all();
         self.ended.notify_waiters();
-        self.ended.notify_one();
     }
 
     /// Binds the hand-over socket at `path` (a stale file there is replaced; mode 0600)
@@ -265,29 +323,42 @@ impl Giver {
         };
         send(&fd, &Message::Accept { version }, &[])?;
         tracing::info!(version, "handing over to the next agent");
-        self.request.notify_one();
-        let (mut listeners, mut connections) = (0, 0);
+        self.begin();
+        let (mut queues, mut listeners, mut connections) = (0, 0, 0);
+        let mut finished = false;
         let mut failed: Option<io::Error> = None;
-        loop {
+        while !finished || queues < self.queues {
             let item = match self.rx.recv_timeout(STEP_TIMEOUT) {
                 Ok(item) => item,
                 Err(_) => {
-                    // The proxy did not give anything for too long: it is stuck or gone.
-                    failed.get_or_insert(io::Error::other("the proxy gave nothing for 10 s"));
+                    // The proxy or a queue reader gave nothing for too long: stuck or gone.
+                    failed.get_or_insert(io::Error::other(format!(
+                        "the proxy finished: {finished}, queues given: {queues} of {}; nothing more for 10 s",
+                        self.queues
+                    )));
                     break;
                 }
             };
-            if let Outgoing::Finished = item {
-                break;
+            match &item {
+                Outgoing::Finished => {
+                    finished = true;
+                    continue;
+                }
+                Outgoing::Queue(..) => queues += 1,
+                _ => {}
             }
             if failed.is_some() {
-                // The next agent is gone: what was not sent is reset, as a drain would.
+                // The next agent is gone: what was not sent is reset, as a drain would
+                // (the queues are read again by their parked readers).
                 if let Outgoing::Connection(c) = item {
                     c.relay.abort();
                 }
                 continue;
             }
             let sent = match &item {
+                Outgoing::Queue(num, q) => {
+                    send(&fd, &Message::Queue { num: *num }, &[q.as_raw_fd()])
+                }
                 Outgoing::Listener(addr, l) => {
                     listeners += 1;
                     send(&fd, &Message::Listener { addr: *addr }, &[l.as_raw_fd()])
@@ -308,16 +379,16 @@ impl Giver {
         let result =
             match failed {
                 Some(e) => Err(e),
-                None => send(&fd, &Message::Done { listeners, connections }, &[]).and_then(|()| {
-                    match recv(&fd)?.0 {
+                None => send(&fd, &Message::Done { queues, listeners, connections }, &[]).and_then(
+                    |()| match recv(&fd)?.0 {
                         Message::Ack => Ok(()),
                         other => Err(protocol(format!("expected ack, got {other:?}"))),
-                    }
-                }),
+                    },
+                ),
             };
         match &result {
             Ok(()) => {
-                tracing::info!(listeners, connections, "handed over to the next agent");
+                tracing::info!(queues, listeners, connections, "handed over to the next agent");
                 self.end(Outcome::Completed);
             }
             Err(e) => {
@@ -371,6 +442,8 @@ pub enum Take {
 pub struct Taken {
     /// The protocol version used.
     pub version: u32,
+    /// The NFQUEUE queues: number and netlink socket.
+    pub queues: Vec<(u16, OwnedFd)>,
     /// The transparent listeners, with the addresses they were bound to.
     pub listeners: Vec<(SocketAddr, std::net::TcpListener)>,
     /// The live connections, each stopped where it was.
@@ -415,10 +488,20 @@ pub fn take(path: &Path) -> io::Result<Take> {
         Message::Refuse { reason } => return Ok(Take::Refused(reason)),
         other => return Err(protocol(format!("expected accept or refuse, got {other:?}"))),
     };
-    let mut taken = Taken { version, listeners: Vec::new(), connections: Vec::new(), socket: fd };
+    let mut taken = Taken {
+        version,
+        queues: Vec::new(),
+        listeners: Vec::new(),
+        connections: Vec::new(),
+        socket: fd,
+    };
     loop {
         let (message, mut fds) = recv(&taken.socket)?;
         match message {
+            Message::Queue { num } => {
+                let [q] = take_fds::<1>(&mut fds, "queue")?;
+                taken.queues.push((num, q));
+            }
             Message::Listener { addr } => {
                 let [l] = take_fds::<1>(&mut fds, "listener")?;
                 let l = std::net::TcpListener::from(l);
@@ -426,12 +509,11 @@ pub fn take(path: &Path) -> io::Result<Take> {
                 taken.listeners.push((addr, l));
             }
             Message::Connection(h) => taken.connections.push(connection(h, fds)?),
-            Message::Done { listeners, connections } => {
-                if (listeners, connections) != (taken.listeners.len(), taken.connections.len()) {
+            Message::Done { queues, listeners, connections } => {
+                let arrived = (taken.queues.len(), taken.listeners.len(), taken.connections.len());
+                if (queues, listeners, connections) != arrived {
                     return Err(protocol(format!(
-                        "done says {listeners} listeners and {connections} connections, {} and {} arrived",
-                        taken.listeners.len(),
-                        taken.connections.len()
+                        "done says {queues} queues, {listeners} listeners and {connections} connections; {arrived:?} arrived"
                     )));
                 }
                 return Ok(Take::Taken(taken));
@@ -611,7 +693,7 @@ mod tests {
         }
         future.join().unwrap();
         // And the giving side refuses a next agent newer than it.
-        let giver = Arc::new(Giver::default());
+        let giver = Arc::new(Giver::new(0));
         let path = dir.path().join("giver.sock");
         giver.serve(&path).unwrap();
         let s = Socket::new(Domain::UNIX, Type::SEQPACKET.cloexec(), None).unwrap();

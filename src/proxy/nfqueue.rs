@@ -89,6 +89,11 @@ pub struct Answer {
     pub mark: Option<u32>,
 }
 
+/// How long a read of a queue waits for a packet before it returns none: the longest a
+/// reader takes to notice it is to hand its queue over (issue #23). An idle reader wakes
+/// ten times a second for it.
+pub const PARK_CHECK: std::time::Duration = std::time::Duration::from_millis(100);
+
 /// One bound queue.
 #[derive(Debug)]
 pub struct Queue {
@@ -211,14 +216,7 @@ impl Queue {
         )?;
         bind(std::os::fd::AsRawFd::as_raw_fd(&fd), &NetlinkAddr::new(0, 0))?;
         size_receive_buffer(&fd, max_len)?;
-        let mut q = Queue {
-            fd,
-            num,
-            // A packet message: headers (~100 bytes) + the copied payload.
-            recv_buf: vec![0u8; 65_536 + copy_range as usize],
-            send_buf: Vec::with_capacity(4096),
-            seq: 0,
-        };
+        let mut q = Queue::adopt(num, fd, copy_range)?;
         q.configure(|b| attr(b, CFG_CMD, &[CFG_CMD_BIND, 0, 0, 0]))?;
         q.configure(|b| {
             let mut params = copy_range.to_be_bytes().to_vec();
@@ -232,6 +230,41 @@ impl Queue {
             attr(b, CFG_FLAGS, &flags.to_be_bytes());
         })?;
         Ok(q)
+    }
+
+    /// The queue `num` bound on `fd` by another process (the previous agent, issue #23):
+    /// read as it is, not configured again (a configuration's answer would be read among
+    /// the packets waiting on the socket, which must all get a verdict).
+    ///
+    /// Reads wait at most [`PARK_CHECK`] (`SO_RCVTIMEO`), so that a reader blocked on an
+    /// idle queue can notice that it is to stop reading; an idle wait returns no packet.
+    ///
+    /// # Errors
+    /// When the timeout cannot be set on `fd`.
+    pub fn adopt(num: u16, fd: OwnedFd, copy_range: u32) -> io::Result<Queue> {
+        socket2::SockRef::from(&fd).set_read_timeout(Some(PARK_CHECK))?;
+        Ok(Queue {
+            fd,
+            num,
+            // A packet message: headers (~100 bytes) + the copied payload.
+            recv_buf: vec![0u8; 65_536 + copy_range as usize],
+            send_buf: Vec::with_capacity(4096),
+            seq: 0,
+        })
+    }
+
+    /// The queue number.
+    pub fn num(&self) -> u16 {
+        self.num
+    }
+
+    /// A duplicate of the netlink socket's descriptor, to hand the queue over: the same
+    /// socket, bound to the same queue, with the packets waiting on it.
+    ///
+    /// # Errors
+    /// `dup` failing (open files).
+    pub fn duplicate(&self) -> io::Result<OwnedFd> {
+        self.fd.try_clone()
     }
 
     /// Sends one config request and waits for its ACK.

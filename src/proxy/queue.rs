@@ -24,6 +24,7 @@ use std::thread::JoinHandle;
 use anyhow::Context;
 
 use super::decider::Decider;
+use super::handover::Giver;
 use super::nfqueue::{Answer, NfVerdict, Queue};
 use super::packet;
 use crate::policy::eval::Verdict;
@@ -140,9 +141,20 @@ impl QueueFailed {
 /// Where a reader that gives up reports it; the agent stops on the first report.
 pub type FatalSender = tokio::sync::mpsc::UnboundedSender<QueueFailed>;
 
+/// How many queues [`start`] reads for `config`: the balanced ones and the
+/// kernel-forwarded flows' queue.
+pub fn queue_count(config: &QueueConfig) -> usize {
+    usize::from(config.count) + 1
+}
+
 /// Binds every queue of `config` and starts its reader thread. Returns after all queues
 /// are bound, so a caller can signal readiness. A reader that gives up sends a
 /// [`QueueFailed`] on `fatal` and ends.
+///
+/// `handed`: queues the previous agent handed over (issue #23), read as they are instead
+/// of bound; one of a number outside `config` is closed, with a warning. With `giver`, a
+/// hand-over to the next agent parks every reader and gives its queue
+/// ([`Giver::parked`]); the reader ends once the next agent has it.
 ///
 /// # Errors
 /// When a queue cannot be opened or bound (no CAP_NET_ADMIN, or another program holds the
@@ -152,22 +164,34 @@ pub fn start(
     decider: Arc<Decider>,
     activity: &QueueActivity,
     fatal: &FatalSender,
+    giver: Option<Arc<Giver>>,
+    mut handed: Vec<(u16, std::os::fd::OwnedFd)>,
 ) -> anyhow::Result<Vec<JoinHandle<()>>> {
     let mut threads = Vec::new();
     let forwarded = config.first.saturating_add(config.count);
     for num in config.first..=forwarded {
         let fail_open = config.fail_open && num != forwarded;
-        let q = Queue::bind(num, COPY_RANGE, config.max_len, fail_open)
-            .with_context(|| format!("binding NFQUEUE {num}"))?;
+        let q = match handed.iter().position(|(n, _)| *n == num) {
+            Some(i) => Queue::adopt(num, handed.swap_remove(i).1, COPY_RANGE)
+                .with_context(|| format!("reading the handed-over NFQUEUE {num}"))?,
+            None => Queue::bind(num, COPY_RANGE, config.max_len, fail_open)
+                .with_context(|| format!("binding NFQUEUE {num}"))?,
+        };
         let decider = decider.clone();
         let config = QueueConfig { fail_open, ..config };
         let kernel_forwarded = num == forwarded;
         let activity = activity.reader();
         let fatal = fatal.clone();
+        let giver = giver.clone();
         let handle = std::thread::Builder::new()
             .name(format!("nfqueue-{num}"))
             .spawn(move || {
-                let failed = read(num, q, config, kernel_forwarded, &decider, &activity);
+                let Some(failed) =
+                    read(num, q, config, kernel_forwarded, &decider, &activity, giver.as_deref())
+                else {
+                    tracing::info!(queue = num, "NFQUEUE handed over to the next agent");
+                    return;
+                };
                 tracing::error!(queue = num, error = %failed.error, "NFQUEUE keeps failing; stopping the agent");
                 // No receiver: the agent is stopping already.
                 let _ = fatal.send(failed);
@@ -175,12 +199,24 @@ pub fn start(
             .with_context(|| format!("starting the NFQUEUE {num} thread"))?;
         threads.push(handle);
     }
+    for (num, _) in handed {
+        tracing::warn!(
+            queue = num,
+            "the previous agent handed over NFQUEUE {num}, which this agent does not read (a changed --queue-first/--queue-count): closed"
+        );
+    }
     Ok(threads)
 }
 
-/// Reads queue `num` until the agent stops, or until it fails [`MAX_FAILURES`] times in a
-/// row (returned). `kernel_forwarded`: the kernel-forwarded flows' queue, whose allowed
-/// flows the proxy never accepts (their decisions are not kept for it).
+/// Reads queue `num` until the agent stops, until it fails [`MAX_FAILURES`] times in a
+/// row (returned), or until a hand-over gave it to the next agent (`None`).
+/// `kernel_forwarded`: the kernel-forwarded flows' queue, whose allowed flows the proxy
+/// never accepts (their decisions are not kept for it).
+///
+/// A hand-over is noticed between batches (a read waits at most
+/// [`super::nfqueue::PARK_CHECK`]): every packet read has its verdict before the reader
+/// parks, so the two agents never read the same queue at once (a batch verdict covers
+/// every lower packet id, read by whichever agent).
 fn read(
     num: u16,
     mut q: Queue,
@@ -188,7 +224,8 @@ fn read(
     kernel_forwarded: bool,
     decider: &Decider,
     activity: &ReaderActivity,
-) -> QueueFailed {
+    giver: Option<&Giver>,
+) -> Option<QueueFailed> {
     use std::sync::atomic::Ordering::SeqCst;
     let allow = |mark: u32| Answer {
         verdict: NfVerdict::Repeat,
@@ -197,6 +234,18 @@ fn read(
     let drop = Answer { verdict: NfVerdict::Drop, mark: None };
     let mut failures = 0;
     loop {
+        if let Some(g) = giver.filter(|g| g.park()) {
+            match q.duplicate() {
+                Ok(fd) => {
+                    if !g.parked(num, fd) {
+                        return None;
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(queue = num, error = %e, "cannot hand over NFQUEUE {num}; reading it on");
+                }
+            }
+        }
         let mut busy = false;
         let r = q.process(BATCH, |p| {
             // Busy before the batch's first decision loads the snapshot in force.
@@ -252,7 +301,7 @@ fn read(
             Err(e) => {
                 failures += 1;
                 if failures >= MAX_FAILURES {
-                    return QueueFailed { queue: num, error: e };
+                    return Some(QueueFailed { queue: num, error: e });
                 }
                 tracing::warn!(queue = num, error = %e, "NFQUEUE error; retrying");
                 std::thread::sleep(std::time::Duration::from_millis(10));

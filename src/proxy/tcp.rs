@@ -630,7 +630,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let old = testing::decider(testing::LOOPBACK_CLUSTER, &dir.path().join("old"));
         let new = testing::decider(testing::LOOPBACK_CLUSTER, &dir.path().join("new"));
-        let giver = Arc::new(Giver::default());
+        let giver = Arc::new(Giver::new(0));
         let socket_path = dir.path().join("handover.sock");
         giver.serve(&socket_path).unwrap();
         let old_config = ProxyConfig { handover: Some(giver.clone()), ..config_with(mode) };
@@ -799,7 +799,7 @@ mod tests {
         let old = testing::decider(testing::LOOPBACK_CLUSTER, &dir.path().join("old"));
         let new = testing::decider(testing::LOOPBACK_CLUSTER, &dir.path().join("new"));
         new.decider.publish(testing::current(&testing::loopback_cluster_denying(), 2));
-        let giver = Arc::new(Giver::default());
+        let giver = Arc::new(Giver::new(0));
         let socket_path = dir.path().join("handover.sock");
         giver.serve(&socket_path).unwrap();
         let old_config = ProxyConfig { handover: Some(giver.clone()), ..config() };
