@@ -1407,3 +1407,226 @@ fn a_udp_flow_outlives_a_crashed_agent_and_the_next_one_cuts_it_if_its_policy_de
     .expect("stop the second agent");
     let _ = agent.0.wait();
 }
+
+/// Bytes each bulk connection of the upgrade test sends (and gets echoed).
+const UPGRADE_BULK: usize = 16 << 20;
+
+/// A byte of a bulk stream at offset `i`: a lost, repeated or reordered chunk breaks it.
+fn stream_byte(i: usize) -> u8 {
+    (i % 251) as u8
+}
+
+/// Connects from `netns` to `to` and reads the lab echo's greeting line.
+fn greeted(netns: &str, to: &str) -> (TcpStream, BufReader<TcpStream>) {
+    let c = connect_from(netns, to);
+    c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut r = BufReader::new(c.try_clone().unwrap());
+    let mut greeting = String::new();
+    r.read_line(&mut greeting).expect("the echo's greeting");
+    assert!(greeting.starts_with("tierproxy-lab 10.60.1.2 "), "{greeting}");
+    (c, r)
+}
+
+/// Issue #23: `lab upgrade` replaces the agent of every node while 1,000 connections are
+/// open (half on the node, half across nodes), four of them moving 16 MiB each way, one
+/// half-closed, a UDP flow is live and new connections keep being made. The new agents
+/// take the queues, listeners and connections over: every connection goes on with no byte
+/// lost or repeated, no new connection fails, and every connection has exactly one end
+/// record, `normal`, with its whole byte counts, whichever agent wrote it.
+#[test]
+fn live_connections_and_flows_survive_an_upgrade_of_every_agent() {
+    if !netns_available("live_connections_and_flows_survive_an_upgrade_of_every_agent") {
+        return;
+    }
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    let (_, hard) = getrlimit(Resource::RLIMIT_NOFILE).expect("open files limit");
+    setrlimit(Resource::RLIMIT_NOFILE, hard, hard).expect("raise the open files limit");
+    // Every decision and end audited, none suppressed by the rate limits: the test counts
+    // the end records.
+    let unlimited =
+        ["--audit-rate-per-rule=100000000".into(), "--audit-rate-node=100000000".into()];
+    let lab = lab_with_agent_args("upgr", &unlimited, &[]);
+    let client = netns_of_pod(&lab, "a", "client");
+    let targets = ["10.60.1.3:8080", "10.60.2.2:8080"];
+
+    let mut idle: Vec<(TcpStream, BufReader<TcpStream>)> =
+        (0..1000).map(|i| greeted(&client, targets[i % 2])).collect();
+    // Each long-lived connection by its source port and destination.
+    let key = |c: &TcpStream| (u64::from(c.local_addr().unwrap().port()), c.peer_addr().unwrap());
+    let mut long_lived: Vec<(u64, SocketAddr)> = idle.iter().map(|(c, _)| key(c)).collect();
+
+    // Bulk: a writer and a reader thread each; the echo sends every byte back.
+    let bulk: Vec<_> = (0..4)
+        .map(|i| {
+            let (mut w, mut r) = greeted(&client, targets[i % 2]);
+            long_lived.push(key(&w));
+            let writer = std::thread::spawn(move || {
+                let mut sent = 0;
+                while sent < UPGRADE_BULK {
+                    let n = (UPGRADE_BULK - sent).min(1 << 16);
+                    let chunk: Vec<u8> = (sent..sent + n).map(stream_byte).collect();
+                    w.write_all(&chunk).expect("bulk write");
+                    sent += n;
+                }
+                w
+            });
+            let reader = std::thread::spawn(move || {
+                let mut got = 0;
+                let mut buf = vec![0u8; 1 << 16];
+                while got < UPGRADE_BULK {
+                    let n = r.read(&mut buf).expect("bulk read");
+                    assert!(n > 0, "EOF after {got} bytes");
+                    for (k, b) in buf[..n].iter().enumerate() {
+                        assert_eq!(*b, stream_byte(got + k), "byte {} differs", got + k);
+                    }
+                    got += n;
+                }
+                got
+            });
+            (writer, reader)
+        })
+        .collect();
+
+    // Half-closed: the client has said all; the server answers only after the upgrade.
+    let (eof_tx, eof_rx) = std::sync::mpsc::channel();
+    let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+    let server = serve_once(
+        netns_of_pod(&lab, "b", "remote"),
+        "10.60.2.2:7777".parse().unwrap(),
+        move |mut s, _| {
+            s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+            let mut got = Vec::new();
+            s.read_to_end(&mut got).expect("to the client's FIN");
+            eof_tx.send(got).unwrap();
+            go_rx.recv_timeout(Duration::from_secs(60)).expect("go");
+            s.write_all(b"answer after the upgrade").expect("server writes after its peer's FIN");
+        },
+    );
+    let mut half = connect_from(&client, "10.60.2.2:7777");
+    long_lived.push(key(&half));
+    half.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    half.write_all(b"question").unwrap();
+    half.shutdown(Shutdown::Write).unwrap();
+    assert_eq!(eof_rx.recv_timeout(Duration::from_secs(10)).expect("the FIN"), b"question");
+
+    // A UDP flow (kernel-forwarded: its conntrack entry outlives the agents).
+    let udp = in_netns(&client, || {
+        let s = std::net::UdpSocket::bind("10.60.1.2:0").map_err(io("bind"))?;
+        s.connect("10.60.1.3:5353").map_err(io("connect"))?;
+        s.set_read_timeout(Some(Duration::from_secs(5))).map_err(io("timeout"))?;
+        Ok(s)
+    })
+    .expect("UDP socket");
+    let udp_round = |what: &str| {
+        udp.send(what.as_bytes()).expect("UDP send");
+        let mut buf = [0u8; 64];
+        udp.recv(&mut buf).unwrap_or_else(|e| panic!("UDP answer {what}: {e}"));
+    };
+    udp_round("before");
+
+    // New connections all along, until the upgrade is over.
+    let upgrading = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let churn = {
+        let (client, upgrading) = (client.clone(), upgrading.clone());
+        std::thread::spawn(move || {
+            let (mut made, mut failed) = ([0u64; 2], Vec::new());
+            let deadline = Instant::now() + Duration::from_secs(120);
+            let mut i = 0;
+            while upgrading.load(std::sync::atomic::Ordering::Relaxed) && Instant::now() < deadline
+            {
+                i += 1;
+                let attempt = in_netns(&client, || {
+                    let c = TcpStream::connect_timeout(
+                        &targets[i % 2].parse().unwrap(),
+                        Duration::from_secs(5),
+                    )
+                    .map_err(io("connect"))?;
+                    c.set_read_timeout(Some(Duration::from_secs(5))).map_err(io("timeout"))?;
+                    let mut greeting = String::new();
+                    BufReader::new(c).read_line(&mut greeting).map_err(io("greeting"))?;
+                    Ok(())
+                });
+                match attempt {
+                    Ok(()) => made[i % 2] += 1,
+                    Err(e) => failed.push(e.to_string()),
+                }
+            }
+            (made, failed)
+        })
+    };
+
+    let o = lab.lab(&["upgrade"]);
+    assert!(o.status.success(), "lab upgrade: {}", text(&o));
+    let upgraded: Vec<Value> = String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(upgraded.len(), 2, "{upgraded:?}");
+    assert!(upgraded.iter().all(|u| u["handed_over"] == true), "{upgraded:?}");
+    upgrading.store(false, std::sync::atomic::Ordering::Relaxed);
+    let (made, failed) = churn.join().expect("churn");
+    assert!(failed.is_empty(), "new connections failed during the upgrade: {failed:?}");
+    assert!(made[0] > 0 && made[1] > 0, "{made:?}");
+
+    // Everything goes on through the new agents.
+    udp_round("after");
+    go_tx.send(()).unwrap();
+    let mut answer = Vec::new();
+    half.read_to_end(&mut answer).expect("the answer, then EOF");
+    assert_eq!(answer, b"answer after the upgrade");
+    server.join().expect("half-closed server");
+    for (i, (c, r)) in idle.iter_mut().enumerate() {
+        c.write_all(b"ping").unwrap_or_else(|e| panic!("connection {i}: {e}"));
+        let mut echo = [0u8; 4];
+        r.read_exact(&mut echo).unwrap_or_else(|e| panic!("connection {i}: {e}"));
+        assert_eq!(&echo, b"ping");
+    }
+    for (writer, reader) in bulk {
+        let w = writer.join().expect("writer");
+        assert_eq!(reader.join().expect("reader"), UPGRADE_BULK);
+        drop(w);
+    }
+    drop(idle);
+    drop(half);
+
+    // One end record per connection, from whichever agent held it last (n1's: it proxies
+    // every one of them): 1,000 idle, 4 bulk, the half-closed one and the churn's.
+    let want = 1000 + 4 + 1 + (made[0] + made[1]) as usize;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let ends = loop {
+        let ends: Vec<Value> = audit_events(&lab, "n1")
+            .into_iter()
+            .filter(|e| {
+                e["event"] == "tierproxy.connection.end"
+                    && e["attributes"]["source.address"] == "10.60.1.2"
+                    && e["attributes"]["network.transport"] == "tcp"
+            })
+            .collect();
+        if ends.len() >= want || Instant::now() > deadline {
+            break ends;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert_eq!(ends.len(), want, "one end record per connection");
+    for (port, to) in &long_lived {
+        let of: Vec<&Value> = ends
+            .iter()
+            .filter(|e| {
+                e["attributes"]["source.port"] == *port
+                    && e["attributes"]["destination.address"] == to.ip().to_string().as_str()
+                    && e["attributes"]["destination.port"] == u64::from(to.port())
+            })
+            .collect();
+        assert_eq!(of.len(), 1, "end records of the connection from port {port} to {to}: {of:#?}");
+    }
+    let reasons: std::collections::BTreeSet<&str> = ends
+        .iter()
+        .map(|e| e["attributes"]["tierproxy.connection.close_reason"].as_str().unwrap())
+        .collect();
+    assert_eq!(reasons, ["normal"].into_iter().collect(), "no connection was cut");
+    let big = ends
+        .iter()
+        .filter(|e| e["attributes"]["tierproxy.connection.bytes_to_server"] == UPGRADE_BULK as u64)
+        .count();
+    assert_eq!(big, 4, "the bulk connections' whole byte counts");
+}

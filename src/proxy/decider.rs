@@ -297,8 +297,18 @@ impl Decider {
     }
 
     fn audit_cut(&self, current: &Current, key: FlowKey, d: &Arc<Decision>) {
+        self.audit_cut_at(current, key, d, DecisionPoint::Redecision);
+    }
+
+    fn audit_cut_at(
+        &self,
+        current: &Current,
+        key: FlowKey,
+        d: &Arc<Decision>,
+        point: DecisionPoint,
+    ) {
         if self.auditor.enabled() {
-            let flow = FlowInfo { key, time: SystemTime::now(), point: DecisionPoint::Redecision };
+            let flow = FlowInfo { key, time: SystemTime::now(), point };
             self.auditor.decision(&current.audit, &current.snapshot, flow, d);
         }
         self.stats.policy_cuts.fetch_add(1, Ordering::Relaxed);
@@ -346,18 +356,20 @@ impl Decider {
         self.decide_and_audit(key, DecisionPoint::Accept)
     }
 
-    /// The admission of the live connection `key` the previous agent handed over (issue
-    /// #23): decided now on the snapshot in force, audited like a first packet's with the
-    /// decision point `hand-over`, before a byte of it is relayed here. A policy that
-    /// changed while the agents changed over is thus enforced on it.
-    pub fn adopt(&self, key: FlowKey) -> Admission {
-        self.decide_and_audit(key, DecisionPoint::HandOver)
-    }
-
-    /// Counts a live connection cut because the snapshot in force denies it, where the
-    /// decision saying so was audited already ([`Decider::adopt`]).
-    pub fn count_policy_cut(&self) {
-        self.stats.policy_cuts.fetch_add(1, Ordering::Relaxed);
+    /// The live connection `tracked`, which the previous agent handed over (issue #23),
+    /// decided again on the snapshot in force before a byte of it is relayed here, as a
+    /// re-decision after a change is: a policy that changed while the agents changed over
+    /// is enforced on it. A denying decision is audited (decision point `hand-over`) and
+    /// counted, and the connection told to stop for a policy change; an allowing one is
+    /// not audited again (the previous agent audited its admission). Returns the decision.
+    pub fn adopt(&self, tracked: &Tracked) -> Arc<Decision> {
+        let current = self.current.load_full();
+        let d = self.decide_in(&current, tracked.key.flow());
+        if d.verdict == Verdict::Deny {
+            self.audit_cut_at(&current, tracked.key, &d, DecisionPoint::HandOver);
+            tracked.stop(StopReason::PolicyChange);
+        }
+        d
     }
 }
 

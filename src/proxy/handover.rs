@@ -42,6 +42,7 @@ use crossbeam_channel::{Receiver, Sender};
 use nix::sys::socket::{ControlMessage, ControlMessageOwned, MsgFlags, recvmsg, sendmsg};
 use socket2::{Domain, SockAddr, Socket, Type};
 
+use super::lifecycle::HandedFlow;
 use super::relay::{DirectionState, Resume, Suspended};
 use crate::policy::ports::Protocol;
 use crate::policy::{FlowKey, Revision};
@@ -90,6 +91,10 @@ struct Header {
     to_client: u64,
     /// Revision of the snapshot whose decision admitted it.
     revision: u64,
+    /// Whether its admission was audited (its end is audited then).
+    audited: bool,
+    /// When its admitting decision was made, milliseconds since the Unix epoch.
+    decided_ms: u64,
     /// Client → server.
     up: Dir,
     /// Server → client.
@@ -118,23 +123,14 @@ impl Dir {
 pub struct Connection {
     /// Client address and original destination.
     pub key: FlowKey,
-    /// How long ago it was accepted (by whichever agent took it first).
-    pub age: Duration,
+    /// Its age, admitting decision's revision and time, and whether that was audited.
+    pub flow: HandedFlow,
     /// Bytes written to the server so far.
     pub to_server: u64,
     /// Bytes written to the client so far.
     pub to_client: u64,
-    /// Revision of the snapshot whose decision admitted it in the giving agent.
-    pub revision: Revision,
     /// Its sockets and the bytes in flight each way.
     pub relay: Suspended,
-}
-
-impl Connection {
-    /// Where its relay resumes: each direction's bytes in flight and whether it ended.
-    pub fn into_parts(self) -> (FlowKey, Duration, [u64; 2], Suspended) {
-        (self.key, self.age, [self.to_server, self.to_client], self.relay)
-    }
 }
 
 /// What the proxy and the queue readers give the hand-over thread ([`Giver::give`]).
@@ -411,10 +407,16 @@ fn send_connection(fd: &OwnedFd, c: &Connection) -> io::Result<()> {
     let header = Header {
         src: c.key.src,
         dst: c.key.dst,
-        age_ms: c.age.as_millis() as u64,
+        age_ms: c.flow.age.as_millis() as u64,
         to_server: c.to_server,
         to_client: c.to_client,
-        revision: c.revision.0,
+        revision: c.flow.revision.0,
+        audited: c.flow.audited,
+        decided_ms: c
+            .flow
+            .decided
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64),
         up: Dir::of(&r.to_server),
         down: Dir::of(&r.to_client),
     };
@@ -545,10 +547,14 @@ fn connection(h: Header, mut fds: Vec<OwnedFd>) -> io::Result<Connection> {
     server.set_nonblocking(true)?;
     Ok(Connection {
         key: FlowKey { src: h.src, dst: h.dst, protocol: Protocol::Tcp },
-        age: Duration::from_millis(h.age_ms),
+        flow: HandedFlow {
+            age: Duration::from_millis(h.age_ms),
+            revision: Revision(h.revision),
+            audited: h.audited,
+            decided: std::time::UNIX_EPOCH + Duration::from_millis(h.decided_ms),
+        },
         to_server: h.to_server,
         to_client: h.to_client,
-        revision: Revision(h.revision),
         relay: Suspended { client, server, to_server, to_client },
     })
 }

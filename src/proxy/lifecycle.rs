@@ -30,9 +30,23 @@ use std::sync::atomic::Ordering;
 
 use super::decider::{Admission, Decider};
 use super::registry::{Registration, Registry, StopReason, Tracked};
-use crate::audit::{Admitted, CloseReason, ConnectionEnd, FlowInfo};
+use crate::audit::{Admitted, CloseReason, ConnectionEnd, DecisionPoint, FlowInfo};
 use crate::policy::FlowKey;
 use crate::policy::eval::Verdict;
+
+/// What the next agent learns of a flow handed over (issue #23), besides its sockets and
+/// bytes.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct HandedFlow {
+    /// How long ago it was accepted.
+    pub age: std::time::Duration,
+    /// Revision of the snapshot whose decision admitted it.
+    pub revision: crate::policy::Revision,
+    /// Whether its admission was audited (its end is audited then).
+    pub audited: bool,
+    /// When its admitting decision was made.
+    pub decided: std::time::SystemTime,
+}
 
 /// An admitted flow, registered and allowed; its end record is due once it is
 /// [opened](Lifecycle::open), and written exactly once: by [`Lifecycle::end`], else when
@@ -87,38 +101,45 @@ impl Lifecycle {
     }
 
     /// Takes in a live connection the previous agent handed over (issue #23): registers it
-    /// with its start (`age` ago) and its byte counts so far, decides it again on the
-    /// snapshot in force ([`Decider::adopt`]) and counts it as opened: its end record,
-    /// written here, gives its whole duration and bytes. Returns the flow and whether that
-    /// decision allows it; when it does not, the flow is told to stop for a policy change
-    /// (the caller resets it and ends it with [`Lifecycle::stop_reason`]).
+    /// with its start and its byte counts so far, decides it again on the snapshot in
+    /// force ([`Decider::adopt`]) and counts it as opened: its end record, written here,
+    /// gives its whole duration and bytes, and is audited when the previous agent audited
+    /// its admission (`handed.audited`). Returns the flow and whether that decision allows
+    /// it; when it does not, the flow is told to stop for a policy change (the caller
+    /// resets it and ends it with [`Lifecycle::stop_reason`]).
     pub fn adopt(
         decider: &Arc<Decider>,
         registry: &Arc<Registry>,
         key: FlowKey,
-        age: std::time::Duration,
+        handed: &HandedFlow,
         counters: crate::proxy::relay::Counters,
     ) -> (Self, bool) {
-        let accepted =
-            std::time::Instant::now().checked_sub(age).unwrap_or_else(std::time::Instant::now);
+        let now = std::time::Instant::now();
+        let accepted = now.checked_sub(handed.age).unwrap_or(now);
         let registration = registry.register_at(key, accepted, counters);
-        let admission = decider.adopt(key);
-        let _ = registration.tracked.decision.set(admission.decision.clone());
+        let decision = decider.adopt(&registration.tracked);
+        let _ = registration.tracked.decision.set(decision.clone());
         decider.metrics().connections_opened.inc();
-        let allowed = admission.decision.verdict == Verdict::Allow;
-        if !allowed {
-            registration.tracked.stop(StopReason::PolicyChange);
-            decider.count_policy_cut();
-        }
+        let allowed = decision.verdict == Verdict::Allow;
+        let admission = Admission {
+            decision,
+            audited: handed.audited,
+            time: handed.decided,
+            point: DecisionPoint::HandOver,
+        };
         (Lifecycle { decider: decider.clone(), admission, open: true, registration }, allowed)
     }
 
     /// Hands the flow over to the next agent: it leaves the registry and this agent writes
-    /// no end record for it (the next one will). Returns what the next agent needs: how
-    /// long ago it began and the revision of the decision that admitted it.
-    pub fn hand_over(mut self) -> (std::time::Duration, crate::policy::Revision) {
+    /// no end record for it (the next one will, [`Lifecycle::adopt`]).
+    pub fn hand_over(mut self) -> HandedFlow {
         self.open = false;
-        (self.tracked().accepted.elapsed(), self.admission.decision.revision)
+        HandedFlow {
+            age: self.tracked().accepted.elapsed(),
+            revision: self.admission.decision.revision,
+            audited: self.admission.audited,
+            decided: self.admission.time,
+        }
     }
 
     /// The registry's entry: key, counters, stop notification.
@@ -393,6 +414,30 @@ mod tests {
         assert_eq!(t.end_events(), ["reset"]);
     }
 
+    /// A flow as the previous agent hands it over: an hour old, admitted at revision 1,
+    /// audited or not.
+    fn handed(audited: bool) -> HandedFlow {
+        HandedFlow {
+            age: Duration::from_secs(3600),
+            revision: crate::policy::Revision(1),
+            audited,
+            decided: std::time::SystemTime::now() - Duration::from_secs(3600),
+        }
+    }
+
+    /// Issue #23: a connection the previous agent handed over with an unaudited admission
+    /// gets no audited end here either (its metrics still count it).
+    #[test]
+    fn an_adopted_connection_whose_admission_was_not_audited_ends_unaudited() {
+        let (_dir, t, registry) = setup(LOOPBACK_CLUSTER);
+        let (flow, allowed) =
+            Lifecycle::adopt(&t.decider, &registry, key(1), &handed(false), Default::default());
+        assert!(allowed);
+        flow.end(CloseReason::Normal);
+        assert_eq!(t.closed(CloseReason::Normal), 1);
+        assert!(t.end_events().is_empty());
+    }
+
     /// Issue #23: a connection taken from the previous agent keeps its start and its bytes,
     /// so its end record, written here, gives its whole duration and byte counts.
     #[test]
@@ -401,7 +446,7 @@ mod tests {
         let counters =
             crate::proxy::relay::Counters { to_server: 100.into(), to_client: 200.into() };
         let (flow, allowed) =
-            Lifecycle::adopt(&t.decider, &registry, key(1), Duration::from_secs(3600), counters);
+            Lifecycle::adopt(&t.decider, &registry, key(1), &handed(true), counters);
         assert!(allowed);
         flow.tracked().counters.to_server.fetch_add(1, Ordering::Relaxed);
         flow.end(CloseReason::Normal);
@@ -412,7 +457,9 @@ mod tests {
         assert_eq!(attrs[crate::audit::event::attr::BYTES_TO_SERVER], 101);
         assert_eq!(attrs[crate::audit::event::attr::BYTES_TO_CLIENT], 200);
         assert!(attrs[crate::audit::event::attr::DURATION_MS].as_u64().unwrap() >= 3_600_000);
-        assert_eq!(testing::decision_points(&events)[0], "hand-over");
+        // An allowed hand-over is not audited again: the previous agent audited its
+        // admission.
+        assert!(testing::decision_points(&events).is_empty());
     }
 
     /// A flow handed over leaves the registry without an end record here.
@@ -421,8 +468,8 @@ mod tests {
         let (_dir, t, registry) = setup(LOOPBACK_CLUSTER);
         let mut flow = Lifecycle::admit(&t.decider, &registry, key(1)).expect("allowed");
         assert!(flow.open());
-        let (_, revision) = flow.hand_over();
-        assert_eq!(revision, crate::policy::Revision(1));
+        let handed = flow.hand_over();
+        assert_eq!((handed.revision, handed.audited), (crate::policy::Revision(1), true));
         assert!(registry.is_empty());
         assert_eq!(t.closed_total(), 0);
         assert!(t.end_events().is_empty());
