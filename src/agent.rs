@@ -573,6 +573,10 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
         // returns.
         drop(watch);
         if let Some(k) = &kube {
+            if failed.1 {
+                // The next agent enforces: the Node's annotation stays.
+                k.hand_over();
+            }
             k.stop();
         }
         failed
@@ -838,6 +842,13 @@ impl KubeSide {
 
     /// Stops the watchers and the status writer and waits for the thread (and, at most
     /// [`ANNOUNCE_STOP_GRACE`], for the node annotation's removal and the Lease's release).
+    /// This agent handed over to the next one (issue #23), which enforces now: the Node's
+    /// annotation is left as it is (the announcer ends without a write when its channel
+    /// closes).
+    fn hand_over(&self) {
+        drop(self.enforcing.lock().unwrap_or_else(|e| e.into_inner()).take());
+    }
+
     fn stop(&self) {
         if let Some(tx) = self.enforcing.lock().unwrap_or_else(|e| e.into_inner()).take() {
             let _ = tx.send(false);

@@ -383,9 +383,9 @@ fn daemonset_keeps_what_deploy_readme_promises() {
     // lab and loadtest/ measure what a node runs.
     let lab: Vec<&str> = tierproxy::lab::procs::AGENT_CAPABILITIES.split(',').collect();
     assert_eq!(sc["capabilities"]["add"], serde_json::json!(lab));
-    // No surge: two agents cannot share a node (queues, TPROXY port, ruleset).
+    // Surge: the new agent starts beside the old one and takes over (issue #23).
     let ru = &ds["spec"]["updateStrategy"]["rollingUpdate"];
-    assert_eq!((ru["maxUnavailable"].as_i64(), ru["maxSurge"].as_i64()), (Some(1), Some(0)));
+    assert_eq!((ru["maxUnavailable"].as_i64(), ru["maxSurge"].as_i64()), (Some(0), Some(1)));
     assert_eq!(pod["tolerations"], serde_json::json!([{"operator": "Exists"}]));
 
     // The grace period covers the drain and the audit flush at their defaults.
@@ -401,27 +401,34 @@ fn daemonset_keeps_what_deploy_readme_promises() {
     let metrics =
         args.iter().find_map(|a| a.strip_prefix("--metrics-addr=")).expect("--metrics-addr");
     let port: u16 = metrics.rsplit(':').next().unwrap().parse().unwrap();
-    let ports = c["ports"].as_array().unwrap();
-    let named = ports.iter().find(|p| p["name"] == "metrics").expect("a metrics port");
-    assert_eq!(named["containerPort"].as_u64(), Some(u64::from(port)));
-    for (probe, path) in
-        [("startupProbe", "/healthz"), ("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")]
-    {
+    for (probe, path) in [("startupProbe", "/healthz"), ("livenessProbe", "/healthz")] {
         assert_eq!(c[probe]["httpGet"]["path"], path, "{probe}");
-        assert_eq!(c[probe]["httpGet"]["port"], "metrics", "{probe}");
+        assert_eq!(c[probe]["httpGet"]["port"].as_u64(), Some(u64::from(port)), "{probe}");
         // Bound on loopback (no pod reads the metrics), so kubelet must probe there.
         let host = metrics.rsplit_once(':').unwrap().0;
         assert_eq!(c[probe]["httpGet"]["host"], host, "{probe}");
     }
-    // The TPROXY listeners' port is declared for both protocols.
-    for proto in ["TCP", "UDP"] {
-        assert!(
-            ports.iter().any(|p| p["containerPort"].as_u64()
-                == Some(u64::from(tierproxy::config::DEFAULT_TPROXY_PORT))
-                && p["protocol"] == proto),
-            "TPROXY port {proto} not declared"
-        );
-    }
+    // Readiness is the pod's own ready file, in its own emptyDir: during a surge both
+    // agents answer on the metrics port, so /readyz could be the old one's.
+    let ready = args.iter().find_map(|a| a.strip_prefix("--ready-file=")).expect("--ready-file");
+    assert_eq!(c["readinessProbe"]["exec"]["command"], serde_json::json!(["test", "-e", ready]));
+    let mounted = |path: &str| {
+        c["volumeMounts"].as_array().unwrap().iter().find_map(|m| {
+            let at = m["mountPath"].as_str().unwrap();
+            Path::new(path).starts_with(at).then(|| m["name"].as_str().unwrap().to_string())
+        })
+    };
+    let volume = |name: &str| {
+        pod["volumes"].as_array().unwrap().iter().find(|v| v["name"] == name).unwrap().clone()
+    };
+    assert!(volume(&mounted(ready).expect("ready file mounted")).get("emptyDir").is_some());
+    // The hand-over socket is on the node, where the next pod finds it.
+    let socket =
+        args.iter().find_map(|a| a.strip_prefix("--handover-socket=")).expect("--handover-socket");
+    assert!(volume(&mounted(socket).expect("socket mounted")).get("hostPath").is_some());
+    // No port declared: on a hostNetwork pod it would be a hostPort, which keeps the surge
+    // pod off the node.
+    assert!(c.get("ports").is_none(), "declared ports block the surge: {}", c["ports"]);
 
     // Every flag the DaemonSet and agent.env give exists.
     let env = std::fs::read_to_string(root().join("deploy/agent.env")).unwrap();

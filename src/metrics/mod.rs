@@ -294,6 +294,24 @@ pub fn parse_tcp_ext(text: &str) -> TcpExt {
     }
 }
 
+/// A listener on `addr` that the node's next agent can bind as well while this one still
+/// serves (`SO_REUSEPORT`, socket(7); both must set it and run as the same user): during a
+/// hand-over (issue #23) both agents run, and the next one must not fail to start because
+/// the previous one holds the port. The previous agent closes its listener once it handed
+/// over. Must be called inside a tokio runtime.
+fn shared_listener(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
+    let s = socket2::Socket::new(
+        socket2::Domain::for_address(addr),
+        socket2::Type::STREAM.nonblocking(),
+        Some(socket2::Protocol::TCP),
+    )?;
+    s.set_reuse_address(true)?;
+    s.set_reuse_port(true)?;
+    s.bind(&addr.into())?;
+    s.listen(1024)?;
+    tokio::net::TcpListener::from_std(s.into())
+}
+
 /// Serves `/metrics`, `/healthz`, `/readyz` and the routes of `more` (the agent's debug
 /// endpoints, [`crate::debug::router`]) on `addr` until the runtime stops; returns the
 /// address bound (port 0 in `addr` takes a free one). `/readyz` answers 200 `ready` once
@@ -312,9 +330,8 @@ pub async fn serve(
     more: axum::Router,
 ) -> anyhow::Result<SocketAddr> {
     use axum::http::{StatusCode, header};
-    let listener = tokio::net::TcpListener::bind(addr)
-        .await
-        .with_context(|| format!("binding the metrics address {addr}"))?;
+    let listener =
+        shared_listener(addr).with_context(|| format!("binding the metrics address {addr}"))?;
     let bound = listener.local_addr().with_context(|| format!("the metrics address {addr}"))?;
     let app = axum::Router::new()
         .route(
@@ -361,6 +378,22 @@ pub async fn serve(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Issue #23: while an agent serves its metrics address, the next agent of the node
+    /// binds it too (and is reachable there once the first closes its listener); a program
+    /// that does not ask to share the port still cannot take it.
+    #[tokio::test]
+    async fn the_next_agent_binds_the_metrics_address_the_running_one_holds() {
+        let first = shared_listener("127.0.0.1:0".parse().unwrap()).unwrap();
+        let addr = first.local_addr().unwrap();
+        let second = shared_listener(addr).expect("the next agent binds it too");
+        let e = std::net::TcpListener::bind(addr).expect_err("a plain bind is refused");
+        assert_eq!(e.kind(), std::io::ErrorKind::AddrInUse);
+        drop(first);
+        let (accepted, connected) =
+            tokio::join!(second.accept(), tokio::net::TcpStream::connect(addr));
+        assert!(accepted.is_ok() && connected.is_ok());
+    }
 
     /// `GET path` on `addr`: status code and body.
     async fn get(addr: SocketAddr, path: &str) -> (u16, String) {
