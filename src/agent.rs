@@ -414,6 +414,27 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
         idle_timeout: opts.udp_idle_timeout,
         max_flows: fds.max_udp_flows,
     };
+    // Serving starts now, before the ruleset is installed: with no previous agent nothing
+    // reaches the listeners before it is, and after a hand-over the handed-over connections
+    // resume and the handed-over listeners accept at once, while the previous agent's
+    // ruleset (the same) stays in force (issue #23: the longest stall of a live connection).
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let udp_serving = runtime.spawn(udp::serve(
+        udp_listeners,
+        udp_config,
+        decider.clone(),
+        registry.clone(),
+        udp_stats.clone(),
+        stop_rx.clone(),
+    ));
+    let serving = runtime.spawn(tcp::serve(
+        listeners,
+        proxy,
+        decider.clone(),
+        registry.clone(),
+        stop_rx,
+        adopted,
+    ));
 
     // The guard first: an apply that fails half-way is cleaned up too.
     let mut installed = Installed { backend: &*backend, config: r, keep: r.keep_rules_on_exit };
@@ -514,23 +535,6 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
             tracing::error!(error = %e, "cannot start the reloader; enforcing revision 1");
         }
         let failed = runtime.block_on(async {
-            let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-            let udp_serving = tokio::spawn(udp::serve(
-                udp_listeners,
-                udp_config,
-                decider.clone(),
-                registry.clone(),
-                udp_stats.clone(),
-                stop_rx.clone(),
-            ));
-            let serving = tokio::spawn(tcp::serve(
-                listeners,
-                proxy,
-                decider.clone(),
-                registry.clone(),
-                stop_rx,
-                adopted,
-            ));
             if let (Some(g), Some(path)) = (&giver, &opts.handover_socket) {
                 // For the next agent; replaces the previous agent's socket file.
                 if let Err(e) = g.serve(path) {

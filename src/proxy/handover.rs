@@ -257,11 +257,11 @@ impl Giver {
         }
     }
 
-    /// A hand-over begins: no outcome yet, the readers park, the proxy is asked.
+    /// A hand-over begins: no outcome yet, the readers park. The proxy is asked once they
+    /// all have ([`Giver::give_to`]).
     fn begin(&self) {
         *self.lock_outcome() = None;
         self.park.store(true, Ordering::Release);
-        self.request.notify_one();
     }
 
     fn end(&self, outcome: Outcome) {
@@ -323,6 +323,11 @@ impl Giver {
         let (mut queues, mut listeners, mut connections) = (0, 0, 0);
         let mut finished = false;
         let mut failed: Option<io::Error> = None;
+        // The live connections stop only once every queue reader has parked (an idle one
+        // notices within `PARK_CHECK`): that wait is new flows', not theirs.
+        if self.queues == 0 {
+            self.request.notify_one();
+        }
         while !finished || queues < self.queues {
             let item = match self.rx.recv_timeout(STEP_TIMEOUT) {
                 Ok(item) => item,
@@ -340,7 +345,12 @@ impl Giver {
                     finished = true;
                     continue;
                 }
-                Outgoing::Queue(..) => queues += 1,
+                Outgoing::Queue(..) => {
+                    queues += 1;
+                    if queues == self.queues && failed.is_none() {
+                        self.request.notify_one();
+                    }
+                }
                 _ => {}
             }
             if failed.is_some() {

@@ -130,9 +130,11 @@ impl Lifecycle {
         (Lifecycle { decider: decider.clone(), admission, open: true, registration }, allowed)
     }
 
-    /// Hands the flow over to the next agent: it leaves the registry and this agent writes
-    /// no end record for it (the next one will, [`Lifecycle::adopt`]).
-    pub fn hand_over(mut self) -> HandedFlow {
+    /// Hands the flow over to the next agent: this agent writes no end record for it (the
+    /// next one will, [`Lifecycle::adopt`]). It leaves the registry when the caller drops
+    /// it, which must be after the connection is given on: a hand-over is over once no
+    /// TCP flow is left in the registry ([`Registry::wait_no_tcp`]).
+    pub fn hand_over(&mut self) -> HandedFlow {
         self.open = false;
         HandedFlow {
             age: self.tracked().accepted.elapsed(),
@@ -469,6 +471,8 @@ mod tests {
         let mut flow = Lifecycle::admit(&t.decider, &registry, key(1)).expect("allowed");
         assert!(flow.open());
         let handed = flow.hand_over();
+        assert_eq!(registry.len(), 1, "in the registry until dropped");
+        drop(flow);
         assert_eq!((handed.revision, handed.audited), (crate::policy::Revision(1), true));
         assert!(registry.is_empty());
         assert_eq!(t.closed_total(), 0);

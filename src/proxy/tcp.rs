@@ -425,15 +425,20 @@ async fn run(
             if let (Some(StopReason::HandOver), Some(giver)) =
                 (tracked.stop_reason(), &config.handover)
             {
-                let flow = flow.hand_over();
+                let mut flow = flow;
+                let handed = flow.hand_over();
                 let relay = suspended;
                 giver.give(Outgoing::Connection(Connection {
                     key,
-                    flow,
+                    flow: handed,
                     to_server,
                     to_client,
                     relay,
                 }));
+                // Only now out of the registry: the hand-over waits for it to be empty, then
+                // sends `done`; leaving before the connection is given would send `done`
+                // without it.
+                drop(flow);
                 return;
             }
             suspended.abort();
