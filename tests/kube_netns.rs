@@ -262,6 +262,34 @@ fn agents_enforce_what_the_api_server_says_and_write_policy_status() {
     );
     assert!(agent_log(&lab, "n1").contains("watch recovered"));
 
+    // An upgrade (issue #23): n1's next agent, beside the old one on the same metrics
+    // address, takes over; the old one, gone when `lab upgrade` returns, leaves the Node's
+    // announcement to it instead of taking it back.
+    let removals = |api: &FakeApi| {
+        api.writes()
+            .into_iter()
+            .filter(|(m, path, body)| {
+                m == "PATCH"
+                    && path.starts_with("/api/v1/nodes/n1")
+                    && body["metadata"]["annotations"]["tierproxy.io/enforcing"].is_null()
+            })
+            .count()
+    };
+    let removed_before = removals(&api);
+    let up = bin()
+        .env("KUBECONFIG", &kubeconfig)
+        .args(["lab", "upgrade", "--prefix", &lab.prefix, "--node", "n1"])
+        .output()
+        .expect("tierproxy runs");
+    assert!(up.status.success(), "lab upgrade: {}", text(&up));
+    let upgraded: Value = serde_json::from_slice(&up.stdout).expect("one JSON line");
+    assert_eq!(upgraded["handed_over"], true, "{upgraded}");
+    assert_eq!(removals(&api), removed_before, "the old agent took n1's announcement back");
+    assert!(annotated("n1"));
+    assert!(connects(&client, "10.61.2.2:7070", t), "the new agent proxies");
+    let debug = http_get(&netns_of_node(&lab, "n1"), METRICS, "/debug/snapshot");
+    assert_eq!(debug.map(|(code, _)| code), Some(200), "the new agent serves the metrics address");
+
     // A stopped agent takes its announcement back before it exits (SIGTERM: `lab down`
     // waits for the agents to exit).
     let down = lab.lab(&["down"]);
