@@ -25,6 +25,13 @@
 //! the rest, then remove the ruleset (unless configured to keep it: with fail-closed
 //! queues a node then stays closed while the agent is away).
 //!
+//! Hand-over (issue #23, `--handover-socket`): between steps 1 and 2 a starting agent asks
+//! the running one, if any, for its NFQUEUE sockets, listeners and live connections
+//! ([`crate::proxy::handover`]); it reads and serves them before installing its ruleset,
+//! acknowledges, turns ready, and serves the socket for the agent after it. The agent that
+//! handed over drains nothing, leaves the ruleset, the sysctls and the Node's annotation to
+//! the next one, and idles until SIGTERM (a supervisor would restart one that exited).
+//!
 //! Sources: issues #3, #5 and #6; DESIGN §3 (data path), §5 (shared state).
 
 use std::net::{IpAddr, SocketAddr};
@@ -347,20 +354,18 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
     };
     // Issue #23: the running agent, if any, hands its queues, listeners and connections
     // over now; from here on this agent must serve them without delay.
-    let giver = opts
-        .handover_socket
-        .as_ref()
-        .map(|_| Arc::new(Giver::new(queue::queue_count(&queue_config))));
-    let mut taken = match &opts.handover_socket {
-        Some(path) if udp_kernel => take_over(path),
-        Some(_) => {
+    // Not with `--udp-path proxy`: its UDP listeners and flows cannot pass yet, and the
+    // next agent could not bind the listeners while this one holds them.
+    let handover_socket = opts.handover_socket.as_ref().filter(|_| {
+        udp_kernel || {
             tracing::warn!(
                 "no hand-over with --udp-path proxy: its UDP listeners and flows cannot pass yet"
             );
-            None
+            false
         }
-        None => None,
-    };
+    });
+    let giver = handover_socket.map(|_| Arc::new(Giver::new(queue::queue_count(&queue_config))));
+    let mut taken = handover_socket.and_then(|path| take_over(path));
     queue::start(
         queue_config,
         decider.clone(),
@@ -535,7 +540,7 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
             tracing::error!(error = %e, "cannot start the reloader; enforcing revision 1");
         }
         let failed = runtime.block_on(async {
-            if let (Some(g), Some(path)) = (&giver, &opts.handover_socket) {
+            if let (Some(g), Some(path)) = (&giver, handover_socket) {
                 // For the next agent; replaces the previous agent's socket file.
                 if let Err(e) = g.serve(path) {
                     tracing::error!(error = %e, path = %path.display(), "cannot serve the hand-over socket: the next agent will start without a hand-over");
