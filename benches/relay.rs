@@ -123,7 +123,9 @@ impl Path {
                     };
                     let counters = Counters::default();
                     let stop = Arc::new(Notify::new());
-                    relay(client, server, &config, &counters, &stop, Resume::default()).await.end()
+                    relay(client, server, &config, &counters, &stop, Resume::default(), &|| false)
+                        .await
+                        .end()
                 })
             })
             .expect("relay thread");
@@ -572,7 +574,9 @@ async fn short_connection(mode: RelayMode, pipes: &Arc<PipePool>, l: &Listeners)
     let both = async {
         tokio::join!(
             async {
-                relay(client, server, &config, &counters, &stop, Resume::default()).await.end()
+                relay(client, server, &config, &counters, &stop, Resume::default(), &|| false)
+                    .await
+                    .end()
             },
             apps
         )

@@ -441,8 +441,25 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
         adopted,
     ));
 
-    // The guard first: an apply that fails half-way is cleaned up too.
-    let mut installed = Installed { backend: &*backend, config: r, keep: r.keep_rules_on_exit };
+    let handed_over_to_us = taken.is_some();
+    if let Some(t) = taken.take() {
+        // The queues, listeners and connections are this agent's now (its readers read
+        // the queues, its relays resume): the previous agent retires. Acked before the
+        // ruleset and the sweep, which take their time; a previous agent not acked in
+        // time would read the queues again beside this one, so a failed ack stops this
+        // agent (its readers must not go on reading them).
+        t.ack().context("acknowledging the hand-over to the previous agent")?;
+        tracing::info!("hand-over acknowledged; the previous agent retires");
+    }
+
+    // The guard first: an apply that fails half-way is cleaned up too. A ruleset taken
+    // over is kept whatever happens: it was the previous agent's, and removing it would
+    // leave the node unenforced.
+    let mut installed = Installed {
+        backend: &*backend,
+        config: r,
+        keep: r.keep_rules_on_exit || handed_over_to_us,
+    };
     backend.apply(&spec).with_context(|| format!("installing the {} ruleset", backend.name()))?;
     let mut sweeper = sweeper;
     if let Some(s) = sweeper.as_mut() {
@@ -457,16 +474,6 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
         }
     }
 
-    if let Some(t) = taken.take() {
-        // The queues, listeners and connections are this agent's now (their relays resume
-        // as the proxy starts): the previous agent may go. Ready only after this.
-        match t.ack() {
-            Ok(()) => tracing::info!("hand-over acknowledged; the previous agent exits"),
-            Err(e) => {
-                tracing::warn!(error = %e, "the previous agent went away before the hand-over was acknowledged")
-            }
-        }
-    }
     if let Some(path) = &opts.ready_file {
         std::fs::write(path, b"")
             .with_context(|| format!("writing the ready file {}", path.display()))?;
@@ -552,11 +559,19 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
                 Some(failed) = queue_failed.recv() => (Some(failed), None),
                 served = &mut serving => (None, served.ok()),
             };
-            if served.is_none() && giver.as_ref().is_some_and(|g| g.committed()) {
-                // Stopped during a hand-over: the next agent holds the queues, listeners
-                // and connections already; finish it rather than drain.
+            if let Some(g) = giver.as_ref().filter(|g| served.is_none() && g.committed()) {
+                // Stopped during a hand-over: the next agent may hold the queues, listeners
+                // and connections already; see it through rather than drain. One that fails
+                // ends in the drain below.
                 tracing::info!("stop asked during a hand-over: finishing it first");
-                served = (&mut serving).await.ok();
+                tokio::select! {
+                    s = &mut serving => served = s.ok(),
+                    outcome = g.outcome() => {
+                        if outcome == handover::Outcome::Completed {
+                            served = (&mut serving).await.ok();
+                        }
+                    }
+                }
             }
             let handed_over = served == Some(tcp::Served::HandedOver);
             // Not ready from here on: a load balancer or probe stops counting on this node,
@@ -573,10 +588,18 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
             }
             let _ = stop_tx.send(true);
             if served.is_none() {
-                let _ = serving.await;
+                served = serving.await.ok();
             }
             let _ = udp_serving.await;
-            (failed, handed_over)
+            let late = !handed_over && served == Some(tcp::Served::HandedOver);
+            if late {
+                // The hand-over completed as the stop came: what was not undone yet is
+                // left to the next agent (the Node's annotation may be gone already: the
+                // other nodes then proxy this node's pods' connections once more, until
+                // the next agent's restart announces it again).
+                tracing::warn!("handed over while stopping: leaving the ruleset and sysctls to the next agent");
+            }
+            (failed, handed_over || late)
         });
         // Ends the watch and the API-server side; the reloader's channel closes and it
         // returns.
@@ -1030,6 +1053,12 @@ impl Reloader<'_> {
         use std::sync::mpsc::RecvTimeoutError;
         self.tick();
         loop {
+            if self.decider.retired() {
+                // Handed over (issue #23): the ruleset and the live flows are the next
+                // agent's; a write of this agent's (an older layout, a staler snapshot)
+                // would undo its work.
+                return;
+            }
             let wait = RULESET_TICK.saturating_sub(self.ticked.elapsed());
             match changes.recv_timeout(wait) {
                 Ok(()) => {
@@ -1052,6 +1081,9 @@ impl Reloader<'_> {
     /// one WARN line (so at most one per [`RULESET_TICK`]).
     fn tick(&mut self) {
         use std::sync::atomic::Ordering::Relaxed;
+        if self.decider.retired() {
+            return;
+        }
         self.ticked = std::time::Instant::now();
         let local: Vec<IpAddr> = self.spec.local_pods().iter().copied().collect();
         let interfaces = pod_interfaces(self.backend, &local);
@@ -1115,6 +1147,9 @@ impl Reloader<'_> {
     /// leaves the last good snapshot in force (and says so); invalid objects are reported
     /// by [`build`] and fail closed as their API says.
     fn reload(&mut self) {
+        if self.decider.retired() {
+            return;
+        }
         let started = std::time::Instant::now();
         let fingerprint = manifest::fingerprint(&self.opts.manifests);
         // Read before the stores are: a change after this point triggers another reload.

@@ -42,10 +42,17 @@ async fn rig(mode: RelayMode, idle: Duration) -> Rig {
     let s = stop.clone();
     let relay = tokio::spawn(async move {
         let counters = Counters::default();
-        let reason =
-            relay(client_side, server_side, &config(mode, idle), &counters, &s, Resume::default())
-                .await
-                .end();
+        let reason = relay(
+            client_side,
+            server_side,
+            &config(mode, idle),
+            &counters,
+            &s,
+            Resume::default(),
+            &|| false,
+        )
+        .await
+        .end();
         use std::sync::atomic::Ordering::Relaxed;
         (reason, counters.to_server.load(Relaxed), counters.to_client.load(Relaxed))
     });

@@ -128,11 +128,26 @@ pub struct Decider {
     auditor: Arc<Auditor>,
     metrics: Arc<DataPathMetrics>,
     forwarded: Forwarded,
+    /// The node is the next agent's (issue #23): this one acts on nothing any more.
+    retired: std::sync::atomic::AtomicBool,
     /// Counters, for logs and tests.
     pub stats: DecisionStats,
 }
 
 impl Decider {
+    /// Marks this agent's decider retired: the next agent took the node over (issue #23).
+    /// From now on the kernel-forwarded flows' event thread and the reloader change nothing
+    /// on the node (no conntrack deletion, no ruleset write): the next agent, on its own
+    /// snapshot, does.
+    pub fn retire(&self) {
+        self.retired.store(true, Ordering::Release);
+    }
+
+    /// Whether [`Decider::retire`] was called.
+    pub fn retired(&self) -> bool {
+        self.retired.load(Ordering::Acquire)
+    }
+
     /// A decider over `current`, auditing through `auditor` and counting in `metrics`.
     pub fn new(
         current: Current,
@@ -154,6 +169,7 @@ impl Decider {
                 .build(),
             forwarded: Forwarded::new(limits.forwarded_flows),
             stats: DecisionStats::default(),
+            retired: std::sync::atomic::AtomicBool::new(false),
         }
     }
 

@@ -255,6 +255,10 @@ pub fn watch(decider: &Decider, mut events: Events, cached: (u32, u32)) {
     };
     let mut failures = 0u32;
     loop {
+        if decider.retired() {
+            // Handed over (issue #23): the next agent watches and cuts these flows.
+            return;
+        }
         match events.next(conntrack::UDP, |kind, e| match kind {
             Event::New if e.zone == 0 && e.mark & mask == value => {
                 confirmed(decider, delete.as_mut(), &e);

@@ -238,7 +238,16 @@ impl Giver {
     }
 
     /// Hands `item` to the thread that sends it. Never blocks.
+    ///
+    /// Outside a hand-over (one that failed and ended already) nobody sends it: a
+    /// connection is reset at once, anything else closed.
     pub fn give(&self, item: Outgoing) {
+        if !self.park() {
+            if let Outgoing::Connection(c) = item {
+                c.relay.abort();
+            }
+            return;
+        }
         // The receiver lives as long as `self`.
         let _ = self.tx.send(item);
     }
@@ -260,6 +269,12 @@ impl Giver {
     /// A hand-over begins: no outcome yet, the readers park. The proxy is asked once they
     /// all have ([`Giver::give_to`]).
     fn begin(&self) {
+        // Left over from a hand-over that failed: given as it ended, sent by nobody.
+        for item in self.rx.try_iter() {
+            if let Outgoing::Connection(c) = item {
+                c.relay.abort();
+            }
+        }
         *self.lock_outcome() = None;
         self.park.store(true, Ordering::Release);
     }
@@ -325,10 +340,16 @@ impl Giver {
         let mut failed: Option<io::Error> = None;
         // The live connections stop only once every queue reader has parked (an idle one
         // notices within `PARK_CHECK`): that wait is new flows', not theirs.
-        if self.queues == 0 {
+        let mut asked = self.queues == 0;
+        if asked {
             self.request.notify_one();
         }
         while !finished || queues < self.queues {
+            if failed.is_some() && !asked {
+                // The proxy was never asked: nothing more is coming but late queues, which
+                // the next hand-over's start closes; the parked readers resume at the end.
+                break;
+            }
             let item = match self.rx.recv_timeout(STEP_TIMEOUT) {
                 Ok(item) => item,
                 Err(_) => {
@@ -348,6 +369,7 @@ impl Giver {
                 Outgoing::Queue(..) => {
                     queues += 1;
                     if queues == self.queues && failed.is_none() {
+                        asked = true;
                         self.request.notify_one();
                     }
                 }
@@ -382,16 +404,21 @@ impl Giver {
                 failed = Some(e);
             }
         }
-        let result =
-            match failed {
-                Some(e) => Err(e),
-                None => send(&fd, &Message::Done { queues, listeners, connections }, &[]).and_then(
-                    |()| match recv(&fd)?.0 {
+        let result = match failed {
+            Some(e) => Err(e),
+            None => {
+                send(&fd, &Message::Done { queues, listeners, connections }, &[]).and_then(|()| {
+                    // No timeout now: the next agent reads the queues already, and this
+                    // one must not read them again unless the next one is gone (EOF) or
+                    // says something else.
+                    socket2::SockRef::from(&fd).set_read_timeout(None)?;
+                    match recv(&fd)?.0 {
                         Message::Ack => Ok(()),
                         other => Err(protocol(format!("expected ack, got {other:?}"))),
-                    },
-                ),
-            };
+                    }
+                })
+            }
+        };
         match &result {
             Ok(()) => {
                 tracing::info!(queues, listeners, connections, "handed over to the next agent");

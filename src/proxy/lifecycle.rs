@@ -75,7 +75,14 @@ impl Lifecycle {
     /// ([`Decider::take_or_decide`]). `None` when that decision denies it: the flow is
     /// gone from the registry again and has no end record (it never opened).
     pub fn admit(decider: &Arc<Decider>, registry: &Arc<Registry>, key: FlowKey) -> Option<Self> {
-        let registration = registry.register(key);
+        Lifecycle::admit_registered(decider, registry.register(key))
+    }
+
+    /// [`Lifecycle::admit`] for a flow registered already (the TCP accept loop registers
+    /// each connection before it spawns its task, so that a hand-over's walk of the
+    /// registry never misses one, issue #23).
+    pub fn admit_registered(decider: &Arc<Decider>, registration: Registration) -> Option<Self> {
+        let key = registration.tracked.key;
         let admission = decider.take_or_decide(key);
         let _ = registration.tracked.decision.set(admission.decision.clone());
         if admission.decision.verdict == Verdict::Deny {

@@ -155,13 +155,16 @@ impl Registry {
             stop_why: AtomicU8::new(0),
         });
         // Registered after a hand-over's walk began: told at once, so the walk's wait for
-        // no TCP connection is not left waiting on it.
+        // no TCP connection is not left waiting on it. Read under the lock the walk sets
+        // the flag under: a flow is either in the walk's copy or sees the flag.
+        let mut live = self.lock();
         if key.protocol == crate::policy::ports::Protocol::Tcp
             && self.handing_over.load(Ordering::Relaxed)
         {
             tracked.stop(StopReason::HandOver);
         }
-        self.lock().insert(tracked.id, tracked.clone());
+        live.insert(tracked.id, tracked.clone());
+        drop(live);
         Registration { registry: self.clone(), tracked }
     }
 
@@ -169,7 +172,10 @@ impl Registry {
     /// each relay stops where it is and its task hands the connection on. Returns how many
     /// were told. From now on [`Registry::wait_no_tcp`] is woken as flows leave.
     pub fn hand_over_tcp(&self) -> usize {
-        self.handing_over.store(true, Ordering::Relaxed);
+        {
+            let _live = self.lock();
+            self.handing_over.store(true, Ordering::Relaxed);
+        }
         let mut n = 0;
         for t in self.connections() {
             if t.key.protocol == crate::policy::ports::Protocol::Tcp {

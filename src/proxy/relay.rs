@@ -115,10 +115,11 @@ impl RelayEnd {
 ///
 /// # Returns
 /// [`Relayed::Ended`] with how it ended (both sockets closed; reset unless `Normal`), or,
-/// when `stop` was notified, [`Relayed::Stopped`] with both sockets untouched and each
-/// direction's bytes in flight: the caller resets them ([`Suspended::abort`]) or hands
-/// them over ([`super::handover`]). Nothing read is lost in a stop: every direction keeps
-/// what it read and did not write in a state that outlives its future.
+/// when `stop` was notified and `keep()` says so (a hand-over, [`super::handover`]),
+/// [`Relayed::Stopped`] with both sockets untouched and each direction's bytes in flight.
+/// Nothing read is lost in such a stop: every direction keeps what it read and did not
+/// write in a state that outlives its future. A stop `keep()` refuses resets both sides
+/// (`RelayEnd::Stopped`), as does one whose bytes in flight find no pipe.
 pub async fn relay(
     client: TcpStream,
     server: TcpStream,
@@ -126,6 +127,7 @@ pub async fn relay(
     counters: &Counters,
     stop: &Notify,
     resume: Resume,
+    keep: &(dyn Fn() -> bool + Sync),
 ) -> Relayed {
     let start = Instant::now();
     let last = AtomicU64::new(0);
@@ -142,21 +144,30 @@ pub async fn relay(
     };
     match reason {
         RelayEnd::Normal => Relayed::Ended(RelayEnd::Normal),
-        RelayEnd::Stopped => {
-            let suspended = (|| {
-                Ok::<_, io::Error>(Suspended {
-                    to_server: up.suspend()?,
-                    to_client: down.suspend()?,
-                    client: client.into_std()?,
-                    server: server.into_std()?,
-                })
-            })();
-            match suspended {
-                Ok(s) => Relayed::Stopped(s),
-                // The bytes in flight could not be kept (no pipe for them), or a socket
-                // could not be taken from the runtime: the connection is reset.
+        RelayEnd::Stopped if keep() => {
+            // The directions first: a failure leaves both sockets here, to be reset.
+            let directions = up.suspend().and_then(|u| Ok((u, down.suspend()?)));
+            let (to_server, to_client) = match directions {
+                Ok(d) => d,
                 Err(e) => {
-                    tracing::warn!(error = %e, "a stopped connection's state could not be kept; reset");
+                    // No pipe for the bytes in flight (the pipe budget, open files).
+                    tracing::warn!(error = %e, "a stopped connection's bytes in flight could not be kept; reset");
+                    abort(&client);
+                    abort(&server);
+                    return Relayed::Ended(RelayEnd::Stopped);
+                }
+            };
+            match (client.into_std(), server.into_std()) {
+                (Ok(client), Ok(server)) => {
+                    Relayed::Stopped(Suspended { client, server, to_server, to_client })
+                }
+                (c, s) => {
+                    tracing::warn!(
+                        "a stopped connection's sockets could not be taken from the runtime; reset"
+                    );
+                    for std in [c.ok(), s.ok()].into_iter().flatten() {
+                        abort_std(&std);
+                    }
                     Relayed::Ended(RelayEnd::Stopped)
                 }
             }
@@ -211,9 +222,8 @@ pub struct Suspended {
 impl Suspended {
     /// Closes both sockets with an RST (`SO_LINGER` 0, tcp(7)), as a stopped relay does.
     pub fn abort(self) {
-        for s in [&self.client, &self.server] {
-            let _ = socket2::SockRef::from(s).set_linger(Some(Duration::ZERO));
-        }
+        abort_std(&self.client);
+        abort_std(&self.server);
     }
 }
 
@@ -864,6 +874,11 @@ fn abort(s: &TcpStream) {
     let _ = socket2::SockRef::from(s).set_linger(Some(Duration::ZERO));
 }
 
+/// [`abort`] for a socket out of the runtime.
+fn abort_std(s: &std::net::TcpStream) {
+    let _ = socket2::SockRef::from(s).set_linger(Some(Duration::ZERO));
+}
+
 /// User-space buffer of a direction in copy mode, and of a burst that got no pipe (DESIGN
 /// §7: tokio copies need at least 64 KiB buffers to keep up).
 const COPY_BUFFER: usize = 65_536;
@@ -894,8 +909,16 @@ mod tests {
         let relay = tokio::spawn(async move {
             let counters = Counters::default();
             let stop = Notify::new();
-            match relay(client_proxy, server_proxy, &config, &counters, &stop, Resume::default())
-                .await
+            match relay(
+                client_proxy,
+                server_proxy,
+                &config,
+                &counters,
+                &stop,
+                Resume::default(),
+                &|| false,
+            )
+            .await
             {
                 Relayed::Ended(end) => end,
                 Relayed::Stopped(_) => unreachable!("never told to stop"),

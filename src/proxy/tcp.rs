@@ -181,7 +181,10 @@ pub async fn serve(
                 let _ = accepting.await;
                 let giver = config.handover.as_ref().expect("asked through it");
                 match hand_over(&listeners, &registry, giver).await {
-                    Outcome::Completed => return Served::HandedOver,
+                    Outcome::Completed => {
+                        decider.retire();
+                        return Served::HandedOver;
+                    }
                     Outcome::Failed => continue,
                 }
             }
@@ -271,10 +274,14 @@ fn accept_loop(
                         continue;
                     }
                 };
-                let (decider, registry, config) =
-                    (decider.clone(), registry.clone(), config.clone());
+                // Registered here, not in its task: a hand-over, which stops this loop and then
+                // walks the registry, must find every connection accepted.
+                let Some(registration) = register(&client, peer, own, &registry) else {
+                    continue;
+                };
+                let (decider, config) = (decider.clone(), config.clone());
                 tokio::spawn(async move {
-                    proxy(client, peer, own, &config, &decider, &registry).await;
+                    proxy(client, registration, &config, &decider).await;
                     drop(permit);
                 });
             }
@@ -301,32 +308,43 @@ pub async fn drain(registry: &Registry, grace: Duration) {
     }
 }
 
-/// Proxies one accepted connection to its end, through its [`Lifecycle`]: registered,
-/// decided, opened, relayed, and one end record however the task ends.
-async fn proxy(
-    client: TcpStream,
+/// Registers the connection `client` from `peer`, accepted on `listener`, under its
+/// original destination (`getsockname`). `None` (the connection closed, reset for a direct
+/// connection to the listener) when it has none or is not TPROXY's.
+fn register(
+    client: &TcpStream,
     peer: SocketAddr,
     listener: Option<SocketAddr>,
-    config: &ProxyConfig,
-    decider: &Arc<Decider>,
     registry: &Arc<Registry>,
-) {
+) -> Option<super::registry::Registration> {
     let original = match client.local_addr() {
         Ok(a) => a,
         Err(e) => {
             tracing::warn!(error = %e, %peer, "no original destination");
-            return;
+            return None;
         }
     };
     // A connection made to the listener itself, not delivered by TPROXY: its "original
     // destination" is the proxy, and proxying it would connect the proxy to itself.
     if Some(original) == listener {
         tracing::warn!(%peer, "direct connection to the proxy listener refused");
-        reset(&client);
-        return;
+        reset(client);
+        return None;
     }
     let key = FlowKey { src: unmap(peer), dst: unmap(original), protocol: Protocol::Tcp };
-    let Some(mut flow) = Lifecycle::admit(decider, registry, key) else {
+    Some(registry.register(key))
+}
+
+/// Proxies one accepted connection, registered already ([`register`]), to its end, through
+/// its [`Lifecycle`]: decided, opened, relayed, and one end record however the task ends.
+async fn proxy(
+    client: TcpStream,
+    registration: super::registry::Registration,
+    config: &ProxyConfig,
+    decider: &Arc<Decider>,
+) {
+    let key = registration.tracked.key;
+    let Some(mut flow) = Lifecycle::admit_registered(decider, registration) else {
         tracing::warn!(src = %key.src, dst = %key.dst, "connection reached the proxy but policy denies it; reset");
         reset(&client);
         return;
@@ -413,8 +431,16 @@ async fn run(
 ) {
     let tracked = flow.tracked().clone();
     let key = tracked.key;
-    let relayed =
-        relay::relay(client, server, &config.relay, &tracked.counters, &tracked.stop, resume).await;
+    let relayed = relay::relay(
+        client,
+        server,
+        &config.relay,
+        &tracked.counters,
+        &tracked.stop,
+        resume,
+        &|| tracked.stop_reason() == Some(StopReason::HandOver) && config.handover.is_some(),
+    )
+    .await;
     let (to_server, to_client) = (
         tracked.counters.to_server.load(Ordering::Relaxed),
         tracked.counters.to_client.load(Ordering::Relaxed),
@@ -562,7 +588,8 @@ mod tests {
         let task = {
             let (decider, registry) = (t.decider.clone(), registry.clone());
             tokio::spawn(async move {
-                proxy(accepted, peer, None, &config(), &decider, &registry).await;
+                let registration = register(&accepted, peer, None, &registry).unwrap();
+                proxy(accepted, registration, &config(), &decider).await;
             })
         };
         let (mut server, _) =
@@ -607,9 +634,10 @@ mod tests {
             tokio::join!(socket.connect(listener.local_addr().unwrap()), listener.accept());
         let (client, (accepted, peer)) = (client.unwrap(), accepted.unwrap());
         let (config, decider, registry) = (config.clone(), decider.clone(), registry.clone());
-        tokio::spawn(
-            async move { proxy(accepted, peer, None, &config, &decider, &registry).await },
-        );
+        tokio::spawn(async move {
+            let registration = register(&accepted, peer, None, &registry).unwrap();
+            proxy(accepted, registration, &config, &decider).await
+        });
         let (server, _) =
             tokio::time::timeout(Duration::from_secs(5), listener.accept()).await.unwrap().unwrap();
         (client, server)
