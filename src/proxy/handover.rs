@@ -366,13 +366,7 @@ impl Giver {
                     finished = true;
                     continue;
                 }
-                Outgoing::Queue(..) => {
-                    queues += 1;
-                    if queues == self.queues && failed.is_none() {
-                        asked = true;
-                        self.request.notify_one();
-                    }
-                }
+                Outgoing::Queue(..) => queues += 1,
                 _ => {}
             }
             if failed.is_some() {
@@ -397,11 +391,19 @@ impl Giver {
                 }
                 Outgoing::Finished => unreachable!("handled above"),
             };
-            if let Err(e) = sent {
-                if let Outgoing::Connection(c) = item {
-                    c.relay.abort();
+            match sent {
+                Err(e) => {
+                    if let Outgoing::Connection(c) = item {
+                        c.relay.abort();
+                    }
+                    failed = Some(e);
                 }
-                failed = Some(e);
+                // The last queue is the next agent's: the proxy's turn.
+                Ok(()) if matches!(item, Outgoing::Queue(..)) && queues == self.queues => {
+                    asked = true;
+                    self.request.notify_one();
+                }
+                Ok(()) => {}
             }
         }
         let result = match failed {
@@ -759,5 +761,89 @@ mod tests {
         let e = recv(&fd).unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::InvalidData);
         assert!(e.to_string().contains("hand-over protocol"), "{e}");
+    }
+
+    /// A loopback pair: (the end that connected, the end that was accepted).
+    fn pair() -> (std::net::TcpStream, std::net::TcpStream) {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let a = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        (a, l.accept().unwrap().0)
+    }
+
+    /// A stopped connection as the proxy gives it: the client's application end, the
+    /// server's, and the connection.
+    fn stopped() -> (std::net::TcpStream, std::net::TcpStream, Connection) {
+        let (client_app, client) = pair();
+        let (server, server_app) = pair();
+        let c = Connection {
+            key: FlowKey {
+                src: client_app.local_addr().unwrap(),
+                dst: server_app.local_addr().unwrap(),
+                protocol: Protocol::Tcp,
+            },
+            flow: HandedFlow {
+                age: Duration::ZERO,
+                revision: Revision(1),
+                audited: false,
+                decided: std::time::SystemTime::now(),
+            },
+            to_server: 0,
+            to_client: 0,
+            relay: Suspended {
+                client,
+                server,
+                to_server: DirectionState::default(),
+                to_client: DirectionState::default(),
+            },
+        };
+        (client_app, server_app, c)
+    }
+
+    /// A connection given when no hand-over is under way any more (one that failed and
+    /// ended as the proxy stopped it) is reset at once, not left in the channel: its
+    /// client must not hang (review of issue #23).
+    #[test]
+    fn a_connection_given_after_a_failed_hand_over_is_reset() {
+        let giver = Giver::new(0);
+        let (mut client_app, mut server_app, c) = stopped();
+        giver.give(Outgoing::Connection(c));
+        for app in [&mut client_app, &mut server_app] {
+            app.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+            let e = std::io::Read::read(app, &mut [0u8; 1]).expect_err("reset");
+            assert_eq!(e.kind(), io::ErrorKind::ConnectionReset);
+        }
+        assert!(giver.rx.is_empty());
+    }
+
+    /// The next agent goes away while the queue readers park, before the proxy was asked:
+    /// the readers read on at once, not after the 10 s a stuck proxy is given (review of
+    /// issue #23).
+    #[test]
+    fn parked_readers_resume_at_once_when_the_next_agent_leaves_before_the_proxy_is_asked() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("handover.sock");
+        let giver = Arc::new(Giver::new(1));
+        giver.serve(&path).unwrap();
+        let s = Socket::new(Domain::UNIX, Type::SEQPACKET.cloexec(), None).unwrap();
+        s.connect(&SockAddr::unix(&path).unwrap()).unwrap();
+        let fd: OwnedFd = s.into();
+        send(&fd, &Message::Hello { oldest: OLDEST_VERSION, newest: VERSION }, &[]).unwrap();
+        assert!(matches!(recv(&fd).unwrap().0, Message::Accept { .. }));
+        drop(fd);
+        // A reader parks once the hand-over began, giving a queue the next agent is not
+        // there to take.
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while !giver.park() {
+            assert!(std::time::Instant::now() < deadline, "the hand-over never began");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let (reader, resumed) = std::sync::mpsc::channel();
+        let g = giver.clone();
+        std::thread::spawn(move || {
+            let (a, _b) = std::os::unix::net::UnixDatagram::pair().unwrap();
+            reader.send(g.parked(3, a.into())).unwrap();
+        });
+        let read_on = resumed.recv_timeout(Duration::from_secs(5)).expect("the reader resumes");
+        assert!(read_on, "the reader reads its queue again");
     }
 }
