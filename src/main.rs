@@ -147,12 +147,19 @@ enum Command {
     /// (v1alpha1) and ClusterNetworkPolicy (v1alpha2), built from tierproxy's own types, as
     /// one multi-document YAML stream (what `deploy/crds/` holds).
     ///
+    /// With --antrea: the CRDs of Antrea's Tier, ClusterNetworkPolicy and NetworkPolicy
+    /// (crd.antrea.io/v1beta1) instead, for a cluster without Antrea only (a cluster running
+    /// Antrea has Antrea's own, which these would replace).
+    ///
     /// Exit status: 0 written, 1 the files could not be written.
     Crds {
-        /// Write one file per CRD into this directory (`policy.networking.k8s.io_<plural>.yaml`)
-        /// instead of printing them.
+        /// Write one file per CRD into this directory (`<group>_<plural>.yaml`) instead of
+        /// printing them.
         #[arg(long)]
         out_dir: Option<PathBuf>,
+        /// Antrea's policy kinds (crd.antrea.io/v1beta1) instead of the upstream ones.
+        #[arg(long)]
+        antrea: bool,
     },
 }
 
@@ -539,14 +546,21 @@ fn otlp_receive(listen: std::net::SocketAddr, protocol: &str, count_only: bool) 
     ExitCode::SUCCESS
 }
 
-/// `tierproxy crds`: the CRDs to standard output, or one file each under `out_dir`.
-fn crds(out_dir: Option<&std::path::Path>, out: &mut dyn Write, err: &mut dyn Write) -> u8 {
+/// `tierproxy crds`: the upstream CRDs (or with `antrea` Antrea's) to standard output, or
+/// one file each under `out_dir`.
+fn crds(
+    out_dir: Option<&std::path::Path>,
+    antrea: bool,
+    out: &mut dyn Write,
+    err: &mut dyn Write,
+) -> u8 {
     let result = (|| -> anyhow::Result<()> {
         use anyhow::Context as _;
+        let all = if antrea { tierproxy::crds::antrea_crds() } else { tierproxy::crds::crds() };
         match out_dir {
-            None => out.write_all(tierproxy::crds::to_yaml_stream()?.as_bytes())?,
+            None => out.write_all(tierproxy::crds::yaml_stream(&all)?.as_bytes())?,
             Some(dir) => {
-                for crd in tierproxy::crds::crds() {
+                for crd in all {
                     let path = dir.join(&crd.file_name);
                     std::fs::write(&path, tierproxy::crds::to_yaml(&crd)?)
                         .with_context(|| format!("writing {}", path.display()))?;
@@ -660,7 +674,7 @@ fn main() -> ExitCode {
         }
         #[cfg(feature = "lab")]
         Command::Lab(args) => tierproxy::lab::cli::main(args, &mut out, &mut err),
-        Command::Crds { out_dir } => crds(out_dir.as_deref(), &mut out, &mut err),
+        Command::Crds { out_dir, antrea } => crds(out_dir.as_deref(), antrea, &mut out, &mut err),
     };
     let _ = out.flush();
     ExitCode::from(code)

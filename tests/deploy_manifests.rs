@@ -2,7 +2,9 @@
 //! admin applies is valid against the Kubernetes schemas of two releases (1.31, the oldest
 //! the CRDs' `isCIDR` rules run on, and 1.37) and against the CRDs, and so is every object
 //! under `examples/`. The container build file and the DaemonSet agree on the entrypoint,
-//! and the entrypoint picks the iptables flavour kubelet uses.
+//! and the entrypoint picks the iptables flavour kubelet uses. `tierproxy crds --antrea`
+//! (not committed) prints structural CRDs that the objects under `tests/antrea-crds/`
+//! validate against exactly as `tierproxy check` judges them.
 //!
 //! The schema validation runs `tests/validate_manifests.py` (PyPI `kubernetes-validate`,
 //! which bundles the Kubernetes JSON schemas: offline) over `kubectl kustomize deploy/`
@@ -125,6 +127,207 @@ fn crds_subcommand_prints_the_three_crds() {
         assert!(!schema.contains("nullable"), "nullable left in {}", d["metadata"]["name"]);
         assert!(schema.contains("x-kubernetes-validations"), "no CEL rule in {schema}");
     }
+}
+
+/// `tierproxy` with `args`, successful, its standard output.
+fn tierproxy(args: &[&str]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_tierproxy")).args(args).output().unwrap();
+    assert!(out.status.success(), "tierproxy {args:?}: {}", text(&out));
+    String::from_utf8(out.stdout).expect("UTF-8")
+}
+
+#[test]
+fn crds_antrea_prints_the_three_antrea_crds() {
+    let stdout = tierproxy(&["crds", "--antrea"]);
+    let crds = tierproxy::crds::antrea_crds();
+    assert_eq!(stdout, tierproxy::crds::yaml_stream(&crds).unwrap());
+    let docs: Vec<serde_json::Value> = serde_saphyr::from_multiple(&stdout).expect("YAML stream");
+    let got: Vec<(&str, &str, &str, &str, &serde_json::Value)> = docs
+        .iter()
+        .map(|d| {
+            let s = &d["spec"];
+            (
+                d["metadata"]["name"].as_str().unwrap(),
+                s["names"]["kind"].as_str().unwrap(),
+                s["scope"].as_str().unwrap(),
+                s["group"].as_str().unwrap(),
+                &s["names"]["shortNames"],
+            )
+        })
+        .collect();
+    let (tr, acnp, annp) =
+        (serde_json::json!(["tr"]), serde_json::json!(["acnp"]), serde_json::json!(["annp"]));
+    assert_eq!(
+        got,
+        [
+            ("tiers.crd.antrea.io", "Tier", "Cluster", "crd.antrea.io", &tr),
+            (
+                "clusternetworkpolicies.crd.antrea.io",
+                "ClusterNetworkPolicy",
+                "Cluster",
+                "crd.antrea.io",
+                &acnp
+            ),
+            (
+                "networkpolicies.crd.antrea.io",
+                "NetworkPolicy",
+                "Namespaced",
+                "crd.antrea.io",
+                &annp
+            ),
+        ]
+    );
+    for d in &docs {
+        let name = &d["metadata"]["name"];
+        assert_eq!(d["apiVersion"], "apiextensions.k8s.io/v1", "{name}");
+        let versions = d["spec"]["versions"].as_array().unwrap();
+        assert_eq!(versions.len(), 1, "{name}");
+        let v = &versions[0];
+        assert_eq!(
+            (&v["name"], &v["served"], &v["storage"]),
+            (&"v1beta1".into(), &true.into(), &true.into())
+        );
+        let schema = v["schema"]["openAPIV3Schema"].to_string();
+        assert!(!schema.contains("nullable"), "nullable left in {name}");
+        // Not a protected group: no approval to name.
+        assert!(d["metadata"]["annotations"].get("api-approved.kubernetes.io").is_none());
+    }
+    // The header says where they belong, before anyone applies them.
+    assert_eq!(stdout.matches("Only for a cluster WITHOUT Antrea").count(), 3, "{stdout}");
+
+    // Without --antrea: the committed upstream CRDs, byte for byte, and nothing of Antrea's.
+    let upstream = tierproxy(&["crds"]);
+    let committed: String = tierproxy::crds::crds()
+        .iter()
+        .map(|c| {
+            let path = root().join("deploy/crds").join(&c.file_name);
+            format!("---\n{}", std::fs::read_to_string(path).unwrap())
+        })
+        .collect();
+    assert_eq!(upstream, committed);
+    assert!(!upstream.contains("crd.antrea.io"));
+
+    // --out-dir: one file each, named as Antrea's group and plural.
+    let tmp = tempfile::tempdir().unwrap();
+    tierproxy(&["crds", "--antrea", "--out-dir", tmp.path().to_str().unwrap()]);
+    let mut files: Vec<String> = std::fs::read_dir(tmp.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    files.sort();
+    assert_eq!(
+        files,
+        [
+            "crd.antrea.io_clusternetworkpolicies.yaml",
+            "crd.antrea.io_networkpolicies.yaml",
+            "crd.antrea.io_tiers.yaml"
+        ]
+    );
+    for c in &crds {
+        let got = std::fs::read_to_string(tmp.path().join(&c.file_name)).unwrap();
+        assert_eq!(got, tierproxy::crds::to_yaml(c).unwrap(), "{}", c.file_name);
+    }
+}
+
+/// The Antrea CRDs are structural and valid CRDs of Kubernetes 1.31 and 1.37; the
+/// representative objects of `tests/antrea-crds/valid.yaml` validate against them and pass
+/// `tierproxy check`; every object of `invalid.yaml` (one per limit the schemas carry) is
+/// refused by both, at the same field.
+#[test]
+fn antrea_crds_validate_and_agree_with_check() {
+    let test = "antrea_crds_validate_and_agree_with_check";
+    if !validator_available(test) {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let crds = tmp.path();
+    tierproxy(&["crds", "--antrea", "--out-dir", crds.to_str().unwrap()]);
+    let run = |files: &[&Path]| {
+        let mut cmd = Command::new("python3");
+        cmd.arg(root().join("tests/validate_manifests.py")).arg("--crds").arg(crds).args(files);
+        cmd.output().expect("running python3")
+    };
+    let valid = root().join("tests/antrea-crds/valid.yaml");
+    let out = run(&[crds, &valid]);
+    assert!(out.status.success(), "the Antrea CRDs or objects do not validate:\n{}", text(&out));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    for kind in
+        ["CustomResourceDefinition 3", "ClusterNetworkPolicy 1", "NetworkPolicy 1", "Tier 1"]
+    {
+        assert!(stdout.contains(kind), "{kind} was not validated:\n{}", text(&out));
+    }
+    assert!(stdout.contains(" 0 skipped, 0 problems"), "{}", text(&out));
+    let check = tierproxy(&["check", "-m", valid.to_str().unwrap()]);
+    assert!(check.contains("0 error(s)"), "{check}");
+
+    let invalid = root().join("tests/antrea-crds/invalid.yaml");
+    let out = run(&[&invalid]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    let schema = String::from_utf8_lossy(&out.stdout).into_owned();
+    let out = Command::new(env!("CARGO_BIN_EXE_tierproxy"))
+        .args(["check", "-o", "json", "-m", invalid.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    let errors: Vec<(String, String)> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v["severity"] == "error")
+        .map(|v| (v["name"].as_str().unwrap().to_owned(), v["field"].as_str().unwrap().to_owned()))
+        .collect();
+    // (object, the field `check` names, the path and words of the schema's problem)
+    let cases = [
+        ("t-256", "spec.priority", "spec.priority: 256 is greater than the maximum"),
+        ("p-low", "spec.priority", "spec.priority: 0.5 is less than the minimum"),
+        ("p-high", "spec.priority", "spec.priority: 10000.5 is greater than the maximum"),
+        (
+            "proto",
+            "spec.ingress[0].ports[0].protocol",
+            "spec.ingress.0.ports.0.protocol: 'ICMP' is not one of",
+        ),
+        (
+            "icmp",
+            "spec.ingress[0].protocols[0].icmp.icmpType",
+            "spec.ingress.0.protocols.0.icmp.icmpType: 256",
+        ),
+        (
+            "igmp",
+            "spec.egress[0].protocols[0].igmp.igmpType",
+            "spec.egress.0.protocols.0.igmp.igmpType: 5 is not one of",
+        ),
+        (
+            "two-protocols",
+            "spec.ingress[0].protocols[0]",
+            "spec.ingress.0.protocols.0: {'icmp': {}, 'igmp': {}} has too many",
+        ),
+        (
+            "two-criteria",
+            "spec.ingress[0].from[0].namespaces",
+            "spec.ingress.0.from.0.namespaces: {'match'",
+        ),
+        (
+            "no-cidr",
+            "spec.ingress[0].from[0].ipBlock.cidr",
+            "spec.ingress.0.from.0.ipBlock: 'cidr' is a required",
+        ),
+        (
+            "empty-l7",
+            "spec.egress[0].l7Protocols[0]",
+            "spec.egress.0.l7Protocols.0: {} should be non-empty",
+        ),
+    ];
+    for (name, field, problem) in cases {
+        assert!(
+            errors.iter().any(|(n, f)| n == name && f == field),
+            "tierproxy check has no error at {name} {field}: {errors:?}"
+        );
+        let line = schema.lines().find(|l| l.contains(&format!("/{name}): ")));
+        assert!(
+            line.is_some_and(|l| l.contains(problem)),
+            "the schema does not refuse {name} at {problem}:\n{schema}"
+        );
+    }
+    assert!(schema.contains(&format!(" {} problems", cases.len())), "{schema}");
 }
 
 #[test]

@@ -17,6 +17,12 @@
 //! `l7Protocols`, `sourcePort`, `fqdn`, `scope`, appliedTo `nodeSelector` / `service`) are
 //! decoded all the same, so that they are reported by name and never dropped in silence.
 //!
+//! The schemars attributes shape the CRDs `tierproxy crds --antrea` prints
+//! ([`crate::crds::antrea_crds`]); they change no decoding. Each limit they add is one
+//! [`crate::policy::validate`] enforces as an error (priority ranges, the action, protocol
+//! and IGMP type enums, ICMP type and code 0–255, one of `icmp`/`igmp` and of
+//! `http`/`tls`, one `namespaces` criterion, a required CIDR).
+//!
 //! Defaults are only what serde needs: `tier` stays empty when omitted (Antrea's mutating
 //! webhook writes `application`, see [`crate::policy::antrea_tiers`]) and rule names stay
 //! empty (the webhook generates them).
@@ -51,7 +57,9 @@ pub const LEGACY_GROUP: &str = "security.antrea.tanzu.vmware.com";
     kind = "Tier",
     doc = "Tier: a named priority ordering Antrea-native policies (crd.antrea.io/v1beta1).",
     plural = "tiers",
-    shortname = "tr"
+    shortname = "tr",
+    printcolumn = r#"{"name":"Priority","type":"integer","jsonPath":".spec.priority"}"#,
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
 )]
 #[serde(rename_all = "camelCase")]
 pub struct TierSpec {
@@ -75,7 +83,10 @@ pub struct TierSpec {
     doc = "Antrea ClusterNetworkPolicy: cluster-wide rules in an Antrea Tier (crd.antrea.io/v1beta1).",
     plural = "clusternetworkpolicies",
     shortname = "acnp",
-    status = "NetworkPolicyStatus"
+    status = "NetworkPolicyStatus",
+    printcolumn = r#"{"name":"Tier","type":"string","jsonPath":".spec.tier"}"#,
+    printcolumn = r#"{"name":"Priority","type":"number","jsonPath":".spec.priority"}"#,
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
 )]
 #[serde(rename_all = "camelCase")]
 pub struct ClusterNetworkPolicySpec {
@@ -83,6 +94,7 @@ pub struct ClusterNetworkPolicySpec {
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub tier: String,
     /// Order within the Tier, lower first; a float, CRD range 1.0–10000.0.
+    #[schemars(range(min = 1.0, max = 10000.0))]
     pub priority: f64,
     /// The workloads every rule applies to; set here or on every rule, never both.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -107,7 +119,10 @@ pub struct ClusterNetworkPolicySpec {
     doc = "Antrea NetworkPolicy: namespaced rules in an Antrea Tier (crd.antrea.io/v1beta1).",
     plural = "networkpolicies",
     shortname = "annp",
-    status = "NetworkPolicyStatus"
+    status = "NetworkPolicyStatus",
+    printcolumn = r#"{"name":"Tier","type":"string","jsonPath":".spec.tier"}"#,
+    printcolumn = r#"{"name":"Priority","type":"number","jsonPath":".spec.priority"}"#,
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
 )]
 #[serde(rename_all = "camelCase")]
 pub struct NetworkPolicySpec {
@@ -115,6 +130,7 @@ pub struct NetworkPolicySpec {
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub tier: String,
     /// As [`ClusterNetworkPolicySpec::priority`].
+    #[schemars(range(min = 1.0, max = 10000.0))]
     pub priority: f64,
     /// Pods of the policy's Namespace (the ANNP schema has no `namespaceSelector` here).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -178,6 +194,7 @@ pub struct NetworkPolicyStatus {
     /// `NetworkPolicyCondition`s (`type`, `status`, `lastTransitionTime`, `reason`,
     /// `message`), kept as given.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(transform = condition_items)]
     pub conditions: Vec<serde_json::Value>,
 }
 
@@ -259,6 +276,7 @@ pub struct Rule {
 pub struct NetworkPolicyPort {
     /// `TCP` (default), `UDP` or `SCTP`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("enum" = ["TCP", "UDP", "SCTP"]))]
     pub protocol: Option<String>,
     /// Number or container port name; absent: every port.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -279,6 +297,7 @@ pub struct NetworkPolicyPort {
 /// Source: `NetworkPolicyProtocol`.
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
+#[schemars(extend("minProperties" = 1, "maxProperties" = 1))]
 pub struct NetworkPolicyProtocol {
     /// ICMP, optionally by type and code.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -294,9 +313,11 @@ pub struct NetworkPolicyProtocol {
 pub struct IcmpProtocol {
     /// ICMP type; absent: every type.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0, max = 255))]
     pub icmp_type: Option<i32>,
     /// ICMP code; absent: every code.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0, max = 255))]
     pub icmp_code: Option<i32>,
 }
 
@@ -305,8 +326,10 @@ pub struct IcmpProtocol {
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct IgmpProtocol {
-    /// IGMP message type.
+    /// IGMP message type. The schema allows the types of either direction; validation
+    /// allows 0x11 in ingress, 0x12, 0x16 and 0x22 in egress rules.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("enum" = [0x11, 0x12, 0x16, 0x22]))]
     pub igmp_type: Option<i32>,
     /// Multicast group.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -317,12 +340,15 @@ pub struct IgmpProtocol {
 /// tls.
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
+#[schemars(extend("minProperties" = 1, "maxProperties" = 1))]
 pub struct L7Protocol {
     /// HTTP request match (`host`, `method`, `path`), kept as given.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(transform = http_schema)]
     pub http: Option<serde_json::Value>,
     /// TLS match (`sni`), kept as given.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(transform = tls_schema)]
     pub tls: Option<serde_json::Value>,
 }
 
@@ -404,12 +430,15 @@ pub struct NetworkPolicyPeer {
 /// `except` strictly inside it.
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
+#[schemars(extend("required" = ["cidr"]))]
 pub struct IpBlock {
     /// The network.
     #[serde(default)]
+    #[schemars(transform = cidr_schema)]
     pub cidr: String,
     /// Networks carved out of `cidr`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(transform = cidr_items)]
     pub except: Vec<String>,
 }
 
@@ -419,6 +448,7 @@ pub struct IpBlock {
 /// Source: `PeerNamespaces`.
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
+#[schemars(extend("minProperties" = 1, "maxProperties" = 1))]
 pub struct PeerNamespaces {
     /// `Self`: the subject's own Namespace.
     #[serde(default, rename = "match", skip_serializing_if = "Option::is_none")]
@@ -466,6 +496,47 @@ pub struct AppliedTo {
     /// Nodes: a Node policy (not supported by tierproxy).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub node_selector: Option<LabelSelector>,
+}
+
+/// Schema of `ipBlock.cidr`: `format: cidr` (as Antrea's CRD), and no `default`: serde's
+/// `""` is no CIDR, and the API server refuses a CRD whose default fails its own schema.
+fn cidr_schema(schema: &mut schemars::Schema) {
+    schema.remove("default");
+    schema.insert("format".to_owned(), "cidr".into());
+}
+
+/// Schema of `ipBlock.except`: items with `format: cidr`.
+fn cidr_items(schema: &mut schemars::Schema) {
+    if let Some(item) = schema.get_mut("items").and_then(|i| i.as_object_mut()) {
+        item.insert("format".to_owned(), "cidr".into());
+    }
+}
+
+/// Schema of `l7Protocols[].http`: Antrea's `HTTPProtocol` fields (`host`, `method`,
+/// `path`; no method enum: tierproxy does not evaluate layer 7 and checks none). Typed, so
+/// the schema stays structural without preserving unknown fields.
+fn http_schema(schema: &mut schemars::Schema) {
+    typed_object(schema, &["host", "method", "path"]);
+}
+
+/// Schema of `l7Protocols[].tls`: Antrea's `TLSProtocol` (`sni`).
+fn tls_schema(schema: &mut schemars::Schema) {
+    typed_object(schema, &["sni"]);
+}
+
+/// Schema of `status.conditions`: Antrea's `NetworkPolicyCondition` fields, all strings.
+fn condition_items(schema: &mut schemars::Schema) {
+    let mut item = schemars::Schema::default();
+    typed_object(&mut item, &["type", "status", "lastTransitionTime", "reason", "message"]);
+    schema.insert("items".to_owned(), item.into());
+}
+
+/// Makes `schema` an object of the string properties `fields`.
+fn typed_object(schema: &mut schemars::Schema, fields: &[&str]) {
+    schema.insert("type".to_owned(), "object".into());
+    let props: serde_json::Map<String, serde_json::Value> =
+        fields.iter().map(|f| ((*f).to_owned(), serde_json::json!({"type": "string"}))).collect();
+    schema.insert("properties".to_owned(), props.into());
 }
 
 /// The Antrea-native objects of one input set, as the manifest loader keeps them: only
