@@ -1228,6 +1228,9 @@ fn dns_like_udp_flows_keep_the_client_port_and_end_with_their_payload_bytes_each
     let client = netns_of_pod(&lab, "a", "client");
     let queries: Vec<(u16, usize, usize)> = in_netns(&client, || {
         let mut out = Vec::new();
+        // Every socket kept until all are done: a port freed and bound again while its flow's
+        // conntrack entry lives would add a second query to that flow's bytes (seen in CI).
+        let mut open = Vec::new();
         for i in 0..20usize {
             let s = std::net::UdpSocket::bind("10.60.1.2:0").map_err(io("bind"))?;
             s.connect("10.60.1.3:5353").map_err(io("connect"))?;
@@ -1240,7 +1243,9 @@ fn dns_like_udp_flows_keep_the_client_port_and_end_with_their_payload_bytes_each
             let answer = String::from_utf8_lossy(&buf[..n]).into_owned();
             assert_eq!(answer, format!("tierproxy-lab 10.60.1.2 {port}\n{}", "q".repeat(10 + i)));
             out.push((port, query.len(), n));
+            open.push(s);
         }
+        drop(open);
         Ok(out)
     })
     .expect("the DNS-like client runs");
