@@ -140,23 +140,9 @@ fn invalid_objects_exit_2_naming_object_and_field() {
         "bad.yaml",
         "apiVersion: policy.networking.k8s.io/v1alpha1\nkind: AdminNetworkPolicy\nmetadata: {name: too-high}\nspec:\n  priority: 1001\n  subject: {namespaces: {}}\n",
     );
-    let o = run(&[
-        "explain",
-        "-m",
-        m.to_str().unwrap(),
-        "--from",
-        "10.0.0.1",
-        "--to",
-        "10.0.0.2",
-        "--port",
-        "80",
-    ]);
-    assert_eq!(o.status.code(), Some(2));
-    let err = stderr(&o);
+    let err = explain_refused(&m);
     assert!(err.contains("AdminNetworkPolicy too-high: spec.priority"), "{err}");
-    let o = run(&["check", "-m", m.to_str().unwrap(), "-o", "json"]);
-    assert_eq!(o.status.code(), Some(2));
-    let v: Value = serde_json::from_slice(o.stdout.split(|b| *b == b'\n').next().unwrap()).unwrap();
+    let v = first_check_problem(&m);
     assert_eq!(v["severity"], "error");
     assert_eq!(v["kind"], "AdminNetworkPolicy");
     assert_eq!(v["name"], "too-high");
@@ -174,27 +160,13 @@ fn antrea_policies_are_validated_and_said_not_to_be_enforced() {
         "bad.yaml",
         "apiVersion: crd.antrea.io/v1beta1\nkind: ClusterNetworkPolicy\nmetadata: {name: acnp}\nspec:\n  tier: nope\n  priority: 5\n  appliedTo: [{podSelector: {}}]\n  ingress: [{action: Drop}]\n",
     );
-    let o = run(&["check", "-m", bad.to_str().unwrap(), "-o", "json"]);
-    assert_eq!(o.status.code(), Some(2));
-    let v: Value = serde_json::from_slice(o.stdout.split(|b| *b == b'\n').next().unwrap()).unwrap();
+    let v = first_check_problem(&bad);
     assert_eq!(v["severity"], "error");
     assert_eq!(v["kind"], "ClusterNetworkPolicy");
     assert_eq!(v["group"], "crd.antrea.io");
     assert_eq!(v["name"], "acnp");
     assert_eq!(v["field"], "spec.tier");
-    let o = run(&[
-        "explain",
-        "-m",
-        bad.to_str().unwrap(),
-        "--from",
-        "10.0.0.1",
-        "--to",
-        "10.0.0.2",
-        "--port",
-        "80",
-    ]);
-    assert_eq!(o.status.code(), Some(2));
-    let err = stderr(&o);
+    let err = explain_refused(&bad);
     assert!(err.contains("ClusterNetworkPolicy.crd.antrea.io acnp: spec.tier"), "{err}");
 
     let good = write(
@@ -507,4 +479,21 @@ status: {podIP: 10.60.1.3}
         probes.to_str().unwrap(),
     ]);
     assert_eq!(o.status.code(), Some(0), "{}{}", String::from_utf8_lossy(&o.stdout), stderr(&o));
+}
+
+/// `explain` of any flow over the manifests at `path`, which hold an invalid object: exit
+/// 2; its standard error.
+fn explain_refused(path: &std::path::Path) -> String {
+    let m = path.to_str().unwrap();
+    let o = run(&["explain", "-m", m, "--from", "10.0.0.1", "--to", "10.0.0.2", "--port", "80"]);
+    assert_eq!(o.status.code(), Some(2));
+    stderr(&o)
+}
+
+/// `check -o json` of the manifests at `path`, which hold an invalid object: exit 2; the
+/// first problem reported.
+fn first_check_problem(path: &std::path::Path) -> Value {
+    let o = run(&["check", "-m", path.to_str().unwrap(), "-o", "json"]);
+    assert_eq!(o.status.code(), Some(2));
+    serde_json::from_slice(o.stdout.split(|b| *b == b'\n').next().unwrap()).unwrap()
 }

@@ -447,28 +447,26 @@ async fn run(
     );
     let ended = match relayed {
         Relayed::Ended(end) => end,
-        Relayed::Stopped(suspended) => {
-            if let (Some(StopReason::HandOver), Some(giver)) =
-                (tracked.stop_reason(), &config.handover)
-            {
-                let mut flow = flow;
-                let handed = flow.hand_over();
-                let relay = suspended;
-                giver.give(Outgoing::Connection(Connection {
-                    key,
-                    flow: handed,
-                    to_server,
-                    to_client,
-                    relay,
-                }));
-                // Only now out of the registry: the hand-over waits for it to be empty, then
-                // sends `done`; leaving before the connection is given would send `done`
-                // without it.
-                drop(flow);
-                return;
-            }
-            suspended.abort();
-            RelayEnd::Stopped
+        // Only for a hand-over (`keep` above): the connection goes to the next agent.
+        Relayed::Stopped(relay) => {
+            let Some(giver) = &config.handover else {
+                relay.abort();
+                return flow.end(CloseReason::Shutdown);
+            };
+            let mut flow = flow;
+            let handed = flow.hand_over();
+            giver.give(Outgoing::Connection(Connection {
+                key,
+                flow: handed,
+                to_server,
+                to_client,
+                relay,
+            }));
+            // Only now out of the registry: the hand-over waits for it to be empty, then
+            // sends `done`; leaving before the connection is given would send `done`
+            // without it.
+            drop(flow);
+            return;
         }
     };
     tracing::debug!(
