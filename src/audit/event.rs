@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use crate::policy::compile::{Action, Direction, Endpoint};
-use crate::policy::eval::{Basis, Decision, Outcome, RuleHit, Verdict};
+use crate::policy::eval::{Basis, Decision, Outcome, RuleHit};
 use crate::policy::{FlowKey, Kind, Protocol, Snapshot};
 
 /// Event name of a decision record: one per audited direction of a new flow.
@@ -497,7 +497,7 @@ pub fn decision(
         Direction::Egress => decision.egress.as_ref(),
     }
     .expect("an audited direction has an outcome");
-    let severity = if o.verdict == Verdict::Deny { Severity::Warn } else { Severity::Info };
+    let severity = if !o.verdict.is_allow() { Severity::Warn } else { Severity::Info };
     let mut e = Event {
         name: DECISION,
         time: flow.time,

@@ -118,7 +118,8 @@ impl std::error::Error for AnnotationError {}
 fn action_index(a: Action) -> usize {
     match a {
         Action::Allow => 0,
-        Action::Deny => 1,
+        // `deny=` switches Antrea's Drop and Reject alike (docs/audit.md).
+        Action::Deny | Action::Reject => 1,
         Action::Pass => 2,
     }
 }
@@ -272,9 +273,9 @@ impl Selection {
                 Action::Allow if self.defaults.allow_sample == 0 => Want::Never,
                 Action::Allow if self.defaults.allow_sample == 1 => Want::Always,
                 Action::Allow => Want::Sampled,
-                Action::Deny if self.defaults.deny => Want::Always,
+                Action::Deny | Action::Reject if self.defaults.deny => Want::Always,
                 Action::Pass if self.defaults.pass => Want::Always,
-                Action::Deny | Action::Pass => Want::Never,
+                Action::Deny | Action::Reject | Action::Pass => Want::Never,
             },
         }
     }

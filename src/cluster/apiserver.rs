@@ -482,6 +482,8 @@ impl ApiSource {
             } else {
                 Vec::new()
             },
+            // Antrea's kinds are not watched yet (issue #22).
+            antrea: Default::default(),
         }
     }
 

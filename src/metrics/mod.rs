@@ -37,10 +37,10 @@ type Labels = Vec<(&'static str, &'static str)>;
 /// Counters the data path updates.
 #[derive(Debug)]
 pub struct DataPathMetrics {
-    /// By `[direction][verdict][tier]` (tiers as [`TIERS`]).
-    directions: [[[Counter; TIERS.len()]; 2]; 2],
-    /// By verdict (allow, deny).
-    flows: [Counter; 2],
+    /// By `[direction][verdict][tier]` (verdicts as [`VERDICTS`], tiers as [`TIERS`]).
+    directions: [[[Counter; TIERS.len()]; VERDICTS.len()]; 2],
+    /// By verdict (as [`VERDICTS`]).
+    flows: [Counter; VERDICTS.len()],
     /// Seconds to decide a first packet (cache and audit hand-over included).
     pub decision_seconds: Histogram,
     /// Proxied connections accepted.
@@ -49,6 +49,18 @@ pub struct DataPathMetrics {
     closed: [Counter; 7],
     /// Bytes relayed client → server and server → client.
     pub bytes: [Counter; 2],
+}
+
+/// The `verdict` label values, by [`verdict_index`].
+const VERDICTS: [Verdict; 3] = [Verdict::Allow, Verdict::Deny, Verdict::Reject];
+
+/// Position of `v` in [`VERDICTS`].
+fn verdict_index(v: Verdict) -> usize {
+    match v {
+        Verdict::Allow => 0,
+        Verdict::Deny => 1,
+        Verdict::Reject => 2,
+    }
 }
 
 /// The `tier` label values: the tiers in [`Tier::ORDER`], then `default` (no tier
@@ -91,12 +103,12 @@ impl DataPathMetrics {
     pub fn decision(&self, d: &Decision) {
         for (dir, o) in [(Direction::Ingress, &d.ingress), (Direction::Egress, &d.egress)] {
             if let Some(o) = o {
-                let v = usize::from(o.verdict == Verdict::Deny);
+                let v = verdict_index(o.verdict);
                 let t = tier_index(&o.basis);
                 self.directions[dir as usize][v][t].inc();
             }
         }
-        self.flows[usize::from(d.verdict == Verdict::Deny)].inc();
+        self.flows[verdict_index(d.verdict)].inc();
     }
 
     /// Counts a closed connection.
@@ -128,12 +140,12 @@ impl Metrics {
         let decision_seconds = Histogram::new(exponential_buckets(1e-7, 2.0, 20));
         let connections_opened = Counter::default();
         let dir_counters = [Direction::Ingress, Direction::Egress].map(|dir| {
-            ["allow", "deny"].map(|verdict| {
+            VERDICTS.map(|verdict| {
                 TIERS.map(|tier| {
                     directions
                         .get_or_create(&vec![
                             ("direction", dir.as_str()),
-                            ("verdict", verdict),
+                            ("verdict", verdict.as_str()),
                             ("tier", tier),
                         ])
                         .clone()
@@ -141,7 +153,7 @@ impl Metrics {
             })
         });
         let flow_counters =
-            ["allow", "deny"].map(|v| flows.get_or_create(&vec![("verdict", v)]).clone());
+            VERDICTS.map(|v| flows.get_or_create(&vec![("verdict", v.as_str())]).clone());
         let closed_counters =
             CLOSE_REASONS.map(|r| closed.get_or_create(&vec![("reason", r.as_str())]).clone());
         let byte_counters = ["to_server", "to_client"]

@@ -59,22 +59,32 @@ impl FlowKey {
     }
 }
 
-/// Allow or deny.
+/// Allow, deny or reject.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Verdict {
     /// The flow may proceed.
     Allow,
     /// The flow is dropped silently.
     Deny,
+    /// The flow is refused at once: the client gets a TCP RST or an ICMP error
+    /// (administratively prohibited), as for a closed port. Only an Antrea `Reject` rule
+    /// gives it (`shared/reference/antrea-model.md` §5).
+    Reject,
 }
 
 impl Verdict {
-    /// `allow` / `deny`.
+    /// `allow` / `deny` / `reject`.
     pub fn as_str(self) -> &'static str {
         match self {
             Verdict::Allow => "allow",
             Verdict::Deny => "deny",
+            Verdict::Reject => "reject",
         }
+    }
+
+    /// Whether the flow may proceed.
+    pub fn is_allow(self) -> bool {
+        self == Verdict::Allow
     }
 }
 
@@ -127,7 +137,8 @@ pub struct Outcome {
 /// applies (`None` where that end is not a pod-network pod).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Decision {
-    /// `Allow` iff every applicable direction allows.
+    /// `Allow` iff every applicable direction allows; else the client's egress verdict if
+    /// it is not Allow, else the server's ingress verdict.
     pub verdict: Verdict,
     /// The client's egress, if the client is a pod-network pod.
     pub egress: Option<Outcome>,
@@ -303,9 +314,14 @@ impl Snapshot {
             }
             _ => None,
         };
-        let allowed = |o: &Option<Outcome>| o.as_ref().is_none_or(|o| o.verdict == Verdict::Allow);
-        let verdict =
-            if allowed(&egress) && allowed(&ingress) { Verdict::Allow } else { Verdict::Deny };
+        // The client's egress first, as a packet meets them (antrea-model.md §4): an egress
+        // Deny hides an ingress Reject, an egress Reject wins over anything at ingress.
+        let verdict = [&egress, &ingress]
+            .into_iter()
+            .flatten()
+            .map(|o| o.verdict)
+            .find(|v| *v != Verdict::Allow)
+            .unwrap_or(Verdict::Allow);
         Decision { verdict, egress, ingress, revision: self.revision }
     }
 
@@ -381,6 +397,9 @@ impl Snapshot {
                             }
                             Action::Deny => {
                                 return Outcome { verdict: Verdict::Deny, basis, passed };
+                            }
+                            Action::Reject => {
+                                return Outcome { verdict: Verdict::Reject, basis, passed };
                             }
                             // "Pass: Skips all further ClusterNetworkPolicy rules in the
                             // current tier for the selected traffic, and passes evaluation

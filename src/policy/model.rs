@@ -140,17 +140,23 @@ pub enum Action {
     Allow,
     /// Deny: the direction is denied; no later rule or tier is consulted.
     Deny,
-    /// Pass: skip the rest of the current tier.
+    /// Pass: skip the rest of the current tier (an Antrea Pass: every later admin-level
+    /// rule, straight to NetworkPolicy; `shared/reference/antrea-model.md` §5).
     Pass,
+    /// Antrea `Reject`: the direction is refused and the client told at once (TCP RST,
+    /// ICMP administratively prohibited); no later rule or tier is consulted. Only Antrea
+    /// ClusterNetworkPolicy and NetworkPolicy rules carry it (antrea-model.md §5).
+    Reject,
 }
 
 impl Action {
-    /// `Allow`, `Deny`, `Pass`.
+    /// `Allow`, `Deny`, `Pass`, `Reject`.
     pub fn as_str(self) -> &'static str {
         match self {
             Action::Allow => "Allow",
             Action::Deny => "Deny",
             Action::Pass => "Pass",
+            Action::Reject => "Reject",
         }
     }
 }

@@ -93,6 +93,8 @@ pub struct DecisionStats {
     pub allowed: AtomicU64,
     /// Flows denied (packet dropped).
     pub denied: AtomicU64,
+    /// Flows rejected (an Antrea `Reject` rule: the client is refused at once).
+    pub rejected: AtomicU64,
     /// Decisions answered from the cache.
     pub cache_hits: AtomicU64,
     /// Live connections and UDP flows closed because a new snapshot denies them.
@@ -254,6 +256,7 @@ impl Decider {
         match decision.verdict {
             Verdict::Allow => self.stats.allowed.fetch_add(1, Ordering::Relaxed),
             Verdict::Deny => self.stats.denied.fetch_add(1, Ordering::Relaxed),
+            Verdict::Reject => self.stats.rejected.fetch_add(1, Ordering::Relaxed),
         };
         self.metrics.decision(&decision);
         Admission { decision, audited, time, point }
@@ -274,7 +277,7 @@ impl Decider {
         for t in registry.connections() {
             out.checked += 1;
             let d = self.decide_in(&current, t.key.flow());
-            if d.verdict == Verdict::Deny {
+            if !d.verdict.is_allow() {
                 self.cut(&current, &t, &d);
                 out.cut += 1;
             }
@@ -381,7 +384,7 @@ impl Decider {
     pub fn adopt(&self, tracked: &Tracked) -> Arc<Decision> {
         let current = self.current.load_full();
         let d = self.decide_in(&current, tracked.key.flow());
-        if d.verdict == Verdict::Deny {
+        if !d.verdict.is_allow() {
             self.audit_cut_at(&current, tracked.key, &d, DecisionPoint::HandOver);
             tracked.stop(StopReason::PolicyChange);
         }

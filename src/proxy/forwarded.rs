@@ -332,7 +332,7 @@ pub fn sweep(
         let key = key_of(&e);
         if redecide {
             out.checked += 1;
-            if decider.decide(key.flow()).verdict == Verdict::Deny {
+            if decider.decide(key.flow()).verdict != Verdict::Allow {
                 let mut flows = tracked.lock();
                 match flows.get_mut(&key) {
                     Some(f) => f.cut = true,

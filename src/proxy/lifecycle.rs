@@ -85,7 +85,7 @@ impl Lifecycle {
         let key = registration.tracked.key;
         let admission = decider.take_or_decide(key);
         let _ = registration.tracked.decision.set(admission.decision.clone());
-        if admission.decision.verdict == Verdict::Deny {
+        if !admission.decision.verdict.is_allow() {
             return None;
         }
         Some(Lifecycle { decider: decider.clone(), admission, open: false, registration })

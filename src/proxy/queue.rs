@@ -262,7 +262,8 @@ fn read(
                     let proxied = !(kernel_forwarded || udp_forwarded);
                     match decider.first_packet(key, proxied).verdict {
                         Verdict::Allow => allow(p.mark),
-                        Verdict::Deny => drop,
+                        // TODO(#22): refuse at once (RST / ICMP) instead of dropping.
+                        Verdict::Deny | Verdict::Reject => drop,
                     }
                 }
                 Err(e) => {

@@ -47,7 +47,7 @@ mod parallel;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use super::api::{Namespace, NetworkPolicy, Node, Pod, SelectorRef, v1alpha1, v1alpha2};
+use super::api::{Namespace, NetworkPolicy, Node, Pod, SelectorRef, antrea, v1alpha1, v1alpha2};
 pub use super::model::{
     ANNOTATION_ENFORCING, ANNOTATION_PREFIX, Action, Direction, Endpoint, Revision, Tier,
 };
@@ -85,6 +85,10 @@ pub struct Inputs {
     pub baseline_admin_network_policies: Vec<Arc<v1alpha1::BaselineAdminNetworkPolicy>>,
     /// `v1alpha2` ClusterNetworkPolicies.
     pub cluster_network_policies: Vec<Arc<v1alpha2::ClusterNetworkPolicy>>,
+    /// Antrea-native objects (`crd.antrea.io/v1beta1` Tier, ClusterNetworkPolicy and
+    /// NetworkPolicy; `shared/reference/antrea-model.md`). The Tiers given here and the
+    /// six static ones make the Tier table each policy's `spec.tier` is looked up in.
+    pub antrea: antrea::Objects,
 }
 
 /// The annotations of `meta` whose key starts with [`ANNOTATION_PREFIX`], sorted by key.
