@@ -4,7 +4,8 @@
 //! under `examples/`. The container build file and the DaemonSet agree on the entrypoint,
 //! and the entrypoint picks the iptables flavour kubelet uses. `tierproxy crds --antrea`
 //! (not committed) prints structural CRDs that the objects under `tests/antrea-crds/`
-//! validate against exactly as `tierproxy check` judges them.
+//! validate against exactly as `tierproxy check` judges them. The ClusterRole reads exactly
+//! what the API-server source watches.
 //!
 //! The schema validation runs `tests/validate_manifests.py` (PyPI `kubernetes-validate`,
 //! which bundles the Kubernetes JSON schemas: offline) over `kubectl kustomize deploy/`
@@ -652,4 +653,45 @@ fn daemonset_keeps_what_deploy_readme_promises() {
             "{flag} is not an agent flag"
         );
     }
+}
+
+/// The ClusterRole grants get, list and watch on exactly the resources the API-server
+/// source watches (`WatchedKind::ALL`), Antrea's three included, and on nothing else; and
+/// never more than those verbs on them (a spec the agent could rewrite).
+#[test]
+fn the_cluster_role_reads_exactly_what_the_source_watches() {
+    use std::collections::BTreeSet;
+    use tierproxy::cluster::apiserver::WatchedKind;
+    let text = std::fs::read_to_string(root().join("deploy/rbac.yaml")).unwrap();
+    let docs: Vec<serde_json::Value> = serde_saphyr::from_multiple(&text).expect("rbac.yaml");
+    let role = docs.iter().find(|d| d["kind"] == "ClusterRole").expect("a ClusterRole");
+    let strings = |v: &serde_json::Value| -> Vec<String> {
+        v.as_array().unwrap().iter().map(|x| x.as_str().unwrap().to_string()).collect()
+    };
+    let mut read = BTreeSet::new();
+    for rule in role["rules"].as_array().unwrap() {
+        let verbs = strings(&rule["verbs"]);
+        for group in strings(&rule["apiGroups"]) {
+            for resource in strings(&rule["resources"]) {
+                let watched =
+                    WatchedKind::ALL.iter().any(|k| k.group() == group && k.plural() == resource);
+                // Subresources (the upstream policies' `/status`) are not watched.
+                if resource.contains('/') {
+                    continue;
+                }
+                if verbs.iter().any(|v| ["get", "list", "watch"].contains(&v.as_str())) {
+                    assert_eq!(verbs, ["get", "list", "watch"], "{group}/{resource}");
+                    read.insert((group.clone(), resource.clone()));
+                } else if watched {
+                    // Writes on a watched resource: only nodes (one annotation).
+                    assert_eq!((group.as_str(), resource.as_str()), ("", "nodes"), "{verbs:?}");
+                    assert_eq!(verbs, ["patch"]);
+                }
+            }
+        }
+    }
+    let watched: BTreeSet<(String, String)> =
+        WatchedKind::ALL.iter().map(|k| (k.group().to_string(), k.plural().to_string())).collect();
+    assert_eq!(read, watched);
+    assert!(watched.contains(&("crd.antrea.io".to_string(), "tiers".to_string())));
 }

@@ -579,6 +579,188 @@ async fn a_priority_tie_is_reported_on_every_policy_of_it() {
     }
 }
 
+const ANTREA: &str = "crd.antrea.io/v1beta1";
+
+fn antrea_tier(name: &str, priority: i64) -> Value {
+    json!({"apiVersion": ANTREA, "kind": "Tier", "metadata": {"name": name},
+           "spec": {"priority": priority}})
+}
+
+/// An Antrea ClusterNetworkPolicy in Tier `tier` that drops every pod's ingress from every
+/// pod.
+fn acnp(name: &str, tier: &str) -> Value {
+    json!({"apiVersion": ANTREA, "kind": "ClusterNetworkPolicy", "metadata": {"name": name},
+           "spec": {"tier": tier, "priority": 5, "appliedTo": [{"podSelector": {}}],
+                    "ingress": [{"action": "Drop", "from": [{"namespaceSelector": {}}]}]}})
+}
+
+/// Issue #22: Antrea's Tiers, ClusterNetworkPolicies and NetworkPolicies are watched when
+/// their CRDs exist, detected as the upstream CRDs are (404: absent, and picked up once
+/// installed), and reach the inputs as stored, valid or not: the builder judges them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn antrea_objects_are_watched_once_their_crds_exist() {
+    let api = FakeApi::start();
+    for kind in ["Tier", "ClusterNetworkPolicy", "NetworkPolicy"] {
+        api.uninstall(ANTREA, kind);
+    }
+    let (source, changes) = start(&api).await;
+    until("initial lists without Antrea's CRDs", || source.initialized()).await;
+    assert!(source.inputs().antrea.is_empty());
+    let absent: Vec<String> =
+        source.health().into_iter().filter(|(_, h)| h.absent).map(|(k, _)| k.to_string()).collect();
+    assert_eq!(
+        absent,
+        [
+            "tiers.crd.antrea.io",
+            "clusternetworkpolicies.crd.antrea.io",
+            "networkpolicies.crd.antrea.io"
+        ]
+    );
+    assert!(source.stale_for().is_none(), "a missing CRD is not staleness");
+
+    let before = changes.load(Ordering::SeqCst);
+    for kind in ["Tier", "ClusterNetworkPolicy", "NetworkPolicy"] {
+        api.install(ANTREA, kind);
+    }
+    api.apply(antrea_tier("later", 30));
+    api.apply(antrea_tier("early", 20));
+    api.apply(acnp("in-a-missing-tier", "nowhere"));
+    api.apply(json!({"apiVersion": ANTREA, "kind": "NetworkPolicy",
+                     "metadata": {"name": "q", "namespace": "shop"},
+                     "spec": {"priority": 1, "appliedTo": [{"podSelector": {}}],
+                              "egress": [{"action": "Reject"}]}}));
+    // The upstream kinds of the same names are other resources.
+    api.apply(network_policy("shop", "upstream"));
+    until("Antrea's objects", || {
+        let a = source.inputs().antrea;
+        a.tiers.len() == 2 && a.cluster_network_policies.len() == 1 && a.network_policies.len() == 1
+    })
+    .await;
+    until("reported", || changes.load(Ordering::SeqCst) > before).await;
+    let inputs = source.inputs();
+    assert_eq!(inputs.network_policies.len(), 1, "the upstream NetworkPolicy apart");
+    assert!(inputs.cluster_network_policies.is_empty());
+    let q = &inputs.antrea.network_policies[0];
+    assert_eq!(q.metadata.namespace.as_deref(), Some("shop"));
+    assert!(source.health().iter().all(|(_, h)| !h.absent));
+
+    // Antrea's controller writing its status is no change for the engine.
+    let g = source.generation();
+    let mut realized = acnp("in-a-missing-tier", "nowhere");
+    realized["status"] = json!({"phase": "Realized", "observedGeneration": 1,
+                                "currentNodesRealized": 1, "desiredNodesRealized": 1});
+    api.apply(realized);
+    api.apply(ns("marker", json!({})));
+    until("the marker", || source.inputs().namespaces.len() == 1).await;
+    assert_eq!(source.generation(), g + 1, "only the new namespace counted as a change");
+
+    // Uninstalled again: the kinds contribute nothing.
+    for kind in ["Tier", "ClusterNetworkPolicy", "NetworkPolicy"] {
+        api.uninstall(ANTREA, kind);
+    }
+    until("Antrea's objects gone", || source.inputs().antrea.is_empty()).await;
+}
+
+/// Issue #22, with issue #19's rule: an Antrea policy naming a Tier that does not exist is
+/// invalid, gets an Event (and no status: that is Antrea's), and is left out; one whose
+/// Tier is deleted under it (Antrea refuses that; a cluster without Antrea's webhook does
+/// not) stays in force as its recorded version, on an agent running then and on one started
+/// after, and the leader keeps the Tier's record while the policy names it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_antrea_policy_whose_tier_is_deleted_stays_in_force_on_every_agent() {
+    let api = FakeApi::start();
+    api.apply(node_a());
+    api.apply(ns("a", json!({"kubernetes.io/metadata.name": "a"})));
+    api.apply(ns("b", json!({"kubernetes.io/metadata.name": "b"})));
+    api.apply(pod("a", "client", "10.0.0.1", json!({})));
+    api.apply(pod("b", "server", "10.0.0.2", json!({})));
+    api.apply(antrea_tier("dev", 10));
+    api.apply(acnp("drop", "dev"));
+    api.apply(acnp("never-valid", "nowhere"));
+    let drop = ObjectRef::cluster(Kind::AntreaClusterNetworkPolicy, "drop");
+    let never = ObjectRef::cluster(Kind::AntreaClusterNetworkPolicy, "never-valid");
+    let dev = ObjectRef::cluster(Kind::AntreaTier, "dev");
+
+    let a = Agent::start(&api).await;
+    let reports = a.lead(&api).await;
+    let built = a.build(1);
+    assert_eq!(built.report.valid.get(&drop), Some(&Some(1)));
+    assert_eq!(built.report.valid.get(&dev), Some(&Some(1)));
+    assert!(
+        matches!(built.report.of(&never), Acceptance::Invalid(_)),
+        "{:?}",
+        built.report.of(&never)
+    );
+    reports.send_replace(Arc::new(built.report));
+    until("the valid versions recorded", || {
+        let r = a.records.records();
+        r.0.contains_key(&drop) && r.0.contains_key(&dev)
+    })
+    .await;
+    let cm = api.get("v1", "ConfigMap", Some("tierproxy-system"), lastgood::CONFIGMAP).unwrap();
+    assert!(cm["data"]["antrea-tier.dev"].as_str().unwrap().contains("\"priority\":10"), "{cm}");
+
+    // The Event about the invalid policy, in "default" (the ACNP is cluster-scoped), naming
+    // the field; no status written on any of Antrea's objects.
+    let events = || -> Vec<Value> {
+        api.writes()
+            .into_iter()
+            .filter(|(m, p, _)| m == "POST" && p.contains("/events"))
+            .map(|(_, _, b)| b)
+            .collect()
+    };
+    until("the InvalidPolicy event", || !events().is_empty()).await;
+    let e = &events()[0];
+    assert_eq!(e["regarding"]["name"], "never-valid");
+    assert_eq!(e["regarding"]["apiVersion"], ANTREA);
+    assert_eq!(e["metadata"]["namespace"], "default");
+    let note = e["note"].as_str().unwrap();
+    assert!(note.contains("spec.tier") && note.contains("none of its rules apply"), "{note}");
+
+    // The Tier is deleted under the policy.
+    api.delete(ANTREA, "Tier", None, "dev");
+    until("agent A sees the Tier gone", || a.source.antrea_tiers().is_empty()).await;
+    let from_a = a.build(2);
+    reports.send_replace(Arc::new(from_a.report.clone()));
+    // Agent B starts only now: it never saw the Tier.
+    let b = Agent::start(&api).await;
+    let from_b = b.build(1);
+    for (who, built) in [("A", &from_a), ("B", &from_b)] {
+        assert!(
+            matches!(built.report.of(&drop), Acceptance::InvalidUpdate(m, Some(1)) if m.contains("spec.tier")),
+            "agent {who}: {:?}",
+            built.report.of(&drop)
+        );
+        assert!(matches!(built.report.of(&never), Acceptance::Invalid(_)), "agent {who}");
+    }
+    assert_eq!(from_a.report.policies, from_b.report.policies, "the same report from both");
+    until("the Event saying the recorded version stays", || {
+        events().iter().any(|e| {
+            e["regarding"]["name"] == "drop"
+                && e["note"].as_str().is_some_and(|n| n.contains("generation 1) stays in force"))
+        })
+    })
+    .await;
+    // The leader keeps the Tier's record: the policy still names it.
+    let records = a.records.records();
+    assert!(records.0.contains_key(&dev) && records.0.contains_key(&drop), "{records:?}");
+    assert!(
+        !api.requests().iter().any(|r| !r.starts_with("GET") && r.contains("/apis/crd.antrea.io/")),
+        "tierproxy writes nothing on Antrea's objects"
+    );
+
+    // The policy is deleted: nothing names the Tier any more, its record goes too.
+    api.delete(ANTREA, "ClusterNetworkPolicy", None, "drop");
+    until("agent A sees the policy gone", || a.source.antrea_cluster_network_policies().len() == 1)
+        .await;
+    reports.send_replace(Arc::new(a.build(3).report));
+    until("both records dropped", || {
+        let r = a.records.records();
+        !r.0.contains_key(&dev) && !r.0.contains_key(&drop)
+    })
+    .await;
+}
+
 const LEASE_NS: &str = "tierproxy-system";
 const LEASE: &str = "tierproxy-policy-status";
 const LEASES: &str = "/apis/coordination.k8s.io/v1/leases";

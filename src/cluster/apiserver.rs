@@ -1,14 +1,20 @@
-//! The API-server source: kube-rs watchers with reflector stores for the seven kinds the
-//! engine reads (issue #6, "Cluster source").
+//! The API-server source: kube-rs watchers with reflector stores for the ten kinds the
+//! engine reads (issue #6, "Cluster source"; issue #22 for Antrea's).
 //!
 //! - **What is watched.** Pods, Namespaces and Nodes (`v1`), NetworkPolicies
 //!   (`networking.k8s.io/v1`), AdminNetworkPolicies and BaselineAdminNetworkPolicies
-//!   (`policy.networking.k8s.io/v1alpha1`) and ClusterNetworkPolicies
-//!   (`policy.networking.k8s.io/v1alpha2`), cluster-wide: a pod anywhere may be a peer.
+//!   (`policy.networking.k8s.io/v1alpha1`), ClusterNetworkPolicies
+//!   (`policy.networking.k8s.io/v1alpha2`), and Antrea's Tiers, ClusterNetworkPolicies and
+//!   NetworkPolicies (`crd.antrea.io/v1beta1`), cluster-wide: a pod anywhere may be a peer.
+//!   The source only stores them: whether an Antrea policy is valid depends on the Tiers
+//!   (a policy naming a Tier that does not exist is invalid), so the builder validates them
+//!   together ([`super::builder`]); tierproxy writes nothing on Antrea's objects (their
+//!   status is Antrea's controller's), it posts Events about the invalid ones
+//!   ([`super::status`]).
 //! - **Lists come from the API server's watch cache.** Every list (the first, and each
 //!   relist) asks for `resourceVersion=0` with `resourceVersionMatch=NotOlderThan`
 //!   (kube-runtime's `ListSemantic::Any`; client-go's informers list from the cache too),
-//!   not for a quorum read from etcd: a thousand nodes relisting seven kinds after an
+//!   not for a quorum read from etcd: a thousand nodes relisting ten kinds after an
 //!   API-server restart cost the API server copies from memory, not etcd reads. The
 //!   price: such a list may be a little older than the newest write (the watch that
 //!   follows catches up), and it comes whole, in one response: the watch cache ignores
@@ -24,11 +30,14 @@
 //!   reads from etcd. After each relist the source gives the freed heap back to the
 //!   kernel (`malloc_trim`), as the agent does after a build: a relist that changes
 //!   nothing builds nothing, and its transient memory would otherwise stay resident.
-//! - **CRDs that are not installed.** The three policy kinds are custom resources. A list
-//!   that the API server answers with 404 means the CRD (or that API version) is not
-//!   installed: the kind counts as listed and empty ([`KindHealth::absent`]), and the
-//!   watcher keeps retrying with backoff, so a CRD installed later is picked up at the next
-//!   retry (at most [`SourceConfig::backoff_max`] later). Neither API version is required.
+//! - **CRDs that are not installed.** The six policy kinds (three upstream, three of
+//!   Antrea's) are custom resources. A list that the API server answers with 404 means the
+//!   CRD (or that API version) is not installed: the kind counts as listed and empty
+//!   ([`KindHealth::absent`]), and the watcher keeps retrying with backoff, so a CRD
+//!   installed later is picked up at the next retry (at most [`SourceConfig::backoff_max`]
+//!   later). No API version is required: a cluster without Antrea answers 404 for its three
+//!   kinds, and one whose Antrea serves only an older version of them (before
+//!   `crd.antrea.io/v1beta1`) does too.
 //! - **Memory.** Each object is cut to the fields the engine reads before it is stored. A
 //!   Pod is stored as a [`PodView`] (name, namespace, labels, node, hostNetwork, named
 //!   container ports, phase and IPs: about 1.2 kB of RSS per pod stored, labels and key
@@ -46,7 +55,7 @@
 //!   once if its content differs from the store's (compared as for a single object:
 //!   `resourceVersion`, and a policy's `status` and `generation`, do not count), and not at
 //!   all if it does not: then the store keeps its objects (and the snapshot in force
-//!   shares them), and seven relists after an API-server restart rebuild nothing. (A
+//!   shares them), and ten relists after an API-server restart rebuild nothing. (A
 //!   relist in which policies differ in their status only replaces the store, which the
 //!   status writer reads, without a bump.)
 //! - **Errors.** A watch error (API server unreachable, 4xx/5xx) leaves the stores as
@@ -65,7 +74,7 @@
 //!   probes drift apart); the first answer (ready, or 401/403/404: the server serves but
 //!   will not say) resets the waiting watchers' backoff and they relist at once. So an
 //!   agent notices an API server that is back within 1.5 probe intervals plus a round
-//!   trip (1.5 s by default), whatever the outage's length, and N agents' relists (seven
+//!   trip (1.5 s by default), whatever the outage's length, and N agents' relists (ten
 //!   each) arrive spread over about one probe interval, served from the watch cache; what
 //!   API Priority and Fairness turns away (429) is retried with the exponential backoff,
 //!   not the prober. Other errors (403, 500, 429) wait for the backoff alone.
@@ -88,7 +97,7 @@ use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, Resource};
 use serde::de::DeserializeOwned;
 
-use crate::policy::api::{Namespace, NetworkPolicy, Node, Pod, v1alpha1, v1alpha2};
+use crate::policy::api::{Namespace, NetworkPolicy, Node, Pod, antrea, v1alpha1, v1alpha2};
 use crate::policy::compile::ANNOTATION_PREFIX;
 use crate::policy::{Inputs, PodView};
 
@@ -167,11 +176,17 @@ pub enum WatchedKind {
     BaselineAdminNetworkPolicy,
     /// `policy.networking.k8s.io/v1alpha2` ClusterNetworkPolicy (a CRD).
     ClusterNetworkPolicy,
+    /// `crd.antrea.io/v1beta1` Tier (Antrea's CRD).
+    AntreaTier,
+    /// `crd.antrea.io/v1beta1` ClusterNetworkPolicy (Antrea's CRD, ACNP).
+    AntreaClusterNetworkPolicy,
+    /// `crd.antrea.io/v1beta1` NetworkPolicy (Antrea's CRD, ANNP; namespaced).
+    AntreaNetworkPolicy,
 }
 
 impl WatchedKind {
     /// Every kind, in the order they are reported.
-    pub const ALL: [WatchedKind; 7] = [
+    pub const ALL: [WatchedKind; KINDS] = [
         WatchedKind::Pod,
         WatchedKind::Namespace,
         WatchedKind::Node,
@@ -179,18 +194,53 @@ impl WatchedKind {
         WatchedKind::AdminNetworkPolicy,
         WatchedKind::BaselineAdminNetworkPolicy,
         WatchedKind::ClusterNetworkPolicy,
+        WatchedKind::AntreaTier,
+        WatchedKind::AntreaClusterNetworkPolicy,
+        WatchedKind::AntreaNetworkPolicy,
     ];
 
-    /// The resource's plural name, as in its API path and RBAC rules.
+    /// The resource's plural name, as in its API path and RBAC rules (two kinds share
+    /// `clusternetworkpolicies` and two `networkpolicies`; [`WatchedKind::group`] tells
+    /// them apart).
     pub fn plural(self) -> &'static str {
         match self {
             WatchedKind::Pod => "pods",
             WatchedKind::Namespace => "namespaces",
             WatchedKind::Node => "nodes",
-            WatchedKind::NetworkPolicy => "networkpolicies",
+            WatchedKind::NetworkPolicy | WatchedKind::AntreaNetworkPolicy => "networkpolicies",
             WatchedKind::AdminNetworkPolicy => "adminnetworkpolicies",
             WatchedKind::BaselineAdminNetworkPolicy => "baselineadminnetworkpolicies",
-            WatchedKind::ClusterNetworkPolicy => "clusternetworkpolicies",
+            WatchedKind::ClusterNetworkPolicy | WatchedKind::AntreaClusterNetworkPolicy => {
+                "clusternetworkpolicies"
+            }
+            WatchedKind::AntreaTier => "tiers",
+        }
+    }
+
+    /// The resource's API group, as in its RBAC rules (`""`: core `v1`).
+    pub fn group(self) -> &'static str {
+        match self {
+            WatchedKind::Pod | WatchedKind::Namespace | WatchedKind::Node => "",
+            WatchedKind::NetworkPolicy => "networking.k8s.io",
+            WatchedKind::AdminNetworkPolicy
+            | WatchedKind::BaselineAdminNetworkPolicy
+            | WatchedKind::ClusterNetworkPolicy => "policy.networking.k8s.io",
+            WatchedKind::AntreaTier
+            | WatchedKind::AntreaClusterNetworkPolicy
+            | WatchedKind::AntreaNetworkPolicy => antrea::GROUP,
+        }
+    }
+
+    /// The name logs, `/readyz` and the `resource` label of metrics give the kind: its
+    /// plural, qualified by its group for Antrea's kinds (`clusternetworkpolicies.crd.antrea.io`,
+    /// kubectl's `resource.group`), whose plurals repeat upstream ones. The upstream kinds
+    /// keep their bare plural, as before Antrea's were watched.
+    pub fn resource(self) -> &'static str {
+        match self {
+            WatchedKind::AntreaTier => "tiers.crd.antrea.io",
+            WatchedKind::AntreaClusterNetworkPolicy => "clusternetworkpolicies.crd.antrea.io",
+            WatchedKind::AntreaNetworkPolicy => "networkpolicies.crd.antrea.io",
+            other => other.plural(),
         }
     }
 
@@ -201,6 +251,9 @@ impl WatchedKind {
             WatchedKind::AdminNetworkPolicy
                 | WatchedKind::BaselineAdminNetworkPolicy
                 | WatchedKind::ClusterNetworkPolicy
+                | WatchedKind::AntreaTier
+                | WatchedKind::AntreaClusterNetworkPolicy
+                | WatchedKind::AntreaNetworkPolicy
         )
     }
 
@@ -209,9 +262,13 @@ impl WatchedKind {
     }
 }
 
+/// How many kinds are watched ([`WatchedKind::ALL`]).
+pub const KINDS: usize = 10;
+
 impl fmt::Display for WatchedKind {
+    /// [`WatchedKind::resource`].
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.plural())
+        f.write_str(self.resource())
     }
 }
 
@@ -270,7 +327,7 @@ pub struct KindHealth {
 
 /// State shared between the watcher tasks and the readers.
 struct Shared {
-    health: Mutex<[KindHealth; 7]>,
+    health: Mutex<[KindHealth; KINDS]>,
     generation: AtomicU64,
     initialized: AtomicBool,
     changed: tokio::sync::Notify,
@@ -283,7 +340,7 @@ struct Shared {
 }
 
 impl Shared {
-    fn health<R>(&self, f: impl FnOnce(&mut [KindHealth; 7]) -> R) -> R {
+    fn health<R>(&self, f: impl FnOnce(&mut [KindHealth; KINDS]) -> R) -> R {
         let mut h = self.health.lock().unwrap_or_else(|e| e.into_inner());
         f(&mut h)
     }
@@ -294,7 +351,7 @@ impl Shared {
     }
 }
 
-/// The reflector stores of the seven kinds.
+/// The reflector stores of the ten kinds.
 #[derive(Clone)]
 struct Stores {
     pods: ViewStore,
@@ -304,6 +361,9 @@ struct Stores {
     admin_network_policies: Store<v1alpha1::AdminNetworkPolicy>,
     baseline_admin_network_policies: Store<v1alpha1::BaselineAdminNetworkPolicy>,
     cluster_network_policies: Store<v1alpha2::ClusterNetworkPolicy>,
+    antrea_tiers: Store<antrea::Tier>,
+    antrea_cluster_network_policies: Store<antrea::ClusterNetworkPolicy>,
+    antrea_network_policies: Store<antrea::NetworkPolicy>,
 }
 
 /// A running API-server source. Cheap to clone; the watchers stop when the runtime they
@@ -324,7 +384,7 @@ impl fmt::Debug for ApiSource {
 }
 
 impl ApiSource {
-    /// Starts the seven watchers (and the debouncer) on the current tokio runtime, with
+    /// Starts the ten watchers (and the debouncer) on the current tokio runtime, with
     /// `client`. `on_change` is called, from a runtime task, after each debounced burst of
     /// changes once every watcher has finished its first list (and once when that
     /// happens); it must not block.
@@ -389,8 +449,29 @@ impl ApiSource {
                 s,
             ),
             cluster_network_policies: spawn_watch(
-                Api::all(client),
+                Api::all(client.clone()),
                 WatchedKind::ClusterNetworkPolicy,
+                project_meta,
+                c,
+                s,
+            ),
+            antrea_tiers: spawn_watch(
+                Api::all(client.clone()),
+                WatchedKind::AntreaTier,
+                project_meta,
+                c,
+                s,
+            ),
+            antrea_cluster_network_policies: spawn_watch(
+                Api::all(client.clone()),
+                WatchedKind::AntreaClusterNetworkPolicy,
+                project_meta,
+                c,
+                s,
+            ),
+            antrea_network_policies: spawn_watch(
+                Api::all(client),
+                WatchedKind::AntreaNetworkPolicy,
                 project_meta,
                 c,
                 s,
@@ -453,7 +534,9 @@ impl ApiSource {
     }
 
     /// The stores' objects, as compiler input (shared with the stores, not copied). Kinds
-    /// whose CRD is not installed contribute nothing.
+    /// whose CRD is not installed contribute nothing. Antrea's objects come as stored,
+    /// valid or not (their validity depends on each other: the builder checks them), the
+    /// Tiers in the order Antrea's webhook admitted them ([`antrea_tier_order`]).
     pub fn inputs(&self) -> Inputs {
         fn all<K: Clone + Resource<DynamicType = ()> + 'static>(s: &Store<K>) -> Vec<Arc<K>> {
             s.state()
@@ -482,9 +565,40 @@ impl ApiSource {
             } else {
                 Vec::new()
             },
-            // Antrea's kinds are not watched yet (issue #22).
-            antrea: Default::default(),
+            antrea: antrea::Objects {
+                tiers: if optional(WatchedKind::AntreaTier) {
+                    antrea_tier_order(all(&s.antrea_tiers))
+                } else {
+                    Vec::new()
+                },
+                cluster_network_policies: if optional(WatchedKind::AntreaClusterNetworkPolicy) {
+                    all(&s.antrea_cluster_network_policies)
+                } else {
+                    Vec::new()
+                },
+                network_policies: if optional(WatchedKind::AntreaNetworkPolicy) {
+                    all(&s.antrea_network_policies)
+                } else {
+                    Vec::new()
+                },
+            },
         }
+    }
+
+    /// The stored Antrea Tiers, in [`antrea_tier_order`] (for the status writer and the
+    /// last good versions).
+    pub fn antrea_tiers(&self) -> Vec<Arc<antrea::Tier>> {
+        antrea_tier_order(self.stores.antrea_tiers.state())
+    }
+
+    /// The stored Antrea ClusterNetworkPolicies (for the status writer).
+    pub fn antrea_cluster_network_policies(&self) -> Vec<Arc<antrea::ClusterNetworkPolicy>> {
+        self.stores.antrea_cluster_network_policies.state()
+    }
+
+    /// The stored Antrea NetworkPolicies (for the status writer).
+    pub fn antrea_network_policies(&self) -> Vec<Arc<antrea::NetworkPolicy>> {
+        self.stores.antrea_network_policies.state()
     }
 
     /// The stored AdminNetworkPolicies (for the status writer).
@@ -503,6 +617,21 @@ impl ApiSource {
     pub fn cluster_network_policies(&self) -> Vec<Arc<v1alpha2::ClusterNetworkPolicy>> {
         self.stores.cluster_network_policies.state()
     }
+}
+
+/// `tiers` in the order Antrea's webhook admitted them: by `metadata.creationTimestamp`,
+/// then by name (a store hands its objects out in no order). Of two Tiers with one
+/// priority, the webhook refused the later (`validate.go`: "overlaps with existing Tier");
+/// [`crate::policy::antrea_tiers::TierTable::build`] refuses the later in its input, so
+/// every agent refuses the same one. (Timestamps have a resolution of one second; two
+/// Tiers created within one and sharing a priority are told apart by name.)
+pub fn antrea_tier_order(mut tiers: Vec<Arc<antrea::Tier>>) -> Vec<Arc<antrea::Tier>> {
+    tiers.sort_by(|a, b| {
+        let key =
+            |t: &antrea::Tier| (t.metadata.creation_timestamp.clone(), t.metadata.name.clone());
+        key(a).cmp(&key(b))
+    });
+    tiers
 }
 
 /// Exponential backoff between watch retries: steps of `initial`, doubling up to `max`;
@@ -1320,6 +1449,42 @@ mod tests {
         );
         assert!(np.metadata.managed_fields.is_none());
         assert!(np.spec.is_some());
+    }
+
+    /// Tiers come in the order Antrea's webhook admitted them, the store's order aside: by
+    /// creation time, then name.
+    #[test]
+    fn antrea_tiers_come_in_creation_order() {
+        let tier = |name: &str, created: Option<&str>| -> Arc<antrea::Tier> {
+            let mut meta = serde_json::json!({"name": name});
+            if let Some(t) = created {
+                meta["creationTimestamp"] = t.into();
+            }
+            Arc::new(
+                serde_json::from_value(
+                    serde_json::json!({"metadata": meta, "spec": {"priority": 1}}),
+                )
+                .unwrap(),
+            )
+        };
+        let got = antrea_tier_order(vec![
+            tier("a", Some("2026-11-02T00:00:00Z")),
+            tier("c", Some("2026-11-01T00:00:00Z")),
+            tier("b", Some("2026-11-01T00:00:00Z")),
+        ]);
+        let names: Vec<&str> = got.iter().map(|t| t.metadata.name.as_deref().unwrap()).collect();
+        assert_eq!(names, ["b", "c", "a"]);
+    }
+
+    #[test]
+    fn every_kind_has_one_resource_name() {
+        let names: std::collections::HashSet<&str> =
+            WatchedKind::ALL.iter().map(|k| k.resource()).collect();
+        assert_eq!(names.len(), KINDS, "the metrics' resource label tells every kind apart");
+        assert_eq!(
+            WatchedKind::AntreaClusterNetworkPolicy.to_string(),
+            "clusternetworkpolicies.crd.antrea.io"
+        );
     }
 
     #[test]

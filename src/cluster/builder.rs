@@ -25,6 +25,13 @@
 //!    agent compiled everything, validation included, and compiled again when a last good
 //!    version had to be put back.
 //!
+//! Antrea's objects (Tier, ClusterNetworkPolicy, NetworkPolicy of `crd.antrea.io`) go
+//! through stages 1 and 2 together, in [`antrea`]: a policy's validity depends on the
+//! Tiers, so the Tiers come first and a change of them validates the policies again; an
+//! invalid one is admitted as its recorded last good version as the admin policies are,
+//! and a Tier deleted under its policies keeps their recorded versions in force
+//! ([`super::lastgood`], "A Tier removed under its policies").
+//!
 //! An admin policy (ANP, BANP, CNP) that changed is validated rule by rule against the
 //! version validated last: a rule equal to the one in its place keeps its problems, and
 //! the same pass tells whether anything changed at all (`Versioned::REVALIDATE`).
@@ -49,6 +56,8 @@ use super::status::{self, Report};
 use crate::policy::api::{self, v1alpha1, v1alpha2};
 use crate::policy::compile::{Compiler, Pass, meta_namespace};
 use crate::policy::{Inputs, Kind, ObjectRef, Problem, Revision, Snapshot, validate};
+
+mod antrea;
 
 /// Reads `manifests` and adds the API server's objects from `kube` (an object in both: the
 /// API server's wins), as one [`Loaded`]. Pods come as views
@@ -87,6 +96,17 @@ pub fn gather(manifests: &[PathBuf], kube: Option<&super::apiserver::ApiSource>)
         merge(&mut i.admin_network_policies, api.admin_network_policies);
         merge(&mut i.baseline_admin_network_policies, api.baseline_admin_network_policies);
         merge(&mut i.cluster_network_policies, api.cluster_network_policies);
+    }
+    // The files' Antrea objects join the API server's in the compiler's input, where the
+    // builder validates them all together (Tiers first, then the policies against them).
+    let mut files = std::mem::take(&mut loaded.antrea);
+    loaded.inputs.antrea.append(&mut files);
+    if let Some(source) = kube {
+        let api = source.inputs().antrea;
+        let a = &mut loaded.inputs.antrea;
+        merge(&mut a.tiers, api.tiers);
+        merge(&mut a.cluster_network_policies, api.cluster_network_policies);
+        merge(&mut a.network_policies, api.network_policies);
     }
     loaded
 }
@@ -251,6 +271,9 @@ versioned! {
     v1alpha1::AdminNetworkPolicy => spec [revalidate revalidate_admin];
     v1alpha1::BaselineAdminNetworkPolicy => spec [revalidate revalidate_admin];
     v1alpha2::ClusterNetworkPolicy => spec [revalidate revalidate_admin];
+    api::antrea::Tier => spec;
+    api::antrea::ClusterNetworkPolicy => spec;
+    api::antrea::NetworkPolicy => spec;
 }
 
 impl<T: Versioned> Cache<T> {
@@ -260,7 +283,7 @@ impl<T: Versioned> Cache<T> {
         &mut self,
         r: &ObjectRef,
         object: &Arc<T>,
-        validate: fn(&T, &mut Vec<Problem>),
+        validate: &dyn Fn(&T, &mut Vec<Problem>),
         build: u64,
         validated: &mut usize,
     ) -> &Checked<T> {
@@ -334,6 +357,8 @@ struct Caches {
     recorded_admin: Cache<v1alpha1::AdminNetworkPolicy>,
     recorded_baseline: Cache<v1alpha1::BaselineAdminNetworkPolicy>,
     recorded_cluster: Cache<v1alpha2::ClusterNetworkPolicy>,
+    /// Antrea's objects ([`antrea`]).
+    antrea: antrea::Caches,
 }
 
 /// The agent's snapshot builder: validation results and the compiler's state carried
@@ -367,7 +392,7 @@ fn check_kind<T: Versioned>(
     list: &mut Vec<Arc<T>>,
     kind: Kind,
     cache: &mut Cache<T>,
-    validate: fn(&T, &mut Vec<Problem>),
+    validate: &dyn Fn(&T, &mut Vec<Problem>),
     build: u64,
     out: &mut Stage,
 ) {
@@ -410,7 +435,7 @@ fn check_recorded<T: Versioned>(
     list: &[Arc<T>],
     kind: Kind,
     cache: &mut Cache<T>,
-    validate: fn(&T, &mut Vec<Problem>),
+    validate: &dyn Fn(&T, &mut Vec<Problem>),
     build: u64,
     kept: &mut Vec<(ObjectRef, Option<i64>)>,
     validated: &mut usize,
@@ -468,6 +493,8 @@ impl Builder {
         let mut lines: Vec<(Level, String)> =
             loaded.notes.iter().map(|n| (Level::Info, n.to_string())).collect();
         let mut inputs = loaded.inputs;
+        let mut files = loaded.antrea;
+        inputs.antrea.append(&mut files);
         let mut stage = Stage { problems: loaded.problems, ..Stage::default() };
 
         // Stage 1: validate what changed.
@@ -477,17 +504,17 @@ impl Builder {
             &mut i.namespaces,
             Kind::Namespace,
             &mut c.namespaces,
-            validate::namespace,
+            &validate::namespace,
             build,
             &mut stage,
         );
-        check_kind(&mut i.nodes, Kind::Node, &mut c.nodes, validate::node, build, &mut stage);
-        check_kind(&mut i.pods, Kind::Pod, &mut c.pods, validate::pod, build, &mut stage);
+        check_kind(&mut i.nodes, Kind::Node, &mut c.nodes, &validate::node, build, &mut stage);
+        check_kind(&mut i.pods, Kind::Pod, &mut c.pods, &validate::pod, build, &mut stage);
         check_kind(
             &mut i.admin_network_policies,
             Kind::AdminNetworkPolicy,
             &mut c.admin,
-            validate::admin_network_policy,
+            &validate::admin_network_policy,
             build,
             &mut stage,
         );
@@ -495,7 +522,7 @@ impl Builder {
             &mut i.cluster_network_policies,
             Kind::ClusterNetworkPolicy,
             &mut c.cluster,
-            validate::cluster_network_policy,
+            &validate::cluster_network_policy,
             build,
             &mut stage,
         );
@@ -503,7 +530,7 @@ impl Builder {
             &mut i.baseline_admin_network_policies,
             Kind::BaselineAdminNetworkPolicy,
             &mut c.baseline,
-            validate::baseline_admin_network_policy,
+            &validate::baseline_admin_network_policy,
             build,
             &mut stage,
         );
@@ -511,7 +538,7 @@ impl Builder {
             &mut i.network_policies,
             Kind::NetworkPolicy,
             &mut c.network_policies,
-            validate::network_policy,
+            &validate::network_policy,
             build,
             &mut stage,
         );
@@ -519,12 +546,16 @@ impl Builder {
 
         // Stage 2: admit. Decoding problems name objects too (a spec that does not decode
         // is an error of that object).
+        // Antrea's kinds are admitted below, on their own: a file's Antrea object that did
+        // not decode is not in the input, and must not put back an API server's object of
+        // that name.
         let invalid: BTreeSet<ObjectRef> = invalid
             .into_iter()
             .chain(problems.iter().filter(|p| p.is_error()).map(|p| p.object.clone()))
+            .filter(|r| !is_antrea(r.kind))
             .collect();
         let invalid: Vec<ObjectRef> = invalid.into_iter().collect();
-        let valid = valid_generations(&inputs, &invalid);
+        let mut valid = valid_generations(&inputs, &invalid);
         let mut kept = match records {
             Some(records) => lastgood::put_back(&mut inputs, records, &invalid),
             None => Vec::new(),
@@ -537,7 +568,7 @@ impl Builder {
                 &i.admin_network_policies,
                 Kind::AdminNetworkPolicy,
                 &mut c.recorded_admin,
-                validate::admin_network_policy,
+                &validate::admin_network_policy,
                 build,
                 k,
                 &mut validated,
@@ -546,7 +577,7 @@ impl Builder {
                 &i.cluster_network_policies,
                 Kind::ClusterNetworkPolicy,
                 &mut c.recorded_cluster,
-                validate::cluster_network_policy,
+                &validate::cluster_network_policy,
                 build,
                 k,
                 &mut validated,
@@ -555,7 +586,7 @@ impl Builder {
                 &i.baseline_admin_network_policies,
                 Kind::BaselineAdminNetworkPolicy,
                 &mut c.recorded_baseline,
-                validate::baseline_admin_network_policy,
+                &validate::baseline_admin_network_policy,
                 build,
                 k,
                 &mut validated,
@@ -576,6 +607,14 @@ impl Builder {
             retain(&mut i.baseline_admin_network_policies, Kind::BaselineAdminNetworkPolicy, &out);
             retain(&mut i.cluster_network_policies, Kind::ClusterNetworkPolicy, &out);
         }
+
+        // Stages 1 and 2 of Antrea's objects, together ([`antrea`]).
+        let mut a = antrea::admit(&mut self.caches.antrea, &mut inputs.antrea, records, build);
+        problems.append(&mut a.problems);
+        kept.append(&mut a.kept);
+        lines.append(&mut a.lines);
+        valid.append(&mut a.valid);
+        validated += a.validated;
 
         // Stage 3: compile what was admitted, patching the previous snapshot where the
         // change allows it.
@@ -610,6 +649,11 @@ impl Builder {
         report.valid = valid;
         Ok(Built { snapshot: compiled.snapshot, problems, report, lines, validated, pass })
     }
+}
+
+/// Whether `kind` is one of Antrea's.
+fn is_antrea(kind: Kind) -> bool {
+    matches!(kind, Kind::AntreaTier | Kind::AntreaClusterNetworkPolicy | Kind::AntreaNetworkPolicy)
 }
 
 /// The admin policies of `inputs` (the three status-carrying kinds) not named in

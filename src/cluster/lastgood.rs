@@ -1,23 +1,38 @@
-//! Last good versions of the admin policies, recorded where every agent reads them
-//! (issue #19, item 1).
+//! Last good versions of the admin policies and of Antrea's objects, recorded where every
+//! agent reads them (issue #19, item 1; issue #22 for Antrea's kinds).
 //!
-//! **The rule.** An AdminNetworkPolicy, BaselineAdminNetworkPolicy or ClusterNetworkPolicy
-//! whose current version is invalid is enforced as the version recorded for it in the
-//! ConfigMap [`CONFIGMAP`] of the agents' namespace, if there is one for the same object
-//! (same `metadata.uid`) and it is valid; otherwise it is left out of the snapshot and none
-//! of its rules apply. The answer depends only on what the API server holds (the policy and
+//! **The rule.** An AdminNetworkPolicy, BaselineAdminNetworkPolicy or ClusterNetworkPolicy,
+//! or an Antrea Tier, ClusterNetworkPolicy or NetworkPolicy ([`RECORDED`]), whose current
+//! version is invalid is enforced as the version recorded for it in the ConfigMap
+//! [`CONFIGMAP`] of the agents' namespace, if there is one for the same object (same
+//! `metadata.uid`) and it is valid; otherwise it is left out of the snapshot and none of
+//! its rules apply. The answer depends only on what the API server holds (the policy and
 //! the ConfigMap), never on what an agent saw before it started, so every agent gives the
 //! same answer for the same API state whatever its start time (a DaemonSet rollout no longer
 //! turns "last good version kept" into "left out").
 //!
+//! **A Tier removed under its policies.** An Antrea policy is valid only if the Tier it
+//! names exists, so its validity can change without the policy changing. Antrea's API
+//! promises that it does not: its webhook refuses to delete a Tier that a policy names
+//! ("tier is referenced by N policies"). tierproxy keeps that promise for the policies it
+//! enforces: a deleted Tier's record stays while a policy (in the store, or in a record)
+//! names it, and a policy that names it is enforced as its recorded version, with the Tier
+//! at its recorded priority ([`ghost_tier`]); both are reported (the policy is invalid: its
+//! Tier does not exist). So deleting a Tier under its policies changes no decision (their
+//! Drop rules keep dropping, their Allow rules keep allowing), as if the delete had been
+//! refused; a policy without a valid record (created while its Tier was missing) is left
+//! out, as any invalid policy is. A Tier created again under the name is another object:
+//! the policies are validated against it, the record is not used.
+//!
 //! **Who records.** The agent holding the policy status Lease ([`super::status`]): after each
-//! snapshot, every policy of the three kinds whose current version that snapshot compiled as
-//! valid (its `metadata.generation` is the one compiled) is recorded with its uid,
-//! generation and spec; a policy that is invalid now keeps its record; records of policies
-//! that no longer exist are dropped. One server-side apply of the ConfigMap, only when its
-//! content changes (a steady cluster causes no writes). A valid version that is replaced
-//! before the leader recorded it is never the last good one: the one before it is (at most
-//! one snapshot's delay, about 100 ms).
+//! snapshot, every object of the recorded kinds whose current version that snapshot
+//! compiled as valid (its `metadata.generation` is the one compiled) is recorded with its
+//! uid, generation and spec; an object that is invalid now keeps its record; records of
+//! objects that no longer exist are dropped, but for a Tier's while a policy names it
+//! (above). One server-side apply of the ConfigMap, only when its content changes (a steady
+//! cluster causes no writes). A valid version that is replaced before the leader recorded
+//! it is never the last good one: the one before it is (at most one snapshot's delay,
+//! about 100 ms).
 //!
 //! **Why a ConfigMap.** Recording on the policies themselves (an annotation) would need the
 //! right to patch them, which is the right to rewrite their specs; the ConfigMap needs
@@ -47,8 +62,19 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use super::status::Report;
-use crate::policy::api::{v1alpha1, v1alpha2};
+use crate::policy::antrea_tiers::tier_object_name;
+use crate::policy::api::{antrea, v1alpha1, v1alpha2};
 use crate::policy::{Inputs, Kind, ObjectRef};
+
+/// The kinds whose last good versions are recorded.
+pub const RECORDED: [Kind; 6] = [
+    Kind::AdminNetworkPolicy,
+    Kind::BaselineAdminNetworkPolicy,
+    Kind::ClusterNetworkPolicy,
+    Kind::AntreaTier,
+    Kind::AntreaClusterNetworkPolicy,
+    Kind::AntreaNetworkPolicy,
+];
 
 /// Name of the ConfigMap, in the agents' namespace (`--lease-namespace`), that holds the
 /// records.
@@ -76,20 +102,40 @@ pub struct Record {
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Records(pub BTreeMap<ObjectRef, Record>);
 
-/// The ConfigMap key of `r`: `<kind in lower case>.<name>` (`adminnetworkpolicy.deny-all`;
-/// a policy name is a DNS subdomain, so the key is a valid ConfigMap key).
-pub fn key(r: &ObjectRef) -> String {
-    format!("{}.{}", r.kind.as_str().to_ascii_lowercase(), r.name)
+/// The first part of a ConfigMap key for `kind`: the upstream kinds in lower case
+/// (`adminnetworkpolicy`), Antrea's with `antrea-` before (`antrea-clusternetworkpolicy`:
+/// two kinds share the name, and a `.` would be ambiguous, since names hold dots).
+fn key_prefix(kind: Kind) -> String {
+    let lower = kind.as_str().to_ascii_lowercase();
+    match kind {
+        Kind::AntreaTier | Kind::AntreaClusterNetworkPolicy | Kind::AntreaNetworkPolicy => {
+            format!("antrea-{lower}")
+        }
+        _ => lower,
+    }
 }
 
-/// The policy a ConfigMap key names, if it is one of the three recorded kinds.
+/// The ConfigMap key of `r`: `<prefix>.<name>` (`adminnetworkpolicy.deny-all`,
+/// `antrea-tier.dev`), `<prefix>.<namespace>.<name>` for an Antrea NetworkPolicy
+/// (`antrea-networkpolicy.shop.web`). A name is a DNS subdomain and a namespace a DNS label
+/// (no dots), so the key is a valid ConfigMap key and names one object.
+pub fn key(r: &ObjectRef) -> String {
+    match &r.namespace {
+        Some(ns) => format!("{}.{ns}.{}", key_prefix(r.kind), r.name),
+        None => format!("{}.{}", key_prefix(r.kind), r.name),
+    }
+}
+
+/// The object a ConfigMap key names, if it is one of the [`RECORDED`] kinds.
 fn parse_key(k: &str) -> Option<ObjectRef> {
-    let (kind, name) = k.split_once('.')?;
-    let kind =
-        [Kind::AdminNetworkPolicy, Kind::BaselineAdminNetworkPolicy, Kind::ClusterNetworkPolicy]
-            .into_iter()
-            .find(|c| c.as_str().eq_ignore_ascii_case(kind))?;
-    (!name.is_empty()).then(|| ObjectRef::cluster(kind, name))
+    let (prefix, rest) = k.split_once('.')?;
+    let kind = RECORDED.into_iter().find(|c| key_prefix(*c) == prefix)?;
+    if crate::policy::validate::is_namespaced(kind) {
+        let (ns, name) = rest.split_once('.')?;
+        (!ns.is_empty() && !name.is_empty()).then(|| ObjectRef::namespaced(kind, ns, name))
+    } else {
+        (!rest.is_empty()).then(|| ObjectRef::cluster(kind, rest))
+    }
 }
 
 impl Records {
@@ -124,10 +170,10 @@ impl Records {
     }
 }
 
-/// Puts back, in `inputs`, the recorded version of each policy named in `invalid` (the
+/// Puts back, in `inputs`, the recorded version of each object named in `invalid` (the
 /// object with its recorded spec: metadata as it is now), when a record of that object
-/// exists (same uid when both have one). Returns the policies put back, each with the
-/// generation recorded. A record that does not decode is not used. The caller compiles
+/// exists (same uid when both have one). Returns the objects put back, each with the
+/// generation recorded. A record that does not decode is not used. The caller validates
 /// again: a recorded version that is itself invalid is then left out.
 pub fn put_back(
     inputs: &mut Inputs,
@@ -144,7 +190,13 @@ pub fn put_back(
         T: Resource + Clone,
         S: DeserializeOwned,
     {
-        let Some(slot) = list.iter_mut().find(|o| o.meta().name.as_deref() == Some(&r.name)) else {
+        let named = |o: &Arc<T>| {
+            o.meta().name.as_deref() == Some(&r.name)
+                && r.namespace.as_ref().is_none_or(|ns| {
+                    crate::policy::compile::meta_namespace(o.meta()) == ns.as_str()
+                })
+        };
+        let Some(slot) = list.iter_mut().find(|o| named(o)) else {
             return false;
         };
         if let (Some(a), Some(b)) = (slot.meta().uid.as_deref(), rec.uid.as_deref())
@@ -180,6 +232,21 @@ pub fn put_back(
                 rec,
                 |o: &mut v1alpha2::ClusterNetworkPolicy| &mut o.spec,
             ),
+            Kind::AntreaTier => {
+                swap(&mut inputs.antrea.tiers, r, rec, |o: &mut antrea::Tier| &mut o.spec)
+            }
+            Kind::AntreaClusterNetworkPolicy => swap(
+                &mut inputs.antrea.cluster_network_policies,
+                r,
+                rec,
+                |o: &mut antrea::ClusterNetworkPolicy| &mut o.spec,
+            ),
+            Kind::AntreaNetworkPolicy => swap(
+                &mut inputs.antrea.network_policies,
+                r,
+                rec,
+                |o: &mut antrea::NetworkPolicy| &mut o.spec,
+            ),
             _ => false,
         };
         if done && !kept.iter().any(|(k, _)| k == r) {
@@ -189,10 +256,30 @@ pub fn put_back(
     kept
 }
 
-/// One policy as the status writer's store holds it now, for [`desired`].
+/// The Tier that `r`'s record describes (its name, uid and recorded spec), for a Tier
+/// deleted while a policy names it (module docs): what the policies' recorded versions are
+/// validated and compiled with. `None` if `r` is no Tier or its spec does not decode.
+pub fn ghost_tier(r: &ObjectRef, rec: &Record) -> Option<antrea::Tier> {
+    if r.kind != Kind::AntreaTier {
+        return None;
+    }
+    let spec: antrea::TierSpec = serde_json::from_value(rec.spec.clone()).ok()?;
+    let mut tier = antrea::Tier::new(&r.name, spec);
+    tier.metadata.uid.clone_from(&rec.uid);
+    tier.metadata.generation = rec.generation;
+    Some(tier)
+}
+
+/// The Tier object name an Antrea policy's spec (as JSON, a record's or a current one's)
+/// names: `spec.tier` through [`tier_object_name`] (omitted: `application`).
+fn tier_named(spec: &serde_json::Value) -> String {
+    tier_object_name(spec.get("tier").and_then(|t| t.as_str()).unwrap_or("")).into_owned()
+}
+
+/// One object as the status writer's store holds it now, for [`desired`].
 #[derive(Debug, Clone)]
 pub struct Current {
-    /// The policy.
+    /// The object.
     pub object: ObjectRef,
     /// `metadata.uid`.
     pub uid: Option<String>,
@@ -206,7 +293,7 @@ impl Current {
     /// `o` (of kind `kind`) as a [`Current`].
     pub fn of<K: Resource, S: Serialize>(o: &K, kind: Kind, spec: &S) -> Current {
         Current {
-            object: ObjectRef::cluster(kind, o.meta().name.clone().unwrap_or_default()),
+            object: crate::policy::validate::object_ref(kind, o.meta()),
             uid: o.meta().uid.clone(),
             generation: o.meta().generation,
             spec: serde_json::to_value(spec).unwrap_or(serde_json::Value::Null),
@@ -214,11 +301,12 @@ impl Current {
     }
 }
 
-/// What the records should be, from the records now (`records`), the policies in the store
-/// now (`current`) and the last snapshot's `report`: a policy whose current generation the
-/// snapshot compiled as valid is recorded at that generation; any other policy keeps its
-/// record if it is the same object (uid); a record of a policy no longer in the store is
-/// dropped.
+/// What the records should be, from the records now (`records`), the objects in the store
+/// now (`current`) and the last snapshot's `report`: an object whose current generation the
+/// snapshot compiled as valid is recorded at that generation; any other object keeps its
+/// record if it is the same object (uid); a record of an object no longer in the store is
+/// dropped, except a Tier's while an Antrea policy in `current` or in the records kept
+/// names it (module docs: a Tier is not deleted under its policies).
 pub fn desired(records: &Records, current: &[Current], report: &Report) -> Records {
     let mut out = BTreeMap::new();
     for c in current {
@@ -232,6 +320,22 @@ pub fn desired(records: &Records, current: &[Current], report: &Report) -> Recor
             && (old.uid.is_none() || old.uid == c.uid)
         {
             out.insert(c.object.clone(), old.clone());
+        }
+    }
+    let is_policy =
+        |k: Kind| matches!(k, Kind::AntreaClusterNetworkPolicy | Kind::AntreaNetworkPolicy);
+    let named: std::collections::BTreeSet<String> = current
+        .iter()
+        .filter(|c| is_policy(c.object.kind))
+        .map(|c| tier_named(&c.spec))
+        .chain(out.iter().filter(|(r, _)| is_policy(r.kind)).map(|(_, rec)| tier_named(&rec.spec)))
+        .collect();
+    for (r, rec) in &records.0 {
+        if r.kind == Kind::AntreaTier
+            && named.contains(&r.name)
+            && !current.iter().any(|c| c.object == *r)
+        {
+            out.insert(r.clone(), rec.clone());
         }
     }
     Records(out)
@@ -470,6 +574,69 @@ mod tests {
         assert_eq!(by("a").spec.priority, 7, "recorded spec put back");
         assert_eq!(by("a").metadata.generation, Some(4), "metadata as it is now");
         assert_eq!(by("b").spec.priority, 5000, "another object's record is not used");
+    }
+
+    /// Antrea's kinds have keys of their own (Antrea and upstream both have a
+    /// ClusterNetworkPolicy), an Antrea NetworkPolicy's with its namespace; each parses
+    /// back to its object, a name with dots included.
+    #[test]
+    fn antrea_keys_name_one_object_and_round_trip() {
+        let objects = [
+            ObjectRef::cluster(Kind::ClusterNetworkPolicy, "x.y"),
+            ObjectRef::cluster(Kind::AntreaClusterNetworkPolicy, "x.y"),
+            ObjectRef::cluster(Kind::AntreaTier, "dev"),
+            ObjectRef::namespaced(Kind::AntreaNetworkPolicy, "shop", "web.v2"),
+        ];
+        let keys: Vec<String> = objects.iter().map(key).collect();
+        assert_eq!(
+            keys,
+            [
+                "clusternetworkpolicy.x.y",
+                "antrea-clusternetworkpolicy.x.y",
+                "antrea-tier.dev",
+                "antrea-networkpolicy.shop.web.v2"
+            ]
+        );
+        for (k, r) in keys.iter().zip(&objects) {
+            assert_eq!(parse_key(k).as_ref(), Some(r), "{k}");
+        }
+        assert_eq!(parse_key("antrea-networkpolicy.no-name"), None);
+    }
+
+    /// A Tier's record outlives its object while an Antrea policy (in the store, or in a
+    /// record kept) names it; once none does, it is dropped as any other.
+    #[test]
+    fn a_deleted_tiers_record_stays_while_a_policy_names_it() {
+        let tier = ObjectRef::cluster(Kind::AntreaTier, "dev");
+        let p = ObjectRef::cluster(Kind::AntreaClusterNetworkPolicy, "p");
+        let rec =
+            |spec: serde_json::Value| Record { uid: Some("u".into()), generation: Some(1), spec };
+        let records = Records(
+            [
+                (tier.clone(), rec(serde_json::json!({"priority": 10}))),
+                (p.clone(), rec(serde_json::json!({"tier": "dev", "priority": 5}))),
+            ]
+            .into(),
+        );
+        let current = |tier: &str| Current {
+            object: p.clone(),
+            uid: Some("u".into()),
+            generation: Some(2),
+            spec: serde_json::json!({"tier": tier, "priority": 5}),
+        };
+        // The policy names the deleted Tier now (and is invalid: its record is kept).
+        let want = desired(&records, &[current("dev")], &Report::default());
+        assert!(want.0.contains_key(&tier) && want.0.contains_key(&p), "{want:?}");
+        // It names another Tier now, but its record (kept: invalid now) names the deleted one.
+        let want = desired(&records, &[current("ops")], &Report::default());
+        assert!(want.0.contains_key(&tier), "{want:?}");
+        // Valid now in another Tier: recorded anew; nothing names the deleted Tier.
+        let mut report = Report::default();
+        report.valid.insert(p.clone(), Some(2));
+        let want = desired(&records, &[current("ops")], &report);
+        assert!(!want.0.contains_key(&tier), "{want:?}");
+        // The policy is gone too.
+        assert!(desired(&records, &[], &Report::default()).0.is_empty());
     }
 
     #[test]

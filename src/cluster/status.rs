@@ -2,7 +2,10 @@
 //! writes a condition on each AdminNetworkPolicy, BaselineAdminNetworkPolicy and
 //! ClusterNetworkPolicy saying whether tierproxy accepted it, and a Kubernetes Event
 //! (`events.k8s.io/v1`, type Warning, reason `InvalidPolicy`) for each invalid one
-//! (issue #6, "Status").
+//! (issue #6, "Status"). Antrea's Tiers, ClusterNetworkPolicies and NetworkPolicies
+//! (`crd.antrea.io`, issue #22) get the Event only: their status is Antrea's controller's,
+//! and tierproxy writes nothing on them; their Event says what is enforced instead (the
+//! recorded last good version, or nothing).
 //!
 //! - **The condition.** Type [`CONDITION_TYPE`] (`tierproxy.io/Accepted`; KEP-2091 leaves
 //!   condition names to implementations, and a domain-qualified type cannot collide with
@@ -21,7 +24,8 @@
 //! - **The Event.** Named after the policy, its uid, generation and the message
 //!   (`invalid_policy_event`) and created, not recorded: a new leader that finds the same
 //!   problem gets 409 AlreadyExists and posts nothing, so there is one Event per problem
-//!   and policy generation, whoever leads.
+//!   and policy generation, whoever leads. In namespace [`EVENT_NAMESPACE`] for the
+//!   cluster-scoped kinds, in the policy's own for an Antrea NetworkPolicy.
 //! - **The last good versions.** Under the same lease, after the conditions, the leader
 //!   records the version of every policy the snapshot compiled as valid in the ConfigMap
 //!   of [`super::lastgood`], which every agent reads.
@@ -88,12 +92,12 @@ pub enum Acceptance {
 pub struct Report {
     /// The snapshot's revision.
     pub revision: u64,
-    /// By policy; a policy of the three status-carrying kinds that is missing here was
-    /// valid and had no conflict.
+    /// By policy; an object of the [`reported`] kinds that is missing here was valid and
+    /// had no conflict.
     pub policies: BTreeMap<ObjectRef, Acceptance>,
-    /// The policies of the three status-carrying kinds whose version as given was valid,
-    /// with the `metadata.generation` compiled: what the leader may record as their last
-    /// good version ([`super::lastgood`]).
+    /// The objects of the recorded kinds ([`super::lastgood::RECORDED`]) whose version as
+    /// given was valid, with the `metadata.generation` compiled: what the leader may record
+    /// as their last good version ([`super::lastgood`]).
     pub valid: BTreeMap<ObjectRef, Option<i64>>,
 }
 
@@ -105,7 +109,7 @@ impl Report {
         let mut policies: BTreeMap<ObjectRef, Acceptance> = BTreeMap::new();
         let mut errors: BTreeMap<&ObjectRef, Vec<String>> = BTreeMap::new();
         let mut conflicts: BTreeMap<&ObjectRef, Vec<String>> = BTreeMap::new();
-        for p in problems.iter().filter(|p| carries_status(p.object.kind)) {
+        for p in problems.iter().filter(|p| reported(p.object.kind)) {
             let text = if p.field.is_empty() {
                 p.kind.to_string()
             } else {
@@ -143,6 +147,17 @@ pub fn carries_status(kind: Kind) -> bool {
         kind,
         Kind::AdminNetworkPolicy | Kind::BaselineAdminNetworkPolicy | Kind::ClusterNetworkPolicy
     )
+}
+
+/// Whether a [`Report`] gives the acceptance of objects of `kind`, and the leader posts
+/// Events about the invalid ones: the [`carries_status`] kinds and Antrea's Tier,
+/// ClusterNetworkPolicy and NetworkPolicy (Events only).
+pub fn reported(kind: Kind) -> bool {
+    carries_status(kind)
+        || matches!(
+            kind,
+            Kind::AntreaTier | Kind::AntreaClusterNetworkPolicy | Kind::AntreaNetworkPolicy
+        )
 }
 
 /// The condition `acceptance` calls for on an object at `generation`, or `None` when
@@ -391,6 +406,21 @@ impl Writer {
                 return false;
             }
         }
+        for t in source.antrea_tiers() {
+            if !self.event(&*t, Kind::AntreaTier, report, lead).await {
+                return false;
+            }
+        }
+        for p in source.antrea_cluster_network_policies() {
+            if !self.event(&*p, Kind::AntreaClusterNetworkPolicy, report, lead).await {
+                return false;
+            }
+        }
+        for p in source.antrea_network_policies() {
+            if !self.event(&*p, Kind::AntreaNetworkPolicy, report, lead).await {
+                return false;
+            }
+        }
         true
     }
 
@@ -435,27 +465,73 @@ impl Writer {
             }
         }
         if let Acceptance::Invalid(m) | Acceptance::InvalidUpdate(m, _) = &acceptance {
-            let key = (object.clone(), generation);
-            if self.announced.get(&key) != Some(m) {
-                let Some(until) = leading_until(lead) else { return false };
-                let event = invalid_policy_event(obj, &object, m, &self.identity);
-                let api: Api<events::Event> = Api::namespaced(self.client.clone(), EVENT_NAMESPACE);
-                let params =
-                    PostParams { dry_run: false, field_manager: Some(FIELD_MANAGER.to_string()) };
-                match tokio::time::timeout_at(until, api.create(&params, &event)).await {
-                    Err(_) => return false,
-                    Ok(Ok(_)) => {
-                        tracing::info!(object = %object, event = ?event.metadata.name, "InvalidPolicy event posted");
-                        self.announced.insert(key, m.clone());
-                    }
-                    // Posted before, by this agent or an earlier leader.
-                    Ok(Err(kube::Error::Api(s))) if s.code == 409 => {
-                        self.announced.insert(key, m.clone());
-                    }
-                    Ok(Err(e)) => {
-                        tracing::warn!(object = %object, error = %e, "cannot post the InvalidPolicy event; retried at the next change or resync")
-                    }
-                }
+            return self.post(obj, &object, m.clone(), lead).await;
+        }
+        true
+    }
+
+    /// Posts the Event about `obj` (of kind `kind`, one of Antrea's, which carry no
+    /// tierproxy status) where `report` says it is invalid; its note says what is enforced
+    /// in its place. False if the lease ran out first.
+    async fn event<K: Resource<DynamicType = ()>>(
+        &mut self,
+        obj: &K,
+        kind: Kind,
+        report: &Report,
+        lead: &Leadership,
+    ) -> bool {
+        let object = crate::policy::validate::object_ref(kind, obj.meta());
+        let note = match report.of(&object) {
+            Acceptance::Invalid(m) => {
+                let outcome = if kind == Kind::AntreaTier {
+                    "the policies naming it are invalid"
+                } else {
+                    "none of its rules apply"
+                };
+                format!(
+                    "not enforced: invalid, and no valid earlier version is recorded, so {outcome}: {m}"
+                )
+            }
+            Acceptance::InvalidUpdate(m, generation) => format!(
+                "this version is invalid; the last good version recorded{} stays in force: {m}",
+                generation.map(|g| format!(" (generation {g})")).unwrap_or_default()
+            ),
+            Acceptance::Accepted | Acceptance::PriorityConflict(_) => return true,
+        };
+        self.post(obj, &object, note, lead).await
+    }
+
+    /// Posts the InvalidPolicy Event saying `message` about `obj` (named `object`), unless
+    /// it was posted (or found posted) for this generation already. False if the lease ran
+    /// out first.
+    async fn post<K: Resource<DynamicType = ()>>(
+        &mut self,
+        obj: &K,
+        object: &ObjectRef,
+        message: String,
+        lead: &Leadership,
+    ) -> bool {
+        let key = (object.clone(), obj.meta().generation);
+        if self.announced.get(&key) == Some(&message) {
+            return true;
+        }
+        let Some(until) = leading_until(lead) else { return false };
+        let event = invalid_policy_event(obj, object, &message, &self.identity);
+        let namespace = event.metadata.namespace.as_deref().unwrap_or(EVENT_NAMESPACE);
+        let api: Api<events::Event> = Api::namespaced(self.client.clone(), namespace);
+        let params = PostParams { dry_run: false, field_manager: Some(FIELD_MANAGER.to_string()) };
+        match tokio::time::timeout_at(until, api.create(&params, &event)).await {
+            Err(_) => return false,
+            Ok(Ok(_)) => {
+                tracing::info!(object = %object, event = ?event.metadata.name, "InvalidPolicy event posted");
+                self.announced.insert(key, message);
+            }
+            // Posted before, by this agent or an earlier leader.
+            Ok(Err(kube::Error::Api(s))) if s.code == 409 => {
+                self.announced.insert(key, message);
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(object = %object, error = %e, "cannot post the InvalidPolicy event; retried at the next change or resync")
             }
         }
         true
@@ -467,9 +543,10 @@ impl Writer {
 /// policy's uid, generation and the Event's note: the same problem of the same object
 /// version gets the same name whichever agent leads, so a second create is refused with
 /// 409 AlreadyExists instead of posting it again (until the API server's event TTL, one
-/// hour by default, removes it). Fields: `events.k8s.io/v1` Event (eventTime,
-/// reportingController and reportingInstance are required of new Events).
-fn invalid_policy_event<K: StatusPolicy>(
+/// hour by default, removes it). Its namespace: the object's (an Antrea NetworkPolicy), or
+/// [`EVENT_NAMESPACE`] for a cluster-scoped object. Fields: `events.k8s.io/v1` Event
+/// (eventTime, reportingController and reportingInstance are required of new Events).
+fn invalid_policy_event<K: Resource<DynamicType = ()>>(
     obj: &K,
     object: &ObjectRef,
     message: &str,
@@ -493,7 +570,9 @@ fn invalid_policy_event<K: StatusPolicy>(
     events::Event {
         metadata: ObjectMeta {
             name: Some(format!("{prefix}.{:016x}", h.finish())),
-            namespace: Some(EVENT_NAMESPACE.to_string()),
+            namespace: Some(
+                obj.meta().namespace.clone().unwrap_or_else(|| EVENT_NAMESPACE.to_string()),
+            ),
             ..ObjectMeta::default()
         },
         event_time: Some(MicroTime(k8s_openapi::jiff::Timestamp::now())),
@@ -543,6 +622,21 @@ impl Writer {
                 .cluster_network_policies()
                 .iter()
                 .map(|p| Current::of(&**p, Kind::ClusterNetworkPolicy, &p.spec)),
+        );
+        current.extend(
+            source.antrea_tiers().iter().map(|t| Current::of(&**t, Kind::AntreaTier, &t.spec)),
+        );
+        current.extend(
+            source
+                .antrea_cluster_network_policies()
+                .iter()
+                .map(|p| Current::of(&**p, Kind::AntreaClusterNetworkPolicy, &p.spec)),
+        );
+        current.extend(
+            source
+                .antrea_network_policies()
+                .iter()
+                .map(|p| Current::of(&**p, Kind::AntreaNetworkPolicy, &p.spec)),
         );
         let want = lastgood::desired(&store.records(), &current, report);
         let Some(until) = leading_until(lead) else { return false };
@@ -687,6 +781,32 @@ mod tests {
         let long = format!("{}.{}", "a".repeat(235), "b".repeat(17));
         let n = name(&anp(&long, "u1", 1), "too big", "a");
         assert!(n.len() <= 253 && !n.contains(".."), "{n}");
+    }
+
+    /// Antrea's objects are in the report (for their Events), and an Event about an
+    /// Antrea NetworkPolicy goes to its own namespace.
+    #[test]
+    fn antrea_objects_are_reported_and_their_events_go_to_their_namespace() {
+        let annp: crate::policy::api::antrea::NetworkPolicy =
+            serde_json::from_value(serde_json::json!({
+                "metadata": {"name": "p", "namespace": "shop", "uid": "u1", "generation": 1},
+                "spec": {"tier": "nope", "priority": 1}
+            }))
+            .unwrap();
+        let r = crate::policy::validate::object_ref(Kind::AntreaNetworkPolicy, &annp.metadata);
+        let tier = ObjectRef::cluster(Kind::AntreaTier, "t");
+        let problems = vec![
+            Problem::error(&r, "spec.tier", ProblemKind::Required),
+            Problem::error(&tier, "spec.priority", ProblemKind::Required),
+        ];
+        let report = Report::new(1, &problems, &[(tier.clone(), Some(4))]);
+        assert!(matches!(report.of(&r), Acceptance::Invalid(m) if m.starts_with("spec.tier")));
+        assert!(matches!(report.of(&tier), Acceptance::InvalidUpdate(_, Some(4))));
+        let e = invalid_policy_event(&annp, &r, "spec.tier: nope", "a");
+        assert_eq!(e.metadata.namespace.as_deref(), Some("shop"));
+        let regarding = e.regarding.unwrap();
+        assert_eq!(regarding.api_version.as_deref(), Some("crd.antrea.io/v1beta1"));
+        assert_eq!(regarding.namespace.as_deref(), Some("shop"));
     }
 
     #[test]

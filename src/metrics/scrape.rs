@@ -263,7 +263,7 @@ pub fn scraped(sources: Sources, config: &AuditConfig) -> Scraped {
                 out.push(g(
                     "kube_resource_served",
                     "Whether the API server serves the resource (0: its CRD is not installed)",
-                    vec![("resource", kind.plural().to_string())],
+                    vec![("resource", kind.resource().to_string())],
                     u64::from(h.initialized && !h.absent),
                 ));
             }

@@ -9,7 +9,9 @@
 //! ignoring `limit`) and watch of any collection (cluster-wide or in a namespace),
 //! get, create (POST; 409 AlreadyExists for a name in use), replace (PUT; 409 Conflict when
 //! the body's `metadata.resourceVersion` is not the stored one), patch (merge, strategic
-//! and apply patches, merged as JSON with `status.conditions` keyed by `type`), delete, the
+//! and apply patches, merged as JSON with `status.conditions` keyed by `type`; an apply
+//! patch's `data` replaces the object's, as server-side apply removes the keys its one
+//! manager no longer applies), delete, the
 //! `status` subresource. What the test scripts: objects ([`FakeApi::apply`],
 //! [`FakeApi::delete`]), which collections exist ([`FakeApi::uninstall`]: 404 as for a CRD
 //! not installed), failures ([`FakeApi::fail_next`]: 500s), watch ends
@@ -455,6 +457,10 @@ async fn handle(
         .and_then(|v| v.to_str().ok())
         .unwrap_or("")
         .to_string();
+    let apply = req
+        .headers()
+        .get(axum::http::header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"application/apply-patch"));
     let body = axum::body::to_bytes(req.into_body(), 16 << 20).await.unwrap_or_default();
     let body: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
     let mut s = st.lock().unwrap();
@@ -621,6 +627,14 @@ async fn handle(
                     if sub.as_deref() == Some("status") {
                         patch =
                             json!({"status": patch.get("status").cloned().unwrap_or(Value::Null)});
+                    }
+                    // Server-side apply by the object's one manager: keys of `data` it no
+                    // longer applies are removed (a ConfigMap's; no other object here has
+                    // `data`).
+                    if apply
+                        && let Some(data) = patch.as_object_mut().and_then(|p| p.remove("data"))
+                    {
+                        o["data"] = data;
                     }
                     merge(&mut o, &patch, "");
                     o
