@@ -511,7 +511,7 @@ impl Taken {
 ///
 /// # Errors
 /// When the socket exists but the exchange fails part-way (the previous agent went away
-/// or sent what this version cannot read); a connection received before that is lost.
+/// or sent what this version cannot read); a connection received before that is reset.
 pub fn take(path: &Path) -> io::Result<Take> {
     let socket = Socket::new(Domain::UNIX, Type::SEQPACKET.cloexec(), None)?;
     match socket.connect(&SockAddr::unix(path)?) {
@@ -540,6 +540,22 @@ pub fn take(path: &Path) -> io::Result<Take> {
         connections: Vec::new(),
         socket: fd,
     };
+    match receive_all(&mut taken) {
+        Ok(()) => Ok(Take::Taken(taken)),
+        Err(e) => {
+            // The previous agent let go of what it sent: a connection received so far is
+            // this process's alone, and closing it with a FIN would tell both ends it
+            // ended well (review finding 12 of issue #23). Reset it.
+            for c in taken.connections.drain(..) {
+                c.relay.abort();
+            }
+            Err(e)
+        }
+    }
+}
+
+/// Reads the previous agent's messages into `taken` until `done`.
+fn receive_all(taken: &mut Taken) -> io::Result<()> {
     loop {
         let (message, mut fds) = recv(&taken.socket)?;
         match message {
@@ -561,7 +577,7 @@ pub fn take(path: &Path) -> io::Result<Take> {
                         "done says {queues} queues, {listeners} listeners and {connections} connections; {arrived:?} arrived"
                     )));
                 }
-                return Ok(Take::Taken(taken));
+                return Ok(());
             }
             other => return Err(protocol(format!("unexpected {other:?}"))),
         }
@@ -861,6 +877,36 @@ mod tests {
             assert_eq!(e.kind(), io::ErrorKind::ConnectionReset);
         }
         assert!(giver.rx.is_empty());
+    }
+
+    /// The previous agent sends a connection, then something this version cannot read: the
+    /// next agent's take fails, and the connection it received is reset at both ends, not
+    /// closed with a FIN that would tell them it ended well (review finding 12 of #23).
+    #[test]
+    fn a_connection_received_before_a_failed_take_is_reset() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("handover.sock");
+        let listener = bind(&path).unwrap();
+        let (mut client_app, mut server_app, c) = stopped();
+        let previous = std::thread::spawn(move || {
+            let (peer, _) = listener.accept().unwrap();
+            let fd: OwnedFd = peer.into();
+            assert!(matches!(recv(&fd).unwrap().0, Message::Hello { .. }));
+            send(&fd, &Message::Accept { version: VERSION }, &[]).unwrap();
+            send_connection(&fd, &c).unwrap();
+            // The previous agent lets go of what it sent (its copies close, no FIN: the
+            // next agent holds the sockets), then says what the next cannot read.
+            drop(c);
+            send(&fd, &Message::Ack, &[]).unwrap();
+        });
+        let e = take(&path).unwrap_err();
+        assert!(e.to_string().contains("unexpected Ack"), "{e}");
+        previous.join().unwrap();
+        for app in [&mut client_app, &mut server_app] {
+            app.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+            let e = std::io::Read::read(app, &mut [0u8; 1]).expect_err("reset, not EOF");
+            assert_eq!(e.kind(), io::ErrorKind::ConnectionReset);
+        }
     }
 
     /// The next agent goes away while the queue readers park, before the proxy was asked:
