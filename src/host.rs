@@ -105,10 +105,27 @@ pub const CONNTRACK_ACCT: Sysctl = Sysctl {
 /// 1 for good after a crash). The namespace cookie (`SO_NETNS_COOKIE`) is unique for the
 /// boot, so the file of a namespace that is gone never applies to another; the state
 /// directory is on tmpfs (`/run`), which a reboot, like the sysctl, resets.
+///
+/// Two agents of one namespace run side by side during an upgrade (issue #23), so a
+/// state file is not always a crash's: every agent that set or shares the setting holds a
+/// shared `flock(2)` on its state file while it runs. An agent that finds the file locked
+/// shares the setting (it restores nothing and takes the recorded old value as its own);
+/// one that finds it unlocked restores it, as after a crash. On exit an agent restores
+/// the old value only if no other agent holds the lock. Before this, the next agent of a
+/// hand-over wrote the old value back while the running one still relied on the setting,
+/// and warned of a crash that had not happened.
 pub struct HostSysctl {
     sysctl: Sysctl,
     old: Option<String>,
     file: Option<PathBuf>,
+    /// The shared lock on `file` while this agent owns or shares the setting.
+    lock: Option<nix::fcntl::Flock<std::fs::File>>,
+}
+
+/// A shared lock on state file `f`, if it can be opened and locked.
+fn share(f: &std::path::Path) -> Option<nix::fcntl::Flock<std::fs::File>> {
+    let file = std::fs::OpenOptions::new().read(true).open(f).ok()?;
+    nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockSharedNonblock).ok()
 }
 
 /// The calling thread's network namespace, as a string unique for the boot: its cookie
@@ -150,22 +167,41 @@ impl HostSysctl {
         let (name, path) = (sysctl.name, sysctl.path());
         let file = netns_id().map(|id| state_dir.join(format!("{}.{id}", sysctl.leaf())));
         if let Some(f) = &file
-            && let Ok(left) = std::fs::read_to_string(f)
+            && let Ok(opened) = std::fs::OpenOptions::new().read(true).open(f)
         {
-            let left = left.trim().to_string();
-            match std::fs::write(&path, &left) {
-                Ok(()) => {
-                    tracing::warn!(
-                        value = %left,
-                        file = %f.display(),
-                        "restored {name}, which an agent that did not exit cleanly left set"
-                    );
-                    let _ = std::fs::remove_file(f);
+            use nix::fcntl::{Flock, FlockArg};
+            match Flock::lock(opened, FlockArg::LockExclusiveNonblock) {
+                // Nobody holds it: a crashed agent's.
+                Ok(crashed) => {
+                    let left = std::fs::read_to_string(f).unwrap_or_default().trim().to_string();
+                    match std::fs::write(&path, &left) {
+                        Ok(()) => {
+                            tracing::warn!(
+                                value = %left,
+                                file = %f.display(),
+                                "restored {name}, which an agent that did not exit cleanly left set"
+                            );
+                            let _ = std::fs::remove_file(f);
+                        }
+                        Err(e) => tracing::warn!(error = %e, "cannot restore {name}={left}"),
+                    }
+                    drop(crashed);
                 }
-                Err(e) => tracing::warn!(error = %e, "cannot restore {name}={left}"),
+                // An agent running beside this one set it (an upgrade): share it.
+                Err(_) if enable => {
+                    if let Some(lock) = share(f) {
+                        let old = std::fs::read_to_string(f).unwrap_or_default().trim().to_string();
+                        tracing::info!(
+                            was = %old,
+                            "{name}=1, shared with the agent running beside this one; the last to exit restores {old}"
+                        );
+                        return HostSysctl { sysctl, old: Some(old), file, lock: Some(lock) };
+                    }
+                }
+                Err(_) => {}
             }
         }
-        let none = HostSysctl { sysctl, old: None, file: None };
+        let none = HostSysctl { sysctl, old: None, file: None, lock: None };
         if !enable {
             return none;
         }
@@ -191,10 +227,11 @@ impl HostSysctl {
             }
             saved.is_ok()
         });
+        let lock = file.as_deref().and_then(share);
         match std::fs::write(&path, "1") {
             Ok(()) => {
                 tracing::info!(was = %old, "set {name}=1 {}", sysctl.why);
-                HostSysctl { sysctl, old: Some(old), file }
+                HostSysctl { sysctl, old: Some(old), file, lock }
             }
             Err(e) => {
                 tracing::warn!(error = %e, "cannot set {name}=1");
@@ -218,6 +255,12 @@ impl HostSysctl {
 impl Drop for HostSysctl {
     fn drop(&mut self) {
         let Some(old) = &self.old else { return };
+        // Another agent shares the setting (it holds the lock too): it restores it.
+        if let Some(lock) = &self.lock
+            && lock.relock(nix::fcntl::FlockArg::LockExclusiveNonblock).is_err()
+        {
+            return;
+        }
         match std::fs::write(self.sysctl.path(), old) {
             Ok(()) => {
                 if let Some(f) = &self.file {

@@ -802,3 +802,72 @@ fn the_debug_endpoints_answer_from_the_snapshot_in_force_and_to_loopback_only() 
     let (status, got) = debug_get(&netns_of_node(&lab, "n1"), "172.31.0.2:9464", query);
     assert_eq!((status, &got["agent"]["revision"]), (200, &1.into()), "{got}");
 }
+
+/// Issue #23: a policy change racing an upgrade. `lab apply` of a NetworkPolicy that lets
+/// b/remote take 7070 only runs while `lab upgrade` replaces both agents: whichever agent
+/// holds the connections when it learns of the change (the old one before it hands them
+/// over, the new one deciding each handed-over connection on its own snapshot before it
+/// relays it) cuts the one to 8080, and only that one; the others go on through the new
+/// agents, and the cut connection has one `policy-change` end record.
+#[test]
+fn a_policy_change_during_an_upgrade_still_cuts_what_it_denies() {
+    if !netns_available("a_policy_change_during_an_upgrade_still_cuts_what_it_denies") {
+        return;
+    }
+    let lab = live_lab("upch");
+    let client = netns_of_pod(&lab, "a", "client");
+    let mut doomed = open(&client, "10.61.2.2:8080");
+    let mut spared = open(&client, "10.61.2.2:7070");
+    let mut local = open(&client, "10.61.1.3:8080");
+    assert!(echoes(&mut doomed) && echoes(&mut spared) && echoes(&mut local));
+    let doomed_port = doomed.get_ref().local_addr().unwrap().port();
+
+    let base = lab.file("base.yaml", NODES_AND_NAMESPACES);
+    let a = lab.file("a.yaml", &labelled(false));
+    let np = lab.file(
+        "np.yaml",
+        r#"
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {name: only-7070, namespace: b}
+spec:
+  podSelector: {}
+  ingress: [{ports: [{port: 7070}]}]
+"#,
+    );
+    let upgrade = {
+        let prefix = lab.prefix.clone();
+        std::thread::spawn(move || {
+            bin().args(["lab", "upgrade", "--prefix", &prefix]).output().expect("tierproxy runs")
+        })
+    };
+    apply(&lab, &[&base, &a, &np]);
+    let o = upgrade.join().expect("upgrade thread");
+    assert!(o.status.success(), "lab upgrade: {}", text(&o));
+    let upgraded: Vec<Value> = String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(upgraded.len(), 2, "{upgraded:?}");
+    assert!(upgraded.iter().all(|u| u["handed_over"] == true), "{upgraded:?}");
+
+    assert!(
+        cut_within(&mut doomed, Duration::from_secs(5)).is_some(),
+        "the connection the new policy denies is cut"
+    );
+    assert!(echoes(&mut spared), "the connection the new policy allows goes on");
+    assert!(echoes(&mut local), "a connection the change does not concern goes on");
+    let end = wait_for_event_on(&lab, &["n1"], |e| {
+        e["event"] == "tierproxy.connection.end"
+            && e["attributes"]["source.port"] == u64::from(doomed_port)
+    });
+    assert_eq!(end["attributes"]["tierproxy.connection.close_reason"], "policy-change", "{end}");
+    let ends = audit_events(&lab, "n1")
+        .into_iter()
+        .filter(|e| {
+            e["event"] == "tierproxy.connection.end"
+                && e["attributes"]["source.port"] == u64::from(doomed_port)
+        })
+        .count();
+    assert_eq!(ends, 1, "one end record for the cut connection, from one agent");
+}

@@ -96,17 +96,11 @@ pub fn gather(manifests: &[PathBuf], kube: Option<&super::apiserver::ApiSource>)
         merge(&mut i.admin_network_policies, api.admin_network_policies);
         merge(&mut i.baseline_admin_network_policies, api.baseline_admin_network_policies);
         merge(&mut i.cluster_network_policies, api.cluster_network_policies);
-    }
-    // The files' Antrea objects join the API server's in the compiler's input, where the
-    // builder validates them all together (Tiers first, then the policies against them).
-    let mut files = std::mem::take(&mut loaded.antrea);
-    loaded.inputs.antrea.append(&mut files);
-    if let Some(source) = kube {
-        let api = source.inputs().antrea;
-        let a = &mut loaded.inputs.antrea;
-        merge(&mut a.tiers, api.tiers);
-        merge(&mut a.cluster_network_policies, api.cluster_network_policies);
-        merge(&mut a.network_policies, api.network_policies);
+        // The files' Antrea objects and the API server's, validated together by the
+        // builder (Tiers first, then the policies against them).
+        merge(&mut i.antrea.tiers, api.antrea.tiers);
+        merge(&mut i.antrea.cluster_network_policies, api.antrea.cluster_network_policies);
+        merge(&mut i.antrea.network_policies, api.antrea.network_policies);
     }
     loaded
 }
@@ -493,8 +487,6 @@ impl Builder {
         let mut lines: Vec<(Level, String)> =
             loaded.notes.iter().map(|n| (Level::Info, n.to_string())).collect();
         let mut inputs = loaded.inputs;
-        let mut files = loaded.antrea;
-        inputs.antrea.append(&mut files);
         let mut stage = Stage { problems: loaded.problems, ..Stage::default() };
 
         // Stage 1: validate what changed.
