@@ -661,13 +661,32 @@ async fn antrea_objects_are_watched_once_their_crds_exist() {
     until("Antrea's objects gone", || source.inputs().antrea.is_empty()).await;
 }
 
-/// Issue #22, with issue #19's rule: an Antrea policy naming a Tier that does not exist is
-/// invalid, gets an Event (and no status: that is Antrea's), and is left out; one whose
-/// Tier is deleted under it (Antrea refuses that; a cluster without Antrea's webhook does
-/// not) stays in force as its recorded version, on an agent running then and on one started
-/// after, and the leader keeps the Tier's record while the policy names it.
+/// Issue #22, with issue #19's rule: an Antrea Drop policy served by the API server drops
+/// (end to end: watched, admitted, compiled, decided); one naming a Tier that does not
+/// exist is invalid, gets an Event (and no status: that is Antrea's), and is left out; one
+/// whose Tier is deleted under it (Antrea refuses that; a cluster without Antrea's webhook
+/// does not) stays in force as its recorded version, on an agent running then and on one
+/// started after, and the leader keeps the Tier's record while the policy names it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_antrea_policy_whose_tier_is_deleted_stays_in_force_on_every_agent() {
+    use tierproxy::policy::{Flow, Protocol, Verdict};
+    let flow = Flow {
+        src: "10.0.0.1".parse().unwrap(),
+        dst: "10.0.0.2".parse().unwrap(),
+        protocol: Protocol::Tcp,
+        dst_port: 80,
+    };
+    // The policy whose rule decided the server's ingress.
+    let decided_by = |built: &tierproxy::agent::Built| {
+        let s = &built.current.snapshot;
+        let d = s.decide(&flow);
+        match d.ingress.map(|o| o.basis) {
+            Some(tierproxy::policy::Basis::Rule { hit, .. }) => {
+                (d.verdict, Some(s.policy_ref(hit.policy).clone()))
+            }
+            _ => (d.verdict, None),
+        }
+    };
     let api = FakeApi::start();
     api.apply(node_a());
     api.apply(ns("a", json!({"kubernetes.io/metadata.name": "a"})));
@@ -684,6 +703,7 @@ async fn an_antrea_policy_whose_tier_is_deleted_stays_in_force_on_every_agent() 
     let a = Agent::start(&api).await;
     let reports = a.lead(&api).await;
     let built = a.build(1);
+    assert_eq!(decided_by(&built), (Verdict::Deny, Some(drop.clone())));
     assert_eq!(built.report.valid.get(&drop), Some(&Some(1)));
     assert_eq!(built.report.valid.get(&dev), Some(&Some(1)));
     assert!(
@@ -726,6 +746,11 @@ async fn an_antrea_policy_whose_tier_is_deleted_stays_in_force_on_every_agent() 
     let b = Agent::start(&api).await;
     let from_b = b.build(1);
     for (who, built) in [("A", &from_a), ("B", &from_b)] {
+        assert_eq!(
+            decided_by(built),
+            (Verdict::Deny, Some(drop.clone())),
+            "agent {who}: the recorded version stays in force, in its Tier as recorded"
+        );
         assert!(
             matches!(built.report.of(&drop), Acceptance::InvalidUpdate(m, Some(1)) if m.contains("spec.tier")),
             "agent {who}: {:?}",
@@ -753,7 +778,9 @@ async fn an_antrea_policy_whose_tier_is_deleted_stays_in_force_on_every_agent() 
     api.delete(ANTREA, "ClusterNetworkPolicy", None, "drop");
     until("agent A sees the policy gone", || a.source.antrea_cluster_network_policies().len() == 1)
         .await;
-    reports.send_replace(Arc::new(a.build(3).report));
+    let built = a.build(3);
+    assert_eq!(decided_by(&built).0, Verdict::Allow);
+    reports.send_replace(Arc::new(built.report));
     until("both records dropped", || {
         let r = a.records.records();
         !r.0.contains_key(&dev) && !r.0.contains_key(&drop)
@@ -1271,6 +1298,62 @@ fn explain_kube_answers_as_explain_on_a_manifest_of_the_same_objects() {
     assert_eq!(none.status.code(), Some(2));
     let said = String::from_utf8_lossy(&none.stderr);
     assert!(said.contains("error: reading the API server: configuring the client"), "{said}");
+}
+
+/// Issue #22: `explain --kube` reads Antrea's objects as the agent does and decides as on a
+/// manifest of the same objects; an invalid one served by the API server makes it refuse
+/// to decide (exit 2), naming the object and the field.
+#[test]
+fn explain_kube_reads_antrea_objects_and_refuses_invalid_ones() {
+    use std::process::Output;
+    let objects = vec![
+        node_a(),
+        ns("a", json!({"kubernetes.io/metadata.name": "a"})),
+        ns("b", json!({"kubernetes.io/metadata.name": "b"})),
+        pod("a", "client", "10.0.0.1", json!({})),
+        pod("b", "server", "10.0.0.2", json!({})),
+        antrea_tier("dev", 10),
+        acnp("drop", "dev"),
+    ];
+    let api = FakeApi::start();
+    for o in &objects {
+        api.apply(o.clone());
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("cluster.yaml");
+    let list = json!({"apiVersion": "v1", "kind": "List", "items": objects});
+    std::fs::write(&file, serde_saphyr::to_string(&list).unwrap()).unwrap();
+    let kubeconfig = api.kubeconfig(dir.path());
+    let run = |args: &[&str]| -> Output {
+        common::bin()
+            .arg("explain")
+            .args(args)
+            .args(["--from", "a/client", "--to", "b/server", "--port", "80", "-o", "json"])
+            .env("KUBECONFIG", &kubeconfig)
+            .env("HOME", dir.path())
+            .env_remove("KUBERNETES_SERVICE_HOST")
+            .output()
+            .expect("tierproxy runs")
+    };
+    let answer = |o: &Output| -> Value {
+        assert_eq!(o.status.code(), Some(0), "{}", String::from_utf8_lossy(&o.stderr));
+        serde_json::from_slice(&o.stdout).unwrap()
+    };
+    let from_api = answer(&run(&["--kube"]));
+    assert_eq!(from_api, answer(&run(&["-m", file.to_str().unwrap()])));
+    assert_eq!(from_api["verdict"], "deny", "{from_api}");
+
+    let mut bad = acnp("bad", "dev");
+    bad["spec"]["priority"] = json!(0.5);
+    api.apply(bad);
+    let refused = run(&["--kube"]);
+    assert_eq!(refused.status.code(), Some(2));
+    let said = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        said.lines().any(|l| l.starts_with("error: ClusterNetworkPolicy.crd.antrea.io bad")
+            && l.contains("spec.priority")),
+        "{said}"
+    );
 }
 
 fn node(name: &str) -> Value {
