@@ -43,7 +43,7 @@ use super::limit::{Admit, Aggregator, Limits, RateLimiter};
 use super::select::{Defaults, Selection};
 use super::sink::{self, Gate, SinkConfig, SinkStats};
 use crate::policy::compile::Direction;
-use crate::policy::eval::{Decision, Verdict};
+use crate::policy::eval::Decision;
 use crate::policy::{Protocol, Snapshot};
 
 /// Everything the pipeline needs.
@@ -58,7 +58,8 @@ pub struct AuditConfig {
     /// Records the data-path queue holds, and undelivered events each sink may hold before
     /// lossy drops for it or lossless makes new flows wait.
     pub queue_capacity: usize,
-    /// Identical denies within this window become one event (`Duration::ZERO`: none).
+    /// Identical denies (and rejects) within this window become one event
+    /// (`Duration::ZERO`: none).
     pub deny_window: Duration,
     /// Rate limits.
     pub limits: Limits,
@@ -103,7 +104,7 @@ pub struct Stats {
     pub submitted: AtomicU64,
     /// Events handed to the sinks (each event once, whatever the number of sinks).
     pub emitted: AtomicU64,
-    /// Denies folded into another event's count.
+    /// Denies and rejects folded into another event's count.
     pub aggregated: AtomicU64,
     /// Events suppressed by a per-rule limit.
     pub rate_limited_rule: AtomicU64,
@@ -432,8 +433,8 @@ fn join_until(h: JoinHandle<()>, deadline: Instant) {
     }
 }
 
-/// The key under which identical denies are folded: direction and flow less the source
-/// port, in one revision.
+/// The key under which identical denies and rejects are folded: direction and flow less
+/// the source port, in one revision.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 struct DenyKey {
     dir: Direction,
@@ -545,11 +546,15 @@ impl Worker {
                         &decision,
                         dir,
                     );
+                    // A Reject is folded as a deny is: a client retrying against a Reject
+                    // makes as many identical records as one retrying against a Drop
+                    // (docs/audit.md, "Deny aggregation"). The key needs no verdict: one
+                    // revision gives one flow, whatever its source port, one verdict.
                     let denied = match dir {
                         Direction::Ingress => decision.ingress.as_ref(),
                         Direction::Egress => decision.egress.as_ref(),
                     }
-                    .is_some_and(|o| o.verdict == Verdict::Deny);
+                    .is_some_and(|o| !o.verdict.is_allow());
                     if denied && self.aggregate {
                         let k = DenyKey {
                             dir,
