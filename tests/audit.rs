@@ -727,6 +727,48 @@ fn rate_limits_suppress_per_rule_and_report_every_suppressed_event() {
     assert_eq!(emitted + suppressed, 50, "{lines:#?}");
 }
 
+/// The Antrea NetworkPolicy `b/allow-a` and the upstream one have the same namespace, name
+/// and rule name (`ingress[0]`): each keeps its own per-rule bucket, and each summary names
+/// its policy's kind and apiVersion.
+#[test]
+fn rate_limits_keep_an_antrea_policy_apart_from_the_upstream_one_of_the_same_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("audit.jsonl");
+    let mut c = config(json_file(&path));
+    c.limits = Limits { per_rule: 0.01, node: 0.0 };
+    // Only the ingress records: the Pass to the NetworkPolicy (8080) and the Reject (7004).
+    c.defaults.allow_sample = 0;
+    let s = antrea_snapshot();
+    let (plan, _) = Selection::new(&s, c.defaults);
+    let auditor = Auditor::start(c).unwrap();
+    for i in 0..3u16 {
+        decide(&auditor, &plan, &s, sa(CLIENT, 46000 + i), sa(REMOTE, 8080));
+        decide(&auditor, &plan, &s, sa(CLIENT, 46100 + i), sa(REMOTE, 7004));
+    }
+    auditor.shutdown();
+    let lines = json_lines(&path);
+    let decisions: Vec<&serde_json::Value> =
+        lines.iter().filter(|l| l["event"] == event::DECISION).collect();
+    let versions: BTreeSet<&str> = decisions
+        .iter()
+        .map(|l| l["attributes"][attr::POLICY_API_VERSION].as_str().unwrap())
+        .collect();
+    assert_eq!(versions, BTreeSet::from(["crd.antrea.io/v1beta1", "networking.k8s.io/v1"]));
+    assert_eq!(decisions.len(), 2, "the burst of each policy's rule: {lines:#?}");
+    let mut summaries = BTreeSet::new();
+    for l in lines.iter().filter(|l| l["event"] == event::SUPPRESSED) {
+        let a = &l["attributes"];
+        assert_eq!(a[attr::RULESET], "b/allow-a");
+        assert_eq!(a[attr::POLICY_KIND], "NetworkPolicy");
+        summaries.insert((
+            a[attr::POLICY_API_VERSION].as_str().unwrap().to_string(),
+            a[attr::SUPPRESSED_COUNT].as_i64().unwrap(),
+        ));
+    }
+    let expected = [("crd.antrea.io/v1beta1", 2), ("networking.k8s.io/v1", 2)];
+    assert_eq!(summaries, expected.map(|(v, n)| (v.to_string(), n)).into(), "{lines:#?}");
+}
+
 #[test]
 fn the_json_file_rotates_by_size_without_splitting_or_losing_a_line() {
     let dir = tempfile::tempdir().unwrap();

@@ -725,27 +725,43 @@ pub fn connection_end(
     e
 }
 
+/// The rule a per-rule rate limit suppressed events of, as a [`SUPPRESSED`] record names
+/// it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SuppressedRule<'a> {
+    /// The policy's kind and apiVersion ([`attr::POLICY_KIND`],
+    /// [`attr::POLICY_API_VERSION`]): an Antrea NetworkPolicy and the upstream one of the
+    /// same namespace and name are two rules. `None` where no policy decided.
+    pub policy: Option<(&'a str, &'a str)>,
+    /// [`attr::RULESET`]: the policy, or `default` where no policy decided.
+    pub ruleset: &'a str,
+    /// [`attr::RULE_NAME`]: `direction/rule`, or the basis where no policy decided.
+    pub rule: &'a str,
+}
+
 /// A summary of `count` events suppressed by the `by` limit (`rule` or `node`) since the
-/// last summary; `ruleset`/`rule` name the rule for a per-rule limit.
+/// last summary; `rule` names the rule for a per-rule limit.
 pub fn suppressed(
     ctx: &Context,
     time: SystemTime,
     by: &'static str,
-    ruleset: Option<&str>,
-    rule: Option<&str>,
+    rule: Option<SuppressedRule<'_>>,
     count: u64,
 ) -> Event {
     let mut e = Event {
         name: SUPPRESSED,
         time,
         severity: Severity::Warn,
-        body: match (ruleset, rule) {
-            (Some(rs), Some(r)) => {
-                format!(
-                    "{count} audit events of {rs} rule {r} suppressed by the per-rule rate limit"
-                )
-            }
-            _ => format!("{count} audit events suppressed by the {by} rate limit"),
+        body: match rule {
+            Some(SuppressedRule { policy: Some((kind, version)), ruleset, rule }) => format!(
+                "{count} audit events of {kind} {ruleset} ({version}) rule {rule} suppressed \
+                 by the per-rule rate limit"
+            ),
+            Some(SuppressedRule { policy: None, ruleset, rule }) => format!(
+                "{count} audit events of {ruleset} rule {rule} suppressed by the per-rule rate \
+                 limit"
+            ),
+            None => format!("{count} audit events suppressed by the {by} rate limit"),
         }
         .into(),
         attributes: vec![],
@@ -753,11 +769,13 @@ pub fn suppressed(
     e.push(attr::NODE, Value::Str(ctx.node.clone()));
     e.str_attr(attr::SUPPRESSED_BY, by);
     e.int_attr(attr::SUPPRESSED_COUNT, i64::try_from(count).unwrap_or(i64::MAX));
-    if let Some(rs) = ruleset {
-        e.string_attr(attr::RULESET, rs);
-    }
     if let Some(r) = rule {
-        e.string_attr(attr::RULE_NAME, r);
+        if let Some((kind, version)) = r.policy {
+            e.string_attr(attr::POLICY_KIND, kind);
+            e.string_attr(attr::POLICY_API_VERSION, version);
+        }
+        e.string_attr(attr::RULESET, r.ruleset);
+        e.string_attr(attr::RULE_NAME, r.rule);
     }
     e
 }

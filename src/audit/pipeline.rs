@@ -445,9 +445,18 @@ struct DenyKey {
     revision: u64,
 }
 
-/// The key of a rate limit: the rule (`ruleset`, `direction/rule`), `default` and the
-/// basis for decisions no policy made, or the event name.
-type RuleKey = (Arc<str>, Arc<str>);
+/// The key of a rate limit: the rule (the policy's kind and apiVersion, `ruleset`,
+/// `direction/rule`), `default` and the basis for decisions no policy made, or the event
+/// name. The kind and apiVersion keep an Antrea policy's rule apart from the upstream
+/// policy's of the same name (an Antrea NetworkPolicy `b/allow-a` beside the NetworkPolicy
+/// `b/allow-a`, both with an unnamed `ingress[0]`).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct RuleKey {
+    /// Kind and apiVersion, both static strings of [`crate::policy::Kind`].
+    policy: Option<(&'static str, &'static str)>,
+    ruleset: Arc<str>,
+    rule: Arc<str>,
+}
 
 struct Worker {
     ctx: Context,
@@ -472,13 +481,20 @@ fn rule_key(e: &Event) -> RuleKey {
         Some(Value::Static(s)) => Arc::from(*s),
         _ => Arc::from(""),
     };
+    let fixed = |k| match e.attr(k) {
+        Some(Value::Static(s)) => Some(*s),
+        _ => None,
+    };
     match e.name {
-        event::DECISION if e.str(event::attr::RULESET).is_some() => (
-            s(event::attr::RULESET),
-            format!("{}/{}", s(event::attr::DIRECTION), s(event::attr::RULE_NAME)).into(),
-        ),
-        event::DECISION => (Arc::from("default"), s(event::attr::BASIS)),
-        _ => (Arc::from(""), Arc::from(e.name)),
+        event::DECISION if e.str(event::attr::RULESET).is_some() => RuleKey {
+            policy: fixed(event::attr::POLICY_KIND).zip(fixed(event::attr::POLICY_API_VERSION)),
+            ruleset: s(event::attr::RULESET),
+            rule: format!("{}/{}", s(event::attr::DIRECTION), s(event::attr::RULE_NAME)).into(),
+        },
+        event::DECISION => {
+            RuleKey { policy: None, ruleset: Arc::from("default"), rule: s(event::attr::BASIS) }
+        }
+        _ => RuleKey { policy: None, ruleset: Arc::from(""), rule: Arc::from(e.name) },
     }
 }
 
@@ -611,14 +627,16 @@ impl Worker {
     fn summaries(&mut self) {
         let (by_rule, node) = self.limiter.take_suppressed();
         let now = SystemTime::now();
-        for ((ruleset, rule), n) in by_rule {
+        for (k, n) in by_rule {
             self.stats.rate_limited_rule.fetch_add(n, Ordering::Relaxed);
-            let e = event::suppressed(&self.ctx, now, "rule", Some(&ruleset), Some(&rule), n);
+            let rule =
+                event::SuppressedRule { policy: k.policy, ruleset: &k.ruleset, rule: &k.rule };
+            let e = event::suppressed(&self.ctx, now, "rule", Some(rule), n);
             self.send(e);
         }
         if node > 0 {
             self.stats.rate_limited_node.fetch_add(node, Ordering::Relaxed);
-            let e = event::suppressed(&self.ctx, now, "node", None, None, node);
+            let e = event::suppressed(&self.ctx, now, "node", None, node);
             self.send(e);
         }
     }
