@@ -863,6 +863,128 @@ fn rows() -> Vec<Row> {
             ingress: "n/a",
         },
         Row {
+            name: "§11.5 an empty ANNP peer selects every pod of its namespace (group.go NewGroupSelector)",
+            policies: annp(
+                "prod",
+                "empty-peer",
+                "{priority: 1, appliedTo: [{podSelector: {matchLabels: {app: web}}}], ingress: [{action: Drop, from: [{}]}]}",
+            ),
+            from: "prod/db",
+            to: "prod/web",
+            protocol: TCP,
+            port: 80,
+            verdict: DENY,
+            egress: "default",
+            ingress: "application:empty-peer#0",
+        },
+        Row {
+            name: "§11.5 ...and no pod of another namespace",
+            policies: annp(
+                "prod",
+                "empty-peer",
+                "{priority: 1, appliedTo: [{podSelector: {matchLabels: {app: web}}}], ingress: [{action: Drop, from: [{}]}]}",
+            ),
+            from: "dev/web",
+            to: "prod/web",
+            protocol: TCP,
+            port: 80,
+            verdict: ALLOW,
+            egress: "default",
+            ingress: "default",
+        },
+        Row {
+            name: "§11.5 an empty ANNP appliedTo entry selects every pod of its namespace",
+            policies: annp(
+                "prod",
+                "empty-applied",
+                "{priority: 1, appliedTo: [{}], ingress: [{action: Drop}]}",
+            ),
+            from: "dev/web",
+            to: "prod/web",
+            protocol: TCP,
+            port: 80,
+            verdict: DENY,
+            egress: "default",
+            ingress: "application:empty-applied#0",
+        },
+        Row {
+            name: "§7 an empty ACNP peer selects nothing (group_entity_index.go match)",
+            policies: acnp(
+                "empty-peer",
+                &format!("{{priority: 1, {WEB}, ingress: [{{action: Drop, from: [{{}}]}}]}}"),
+            ),
+            from: "prod/db",
+            to: "prod/web",
+            protocol: TCP,
+            port: 80,
+            verdict: ALLOW,
+            egress: "default",
+            ingress: "default",
+        },
+        Row {
+            name: "§9 sameLabels: [] names no label: an Allow matches nothing through it",
+            policies: acnp(
+                "no-labels",
+                &format!(
+                    "{{priority: 1, {WEB}, ingress: [{{action: Allow, from: [{{namespaces: {{sameLabels: []}}}}]}}, {{action: Drop}}]}}"
+                ),
+            ),
+            from: "mon/prom",
+            to: "prod/web",
+            protocol: TCP,
+            port: 80,
+            verdict: DENY,
+            egress: "default",
+            ingress: "application:no-labels#1",
+        },
+        Row {
+            name: "§9 a misspelt peer key fails closed: a Drop applies to all traffic its ports select",
+            policies: acnp(
+                "typo",
+                &format!(
+                    "{{priority: 1, {WEB}, ingress: [{{action: Drop, from: [{{podSelectr: {{matchLabels: {{app: prom}}}}}}]}}]}}"
+                ),
+            ),
+            from: "dev/web",
+            to: "prod/web",
+            protocol: TCP,
+            port: 80,
+            verdict: DENY,
+            egress: "default",
+            ingress: "application:typo#0",
+        },
+        Row {
+            name: "§9 a peer with an unknown key matches nothing in an Allow",
+            policies: acnp(
+                "extra",
+                &format!(
+                    "{{priority: 1, {WEB}, ingress: [{{action: Allow, from: [{{podSelector: {{matchLabels: {{app: prom}}}}, color: red}}]}}, {{action: Drop}}]}}"
+                ),
+            ),
+            from: "mon/prom",
+            to: "prod/web",
+            protocol: TCP,
+            port: 80,
+            verdict: DENY,
+            egress: "default",
+            ingress: "application:extra#1",
+        },
+        Row {
+            name: "§9 scope in an egress peer is outside its schema: an Allow matches nothing through it",
+            policies: annp(
+                "dev",
+                "scoped",
+                "{priority: 1, appliedTo: [{podSelector: {}}], egress: [{action: Allow, to: [{podSelector: {}, scope: Cluster}]}, {action: Drop}]}",
+            ),
+            from: "dev/web",
+            to: "dev/web",
+            protocol: TCP,
+            port: 80,
+            verdict: DENY,
+            egress: "application:scoped#1",
+            ingress: "default",
+        },
+        Row {
             name: "§7 an absent from matches every address, external ones too (crd_utils.go matchAllPeer)",
             policies: annp(
                 "dev",
@@ -957,4 +1079,45 @@ fn exact_ties_are_reported_on_both_policies() {
         "{ties:#?}"
     );
     assert!(ties[1].contains("b-allow") && ties[1].contains("the other's first"), "{ties:#?}");
+}
+
+/// Of two Tiers with one priority, the one created first is admitted (by name when
+/// neither has a creation time), whatever the order of the input: a compile does not
+/// depend on input order.
+#[test]
+fn which_of_two_tiers_of_one_priority_is_admitted_does_not_depend_on_input_order() {
+    let policy =
+        acnp("pa", &format!("{{tier: a, priority: 1, {WEB}, ingress: [{{action: Drop}}]}}"));
+    for tiers in [tier("a", 10) + &tier("b", 10), tier("b", 10) + &tier("a", 10)] {
+        let text = format!("{CLUSTER}\n---\n{tiers}{policy}");
+        let loaded = parse_str(Path::new("t.yaml"), &text).unwrap();
+        let c = Snapshot::compile(&loaded.inputs, Revision(1));
+        let errors: Vec<String> =
+            c.problems.iter().filter(|p| p.is_error()).map(ToString::to_string).collect();
+        assert_eq!(errors.len(), 1, "{errors:#?}");
+        assert!(errors[0].starts_with("error: Tier.crd.antrea.io b: spec.priority"), "{errors:#?}");
+        let d = decide(&c.snapshot, "dev/web", "prod/web", TCP, 80);
+        assert_eq!(d.verdict, DENY);
+    }
+}
+
+/// A port outside 1–65535 (refused by validation; possible only in a compile that skips
+/// it) selects no port: it is never clamped onto 65535, and an endPort below port never
+/// panics.
+#[test]
+fn an_unvalidated_port_out_of_range_selects_no_port() {
+    let policy = acnp(
+        "big",
+        &format!(
+            "{{priority: 1, {WEB}, ingress: [{{action: Drop, ports: [{{port: 70000}}, {{port: 90, endPort: 80}}]}}]}}"
+        ),
+    );
+    let text = format!("{CLUSTER}\n---\n{policy}");
+    let loaded = parse_str(Path::new("t.yaml"), &text).unwrap();
+    assert!(Snapshot::compile(&loaded.inputs, Revision(1)).problems.iter().any(|p| p.is_error()));
+    let s = Snapshot::compile_validated(&loaded.inputs, Revision(1)).snapshot;
+    for port in [65535, 80, 85, 90] {
+        let d = decide(&s, "dev/web", "prod/web", TCP, port);
+        assert_eq!(d.verdict, ALLOW, "port {port}");
+    }
 }

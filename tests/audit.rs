@@ -120,6 +120,55 @@ fn snapshot() -> Arc<Snapshot> {
     snapshot_with("annotations: {}")
 }
 
+/// Antrea-native policies added to [`CLUSTER`] (issue #22): the ClusterNetworkPolicy
+/// `sec-audit` in Tier `securityops` on a/server's ingress — 7000 allowed with
+/// `enableLogging` and a `logLabel`, 7001 allowed without, 7002 rejected, 7003 dropped by
+/// an unnamed rule — and an Antrea NetworkPolicy `b/allow-a`, named as the upstream
+/// NetworkPolicy beside it, rejecting 7004 to b's pods (Tier `application`, the default).
+const ANTREA: &str = r#"
+---
+apiVersion: crd.antrea.io/v1beta1
+kind: ClusterNetworkPolicy
+metadata: {name: sec-audit}
+spec:
+  tier: securityops
+  priority: 5
+  appliedTo: [{podSelector: {matchLabels: {app: db}}}]
+  ingress:
+  - name: logged-allow
+    action: Allow
+    ports: [{protocol: TCP, port: 7000}]
+    enableLogging: true
+    logLabel: pci-7000
+  - name: quiet-allow
+    action: Allow
+    ports: [{protocol: TCP, port: 7001}]
+  - name: refuse-7002
+    action: Reject
+    ports: [{protocol: TCP, port: 7002}]
+  - action: Drop
+    ports: [{protocol: TCP, port: 7003}]
+---
+apiVersion: crd.antrea.io/v1beta1
+kind: NetworkPolicy
+metadata: {name: allow-a, namespace: b}
+spec:
+  priority: 1
+  appliedTo: [{podSelector: {}}]
+  ingress:
+  - action: Reject
+    ports: [{protocol: TCP, port: 7004}]
+"#;
+
+fn antrea_snapshot() -> Arc<Snapshot> {
+    let text = format!("{}{ANTREA}", CLUSTER.replace("ANNOTATION", "annotations: {}"));
+    let loaded = parse_str(Path::new("antrea.yaml"), &text).expect("test YAML parses");
+    assert!(loaded.problems.iter().all(|p| !p.is_error()), "{:?}", loaded.problems);
+    let compiled = Snapshot::compile(&loaded.inputs, Revision(3));
+    assert!(compiled.problems.iter().all(|p| !p.is_error()), "{:?}", compiled.problems);
+    Arc::new(compiled.snapshot)
+}
+
 fn sa(ip: &str, port: u16) -> SocketAddr {
     SocketAddr::new(ip.parse::<IpAddr>().unwrap(), port)
 }
@@ -287,7 +336,9 @@ fn allow_deny_pass_and_close_arrive_over_otlp_http_and_grpc_with_their_exact_att
                 "tierproxy.flow.verdict": "allow", "tierproxy.basis": "rule",
                 "tierproxy.decision.point": "first-packet",
                 "tierproxy.tier": "networkpolicy",
-                "tierproxy.policy.kind": "NetworkPolicy", "tierproxy.policy.namespace": "b",
+                "tierproxy.policy.kind": "NetworkPolicy",
+                "tierproxy.policy.api_version": "networking.k8s.io/v1",
+                "tierproxy.policy.namespace": "b",
                 "tierproxy.policy.name": "allow-a", "security_rule.ruleset.name": "b/allow-a",
                 "security_rule.name": "ingress[0]", "tierproxy.rule.index": 0,
                 "tierproxy.rule.action": "Allow",
@@ -320,6 +371,7 @@ fn allow_deny_pass_and_close_arrive_over_otlp_http_and_grpc_with_their_exact_att
             (attr::FLOW_VERDICT, json!("deny")),
             (attr::TIER, json!("admin")),
             (attr::POLICY_KIND, json!("AdminNetworkPolicy")),
+            (attr::POLICY_API_VERSION, json!("policy.networking.k8s.io/v1alpha1")),
             (attr::RULESET, json!("b-guard")),
             (attr::RULE_NAME, json!("no-9090-from-a")),
             (attr::RULE_ACTION, json!("Deny")),
@@ -354,6 +406,152 @@ fn allow_deny_pass_and_close_arrive_over_otlp_http_and_grpc_with_their_exact_att
         assert_eq!(st.emitted.load(Ordering::Relaxed), 7);
         assert_eq!(st.sinks[0].exported.load(Ordering::Relaxed), 7);
     }
+}
+
+/// Issue #22: an Antrea rule's `enableLogging: true` audits its decisions even where the
+/// node would not (allow sampling 0), with its `logLabel`; a rule without it keeps the
+/// node's defaults; a Reject is its own verdict and action, and a Drop says `Drop`; events
+/// name the Antrea Tier and the policy's apiVersion, so the Antrea NetworkPolicy `b/allow-a`
+/// is never taken for the upstream one of the same name.
+#[test]
+fn antrea_decisions_arrive_over_otlp_with_tier_api_version_action_and_log_label() {
+    for protocol in [OtlpProtocol::HttpProtobuf, OtlpProtocol::Grpc] {
+        let receiver = Receiver::start(protocol, loopback()).unwrap();
+        let s = antrea_snapshot();
+        let mut c = config(otlp(protocol, receiver.endpoint()));
+        c.defaults.allow_sample = 0;
+        let (plan, problems) = Selection::new(&s, c.defaults);
+        assert!(problems.is_empty());
+        let auditor = Auditor::start(c).unwrap();
+        let audited =
+            |port, dst, dport| decide(&auditor, &plan, &s, sa(CLIENT, port), sa(dst, dport)).0;
+        assert!(audited(40100, SERVER, 7000), "enableLogging audits an allow");
+        assert!(!audited(40101, SERVER, 7001), "without it, allows follow sampling 0");
+        assert!(audited(40102, SERVER, 7002));
+        assert!(audited(40103, SERVER, 7003));
+        assert!(audited(40104, REMOTE, 7004));
+        auditor.shutdown();
+        // One record each (the ingress): the client's egress is a default allow, unsampled.
+        let recs = receiver.wait_for(Duration::from_secs(10), |r| r.len() >= 4);
+        assert_eq!(recs.len(), 4, "{protocol:?}: {recs:#?}");
+        assert!(recs.iter().all(|r| r.str(attr::DIRECTION) == Some("ingress")), "{recs:#?}");
+
+        let logged = find(&recs, event::DECISION, |r| r.int(attr::SRC_PORT) == Some(40100));
+        assert_eq!(
+            attrs_of(logged),
+            json!({
+                "network.transport": "tcp", "network.type": "ipv4",
+                "source.address": CLIENT, "source.port": 40100,
+                "destination.address": SERVER, "destination.port": 7000,
+                "k8s.node.name": "n1",
+                "tierproxy.direction": "ingress", "tierproxy.verdict": "allow",
+                "tierproxy.flow.verdict": "allow", "tierproxy.basis": "rule",
+                "tierproxy.decision.point": "first-packet",
+                "tierproxy.policy.kind": "ClusterNetworkPolicy",
+                "tierproxy.policy.api_version": "crd.antrea.io/v1beta1",
+                "tierproxy.policy.name": "sec-audit", "security_rule.ruleset.name": "sec-audit",
+                "tierproxy.tier": "securityops",
+                "security_rule.name": "logged-allow", "tierproxy.rule.index": 0,
+                "tierproxy.rule.action": "Allow", "tierproxy.rule.log_label": "pci-7000",
+                "tierproxy.revision": 3,
+                "tierproxy.source.kind": "pod", "tierproxy.source.k8s.namespace.name": "a",
+                "tierproxy.source.k8s.pod.name": "client",
+                "tierproxy.source.k8s.pod.label.app": "shop",
+                "tierproxy.source.k8s.pod.label.team": "red",
+                "tierproxy.destination.kind": "pod",
+                "tierproxy.destination.k8s.namespace.name": "a",
+                "tierproxy.destination.k8s.pod.name": "server",
+                "tierproxy.destination.k8s.pod.label.app": "db",
+            }),
+            "{protocol:?}"
+        );
+        assert_eq!(logged.severity, "INFO");
+
+        let reject = find(&recs, event::DECISION, |r| r.int(attr::SRC_PORT) == Some(40102));
+        assert_eq!(reject.severity, "WARN");
+        assert!(reject.body.starts_with("reject tcp "), "{}", reject.body);
+        for (k, v) in [
+            (attr::VERDICT, json!("reject")),
+            (attr::FLOW_VERDICT, json!("reject")),
+            (attr::TIER, json!("securityops")),
+            (attr::POLICY_KIND, json!("ClusterNetworkPolicy")),
+            (attr::POLICY_API_VERSION, json!("crd.antrea.io/v1beta1")),
+            (attr::RULESET, json!("sec-audit")),
+            (attr::RULE_NAME, json!("refuse-7002")),
+            (attr::RULE_INDEX, json!(2)),
+            (attr::RULE_ACTION, json!("Reject")),
+            (attr::COUNT, json!(1)),
+        ] {
+            assert_eq!(reject.attributes.get(k), Some(&v), "{k} in {reject:#?}");
+        }
+        assert!(!reject.attributes.contains_key(attr::LOG_LABEL));
+
+        let drop = find(&recs, event::DECISION, |r| r.int(attr::SRC_PORT) == Some(40103));
+        for (k, v) in [
+            (attr::VERDICT, json!("deny")),
+            (attr::RULE_NAME, json!("ingress[3]")),
+            (attr::RULE_ACTION, json!("Drop")),
+        ] {
+            assert_eq!(drop.attributes.get(k), Some(&v), "{k} in {drop:#?}");
+        }
+
+        let annp = find(&recs, event::DECISION, |r| r.int(attr::SRC_PORT) == Some(40104));
+        for (k, v) in [
+            (attr::VERDICT, json!("reject")),
+            (attr::TIER, json!("application")),
+            (attr::POLICY_KIND, json!("NetworkPolicy")),
+            (attr::POLICY_API_VERSION, json!("crd.antrea.io/v1beta1")),
+            (attr::POLICY_NAMESPACE, json!("b")),
+            (attr::RULESET, json!("b/allow-a")),
+            (attr::RULE_NAME, json!("ingress[0]")),
+            (attr::RULE_ACTION, json!("Reject")),
+        ] {
+            assert_eq!(annp.attributes.get(k), Some(&v), "{k} in {annp:#?}");
+        }
+        assert!(
+            annp.body.ends_with(": NetworkPolicy.crd.antrea.io b/allow-a rule ingress[0]"),
+            "{}",
+            annp.body
+        );
+        assert_eq!(auditor.stats().sinks[0].exported.load(Ordering::Relaxed), 4);
+    }
+}
+
+/// `enableLogging` is the rule's own request: node defaults that log nothing and the
+/// policy's `tierproxy.io/audit: "off"` leave it logged, and leave every other rule as it
+/// was (issue #22).
+#[test]
+fn enable_logging_audits_its_rule_whatever_the_node_defaults_and_the_annotation() {
+    let nothing = Defaults { allow_sample: 0, deny: false, pass: false, close: true };
+    let flow = |port| {
+        let (src, dst) = (CLIENT.parse().unwrap(), SERVER.parse().unwrap());
+        Flow { src, dst, protocol: Protocol::Tcp, dst_port: port }
+    };
+    let s = antrea_snapshot();
+    let (plan, _) = Selection::new(&s, nothing);
+    // `select` answers [ingress, egress].
+    assert_eq!(plan.select(&s, &s.decide(&flow(7000))), [true, false]);
+    for port in [7001, 7002, 7003] {
+        assert_eq!(plan.select(&s, &s.decide(&flow(port))), [false, false], "{port}");
+    }
+    // The node's defaults log denies and rejects: the rules without enableLogging are
+    // logged as before.
+    let (plan, _) = Selection::new(&s, Defaults { deny: true, ..nothing });
+    for port in [7000, 7002, 7003] {
+        assert_eq!(plan.select(&s, &s.decide(&flow(port))), [true, false], "{port}");
+    }
+    assert_eq!(plan.select(&s, &s.decide(&flow(7001))), [false, false]);
+    // An annotation's `off` does not silence it.
+    let text = format!("{}{ANTREA}", CLUSTER.replace("ANNOTATION", "annotations: {}")).replace(
+        "metadata: {name: sec-audit}",
+        r#"metadata: {name: sec-audit, annotations: {tierproxy.io/audit: "off, rule:logged-allow=off"}}"#,
+    );
+    let loaded = parse_str(Path::new("antrea.yaml"), &text).unwrap();
+    let off = Snapshot::compile(&loaded.inputs, Revision(4)).snapshot;
+    let (plan, problems) = Selection::new(&off, Defaults { deny: true, ..nothing });
+    assert!(problems.is_empty(), "{problems:?}");
+    assert_eq!(plan.select(&off, &off.decide(&flow(7000))), [true, false]);
+    assert_eq!(plan.select(&off, &off.decide(&flow(7002))), [false, false]);
 }
 
 #[test]
@@ -473,6 +671,29 @@ fn identical_denies_in_a_window_become_one_event_with_their_count() {
     assert_eq!(auditor.stats().aggregated.load(Ordering::Relaxed), 19);
 }
 
+/// A client retrying against an Antrea Reject is folded as one retrying against a deny.
+#[test]
+fn identical_rejects_in_a_window_become_one_event_with_their_count() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("audit.jsonl");
+    let mut c = config(json_file(&path));
+    c.deny_window = Duration::from_secs(30);
+    c.defaults.allow_sample = 0;
+    let s = antrea_snapshot();
+    let (plan, _) = Selection::new(&s, c.defaults);
+    let auditor = Auditor::start(c).unwrap();
+    for port in 0..12 {
+        decide(&auditor, &plan, &s, sa(CLIENT, 45000 + port), sa(SERVER, 7002));
+    }
+    auditor.shutdown();
+    let lines = json_lines(&path);
+    assert_eq!(lines.len(), 1, "{lines:#?}");
+    assert_eq!(lines[0]["attributes"][attr::VERDICT], "reject");
+    assert_eq!(lines[0]["attributes"][attr::COUNT], 12);
+    assert_eq!(lines[0]["attributes"][attr::SRC_PORT], 45000, "the first one's port");
+    assert_eq!(auditor.stats().aggregated.load(Ordering::Relaxed), 11);
+}
+
 #[test]
 fn rate_limits_suppress_per_rule_and_report_every_suppressed_event() {
     let dir = tempfile::tempdir().unwrap();
@@ -504,6 +725,48 @@ fn rate_limits_suppress_per_rule_and_report_every_suppressed_event() {
     // Aggregation is off (window 0): each deny is its own event until the limit.
     assert_eq!(emitted, 1, "the burst");
     assert_eq!(emitted + suppressed, 50, "{lines:#?}");
+}
+
+/// The Antrea NetworkPolicy `b/allow-a` and the upstream one have the same namespace, name
+/// and rule name (`ingress[0]`): each keeps its own per-rule bucket, and each summary names
+/// its policy's kind and apiVersion.
+#[test]
+fn rate_limits_keep_an_antrea_policy_apart_from_the_upstream_one_of_the_same_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("audit.jsonl");
+    let mut c = config(json_file(&path));
+    c.limits = Limits { per_rule: 0.01, node: 0.0 };
+    // Only the ingress records: the Pass to the NetworkPolicy (8080) and the Reject (7004).
+    c.defaults.allow_sample = 0;
+    let s = antrea_snapshot();
+    let (plan, _) = Selection::new(&s, c.defaults);
+    let auditor = Auditor::start(c).unwrap();
+    for i in 0..3u16 {
+        decide(&auditor, &plan, &s, sa(CLIENT, 46000 + i), sa(REMOTE, 8080));
+        decide(&auditor, &plan, &s, sa(CLIENT, 46100 + i), sa(REMOTE, 7004));
+    }
+    auditor.shutdown();
+    let lines = json_lines(&path);
+    let decisions: Vec<&serde_json::Value> =
+        lines.iter().filter(|l| l["event"] == event::DECISION).collect();
+    let versions: BTreeSet<&str> = decisions
+        .iter()
+        .map(|l| l["attributes"][attr::POLICY_API_VERSION].as_str().unwrap())
+        .collect();
+    assert_eq!(versions, BTreeSet::from(["crd.antrea.io/v1beta1", "networking.k8s.io/v1"]));
+    assert_eq!(decisions.len(), 2, "the burst of each policy's rule: {lines:#?}");
+    let mut summaries = BTreeSet::new();
+    for l in lines.iter().filter(|l| l["event"] == event::SUPPRESSED) {
+        let a = &l["attributes"];
+        assert_eq!(a[attr::RULESET], "b/allow-a");
+        assert_eq!(a[attr::POLICY_KIND], "NetworkPolicy");
+        summaries.insert((
+            a[attr::POLICY_API_VERSION].as_str().unwrap().to_string(),
+            a[attr::SUPPRESSED_COUNT].as_i64().unwrap(),
+        ));
+    }
+    let expected = [("crd.antrea.io/v1beta1", 2), ("networking.k8s.io/v1", 2)];
+    assert_eq!(summaries, expected.map(|(v, n)| (v.to_string(), n)).into(), "{lines:#?}");
 }
 
 #[test]

@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 use serde_json::Value;
 use tierproxy::audit::CloseReason;
 use tierproxy::audit::event::{self, attr};
+use tierproxy::policy::{Kind, Verdict};
 
 fn dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/otel-collector")
@@ -132,11 +133,13 @@ fn emitted(key: &str) -> bool {
         attr::BASIS,
         attr::TIER,
         attr::POLICY_KIND,
+        attr::POLICY_API_VERSION,
         attr::POLICY_NAMESPACE,
         attr::POLICY_NAME,
         attr::RULE_INDEX,
         attr::RULE_ACTION,
         attr::FAIL_CLOSED,
+        attr::LOG_LABEL,
         attr::PASS_CHAIN,
         attr::REVISION,
         attr::COUNT,
@@ -247,9 +250,30 @@ fn ocsf_transform_reads_only_what_tierproxy_emits() {
         let cond = format!("attributes[\"{}\"] == \"{}\"", attr::CLOSE_REASON, r.as_str());
         assert!(all.contains(&cond), "close reason {:?} is not mapped", r.as_str());
     }
-    for v in ["allow", "deny"] {
-        let cond = format!("attributes[\"{}\"] == \"{v}\"", attr::VERDICT);
-        assert!(all.contains(&cond), "verdict {v:?} is not mapped");
+    // Every verdict has an action (this direction's) and an activity (the flow's); a new
+    // verdict breaks this match, and so this test, until the transform maps it.
+    let verdicts = [Verdict::Allow, Verdict::Deny, Verdict::Reject];
+    for v in verdicts {
+        match v {
+            Verdict::Allow | Verdict::Deny | Verdict::Reject => {}
+        }
+        for key in [attr::VERDICT, attr::FLOW_VERDICT] {
+            let cond = format!("attributes[\"{key}\"] == \"{}\"", v.as_str());
+            assert!(all.contains(&cond), "{key} {:?} is not mapped", v.as_str());
+        }
+    }
+    // Antrea's kinds are told from the upstream ones of the same name by the apiVersion
+    // tierproxy emits for them.
+    for k in [Kind::AntreaClusterNetworkPolicy, Kind::AntreaNetworkPolicy] {
+        let cond =
+            format!("attributes[\"{}\"] == \"{}\"", attr::POLICY_API_VERSION, k.api_version());
+        assert!(all.contains(&cond), "{k} is not told apart: no {cond}");
+        let qualified = format!(
+            "Concat([attributes[\"{}\"], \"{}\"], \".\")",
+            attr::POLICY_KIND,
+            k.api_group()
+        );
+        assert!(all.contains(&qualified), "{k} is not qualified: no {qualified}");
     }
 
     // The class, and the body swap that makes the OCSF event the record's body.

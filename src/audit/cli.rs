@@ -79,7 +79,8 @@ pub struct AuditArgs {
     /// Log one allowed flow in N where no policy annotation says (0: none, 1: all).
     #[arg(long, default_value_t = Defaults::default().allow_sample)]
     pub audit_allow_sample: u32,
-    /// Log denies where no policy annotation says.
+    /// Log denies (and Antrea rejects) where no policy annotation or Antrea
+    /// `enableLogging` says.
     #[arg(long, value_enum, default_value = "on")]
     pub audit_deny: Switch,
     /// Log decisions that took a Pass rule where no policy annotation says.
@@ -89,8 +90,8 @@ pub struct AuditArgs {
     /// by a policy change is reported either way).
     #[arg(long, value_enum, default_value = "on")]
     pub audit_close: Switch,
-    /// Identical denies (same flow but source port) within this window become one event
-    /// with a count (milliseconds; 0: every deny is an event).
+    /// Identical denies or rejects (same flow but source port) within this window become
+    /// one event with a count (milliseconds; 0: every deny is an event).
     #[arg(long, default_value_t = DEFAULT_DENY_WINDOW.as_millis() as u64)]
     pub audit_deny_window_ms: u64,
     /// Most events per second per rule (0: no limit); the rest are counted.

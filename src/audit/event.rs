@@ -152,10 +152,17 @@ pub mod attr {
     pub const DECISION_POINT: &str = "tierproxy.decision.point";
     /// `rule`, `isolation`, `default`, `own-node`: what decided the direction.
     pub const BASIS: &str = "tierproxy.basis";
-    /// `admin`, `networkpolicy`, `baseline` (absent for `default` and `own-node`).
+    /// The deciding policy's tier: `admin`, `networkpolicy`, `baseline`, or an Antrea
+    /// policy's Tier name (`securityops`, `application`, a custom Tier's); absent for
+    /// `default` and `own-node`.
     pub const TIER: &str = "tierproxy.tier";
-    /// The deciding policy's kind, e.g. `AdminNetworkPolicy`.
+    /// The deciding policy's kind as its manifest spells it, e.g. `AdminNetworkPolicy`;
+    /// an Antrea ClusterNetworkPolicy says `ClusterNetworkPolicy` too, and
+    /// [`POLICY_API_VERSION`] tells it from the upstream one.
     pub const POLICY_KIND: &str = "tierproxy.policy.kind";
+    /// The deciding policy's `apiVersion`, e.g. `policy.networking.k8s.io/v1alpha1`,
+    /// `crd.antrea.io/v1beta1` ([`crate::policy::Kind::api_version`]).
+    pub const POLICY_API_VERSION: &str = "tierproxy.policy.api_version";
     /// The deciding policy's namespace (NetworkPolicy only).
     pub const POLICY_NAMESPACE: &str = "tierproxy.policy.namespace";
     /// The deciding policy's name.
@@ -163,15 +170,18 @@ pub mod attr {
     /// The rule's position in the policy's ingress or egress list.
     pub const RULE_INDEX: &str = "tierproxy.rule.index";
     /// The rule's action as its API spells it: `Allow`, `Deny`, `Pass`; `Accept` for a
-    /// ClusterNetworkPolicy allow.
+    /// ClusterNetworkPolicy allow; `Drop` and `Reject` for an Antrea rule's.
     pub const RULE_ACTION: &str = "tierproxy.rule.action";
     /// `true` when the rule failed closed (a peer of an unknown kind).
     pub const FAIL_CLOSED: &str = "tierproxy.rule.fail_closed";
+    /// The Antrea rule's `logLabel`, when it has one.
+    pub const LOG_LABEL: &str = "tierproxy.rule.log_label";
     /// The Pass rules taken on the way, in order: `Kind name: rule`.
     pub const PASS_CHAIN: &str = "tierproxy.pass_chain";
     /// The snapshot revision that decided.
     pub const REVISION: &str = "tierproxy.revision";
-    /// Number of identical denies (same flow but source port) the record stands for.
+    /// Number of identical denies or rejects (same flow but source port) the record
+    /// stands for.
     pub const COUNT: &str = "tierproxy.deny.count";
     /// Time of the last of them (RFC 3339).
     pub const LAST_SEEN: &str = "tierproxy.deny.last_seen";
@@ -237,12 +247,26 @@ impl Context {
 /// Names of one policy, shared by its events.
 #[derive(Debug, Clone)]
 struct PolicyNames {
-    kind: &'static str,
+    kind: Kind,
+    /// The kind for people: an Antrea kind with its group
+    /// (`ClusterNetworkPolicy.crd.antrea.io`), as `Kind`'s `Display` and `explain` write it.
+    kind_text: Arc<str>,
     namespace: Option<Arc<str>>,
     name: Arc<str>,
     /// `name` or `namespace/name`.
     ruleset: Arc<str>,
-    tier: &'static str,
+    /// [`Snapshot::policy_tier_name`]: static for the upstream tiers, the Tier object's
+    /// name for an Antrea policy.
+    tier: Value,
+}
+
+/// Names of one rule, shared by its events.
+#[derive(Debug, Clone)]
+struct RuleNames {
+    /// The rule's `name`, or `ingress[i]` / `egress[i]`.
+    name: Arc<str>,
+    /// Antrea `logLabel`.
+    log_label: Option<Arc<str>>,
 }
 
 /// Most addresses whose text is kept; beyond it the cache starts over.
@@ -257,7 +281,7 @@ pub struct Names {
     pods: HashMap<u32, [Arc<str>; 2]>,
     nodes: HashMap<u32, Arc<str>>,
     policies: HashMap<u32, PolicyNames>,
-    rules: HashMap<(u32, Direction, u32), Arc<str>>,
+    rules: HashMap<(u32, Direction, u32), RuleNames>,
     /// By label key (as [`Context::label_keys`]): by pod id.
     labels: Vec<Vec<Option<Arc<str>>>>,
     ips: HashMap<IpAddr, Arc<str>>,
@@ -322,26 +346,36 @@ impl Names {
                     Some(ns) => format!("{ns}/{}", o.name).into(),
                     None => o.name.as_str().into(),
                 };
+                let upstream = s.policy_tier(policy).as_str();
+                let tier = match s.policy_tier_name(policy) {
+                    // An upstream policy's tier, or an Antrea Tier of the same name.
+                    t if t == upstream => Value::Static(upstream),
+                    t => Value::Str(t.into()),
+                };
                 PolicyNames {
-                    kind: o.kind.as_str(),
+                    kind: o.kind,
+                    kind_text: o.kind.to_string().into(),
                     namespace: o.namespace.as_deref().map(Arc::from),
                     name: o.name.as_str().into(),
                     ruleset,
-                    tier: s.policy_tier(policy).as_str(),
+                    tier,
                 }
             })
             .clone()
     }
 
-    /// The rule's `name`, or `ingress[i]` / `egress[i]` when it has none.
-    fn rule(&mut self, s: &Snapshot, dir: Direction, hit: RuleHit) -> Arc<str> {
+    /// The rule's `name` (or `ingress[i]` / `egress[i]` when it has none) and `logLabel`.
+    fn rule(&mut self, s: &Snapshot, dir: Direction, hit: RuleHit) -> RuleNames {
         self.rules
             .entry((hit.policy, dir, hit.rule))
             .or_insert_with(|| {
                 let info = s.rule_info(dir, hit);
-                match info.name {
-                    Some(n) => n.into(),
-                    None => format!("{}[{}]", dir.as_str(), info.index).into(),
+                RuleNames {
+                    name: match info.name {
+                        Some(n) => n.into(),
+                        None => format!("{}[{}]", dir.as_str(), info.index).into(),
+                    },
+                    log_label: info.log_label.map(Arc::from),
                 }
             })
             .clone()
@@ -471,10 +505,13 @@ fn endpoint_attrs(
     }
 }
 
-/// The action as the policy's API spells it (v1alpha2 ClusterNetworkPolicy: `Accept`).
+/// The action as the policy's API spells it: v1alpha2 ClusterNetworkPolicy `Accept`;
+/// Antrea's `Drop` for a deny (`crd.antrea.io/v1beta1` `RuleAction`: Allow, Drop, Reject,
+/// Pass).
 fn action_word(kind: Kind, action: Action) -> &'static str {
     match (kind, action) {
         (Kind::ClusterNetworkPolicy, Action::Allow) => "Accept",
+        (Kind::AntreaClusterNetworkPolicy | Kind::AntreaNetworkPolicy, Action::Deny) => "Drop",
         (_, a) => a.as_str(),
     }
 }
@@ -512,13 +549,14 @@ pub fn decision(
     e.str_attr(attr::DECISION_POINT, flow.point.as_str());
     let mut why = String::new();
     let policy_attrs = |e: &mut Event, p: &PolicyNames| {
-        e.str_attr(attr::POLICY_KIND, p.kind);
+        e.str_attr(attr::POLICY_KIND, p.kind.as_str());
+        e.str_attr(attr::POLICY_API_VERSION, p.kind.api_version());
         if let Some(ns) = &p.namespace {
             e.push(attr::POLICY_NAMESPACE, Value::Str(ns.clone()));
         }
         e.push(attr::POLICY_NAME, Value::Str(p.name.clone()));
         e.push(attr::RULESET, Value::Str(p.ruleset.clone()));
-        e.str_attr(attr::TIER, p.tier);
+        e.push(attr::TIER, p.tier.clone());
     };
     match o.basis {
         Basis::Rule { hit, .. } => {
@@ -526,15 +564,17 @@ pub fn decision(
             let p = names.policy(snapshot, hit.policy);
             policy_attrs(&mut e, &p);
             let info = snapshot.rule_info(dir, hit);
-            let name = names.rule(snapshot, dir, hit);
-            let kind = snapshot.policy_ref(hit.policy).kind;
-            e.push(attr::RULE_NAME, Value::Str(name.clone()));
+            let rule = names.rule(snapshot, dir, hit);
+            e.push(attr::RULE_NAME, Value::Str(rule.name.clone()));
             e.int_attr(attr::RULE_INDEX, i64::from(info.index));
-            e.str_attr(attr::RULE_ACTION, action_word(kind, info.action));
+            e.str_attr(attr::RULE_ACTION, action_word(p.kind, info.action));
             if info.fail_closed {
                 e.str_attr(attr::FAIL_CLOSED, "true");
             }
-            let _ = write!(why, "{} {} rule {name}", p.kind, p.ruleset);
+            if let Some(l) = rule.log_label {
+                e.push(attr::LOG_LABEL, Value::Str(l));
+            }
+            let _ = write!(why, "{} {} rule {}", p.kind_text, p.ruleset, rule.name);
         }
         Basis::Isolated { policy } => {
             e.str_attr(attr::BASIS, "isolation");
@@ -557,7 +597,8 @@ pub fn decision(
             .iter()
             .map(|&h| {
                 let p = names.policy(snapshot, h.policy);
-                format!("{} {}: {}", p.kind, p.ruleset, names.rule(snapshot, dir, h)).into()
+                format!("{} {}: {}", p.kind_text, p.ruleset, names.rule(snapshot, dir, h).name)
+                    .into()
             })
             .collect();
         why.push_str(", after Pass by ");
@@ -684,27 +725,43 @@ pub fn connection_end(
     e
 }
 
+/// The rule a per-rule rate limit suppressed events of, as a [`SUPPRESSED`] record names
+/// it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SuppressedRule<'a> {
+    /// The policy's kind and apiVersion ([`attr::POLICY_KIND`],
+    /// [`attr::POLICY_API_VERSION`]): an Antrea NetworkPolicy and the upstream one of the
+    /// same namespace and name are two rules. `None` where no policy decided.
+    pub policy: Option<(&'a str, &'a str)>,
+    /// [`attr::RULESET`]: the policy, or `default` where no policy decided.
+    pub ruleset: &'a str,
+    /// [`attr::RULE_NAME`]: `direction/rule`, or the basis where no policy decided.
+    pub rule: &'a str,
+}
+
 /// A summary of `count` events suppressed by the `by` limit (`rule` or `node`) since the
-/// last summary; `ruleset`/`rule` name the rule for a per-rule limit.
+/// last summary; `rule` names the rule for a per-rule limit.
 pub fn suppressed(
     ctx: &Context,
     time: SystemTime,
     by: &'static str,
-    ruleset: Option<&str>,
-    rule: Option<&str>,
+    rule: Option<SuppressedRule<'_>>,
     count: u64,
 ) -> Event {
     let mut e = Event {
         name: SUPPRESSED,
         time,
         severity: Severity::Warn,
-        body: match (ruleset, rule) {
-            (Some(rs), Some(r)) => {
-                format!(
-                    "{count} audit events of {rs} rule {r} suppressed by the per-rule rate limit"
-                )
-            }
-            _ => format!("{count} audit events suppressed by the {by} rate limit"),
+        body: match rule {
+            Some(SuppressedRule { policy: Some((kind, version)), ruleset, rule }) => format!(
+                "{count} audit events of {kind} {ruleset} ({version}) rule {rule} suppressed \
+                 by the per-rule rate limit"
+            ),
+            Some(SuppressedRule { policy: None, ruleset, rule }) => format!(
+                "{count} audit events of {ruleset} rule {rule} suppressed by the per-rule rate \
+                 limit"
+            ),
+            None => format!("{count} audit events suppressed by the {by} rate limit"),
         }
         .into(),
         attributes: vec![],
@@ -712,11 +769,13 @@ pub fn suppressed(
     e.push(attr::NODE, Value::Str(ctx.node.clone()));
     e.str_attr(attr::SUPPRESSED_BY, by);
     e.int_attr(attr::SUPPRESSED_COUNT, i64::try_from(count).unwrap_or(i64::MAX));
-    if let Some(rs) = ruleset {
-        e.string_attr(attr::RULESET, rs);
-    }
     if let Some(r) = rule {
-        e.string_attr(attr::RULE_NAME, r);
+        if let Some((kind, version)) = r.policy {
+            e.string_attr(attr::POLICY_KIND, kind);
+            e.string_attr(attr::POLICY_API_VERSION, version);
+        }
+        e.string_attr(attr::RULESET, r.ruleset);
+        e.string_attr(attr::RULE_NAME, r.rule);
     }
     e
 }
@@ -797,4 +856,151 @@ pub fn to_json(event: &Event, resource: &[(&'static str, String)]) -> String {
     let mut out = Vec::new();
     write_json(event, &resource_json(resource), &mut out);
     String::from_utf8(out).unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::*;
+    use crate::cluster::manifest::parse_str;
+    use crate::policy::{Flow, Revision};
+
+    /// Pods x/a and x/b; an Antrea ClusterNetworkPolicy `guard` in Tier `securityops` on
+    /// x/b's ingress (81 Drop with `enableLogging` and `logLabel`, 82 an unnamed Reject, 83
+    /// Pass), and an upstream ClusterNetworkPolicy of the same name accepting 84.
+    const CLUSTER: &str = r#"
+apiVersion: v1
+kind: Node
+metadata: {name: n1}
+status: {addresses: [{type: InternalIP, address: 172.31.0.2}]}
+---
+apiVersion: v1
+kind: Namespace
+metadata: {name: x, labels: {kubernetes.io/metadata.name: x}}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: a, namespace: x, labels: {app: a}}
+spec: {nodeName: n1, containers: [{name: c}]}
+status: {podIP: 10.0.0.1}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: b, namespace: x, labels: {app: b}}
+spec: {nodeName: n1, containers: [{name: c}]}
+status: {podIP: 10.0.0.2}
+---
+apiVersion: crd.antrea.io/v1beta1
+kind: ClusterNetworkPolicy
+metadata: {name: guard}
+spec:
+  tier: securityops
+  priority: 1
+  appliedTo: [{podSelector: {matchLabels: {app: b}}}]
+  ingress:
+  - {name: logged, action: Drop, ports: [{protocol: TCP, port: 81}], enableLogging: true, logLabel: pci-81}
+  - {action: Reject, ports: [{protocol: TCP, port: 82}]}
+  - {name: hop, action: Pass, ports: [{protocol: TCP, port: 83}]}
+---
+apiVersion: policy.networking.k8s.io/v1alpha2
+kind: ClusterNetworkPolicy
+metadata: {name: guard}
+spec:
+  tier: Admin
+  priority: 1
+  subject: {namespaces: {}}
+  ingress:
+  - {name: ok, action: Accept, from: [{namespaces: {}}], protocols: [{tcp: {destinationPort: {number: 84}}}]}
+"#;
+
+    /// The ingress record of x/a → x/b on TCP `port`.
+    fn ingress(port: u16) -> Event {
+        let loaded = parse_str(Path::new("t.yaml"), CLUSTER).unwrap();
+        assert!(loaded.problems.iter().all(|p| !p.is_error()), "{:?}", loaded.problems);
+        let compiled = Snapshot::compile(&loaded.inputs, Revision(1));
+        assert!(compiled.problems.iter().all(|p| !p.is_error()), "{:?}", compiled.problems);
+        let s = compiled.snapshot;
+        let (src, dst) = ("10.0.0.1".parse().unwrap(), "10.0.0.2".parse().unwrap());
+        let d = s.decide(&Flow { src, dst, protocol: Protocol::Tcp, dst_port: port });
+        let ctx = Context::new("n1", Vec::new());
+        let mut names = Names::default();
+        names.refresh(&s, &ctx);
+        let flow = FlowInfo {
+            key: FlowKey {
+                src: (src, 40000).into(),
+                dst: (dst, port).into(),
+                protocol: Protocol::Tcp,
+            },
+            time: SystemTime::UNIX_EPOCH,
+            point: DecisionPoint::FirstPacket,
+        };
+        decision(&ctx, &s, &mut names, &flow, &d, Direction::Ingress)
+    }
+
+    #[test]
+    fn an_antrea_drop_names_its_tier_group_action_and_log_label() {
+        let e = ingress(81);
+        for (k, v) in [
+            (attr::VERDICT, "deny"),
+            (attr::TIER, "securityops"),
+            (attr::POLICY_KIND, "ClusterNetworkPolicy"),
+            (attr::POLICY_API_VERSION, "crd.antrea.io/v1beta1"),
+            (attr::RULESET, "guard"),
+            (attr::RULE_NAME, "logged"),
+            (attr::RULE_ACTION, "Drop"),
+            (attr::LOG_LABEL, "pci-81"),
+        ] {
+            assert_eq!(e.str(k), Some(v), "{k} in {e:#?}");
+        }
+        assert_eq!(e.severity, Severity::Warn);
+        assert!(
+            e.body.ends_with(": ClusterNetworkPolicy.crd.antrea.io guard rule logged"),
+            "{}",
+            e.body
+        );
+    }
+
+    #[test]
+    fn an_antrea_reject_is_its_own_verdict_and_action() {
+        let e = ingress(82);
+        for (k, v) in [
+            (attr::VERDICT, "reject"),
+            (attr::FLOW_VERDICT, "reject"),
+            (attr::TIER, "securityops"),
+            (attr::POLICY_API_VERSION, "crd.antrea.io/v1beta1"),
+            (attr::RULE_NAME, "ingress[1]"),
+            (attr::RULE_ACTION, "Reject"),
+        ] {
+            assert_eq!(e.str(k), Some(v), "{k} in {e:#?}");
+        }
+        assert_eq!(e.attr(attr::RULE_INDEX), Some(&Value::Int(1)));
+        assert_eq!(e.attr(attr::LOG_LABEL), None, "no logLabel, no attribute");
+        assert_eq!(e.severity, Severity::Warn);
+        assert!(e.body.starts_with("reject tcp 10.0.0.1:40000 -> 10.0.0.2:82"), "{}", e.body);
+    }
+
+    #[test]
+    fn the_upstream_policy_of_the_same_name_keeps_its_own_words() {
+        let e = ingress(84);
+        for (k, v) in [
+            (attr::VERDICT, "allow"),
+            (attr::TIER, "admin"),
+            (attr::POLICY_KIND, "ClusterNetworkPolicy"),
+            (attr::POLICY_API_VERSION, "policy.networking.k8s.io/v1alpha2"),
+            (attr::RULESET, "guard"),
+            (attr::RULE_ACTION, "Accept"),
+        ] {
+            assert_eq!(e.str(k), Some(v), "{k} in {e:#?}");
+        }
+        assert!(e.body.ends_with(": ClusterNetworkPolicy guard rule ok"), "{}", e.body);
+        // An Antrea Pass is named with its group in the chain; the flow then finds no
+        // policy (no NetworkPolicy, no baseline) and is allowed by default.
+        let e = ingress(83);
+        assert_eq!(e.str(attr::BASIS), Some("default"));
+        assert_eq!(
+            e.attr(attr::PASS_CHAIN),
+            Some(&Value::List(vec!["ClusterNetworkPolicy.crd.antrea.io guard: hop".into()]))
+        );
+    }
 }

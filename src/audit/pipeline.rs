@@ -43,7 +43,7 @@ use super::limit::{Admit, Aggregator, Limits, RateLimiter};
 use super::select::{Defaults, Selection};
 use super::sink::{self, Gate, SinkConfig, SinkStats};
 use crate::policy::compile::Direction;
-use crate::policy::eval::{Decision, Verdict};
+use crate::policy::eval::Decision;
 use crate::policy::{Protocol, Snapshot};
 
 /// Everything the pipeline needs.
@@ -58,7 +58,8 @@ pub struct AuditConfig {
     /// Records the data-path queue holds, and undelivered events each sink may hold before
     /// lossy drops for it or lossless makes new flows wait.
     pub queue_capacity: usize,
-    /// Identical denies within this window become one event (`Duration::ZERO`: none).
+    /// Identical denies (and rejects) within this window become one event
+    /// (`Duration::ZERO`: none).
     pub deny_window: Duration,
     /// Rate limits.
     pub limits: Limits,
@@ -103,7 +104,7 @@ pub struct Stats {
     pub submitted: AtomicU64,
     /// Events handed to the sinks (each event once, whatever the number of sinks).
     pub emitted: AtomicU64,
-    /// Denies folded into another event's count.
+    /// Denies and rejects folded into another event's count.
     pub aggregated: AtomicU64,
     /// Events suppressed by a per-rule limit.
     pub rate_limited_rule: AtomicU64,
@@ -432,8 +433,8 @@ fn join_until(h: JoinHandle<()>, deadline: Instant) {
     }
 }
 
-/// The key under which identical denies are folded: direction and flow less the source
-/// port, in one revision.
+/// The key under which identical denies and rejects are folded: direction and flow less
+/// the source port, in one revision.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 struct DenyKey {
     dir: Direction,
@@ -444,9 +445,18 @@ struct DenyKey {
     revision: u64,
 }
 
-/// The key of a rate limit: the rule (`ruleset`, `direction/rule`), `default` and the
-/// basis for decisions no policy made, or the event name.
-type RuleKey = (Arc<str>, Arc<str>);
+/// The key of a rate limit: the rule (the policy's kind and apiVersion, `ruleset`,
+/// `direction/rule`), `default` and the basis for decisions no policy made, or the event
+/// name. The kind and apiVersion keep an Antrea policy's rule apart from the upstream
+/// policy's of the same name (an Antrea NetworkPolicy `b/allow-a` beside the NetworkPolicy
+/// `b/allow-a`, both with an unnamed `ingress[0]`).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct RuleKey {
+    /// Kind and apiVersion, both static strings of [`crate::policy::Kind`].
+    policy: Option<(&'static str, &'static str)>,
+    ruleset: Arc<str>,
+    rule: Arc<str>,
+}
 
 struct Worker {
     ctx: Context,
@@ -471,13 +481,20 @@ fn rule_key(e: &Event) -> RuleKey {
         Some(Value::Static(s)) => Arc::from(*s),
         _ => Arc::from(""),
     };
+    let fixed = |k| match e.attr(k) {
+        Some(Value::Static(s)) => Some(*s),
+        _ => None,
+    };
     match e.name {
-        event::DECISION if e.str(event::attr::RULESET).is_some() => (
-            s(event::attr::RULESET),
-            format!("{}/{}", s(event::attr::DIRECTION), s(event::attr::RULE_NAME)).into(),
-        ),
-        event::DECISION => (Arc::from("default"), s(event::attr::BASIS)),
-        _ => (Arc::from(""), Arc::from(e.name)),
+        event::DECISION if e.str(event::attr::RULESET).is_some() => RuleKey {
+            policy: fixed(event::attr::POLICY_KIND).zip(fixed(event::attr::POLICY_API_VERSION)),
+            ruleset: s(event::attr::RULESET),
+            rule: format!("{}/{}", s(event::attr::DIRECTION), s(event::attr::RULE_NAME)).into(),
+        },
+        event::DECISION => {
+            RuleKey { policy: None, ruleset: Arc::from("default"), rule: s(event::attr::BASIS) }
+        }
+        _ => RuleKey { policy: None, ruleset: Arc::from(""), rule: Arc::from(e.name) },
     }
 }
 
@@ -545,11 +562,15 @@ impl Worker {
                         &decision,
                         dir,
                     );
+                    // A Reject is folded as a deny is: a client retrying against a Reject
+                    // makes as many identical records as one retrying against a Drop
+                    // (docs/audit.md, "Deny aggregation"). The key needs no verdict: one
+                    // revision gives one flow, whatever its source port, one verdict.
                     let denied = match dir {
                         Direction::Ingress => decision.ingress.as_ref(),
                         Direction::Egress => decision.egress.as_ref(),
                     }
-                    .is_some_and(|o| o.verdict == Verdict::Deny);
+                    .is_some_and(|o| !o.verdict.is_allow());
                     if denied && self.aggregate {
                         let k = DenyKey {
                             dir,
@@ -606,14 +627,16 @@ impl Worker {
     fn summaries(&mut self) {
         let (by_rule, node) = self.limiter.take_suppressed();
         let now = SystemTime::now();
-        for ((ruleset, rule), n) in by_rule {
+        for (k, n) in by_rule {
             self.stats.rate_limited_rule.fetch_add(n, Ordering::Relaxed);
-            let e = event::suppressed(&self.ctx, now, "rule", Some(&ruleset), Some(&rule), n);
+            let rule =
+                event::SuppressedRule { policy: k.policy, ruleset: &k.ruleset, rule: &k.rule };
+            let e = event::suppressed(&self.ctx, now, "rule", Some(rule), n);
             self.send(e);
         }
         if node > 0 {
             self.stats.rate_limited_node.fetch_add(node, Ordering::Relaxed);
-            let e = event::suppressed(&self.ctx, now, "node", None, None, node);
+            let e = event::suppressed(&self.ctx, now, "node", None, node);
             self.send(e);
         }
     }

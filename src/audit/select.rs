@@ -21,6 +21,11 @@
 //! field) and that policy is audited in full — for an audit trail, logging too much is the
 //! safe failure.
 //!
+//! An Antrea rule with `enableLogging: true` (`crd.antrea.io/v1beta1`, "audit logging")
+//! is always logged, above every switch: it is the policy author's own request, and an
+//! annotation's `off` cannot silence it (drop the field for that). A rule without it, or
+//! with `enableLogging: false` (the default), follows the switches above.
+//!
 //! A decision is audited per direction: the direction's record is emitted when any rule
 //! hit on its path (each Pass taken, then the rule, isolation or default that decided)
 //! is switched on. Sampling is decided once per flow, so both directions of a sampled
@@ -35,7 +40,7 @@ use crate::policy::eval::{Basis, Decision, Outcome};
 use crate::policy::{ObjectRef, Problem, ProblemKind, Snapshot};
 
 /// The annotation read on AdminNetworkPolicy, BaselineAdminNetworkPolicy,
-/// ClusterNetworkPolicy and NetworkPolicy objects.
+/// ClusterNetworkPolicy and NetworkPolicy objects, upstream and Antrea's alike.
 pub const ANNOTATION: &str = "tierproxy.io/audit";
 
 /// Node-wide defaults: which decisions are logged where no policy annotation decides.
@@ -45,7 +50,7 @@ pub const ANNOTATION: &str = "tierproxy.io/audit";
 pub struct Defaults {
     /// Log one allow in `allow_sample` (per flow); 0 = never, 1 = every allow.
     pub allow_sample: u32,
-    /// Log denies.
+    /// Log denies and Antrea rejects.
     pub deny: bool,
     /// Log decisions that took a Pass rule.
     pub pass: bool,
@@ -176,7 +181,7 @@ pub fn parse(value: &str) -> Result<PolicySwitches, String> {
     Ok(out)
 }
 
-/// A rule as a `rule:NAME` switch names it.
+/// A rule as a `rule:NAME` switch names it, with its own logging request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RuleRef<'a> {
     /// The rule's `name`, if it has one.
@@ -185,6 +190,8 @@ pub struct RuleRef<'a> {
     pub dir: Direction,
     /// Its position in the policy's list for `dir`.
     pub index: u32,
+    /// Antrea `enableLogging: true`: always logged ([module docs](self)).
+    pub enable_logging: bool,
 }
 
 /// Whether one rule hit is logged.
@@ -240,10 +247,15 @@ impl Selection {
     }
 
     /// Whether a hit of `action` — by rule `rule` of policy `policy`, or by no policy
-    /// (default allow) or no rule (isolation) — is logged. A `rule:NAME` switch names a
-    /// rule by its `name`, or an unnamed rule as audit events do: `ingress[i]`,
-    /// `egress[i]`.
+    /// (default allow) or no rule (isolation) — is logged. A rule with Antrea
+    /// `enableLogging` always is. A `rule:NAME` switch names a rule by its `name`, or an
+    /// unnamed rule as audit events do: `ingress[i]`, `egress[i]`.
     pub fn want(&self, policy: Option<u32>, rule: Option<RuleRef<'_>>, action: Action) -> Want {
+        // "enableLogging: true" asks for every decision of the rule; an audit trail
+        // errs on the side of logging, so no switch overrides it.
+        if rule.is_some_and(|r| r.enable_logging) {
+            return Want::Always;
+        }
         let a = action_index(action);
         let s = policy.and_then(|p| self.policies.get(p as usize)).and_then(Option::as_ref);
         let said = s.and_then(|s| {
@@ -285,7 +297,12 @@ impl Selection {
     pub fn want_outcome(&self, snapshot: &Snapshot, dir: Direction, o: &Outcome) -> Want {
         let hit = |h: crate::policy::RuleHit| {
             let info = snapshot.rule_info(dir, h);
-            let rule = RuleRef { name: info.name, dir, index: info.index };
+            let rule = RuleRef {
+                name: info.name,
+                dir,
+                index: info.index,
+                enable_logging: info.enable_logging,
+            };
             self.want(Some(h.policy), Some(rule), info.action)
         };
         let last = match o.basis {
@@ -351,7 +368,14 @@ mod tests {
             ],
             sample: AtomicU64::new(0),
         };
-        let named = |n| Some(RuleRef { name: Some(n), dir: Direction::Ingress, index: 0 });
+        let named = |n| {
+            Some(RuleRef {
+                name: Some(n),
+                dir: Direction::Ingress,
+                index: 0,
+                enable_logging: false,
+            })
+        };
         // Policy 0: rule beats action beats bare switch.
         assert_eq!(plan.want(Some(0), named("r1"), Action::Allow), Want::Always);
         assert_eq!(plan.want(Some(0), named("r2"), Action::Deny), Want::Always);
@@ -366,7 +390,7 @@ mod tests {
         assert_eq!(plan.want(Some(2), named("x"), Action::Allow), Want::Always);
         assert_eq!(plan.want(Some(2), named("x"), Action::Deny), Want::Always);
         // An unnamed rule (NetworkPolicy) is named as its events name it.
-        let unnamed = |dir, index| Some(RuleRef { name: None, dir, index });
+        let unnamed = |dir, index| Some(RuleRef { name: None, dir, index, enable_logging: false });
         assert_eq!(plan.want(Some(3), unnamed(Direction::Egress, 2), Action::Allow), Want::Always);
         assert_eq!(plan.want(Some(3), unnamed(Direction::Ingress, 2), Action::Allow), Want::Never);
         assert_eq!(plan.want(Some(3), unnamed(Direction::Egress, 1), Action::Allow), Want::Never);
@@ -375,5 +399,41 @@ mod tests {
         assert_eq!(never.want(None, None, Action::Allow), Want::Never);
         let all = Selection::defaults_only(Defaults { allow_sample: 1, ..defaults });
         assert_eq!(all.want(None, None, Action::Allow), Want::Always);
+    }
+
+    #[test]
+    fn enable_logging_logs_a_rule_whatever_the_switches_say() {
+        let quiet = Defaults { allow_sample: 0, deny: false, pass: false, close: true };
+        let plan = Selection {
+            defaults: quiet,
+            policies: vec![None, Some(parse("off, rule:logged=off").unwrap())],
+            sample: AtomicU64::new(0),
+        };
+        let rule = |enable_logging| {
+            Some(RuleRef { name: Some("logged"), dir: Direction::Egress, index: 1, enable_logging })
+        };
+        for action in [Action::Allow, Action::Deny, Action::Reject, Action::Pass] {
+            // Node defaults that log nothing, a bare `off`, the rule's own `off`: logged.
+            for policy in [0, 1] {
+                assert_eq!(plan.want(Some(policy), rule(true), action), Want::Always, "{action:?}");
+                assert_eq!(plan.want(Some(policy), rule(false), action), Want::Never, "{action:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn deny_switches_drop_and_reject_alike() {
+        let defaults = Defaults { allow_sample: 0, deny: true, pass: true, close: true };
+        let plan = Selection {
+            defaults,
+            policies: vec![Some(parse("deny=off").unwrap()), None],
+            sample: AtomicU64::new(0),
+        };
+        for action in [Action::Deny, Action::Reject] {
+            assert_eq!(plan.want(Some(0), None, action), Want::Never, "{action:?}");
+            assert_eq!(plan.want(Some(1), None, action), Want::Always, "{action:?}");
+        }
+        let off = Selection::defaults_only(Defaults { deny: false, ..defaults });
+        assert_eq!(off.want(None, None, Action::Reject), Want::Never);
     }
 }

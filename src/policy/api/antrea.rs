@@ -424,6 +424,13 @@ pub struct NetworkPolicyPeer {
     /// `Cluster` (default) or `ClusterSet` (not supported by tierproxy); ingress only.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub scope: Option<PeerScope>,
+    /// Keys no Antrea peer has (a misspelt `podSelectr`), kept rather than ignored: a
+    /// peer holding one cannot be evaluated and fails closed
+    /// (`shared/reference/antrea-model.md` §9); validation warns naming each. Not in the
+    /// CRD schema (the API server prunes such keys).
+    #[serde(flatten, default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    #[schemars(skip)]
+    pub unknown: std::collections::BTreeMap<String, serde_json::Value>,
 }
 
 /// `ipBlock`. Source: `IPBlock`; CRD `format: cidr`; the webhook requires `cidr` and each

@@ -53,10 +53,12 @@ use crate::policy::validate;
 /// [`TierTable::build`], and each policy validated against that table
 /// ([`validate::antrea_cluster_network_policy`], [`validate::antrea_network_policy`]).
 /// Problems go to `problems`; an object with an error is left out (none of its rules
-/// apply: it fails closed as a policy missing from the API server would). Tiers keep their
-/// input order (it decides which of two Tiers of one priority is refused).
+/// apply: it fails closed as a policy missing from the API server would). Tiers are
+/// admitted in creation order, then name order (which decides which of two Tiers of one
+/// priority is refused).
 pub fn admit(objects: &antrea::Objects, problems: &mut Vec<Problem>) -> antrea::Objects {
-    let tiers = last_of_each(&objects.tiers, Kind::AntreaTier, problems);
+    let mut tiers = last_of_each(&objects.tiers, Kind::AntreaTier, problems);
+    creation_order(&mut tiers);
     let (table, tiers) = TierTable::build(&tiers, problems);
     fn admit_kind<T: kube::Resource>(
         items: &[Arc<T>],
@@ -87,6 +89,23 @@ pub fn admit(objects: &antrea::Objects, problems: &mut Vec<Problem>) -> antrea::
             problems,
         ),
     }
+}
+
+/// Orders Tiers as Antrea's API server would have admitted them: by
+/// `metadata.creationTimestamp` (objects without one, as in manifests, last), then by
+/// name. Of two Tiers with one priority the first is admitted and the other refused
+/// ("overlaps with existing Tier"), whatever the order of the input.
+fn creation_order(tiers: &mut [Arc<antrea::Tier>]) {
+    tiers.sort_by(|a, b| {
+        let key = |t: &antrea::Tier| {
+            (
+                t.metadata.creation_timestamp.as_ref().map(|t| t.0).is_none(),
+                t.metadata.creation_timestamp.as_ref().map(|t| t.0),
+                t.metadata.name.clone(),
+            )
+        };
+        key(a).cmp(&key(b))
+    });
 }
 
 /// `items` with one object per [`ObjectRef`]: the last of each, where it stands; every
@@ -133,7 +152,9 @@ pub(super) fn antrea_policies(
     };
     // Admitted Tiers build without problems; without validation their problems were
     // reported where they were admitted.
-    let table = TierTable::build(&objects.tiers, &mut Vec::new()).0;
+    let mut tiers = objects.tiers.clone();
+    creation_order(&mut tiers);
+    let table = TierTable::build(&tiers, &mut Vec::new()).0;
     let mut out = Vec::new();
     let mut acnps: Vec<_> = objects.cluster_network_policies.iter().collect();
     acnps.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
@@ -288,7 +309,10 @@ impl Cluster {
                 // ANNP: "podSelector within the ANNP's Namespace only"; a namespaceSelector
                 // is outside its schema (pruned by the API server).
                 (Some(ns), _, Some(p)) => selector(p).map(|p| SetKey::InNamespace(ns, p)),
-                (Some(_), _, None) => None,
+                // An empty entry: Antrea's group selector keeps the ANNP's namespace and
+                // matches every pod there (`group.go NewGroupSelector`,
+                // `group_entity_index.go match`; antrea-model.md §11.5).
+                (Some(ns), _, None) => everything().map(|all| SetKey::InNamespace(ns, all)),
                 (None, Some(n), Some(p)) => {
                     selector(n).zip(selector(p)).map(|(n, p)| SetKey::Pods(n, p))
                 }
@@ -323,7 +347,13 @@ impl Cluster {
             service_account,
             node_selector,
             scope,
+            unknown: _,
         } = p;
+        // A key outside this position's schema (or no peer's key at all): the peer cannot
+        // be evaluated as written (§9).
+        if validate::peer_outside_schema(p, ns.is_some(), d) {
+            return PeerSet::Unevaluable;
+        }
         // Antrea's `toAntreaPeerForCRD` reads the first of ipBlock, group, fqdn,
         // serviceAccount, nodeSelector and ignores the rest of the peer.
         if let Some(b) = ip_block {
@@ -344,12 +374,7 @@ impl Cluster {
                 None => PeerSet::Unevaluable,
             };
         }
-        let outside_schema = ns.is_some() && namespaces.is_some();
-        if external_entity_selector.is_some()
-            || *scope == Some(PeerScope::ClusterSet)
-            || outside_schema
-            || (d == Direction::Ingress && !fqdn.is_empty())
-        {
+        if external_entity_selector.is_some() || *scope == Some(PeerScope::ClusterSet) {
             return PeerSet::Unevaluable;
         }
         let pods = match pod_selector {
@@ -362,6 +387,10 @@ impl Cluster {
         if let Some(n) = namespaces {
             let same = match (&n.match_, &n.same_labels) {
                 (Some(NamespaceMatchType::SelfNamespace), _) => SameNamespaces::Own,
+                // An empty list names no label: Antrea drops such a peer
+                // (`splitPeersByScope`); here it is a peer this engine cannot evaluate
+                // (§9), warned by validation.
+                (None, Some(keys)) if keys.is_empty() => return PeerSet::Unevaluable,
                 (None, Some(keys)) => SameNamespaces::Labels(keys.clone().into_boxed_slice()),
                 (None, None) => return PeerSet::Unevaluable,
             };
@@ -384,7 +413,13 @@ impl Cluster {
                 Some(all) => PeerSet::Pods(SetKey::Pods(all, p)),
                 None => PeerSet::Unevaluable,
             },
-            (None, None, _) => PeerSet::Nothing,
+            // An empty ANNP peer selects its namespace (as an empty appliedTo entry does);
+            // an empty ACNP peer selects nothing.
+            (None, None, Some(ns)) => match everything() {
+                Some(all) => PeerSet::Pods(SetKey::InNamespace(ns, all)),
+                None => PeerSet::Unevaluable,
+            },
+            (None, None, None) => PeerSet::Nothing,
         }
     }
 
@@ -498,8 +533,13 @@ fn antrea_ports(
         let ports = match port {
             None => PortSpec::Any,
             Some(IntOrString::Int(n)) => {
-                let lo = port_u16(*n);
-                PortSpec::Range(lo, end_port.map_or(lo, port_u16))
+                // Validation refuses ports outside 1–65535 and an endPort below port; an
+                // unvalidated one selects the ports it names that exist, never others.
+                let hi = end_port.unwrap_or(*n);
+                if *n > i32::from(u16::MAX) || hi < 1 || hi < *n {
+                    continue;
+                }
+                PortSpec::Range(port_u16(*n), port_u16(hi))
             }
             Some(IntOrString::String(name)) => PortSpec::Named(name.clone()),
         };

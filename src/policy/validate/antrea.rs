@@ -499,6 +499,34 @@ fn rule(s: &mut Sink<'_>, path: &Path<'_>, r: &Rule, ctx: &RuleCtx, igmp_seen: &
 }
 
 /// The peer fields a CRD schema has (`from` / `to` items), and its name for messages.
+/// Which fields of `peer` are set, by their manifest names.
+fn peer_fields(peer: &NetworkPolicyPeer) -> [(&'static str, bool); 10] {
+    [
+        ("ipBlock", peer.ip_block.is_some()),
+        ("podSelector", peer.pod_selector.is_some()),
+        ("namespaceSelector", peer.namespace_selector.is_some()),
+        ("namespaces", peer.namespaces.is_some()),
+        ("externalEntitySelector", peer.external_entity_selector.is_some()),
+        ("group", !peer.group.is_empty()),
+        ("fqdn", !peer.fqdn.is_empty()),
+        ("serviceAccount", peer.service_account.is_some()),
+        ("nodeSelector", peer.node_selector.is_some()),
+        ("scope", peer.scope.is_some()),
+    ]
+}
+
+/// Whether `peer`, in an ANNP (`namespaced`) or an ACNP rule of direction `d`, holds a key
+/// outside that position's CRD schema (a key no peer has, `namespaces` in an ANNP, `scope`
+/// in an egress peer, `fqdn` in an ingress one): the API server would prune it, so the
+/// peer cannot be evaluated as written and fails closed
+/// (`shared/reference/antrea-model.md` §9). Validation warns about each such key.
+pub fn peer_outside_schema(peer: &NetworkPolicyPeer, namespaced: bool, d: Direction) -> bool {
+    let flavor = if namespaced { Flavor::Namespaced } else { Flavor::Cluster };
+    let (allowed, _) = peer_schema(flavor, d);
+    !peer.unknown.is_empty()
+        || peer_fields(peer).iter().any(|(name, set)| *set && !allowed.contains(name))
+}
+
 fn peer_schema(flavor: Flavor, d: Direction) -> (&'static [&'static str], &'static str) {
     match (flavor, d) {
         (Flavor::Cluster, Direction::Ingress) => (
@@ -576,20 +604,13 @@ fn peer_checked(
         service_account,
         node_selector,
         scope,
+        unknown,
     } = peer;
     // numFieldsSetInStruct counts every non-zero field, scope included.
-    let fields = [
-        ("ipBlock", ip_block.is_some()),
-        ("podSelector", pod_selector.is_some()),
-        ("namespaceSelector", namespace_selector.is_some()),
-        ("namespaces", namespaces.is_some()),
-        ("externalEntitySelector", external_entity_selector.is_some()),
-        ("group", !group.is_empty()),
-        ("fqdn", !fqdn.is_empty()),
-        ("serviceAccount", service_account.is_some()),
-        ("nodeSelector", node_selector.is_some()),
-        ("scope", scope.is_some()),
-    ];
+    let fields = peer_fields(peer);
+    for key in unknown.keys() {
+        s.warning(&p.unknown(key), ProblemKind::OutsideSchema { schema: peer_schema(flavor, d).1 });
+    }
     let n = set_count(&fields);
     let schema = peer_schema(flavor, d);
     let in_schema = |name: &str| schema.0.contains(&name);
@@ -701,6 +722,18 @@ fn peer_namespaces(s: &mut Sink<'_>, p: &Path<'_>, ns: &PeerNamespaces) {
         s.error(p, ProblemKind::NotExactlyOne { fields: "match, sameLabels", found });
     }
     let labels_path = p.field("sameLabels");
+    if same_labels.as_ref().is_some_and(Vec::is_empty) {
+        // The CRD has no minItems; Antrea's `splitPeersByScope` drops such a peer.
+        s.warning(
+            &labels_path,
+            invalid(
+                "[]",
+                "names no label: Antrea ignores this peer; tierproxy cannot evaluate it and \
+                 fails closed (an Allow matches nothing through it, other actions apply to \
+                 all the traffic the rule's ports select)",
+            ),
+        );
+    }
     for (k, key) in same_labels.iter().flatten().enumerate() {
         let errs = qualified_name_errors(key);
         if !errs.is_empty() {

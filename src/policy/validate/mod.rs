@@ -55,7 +55,7 @@ mod v1alpha2;
 
 pub use antrea::{
     MAX_POLICY_PRIORITY, MIN_POLICY_PRIORITY, antrea_cluster_network_policy, antrea_network_policy,
-    antrea_tier,
+    antrea_tier, peer_outside_schema,
 };
 pub use corev1::{namespace, node, pod};
 pub use crd::is_domain_name;
@@ -184,6 +184,8 @@ enum Seg<'a> {
     Index(usize),
     /// `[key]`: an entry of a map (labels, annotations).
     Key(&'a str),
+    /// `.name`: a field the input has and no schema names (an unknown key).
+    Unknown(&'a str),
 }
 
 impl<'a> Path<'a> {
@@ -206,6 +208,11 @@ impl<'a> Path<'a> {
     fn key<'k>(&'k self, key: &'k str) -> Path<'k> {
         Path { parent: Some(self), seg: Seg::Key(key) }
     }
+
+    /// `self.name` for a field name read from the input.
+    fn unknown<'k>(&'k self, name: &'k str) -> Path<'k> {
+        Path { parent: Some(self), seg: Seg::Unknown(name) }
+    }
 }
 
 impl fmt::Display for Path<'_> {
@@ -218,6 +225,7 @@ impl fmt::Display for Path<'_> {
             Seg::Field(name) => write!(f, ".{name}"),
             Seg::Index(i) => write!(f, "[{i}]"),
             Seg::Key(key) => write!(f, "[{key}]"),
+            Seg::Unknown(name) => write!(f, ".{name}"),
         }
     }
 }
