@@ -619,18 +619,11 @@ impl ApiSource {
     }
 }
 
-/// `tiers` in the order Antrea's webhook admitted them: by `metadata.creationTimestamp`,
-/// then by name (a store hands its objects out in no order). Of two Tiers with one
-/// priority, the webhook refused the later (`validate.go`: "overlaps with existing Tier");
-/// [`crate::policy::antrea_tiers::TierTable::build`] refuses the later in its input, so
-/// every agent refuses the same one. (Timestamps have a resolution of one second; two
-/// Tiers created within one and sharing a priority are told apart by name.)
+/// `tiers` in the order Antrea's webhook admitted them
+/// ([`crate::policy::antrea_tiers::creation_order`]; a store hands its objects out in no
+/// order).
 pub fn antrea_tier_order(mut tiers: Vec<Arc<antrea::Tier>>) -> Vec<Arc<antrea::Tier>> {
-    tiers.sort_by(|a, b| {
-        let key =
-            |t: &antrea::Tier| (t.metadata.creation_timestamp.clone(), t.metadata.name.clone());
-        key(a).cmp(&key(b))
-    });
+    crate::policy::antrea_tiers::creation_order(&mut tiers);
     tiers
 }
 
@@ -1468,12 +1461,13 @@ mod tests {
             )
         };
         let got = antrea_tier_order(vec![
+            tier("0-no-time", None),
             tier("a", Some("2026-11-02T00:00:00Z")),
             tier("c", Some("2026-11-01T00:00:00Z")),
             tier("b", Some("2026-11-01T00:00:00Z")),
         ]);
         let names: Vec<&str> = got.iter().map(|t| t.metadata.name.as_deref().unwrap()).collect();
-        assert_eq!(names, ["b", "c", "a"]);
+        assert_eq!(names, ["b", "c", "a", "0-no-time"]);
     }
 
     #[test]

@@ -197,6 +197,23 @@ impl TierTable {
     }
 }
 
+/// Orders Tiers as Antrea's API server admitted them: by `metadata.creationTimestamp`
+/// (objects without one, as in manifests, last), then by name. Of two Tiers with one
+/// priority [`TierTable::build`] admits the first and refuses the other, as the webhook
+/// refused the later one ("overlaps with existing Tier"), so every reader of the same
+/// objects (each agent, `explain`) refuses the same one whatever order it got them in.
+/// Timestamps have a resolution of one second: two Tiers created within one are told apart
+/// by name.
+pub fn creation_order(tiers: &mut [Arc<Tier>]) {
+    tiers.sort_by(|a, b| {
+        let key = |t: &Tier| {
+            let created = t.metadata.creation_timestamp.as_ref().map(|t| t.0);
+            (created.is_none(), created, t.metadata.name.clone())
+        };
+        key(a).cmp(&key(b))
+    });
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -3,9 +3,9 @@
 //! it names exists, and admitted as the other policy kinds are (an invalid one as its last
 //! good version, [`super::lastgood`]).
 //!
-//! 1. **Tiers**, in the order given (the API source gives them in creation order,
-//!    [`crate::cluster::apiserver::antrea_tier_order`]), last of each name, make the Tier
-//!    table ([`TierTable::build`]: each Tier alone, then against the others: reserved and
+//! 1. **Tiers**, last of each name, in creation order (then name order:
+//!    [`crate::policy::antrea_tiers::creation_order`], as the compiler orders them), make
+//!    the Tier table ([`TierTable::build`]: each Tier alone, then against the others: reserved and
 //!    taken priorities, static Tiers, at most 20). They are validated together, again
 //!    whenever one changes. An invalid Tier is replaced by its recorded version (same uid),
 //!    and the table is built again with it; one without a valid record is left out.
@@ -28,7 +28,7 @@ use kube::Resource;
 
 use super::{Cache, Level, Stage, Versioned, check_kind, check_recorded, key_of};
 use crate::cluster::lastgood::{self, Records};
-use crate::policy::antrea_tiers::{TierTable, tier_object_name};
+use crate::policy::antrea_tiers::{TierTable, creation_order, tier_object_name};
 use crate::policy::api::antrea;
 use crate::policy::{Inputs, Kind, ObjectRef, Problem, ProblemKind, validate};
 
@@ -205,8 +205,9 @@ pub(super) fn admit(
     }
 
     // Tiers as given.
-    let tiers =
+    let mut tiers =
         last_of_each(std::mem::take(&mut objects.tiers), Kind::AntreaTier, &mut out.problems);
+    creation_order(&mut tiers);
     c.tiers.run(&tiers, &mut out.validated);
     out.problems.extend(c.tiers.problems.iter().cloned());
     let invalid_tiers: Vec<ObjectRef> = (0..tiers.len())
@@ -625,16 +626,28 @@ mod tests {
         );
     }
 
-    /// Of two Tiers with one priority the first given is admitted (the API source gives
-    /// them in creation order, as Antrea's webhook admitted them), whatever their names.
+    /// Of two Tiers with one priority the one created first is admitted, as Antrea's
+    /// webhook admitted it, whatever the input order and the names; without timestamps
+    /// (manifests), by name.
     #[test]
-    fn of_two_tiers_with_one_priority_the_first_given_wins() {
+    fn of_two_tiers_with_one_priority_the_first_created_wins() {
+        let created = |name: &str, uid: &str, at: &str| {
+            let mut t = (*tier(name, uid, 10)).clone();
+            t.metadata.creation_timestamp = Some(serde_json::from_value(json!(at)).unwrap());
+            Arc::new(t)
+        };
         let mut c = Caches::default();
-        let (z, a) = (tier("z-first", "t1", 10), tier("a-second", "t2", 10));
-        let mut o = objects(&[&z, &a], &[], &[]);
+        let z = created("z-first", "t1", "2026-11-01T00:00:00Z");
+        let a = created("a-second", "t2", "2026-11-02T00:00:00Z");
+        let mut o = objects(&[&a, &z], &[], &[]);
         let out = admit(&mut c, &mut o, None, 1);
         assert_eq!(names(&o.tiers), ["z-first"]);
         assert_eq!(errors_of(&out, &tier_ref("a-second")), ["spec.priority"]);
+
+        let (y, b) = (tier("y", "t3", 10), tier("b", "t4", 10));
+        let mut o = objects(&[&y, &b], &[], &[]);
+        admit(&mut c, &mut o, None, 2);
+        assert_eq!(names(&o.tiers), ["b"]);
     }
 
     /// An invalid policy's recorded version is validated against the Tiers too: a record
