@@ -129,7 +129,8 @@ pub fn compile_loaded(loaded: Loaded, err: &mut dyn Write) -> (Loaded, Compiled,
 /// forbidden list ends the run after this long, with the last error of each kind missing.
 pub const KUBE_LIST_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
-/// Reads Pods, Namespaces, Nodes, NetworkPolicies and the three policy CRDs from the API
+/// Reads Pods, Namespaces, Nodes, NetworkPolicies, the three policy CRDs and Antrea's
+/// Tier, ClusterNetworkPolicy and NetworkPolicy (where installed) from the API
 /// server (in-cluster service account, else `KUBECONFIG` or `~/.kube/config`) as the agent's
 /// `--kube` does — the same watchers ([`ApiSource`](crate::cluster::apiserver::ApiSource)),
 /// until every initial list is done (a CRD that is not installed counts as empty) — and

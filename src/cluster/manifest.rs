@@ -11,9 +11,10 @@
 //!
 //! # Antrea-native objects (issue #22)
 //!
-//! They are decoded here into [`Inputs::antrea`] and, like every other kind, validated
-//! where they are compiled: against each other, since a policy's `spec.tier` must name a
-//! Tier ([`crate::policy::compile::admit_antrea`]). Antrea's older API versions of these
+//! They are decoded here into [`Inputs::antrea`] and validated against each other (a
+//! policy's `spec.tier` must name a Tier) where they are used: by the compile of
+//! `check` and `explain` ([`crate::policy::compile::admit_antrea`]), and in the agent by
+//! its builder, which keeps last good versions (`cluster::builder`). Antrea's older API versions of these
 //! kinds (`crd.antrea.io/v1alpha1`, `v1alpha2`, `security.antrea.tanzu.vmware.com/*`) are
 //! refused with an error naming the object.
 //!

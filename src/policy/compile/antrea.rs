@@ -58,7 +58,7 @@ use crate::policy::validate;
 /// priority is refused).
 pub fn admit(objects: &antrea::Objects, problems: &mut Vec<Problem>) -> antrea::Objects {
     let mut tiers = last_of_each(&objects.tiers, Kind::AntreaTier, problems);
-    creation_order(&mut tiers);
+    crate::policy::antrea_tiers::creation_order(&mut tiers);
     let (table, tiers) = TierTable::build(&tiers, problems);
     fn admit_kind<T: kube::Resource>(
         items: &[Arc<T>],
@@ -89,23 +89,6 @@ pub fn admit(objects: &antrea::Objects, problems: &mut Vec<Problem>) -> antrea::
             problems,
         ),
     }
-}
-
-/// Orders Tiers as Antrea's API server would have admitted them: by
-/// `metadata.creationTimestamp` (objects without one, as in manifests, last), then by
-/// name. Of two Tiers with one priority the first is admitted and the other refused
-/// ("overlaps with existing Tier"), whatever the order of the input.
-fn creation_order(tiers: &mut [Arc<antrea::Tier>]) {
-    tiers.sort_by(|a, b| {
-        let key = |t: &antrea::Tier| {
-            (
-                t.metadata.creation_timestamp.as_ref().map(|t| t.0).is_none(),
-                t.metadata.creation_timestamp.as_ref().map(|t| t.0),
-                t.metadata.name.clone(),
-            )
-        };
-        key(a).cmp(&key(b))
-    });
 }
 
 /// `items` with one object per [`ObjectRef`]: the last of each, where it stands; every
@@ -153,7 +136,7 @@ pub(super) fn antrea_policies(
     // Admitted Tiers build without problems; without validation their problems were
     // reported where they were admitted.
     let mut tiers = objects.tiers.clone();
-    creation_order(&mut tiers);
+    crate::policy::antrea_tiers::creation_order(&mut tiers);
     let table = TierTable::build(&tiers, &mut Vec::new()).0;
     let mut out = Vec::new();
     let mut acnps: Vec<_> = objects.cluster_network_policies.iter().collect();
