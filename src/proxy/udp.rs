@@ -263,10 +263,20 @@ fn datagram(
         return;
     }
     let key = FlowKey { src, dst, protocol: Protocol::Udp };
-    let Some(mut life) = Lifecycle::admit(decider, registry, key) else {
-        // A datagram of a flow the kernel queued but a newer snapshot denies.
-        table.stats.dropped.fetch_add(1, Ordering::Relaxed);
-        return;
+    let mut life = match Lifecycle::admit(decider, registry, key) {
+        Ok(life) => life,
+        Err(verdict) => {
+            // A datagram the queue did not decide (a full queue failing open, a decision
+            // that aged out) or decided under an older snapshot: dropped, and refused as
+            // the queue refuses, when rejected.
+            table.stats.dropped.fetch_add(1, Ordering::Relaxed);
+            if verdict == crate::policy::eval::Verdict::Reject {
+                let refusal = super::reject::datagram_refusal(src, dst, payload.len());
+                let sent = super::reject::Refuser::new(config.bypass_mark).send_limited(&refusal);
+                super::queue::count_refusal(&key, sent, &decider.stats);
+            }
+            return;
+        }
     };
     let (upstream, reply) = match open(src, dst, config) {
         Ok(pair) => pair,
