@@ -62,7 +62,7 @@ pub struct Probe {
     /// family both ends have, `from`'s order; dual-stack pods list IPv4 first).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub family: Option<String>,
-    /// Expected final verdict, `allow` or `deny`; checked when present.
+    /// Expected final verdict, `allow`, `deny` or `reject`; checked when present.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub expect: Option<String>,
     /// Free text, carried through to the output.
@@ -339,17 +339,16 @@ pub fn resolve_with(
         .find_map(|f| to.iter().find(|t| t.is_ipv4() == f.is_ipv4()).map(|t| (*f, *t)))
         .ok_or_else(|| bad(format!("{} and {} share no IP family", p.from, p.to)))?;
     if let Some(e) = &p.expect
-        && e != "allow"
-        && e != "deny"
+        && !["allow", "deny", "reject"].contains(&e.as_str())
     {
-        return Err(bad(format!("expect must be \"allow\" or \"deny\", not {e:?}")));
+        return Err(bad(format!("expect must be \"allow\", \"deny\" or \"reject\", not {e:?}")));
     }
     Ok(Flow { src: pair.0, dst: pair.1, protocol, dst_port: p.port })
 }
 
 fn policy_json(s: &Snapshot, index: u32) -> Value {
     let r = s.policy_ref(index);
-    json!({"kind": r.kind.as_str(), "namespace": r.namespace, "name": r.name})
+    json!({"apiVersion": r.kind.api_version(), "kind": r.kind.as_str(), "namespace": r.namespace, "name": r.name})
 }
 
 /// The JSON form of one direction's outcome (`None`: the end is not a pod-network pod).
@@ -364,12 +363,15 @@ pub fn outcome_json(s: &Snapshot, dir: Direction, o: Option<&Outcome>) -> Value 
     let passed: Vec<Value> = o
         .passed
         .iter()
-        .map(|h| json!({"tier": s.policy_tier(h.policy).as_str(), "policy": policy_json(s, h.policy), "rule": rule_json(*h)}))
+        .map(|h| json!({"tier": s.policy_tier_name(h.policy), "policy": policy_json(s, h.policy), "rule": rule_json(*h)}))
         .collect();
     let (tier, policy, rule, reason) = match o.basis {
-        Basis::Rule { tier, hit } => {
-            (json!(tier.as_str()), policy_json(s, hit.policy), rule_json(hit), "rule")
-        }
+        Basis::Rule { hit, .. } => (
+            json!(s.policy_tier_name(hit.policy)),
+            policy_json(s, hit.policy),
+            rule_json(hit),
+            "rule",
+        ),
         // The words of the audit attribute `tierproxy.basis` (docs/audit.md), which SIEMs
         // and the collector's OCSF transform match on: one name per basis everywhere.
         Basis::Isolated { policy } => {
@@ -416,16 +418,16 @@ fn outcome_text(v: &Value) -> String {
 }
 
 fn policy_text(p: &Value) -> String {
+    let mut kind = p["kind"].as_str().unwrap_or("").to_owned();
+    // Antrea's kinds as kubectl names them, never to be taken for the upstream ones.
+    if let Some((group, _)) = p["apiVersion"].as_str().and_then(|v| v.split_once('/'))
+        && group == crate::policy::api::antrea::GROUP
+    {
+        kind = format!("{kind}.{group}");
+    }
     match p["namespace"].as_str() {
-        Some(ns) => format!(
-            "{} {}/{}",
-            p["kind"].as_str().unwrap_or(""),
-            ns,
-            p["name"].as_str().unwrap_or("")
-        ),
-        None => {
-            format!("{} {}", p["kind"].as_str().unwrap_or(""), p["name"].as_str().unwrap_or(""))
-        }
+        Some(ns) => format!("{kind} {ns}/{}", p["name"].as_str().unwrap_or("")),
+        None => format!("{kind} {}", p["name"].as_str().unwrap_or("")),
     }
 }
 

@@ -150,10 +150,10 @@ fn invalid_objects_exit_2_naming_object_and_field() {
 }
 
 /// Antrea-native objects: an invalid one fails `check` and `explain` with exit 2, naming
-/// object (with its API group) and field; a valid one passes with a warning that it is not
-/// enforced (issue #22); the upstream kind of the same name is unaffected.
+/// object (with its API group) and field; a valid one passes, an out-of-scope field
+/// warned; the upstream kind of the same name is unaffected.
 #[test]
-fn antrea_policies_are_validated_and_said_not_to_be_enforced() {
+fn antrea_policies_are_validated_naming_object_and_field() {
     let dir = tempfile::tempdir().unwrap();
     let bad = write(
         dir.path(),
@@ -177,13 +177,9 @@ fn antrea_policies_are_validated_and_said_not_to_be_enforced() {
     let o = run(&["check", "-m", good.to_str().unwrap()]);
     let out = String::from_utf8_lossy(&o.stdout);
     assert_eq!(o.status.code(), Some(0), "{out}");
-    assert!(
-        out.contains("warning: NetworkPolicy.crd.antrea.io a/p: validated, but not enforced"),
-        "{out}"
-    );
     // An out-of-scope field is named, never dropped in silence.
     assert!(out.contains("NetworkPolicy.crd.antrea.io a/p: spec.ingress[0].from[0].fqdn"), "{out}");
-    assert!(out.contains("0 error(s), 2 warning(s)"), "{out}");
+    assert!(out.contains("0 error(s), 1 warning(s)"), "{out}");
 }
 
 #[test]

@@ -516,6 +516,9 @@ impl Builder {
             &mut stage,
         );
         let Stage { mut problems, invalid, mut validated } = stage;
+        // Antrea's objects are validated against each other (a policy's Tier must exist):
+        // the valid ones are admitted, every build, and invalid ones left out.
+        inputs.antrea = crate::policy::compile::admit_antrea(&inputs.antrea, &mut problems);
 
         // Stage 2: admit. Decoding problems name objects too (a spec that does not decode
         // is an error of that object).

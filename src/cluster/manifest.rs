@@ -9,15 +9,12 @@
 //! NetworkPolicy (`crd.antrea.io/v1beta1`), told from the upstream kinds of the same name
 //! by `apiVersion`. Anything else is skipped with a [`Note`].
 //!
-//! # Antrea-native objects (issue #22, first slice)
+//! # Antrea-native objects (issue #22)
 //!
-//! They are decoded and validated here, against each other, once every file is read
-//! (`admit_antrea`): the Tier objects build the Tier table ([`TierTable`]), then each
-//! policy is validated against it ([`validate::antrea_cluster_network_policy`]). Invalid
-//! ones are reported like any invalid object (errors: `check` and `explain` exit 2) and
-//! left out; valid ones are kept in [`Loaded::antrea`] with a warning that they are not
-//! enforced yet — the engine does not compile them. Antrea's older API versions of these kinds
-//! (`crd.antrea.io/v1alpha1`, `v1alpha2`, `security.antrea.tanzu.vmware.com/*`) are
+//! They are decoded here into [`Inputs::antrea`] and, like every other kind, validated
+//! where they are compiled: against each other, since a policy's `spec.tier` must name a
+//! Tier ([`crate::policy::compile::admit_antrea`]). Antrea's older API versions of these
+//! kinds (`crd.antrea.io/v1alpha1`, `v1alpha2`, `security.antrea.tanzu.vmware.com/*`) are
 //! refused with an error naming the object.
 //!
 //! # Memory
@@ -65,10 +62,9 @@ use serde::de::DeserializeOwned;
 use serde::de::{DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde_json::Value;
 
-use crate::policy::antrea_tiers::TierTable;
 use crate::policy::api::{Namespace, NetworkPolicy, Node, Pod, antrea, v1alpha1, v1alpha2};
 use crate::policy::compile::meta_namespace;
-use crate::policy::{Inputs, Kind, ObjectRef, PodView, Problem, ProblemKind, validate};
+use crate::policy::{Inputs, Kind, ObjectRef, PodView, Problem, ProblemKind};
 
 /// Largest manifest file read, in bytes (64 MiB): far above any real manifest set (a
 /// 10,000-pod cluster with 1,000 policies is ~20 MiB of YAML), small enough that a
@@ -215,9 +211,6 @@ impl fmt::Display for Note {
 pub struct Loaded {
     /// The decoded objects.
     pub inputs: Inputs,
-    /// The valid Antrea-native objects (`crd.antrea.io/v1beta1`), which the engine does
-    /// not compile yet (issue #22).
-    pub antrea: antrea::Objects,
     /// Objects that failed to decode (wrong types: errors), unknown fields (warnings), and
     /// with [`Form::Compact`] the Pods' validation problems.
     pub problems: Vec<Problem>,
@@ -239,7 +232,7 @@ impl Loaded {
         i.admin_network_policies.append(&mut o.admin_network_policies);
         i.baseline_admin_network_policies.append(&mut o.baseline_admin_network_policies);
         i.cluster_network_policies.append(&mut o.cluster_network_policies);
-        self.antrea.append(&mut other.antrea);
+        i.antrea.append(&mut o.antrea);
         self.problems.append(&mut other.problems);
         self.notes.append(&mut other.notes);
         self.errors.append(&mut other.errors);
@@ -264,85 +257,7 @@ pub fn load_as(paths: &[PathBuf], form: Form) -> Loaded {
             }
         }
     }
-    admit_antrea(&mut out);
     out
-}
-
-/// What the warning on every valid Antrea-native policy says.
-const ANTREA_NOT_ENFORCED: &str = "validated, but not enforced: tierproxy does not \
-    evaluate Antrea-native policies yet (issue #22); traffic is decided as if this policy \
-    did not exist";
-
-/// `items` with one object per [`ObjectRef`]: the last of each, where it stands; every
-/// earlier one is reported ([`ProblemKind::Duplicate`], as the compiler does for the
-/// other kinds).
-fn last_of_each<T: kube::Resource>(
-    items: Vec<Arc<T>>,
-    kind: Kind,
-    problems: &mut Vec<Problem>,
-) -> Vec<Arc<T>> {
-    let mut seen = std::collections::HashSet::new();
-    let mut kept: Vec<Arc<T>> = Vec::with_capacity(items.len());
-    for it in items.into_iter().rev() {
-        let r = validate::object_ref(kind, it.meta());
-        if seen.insert(r.clone()) {
-            kept.push(it);
-        } else {
-            problems.push(Problem::warning(&r, "", ProblemKind::Duplicate));
-        }
-    }
-    kept.reverse();
-    kept
-}
-
-/// Validates the Antrea-native objects of `out` against each other (module docs): the
-/// Tier table from the Tier objects, then each policy against it. Keeps the valid ones,
-/// each policy with a warning that it is not enforced.
-fn admit_antrea(out: &mut Loaded) {
-    let read = std::mem::take(&mut out.antrea);
-    if read.is_empty() {
-        return;
-    }
-    let problems = &mut out.problems;
-    let tiers = last_of_each(read.tiers, Kind::AntreaTier, problems);
-    let (table, tiers) = TierTable::build(&tiers, problems);
-    let mut kept = antrea::Objects { tiers, ..antrea::Objects::default() };
-    fn admit<T: kube::Resource>(
-        items: Vec<Arc<T>>,
-        kind: Kind,
-        check: impl Fn(&T, &mut Vec<Problem>),
-        problems: &mut Vec<Problem>,
-        kept: &mut Vec<Arc<T>>,
-    ) {
-        for p in last_of_each(items, kind, problems) {
-            let start = problems.len();
-            check(&p, problems);
-            if !problems[start..].iter().any(Problem::is_error) {
-                let r = validate::object_ref(kind, p.meta());
-                problems.push(Problem::warning(
-                    &r,
-                    "",
-                    ProblemKind::NotEnforced { reason: ANTREA_NOT_ENFORCED },
-                ));
-                kept.push(p);
-            }
-        }
-    }
-    admit(
-        read.cluster_network_policies,
-        Kind::AntreaClusterNetworkPolicy,
-        |p, out| validate::antrea_cluster_network_policy(p, &table, out),
-        problems,
-        &mut kept.cluster_network_policies,
-    );
-    admit(
-        read.network_policies,
-        Kind::AntreaNetworkPolicy,
-        |p, out| validate::antrea_network_policy(p, &table, out),
-        problems,
-        &mut kept.network_policies,
-    );
-    out.antrea = kept;
 }
 
 /// A 64-bit hash of what [`load`] would read under `paths`: each file's path and bytes, in
@@ -526,7 +441,6 @@ pub fn parse_str_as(origin: &Path, text: &str, form: Form) -> Result<Loaded, Loa
         }
     })?;
     set_note_paths(&mut out, origin);
-    admit_antrea(&mut out);
     Ok(out)
 }
 
@@ -1157,18 +1071,18 @@ fn add(
                 .map(|p| if compact { compact_meta(p) } else { p })
                 .map(Arc::new),
         ),
-        // Validated with each other once every file is read (`admit_antrea`).
-        Kind::AntreaTier => out.antrea.tiers.extend(
+        // Validated with each other where they are compiled (`compile::admit_antrea`).
+        Kind::AntreaTier => inputs.antrea.tiers.extend(
             decode::<antrea::Tier>(&obj, doc, problems)
                 .map(|p| if compact { compact_meta(p) } else { p })
                 .map(Arc::new),
         ),
-        Kind::AntreaClusterNetworkPolicy => out.antrea.cluster_network_policies.extend(
+        Kind::AntreaClusterNetworkPolicy => inputs.antrea.cluster_network_policies.extend(
             decode::<antrea::ClusterNetworkPolicy>(&obj, doc, problems)
                 .map(|p| if compact { compact_meta(p) } else { p })
                 .map(Arc::new),
         ),
-        Kind::AntreaNetworkPolicy => out.antrea.network_policies.extend(
+        Kind::AntreaNetworkPolicy => inputs.antrea.network_policies.extend(
             decode::<antrea::NetworkPolicy>(&obj, doc, problems)
                 .map(|mut p| {
                     p.metadata.namespace = Some(meta_namespace(&p.metadata));
@@ -1306,7 +1220,7 @@ mod tests {
         let l = parse(
             "apiVersion: crd.antrea.io/v1beta1\nkind: ExternalIPPool\nmetadata: {name: pool}\n---\napiVersion: apps/v1\nkind: Deployment\nmetadata: {name: d}\n---\napiVersion: crd.antrea.io/v1alpha2\nkind: ExternalIPPool\nmetadata: {name: old-pool}\n---\napiVersion: crd.antrea.io/v1beta1\nkind: ClusterGroup\nmetadata: {name: cg}\n",
         );
-        assert!(l.inputs.cluster_network_policies.is_empty() && l.antrea.is_empty());
+        assert!(l.inputs.cluster_network_policies.is_empty() && l.inputs.antrea.is_empty());
         assert!(l.problems.is_empty(), "{:?}", l.problems);
         let notes: Vec<_> = l.notes.iter().map(|n| n.message.as_str()).collect();
         assert_eq!(notes.len(), 4, "{notes:?}");
@@ -1325,8 +1239,7 @@ mod tests {
     }
 
     /// The kinds Antrea shares with upstream are told apart by apiVersion: each goes to its
-    /// own list, the upstream ones unchanged; valid Antrea policies are kept and warned as
-    /// not enforced (issue #22), Tiers without a warning.
+    /// own list, the upstream ones unchanged.
     #[test]
     fn antrea_kinds_are_dispatched_on_api_version() {
         let text = [
@@ -1341,27 +1254,17 @@ mod tests {
         assert_eq!(l.inputs.network_policies.len(), 1);
         assert_eq!(l.inputs.cluster_network_policies.len(), 1);
         assert_eq!(l.inputs.cluster_network_policies[0].spec.priority, 1);
-        let a = &l.antrea;
+        let a = &l.inputs.antrea;
         assert_eq!(
             (a.tiers.len(), a.cluster_network_policies.len(), a.network_policies.len()),
             (1, 1, 1)
         );
         assert_eq!(a.network_policies[0].metadata.namespace.as_deref(), Some("x"));
-        let problems: Vec<String> = l.problems.iter().map(ToString::to_string).collect();
-        assert_eq!(problems.len(), 2, "{problems:#?}");
-        assert!(
-            problems[0].starts_with(
-                "warning: ClusterNetworkPolicy.crd.antrea.io c: validated, but not enforced"
-            ),
-            "{problems:#?}"
-        );
-        assert!(
-            problems[1].starts_with(
-                "warning: NetworkPolicy.crd.antrea.io x/p: validated, but not enforced"
-            ),
-            "{problems:#?}"
-        );
-        assert!(problems[1].contains("issue #22"), "{problems:#?}");
+        assert!(l.problems.is_empty(), "{:?}", l.problems);
+        let mut problems = Vec::new();
+        let admitted = crate::policy::compile::admit_antrea(a, &mut problems);
+        assert!(problems.is_empty(), "{problems:?}");
+        assert_eq!(admitted.cluster_network_policies.len(), 1);
     }
 
     /// Antrea's older API versions of its policy kinds are errors naming the object.
@@ -1370,7 +1273,7 @@ mod tests {
         let l = parse(
             "apiVersion: crd.antrea.io/v1alpha1\nkind: ClusterNetworkPolicy\nmetadata: {name: old}\nspec: {priority: 1}\n---\napiVersion: security.antrea.tanzu.vmware.com/v1alpha1\nkind: NetworkPolicy\nmetadata: {name: legacy, namespace: n}\n---\napiVersion: crd.antrea.io/v1alpha2\nkind: Tier\nmetadata: {name: t}\n---\napiVersion: crd.antrea.io/v2\nkind: Tier\nmetadata: {name: future}\n",
         );
-        assert!(l.antrea.is_empty());
+        assert!(l.inputs.antrea.is_empty());
         let got: Vec<(String, &str, bool)> = l
             .problems
             .iter()
@@ -1405,8 +1308,10 @@ mod tests {
             antrea("ClusterNetworkPolicy", "{name: no-priority}", "{appliedTo: [{podSelector: {}}]}"),
         ]
         .concat();
-        let l = parse(&text);
-        assert!(l.antrea.is_empty(), "{:?}", l.antrea);
+        let mut l = parse(&text);
+        let admitted = crate::policy::compile::admit_antrea(&l.inputs.antrea, &mut l.problems);
+        assert!(admitted.cluster_network_policies.is_empty(), "{admitted:?}");
+        assert!(admitted.network_policies.is_empty(), "{admitted:?}");
         let got: Vec<String> = l.problems.iter().map(ToString::to_string).collect();
         assert_eq!(
             got,
@@ -1443,20 +1348,15 @@ mod tests {
         )
         .unwrap();
         for form in [Form::Whole, Form::Compact] {
-            let l = load_as(&[dir.path().to_path_buf()], form);
-            assert_eq!(l.antrea.tiers.len(), 1);
-            assert_eq!(l.antrea.tiers[0].spec.priority, 240);
-            assert_eq!(l.antrea.network_policies.len(), 1);
+            let mut l = load_as(&[dir.path().to_path_buf()], form);
+            let a = crate::policy::compile::admit_antrea(&l.inputs.antrea, &mut l.problems);
+            assert_eq!(a.tiers.len(), 1);
+            assert_eq!(a.tiers[0].spec.priority, 240);
+            assert_eq!(a.network_policies.len(), 1);
             let kinds: Vec<_> =
                 l.problems.iter().map(|p| (p.object.kind, p.kind.clone())).collect();
             assert!(
-                matches!(
-                    &kinds[..],
-                    [
-                        (Kind::AntreaTier, ProblemKind::Duplicate),
-                        (Kind::AntreaNetworkPolicy, ProblemKind::NotEnforced { .. }),
-                    ]
-                ),
+                matches!(&kinds[..], [(Kind::AntreaTier, ProblemKind::Duplicate)]),
                 "{:?}",
                 l.problems
             );

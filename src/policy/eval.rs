@@ -159,6 +159,10 @@ pub struct RuleInfo<'a> {
     pub action: Action,
     /// The rule holds a peer of an unknown kind and fails closed.
     pub fail_closed: bool,
+    /// Antrea `enableLogging`: audit every decision of this rule (docs/audit.md).
+    pub enable_logging: bool,
+    /// Antrea `logLabel`, if set.
+    pub log_label: Option<&'a str>,
 }
 
 impl Snapshot {
@@ -236,6 +240,14 @@ impl Snapshot {
         self.policies[index as usize].tier
     }
 
+    /// The tier of the policy at `index` as people name it: an Antrea policy's Tier
+    /// object name (`securityops`, a custom Tier's), else [`Tier::as_str`] (`admin`,
+    /// `networkpolicy`, `baseline`).
+    pub fn policy_tier_name(&self, index: u32) -> &str {
+        let p = &self.policies[index as usize];
+        p.antrea_tier.as_deref().unwrap_or(p.tier.as_str())
+    }
+
     /// The rule `hit` names, in direction `dir`.
     ///
     /// # Panics
@@ -247,6 +259,8 @@ impl Snapshot {
             index: r.index,
             action: r.action,
             fail_closed: r.fail_closed,
+            enable_logging: r.enable_logging,
+            log_label: r.log_label.as_deref(),
         }
     }
 
@@ -371,10 +385,10 @@ impl Snapshot {
         };
         let first_rule = |pid: u32| {
             if FAST {
-                self.first_rule(pid, d, peer, peer_ip, flow, dst_ports)
+                self.first_rule(pid, d, subject, peer, peer_ip, flow, dst_ports)
             } else {
                 let p = &self.policies[pid as usize];
-                self.first_rule_linear(p, d, peer, peer_ip, flow, dst_ports)
+                self.first_rule_linear(p, d, subject, peer, peer_ip, flow, dst_ports)
             }
         };
         // Tier by tier in `Tier::ORDER`; the lists are by position in it.
@@ -382,16 +396,29 @@ impl Snapshot {
             let list = &by_direction[d];
             match tier {
                 Tier::Admin | Tier::Baseline => {
-                    for &pid in list {
-                        if skip(pid) {
-                            continue;
+                    let mut i = 0;
+                    while i < list.len() {
+                        // Antrea policies of one rank and priority are one run, interleaved
+                        // rule by rule: "(tier priority, policy priority, rule index)"
+                        // (antrea-model.md §3, Antrea `Priority.Less`); the list's order
+                        // breaks only ties of rule index. Any other policy is a run of one.
+                        let end = self.run_end(list, i);
+                        let mut best: Option<RuleHit> = None;
+                        for &pid in &list[i..end] {
+                            if skip(pid) {
+                                continue;
+                            }
+                            if let Some(ri) = first_rule(pid)
+                                && best.is_none_or(|b| ri < b.rule)
+                            {
+                                best = Some(RuleHit { policy: pid, rule: ri });
+                            }
                         }
-                        let Some(ri) = first_rule(pid) else {
-                            continue;
-                        };
-                        let hit = RuleHit { policy: pid, rule: ri };
+                        i = end;
+                        let Some(hit) = best else { continue };
                         let basis = Basis::Rule { tier, hit };
-                        match self.policies[pid as usize].rules[d][ri as usize].action {
+                        match self.policies[hit.policy as usize].rules[d][hit.rule as usize].action
+                        {
                             Action::Allow => {
                                 return Outcome { verdict: Verdict::Allow, basis, passed };
                             }
@@ -403,7 +430,8 @@ impl Snapshot {
                             }
                             // "Pass: Skips all further ClusterNetworkPolicy rules in the
                             // current tier for the selected traffic, and passes evaluation
-                            // to the next tier."
+                            // to the next tier." An Antrea Pass likewise goes straight to
+                            // NetworkPolicy, past every later admin-level rule (§5).
                             Action::Pass => {
                                 passed.push(hit);
                                 break;
@@ -442,10 +470,12 @@ impl Snapshot {
     /// The first rule of policy `pid` in direction `d` that matches, by its precompiled
     /// [`Matcher`](super::matcher) or, above its rule limit, by walking the rules.
     #[inline]
+    #[allow(clippy::too_many_arguments)]
     fn first_rule(
         &self,
         pid: u32,
         d: usize,
+        subject: u32,
         peer: Endpoint,
         peer_ip: IpAddr,
         flow: &Flow,
@@ -457,7 +487,36 @@ impl Snapshot {
                 let multi = matches!(peer, Endpoint::Pod(p) if self.pod_ips[p as usize].len() > 1);
                 m.first_rule(peer, multi, peer_ip, flow.protocol, flow.dst_port, dst_ports)
             }
-            None => self.first_rule_linear(p, d, peer, peer_ip, flow, dst_ports),
+            None => self.first_rule_linear(p, d, subject, peer, peer_ip, flow, dst_ports),
+        }
+    }
+
+    /// The end of the run of policies starting at `list[i]` that decide together: Antrea
+    /// policies of one rank and priority (interleaved by rule index), else `i + 1`.
+    #[inline]
+    fn run_end(&self, list: &[u32], i: usize) -> usize {
+        let p = &self.policies[list[i] as usize];
+        if p.antrea_tier.is_none() {
+            return i + 1;
+        }
+        let same = |q: &u32| {
+            let q = &self.policies[*q as usize];
+            q.antrea_tier.is_some() && q.rank == p.rank && q.priority == p.priority
+        };
+        i + 1 + list[i + 1..].iter().take_while(|q| same(q)).count()
+    }
+
+    /// The subject of direction `dir` of `flow`: the server's pod for ingress, the
+    /// client's for egress (`u32::MAX` when that end is not a pod: no subject-relative
+    /// rule then applies).
+    fn subject_of(&self, dir: Direction, flow: &Flow) -> u32 {
+        let ip = match dir {
+            Direction::Ingress => flow.dst,
+            Direction::Egress => flow.src,
+        };
+        match self.endpoint(ip) {
+            Endpoint::Pod(p) => p,
+            _ => u32::MAX,
         }
     }
 
@@ -473,7 +532,16 @@ impl Snapshot {
     ) -> Option<u32> {
         let dst_ports = self.declared_ports(self.endpoint(flow.dst));
         let p = &self.policies[pid as usize];
-        self.first_rule_linear(p, dir as usize, self.endpoint(peer_ip), peer_ip, flow, dst_ports)
+        let subject = self.subject_of(dir, flow);
+        self.first_rule_linear(
+            p,
+            dir as usize,
+            subject,
+            self.endpoint(peer_ip),
+            peer_ip,
+            flow,
+            dst_ports,
+        )
     }
 
     /// The same as [`Self::first_rule_reference`] through the fast path.
@@ -486,7 +554,16 @@ impl Snapshot {
         flow: &Flow,
     ) -> Option<u32> {
         let dst_ports = self.declared_ports(self.endpoint(flow.dst));
-        self.first_rule(pid, dir as usize, self.endpoint(peer_ip), peer_ip, flow, dst_ports)
+        let subject = self.subject_of(dir, flow);
+        self.first_rule(
+            pid,
+            dir as usize,
+            subject,
+            self.endpoint(peer_ip),
+            peer_ip,
+            flow,
+            dst_ports,
+        )
     }
 
     /// The container ports `ep` declares (empty unless it is a pod): "named ports resolve on
@@ -504,10 +581,14 @@ impl Snapshot {
         self.policies.len() as u32
     }
 
+    /// The first rule of `p` in direction `d` that matches, walking every rule: `subject`
+    /// (a pod id) for rule-level appliedTo and subject-relative peers.
+    #[allow(clippy::too_many_arguments)]
     fn first_rule_linear(
         &self,
         p: &Policy,
         d: usize,
+        subject: u32,
         peer: Endpoint,
         peer_ip: IpAddr,
         flow: &Flow,
@@ -516,25 +597,43 @@ impl Snapshot {
         p.rules[d]
             .iter()
             .position(|r| {
-                r.ports.matches(flow.protocol, flow.dst_port, dst_ports)
-                    && self.peer_matches(&r.peers, peer, peer_ip)
+                r.applied_to.is_none_or(|s| self.pod_sets[s as usize].contains(subject))
+                    && r.ports.matches(flow.protocol, flow.dst_port, dst_ports)
+                    && self.peer_matches(&r.peers, subject, peer, peer_ip)
             })
             .map(|i| i as u32)
     }
 
     #[inline]
-    fn peer_matches(&self, peers: &Peers, peer: Endpoint, ip: IpAddr) -> bool {
+    fn peer_matches(&self, peers: &Peers, subject: u32, peer: Endpoint, ip: IpAddr) -> bool {
         if peers.all {
             return true;
         }
         let by_identity = match peer {
             Endpoint::Pod(p) => {
                 peers.pod_sets.iter().any(|&s| self.pod_sets[s as usize].contains(p))
+                    || (!peers.relative.is_empty() && self.relative_matches(peers, subject, p))
             }
             Endpoint::Node(n) => peers.nodes.as_ref().is_some_and(|set| set.contains(n)),
             Endpoint::External => false,
         };
         // ipBlock / networks match any address, pod and node IPs included (DESIGN §2).
         by_identity || peers.blocks.iter().any(|b| b.contains(ip))
+    }
+
+    /// Whether pod `peer` is one of the subject-relative peers of `peers` for pod
+    /// `subject` (antrea-model.md §7: `namespaces.match: Self`, `sameLabels`).
+    fn relative_matches(&self, peers: &Peers, subject: u32, peer: u32) -> bool {
+        let Some(s) = self.pods.get(subject as usize) else { return false };
+        let ns = |id: u32| &self.namespaces[id as usize];
+        let peer_ns = self.pods[peer as usize].namespace;
+        peers.relative.iter().any(|r| {
+            self.pod_sets[r.pods as usize].contains(peer)
+                && r.same.picks(
+                    peer_ns == s.namespace,
+                    &ns(s.namespace).labels,
+                    &ns(peer_ns).labels,
+                )
+        })
     }
 }

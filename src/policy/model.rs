@@ -50,15 +50,34 @@ impl Direction {
 }
 
 /// A policy tier (DESIGN §2). The order tiers are consulted in is [`Tier::ORDER`]; `Ord`
-/// follows it.
+/// follows it. Antrea's Tiers sit inside the two admin-level tiers, each at its place in
+/// Antrea's global order (a policy's `rank`, `shared/reference/antrea-model.md` §3).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Tier {
-    /// AdminNetworkPolicy and ClusterNetworkPolicy `tier: Admin`.
+    /// Everything before NetworkPolicy: Antrea Tiers below 220, ClusterNetworkPolicy
+    /// `tier: Admin` (220), Antrea Tiers 221–250 (`application`), AdminNetworkPolicy (251).
     Admin,
     /// `networking.k8s.io/v1` NetworkPolicy.
     NetworkPolicy,
-    /// BaselineAdminNetworkPolicy and ClusterNetworkPolicy `tier: Baseline`.
+    /// Everything after NetworkPolicy: Antrea's `baseline` Tier (253), then
+    /// BaselineAdminNetworkPolicy and ClusterNetworkPolicy `tier: Baseline` (254).
     Baseline,
+}
+
+/// A policy's place among the admin-level tiers, lower first: Antrea's internal tier
+/// priority (`shared/reference/antrea-model.md` §3). An Antrea policy's is its Tier's
+/// `spec.priority`.
+pub(crate) mod rank {
+    /// ClusterNetworkPolicy `tier: Admin` (Antrea `cnpAdminTierPriority`).
+    pub(crate) const CNP_ADMIN: u8 = 220;
+    /// AdminNetworkPolicy (Antrea `adminnetworkpolicy.go`).
+    pub(crate) const ANP: u8 = 251;
+    /// NetworkPolicy, between the two admin-level lists.
+    pub(crate) const NETWORK_POLICY: u8 = 252;
+    /// Antrea's `baseline` Tier: the first rank after NetworkPolicy.
+    pub(crate) const ANTREA_BASELINE: u8 = 253;
+    /// BaselineAdminNetworkPolicy and ClusterNetworkPolicy `tier: Baseline`.
+    pub(crate) const BASELINE: u8 = 254;
 }
 
 impl Tier {
@@ -211,6 +230,49 @@ pub(crate) struct Peers {
     pub(crate) nodes: Option<RoaringBitmap>,
     /// `networks` / `ipBlock` peers, matched against any address.
     pub(crate) blocks: Vec<Block>,
+    /// Peers relative to the subject's namespace (Antrea `namespaces.match: Self` and
+    /// `namespaces.sameLabels`), matched against pod peers only.
+    pub(crate) relative: Vec<Relative>,
+}
+
+/// An Antrea peer whose namespaces depend on the subject's namespace
+/// (`shared/reference/antrea-model.md` §7): the pods of `pods` (the peer's `podSelector`
+/// across all namespaces, or every pod) in the namespaces `same` picks.
+#[derive(Debug, Clone)]
+pub(crate) struct Relative {
+    /// The interned pod set of the peer's `podSelector` in every namespace.
+    pub(crate) pods: SetId,
+    /// Which namespaces, relative to the subject's.
+    pub(crate) same: SameNamespaces,
+}
+
+/// The namespaces a [`Relative`] peer picks, seen from the subject's namespace.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum SameNamespaces {
+    /// `namespaces.match: Self`: the subject's own namespace.
+    Own,
+    /// `namespaces.sameLabels`: namespaces with every key, each with the subject's
+    /// namespace's value; none when the subject's namespace lacks a key (Antrea
+    /// `groupNamespacesByLabelValue`).
+    Labels(Box<[String]>),
+}
+
+impl SameNamespaces {
+    /// Whether the namespace with labels `peer` is picked for a subject whose namespace has
+    /// labels `subject` and the same id (`same_ns`).
+    pub(crate) fn picks(
+        &self,
+        same_ns: bool,
+        subject: &BTreeMap<String, String>,
+        peer: &BTreeMap<String, String>,
+    ) -> bool {
+        match self {
+            SameNamespaces::Own => same_ns,
+            SameNamespaces::Labels(keys) => {
+                keys.iter().all(|k| subject.get(k).is_some_and(|v| peer.get(k) == Some(v)))
+            }
+        }
+    }
 }
 
 /// One compiled rule.
@@ -226,6 +288,21 @@ pub(crate) struct Rule {
     /// The rule holds a peer of an unknown kind and was turned into "deny all" (a Deny or
     /// Pass rule) as the API requires.
     pub(crate) fail_closed: bool,
+    /// Antrea rule-level `appliedTo`: the rule applies only to subjects in this pod set.
+    /// `None`: to every subject of the policy.
+    pub(crate) applied_to: Option<SetId>,
+    /// Antrea `enableLogging`: every decision of this rule is audited.
+    pub(crate) enable_logging: bool,
+    /// Antrea `logLabel`, an attribute of this rule's audit events.
+    pub(crate) log_label: Option<std::sync::Arc<str>>,
+}
+
+impl Rule {
+    /// Whether the rule-mask [`Matcher`](super::matcher::Matcher) cannot evaluate this
+    /// rule (it depends on the subject), so its policy is evaluated rule by rule.
+    pub(crate) fn depends_on_subject(&self) -> bool {
+        self.applied_to.is_some() || !self.peers.relative.is_empty()
+    }
 }
 
 /// Prefix of the annotations a [`Snapshot`](super::Snapshot) keeps for each policy

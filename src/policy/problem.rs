@@ -55,6 +55,22 @@ impl Kind {
         }
     }
 
+    /// The kind's `apiVersion` as tierproxy reads it (`v1`, `networking.k8s.io/v1`,
+    /// `policy.networking.k8s.io/v1alpha1` or `v1alpha2`, `crd.antrea.io/v1beta1`).
+    pub fn api_version(self) -> &'static str {
+        match self {
+            Kind::Namespace | Kind::Node | Kind::Pod => "v1",
+            Kind::NetworkPolicy => "networking.k8s.io/v1",
+            Kind::AdminNetworkPolicy | Kind::BaselineAdminNetworkPolicy => {
+                "policy.networking.k8s.io/v1alpha1"
+            }
+            Kind::ClusterNetworkPolicy => "policy.networking.k8s.io/v1alpha2",
+            Kind::AntreaTier | Kind::AntreaClusterNetworkPolicy | Kind::AntreaNetworkPolicy => {
+                "crd.antrea.io/v1beta1"
+            }
+        }
+    }
+
     /// The kind's API group (`""` for core `v1`).
     pub fn api_group(self) -> &'static str {
         match self {
@@ -219,6 +235,31 @@ pub enum ProblemKind {
         /// Why.
         reason: String,
     },
+    /// Two Antrea policies in one Tier with the same priority whose subjects overlap and
+    /// that both have a rule at one index of one direction: their rules interleave by
+    /// index, and at that index the order is undefined in Antrea (docs "Notes and
+    /// constraints"); tierproxy breaks the tie by name (`shared/reference/antrea-model.md`
+    /// §3). Reported on each policy, naming the other.
+    #[error(
+        "tier {tier} priority {priority} is shared with {other}, and their subjects overlap on {overlap} pod(s): their rules interleave by index, and at {direction}[{index}] both have one; evaluated in name order, {} first",
+        if *.first { "this policy's" } else { "the other's" }
+    )]
+    RuleTie {
+        /// The Tier's name.
+        tier: String,
+        /// The shared priority, as written.
+        priority: String,
+        /// The other policy.
+        other: ObjectRef,
+        /// How many pods both subjects select.
+        overlap: usize,
+        /// `ingress` or `egress`.
+        direction: &'static str,
+        /// The first rule index both policies have in that direction.
+        index: u32,
+        /// Whether this policy's rule is evaluated before the other's.
+        first: bool,
+    },
     /// Two admin-tier policies with the same priority whose subjects overlap (KEP-2091,
     /// "Risks and Mitigations": the behaviour is undefined upstream; tierproxy orders them
     /// by name).
@@ -264,12 +305,6 @@ pub enum ProblemKind {
     OutsideSchema {
         /// The schema (`Antrea ClusterNetworkPolicy ingress rule`).
         schema: &'static str,
-    },
-    /// A valid object of a kind tierproxy reads and validates but does not enforce yet.
-    #[error("{reason}")]
-    NotEnforced {
-        /// Why, and what is missing.
-        reason: &'static str,
     },
     /// An IP address claimed by more than one object.
     #[error("address {addr} is also claimed by {other}; it resolves to the first")]

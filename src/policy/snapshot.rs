@@ -28,8 +28,15 @@ use super::selector::LabelIndex;
 pub(crate) struct Policy {
     pub(crate) object: Arc<ObjectRef>,
     pub(crate) tier: Tier,
-    /// `spec.priority`; NetworkPolicy has none (0); BANP sorts after every Baseline CNP.
-    pub(crate) priority: i32,
+    /// Place among the admin-level tiers ([`rank`](super::model::rank)); an Antrea
+    /// policy's Tier priority.
+    pub(crate) rank: u8,
+    /// `spec.priority` (Antrea's is a float); NetworkPolicy has none (0); BANP sorts after
+    /// every Baseline CNP.
+    pub(crate) priority: f64,
+    /// The Antrea Tier's name (`securityops`, a custom Tier's); `None` for upstream kinds.
+    /// Antrea policies of one rank and priority interleave rule by rule.
+    pub(crate) antrea_tier: Option<Arc<str>>,
     /// Rules by [`Direction`](super::model::Direction) index.
     pub(crate) rules: Arc<[Vec<Rule>; 2]>,
     /// Precompiled rule masks per direction; `None` above

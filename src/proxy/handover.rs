@@ -56,6 +56,10 @@ pub const OLDEST_VERSION: u32 = 1;
 /// Most descriptors one message carries: a connection's two sockets and two pipes.
 const MAX_FDS: usize = 4;
 
+/// Most descriptors one `SCM_RIGHTS` message can carry (Linux `include/net/scm.h`
+/// `SCM_MAX_FD`): the receive buffer's room, so no message is ever truncated.
+const SCM_MAX_FD: usize = 253;
+
 /// Largest message, bytes (a connection's header is about 300).
 const MAX_MESSAGE: usize = 16 << 10;
 
@@ -667,7 +671,11 @@ fn send(fd: &OwnedFd, message: &Message, fds: &[RawFd]) -> io::Result<()> {
 /// Receives one message and its descriptors (close-on-exec).
 fn recv(fd: &OwnedFd) -> io::Result<(Message, Vec<OwnedFd>)> {
     let mut buf = vec![0u8; MAX_MESSAGE];
-    let mut space = nix::cmsg_space!([RawFd; MAX_FDS]);
+    // Room for the most descriptors one message can carry (the kernel's SCM_MAX_FD), not
+    // only for the most ours carry: a truncated control message (MSG_CTRUNC) installs the
+    // descriptors that fit and nix then refuses to parse it (ENOBUFS), which left them
+    // open in this process (review finding 13).
+    let mut space = nix::cmsg_space!([RawFd; SCM_MAX_FD]);
     let mut iov = [IoSliceMut::new(&mut buf)];
     let (n, flags, fds) = {
         let msg =
@@ -684,6 +692,14 @@ fn recv(fd: &OwnedFd) -> io::Result<(Message, Vec<OwnedFd>)> {
     };
     if flags.contains(MsgFlags::MSG_TRUNC) {
         return Err(protocol("a message longer than 16 KiB".into()));
+    }
+    // More descriptors than any message of the protocol carries: refused, and every one
+    // closed as `fds` drops.
+    if fds.len() > MAX_FDS || flags.contains(MsgFlags::MSG_CTRUNC) {
+        return Err(protocol(format!(
+            "a message with {} descriptors, more than {MAX_FDS}",
+            fds.len()
+        )));
     }
     if n == 0 {
         return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "hand-over peer closed"));
@@ -709,6 +725,38 @@ mod tests {
         assert_eq!(common_version(1, 7), Some(VERSION));
         assert_eq!(common_version(VERSION + 1, VERSION + 3), None);
         assert_eq!(common_version(0, 0), None);
+    }
+
+    /// How many descriptors of this process are open on files under `dir`.
+    fn open_under(dir: &Path) -> usize {
+        std::fs::read_dir("/proc/self/fd")
+            .unwrap()
+            .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+            .filter(|target| target.starts_with(dir))
+            .count()
+    }
+
+    /// A message with more descriptors than any carries is refused, and none of them stays
+    /// open in the receiver (review finding 13: a truncated control message made nix
+    /// refuse to parse it, and the descriptors the kernel had installed stayed open).
+    #[test]
+    fn a_message_with_too_many_descriptors_is_refused_and_leaks_none() {
+        let dir = tempfile::tempdir().unwrap();
+        let (a, b) = std::os::unix::net::UnixDatagram::pair().unwrap();
+        let (a, b): (OwnedFd, OwnedFd) = (a.into(), b.into());
+        let files: Vec<std::fs::File> = (0..MAX_FDS + 2)
+            .map(|i| std::fs::File::create(dir.path().join(i.to_string())).unwrap())
+            .collect();
+        let raw: Vec<RawFd> = files.iter().map(|f| f.as_raw_fd()).collect();
+        send(&a, &Message::Ack, &raw).unwrap();
+        drop(files);
+        let e = recv(&b).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::InvalidData, "{e}");
+        assert!(e.to_string().contains("6 descriptors, more than 4"), "{e}");
+        assert_eq!(open_under(dir.path()), 0, "descriptors left open after the refusal");
+        // A message that fits is read as ever.
+        send(&a, &Message::Ack, &[]).unwrap();
+        assert!(matches!(recv(&b).unwrap(), (Message::Ack, fds) if fds.is_empty()));
     }
 
     #[test]

@@ -6,7 +6,7 @@
 //! - [`v1alpha2`]: `policy.networking.k8s.io/v1alpha2` ClusterNetworkPolicy
 //!   (network-policy-api v0.2.0+).
 //! - [`antrea`]: Antrea's `crd.antrea.io/v1beta1` Tier, ClusterNetworkPolicy and
-//!   NetworkPolicy (read from manifests and validated; not enforced yet, issue #22).
+//!   NetworkPolicy (read from manifests, validated and compiled into Antrea's global order).
 //! - NetworkPolicy, Namespace, Pod and Node come from `k8s-openapi` (re-exported here).
 //!
 //! These types mirror the wire format field for field and carry no defaults beyond what

@@ -22,7 +22,7 @@ use super::{
 use crate::policy::api::{LabelSelector, NamespacedPod, SelectorRef, v1alpha1, v1alpha2};
 use crate::policy::cidr::{self, Block};
 use crate::policy::labels::{LabelSet, Labels};
-use crate::policy::model::{Action, Direction, Peers, Rule, SetId, Tier};
+use crate::policy::model::{Action, Direction, Peers, Rule, SetId, Tier, rank};
 use crate::policy::ports::{PortMatch, PortSpec, Ports, Protocol};
 use crate::policy::problem::{Kind, ObjectRef, Problem};
 use crate::policy::selector::LabelIndex;
@@ -522,6 +522,9 @@ fn admin_rule<'a>(
         peers: out,
         ports,
         fail_closed,
+        applied_to: None,
+        enable_logging: false,
+        log_label: None,
     }
 }
 
@@ -595,7 +598,8 @@ impl<'a> AdminObject<'a> {
 /// An admin object that passed validation, ready for [`Cluster::admin_policy`].
 struct AdminBody<'a> {
     tier: Tier,
-    priority: i32,
+    /// `spec.priority`; `None` for the BANP, which has none ([`BANP_PRIORITY`]).
+    priority: Option<i32>,
     namespaces: &'a Option<LabelSelector>,
     pods: &'a Option<NamespacedPod>,
     /// Rules by [`Direction`] index; selector peers are worker keys (see [`admin_rule`])
@@ -684,11 +688,11 @@ fn prepare_admin<'a>(
 /// Tier, priority and subject (`namespaces`, `pods`) of an admin object.
 fn admin_head<'a>(
     obj: AdminObject<'a>,
-) -> (Tier, i32, &'a Option<LabelSelector>, &'a Option<NamespacedPod>) {
+) -> (Tier, Option<i32>, &'a Option<LabelSelector>, &'a Option<NamespacedPod>) {
     match obj {
         AdminObject::Anp(p) => {
             let v1alpha1::AdminNetworkPolicySubject { namespaces, pods } = &p.spec.subject;
-            (Tier::Admin, p.spec.priority, namespaces, pods)
+            (Tier::Admin, Some(p.spec.priority), namespaces, pods)
         }
         AdminObject::Cnp(p) => {
             let v1alpha2::ClusterNetworkPolicySubject { namespaces, pods } = &p.spec.subject;
@@ -696,13 +700,13 @@ fn admin_head<'a>(
                 v1alpha2::Tier::Admin => Tier::Admin,
                 v1alpha2::Tier::Baseline => Tier::Baseline,
             };
-            (tier, p.spec.priority, namespaces, pods)
+            (tier, Some(p.spec.priority), namespaces, pods)
         }
         AdminObject::Banp(p) => {
             let v1alpha1::AdminNetworkPolicySubject { namespaces, pods } = &p.spec.subject;
             // BANP has no priority. It is the cluster-wide default of v1alpha1, while
             // Baseline-tier CNPs (v1alpha2) carry explicit priorities: BANP goes after them.
-            (Tier::Baseline, BANP_PRIORITY, namespaces, pods)
+            (Tier::Baseline, None, namespaces, pods)
         }
     }
 }
@@ -909,7 +913,7 @@ fn cnp_action(a: v1alpha2::ClusterNetworkPolicyRuleAction) -> Action {
 /// Sort key of the BaselineAdminNetworkPolicy within the Baseline tier: after every
 /// ClusterNetworkPolicy `tier: Baseline`, whose priorities are at most
 /// [`validate::MAX_PRIORITY`].
-pub(super) const BANP_PRIORITY: i32 = validate::MAX_PRIORITY + 1;
+pub(super) const BANP_PRIORITY: f64 = (validate::MAX_PRIORITY + 1) as f64;
 
 impl Cluster {
     /// Finishes a validated admin object prepared by [`prepare_admin`], whose rules' peer
@@ -923,12 +927,25 @@ impl Cluster {
     ) -> Policy {
         let AdminBody { tier, priority, namespaces, pods, rules } = body;
         let (subject, subject_set) = self.subject(namespaces, pods);
+        // Antrea's global order (antrea-model.md §3): CNP Admin at 220, before every
+        // ANP at 251, whatever their priorities.
+        let rank = match (tier, object.kind) {
+            (Tier::Admin, Kind::AdminNetworkPolicy) => rank::ANP,
+            (Tier::Admin, _) => rank::CNP_ADMIN,
+            _ => rank::BASELINE,
+        };
+        let priority = match priority {
+            Some(p) => f64::from(p),
+            None => BANP_PRIORITY,
+        };
         // "ANPs with no ingress rules do not affect ingress traffic."
         let applies = [!rules[0].is_empty(), !rules[1].is_empty()];
         Policy {
             object: Arc::new(object),
             tier,
+            rank,
             priority,
+            antrea_tier: None,
             rules: Arc::new(rules),
             matchers: [None, None],
             subject,

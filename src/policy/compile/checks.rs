@@ -18,15 +18,18 @@ use crate::policy::snapshot::{Policy, Snapshot};
 /// with the same priority").
 pub fn priority_conflicts(s: &Snapshot) -> Vec<Problem> {
     let mut out = Vec::new();
-    let by_prio: BTreeMap<(Tier, i32), Vec<&Policy>> = s
+    // Upstream priorities are integers; Antrea's ties are `antrea_ties`'.
+    let by_prio: BTreeMap<(Tier, u8, i32), Vec<&Policy>> = s
         .policies
         .iter()
-        .filter(|p| p.tier != Tier::NetworkPolicy && p.priority != BANP_PRIORITY)
+        .filter(|p| {
+            p.tier != Tier::NetworkPolicy && p.priority != BANP_PRIORITY && p.antrea_tier.is_none()
+        })
         .fold(BTreeMap::new(), |mut m, p| {
-            m.entry((p.tier, p.priority)).or_insert_with(Vec::new).push(p);
+            m.entry((p.tier, p.rank, p.priority as i32)).or_insert_with(Vec::new).push(p);
             m
         });
-    for ((_, prio), mut ps) in by_prio {
+    for ((_, _, prio), mut ps) in by_prio {
         // Policy ids are slots after a patch moved one: order by place, not by id.
         ps.sort_by(|a, b| place(a).cmp(&place(b)));
         for (i, a) in ps.iter().enumerate() {
@@ -51,7 +54,51 @@ pub fn priority_conflicts(s: &Snapshot) -> Vec<Problem> {
             }
         }
     }
+    antrea_ties(s, &mut out);
     out
+}
+
+/// Antrea policies of one Tier and priority whose subjects overlap and that have rules at
+/// a common index of one direction ([`ProblemKind::RuleTie`]): one warning on each, for
+/// the first such index (the rest follow the same order). Called by
+/// [`priority_conflicts`].
+fn antrea_ties(s: &Snapshot, out: &mut Vec<Problem>) {
+    let mut groups: BTreeMap<(u8, super::index::Priority), Vec<&Policy>> = BTreeMap::new();
+    for p in s.policies.iter().filter(|p| p.antrea_tier.is_some()) {
+        groups.entry((p.rank, super::index::Priority(p.priority))).or_default().push(p);
+    }
+    for ps in groups.values_mut() {
+        ps.sort_by(|a, b| place(a).cmp(&place(b)));
+        for (i, a) in ps.iter().enumerate() {
+            for b in &ps[i + 1..] {
+                let overlap = a.subject.intersection_len(&b.subject) as usize;
+                if overlap == 0 {
+                    continue;
+                }
+                let Some(d) = Direction::BOTH
+                    .into_iter()
+                    .find(|&d| !a.rules[d as usize].is_empty() && !b.rules[d as usize].is_empty())
+                else {
+                    continue;
+                };
+                for (this, other, first) in [(a, b, true), (b, a, false)] {
+                    out.push(Problem::warning(
+                        &this.object,
+                        "spec.priority",
+                        ProblemKind::RuleTie {
+                            tier: this.antrea_tier.as_deref().unwrap_or_default().to_owned(),
+                            priority: this.priority.to_string(),
+                            other: ObjectRef::clone(&other.object),
+                            overlap,
+                            direction: d.as_str(),
+                            index: 0,
+                            first,
+                        },
+                    ));
+                }
+            }
+        }
+    }
 }
 
 /// Rules that match no traffic in this snapshot, and policies that select no pod: worth a
@@ -76,6 +123,7 @@ pub fn unreachable_rules(s: &Snapshot) -> Vec<Problem> {
                 let peers = &r.peers;
                 let no_peer = !peers.all
                     && peers.blocks.is_empty()
+                    && peers.relative.iter().all(|r| s.pod_sets[r.pods as usize].is_empty())
                     && peers.nodes.as_ref().is_none_or(|n| n.is_empty())
                     && peers.pod_sets.iter().all(|&id| s.pod_sets[id as usize].is_empty());
                 if no_peer {

@@ -42,6 +42,9 @@ pub(super) enum SetKey {
     Pods(Selector, Selector),
     /// Pods matching the selector in one namespace (NetworkPolicy `podSelector`).
     InNamespace(u32, Selector),
+    /// The union of interned sets, sorted and distinct (an Antrea `appliedTo` list). The
+    /// incremental compiler does not patch it: inputs with Antrea objects compile in full.
+    Union(Vec<SetId>),
 }
 
 /// Compile-time state: the cluster's objects by dense id and the indexes over them. The
@@ -106,6 +109,13 @@ impl Cluster {
             }
             SetKey::InNamespace(ns, pods) => {
                 &self.namespaces[*ns as usize].pods & self.pod_index.resolve(pods)
+            }
+            SetKey::Union(ids) => {
+                let mut out = RoaringBitmap::new();
+                for &id in ids {
+                    out |= &*self.interner.sets[id as usize];
+                }
+                out
             }
         };
         let id = self.interner.sets.len() as SetId;

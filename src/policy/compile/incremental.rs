@@ -45,11 +45,11 @@ use std::sync::Arc;
 use kube::Resource;
 
 use super::cluster::{Cluster, NO_LABELS, SetKey};
-use super::index::{DeclaredPorts, addr_ranges, declared_ports, place, port_ranges};
+use super::index::{DeclaredPorts, addr_ranges, declared_ports, matchable, place, port_ranges};
 use super::{Inputs, meta_name, meta_namespace, own_annotations, parallel};
 use crate::policy::api::{Namespace, NetworkPolicy, Node, Pod, v1alpha1, v1alpha2};
 use crate::policy::labels::LabelsRef;
-use crate::policy::matcher::{MAX_RULES, Matcher};
+use crate::policy::matcher::Matcher;
 use crate::policy::model::{Revision, Rule, SetId};
 use crate::policy::problem::{Kind, ObjectRef, Problem};
 use crate::policy::snapshot::{PodPolicies, Policy, Snapshot};
@@ -422,7 +422,7 @@ impl State {
             }
             let rules = &policy.rules[d];
             scratch.resize(s.pods.len(), 0);
-            policy.matchers[d] = (rules.len() <= MAX_RULES)
+            policy.matchers[d] = matchable(rules)
                 .then(|| Arc::new(Matcher::build(rules, sets, &self.cluster.addrs, &mut scratch)));
         }
 
@@ -550,7 +550,7 @@ impl State {
             let (ns_sel, pod_sel) = match key {
                 SetKey::Namespaces(n) => (n, None),
                 SetKey::Pods(n, p) => (n, Some(p)),
-                SetKey::InNamespace(..) => continue,
+                SetKey::InNamespace(..) | SetKey::Union(_) => continue,
             };
             let now = ns_sel.matches(new);
             if ns_sel.matches(&old) == now {
@@ -593,7 +593,7 @@ impl State {
         let ns_labels = &c.namespaces[ns as usize].labels;
         for (key, &id) in &c.interner.ids {
             let member = match key {
-                SetKey::Namespaces(_) => continue,
+                SetKey::Namespaces(_) | SetKey::Union(_) => continue,
                 SetKey::Pods(n, p) => n.matches(ns_labels) && p.matches(&new),
                 SetKey::InNamespace(n, p) => *n == ns && p.matches(&new),
             };

@@ -16,14 +16,49 @@ use crate::policy::ports::{PortSpec, Protocol};
 use crate::policy::problem::Kind;
 use crate::policy::snapshot::{PodPolicies, Policy};
 
-/// A policy's place in the evaluation order: by tier, then inside each tier by priority,
-/// then name, then kind, then namespace: "ties broken deterministically by name" (DESIGN
-/// §2); `check` reports the ties ([`priority_conflicts`](super::priority_conflicts)).
-/// Distinct objects have distinct places. The one definition of the order: the full
-/// compile sorts by it, and a patch that moves a policy inserts it into the per-pod lists
-/// by it.
-pub(crate) fn place(p: &Policy) -> (Tier, i32, &str, Kind, Option<&str>) {
-    (p.tier, p.priority, &p.object.name, p.object.kind, p.object.namespace.as_deref())
+/// A policy's place in the evaluation order: by tier, then inside each tier by rank
+/// (Antrea's global order: Antrea Tiers, CNP Admin, ANP; Antrea `baseline`, then
+/// BANP/CNP Baseline), then priority, then name, then kind, then namespace: "ties broken
+/// deterministically by name" (DESIGN §2); `check` reports the ties
+/// ([`priority_conflicts`](super::priority_conflicts)). Antrea policies of one rank and
+/// priority are then interleaved rule by rule when deciding, this order breaking only
+/// ties of rule index. Distinct objects have distinct places. The one definition of the
+/// order: the full compile sorts by it, and a patch that moves a policy inserts it into
+/// the per-pod lists by it.
+pub(crate) fn place(p: &Policy) -> (Tier, u8, Priority, &str, Kind, Option<&str>) {
+    (
+        p.tier,
+        p.rank,
+        Priority(p.priority),
+        &p.object.name,
+        p.object.kind,
+        p.object.namespace.as_deref(),
+    )
+}
+
+/// A policy priority ordered numerically (`f64::total_cmp`; validation admits only
+/// finite values).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Priority(pub(crate) f64);
+
+impl PartialEq for Priority {
+    fn eq(&self, other: &Self) -> bool {
+        self.cmp(other).is_eq()
+    }
+}
+
+impl Eq for Priority {}
+
+impl PartialOrd for Priority {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for Priority {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        self.0.total_cmp(&other.0)
+    }
 }
 
 /// Orders `policies` for evaluation ([`place`]). After a full compile policy ids are
@@ -116,12 +151,19 @@ fn build_matchers(
     let ranges = balanced_ranges(&weights, workers);
     let built = par_ranges(policies, &ranges, |_, chunk| {
         let mut scratch = vec![0; pods];
-        let mut build = |r: &Vec<Rule>| {
-            (r.len() <= MAX_RULES).then(|| Matcher::build(r, sets, addrs, &mut scratch))
-        };
+        let mut build =
+            |r: &Vec<Rule>| matchable(r).then(|| Matcher::build(r, sets, addrs, &mut scratch));
         chunk.iter().map(|p| [build(&p.rules[0]), build(&p.rules[1])]).collect::<Vec<_>>()
     });
     built.into_iter().flatten().collect()
+}
+
+/// Whether the rules of one policy direction get a [`Matcher`]: at most [`MAX_RULES`] of
+/// them, none depending on the subject (Antrea rule-level appliedTo, subject-relative
+/// peers), which a rule mask per peer class cannot express. Otherwise they are evaluated
+/// rule by rule.
+pub(super) fn matchable(rules: &[Rule]) -> bool {
+    rules.len() <= MAX_RULES && !rules.iter().any(Rule::depends_on_subject)
 }
 
 /// Per named port, the (protocol, number) pairs some pod declares under that name.

@@ -19,6 +19,8 @@
 //!   each address; fills the compile-time `Cluster` that the later passes read;
 //! - [`admin`]: ANP, CNP and BANP → Admin- and Baseline-tier policies;
 //! - [`network`]: NetworkPolicy → NetworkPolicy-tier policies;
+//! - [`antrea`]: Antrea ClusterNetworkPolicy and NetworkPolicy → policies at their Tier's
+//!   place in Antrea's global order;
 //! - [`index`]: evaluation order, each policy's matchers, the port and address indexes,
 //!   the per-pod policy lists;
 //! - [`checks`]: what runs on a finished snapshot ([`priority_conflicts`],
@@ -37,6 +39,7 @@
 //! [`LabelIndex`]: super::selector::LabelIndex
 
 mod admin;
+mod antrea;
 mod checks;
 mod cluster;
 mod incremental;
@@ -47,7 +50,7 @@ mod parallel;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use super::api::{Namespace, NetworkPolicy, Node, Pod, SelectorRef, antrea, v1alpha1, v1alpha2};
+use super::api::{Namespace, NetworkPolicy, Node, Pod, SelectorRef, v1alpha1, v1alpha2};
 pub use super::model::{
     ANNOTATION_ENFORCING, ANNOTATION_PREFIX, Action, Direction, Endpoint, Revision, Tier,
 };
@@ -55,6 +58,7 @@ use super::ports::Protocol;
 use super::problem::{ObjectRef, Problem, ProblemKind};
 use super::selector::Selector;
 use super::snapshot::Snapshot;
+pub use antrea::admit as admit_antrea;
 pub use checks::{priority_conflicts, unreachable_rules};
 use cluster::Cluster;
 pub use cluster::PodView;
@@ -88,7 +92,7 @@ pub struct Inputs {
     /// Antrea-native objects (`crd.antrea.io/v1beta1` Tier, ClusterNetworkPolicy and
     /// NetworkPolicy; `shared/reference/antrea-model.md`). The Tiers given here and the
     /// six static ones make the Tier table each policy's `spec.tier` is looked up in.
-    pub antrea: antrea::Objects,
+    pub antrea: super::api::antrea::Objects,
 }
 
 /// The annotations of `meta` whose key starts with [`ANNOTATION_PREFIX`], sorted by key.
@@ -214,6 +218,7 @@ impl Snapshot {
 
         let mut policies = admin::admin_policies(&mut c, inputs, validate, workers, &mut problems);
         policies.extend(network::network_policies(&mut c, inputs, validate, &mut problems));
+        policies.extend(antrea::antrea_policies(&mut c, &inputs.antrea, validate, &mut problems));
         index::evaluation_order(&mut policies);
         let (port_index, addr_index) = index::matchers_and_indexes(
             &mut policies,

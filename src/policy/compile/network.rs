@@ -11,7 +11,7 @@ use super::{
 };
 use crate::policy::api::NetworkPolicy;
 use crate::policy::cidr::{self, Block};
-use crate::policy::model::{Action, Direction, Peers, Rule, Tier};
+use crate::policy::model::{Action, Direction, Peers, Rule, Tier, rank};
 use crate::policy::ports::{PortMatch, PortSpec, Ports};
 use crate::policy::problem::{Kind, ObjectRef, Problem};
 use crate::policy::snapshot::Policy;
@@ -164,6 +164,9 @@ impl Cluster {
             peers,
             ports: np_ports(ports),
             fail_closed: false,
+            applied_to: None,
+            enable_logging: false,
+            log_label: None,
         };
         if applies[Direction::Ingress as usize] {
             for (i, r) in ingress.iter().flatten().enumerate() {
@@ -182,7 +185,9 @@ impl Cluster {
         Some(Policy {
             object: Arc::new(object),
             tier: Tier::NetworkPolicy,
-            priority: 0,
+            rank: rank::NETWORK_POLICY,
+            priority: 0.0,
+            antrea_tier: None,
             rules: Arc::new(rules),
             matchers: [None, None],
             subject,

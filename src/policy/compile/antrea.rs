@@ -1,0 +1,510 @@
+//! The Antrea pass of a compile: Antrea ClusterNetworkPolicies (ACNP) and NetworkPolicies
+//! (ANNP) of `crd.antrea.io/v1beta1` into [`Policy`]s placed in Antrea's global order.
+//!
+//! The semantics are `shared/reference/antrea-model.md`'s, section by section:
+//! - §2–§3 tiers: a policy's [`rank`](crate::policy::model::rank) is its Tier's priority,
+//!   looked up by name in the [`TierTable`] of the static Tiers and the Tier objects
+//!   given; below 253 it sits in the admin-level list before NetworkPolicy, Antrea's
+//!   `baseline` Tier (253) after it;
+//! - §5 actions: Allow, Drop (a silent drop, [`Action::Deny`]), Reject, Pass;
+//! - §6 appliedTo: at the policy or on every rule (a rule's own set then scopes only that
+//!   rule); an ACNP entry is `podSelector` AND `namespaceSelector`, either alone meaning
+//!   every namespace or every pod of the selected ones; an ANNP entry selects pods of its
+//!   own namespace;
+//! - §7 peers: absent or empty → every address; a `podSelector` alone is cluster-wide in an
+//!   ACNP and namespace-local in an ANNP; `namespaces.match: Self` and `sameLabels`
+//!   depend on the subject's namespace ([`Relative`]); ipBlock with `except`;
+//!   `nodeSelector`; a peer naming nothing selects nothing;
+//! - §8 ports: protocol defaulting to TCP, `endPort`, named ports resolved on the
+//!   destination pod; `protocols` (ICMP, IGMP) never match TCP/UDP/SCTP;
+//! - §9 fail closed: a peer or port this engine cannot evaluate (fqdn, group,
+//!   serviceAccount, externalEntitySelector, scope ClusterSet, toServices, l7Protocols,
+//!   sourcePort, a field outside the kind's schema) matches nothing in an Allow rule; a
+//!   Drop, Reject or Pass rule holding one applies to all the traffic its ports select
+//!   (a Pass then acts as a drop).
+//!
+//! Validation (CRD schema and Antrea's webhook) is [`validate::antrea_cluster_network_policy`]'s;
+//! [`admit`] runs it against the Tier table the same objects make.
+
+use std::sync::Arc;
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use roaring::RoaringBitmap;
+
+use super::cluster::{Cluster, SetKey};
+use super::{meta_namespace, own_annotations, port_u16, protocol_or_tcp, selector};
+use crate::policy::antrea_tiers::{TierTable, tier_object_name};
+use crate::policy::api::antrea::{
+    self, AppliedTo, NamespaceMatchType, NetworkPolicyPeer, NetworkPolicyPort, PeerScope,
+    PolicySpecRef, RuleAction,
+};
+use crate::policy::cidr::{self, Block};
+use crate::policy::model::{
+    Action, Direction, Peers, Relative, Rule, SameNamespaces, SetId, Tier, rank,
+};
+use crate::policy::ports::{PortMatch, PortSpec, Ports};
+use crate::policy::problem::{Kind, ObjectRef, Problem, ProblemKind};
+use crate::policy::snapshot::Policy;
+use crate::policy::validate;
+
+/// The Antrea objects of `objects` that Antrea's API server would hold: one per kind,
+/// namespace and name (the last; earlier ones reported as duplicates), Tiers admitted by
+/// [`TierTable::build`], and each policy validated against that table
+/// ([`validate::antrea_cluster_network_policy`], [`validate::antrea_network_policy`]).
+/// Problems go to `problems`; an object with an error is left out (none of its rules
+/// apply: it fails closed as a policy missing from the API server would). Tiers keep their
+/// input order (it decides which of two Tiers of one priority is refused).
+pub fn admit(objects: &antrea::Objects, problems: &mut Vec<Problem>) -> antrea::Objects {
+    let tiers = last_of_each(&objects.tiers, Kind::AntreaTier, problems);
+    let (table, tiers) = TierTable::build(&tiers, problems);
+    fn admit_kind<T: kube::Resource>(
+        items: &[Arc<T>],
+        kind: Kind,
+        check: impl Fn(&T, &mut Vec<Problem>),
+        problems: &mut Vec<Problem>,
+    ) -> Vec<Arc<T>> {
+        let mut kept = last_of_each(items, kind, problems);
+        kept.retain(|p| {
+            let start = problems.len();
+            check(p, problems);
+            !problems[start..].iter().any(Problem::is_error)
+        });
+        kept
+    }
+    antrea::Objects {
+        tiers,
+        cluster_network_policies: admit_kind(
+            &objects.cluster_network_policies,
+            Kind::AntreaClusterNetworkPolicy,
+            |p, out| validate::antrea_cluster_network_policy(p, &table, out),
+            problems,
+        ),
+        network_policies: admit_kind(
+            &objects.network_policies,
+            Kind::AntreaNetworkPolicy,
+            |p, out| validate::antrea_network_policy(p, &table, out),
+            problems,
+        ),
+    }
+}
+
+/// `items` with one object per [`ObjectRef`]: the last of each, where it stands; every
+/// earlier one is reported ([`ProblemKind::Duplicate`], as the compiler does for the other
+/// kinds).
+fn last_of_each<T: kube::Resource>(
+    items: &[Arc<T>],
+    kind: Kind,
+    problems: &mut Vec<Problem>,
+) -> Vec<Arc<T>> {
+    let mut seen = std::collections::HashSet::new();
+    let mut kept: Vec<Arc<T>> = Vec::with_capacity(items.len());
+    for it in items.iter().rev() {
+        let r = validate::object_ref(kind, it.meta());
+        if seen.insert(r.clone()) {
+            kept.push(Arc::clone(it));
+        } else {
+            problems.push(Problem::warning(&r, "", ProblemKind::Duplicate));
+        }
+    }
+    kept.reverse();
+    kept
+}
+
+/// Antrea pass: with `validate`, [`admit`]s `objects` (reporting to `problems`); without,
+/// takes them as admitted, only building the Tier table (a policy whose Tier is missing is
+/// still reported and left out). Returns the policies, ACNPs then ANNPs, each kind by
+/// name; interns their selectors in `c`.
+pub(super) fn antrea_policies(
+    c: &mut Cluster,
+    objects: &antrea::Objects,
+    validate: bool,
+    problems: &mut Vec<Problem>,
+) -> Vec<Policy> {
+    if objects.is_empty() {
+        return Vec::new();
+    }
+    let admitted;
+    let objects = if validate {
+        admitted = admit(objects, problems);
+        &admitted
+    } else {
+        objects
+    };
+    // Admitted Tiers build without problems; without validation their problems were
+    // reported where they were admitted.
+    let table = TierTable::build(&objects.tiers, &mut Vec::new()).0;
+    let mut out = Vec::new();
+    let mut acnps: Vec<_> = objects.cluster_network_policies.iter().collect();
+    acnps.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
+    for p in acnps {
+        let object = validate::object_ref(Kind::AntreaClusterNetworkPolicy, &p.metadata);
+        let spec = (&p.spec).into();
+        let annotations = own_annotations(&p.metadata);
+        if let Some(p) = c.antrea_policy(object, spec, None, &table, annotations, problems) {
+            out.push(p);
+        }
+    }
+    let mut annps: Vec<_> = objects.network_policies.iter().collect();
+    annps.sort_by_key(|p| (meta_namespace(&p.metadata), p.metadata.name.clone()));
+    for p in annps {
+        let object = validate::object_ref(Kind::AntreaNetworkPolicy, &p.metadata);
+        let ns = meta_namespace(&p.metadata);
+        let spec = (&p.spec).into();
+        let annotations = own_annotations(&p.metadata);
+        if let Some(p) = c.antrea_policy(object, spec, Some(&ns), &table, annotations, problems) {
+            out.push(p);
+        }
+    }
+    out
+}
+
+/// What one peer of a rule selects, before the rule's action decides what an
+/// unevaluable peer means.
+enum PeerSet {
+    /// An interned pod set.
+    Pods(SetKey),
+    /// Pods relative to the subject's namespace.
+    Relative(SetKey, SameNamespaces),
+    /// Node ids.
+    Nodes(RoaringBitmap),
+    /// An address block.
+    Block(Block),
+    /// Nothing (a peer naming no selector: Antrea's group "selects nothing when all
+    /// selectors are missing").
+    Nothing,
+    /// A peer this engine cannot evaluate (§9).
+    Unevaluable,
+}
+
+/// The selector that selects everything (`{}`).
+fn everything() -> Option<crate::policy::selector::Selector> {
+    selector(&LabelSelector::default())
+}
+
+impl Cluster {
+    /// Compiles one admitted Antrea policy: `namespace` is an ANNP's, `None` for an ACNP.
+    /// `None` (with an error in `problems`) when its Tier does not exist.
+    fn antrea_policy(
+        &mut self,
+        object: ObjectRef,
+        spec: PolicySpecRef<'_>,
+        namespace: Option<&str>,
+        table: &TierTable,
+        annotations: Box<[(String, String)]>,
+        problems: &mut Vec<Problem>,
+    ) -> Option<Policy> {
+        let Some(entry) = table.get(spec.tier) else {
+            problems.push(Problem::error(
+                &object,
+                "spec.tier",
+                ProblemKind::Invalid {
+                    value: spec.tier.to_owned(),
+                    reason: format!("tier {} does not exist", tier_object_name(spec.tier).as_ref()),
+                },
+            ));
+            return None;
+        };
+        // No pod lives in a namespace nobody declared: an ANNP there selects nothing (as a
+        // NetworkPolicy there does).
+        let ns = match namespace {
+            Some(n) => Some(*self.ns_ids.get(n)?),
+            None => None,
+        };
+        let (tier, rank) = if entry.priority >= rank::ANTREA_BASELINE {
+            (Tier::Baseline, entry.priority)
+        } else {
+            (Tier::Admin, entry.priority)
+        };
+        let mut rules: [Vec<Rule>; 2] = [Vec::new(), Vec::new()];
+        let mut subject = RoaringBitmap::new();
+        let spec_set = self.applied_to(spec.applied_to, ns);
+        if let Some(s) = spec_set {
+            subject |= &*self.interner.sets[s as usize];
+        }
+        for (d, list) in [(Direction::Ingress, spec.ingress), (Direction::Egress, spec.egress)] {
+            for (i, r) in list.iter().enumerate() {
+                let applied = if spec.applied_to.is_empty() {
+                    let s = self.applied_to(&r.applied_to, ns);
+                    if let Some(s) = s {
+                        subject |= &*self.interner.sets[s as usize];
+                    }
+                    // A rule whose appliedTo selects nothing applies to no subject.
+                    Some(s.unwrap_or_else(|| self.intern(SetKey::Union(Vec::new()))))
+                } else {
+                    None
+                };
+                rules[d as usize].push(self.antrea_rule(i, d, r, ns, applied));
+            }
+        }
+        let applies = [!rules[0].is_empty(), !rules[1].is_empty()];
+        let (subject, subject_set) = match spec_set {
+            Some(s) => (Arc::clone(&self.interner.sets[s as usize]), Some(s)),
+            None => (Arc::new(subject), None),
+        };
+        let tier_name = tier_object_name(spec.tier).into_owned();
+        Some(Policy {
+            object: Arc::new(object),
+            tier,
+            rank,
+            priority: spec.priority,
+            antrea_tier: Some(Arc::from(tier_name)),
+            rules: Arc::new(rules),
+            matchers: [None, None],
+            subject,
+            subject_set,
+            applies,
+            annotations: annotations.into(),
+        })
+    }
+
+    /// The pod set an `appliedTo` list selects (§6), interned; `None` for an empty list.
+    /// Entries of kinds this engine does not evaluate (group, serviceAccount, service,
+    /// nodeSelector, externalEntitySelector; `validate` warns about each) select no pod.
+    fn applied_to(&mut self, list: &[AppliedTo], ns: Option<u32>) -> Option<SetId> {
+        if list.is_empty() {
+            return None;
+        }
+        let mut ids: Vec<SetId> = Vec::new();
+        for a in list {
+            let AppliedTo {
+                pod_selector,
+                namespace_selector,
+                external_entity_selector,
+                group,
+                service_account,
+                service,
+                node_selector,
+            } = a;
+            let other = external_entity_selector.is_some()
+                || !group.is_empty()
+                || service_account.is_some()
+                || service.is_some()
+                || node_selector.is_some();
+            if other {
+                continue;
+            }
+            let key = match (ns, namespace_selector, pod_selector) {
+                // ANNP: "podSelector within the ANNP's Namespace only"; a namespaceSelector
+                // is outside its schema (pruned by the API server).
+                (Some(ns), _, Some(p)) => selector(p).map(|p| SetKey::InNamespace(ns, p)),
+                (Some(_), _, None) => None,
+                (None, Some(n), Some(p)) => {
+                    selector(n).zip(selector(p)).map(|(n, p)| SetKey::Pods(n, p))
+                }
+                (None, Some(n), None) => selector(n).map(SetKey::Namespaces),
+                (None, None, Some(p)) => {
+                    everything().zip(selector(p)).map(|(n, p)| SetKey::Pods(n, p))
+                }
+                (None, None, None) => None,
+            };
+            if let Some(k) = key {
+                ids.push(self.intern(k));
+            }
+        }
+        ids.sort_unstable();
+        ids.dedup();
+        Some(match ids.as_slice() {
+            [one] => *one,
+            _ => self.intern(SetKey::Union(ids)),
+        })
+    }
+
+    /// One peer of a rule (§7), in a policy of namespace `ns` (an ANNP's) or none (ACNP).
+    fn antrea_peer(&mut self, p: &NetworkPolicyPeer, d: Direction, ns: Option<u32>) -> PeerSet {
+        let NetworkPolicyPeer {
+            ip_block,
+            pod_selector,
+            namespace_selector,
+            namespaces,
+            external_entity_selector,
+            group,
+            fqdn,
+            service_account,
+            node_selector,
+            scope,
+        } = p;
+        // Antrea's `toAntreaPeerForCRD` reads the first of ipBlock, group, fqdn,
+        // serviceAccount, nodeSelector and ignores the rest of the peer.
+        if let Some(b) = ip_block {
+            return match cidr::parse(&b.cidr) {
+                Ok(net) => {
+                    let except = b.except.iter().filter_map(|e| cidr::parse(e).ok()).collect();
+                    PeerSet::Block(Block { net, except })
+                }
+                Err(_) => PeerSet::Unevaluable,
+            };
+        }
+        if !group.is_empty() || !fqdn.is_empty() || service_account.is_some() {
+            return PeerSet::Unevaluable;
+        }
+        if let Some(n) = node_selector {
+            return match selector(n) {
+                Some(s) => PeerSet::Nodes(self.node_index.resolve(&s)),
+                None => PeerSet::Unevaluable,
+            };
+        }
+        let outside_schema = ns.is_some() && namespaces.is_some();
+        if external_entity_selector.is_some()
+            || *scope == Some(PeerScope::ClusterSet)
+            || outside_schema
+            || (d == Direction::Ingress && !fqdn.is_empty())
+        {
+            return PeerSet::Unevaluable;
+        }
+        let pods = match pod_selector {
+            Some(p) => match selector(p) {
+                Some(s) => Some(s),
+                None => return PeerSet::Unevaluable,
+            },
+            None => None,
+        };
+        if let Some(n) = namespaces {
+            let same = match (&n.match_, &n.same_labels) {
+                (Some(NamespaceMatchType::SelfNamespace), _) => SameNamespaces::Own,
+                (None, Some(keys)) => SameNamespaces::Labels(keys.clone().into_boxed_slice()),
+                (None, None) => return PeerSet::Unevaluable,
+            };
+            let Some(all) = everything() else { return PeerSet::Unevaluable };
+            let key = match pods {
+                Some(p) => SetKey::Pods(all, p),
+                None => SetKey::Namespaces(all),
+            };
+            return PeerSet::Relative(key, same);
+        }
+        match (namespace_selector, pods, ns) {
+            (Some(n), pods, _) => match (selector(n), pods) {
+                (Some(n), Some(p)) => PeerSet::Pods(SetKey::Pods(n, p)),
+                (Some(n), None) => PeerSet::Pods(SetKey::Namespaces(n)),
+                (None, _) => PeerSet::Unevaluable,
+            },
+            // ANNP: the pods of the policy's namespace; ACNP: of every namespace.
+            (None, Some(p), Some(ns)) => PeerSet::Pods(SetKey::InNamespace(ns, p)),
+            (None, Some(p), None) => match everything() {
+                Some(all) => PeerSet::Pods(SetKey::Pods(all, p)),
+                None => PeerSet::Unevaluable,
+            },
+            (None, None, _) => PeerSet::Nothing,
+        }
+    }
+
+    /// One rule at position `index` of direction `d`, with its rule-level appliedTo set.
+    fn antrea_rule(
+        &mut self,
+        index: usize,
+        d: Direction,
+        r: &antrea::Rule,
+        ns: Option<u32>,
+        applied_to: Option<SetId>,
+    ) -> Rule {
+        let action = match r.action {
+            RuleAction::Allow => Action::Allow,
+            RuleAction::Drop => Action::Deny,
+            RuleAction::Reject => Action::Reject,
+            RuleAction::Pass => Action::Pass,
+        };
+        let allow = action == Action::Allow;
+        let list = match d {
+            Direction::Ingress => &r.from,
+            Direction::Egress => &r.to,
+        };
+        let (ports, ports_unevaluable, selects_no_port) =
+            antrea_ports(&r.ports, &r.protocols, allow);
+        // `toServices` and `l7Protocols` are peers and ports this engine cannot evaluate.
+        let to_services = d == Direction::Egress && !r.to_services.is_empty();
+        let mut unknown = ports_unevaluable || !r.l7_protocols.is_empty();
+        let mut peers = Peers::default();
+        if list.is_empty() && !to_services {
+            // "Absent or empty list → every address" (crd_utils.go `matchAllPeer`).
+            peers.all = true;
+        }
+        if to_services {
+            unknown = true;
+        }
+        for p in list {
+            match self.antrea_peer(p, d, ns) {
+                PeerSet::Pods(k) => peers.pod_sets.push(self.intern(k)),
+                PeerSet::Relative(k, same) => {
+                    let pods = self.intern(k);
+                    peers.relative.push(Relative { pods, same });
+                }
+                PeerSet::Nodes(n) => *peers.nodes.get_or_insert_with(RoaringBitmap::new) |= n,
+                PeerSet::Block(b) => peers.blocks.push(b),
+                PeerSet::Nothing => {}
+                PeerSet::Unevaluable => unknown = true,
+            }
+        }
+        peers.pod_sets.sort_unstable();
+        peers.pod_sets.dedup();
+        let mut fail_closed = false;
+        let mut action = action;
+        if unknown {
+            if allow {
+                // An Allow matches nothing through what it cannot evaluate: an L7 or
+                // toServices Allow matches nothing at all.
+                if !r.l7_protocols.is_empty() || to_services {
+                    peers = Peers::default();
+                }
+            } else {
+                // "applies to all the traffic its ports select"; a Pass acts as a drop.
+                peers = Peers { all: true, ..Peers::default() };
+                fail_closed = true;
+                if action == Action::Pass {
+                    action = Action::Deny;
+                }
+            }
+        }
+        if selects_no_port {
+            // Only ICMP/IGMP protocols, or only port entries an Allow cannot evaluate.
+            peers = Peers::default();
+        }
+        Rule {
+            name: (!r.name.is_empty()).then(|| r.name.clone()),
+            index: index as u32,
+            action,
+            peers,
+            ports,
+            fail_closed,
+            applied_to,
+            enable_logging: r.enable_logging,
+            log_label: (!r.log_label.is_empty()).then(|| Arc::from(r.log_label.as_str())),
+        }
+    }
+}
+
+/// A rule's `ports` and `protocols` (§8): the port list, whether some entry could not be
+/// evaluated (`sourcePort`), and whether the rule selects no TCP, UDP or SCTP port at all
+/// (only `protocols` entries, or an Allow whose every entry names a source port).
+fn antrea_ports(
+    ports: &[NetworkPolicyPort],
+    protocols: &[antrea::NetworkPolicyProtocol],
+    allow: bool,
+) -> (Ports, bool, bool) {
+    if ports.is_empty() && protocols.is_empty() {
+        return (Ports::any(), false, false);
+    }
+    let mut unevaluable = false;
+    let mut out = Vec::new();
+    for p in ports {
+        let NetworkPolicyPort { protocol, port, end_port, source_port, source_end_port } = p;
+        if source_port.is_some() || source_end_port.is_some() {
+            unevaluable = true;
+            if allow {
+                // An Allow matches nothing through a source port it cannot check.
+                continue;
+            }
+        }
+        let protocol = Some(protocol_or_tcp(protocol.as_deref()));
+        let ports = match port {
+            None => PortSpec::Any,
+            Some(IntOrString::Int(n)) => {
+                let lo = port_u16(*n);
+                PortSpec::Range(lo, end_port.map_or(lo, port_u16))
+            }
+            Some(IntOrString::String(name)) => PortSpec::Named(name.clone()),
+        };
+        out.push(PortMatch { protocol, ports });
+    }
+    let none = out.is_empty();
+    (Ports(out), unevaluable, none)
+}
