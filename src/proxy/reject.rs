@@ -35,8 +35,9 @@
 //! **Limits** (a refusal must not become a reflection or amplification tool):
 //! - at most one answer per queued packet, to the packet's own source; a pod cannot forge
 //!   that source (chain S of the ruleset drops it), so a pod's refusals go to itself;
-//! - an answer is small and fixed: 40 (TCP, IPv4) to 96 bytes (ICMPv6 without extension
-//!   headers), never more than the packet it answers plus 48 bytes;
+//! - an answer is small: 36 (an SCTP ABORT over IPv4) to 96 bytes (ICMPv6 quoting a
+//!   header without extension headers; more only by the IP options or extension headers it
+//!   quotes), never more than the packet it answers plus 48 bytes;
 //! - at most [`MAX_PER_SECOND`] per second, all flows together (the kernel's own default
 //!   for the ICMP errors it sends, `net.ipv4.icmp_msgs_per_sec`); beyond it the packet is
 //!   only dropped, the client times out as for a deny, and the hit is counted
