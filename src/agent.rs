@@ -351,6 +351,7 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
         fail_open: r.queue_bypass,
         max_len: QUEUE_MAX_LEN,
         udp_kernel,
+        refusal_mark: r.bypass_mark.value,
     };
     // Issue #23: the running agent, if any, hands its queues, listeners and connections
     // over now; from here on this agent must serve them without delay.

@@ -57,11 +57,15 @@ pub struct Limits {
     /// Conntrack destroy events lost (`ENOBUFS` on the event socket): the ends of some
     /// kernel-forwarded UDP flows are not reported ([`crate::proxy::forwarded::watch`]).
     pub conntrack_events: Hits,
+    /// [`crate::proxy::reject::MAX_PER_SECOND`] refusals (TCP RST, ICMP administratively
+    /// prohibited, SCTP ABORT) sent for rejected flows per second: the packet is still
+    /// dropped, its client is not told and times out as for a deny.
+    pub rejects: Hits,
 }
 
 impl Limits {
     /// Every limit with its name in metrics and logs.
-    pub fn each(&self) -> [(&'static str, &Hits); 8] {
+    pub fn each(&self) -> [(&'static str, &Hits); 9] {
         [
             ("connections", &self.connections),
             ("udp_flows", &self.udp_flows),
@@ -71,6 +75,7 @@ impl Limits {
             ("nfqueue_overrun", &self.nfqueue_overrun),
             ("icmp_errors", &self.icmp_errors),
             ("conntrack_events", &self.conntrack_events),
+            ("rejects", &self.rejects),
         ]
     }
 }
@@ -85,6 +90,7 @@ pub static LIMITS: Limits = Limits {
     nfqueue_overrun: Hits::new(),
     icmp_errors: Hits::new(),
     conntrack_events: Hits::new(),
+    rejects: Hits::new(),
 };
 
 /// Whether `e` is the open files limit (`EMFILE`: this process's `RLIMIT_NOFILE`;
@@ -149,6 +155,46 @@ impl Hits {
     }
 }
 
+/// At most `max` events per second of [`now_ms`]'s clock, all callers together: the
+/// kernel's own way of bounding the ICMP errors it generates (`net.ipv4.icmp_msgs_per_sec`,
+/// Documentation/networking/ip-sysctl.rst), without its burst allowance: up to `max` may
+/// go at the start of a second.
+#[derive(Debug)]
+pub struct PerSecond {
+    max: u64,
+    /// The second (of [`now_ms`]) being counted.
+    second: AtomicU64,
+    /// Events asked for in it.
+    count: AtomicU64,
+}
+
+impl PerSecond {
+    /// A limit of `max` per second.
+    pub const fn new(max: u64) -> PerSecond {
+        PerSecond { max, second: AtomicU64::new(0), count: AtomicU64::new(0) }
+    }
+
+    /// Whether one more event may happen now (it is counted when it may).
+    pub fn allow(&self) -> bool {
+        self.allow_at(now_ms())
+    }
+
+    /// [`PerSecond::allow`] at `now` ([`now_ms`]'s clock).
+    fn allow_at(&self, now: u64) -> bool {
+        let second = now / 1000;
+        let seen = self.second.load(Ordering::Relaxed);
+        if seen != second
+            && self
+                .second
+                .compare_exchange(seen, second, Ordering::AcqRel, Ordering::Relaxed)
+                .is_ok()
+        {
+            self.count.store(0, Ordering::Relaxed);
+        }
+        self.count.fetch_add(1, Ordering::Relaxed) < self.max
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -167,6 +213,15 @@ mod tests {
         assert_eq!(h.add_at(1, 5 + every), Some(1006));
         assert_eq!(h.add_at(1, 6 + every), None);
         assert_eq!(h.add_at(2, 5 + 3 * every), Some(3));
+    }
+
+    #[test]
+    fn per_second_allows_its_maximum_in_each_second() {
+        let l = PerSecond::new(3);
+        let allowed = |at: u64| (0..5).filter(|_| l.allow_at(at)).count();
+        assert_eq!(allowed(1_000), 3);
+        assert_eq!(allowed(1_999), 0, "the same second");
+        assert_eq!(allowed(2_000), 3, "a new second starts over");
     }
 
     #[test]

@@ -1635,3 +1635,141 @@ fn live_connections_and_flows_survive_an_upgrade_of_every_agent() {
         .count();
     assert_eq!(big, 4, "the bulk connections' whole byte counts");
 }
+
+/// Issue #22, "Reject, a third verdict": pods on two nodes (client and web dual-stack)
+/// and one Antrea ClusterNetworkPolicy in the `securityops` Tier that rejects the client
+/// at web's TCP 80, UDP 5353 and SCTP 38412, and drops it at TCP 81.
+const REJECT_CLUSTER: &str = r#"
+apiVersion: v1
+kind: Node
+metadata: {name: n1}
+status: {addresses: [{type: InternalIP, address: 172.31.0.2}]}
+---
+apiVersion: v1
+kind: Node
+metadata: {name: n2}
+status: {addresses: [{type: InternalIP, address: 172.31.0.3}]}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: client, namespace: shop, labels: {app: client}}
+spec: {nodeName: n1, containers: [{name: c}]}
+status: {podIP: 10.61.1.2, podIPs: [{ip: 10.61.1.2}, {ip: "fd00:61::1:2"}]}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: web, namespace: shop, labels: {app: web}}
+spec: {nodeName: n1, containers: [{name: c}]}
+status: {podIP: 10.61.1.3, podIPs: [{ip: 10.61.1.3}, {ip: "fd00:61::1:3"}]}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: web2, namespace: shop, labels: {app: web}}
+spec: {nodeName: n2, containers: [{name: c}]}
+status: {podIP: 10.61.2.2}
+---
+apiVersion: crd.antrea.io/v1beta1
+kind: ClusterNetworkPolicy
+metadata: {name: reject-web}
+spec:
+  priority: 5
+  tier: securityops
+  appliedTo: [{podSelector: {matchLabels: {app: web}}}]
+  ingress:
+  - action: Reject
+    from: [{podSelector: {matchLabels: {app: client}}}]
+    ports: [{protocol: TCP, port: 80}, {protocol: UDP, port: 5353}, {protocol: SCTP, port: 38412}]
+  - action: Drop
+    from: [{podSelector: {matchLabels: {app: client}}}]
+    ports: [{protocol: TCP, port: 81}]
+"#;
+
+const REJECT_PROBES: &str = r#"{"from": "shop/client", "to": "shop/web", "port": 80, "expect": "reject", "note": "same node"}
+{"from": "shop/client", "to": "shop/web2", "port": 80, "expect": "reject", "note": "cross node: refused at the client's node"}
+{"from": "shop/client", "to": "shop/web", "port": 5353, "protocol": "UDP", "expect": "reject"}
+{"from": "shop/client", "to": "shop/web", "port": 38412, "protocol": "SCTP", "expect": "reject"}
+{"from": "shop/client", "to": "shop/web", "port": 81, "expect": "deny", "note": "Drop stays silent"}
+{"from": "shop/client", "to": "shop/web", "port": 8080, "expect": "allow"}
+{"from": "shop/client", "to": "shop/web", "port": 80, "family": "IPv6", "expect": "reject"}
+{"from": "shop/client", "to": "shop/web", "port": 5353, "protocol": "UDP", "family": "IPv6", "expect": "reject"}
+"#;
+
+/// A rejected TCP connect is refused at once (`ECONNREFUSED`: the probe's `refused`), on
+/// one node and across nodes, over IPv4 and IPv6; a rejected UDP datagram gets ICMP
+/// administratively prohibited (`EHOSTUNREACH`, ICMPv6 `EACCES`); a rejected SCTP INIT
+/// an ABORT; a Drop still times out. Each refusal is counted by answer, on the client's
+/// node, which decides both directions.
+#[test]
+fn an_antrea_reject_rule_refuses_tcp_udp_and_sctp_at_once_and_a_drop_stays_silent() {
+    if !netns_available(
+        "an_antrea_reject_rule_refuses_tcp_udp_and_sctp_at_once_and_a_drop_stays_silent",
+    ) {
+        return;
+    }
+    let lab = Lab::new("reject");
+    let cluster = lab.file("cluster.yaml", REJECT_CLUSTER);
+    let probes = lab.file("probes.jsonl", REJECT_PROBES);
+    let o = bin()
+        .args(["lab", "up", "--prefix", &lab.prefix, "--manifests", cluster.to_str().unwrap()])
+        .args(["--probes", probes.to_str().unwrap(), "--agent-arg=--metrics-addr=127.0.0.1:9464"])
+        .output()
+        .expect("tierproxy runs");
+    assert!(o.status.success(), "lab up failed: {}", text(&o));
+    let (lines, code, o) = lab.probe(&probes);
+    assert_eq!(lines.len(), 8, "{}", text(&o));
+    for line in &lines {
+        assert_eq!(line["observed"], line["expect"], "{line}");
+        assert_eq!(line["observed"], line["verdict"], "explain agrees: {line}");
+    }
+    let detail = |i: usize| lines[i]["detail"].as_str().unwrap().to_string();
+    // The probe's words for the error kinds: `refused` is ECONNREFUSED (TCP: a RST; SCTP:
+    // an ABORT chunk, reported without an errno), `prohibited (... os error 113)` is
+    // EHOSTUNREACH, `(... os error 13)` EACCES.
+    for i in [0, 1, 6] {
+        assert_eq!(detail(i), "refused", "{}", lines[i]);
+    }
+    assert!(
+        detail(2).starts_with("prohibited (") && detail(2).contains("os error 113"),
+        "{}",
+        lines[2]
+    );
+    assert_eq!(detail(3), "refused", "an ABORT: {}", lines[3]);
+    assert_eq!(detail(4), "timeout", "{}", lines[4]);
+    assert!(
+        detail(7).starts_with("prohibited (") && detail(7).contains("os error 13)"),
+        "{}",
+        lines[7]
+    );
+    assert_eq!(code, Some(0), "{}", text(&o));
+
+    let n1 = netns_of_node(&lab, "n1");
+    let metrics = in_netns(&n1, || {
+        let mut s = std::net::TcpStream::connect("127.0.0.1:9464").map_err(io(&n1))?;
+        s.set_read_timeout(Some(Duration::from_secs(5))).map_err(io(&n1))?;
+        write!(s, "GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n").map_err(io(&n1))?;
+        let mut body = String::new();
+        s.read_to_string(&mut body).map_err(io(&n1))?;
+        Ok(body)
+    })
+    .expect("metrics reachable in the node's namespace");
+    let value = |sample: &str| -> f64 {
+        metrics
+            .lines()
+            .find(|l| l.starts_with(sample))
+            .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+            .unwrap_or_else(|| panic!("no {sample} in\n{metrics}"))
+    };
+    // One refusal per rejected first packet: a refused client sends no second one.
+    assert_eq!(value("tierproxy_reject_answers_total{answer=\"tcp_reset\"}"), 3.0);
+    assert_eq!(value("tierproxy_reject_answers_total{answer=\"icmp_prohibited\"}"), 2.0);
+    assert_eq!(value("tierproxy_reject_answers_total{answer=\"sctp_abort\"}"), 1.0);
+    assert_eq!(value("tierproxy_reject_unanswered_total"), 0.0);
+    assert_eq!(value("tierproxy_decisions_total{verdict=\"reject\"}"), 6.0);
+    assert_eq!(value("tierproxy_limit_hits_total{limit=\"rejects\"}"), 0.0);
+    // The rejecting decision is audited with its verdict and rule.
+    let e = wait_for_event_on(&lab, &["n1"], |e| {
+        e["event"] == "tierproxy.policy.decision"
+            && e["attributes"]["tierproxy.verdict"] == "reject"
+    });
+    assert_eq!(e["attributes"]["tierproxy.flow.verdict"], "reject", "{e}");
+}

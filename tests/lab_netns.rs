@@ -570,3 +570,116 @@ fn without_privileges_a_netns_test_says_it_was_skipped() {
     let o = run(true);
     assert!(!o.status.success(), "a required netns test passed unprivileged: {}", text(&o));
 }
+
+/// Issue #22: `lab probe` observes a connection refused at once (RST, ICMP) as `reject`;
+/// it agrees with `explain` where a Reject rule applies, and differs where `explain` says
+/// deny (a refusal is the bug then), as a silent drop differs where it says reject. No
+/// agents here: the node's own iptables refuse or drop, so the probe's reading is tested
+/// apart from the agent's (`datapath_netns` has the agent refuse).
+#[test]
+fn a_refusal_is_observed_as_reject_and_differs_where_explain_says_deny() {
+    if !netns_available("a_refusal_is_observed_as_reject_and_differs_where_explain_says_deny") {
+        return;
+    }
+    let cluster = r#"
+apiVersion: v1
+kind: Node
+metadata: {name: n1}
+status: {addresses: [{type: InternalIP, address: 172.30.0.2}]}
+---
+apiVersion: v1
+kind: Node
+metadata: {name: n2}
+status: {addresses: [{type: InternalIP, address: 172.30.0.3}]}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: client, namespace: a, labels: {app: client}}
+spec: {nodeName: n1, containers: [{name: c}]}
+status: {podIP: 10.50.1.2}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: remote, namespace: b, labels: {app: remote}}
+spec: {nodeName: n2, containers: [{name: c}]}
+status: {podIP: 10.50.2.2}
+---
+apiVersion: crd.antrea.io/v1beta1
+kind: ClusterNetworkPolicy
+metadata: {name: refuse}
+spec:
+  priority: 5
+  tier: securityops
+  appliedTo: [{podSelector: {matchLabels: {app: remote}}}]
+  ingress:
+  - action: Reject
+    from: [{podSelector: {matchLabels: {app: client}}}]
+    ports: [{protocol: TCP, port: 8080}, {protocol: UDP, port: 5353}, {protocol: TCP, port: 7070}]
+  - action: Drop
+    from: [{podSelector: {matchLabels: {app: client}}}]
+    ports: [{protocol: TCP, port: 9090}]
+"#;
+    let probes = r#"{"from": "a/client", "to": "b/remote", "port": 8080}
+{"from": "a/client", "to": "b/remote", "port": 5353, "protocol": "UDP"}
+{"from": "a/client", "to": "b/remote", "port": 9090}
+{"from": "a/client", "to": "b/remote", "port": 7070}
+"#;
+    let lab = Lab::new("rejobs");
+    let cluster = lab.file("cluster.yaml", cluster);
+    let probes = lab.file("probes.jsonl", probes);
+    lab.up(&[&cluster], Some(&probes));
+    // Node n2 refuses 8080 and 9090 with a RST, 5353 with ICMP host prohibited (code 10,
+    // as an agent does), and drops 7070.
+    for rule in [
+        "-p tcp --dport 8080 -j REJECT --reject-with tcp-reset",
+        "-p tcp --dport 9090 -j REJECT --reject-with tcp-reset",
+        "-p udp --dport 5353 -j REJECT --reject-with icmp-host-prohibited",
+        "-p tcp --dport 7070 -j DROP",
+    ] {
+        let mut args =
+            vec!["exec", "node/n2", "--", "iptables", "-I", "FORWARD", "-d", "10.50.2.2"];
+        args.extend(rule.split(' '));
+        let o = lab.lab(&args);
+        assert!(o.status.success(), "{}", text(&o));
+    }
+    let o = lab.lab(&[
+        "probe",
+        "--output",
+        "json",
+        "--timeout-ms",
+        "300",
+        "--probes",
+        probes.to_str().unwrap(),
+    ]);
+    let lines: Vec<Value> = String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("json line"))
+        .collect();
+    let got: Vec<(&str, &str, &str)> = lines
+        .iter()
+        .map(|l| {
+            let detail = l["detail"].as_str().unwrap();
+            let word = detail.split(' ').next().unwrap();
+            (l["verdict"].as_str().unwrap(), l["observed"].as_str().unwrap(), word)
+        })
+        .collect();
+    assert_eq!(
+        got,
+        [
+            ("reject", "reject", "refused"),
+            ("reject", "reject", "prohibited"),
+            ("deny", "reject", "refused"),
+            ("reject", "deny", "timeout"),
+        ],
+        "{}",
+        text(&o)
+    );
+    assert_eq!(o.status.code(), Some(1), "two disagree: {}", text(&o));
+    let table = lab.lab(&["probe", "--timeout-ms", "300", "--probes", probes.to_str().unwrap()]);
+    let table = String::from_utf8_lossy(&table.stdout).into_owned();
+    let flagged: Vec<&str> =
+        table.lines().filter(|l| l.ends_with("<- DIFFERS FROM EXPLAIN")).collect();
+    assert_eq!(flagged.len(), 2, "{table}");
+    assert!(flagged[0].contains("9090/TCP") && flagged[1].contains("7070/TCP"), "{table}");
+    assert!(table.contains("0 allow, 1 deny, 3 reject, 0 error"), "{table}");
+}

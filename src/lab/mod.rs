@@ -728,12 +728,15 @@ pub fn probe_lab(
         .into_iter()
         .zip(observations)
         .map(|((p, flow), mut observation)| {
-            if observation.observed == Observed::Error
-                && observation.detail == "refused"
+            // A refusal by a port the lab does not serve says nothing of policy: the
+            // lab's setup is short of a server, an error.
+            if observation.observed == Observed::Reject
                 && !state.plan.serves(flow.dst, flow.protocol, flow.dst_port)
             {
+                let word = observation.detail.split(' ').next().unwrap_or("refused").to_owned();
+                observation.observed = Observed::Error;
                 observation.detail = format!(
-                    "refused (nothing in the lab serves {}/{}: give the probes to `lab up`)",
+                    "{word} (nothing in the lab serves {}/{}: give the probes to `lab up`)",
                     SocketAddr::new(flow.dst, flow.dst_port),
                     flow.protocol
                 );

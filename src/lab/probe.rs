@@ -46,8 +46,14 @@ pub enum Observed {
     Allow,
     /// No answer within the timeout: the connection was silently dropped.
     Deny,
-    /// Anything else (refused, reset, unreachable, a broken echo): never a valid outcome
-    /// of policy, which denies by dropping.
+    /// Refused at once: a TCP RST to the connect (`ECONNREFUSED`), an ICMP error to the
+    /// UDP datagram (port unreachable, administratively prohibited: `ECONNREFUSED`,
+    /// `EHOSTUNREACH`, `EACCES`), an ABORT or an ICMP error to the SCTP INIT. What an
+    /// Antrea `Reject` rule gives (issue #22); where `explain` says allow or deny, the bug
+    /// it is. (The lab reports a refusal by a port it does not serve as an error.)
+    Reject,
+    /// Anything else (reset after connecting, unreachable, a broken echo): never a valid
+    /// outcome of policy, which drops or refuses before any handshake.
     Error,
     /// Not tried. Nothing produces it since SCTP is probed too (issue #5); kept for
     /// reports of a protocol the lab cannot probe.
@@ -55,11 +61,12 @@ pub enum Observed {
 }
 
 impl Observed {
-    /// `allow`, `deny`, `error` or `untested`.
+    /// `allow`, `deny`, `reject`, `error` or `untested`.
     pub fn as_str(self) -> &'static str {
         match self {
             Observed::Allow => "allow",
             Observed::Deny => "deny",
+            Observed::Reject => "reject",
             Observed::Error => "error",
             Observed::Untested => "untested",
         }
@@ -71,7 +78,9 @@ impl Observed {
 pub struct Observation {
     /// The outcome.
     pub observed: Observed,
-    /// For people: `connected`, `timeout`, `refused`, `reset`, or what went wrong.
+    /// For people: `connected`, `timeout`, `refused` (TCP RST, SCTP ABORT, ICMP port or
+    /// protocol unreachable), `prohibited` (ICMP administratively prohibited), `reset`, or
+    /// what went wrong.
     pub detail: String,
     /// The client address the server saw (from its greeting), when it answered.
     pub seen_source: Option<SocketAddr>,
@@ -100,6 +109,21 @@ fn error_word(e: &std::io::Error) -> String {
         ErrorKind::HostUnreachable | ErrorKind::NetworkUnreachable => format!("unreachable ({e})"),
         _ => e.to_string(),
     }
+}
+
+/// The observation of a datagram's ICMP error, as a connected socket reports it: a
+/// refusal ([`Observed::Reject`]) for port or protocol unreachable (`ECONNREFUSED`,
+/// `ENOPROTOOPT`, `EPROTO`) and administratively prohibited (IPv4 codes 9, 10, 13:
+/// `ENETUNREACH`/`EHOSTUNREACH`; ICMPv6 code 1: `EACCES`; Linux `icmp_err_convert`,
+/// `icmpv6_err_convert`); `None` for any other error.
+fn icmp_refusal(e: &std::io::Error) -> Option<Observation> {
+    use nix::errno::Errno;
+    let detail = match Errno::from_raw(e.raw_os_error()?) {
+        Errno::ECONNREFUSED | Errno::ENOPROTOOPT | Errno::EPROTO => "refused",
+        Errno::EHOSTUNREACH | Errno::ENETUNREACH | Errno::EACCES => "prohibited",
+        _ => return None,
+    };
+    Some(Observation::new(Observed::Reject, format!("{detail} ({e})")))
 }
 
 fn timed_out(e: &std::io::Error) -> bool {
@@ -146,6 +170,9 @@ fn probe_stream(
     if let Err(e) = socket.connect_timeout(&dst.into(), timeout) {
         return if timed_out(&e) {
             Observation::new(Observed::Deny, "timeout")
+        } else if e.kind() == ErrorKind::ConnectionRefused {
+            // A RST to the SYN (an SCTP socket: an ABORT to the INIT).
+            Observation::new(Observed::Reject, "refused")
         } else {
             Observation::new(Observed::Error, error_word(&e))
         };
@@ -197,8 +224,9 @@ fn probe_stream(
 }
 
 /// A UDP probe in the calling thread's namespace: one datagram from `src` to `dst`; the
-/// answer must be the greeting plus the payload. A connected socket, so an ICMP port
-/// unreachable shows as `refused`.
+/// answer must be the greeting plus the payload. A connected socket, so an ICMP error
+/// shows: port unreachable as `refused`, administratively prohibited as `prohibited`, both
+/// [`Observed::Reject`].
 pub fn probe_udp(src: IpAddr, dst: SocketAddr, timeout: Duration) -> Observation {
     let socket = match UdpSocket::bind(SocketAddr::new(src, 0)) {
         Ok(s) => s,
@@ -230,7 +258,9 @@ pub fn probe_udp(src: IpAddr, dst: SocketAddr, timeout: Duration) -> Observation
             }
         }
         Err(e) if timed_out(&e) => Observation::new(Observed::Deny, "timeout"),
-        Err(e) => Observation::new(Observed::Error, error_word(&e)),
+        Err(e) => {
+            icmp_refusal(&e).unwrap_or_else(|| Observation::new(Observed::Error, error_word(&e)))
+        }
     }
 }
 
@@ -251,8 +281,9 @@ pub fn probe_sctp(src: IpAddr, dst: SocketAddr, timeout: Duration) -> Observatio
 /// `timeout` for the answer from `dst` to that port carrying that tag (other SCTP packets
 /// the socket sees are skipped):
 /// - an INIT ACK whose State Cookie is the lab's greeting: `allow`, with `seen_source`;
-/// - an ABORT (nothing serves the port), ICMP protocol or port unreachable (nothing
-///   serves SCTP at that address): `error`, `refused`;
+/// - an ABORT (nothing serves the port, or a Reject rule), ICMP protocol or port
+///   unreachable (nothing serves SCTP at that address), ICMP administratively
+///   prohibited: `reject` (`refused`, `prohibited`);
 /// - nothing: `deny`, `timeout`.
 pub fn probe_sctp_raw(src: IpAddr, dst: SocketAddr, timeout: Duration) -> Observation {
     let socket = match sctp::raw_socket(src) {
@@ -265,7 +296,7 @@ pub fn probe_sctp_raw(src: IpAddr, dst: SocketAddr, timeout: Duration) -> Observ
         }
     };
     if let Err(e) = socket.connect(&SocketAddr::new(dst.ip(), 0).into()) {
-        return Observation::new(Observed::Error, sctp_error_word(&e));
+        return Observation::new(Observed::Error, error_word(&e));
     }
     let (port, tag) = match sctp::random_port().and_then(|p| Ok((p, sctp::random_tag()?))) {
         Ok(pt) => pt,
@@ -282,7 +313,7 @@ pub fn probe_sctp_raw(src: IpAddr, dst: SocketAddr, timeout: Duration) -> Observ
         }
         if now >= next_send {
             if let Err(e) = socket.send(&init) {
-                return Observation::new(Observed::Error, sctp_error_word(&e));
+                return sctp_error(&e);
             }
             next_send = now + INIT_RESEND;
         }
@@ -301,7 +332,7 @@ pub fn probe_sctp_raw(src: IpAddr, dst: SocketAddr, timeout: Duration) -> Observ
             }
             Ok(_) => continue,
             Err(e) if timed_out(&e) => continue,
-            Err(e) => return Observation::new(Observed::Error, sctp_error_word(&e)),
+            Err(e) => return sctp_error(&e),
         };
         return match packet.chunk {
             Chunk::InitAck { cookie, .. } => {
@@ -318,20 +349,18 @@ pub fn probe_sctp_raw(src: IpAddr, dst: SocketAddr, timeout: Duration) -> Observ
                     ),
                 }
             }
-            Chunk::Abort { .. } => Observation::new(Observed::Error, "refused"),
+            Chunk::Abort { .. } => Observation::new(Observed::Reject, "refused"),
             other => Observation::new(Observed::Error, format!("unexpected answer {other:?}")),
         };
     }
 }
 
-/// [`error_word`] for a raw SCTP socket: ICMP protocol unreachable (IPv4: ENOPROTOOPT) or
-/// unknown next header (IPv6: EPROTO) means no SCTP endpoint at the address, which an SCTP
-/// stack would answer with an ABORT: `refused`, as TCP's reset.
-fn sctp_error_word(e: &std::io::Error) -> String {
-    match nix::errno::Errno::from_raw(e.raw_os_error().unwrap_or(0)) {
-        nix::errno::Errno::ENOPROTOOPT | nix::errno::Errno::EPROTO => "refused".into(),
-        _ => error_word(e),
-    }
+/// The observation of an error on a raw SCTP socket: an ICMP error about the INIT
+/// ([`icmp_refusal`]: protocol unreachable, IPv4 ENOPROTOOPT, or unknown next header,
+/// IPv6 EPROTO, means no SCTP endpoint at the address, which an SCTP stack would answer
+/// with an ABORT: `refused`, as TCP's reset), else an error.
+fn sctp_error(e: &std::io::Error) -> Observation {
+    icmp_refusal(e).unwrap_or_else(|| Observation::new(Observed::Error, error_word(e)))
 }
 
 /// Makes one probe in the calling thread, which is first moved into the job's namespace.
@@ -406,10 +435,37 @@ mod tests {
     }
 
     #[test]
-    fn tcp_probe_to_a_closed_port_is_refused_an_error_not_a_deny() {
+    fn tcp_probe_to_a_closed_port_is_refused_a_reject_not_a_deny() {
         let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
         let o = probe_tcp(localhost(), SocketAddr::new(localhost(), port), T);
-        assert_eq!((o.observed, o.detail.as_str()), (Observed::Error, "refused"));
+        assert_eq!((o.observed, o.detail.as_str()), (Observed::Reject, "refused"));
+    }
+
+    #[test]
+    fn udp_probe_to_a_closed_port_is_refused_a_reject() {
+        let port = UdpSocket::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let o = probe_udp(localhost(), SocketAddr::new(localhost(), port), T);
+        assert_eq!(o.observed, Observed::Reject, "{o:?}");
+        assert!(o.detail.starts_with("refused ("), "{}", o.detail);
+    }
+
+    #[test]
+    fn icmp_errors_are_refusals_by_their_errno() {
+        use nix::errno::Errno;
+        let of = |errno: Errno| {
+            icmp_refusal(&std::io::Error::from_raw_os_error(errno as i32))
+                .map(|o| (o.observed, o.detail.split(' ').next().unwrap().to_string()))
+        };
+        for (errno, word) in [
+            (Errno::ECONNREFUSED, "refused"),
+            (Errno::ENOPROTOOPT, "refused"),
+            (Errno::EPROTO, "refused"),
+            (Errno::EHOSTUNREACH, "prohibited"),
+            (Errno::EACCES, "prohibited"),
+        ] {
+            assert_eq!(of(errno), Some((Observed::Reject, word.to_string())), "{errno}");
+        }
+        assert_eq!(of(Errno::EMSGSIZE), None);
     }
 
     #[test]
@@ -490,7 +546,7 @@ mod tests {
         assert_eq!(o.detail, format!("answered (INIT ACK); server saw {seen}"));
         // Another port on the same address: the server aborts, the probe is refused.
         let o = probe_sctp_raw(localhost(), SocketAddr::new(server, 38413), T);
-        assert_eq!((o.observed, o.detail.as_str()), (Observed::Error, "refused"), "{o:?}");
+        assert_eq!((o.observed, o.detail.as_str()), (Observed::Reject, "refused"), "{o:?}");
     }
 
     #[test]
@@ -504,7 +560,7 @@ mod tests {
         assert_eq!(o.observed, Observed::Allow, "{o:?}");
         assert_eq!(o.seen_source.map(|a| a.ip()), Some(server));
         let o = probe_sctp_raw(server, SocketAddr::new(server, 9898), T);
-        assert_eq!((o.observed, o.detail.as_str()), (Observed::Error, "refused"), "{o:?}");
+        assert_eq!((o.observed, o.detail.as_str()), (Observed::Reject, "refused"), "{o:?}");
     }
 
     #[test]
@@ -539,6 +595,7 @@ mod tests {
         assert_eq!(inits[0].1, inits[1].1, "the resend is the same INIT");
         // No raw socket at all on 127.0.0.13: the kernel answers ICMP protocol unreachable.
         let o = probe_sctp_raw(localhost(), "127.0.0.13:38412".parse().unwrap(), T);
-        assert_eq!((o.observed, o.detail.as_str()), (Observed::Error, "refused"), "{o:?}");
+        assert_eq!(o.observed, Observed::Reject, "{o:?}");
+        assert!(o.detail.starts_with("refused ("), "{o:?}");
     }
 }

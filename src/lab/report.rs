@@ -23,13 +23,13 @@ pub struct Row {
 }
 
 impl Row {
-    /// `explain`'s verdict: `allow` or `deny`.
+    /// `explain`'s verdict: `allow`, `deny` or `reject`.
     pub fn verdict(&self) -> &str {
         self.explained["verdict"].as_str().unwrap_or("")
     }
 
     /// Whether the observation was made and differs from `explain`'s verdict (errors
-    /// always differ: policy never refuses or resets).
+    /// always differ; a refusal differs from a deny, and a silent drop from a reject).
     pub fn disagrees(&self) -> bool {
         self.observation.observed != Observed::Untested
             && self.observation.observed.as_str() != self.verdict()
@@ -54,11 +54,13 @@ pub struct Summary {
     pub allow: usize,
     /// Observed deny.
     pub deny: usize,
+    /// Observed reject (refused at once).
+    pub reject: usize,
     /// Observed error.
     pub errors: usize,
     /// Not tried.
     pub untested: usize,
-    /// Observed allow/deny equal to `explain`'s verdict.
+    /// Observed allow/deny/reject equal to `explain`'s verdict.
     pub agree: usize,
     /// Observations (errors included) that differ from `explain`'s verdict.
     pub disagree: usize,
@@ -72,6 +74,7 @@ impl Summary {
             match r.observation.observed {
                 Observed::Allow => s.allow += 1,
                 Observed::Deny => s.deny += 1,
+                Observed::Reject => s.reject += 1,
                 Observed::Error => s.errors += 1,
                 Observed::Untested => s.untested += 1,
             }
@@ -93,10 +96,11 @@ impl Summary {
     /// One line for people.
     pub fn line(&self) -> String {
         format!(
-            "{} probes observed: {} allow, {} deny, {} error, {} untested; {} agree with explain, {} disagree",
+            "{} probes observed: {} allow, {} deny, {} reject, {} error, {} untested; {} agree with explain, {} disagree",
             self.probes,
             self.allow,
             self.deny,
+            self.reject,
             self.errors,
             self.untested,
             self.agree,
@@ -151,9 +155,9 @@ pub fn write_table(rows: &[Row], out: &mut dyn Write) -> std::io::Result<()> {
 }
 
 /// Writes the connectivity matrix: a row per `from`, a numbered column per destination
-/// (`to:port`, protocol shown when not TCP), cells `A` (allow), `.` (deny), `E` (error),
-/// `?` (untested), followed by `!` where the observation differs from `explain`; then the
-/// column legend and the summary line.
+/// (`to:port`, protocol shown when not TCP), cells `A` (allow), `.` (deny), `R` (reject),
+/// `E` (error), `?` (untested), followed by `!` where the observation differs from
+/// `explain`; then the column legend and the summary line.
 pub fn write_matrix(rows: &[Row], out: &mut dyn Write) -> std::io::Result<()> {
     let mut froms: Vec<&str> = Vec::new();
     let mut tos: Vec<String> = Vec::new();
@@ -174,7 +178,7 @@ pub fn write_matrix(rows: &[Row], out: &mut dyn Write) -> std::io::Result<()> {
     let cw = tos.len().to_string().len().max(2) + 1;
     writeln!(
         out,
-        "Observed connectivity: A allow, . deny, E error, ? untested; ! explain disagrees"
+        "Observed connectivity: A allow, . deny, R reject, E error, ? untested; ! explain disagrees"
     )?;
     write!(out, "{:<w$} ", "from \\ to")?;
     for i in 1..=tos.len() {
@@ -190,6 +194,7 @@ pub fn write_matrix(rows: &[Row], out: &mut dyn Write) -> std::io::Result<()> {
                     s.push(match r.observation.observed {
                         Observed::Allow => 'A',
                         Observed::Deny => '.',
+                        Observed::Reject => 'R',
                         Observed::Error => 'E',
                         Observed::Untested => '?',
                     });
@@ -271,6 +276,30 @@ mod tests {
         assert_eq!(Summary::of(&differs).exit_code(), 1);
     }
 
+    /// A refusal where explain said deny is the bug it is (policy drops silently), and so
+    /// is a silent drop where explain said reject; a refusal where it said reject agrees.
+    #[test]
+    fn reject_agrees_only_with_reject() {
+        let agree = [row("a/x", "b/y", 80, "reject", Observed::Reject)];
+        let s = Summary::of(&agree);
+        assert_eq!((s.reject, s.agree, s.disagree, s.exit_code()), (1, 1, 0, 0));
+        for (verdict, observed) in [
+            ("deny", Observed::Reject),
+            ("allow", Observed::Reject),
+            ("reject", Observed::Deny),
+            ("reject", Observed::Allow),
+            ("reject", Observed::Error),
+        ] {
+            let s = Summary::of(&[row("a/x", "b/y", 80, verdict, observed)]);
+            assert_eq!((s.disagree, s.exit_code()), (1, 1), "explain {verdict}, {observed:?}");
+        }
+        let mut out = Vec::new();
+        write_table(&[row("a/x", "b/y", 80, "deny", Observed::Reject)], &mut out).unwrap();
+        let text = String::from_utf8(out).unwrap();
+        assert!(text.contains("deny    reject   d   <- DIFFERS FROM EXPLAIN"), "{text}");
+        assert!(text.contains("0 deny, 1 reject, 0 error"), "{text}");
+    }
+
     #[test]
     fn json_line_is_explains_plus_the_observation() {
         let v = row("a/x", "b/y", 80, "allow", Observed::Allow).json();
@@ -286,15 +315,16 @@ mod tests {
             row("a/x", "b/y", 80, "allow", Observed::Allow),
             row("a/x", "b/y", 81, "deny", Observed::Allow),
             row("c/z", "b/y", 80, "deny", Observed::Deny),
+            row("c/z", "b/y", 81, "reject", Observed::Reject),
         ];
         let mut out = Vec::new();
         write_matrix(&rows, &mut out).unwrap();
         let text = String::from_utf8(out).unwrap();
         let lines: Vec<&str> = text.lines().collect();
         assert_eq!(lines[2].split_whitespace().collect::<Vec<_>>(), ["a/x", "A", "A!"]);
-        assert_eq!(lines[3].split_whitespace().collect::<Vec<_>>(), ["c/z", "."]);
+        assert_eq!(lines[3].split_whitespace().collect::<Vec<_>>(), ["c/z", ".", "R"]);
         assert!(text.contains("  1  b/y:80\n  2  b/y:81\n"), "{text}");
         assert!(text.contains("a/x -> b/y 81/TCP: explain deny, observed allow"), "{text}");
-        assert!(text.ends_with("2 agree with explain, 1 disagree\n"), "{text}");
+        assert!(text.ends_with("3 agree with explain, 1 disagree\n"), "{text}");
     }
 }

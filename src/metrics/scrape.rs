@@ -181,7 +181,8 @@ pub fn scraped(sources: Sources, config: &AuditConfig) -> Scraped {
                   refused its size), accept_errors, nfqueue_overrun (an NFQUEUE reader fell \
                   behind), icmp_errors (ICMP errors passed on to UDP proxy clients per second), \
                   conntrack_events (conntrack destroy events lost: UDP flow ends not \
-                  reported); each is logged at most once per 10 s";
+                  reported), rejects (refusals of rejected flows per second: dropped \
+                  unanswered); each is logged at most once per 10 s";
         for (limit, hits) in crate::limits::LIMITS.each() {
             out.push(c("limit_hits", lh, vec![("limit", limit.into())], hits.get()));
         }
@@ -304,6 +305,24 @@ pub fn scraped(sources: Sources, config: &AuditConfig) -> Scraped {
                  full queue failing open, a decision that aged out)",
                 vec![],
                 d.stats.decided_at_accept.load(Relaxed),
+            ));
+            for a in crate::proxy::reject::Answer::ALL {
+                out.push(c(
+                    "reject_answers",
+                    "Refusals sent to the clients of rejected flows (an Antrea Reject rule), by \
+                     answer: tcp_reset, icmp_prohibited (ICMP/ICMPv6 administratively \
+                     prohibited, for UDP), sctp_abort",
+                    vec![("answer", a.as_str().into())],
+                    d.stats.refusals[a.index()].load(Relaxed),
+                ));
+            }
+            out.push(c(
+                "reject_unanswered",
+                "Rejected packets dropped without a refusal (their clients time out): over \
+                 the rate limit (limit_hits{limit=\"rejects\"}), a packet its protocol never \
+                 answers, or a send that failed",
+                vec![],
+                d.stats.refusals_unsent.load(Relaxed),
             ));
             out.push(c(
                 "manifest_reload_errors",

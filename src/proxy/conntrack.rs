@@ -241,6 +241,13 @@ fn decode_tuple(data: &[u8]) -> Option<Tuple> {
     })
 }
 
+/// The original tuple (`CTA_TUPLE_ORIG`: the first packet's header before any NAT) of the
+/// conntrack attributes `ct`, as NFQUEUE passes them with a queued packet (`NFQA_CT`,
+/// when the queue was bound with `NFQA_CFG_F_CONNTRACK`). `None` when absent or malformed.
+pub fn original_tuple(ct: &[u8]) -> Option<Tuple> {
+    attrs(ct).find(|(kind, _)| *kind == CTA_TUPLE_ORIG).and_then(|(_, v)| decode_tuple(v))
+}
+
 fn decode_counters(data: &[u8]) -> Counters {
     let mut c = Counters::default();
     for (kind, v) in attrs(data) {

@@ -95,6 +95,13 @@ pub struct DecisionStats {
     pub denied: AtomicU64,
     /// Flows rejected (an Antrea `Reject` rule: the client is refused at once).
     pub rejected: AtomicU64,
+    /// Refusals sent to the clients of rejected flows, by [`super::reject::Answer::index`]
+    /// (TCP RST, ICMP administratively prohibited, SCTP ABORT).
+    pub refusals: [AtomicU64; 3],
+    /// Rejected packets that got no refusal: over the rate limit
+    /// ([`super::reject::MAX_PER_SECOND`]), a packet its protocol never answers, or a send
+    /// that failed. Each is dropped all the same.
+    pub refusals_unsent: AtomicU64,
     /// Decisions answered from the cache.
     pub cache_hits: AtomicU64,
     /// Live connections and UDP flows closed because a new snapshot denies them.

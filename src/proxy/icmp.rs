@@ -21,7 +21,6 @@
 //! [`crate::limits::LOG_EVERY`].
 use std::io;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use socket2::{Domain, Protocol, Socket, Type};
 
@@ -36,7 +35,7 @@ pub const MAX_PER_SECOND: u64 = 1000;
 /// # Errors
 /// The raw socket cannot be created, bound or sent on (no CAP_NET_RAW, no route).
 pub fn port_unreachable(client: SocketAddr, server: SocketAddr, len: usize) -> io::Result<bool> {
-    if !allowed() {
+    if !LIMIT.allow() {
         if let Some(n) = crate::limits::LIMITS.icmp_errors.hit() {
             tracing::warn!(
                 hits = n,
@@ -66,18 +65,8 @@ pub fn port_unreachable(client: SocketAddr, server: SocketAddr, len: usize) -> i
     Ok(true)
 }
 
-/// Whether one more error may be sent this second.
-fn allowed() -> bool {
-    static WINDOW: AtomicU64 = AtomicU64::new(0);
-    static SENT: AtomicU64 = AtomicU64::new(0);
-    let second = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs());
-    if WINDOW.swap(second, Ordering::Relaxed) != second {
-        SENT.store(0, Ordering::Relaxed);
-    }
-    SENT.fetch_add(1, Ordering::Relaxed) < MAX_PER_SECOND
-}
+/// The errors sent this second.
+static LIMIT: crate::limits::PerSecond = crate::limits::PerSecond::new(MAX_PER_SECOND);
 
 /// The UDP header the client's datagram carried (checksum 0: not verified in a quote).
 fn udp_header(client_port: u16, server_port: u16, len: usize) -> [u8; 8] {

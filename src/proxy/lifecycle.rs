@@ -72,23 +72,31 @@ impl std::fmt::Debug for Lifecycle {
 
 impl Lifecycle {
     /// Registers the flow `key` in `registry`, then takes or makes its decision
-    /// ([`Decider::take_or_decide`]). `None` when that decision denies it: the flow is
-    /// gone from the registry again and has no end record (it never opened).
-    pub fn admit(decider: &Arc<Decider>, registry: &Arc<Registry>, key: FlowKey) -> Option<Self> {
+    /// ([`Decider::take_or_decide`]). `Err` with the verdict when that decision denies or
+    /// rejects it: the flow is gone from the registry again and has no end record (it
+    /// never opened); the caller drops it, or refuses it (a TCP reset, an ICMP error).
+    pub fn admit(
+        decider: &Arc<Decider>,
+        registry: &Arc<Registry>,
+        key: FlowKey,
+    ) -> Result<Self, Verdict> {
         Lifecycle::admit_registered(decider, registry.register(key))
     }
 
     /// [`Lifecycle::admit`] for a flow registered already (the TCP accept loop registers
     /// each connection before it spawns its task, so that a hand-over's walk of the
     /// registry never misses one, issue #23).
-    pub fn admit_registered(decider: &Arc<Decider>, registration: Registration) -> Option<Self> {
+    pub fn admit_registered(
+        decider: &Arc<Decider>,
+        registration: Registration,
+    ) -> Result<Self, Verdict> {
         let key = registration.tracked.key;
         let admission = decider.take_or_decide(key);
         let _ = registration.tracked.decision.set(admission.decision.clone());
         if !admission.decision.verdict.is_allow() {
-            return None;
+            return Err(admission.decision.verdict);
         }
-        Some(Lifecycle { decider: decider.clone(), admission, open: false, registration })
+        Ok(Lifecycle { decider: decider.clone(), admission, open: false, registration })
     }
 
     /// Counts the flow as opened (`tierproxy_connections_opened_total`); from now on its
@@ -275,7 +283,7 @@ mod tests {
     #[test]
     fn a_denied_flow_leaves_the_registry_without_an_end_record() {
         let (_dir, t, registry) = setup(&testing::loopback_cluster_denying());
-        assert!(Lifecycle::admit(&t.decider, &registry, key(1)).is_none());
+        assert_eq!(Lifecycle::admit(&t.decider, &registry, key(1)).err(), Some(Verdict::Deny));
         assert!(registry.is_empty());
         assert_eq!((t.opened(), t.closed_total()), (0, 0));
         let events = t.events();

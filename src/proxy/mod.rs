@@ -4,6 +4,7 @@
 //! ```text
 //! NFQUEUE ─► queue (threads, nfqueue batches) ─► packet::parse ─► Decider::first_packet
 //!                                                      ─► drop | repeat+mark (one send per batch)
+//!                                                      │ (rejected: reject::Refuser, then drop)
 //!                                                      │ (allowed: decision kept by 5-tuple)
 //! TPROXY ─► tcp::serve ─► Lifecycle::admit (Registry, then Decider::take_or_decide)
 //!              ─► upstream connect ─► relay (auto) ─► end record (Lifecycle, once)
@@ -22,6 +23,7 @@ pub mod nfqueue;
 pub mod packet;
 pub mod queue;
 pub mod registry;
+pub mod reject;
 pub mod relay;
 pub mod tcp;
 pub mod udp;

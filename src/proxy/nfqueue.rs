@@ -39,11 +39,16 @@ const CFG_FLAGS: u16 = 5;
 const CFG_CMD_BIND: u8 = 1;
 const COPY_PACKET: u8 = 2;
 const CFG_F_FAIL_OPEN: u32 = 1;
+/// `NFQA_CFG_F_CONNTRACK`: each packet message carries the packet's conntrack entry
+/// (`NFQA_CT`), whose original tuple is the header before any DNAT (what a refusal
+/// answers from, [`super::reject`]).
+const CFG_F_CONNTRACK: u32 = 2;
 
 const A_PACKET_HDR: u16 = 1;
 const A_VERDICT_HDR: u16 = 2;
 const A_MARK: u16 = 3;
 const A_PAYLOAD: u16 = 10;
+const A_CT: u16 = 11;
 
 /// Netfilter verdicts on a queued packet (include/uapi/linux/netfilter.h): the kernel's
 /// answer to a packet, not a policy [`crate::policy::Verdict`] (which the queue reader
@@ -68,8 +73,8 @@ impl NfVerdict {
     }
 }
 
-/// A queued packet: its id, its mark and the first bytes of its payload (the IP header
-/// onward, up to the copy range).
+/// A queued packet: its id, its mark, the first bytes of its payload (the IP header
+/// onward, up to the copy range) and its conntrack entry's attributes.
 #[derive(Debug, Clone, Copy)]
 pub struct Packet<'a> {
     /// The kernel's id of the packet in its queue (monotonic per queue).
@@ -78,6 +83,10 @@ pub struct Packet<'a> {
     pub mark: u32,
     /// The payload.
     pub payload: &'a [u8],
+    /// The `NFQA_CT` attribute's content (ctnetlink attributes,
+    /// [`super::conntrack::original_tuple`] reads them); empty when the packet has no
+    /// conntrack entry or the queue was bound without `NFQA_CFG_F_CONNTRACK`.
+    pub conntrack: &'a [u8],
 }
 
 /// The answer to one packet: a verdict and, if set, the packet's new mark.
@@ -154,7 +163,7 @@ fn parse_datagram(data: &[u8], mut on_packet: impl FnMut(Packet<'_>)) -> io::Res
             Message::Other { kind, body }
                 if kind == (SUBSYS_QUEUE << 8) | MSG_PACKET && body.len() >= NFGEN_HDRLEN =>
             {
-                let mut p = Packet { id: 0, mark: 0, payload: &[] };
+                let mut p = Packet { id: 0, mark: 0, payload: &[], conntrack: &[] };
                 let mut have_id = false;
                 for (atype, v) in netlink::attrs(&body[NFGEN_HDRLEN..]) {
                     match atype {
@@ -166,6 +175,7 @@ fn parse_datagram(data: &[u8], mut on_packet: impl FnMut(Packet<'_>)) -> io::Res
                             p.mark = u32::from_be_bytes(v[..4].try_into().expect("4 bytes"));
                         }
                         A_PAYLOAD => p.payload = v,
+                        A_CT => p.conntrack = v,
                         _ => {}
                     }
                 }
@@ -202,7 +212,12 @@ fn size_receive_buffer(fd: &OwnedFd, max_len: u32) -> io::Result<()> {
 
 impl Queue {
     /// Opens a netlink socket and binds queue `num`: copy `copy_range` bytes of each
-    /// packet, hold at most `max_len` packets, and fail open when full iff `fail_open`.
+    /// packet, hold at most `max_len` packets, fail open when full iff `fail_open`, and
+    /// pass each packet's conntrack entry with it (`NFQA_CFG_F_CONNTRACK`; the kernel
+    /// needs `nf_conntrack_netlink` for it, which it loads on the first request and then
+    /// answers `EAGAIN` once: asked again; where it still cannot, the queue is bound
+    /// without it, with a warning, and a rejected flow to a DNAT'd address is refused from
+    /// the backend's address, which its client ignores).
     ///
     /// # Errors
     /// Socket errors, and the kernel's answer to each configuration request (EPERM
@@ -229,6 +244,23 @@ impl Queue {
             attr(b, CFG_MASK, &CFG_F_FAIL_OPEN.to_be_bytes());
             attr(b, CFG_FLAGS, &flags.to_be_bytes());
         })?;
+        let mut conntrack = q.configure(|b| {
+            attr(b, CFG_MASK, &CFG_F_CONNTRACK.to_be_bytes());
+            attr(b, CFG_FLAGS, &CFG_F_CONNTRACK.to_be_bytes());
+        });
+        if conntrack.as_ref().is_err_and(|e| e.raw_os_error() == Some(nix::libc::EAGAIN)) {
+            conntrack = q.configure(|b| {
+                attr(b, CFG_MASK, &CFG_F_CONNTRACK.to_be_bytes());
+                attr(b, CFG_FLAGS, &CFG_F_CONNTRACK.to_be_bytes());
+            });
+        }
+        if let Err(e) = conntrack {
+            tracing::warn!(
+                queue = num,
+                error = %e,
+                "NFQUEUE without conntrack information: a rejected flow to a ClusterIP or NodePort is refused from its backend's address, which its client ignores (it times out)"
+            );
+        }
         Ok(q)
     }
 

@@ -48,12 +48,31 @@ fn ports(transport: &[u8]) -> Result<(u16, u16), ParseError> {
     }
 }
 
+/// A first packet's flow and where its transport header starts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Headers {
+    /// The flow, as the header names it.
+    pub key: FlowKey,
+    /// Offset of the transport header: the IPv4 header's length (IHL), or 40 plus the
+    /// IPv6 extension headers'.
+    pub transport: usize,
+}
+
 /// Names the flow of a packet that starts with an IPv4 or IPv6 header.
 ///
 /// # Errors
 /// [`ParseError`] when the packet is truncated, not IP, not TCP/UDP/SCTP, or a non-initial
 /// fragment. The caller drops such packets (fail closed).
 pub fn parse(packet: &[u8]) -> Result<FlowKey, ParseError> {
+    headers(packet).map(|h| h.key)
+}
+
+/// [`parse`], with the offset of the transport header (what a refusal answers from,
+/// `super::reject`).
+///
+/// # Errors
+/// As [`parse`].
+pub fn headers(packet: &[u8]) -> Result<Headers, ParseError> {
     let first = *packet.first().ok_or(ParseError::Truncated)?;
     match first >> 4 {
         4 => parse_v4(packet),
@@ -62,7 +81,7 @@ pub fn parse(packet: &[u8]) -> Result<FlowKey, ParseError> {
     }
 }
 
-fn parse_v4(p: &[u8]) -> Result<FlowKey, ParseError> {
+fn parse_v4(p: &[u8]) -> Result<Headers, ParseError> {
     let ihl = usize::from(p[0] & 0x0f) * 4;
     if ihl < 20 || p.len() < ihl {
         return Err(ParseError::Truncated);
@@ -75,11 +94,12 @@ fn parse_v4(p: &[u8]) -> Result<FlowKey, ParseError> {
     let src = Ipv4Addr::new(p[12], p[13], p[14], p[15]);
     let dst = Ipv4Addr::new(p[16], p[17], p[18], p[19]);
     let (sport, dport) = ports(&p[ihl..])?;
-    Ok(FlowKey {
+    let key = FlowKey {
         src: SocketAddr::new(IpAddr::V4(src), sport),
         dst: SocketAddr::new(IpAddr::V4(dst), dport),
         protocol,
-    })
+    };
+    Ok(Headers { key, transport: ihl })
 }
 
 /// Extension headers RFC 8200 §4 says may precede the upper-layer header and that share
@@ -92,7 +112,7 @@ const DEST_OPTS: u8 = 60;
 /// More extension headers than any sane first packet carries: the walk stops here.
 const MAX_EXTENSION_HEADERS: usize = 8;
 
-fn parse_v6(p: &[u8]) -> Result<FlowKey, ParseError> {
+fn parse_v6(p: &[u8]) -> Result<Headers, ParseError> {
     if p.len() < 40 {
         return Err(ParseError::Truncated);
     }
@@ -117,11 +137,12 @@ fn parse_v6(p: &[u8]) -> Result<FlowKey, ParseError> {
             _ => {
                 let protocol = protocol(next)?;
                 let (sport, dport) = ports(p.get(at..).ok_or(ParseError::Truncated)?)?;
-                return Ok(FlowKey {
+                let key = FlowKey {
                     src: SocketAddr::new(IpAddr::V6(src), sport),
                     dst: SocketAddr::new(IpAddr::V6(dst), dport),
                     protocol,
-                });
+                };
+                return Ok(Headers { key, transport: at });
             }
         };
         next = *p.get(at).ok_or(ParseError::Truncated)?;

@@ -3,6 +3,10 @@
 //!
 //! - Deny: `NF_DROP`. No RST, no ICMP: the client times out, as upstream conformance
 //!   requires of a denied connection.
+//! - Reject (an Antrea `Reject` rule, issue #22): `NF_DROP` too, and the client is refused
+//!   at once: a TCP RST, an ICMP "administratively prohibited" for UDP, an SCTP ABORT,
+//!   built from the packet and sent on a raw socket ([`super::reject`], which says why
+//!   the packet is never accepted for a later REJECT rule to refuse).
 //! - Allow: `NF_REPEAT` with the decided mark added to the packet mark. The queue rule sits
 //!   at the top of mangle INPUT / FORWARD (after the DNAT of a ClusterIP, see `redirect`),
 //!   and an `NF_ACCEPT` would end the packet's walk through that table's chain there,
@@ -23,10 +27,11 @@ use std::thread::JoinHandle;
 
 use anyhow::Context;
 
-use super::decider::Decider;
+use super::decider::{Decider, DecisionStats};
 use super::handover::Giver;
 use super::nfqueue::{Answer, NfVerdict, Queue};
 use super::packet;
+use super::reject::{Refuser, Sent};
 use crate::policy::eval::Verdict;
 
 /// How the queue readers are set up.
@@ -54,6 +59,9 @@ pub struct QueueConfig {
     /// datagrams, queued on the balanced queues too, are decided as kernel-forwarded flows
     /// (never kept for the proxy).
     pub udp_kernel: bool,
+    /// `SO_MARK` of the raw sockets that refuse rejected flows ([`super::reject`]): the
+    /// bypass mark, so that the ruleset leaves a refusal to the node itself alone.
+    pub refusal_mark: u32,
 }
 
 /// Bytes of each packet the kernel copies to us: the IP header, any IPv6 extension
@@ -232,6 +240,7 @@ fn read(
         mark: Some(mark & !config.decided_mask | config.decided_value),
     };
     let drop = Answer { verdict: NfVerdict::Drop, mark: None };
+    let mut refuser = Refuser::new(config.refusal_mark);
     let mut failures = 0;
     loop {
         if let Some(g) = giver.filter(|g| g.park()) {
@@ -262,8 +271,16 @@ fn read(
                     let proxied = !(kernel_forwarded || udp_forwarded);
                     match decider.first_packet(key, proxied).verdict {
                         Verdict::Allow => allow(p.mark),
-                        // TODO(#22): refuse at once (RST / ICMP) instead of dropping.
-                        Verdict::Deny | Verdict::Reject => drop,
+                        Verdict::Deny => drop,
+                        Verdict::Reject => {
+                            if p.conntrack.is_empty() {
+                                no_conntrack_warning(num);
+                            }
+                            let original = super::conntrack::original_tuple(p.conntrack);
+                            let sent = refuser.refuse(p.payload, original.as_ref());
+                            count_refusal(&key, sent, &decider.stats);
+                            drop
+                        }
                     }
                 }
                 Err(e) => {
@@ -306,6 +323,46 @@ fn read(
                 }
                 tracing::warn!(queue = num, error = %e, "NFQUEUE error; retrying");
                 std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+        }
+    }
+}
+
+/// Refusals that could not be sent, for [`count_refusal`]'s log line (at most one per
+/// [`crate::limits::LOG_EVERY`]; not a limit).
+static UNSENT: crate::limits::Hits = crate::limits::Hits::new();
+
+/// Says once per process that the kernel passes no conntrack entry with queued packets
+/// (`NFQA_CT` needs CONFIG_NETFILTER_NETLINK_GLUE_CT; these machines' kernel lacks it).
+fn no_conntrack_warning(queue: u16) {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        tracing::warn!(
+            queue,
+            "rejected packet queued without its conntrack entry (kernel without CONFIG_NETFILTER_NETLINK_GLUE_CT): rejected flows to a ClusterIP or NodePort are refused from the backend's address, which their clients ignore (they time out, as for a deny)"
+        );
+    });
+}
+
+/// Counts what became of the refusal of a rejected flow's packet (`key`), logging a
+/// failure at most once per [`crate::limits::LOG_EVERY`].
+pub fn count_refusal(key: &crate::policy::FlowKey, sent: Sent, stats: &DecisionStats) {
+    use std::sync::atomic::Ordering::Relaxed;
+    match sent {
+        Sent::Sent(answer) => {
+            stats.refusals[answer.index()].fetch_add(1, Relaxed);
+        }
+        Sent::Limited => {
+            stats.refusals_unsent.fetch_add(1, Relaxed);
+        }
+        Sent::Unanswered(e) => {
+            stats.refusals_unsent.fetch_add(1, Relaxed);
+            tracing::debug!(src = %key.src, dst = %key.dst, error = %crate::error::chain(&e), "rejected packet not answered");
+        }
+        Sent::Failed(e) => {
+            stats.refusals_unsent.fetch_add(1, Relaxed);
+            if let Some(n) = UNSENT.hit() {
+                tracing::warn!(src = %key.src, dst = %key.dst, error = %e, unsent = n, "rejected flow dropped without a refusal");
             }
         }
     }

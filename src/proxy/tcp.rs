@@ -344,10 +344,15 @@ async fn proxy(
     decider: &Arc<Decider>,
 ) {
     let key = registration.tracked.key;
-    let Some(mut flow) = Lifecycle::admit_registered(decider, registration) else {
-        tracing::warn!(src = %key.src, dst = %key.dst, "connection reached the proxy but policy denies it; reset");
-        reset(&client);
-        return;
+    // Denied or rejected alike: the handshake is done, so a reset is all that is left
+    // (for a reject, the client sees `ECONNRESET` after its connect, not `ECONNREFUSED`).
+    let mut flow = match Lifecycle::admit_registered(decider, registration) {
+        Ok(flow) => flow,
+        Err(verdict) => {
+            tracing::warn!(src = %key.src, dst = %key.dst, verdict = verdict.as_str(), "connection reached the proxy but policy does not allow it; reset");
+            reset(&client);
+            return;
+        }
     };
     // Admitted under an older snapshot than the one now in force (and registered too late
     // for the re-decision walk: decided again as it opens), or stopped already.

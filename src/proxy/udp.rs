@@ -263,10 +263,20 @@ fn datagram(
         return;
     }
     let key = FlowKey { src, dst, protocol: Protocol::Udp };
-    let Some(mut life) = Lifecycle::admit(decider, registry, key) else {
-        // A datagram of a flow the kernel queued but a newer snapshot denies.
-        table.stats.dropped.fetch_add(1, Ordering::Relaxed);
-        return;
+    let mut life = match Lifecycle::admit(decider, registry, key) {
+        Ok(life) => life,
+        Err(verdict) => {
+            // A datagram the queue did not decide (a full queue failing open, a decision
+            // that aged out) or decided under an older snapshot: dropped, and refused as
+            // the queue refuses, when rejected.
+            table.stats.dropped.fetch_add(1, Ordering::Relaxed);
+            if verdict == crate::policy::eval::Verdict::Reject {
+                let refusal = super::reject::datagram_refusal(src, dst, payload.len());
+                let sent = super::reject::Refuser::new(config.bypass_mark).send_limited(&refusal);
+                super::queue::count_refusal(&key, sent, &decider.stats);
+            }
+            return;
+        }
     };
     let (upstream, reply) = match open(src, dst, config) {
         Ok(pair) => pair,
@@ -508,6 +518,83 @@ fn recv_original(fd: i32, buf: &mut [u8]) -> io::Result<(SocketAddr, SocketAddr,
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A datagram the proxy decides itself (no queue decision) that an Antrea Reject rule
+    /// refuses: dropped, and the client's connected socket gets the ICMP error the queue
+    /// would have sent (administratively prohibited: `EHOSTUNREACH`), counted. Needs
+    /// CAP_NET_RAW (raw socket), as the agent has; skipped without it unless
+    /// `TIERPROXY_REQUIRE_NETNS=1`.
+    #[tokio::test]
+    async fn a_rejected_datagram_decided_by_the_proxy_gets_its_client_an_icmp_error() {
+        if let Err(e) = socket2::Socket::new(
+            socket2::Domain::IPV4,
+            socket2::Type::RAW,
+            Some(socket2::Protocol::from(255)),
+        ) {
+            if std::env::var("TIERPROXY_REQUIRE_NETNS").as_deref() == Ok("1") {
+                panic!("needs CAP_NET_RAW ({e}) and TIERPROXY_REQUIRE_NETNS=1");
+            }
+            use std::io::Write;
+            let _ = writeln!(
+                std::io::stderr(),
+                "SKIPPED: a_rejected_datagram_decided_by_the_proxy_gets_its_client_an_icmp_error: needs CAP_NET_RAW ({e})"
+            );
+            return;
+        }
+        let manifests = r#"
+apiVersion: v1
+kind: Node
+metadata: {name: n1}
+status: {addresses: [{type: InternalIP, address: 172.31.0.2}]}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: client, namespace: a, labels: {app: client}}
+spec: {nodeName: n1, containers: [{name: c}]}
+status: {podIP: 127.0.0.62}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: dns, namespace: a, labels: {app: dns}}
+spec: {nodeName: n1, containers: [{name: c}]}
+status: {podIP: 127.0.0.63}
+---
+apiVersion: crd.antrea.io/v1beta1
+kind: ClusterNetworkPolicy
+metadata: {name: reject-dns}
+spec:
+  priority: 1
+  appliedTo: [{podSelector: {matchLabels: {app: dns}}}]
+  ingress: [{action: Reject, ports: [{protocol: UDP, port: 5353}]}]
+"#;
+        let dir = tempfile::tempdir().unwrap();
+        let t = super::super::decider::testing::decider(manifests, dir.path());
+        let client = std::net::UdpSocket::bind("127.0.0.62:0").unwrap();
+        let server: SocketAddr = "127.0.0.63:5353".parse().unwrap();
+        client.connect(server).unwrap();
+        client.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let table = Arc::new(Table {
+            flows: Mutex::new(HashMap::new()),
+            epoch: Instant::now(),
+            stats: Arc::default(),
+        });
+        let config = Arc::new(UdpConfig {
+            bypass_mark: 0,
+            preserve_source: false,
+            local_addrs: Arc::new([]),
+            idle_timeout: Duration::from_secs(5),
+            max_flows: 16,
+        });
+        let registry = Arc::new(Registry::default());
+        let from = client.local_addr().unwrap();
+        datagram(from, server, b"query", &table, &config, &t.decider, &registry);
+        let e = client.recv(&mut [0u8; 16]).expect_err("no answer but the refusal");
+        assert_eq!(e.kind(), io::ErrorKind::HostUnreachable, "{e}");
+        assert_eq!(table.stats.dropped.load(Ordering::Relaxed), 1);
+        assert!(table.lock().is_empty(), "no flow opened");
+        let sent = &t.decider.stats.refusals[super::super::reject::Answer::IcmpProhibited.index()];
+        assert_eq!(sent.load(Ordering::Relaxed), 1);
+    }
 
     /// A flow whose task panics leaves the table (the bug: its entry stayed, and later
     /// datagrams of its 4-tuple went to the dead flow until shutdown); a newer flow of the

@@ -205,7 +205,7 @@
 //!    packet with the REPEAT verdict and the decided mark, so the packet walks the hook
 //!    again and this chain returns it; a decided SCTP INIT (and anything not intercepted)
 //!    is then forwarded by the kernel (the proxy does not terminate SCTP; denied
-//!    associations time out).
+//!    associations time out, rejected ones get an ABORT from the agent).
 //!
 //! Policy routing (`ip rule fwmark ROUTE/MASK lookup TABLE priority P`, `ip route local
 //! default dev lo table TABLE`, both families) is installed and removed with the ruleset,
@@ -249,7 +249,14 @@
 //! An allowed first packet must be answered with NF_REPEAT and a mark of
 //! `(mark & !decided.mask) | decided.value`: the verdict's mark attribute (NFQA_MARK)
 //! replaces the whole `skb->mark`, so other owners' bits must be carried over. A denied
-//! packet is answered with NF_DROP (no RST, no ICMP).
+//! packet is answered with NF_DROP (no RST, no ICMP). A rejected one (an Antrea `Reject`
+//! rule, issue #22) is answered with NF_DROP too; the agent itself sends its client the
+//! refusal (`proxy::reject`: a TCP RST, ICMP administratively prohibited, an SCTP ABORT)
+//! on a raw socket carrying the bypass mark, so rule 1 (and rule 7) return it untouched
+//! where it comes back in over `lo`. The ruleset has no rule, mark or table for rejects:
+//! a rejected packet is never accepted for a later REJECT rule to refuse (a rule of
+//! another program's that accepted it first would let the flow through), and no
+//! netfilter reject sends an SCTP ABORT.
 //!
 //! What was found on the development machines (kernel 6.18): `nft ... queue` fails with
 //! "No such file or directory" (CONFIG_NFT_QUEUE unset), even under `nft -c`, which [`probe`]
