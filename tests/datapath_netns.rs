@@ -183,7 +183,7 @@ fn the_examples_with_agents_match_explain_on_every_probe() {
         .lines()
         .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
         .collect();
-    assert_eq!(lines.len(), 68, "{}", text(&o));
+    assert_eq!(lines.len(), 72, "{}", text(&o));
     // Every probe is made, UDP proxied and SCTP (raw INIT) decided then kernel-forwarded.
     let mut by_protocol = std::collections::BTreeMap::<String, usize>::new();
     for line in &lines {
@@ -195,6 +195,13 @@ fn the_examples_with_agents_match_explain_on_every_probe() {
     }
     assert!(by_protocol.get("UDP").is_some_and(|&n| n >= 5), "{by_protocol:?}");
     assert!(by_protocol.get("SCTP").is_some_and(|&n| n >= 2), "{by_protocol:?}");
+    // The Antrea example's Reject, observed over real TCP and UDP (issue #22).
+    let rejected: Vec<&str> = lines
+        .iter()
+        .filter(|l| l["observed"] == "reject")
+        .map(|l| l["protocol"].as_str().unwrap())
+        .collect();
+    assert_eq!(rejected, ["TCP", "UDP"], "{}", text(&o));
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
 }
 

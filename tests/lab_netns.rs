@@ -358,7 +358,7 @@ fn the_examples_carry_every_probe_before_any_policy() {
     let probes = ex.join("probes.jsonl");
     lab.up(&[&ex.join("cluster.yaml"), &ex.join("policies")], Some(&probes));
     let (lines, code, o) = lab.probe(&probes);
-    assert_eq!(lines.len(), 68, "{}", text(&o));
+    assert_eq!(lines.len(), 72, "{}", text(&o));
     let mut protocols = BTreeSet::new();
     for l in &lines {
         let protocol = l["protocol"].as_str().unwrap();

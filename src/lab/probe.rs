@@ -25,7 +25,7 @@ use crate::policy::{Flow, Protocol};
 /// a dropped SYN is retransmitted after 1 s, so 2 s lets one retransmission through while
 /// keeping a denied probe short.
 pub const DEFAULT_TIMEOUT_MS: u64 = 2000;
-/// Most probes in flight at once: 16 threads finish the 68 example probes, about half of
+/// Most probes in flight at once: 16 threads finish the 72 example probes, about half of
 /// them denied (each waiting out its timeout), in a few seconds.
 pub const MAX_PARALLEL: usize = 16;
 /// What a probe sends to the echo server, and expects back.
