@@ -76,14 +76,10 @@ spec: {nodeName: node-1, hostNetwork: true, containers: [{name: c}]}
 status: {podIP: 172.18.0.2}
 "#;
 
+mod common;
+
 fn snapshot(policies: &str) -> Snapshot {
-    let text = format!("{CLUSTER}\n---\n{policies}");
-    let loaded = parse_str(Path::new("test.yaml"), &text).expect("test YAML parses");
-    assert!(loaded.problems.iter().all(|p| !p.is_error()), "load problems: {:?}", loaded.problems);
-    let compiled = Snapshot::compile(&loaded.inputs, Revision(1));
-    let errors: Vec<_> = compiled.problems.iter().filter(|p| p.is_error()).collect();
-    assert!(errors.is_empty(), "compile errors: {errors:?}");
-    compiled.snapshot
+    common::compile_clean(CLUSTER, policies)
 }
 
 fn ip(what: &str) -> IpAddr {

@@ -118,6 +118,16 @@ spec:
   policyTypes: [Ingress]
 "#;
 
+/// A NetworkPolicy that lets b/remote take 7070 only.
+const ONLY_7070: &str = r#"
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {name: only-7070, namespace: b}
+spec:
+  podSelector: {}
+  ingress: [{ports: [{port: 7070}]}]
+"#;
+
 /// A lab with agents over `base` and `labelled(false)`.
 fn live_lab(short: &str) -> Lab {
     let lab = Lab::new(short);
@@ -190,17 +200,7 @@ fn a_live_connection_is_cut_within_a_second_of_a_denying_policy_and_others_are_u
     // A NetworkPolicy that lets b/remote take 7070 only.
     let base = lab.file("base.yaml", NODES_AND_NAMESPACES);
     let a = lab.file("a.yaml", &labelled(false));
-    let np = lab.file(
-        "np.yaml",
-        r#"
-apiVersion: networking.k8s.io/v1
-kind: NetworkPolicy
-metadata: {name: only-7070, namespace: b}
-spec:
-  podSelector: {}
-  ingress: [{ports: [{port: 7070}]}]
-"#,
-    );
+    let np = lab.file("np.yaml", ONLY_7070);
     let written = Instant::now();
     let watcher = std::thread::spawn(move || {
         let took = cut_within(&mut doomed, Duration::from_secs(3));
@@ -824,17 +824,7 @@ fn a_policy_change_during_an_upgrade_still_cuts_what_it_denies() {
 
     let base = lab.file("base.yaml", NODES_AND_NAMESPACES);
     let a = lab.file("a.yaml", &labelled(false));
-    let np = lab.file(
-        "np.yaml",
-        r#"
-apiVersion: networking.k8s.io/v1
-kind: NetworkPolicy
-metadata: {name: only-7070, namespace: b}
-spec:
-  podSelector: {}
-  ingress: [{ports: [{port: 7070}]}]
-"#,
-    );
+    let np = lab.file("np.yaml", ONLY_7070);
     let upgrade = {
         let prefix = lab.prefix.clone();
         std::thread::spawn(move || {

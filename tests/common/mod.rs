@@ -38,6 +38,20 @@ pub fn netns_available(test: &str) -> bool {
     false
 }
 
+/// The snapshot of manifest text `cluster` plus `policies` (revision 1), asserting that
+/// nothing in it is an error: the engine tables' fixture.
+pub fn compile_clean(cluster: &str, policies: &str) -> tierproxy::policy::Snapshot {
+    let text = format!("{cluster}\n---\n{policies}");
+    let loaded = tierproxy::cluster::manifest::parse_str(Path::new("test.yaml"), &text)
+        .expect("test YAML parses");
+    assert!(loaded.problems.iter().all(|p| !p.is_error()), "load problems: {:?}", loaded.problems);
+    let compiled =
+        tierproxy::policy::Snapshot::compile(&loaded.inputs, tierproxy::policy::Revision(1));
+    let errors: Vec<_> = compiled.problems.iter().filter(|p| p.is_error()).collect();
+    assert!(errors.is_empty(), "compile errors: {errors:?}");
+    compiled.snapshot
+}
+
 /// A lab prefix unique to this test and this test process.
 pub fn prefix(short: &str) -> String {
     format!("t{}-{short}", std::process::id() % 100_000)
