@@ -216,7 +216,7 @@ pub fn augment(inputs: &Inputs) -> Result<(Inputs, Vec<Added>), DualStackError> 
 /// Every object of `inputs` as one JSON manifest: the objects one after another (a stream,
 /// as `kubectl get -o json` of several objects gives), in the order namespaces, nodes,
 /// pods, NetworkPolicies, AdminNetworkPolicies, BaselineAdminNetworkPolicies,
-/// ClusterNetworkPolicies.
+/// ClusterNetworkPolicies, then Antrea's Tiers, ClusterNetworkPolicies and NetworkPolicies.
 ///
 /// # Errors
 /// [`DualStackError::Encode`] naming the object.
@@ -254,6 +254,20 @@ pub fn manifest_text(inputs: &Inputs) -> Result<String, DualStackError> {
     })?;
     put(&mut out, &inputs.cluster_network_policies, |o| {
         meta_name("clusternetworkpolicy", None, o.metadata.name.as_deref())
+    })?;
+    let antrea = &inputs.antrea;
+    put(&mut out, &antrea.tiers, |o| {
+        meta_name("tier.crd.antrea.io", None, o.metadata.name.as_deref())
+    })?;
+    put(&mut out, &antrea.cluster_network_policies, |o| {
+        meta_name("clusternetworkpolicy.crd.antrea.io", None, o.metadata.name.as_deref())
+    })?;
+    put(&mut out, &antrea.network_policies, |o| {
+        meta_name(
+            "networkpolicy.crd.antrea.io",
+            o.metadata.namespace.as_deref(),
+            o.metadata.name.as_deref(),
+        )
     })?;
     Ok(String::from_utf8_lossy(&out).into_owned())
 }
@@ -447,6 +461,9 @@ spec: {nodeName: n1, containers: [{name: c}]}
                 i.admin_network_policies.len(),
                 i.baseline_admin_network_policies.len(),
                 i.cluster_network_policies.len(),
+                i.antrea.tiers.len(),
+                i.antrea.cluster_network_policies.len(),
+                i.antrea.network_policies.len(),
             )
         };
         assert_eq!(counts(&ds.loaded.inputs), counts(&loaded.inputs), "every object written");
