@@ -61,12 +61,19 @@ fn explain_over_the_examples_meets_every_expectation() {
         for dir in ["egress", "ingress"] {
             let o = &got[dir];
             let verdict = o["verdict"].as_str().unwrap();
-            assert!(["allow", "deny", "n/a"].contains(&verdict));
+            assert!(["allow", "deny", "reject", "n/a"].contains(&verdict));
             let tier = &o["tier"];
+            // The upstream tiers, or the Antrea Tier of an Antrea policy (by its name).
+            let antrea = o["policy"]["apiVersion"] == "crd.antrea.io/v1beta1";
             assert!(
                 tier.is_null()
-                    || ["admin", "networkpolicy", "baseline", "default"]
-                        .contains(&tier.as_str().unwrap())
+                    || (!antrea
+                        && ["admin", "networkpolicy", "baseline", "default"]
+                            .contains(&tier.as_str().unwrap()))
+                    || (antrea
+                        && ["incident-response", "securityops", "application"]
+                            .contains(&tier.as_str().unwrap())),
+                "{o}"
             );
             assert!(o["passed"].is_array());
         }
