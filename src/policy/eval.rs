@@ -402,6 +402,13 @@ impl Snapshot {
                         // rule by rule: "(tier priority, policy priority, rule index)"
                         // (antrea-model.md §3, Antrea `Priority.Less`); the list's order
                         // breaks only ties of rule index. Any other policy is a run of one.
+                        // A policy the indexes skip cannot match, so a run may as well start
+                        // at its first member that can; skipping first keeps a skipped
+                        // policy's header out of the cache, as before runs existed.
+                        if skip(list[i]) {
+                            i += 1;
+                            continue;
+                        }
                         let end = self.run_end(list, i);
                         let mut best: Option<RuleHit> = None;
                         for &pid in &list[i..end] {
