@@ -10,7 +10,12 @@
 //!   snapshot keeps allocated (a counting allocator), next to the bytes of the API objects
 //!   it was compiled from.
 //!
-//! Targets (issue #2): decide p99 ≤ 2 µs, compile ≤ 200 ms, snapshot ≤ 64 MiB.
+//! - the same cluster with issue #22's Antrea-native set added (20 Tiers, 14 of them custom,
+//!   × 50 ACNPs × 20 rules, 500 ANNPs; [`synth::AntreaShape::ISSUE_22`]): compile time, snapshot
+//!   heap and decide percentiles, each beside the cluster without it, as a ratio.
+//!
+//! Targets (issue #2): decide p99 ≤ 2 µs, compile ≤ 200 ms, snapshot ≤ 64 MiB; with the
+//! Antrea set (issue #22): decide p99 ≤ 2 µs, compile ≤ 250 ms, snapshot ≤ 80 MiB.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::hint::black_box;
@@ -19,7 +24,7 @@ use std::time::{Duration, Instant};
 
 use criterion::{Criterion, criterion_group};
 use tierproxy::policy::{Revision, Snapshot};
-use tierproxy::synth::{self, Shape};
+use tierproxy::synth::{self, AntreaShape, Shape};
 
 /// Counts live heap bytes.
 struct Counting;
@@ -109,12 +114,9 @@ fn input_walk(inputs: &tierproxy::policy::Inputs) -> u64 {
     h.finish()
 }
 
-fn report() {
-    let shape = Shape::LARGE;
-    let before_inputs = LIVE.load(Ordering::Relaxed);
-    let inputs = synth::cluster(shape, SEED);
-    let input_bytes = LIVE.load(Ordering::Relaxed) - before_inputs;
-
+/// Compiles `inputs` five times: the sorted compile times, the live heap bytes the last
+/// snapshot keeps, and that snapshot.
+fn compile_five(inputs: &tierproxy::policy::Inputs) -> (Vec<Duration>, isize, Snapshot) {
     let mut compile_times = Vec::new();
     let mut snapshot_bytes = 0;
     let mut compiled = None;
@@ -122,16 +124,28 @@ fn report() {
         drop(compiled.take());
         let before = LIVE.load(Ordering::Relaxed);
         let t = Instant::now();
-        let c = Snapshot::compile(&inputs, Revision(1));
+        let c = Snapshot::compile(inputs, Revision(1));
         compile_times.push(t.elapsed());
         // Keep only the snapshot: problems are reported, not retained.
         let snapshot = c.snapshot;
-        assert!(c.problems.iter().all(|p| !p.is_error()), "synthetic cluster is invalid");
+        let errors: Vec<String> =
+            c.problems.iter().filter(|p| p.is_error()).take(5).map(|p| p.to_string()).collect();
+        assert!(errors.is_empty(), "synthetic cluster is invalid: {}", errors.join("; "));
         drop(c.problems);
         snapshot_bytes = LIVE.load(Ordering::Relaxed) - before;
         compiled = Some(snapshot);
     }
     compile_times.sort();
+    (compile_times, snapshot_bytes, compiled.expect("compiled five times"))
+}
+
+fn report() {
+    let shape = Shape::LARGE;
+    let before_inputs = LIVE.load(Ordering::Relaxed);
+    let inputs = synth::cluster(shape, SEED);
+    let input_bytes = LIVE.load(Ordering::Relaxed) - before_inputs;
+
+    let (compile_times, snapshot_bytes, s) = compile_five(&inputs);
     let mut walk_times: Vec<Duration> = (0..5)
         .map(|_| {
             let t = Instant::now();
@@ -148,7 +162,6 @@ fn report() {
         })
         .collect();
     build_times.sort();
-    let s = compiled.expect("compiled five times");
     let base = timer_baseline();
     let typical = latency(&s, shape);
 
@@ -156,6 +169,16 @@ fn report() {
     let worst_inputs = synth::cluster(worst_shape, SEED);
     let worst = Snapshot::compile(&worst_inputs, Revision(1)).snapshot;
     let worst_lat = latency(&worst, worst_shape);
+    drop(worst);
+    drop(worst_inputs);
+
+    let mut antrea_inputs = inputs.clone();
+    let antrea_shape = AntreaShape::ISSUE_22;
+    let before_antrea = LIVE.load(Ordering::Relaxed);
+    antrea_inputs.antrea = synth::antrea(antrea_shape, shape, SEED);
+    let antrea_input_bytes = LIVE.load(Ordering::Relaxed) - before_antrea;
+    let (antrea_times, antrea_bytes, antrea_snapshot) = compile_five(&antrea_inputs);
+    let antrea_lat = latency(&antrea_snapshot, shape);
 
     let mib = |b: isize| b as f64 / (1024.0 * 1024.0);
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
@@ -209,6 +232,38 @@ fn report() {
         "decide, every ANP selects all:   p50 {} ns  p99 {} ns  p99.9 {} ns  max {} ns",
         worst_lat.0, worst_lat.1, worst_lat.2, worst_lat.3
     );
+    println!(
+        "with Antrea (issue #22): {} Tiers ({} custom) x {} ACNPs x {} rules, {} ANNPs x {} rules, <= {} peers ({:.1} MiB of API objects)",
+        antrea_shape.custom_tiers + 6,
+        antrea_shape.custom_tiers,
+        antrea_shape.acnps_per_tier,
+        antrea_shape.rules_per_policy,
+        antrea_shape.annps,
+        antrea_shape.rules_per_policy,
+        antrea_shape.max_peers,
+        mib(antrea_input_bytes)
+    );
+    println!(
+        "  compile: median {:.1} ms, min {:.1} ms, max {:.1} ms (target <= 250 ms); {:.2}x without Antrea",
+        ms(antrea_times[2]),
+        ms(antrea_times[0]),
+        ms(antrea_times[4]),
+        ms(antrea_times[2]) / ms(compile_times[2])
+    );
+    println!(
+        "  snapshot: {:.1} MiB live heap (target <= 80 MiB); {:.2}x without Antrea",
+        mib(antrea_bytes),
+        antrea_bytes as f64 / snapshot_bytes as f64
+    );
+    println!(
+        "  decide, typical subjects:      p50 {} ns  p99 {} ns  p99.9 {} ns  max {} ns  (target p99 <= 2000 ns); p50 {:.2}x, p99 {:.2}x without Antrea",
+        antrea_lat.0,
+        antrea_lat.1,
+        antrea_lat.2,
+        antrea_lat.3,
+        antrea_lat.0 as f64 / typical.0 as f64,
+        antrea_lat.1 as f64 / typical.1 as f64
+    );
 }
 
 fn bench(c: &mut Criterion) {
@@ -223,10 +278,22 @@ fn bench(c: &mut Criterion) {
             black_box(s.decide(black_box(&flows[i])))
         })
     });
+    let mut with_antrea = inputs.clone();
+    with_antrea.antrea = synth::antrea(AntreaShape::ISSUE_22, shape, SEED);
+    let sa = Snapshot::compile(&with_antrea, Revision(1)).snapshot;
+    c.bench_function("decide/large-cluster+antrea", |b| {
+        b.iter(|| {
+            i = (i + 1) % flows.len();
+            black_box(sa.decide(black_box(&flows[i])))
+        })
+    });
     let mut g = c.benchmark_group("compile");
     g.sample_size(10);
     g.bench_function("large-cluster", |b| {
         b.iter(|| black_box(Snapshot::compile(&inputs, Revision(1))))
+    });
+    g.bench_function("large-cluster+antrea", |b| {
+        b.iter(|| black_box(Snapshot::compile(&with_antrea, Revision(1))))
     });
     g.finish();
 }
