@@ -379,7 +379,7 @@ pub fn antrea(
                     .map(|_| match rng.below(8) {
                         0 if !ingress => json!({"ipBlock": {"cidr": format!("192.{}.{}.0/24", rng.below(256), rng.below(256))}}),
                         0 | 1 => json!({"podSelector": {"matchLabels": {"app": format!("a{}", rng.below(APPS))}}}),
-                        2 if !namespaced && k % 20 == 0 => json!({"namespaces": {"match": "Self"}}),
+                        2 if !namespaced && k.is_multiple_of(20) => json!({"namespaces": {"match": "Self"}}),
                         _ => json!({"namespaceSelector": {"matchLabels": {"team": format!("t{}", rng.below(TEAMS))}},
                                     "podSelector": {"matchLabels": {"app": format!("a{}", rng.below(APPS))}}}),
                     })
@@ -405,7 +405,7 @@ pub fn antrea(
     let applied_to = |k: usize, namespaced: bool, rng: &mut Rng| {
         let app = json!({"matchLabels": {"app": format!("a{}", rng.below(APPS))}});
         let team = json!({"matchLabels": {"team": format!("t{}", rng.below(TEAMS))}});
-        match (namespaced, k % 5 == 0) {
+        match (namespaced, k.is_multiple_of(5)) {
             (true, true) => json!([{"podSelector": app}]),
             (true, false) => json!([{"podSelector": {}}]),
             (false, true) => json!([{"namespaceSelector": team, "podSelector": app}]),
