@@ -344,7 +344,8 @@ fn custom_tier_priority(t: usize, tiers: usize) -> i32 {
 /// - actions cycle Allow, Drop, Reject, Pass (Pass is not used in `baseline`);
 /// - peers: a team's namespaces and an app (ACNP) or an app in the policy's namespace
 ///   (ANNP), an app across the cluster, a /24 outside the pod network, and in every
-///   twentieth policy `namespaces.match: Self`;
+///   twentieth ACNP `namespaces.match: Self` (in another twentieth, the `fe` pods of
+///   namespaces with the subject's `env`: `namespaces.sameLabels`);
 /// - ports: one number in 1000–1063, the named port `metrics`, or a range (endPort);
 /// - priorities repeat in pairs inside a Tier, so policies of equal priority interleave.
 pub fn antrea(
@@ -380,6 +381,7 @@ pub fn antrea(
                         0 if !ingress => json!({"ipBlock": {"cidr": format!("192.{}.{}.0/24", rng.below(256), rng.below(256))}}),
                         0 | 1 => json!({"podSelector": {"matchLabels": {"app": format!("a{}", rng.below(APPS))}}}),
                         2 if !namespaced && k.is_multiple_of(20) => json!({"namespaces": {"match": "Self"}}),
+                        2 if !namespaced && k % 20 == 10 => json!({"namespaces": {"sameLabels": ["env"]}, "podSelector": {"matchLabels": {"tier": "fe"}}}),
                         _ => json!({"namespaceSelector": {"matchLabels": {"team": format!("t{}", rng.below(TEAMS))}},
                                     "podSelector": {"matchLabels": {"app": format!("a{}", rng.below(APPS))}}}),
                     })

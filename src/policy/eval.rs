@@ -491,8 +491,23 @@ impl Snapshot {
         let p = &self.policies[pid as usize];
         match &p.matchers[d] {
             Some(m) => {
-                let multi = matches!(peer, Endpoint::Pod(p) if self.pod_ips[p as usize].len() > 1);
-                m.first_rule(peer, multi, peer_ip, flow.protocol, flow.dst_port, dst_ports)
+                let (multi, peer_pod) = match peer {
+                    Endpoint::Pod(p) => (self.pod_ips[p as usize].len() > 1, p),
+                    _ => (false, u32::MAX),
+                };
+                let relative = |r: u32| {
+                    self.relative_matches(&p.rules[d][r as usize].peers, subject, peer_pod)
+                };
+                m.first_rule(
+                    subject,
+                    peer,
+                    multi,
+                    peer_ip,
+                    flow.protocol,
+                    flow.dst_port,
+                    dst_ports,
+                    relative,
+                )
             }
             None => self.first_rule_linear(p, d, subject, peer, peer_ip, flow, dst_ports),
         }

@@ -14,7 +14,11 @@
 //! - ports → disjoint intervals per protocol; named ports → a mask per name, resolved on
 //!   the destination pod at decision time.
 //!
-//! The first matching rule is then `(peer_mask & port_mask).trailing_zeros()`.
+//! The first matching rule is then `(peer_mask & port_mask).trailing_zeros()`. Antrea
+//! rules that depend on the subject fit too: a rule-level `appliedTo` is one more class
+//! table, by subject pod, that masks the port mask; a rule with subject-relative peers
+//! (`namespaces.match: Self`, `sameLabels`) is a bit the caller checks one by one, only
+//! when it sits below the first masked hit (antrea-model.md §6–§7).
 //! Policies with more than [`MAX_RULES`] rules in a direction keep the linear evaluation in
 //! `eval.rs` (NetworkPolicy has no rule limit; ANP has 100, CNP 25).
 
@@ -142,6 +146,17 @@ pub(crate) struct Matcher {
     ports: [PortMasks; 3],
     /// Named ports: (name, protocol of the entry if any, rules).
     named: Vec<(String, Option<Protocol>, RuleMask)>,
+    /// Rules scoped to their own subjects (Antrea rule-level `appliedTo`); 0 for every
+    /// policy kind but Antrea's.
+    scoped: RuleMask,
+    /// Per subject pod, the [`Matcher::scoped`] rules whose appliedTo holds it (empty when
+    /// no rule is scoped).
+    subjects: PodClasses,
+    /// Rules with subject-relative peers (Antrea `namespaces.match: Self`,
+    /// `namespaces.sameLabels`): a pod peer may match them beyond what
+    /// [`Matcher::pods`] says, which the caller checks rule by rule
+    /// ([`Matcher::first_rule`]'s `relative`).
+    relative: RuleMask,
 }
 
 /// A matcher's class table is full: [`Matcher::set_pod`] cannot add a class.
@@ -397,20 +412,30 @@ impl Matcher {
         let v6 = sweep(&mut v6, &mut interner);
         fold_addresses(&v4, &addrs.v4, &interner.masks, scratch, &mut touched);
         fold_addresses(&v6, &addrs.v6, &interner.masks, scratch, &mut touched);
-        let pods = if touched.len() * 8 >= pod_count {
-            let mut dense = vec![0 as Class; pod_count];
-            for &pod in &touched {
-                dense[pod as usize] = interner.intern(std::mem::take(&mut scratch[pod as usize]));
+        let pods = classes(std::mem::take(&mut touched), pod_count, &mut interner, scratch);
+        // Rule-level appliedTo: the same walk over each distinct set, now by subject.
+        let mut scoped: RuleMask = 0;
+        let mut relative: RuleMask = 0;
+        set_masks.clear();
+        for (r, rule) in rules.iter().enumerate() {
+            if let Some(s) = rule.applied_to {
+                scoped |= 1 << r;
+                *set_masks.entry(s).or_default() |= 1 << r;
             }
-            PodClasses::Dense(dense)
-        } else {
-            touched.sort_unstable();
-            let sparse = touched
-                .iter()
-                .map(|&p| (p, interner.intern(std::mem::take(&mut scratch[p as usize]))))
-                .collect();
-            PodClasses::Sparse(sparse)
-        };
+            if !rule.peers.relative.is_empty() {
+                relative |= 1 << r;
+            }
+        }
+        for (&s, &mask) in &set_masks {
+            for pod in pod_sets[s as usize].iter() {
+                let m = &mut scratch[pod as usize];
+                if *m == 0 {
+                    touched.push(pod);
+                }
+                *m |= mask;
+            }
+        }
+        let subjects = classes(std::mem::take(&mut touched), pod_count, &mut interner, scratch);
         let mut nodes: Vec<(u32, Class)> =
             node_mask.iter().map(|(n, m)| (*n, interner.intern(*m))).collect();
         nodes.sort_unstable();
@@ -424,7 +449,20 @@ impl Matcher {
                     .collect(),
             )
         });
-        Matcher { masks: interner.masks, all_peers, all_ports, pods, nodes, v4, v6, ports, named }
+        Matcher {
+            masks: interner.masks,
+            all_peers,
+            all_ports,
+            pods,
+            nodes,
+            v4,
+            v6,
+            ports,
+            named,
+            scoped,
+            subjects,
+            relative,
+        }
     }
 
     /// Sets the class of pod `pod` to what [`Matcher::build`] would give it now: the rules
@@ -453,26 +491,28 @@ impl Matcher {
             Some(IpAddr::V6(a)) => self.mask(self.v6.get(u128::from(a))),
             None => 0,
         };
-        let class = match self.masks.iter().position(|&m| m == mask) {
-            Some(c) => c as Class,
-            None if self.masks.len() > Class::MAX as usize => return Err(TooManyClasses),
+        let mut subject: RuleMask = 0;
+        for (r, rule) in rules.iter().enumerate() {
+            if rule.applied_to.is_some_and(|s| pod_sets[s as usize].contains(pod)) {
+                subject |= 1 << r;
+            }
+        }
+        let (class, subject) = (self.class_of(mask)?, self.class_of(subject)?);
+        self.pods.set(pod, class);
+        self.subjects.set(pod, subject);
+        Ok(())
+    }
+
+    /// The class of `mask`, added to the table if new.
+    fn class_of(&mut self, mask: RuleMask) -> Result<Class, TooManyClasses> {
+        match self.masks.iter().position(|&m| m == mask) {
+            Some(c) => Ok(c as Class),
+            None if self.masks.len() > Class::MAX as usize => Err(TooManyClasses),
             None => {
                 self.masks.push(mask);
-                (self.masks.len() - 1) as Class
+                Ok((self.masks.len() - 1) as Class)
             }
-        };
-        match &mut self.pods {
-            PodClasses::Dense(d) => d[pod as usize] = class,
-            PodClasses::Sparse(s) => match (s.binary_search_by_key(&pod, |e| e.0), class) {
-                (Ok(i), 0) => {
-                    s.remove(i);
-                }
-                (Ok(i), c) => s[i].1 = c,
-                (Err(_), 0) => {}
-                (Err(i), c) => s.insert(i, (pod, c)),
-            },
         }
-        Ok(())
     }
 
     #[inline]
@@ -480,17 +520,23 @@ impl Matcher {
         self.masks[c as usize]
     }
 
-    /// The index of the first rule matching the flow, if any. `multi_address` says that
-    /// `peer` is a pod with more than one address (its address matches are not folded).
+    /// The index of the first rule matching the flow, if any. `subject` is the subject
+    /// pod's id; `multi_address` says that `peer` is a pod with more than one address (its
+    /// address matches are not folded). `relative(rule)` says whether a rule's
+    /// subject-relative peers hold the pod `peer` (antrea-model.md §7); it is asked only
+    /// for such rules that could still be the first match, lowest first.
     #[inline]
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn first_rule(
         &self,
+        subject: u32,
         peer: Endpoint,
         multi_address: bool,
         ip: IpAddr,
         protocol: Protocol,
         port: u16,
         dst_ports: &[NamedPort],
+        relative: impl Fn(u32) -> bool,
     ) -> Option<u32> {
         let mut port_mask = self.all_ports | self.ports[protocol_index(protocol)].get(port);
         if !self.named.is_empty() {
@@ -504,18 +550,17 @@ impl Matcher {
                 }
             }
         }
+        if self.scoped != 0 {
+            // A scoped rule exists only for the subjects its appliedTo selects.
+            port_mask &= !self.scoped | self.mask(self.subjects.get(subject));
+        }
         if port_mask == 0 {
             return None;
         }
         let mut peer_mask = self.all_peers;
         let by_address = match peer {
             Endpoint::Pod(p) => {
-                peer_mask |= self.mask(match &self.pods {
-                    PodClasses::Dense(d) => d.get(p as usize).copied().unwrap_or(0),
-                    PodClasses::Sparse(s) => {
-                        s.binary_search_by_key(&p, |e| e.0).map_or(0, |i| s[i].1)
-                    }
-                });
+                peer_mask |= self.mask(self.pods.get(p));
                 multi_address
             }
             Endpoint::Node(n) => {
@@ -534,7 +579,70 @@ impl Matcher {
             };
         }
         let hit = port_mask & peer_mask;
+        if self.relative != 0 && matches!(peer, Endpoint::Pod(_)) {
+            // Relative rules below the first hit that the masks did not already match.
+            let below = if hit == 0 { RuleMask::MAX } else { (hit & hit.wrapping_neg()) - 1 };
+            let mut open = self.relative & port_mask & !peer_mask & below;
+            while open != 0 {
+                let r = open.trailing_zeros();
+                if relative(r) {
+                    return Some(r);
+                }
+                open &= open - 1;
+            }
+        }
         (hit != 0).then(|| hit.trailing_zeros())
+    }
+}
+
+impl PodClasses {
+    /// The class of pod `pod` (0 when it has none).
+    #[inline]
+    fn get(&self, pod: u32) -> Class {
+        match self {
+            PodClasses::Dense(d) => d.get(pod as usize).copied().unwrap_or(0),
+            PodClasses::Sparse(s) => s.binary_search_by_key(&pod, |e| e.0).map_or(0, |i| s[i].1),
+        }
+    }
+
+    /// Sets the class of pod `pod` (a pod id below the table's pod count).
+    fn set(&mut self, pod: u32, class: Class) {
+        match self {
+            PodClasses::Dense(d) => d[pod as usize] = class,
+            PodClasses::Sparse(s) => match (s.binary_search_by_key(&pod, |e| e.0), class) {
+                (Ok(i), 0) => {
+                    s.remove(i);
+                }
+                (Ok(i), c) => s[i].1 = c,
+                (Err(_), 0) => {}
+                (Err(i), c) => s.insert(i, (pod, c)),
+            },
+        }
+    }
+}
+
+/// The classes of the pods `touched` from their masks in `scratch` (zeroed again): a
+/// table by pod id when they are at least an eighth of the `pod_count` pods, sorted pairs
+/// otherwise.
+fn classes(
+    mut touched: Vec<u32>,
+    pod_count: usize,
+    interner: &mut Interner,
+    scratch: &mut [RuleMask],
+) -> PodClasses {
+    if touched.len() * 8 >= pod_count {
+        let mut dense = vec![0 as Class; pod_count];
+        for &pod in &touched {
+            dense[pod as usize] = interner.intern(std::mem::take(&mut scratch[pod as usize]));
+        }
+        PodClasses::Dense(dense)
+    } else {
+        touched.sort_unstable();
+        let sparse = touched
+            .iter()
+            .map(|&p| (p, interner.intern(std::mem::take(&mut scratch[p as usize]))))
+            .collect();
+        PodClasses::Sparse(sparse)
     }
 }
 

@@ -297,14 +297,6 @@ pub(crate) struct Rule {
     pub(crate) log_label: Option<std::sync::Arc<str>>,
 }
 
-impl Rule {
-    /// Whether the rule-mask [`Matcher`](super::matcher::Matcher) cannot evaluate this
-    /// rule (it depends on the subject), so its policy is evaluated rule by rule.
-    pub(crate) fn depends_on_subject(&self) -> bool {
-        self.applied_to.is_some() || !self.peers.relative.is_empty()
-    }
-}
-
 /// Prefix of the annotations a [`Snapshot`](super::Snapshot) keeps for each policy
 /// ([`Snapshot::policy_annotation`](super::Snapshot::policy_annotation)): tierproxy's own
 /// settings on upstream objects, such as `tierproxy.io/audit` (docs/audit.md), which need

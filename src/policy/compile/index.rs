@@ -159,11 +159,9 @@ fn build_matchers(
 }
 
 /// Whether the rules of one policy direction get a [`Matcher`]: at most [`MAX_RULES`] of
-/// them, none depending on the subject (Antrea rule-level appliedTo, subject-relative
-/// peers), which a rule mask per peer class cannot express. Otherwise they are evaluated
-/// rule by rule.
+/// them. Otherwise they are evaluated rule by rule.
 pub(super) fn matchable(rules: &[Rule]) -> bool {
-    rules.len() <= MAX_RULES && !rules.iter().any(Rule::depends_on_subject)
+    rules.len() <= MAX_RULES
 }
 
 /// Per named port, the (protocol, number) pairs some pod declares under that name.
