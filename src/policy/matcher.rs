@@ -6,8 +6,9 @@
 //! bit of a [`RuleMask`], and the matcher precomputes, for every way a peer or a port can
 //! be seen, the set of rules it satisfies:
 //!
-//! - pods → interned mask classes (dense table when the policy reaches many pods, sorted
-//!   pairs otherwise);
+//! - pods → interned mask classes (a table by pod id when the policy reaches at least half
+//!   the pods, a presence bitmap with ranks down to a twentieth, sorted ids below that;
+//!   one-byte classes while they fit);
 //! - nodes → sorted pairs;
 //! - IPv4 / IPv6 addresses → disjoint intervals (a sweep over every `networks` / `ipBlock`
 //!   range, `except` ranges carved out), looked up by binary search;
@@ -66,12 +67,81 @@ impl PortMasks {
     }
 }
 
+/// Class ids, one byte each while every id fits (most matchers have a few dozen classes),
+/// else two.
+#[derive(Debug, Clone)]
+enum ClassVec {
+    U8(Vec<u8>),
+    U16(Vec<Class>),
+}
+
+impl ClassVec {
+    /// `classes` as one byte each if they all fit.
+    fn from_classes(classes: Vec<Class>) -> ClassVec {
+        if classes.iter().all(|&c| c <= u8::MAX as Class) {
+            ClassVec::U8(classes.into_iter().map(|c| c as u8).collect())
+        } else {
+            ClassVec::U16(classes)
+        }
+    }
+
+    #[inline]
+    fn get(&self, i: usize) -> Class {
+        match self {
+            ClassVec::U8(v) => v[i] as Class,
+            ClassVec::U16(v) => v[i],
+        }
+    }
+
+    /// Two bytes per class from now on, if `c` needs them.
+    fn widen_for(&mut self, c: Class) {
+        if let ClassVec::U8(v) = self
+            && c > u8::MAX as Class
+        {
+            *self = ClassVec::U16(v.iter().map(|&x| x as Class).collect());
+        }
+    }
+
+    fn set(&mut self, i: usize, c: Class) {
+        self.widen_for(c);
+        match self {
+            ClassVec::U8(v) => v[i] = c as u8,
+            ClassVec::U16(v) => v[i] = c,
+        }
+    }
+
+    fn insert(&mut self, i: usize, c: Class) {
+        self.widen_for(c);
+        match self {
+            ClassVec::U8(v) => v.insert(i, c as u8),
+            ClassVec::U16(v) => v.insert(i, c),
+        }
+    }
+
+    fn remove(&mut self, i: usize) {
+        match self {
+            ClassVec::U8(v) => {
+                v.remove(i);
+            }
+            ClassVec::U16(v) => {
+                v.remove(i);
+            }
+        }
+    }
+}
+
+/// The class of each pod a matcher knows (pod ids absent have class 0), in the smallest of
+/// three layouts for how many pods that is:
+/// - `Dense`: a class per pod id, when at least half the pods have one;
+/// - `Ranked`: a presence bit per pod id, 64 to a block with the number of present pods
+///   before it, and the classes of the present pods in id order (a block word, a popcount
+///   and a class: two loads), down to a twentieth of the pods;
+/// - `Sparse`: the present pods' ids, sorted, and their classes (a binary search).
 #[derive(Debug, Clone)]
 enum PodClasses {
-    /// Indexed by pod id.
-    Dense(Vec<Class>),
-    /// Sorted by pod id.
-    Sparse(Vec<(u32, Class)>),
+    Dense(ClassVec),
+    Ranked { blocks: Vec<(u64, u32)>, classes: ClassVec },
+    Sparse { pods: Vec<u32>, classes: ClassVec },
 }
 
 /// Pod addresses sorted for range scans: single-address pods by family. A pod with more
@@ -600,49 +670,95 @@ impl PodClasses {
     #[inline]
     fn get(&self, pod: u32) -> Class {
         match self {
-            PodClasses::Dense(d) => d.get(pod as usize).copied().unwrap_or(0),
-            PodClasses::Sparse(s) => s.binary_search_by_key(&pod, |e| e.0).map_or(0, |i| s[i].1),
+            PodClasses::Dense(d) => match d {
+                ClassVec::U8(v) => v.get(pod as usize).map_or(0, |&c| c as Class),
+                ClassVec::U16(v) => v.get(pod as usize).copied().unwrap_or(0),
+            },
+            PodClasses::Ranked { blocks, classes } => {
+                let Some(&(word, rank)) = blocks.get(pod as usize / 64) else { return 0 };
+                let bit = 1u64 << (pod % 64);
+                if word & bit == 0 {
+                    return 0;
+                }
+                classes.get(rank as usize + (word & (bit - 1)).count_ones() as usize)
+            }
+            PodClasses::Sparse { pods, classes } => {
+                pods.binary_search(&pod).map_or(0, |i| classes.get(i))
+            }
         }
     }
 
-    /// Sets the class of pod `pod` (a pod id below the table's pod count).
+    /// Sets the class of pod `pod` (a pod id below the pod count the table was built for).
     fn set(&mut self, pod: u32, class: Class) {
         match self {
-            PodClasses::Dense(d) => d[pod as usize] = class,
-            PodClasses::Sparse(s) => match (s.binary_search_by_key(&pod, |e| e.0), class) {
-                (Ok(i), 0) => {
-                    s.remove(i);
+            PodClasses::Dense(d) => d.set(pod as usize, class),
+            PodClasses::Ranked { blocks, classes } => {
+                let b = pod as usize / 64;
+                let bit = 1u64 << (pod % 64);
+                let (word, rank) = blocks[b];
+                let at = rank as usize + (word & (bit - 1)).count_ones() as usize;
+                match (word & bit != 0, class) {
+                    (true, 0) => {
+                        classes.remove(at);
+                        blocks[b].0 &= !bit;
+                        blocks[b + 1..].iter_mut().for_each(|e| e.1 -= 1);
+                    }
+                    (true, c) => classes.set(at, c),
+                    (false, 0) => {}
+                    (false, c) => {
+                        classes.insert(at, c);
+                        blocks[b].0 |= bit;
+                        blocks[b + 1..].iter_mut().for_each(|e| e.1 += 1);
+                    }
                 }
-                (Ok(i), c) => s[i].1 = c,
+            }
+            PodClasses::Sparse { pods, classes } => match (pods.binary_search(&pod), class) {
+                (Ok(i), 0) => {
+                    pods.remove(i);
+                    classes.remove(i);
+                }
+                (Ok(i), c) => classes.set(i, c),
                 (Err(_), 0) => {}
-                (Err(i), c) => s.insert(i, (pod, c)),
+                (Err(i), c) => {
+                    pods.insert(i, pod);
+                    classes.insert(i, c);
+                }
             },
         }
     }
 }
 
-/// The classes of the pods `touched` from their masks in `scratch` (zeroed again): a
-/// table by pod id when they are at least an eighth of the `pod_count` pods, sorted pairs
-/// otherwise.
+/// The classes of the pods `touched` (each once) from their masks in `scratch` (zeroed
+/// again), in the layout [`PodClasses`] picks for how many of the `pod_count` pods that is.
 fn classes(
     mut touched: Vec<u32>,
     pod_count: usize,
     interner: &mut Interner,
     scratch: &mut [RuleMask],
 ) -> PodClasses {
-    if touched.len() * 8 >= pod_count {
+    let mut class = |pod: u32| interner.intern(std::mem::take(&mut scratch[pod as usize]));
+    if touched.len() * 2 >= pod_count {
         let mut dense = vec![0 as Class; pod_count];
         for &pod in &touched {
-            dense[pod as usize] = interner.intern(std::mem::take(&mut scratch[pod as usize]));
+            dense[pod as usize] = class(pod);
         }
-        PodClasses::Dense(dense)
+        return PodClasses::Dense(ClassVec::from_classes(dense));
+    }
+    touched.sort_unstable();
+    let classes = ClassVec::from_classes(touched.iter().map(|&p| class(p)).collect());
+    if touched.len() * 20 >= pod_count {
+        let mut blocks = vec![(0u64, 0u32); pod_count.div_ceil(64)];
+        for &pod in &touched {
+            blocks[pod as usize / 64].0 |= 1 << (pod % 64);
+        }
+        let mut rank = 0;
+        for b in &mut blocks {
+            b.1 = rank;
+            rank += b.0.count_ones();
+        }
+        PodClasses::Ranked { blocks, classes }
     } else {
-        touched.sort_unstable();
-        let sparse = touched
-            .iter()
-            .map(|&p| (p, interner.intern(std::mem::take(&mut scratch[p as usize]))))
-            .collect();
-        PodClasses::Sparse(sparse)
+        PodClasses::Sparse { pods: touched, classes }
     }
 }
 
@@ -1003,5 +1119,54 @@ mod tests {
         assert_eq!(m(19), 1);
         assert_eq!(m(30), 1);
         assert_eq!(m(31), 0);
+    }
+
+    /// Every layout of [`PodClasses`] (dense, ranked, sparse) answers as a plain map from
+    /// pod to class, before and after pods gain, change and lose their class, including a
+    /// class that needs two bytes.
+    #[test]
+    fn pod_class_layouts_read_and_patch_as_a_map() {
+        let pods = 1000usize;
+        for touched in [900usize, 200, 10] {
+            let mut interner = Interner::new();
+            let mut scratch = vec![0 as RuleMask; pods];
+            let mut truth = vec![0 as Class; pods];
+            let picked: Vec<u32> = (0..touched as u32).map(|i| (i * 997) % pods as u32).collect();
+            for &p in &picked {
+                scratch[p as usize] = 1 << (p % 7);
+            }
+            let mut table = super::classes(picked.clone(), pods, &mut interner, &mut scratch);
+            assert!(scratch.iter().all(|&m| m == 0), "scratch is left zeroed");
+            for &p in &picked {
+                truth[p as usize] = interner.intern(1 << (p % 7));
+            }
+            let layout = match &table {
+                PodClasses::Dense(_) => "dense",
+                PodClasses::Ranked { .. } => "ranked",
+                PodClasses::Sparse { .. } => "sparse",
+            };
+            let expected = match touched {
+                900 => "dense",
+                200 => "ranked",
+                _ => "sparse",
+            };
+            assert_eq!(layout, expected);
+            let check = |table: &PodClasses, truth: &[Class]| {
+                for p in 0..pods as u32 + 70 {
+                    let want = truth.get(p as usize).copied().unwrap_or(0);
+                    assert_eq!(table.get(p), want, "{layout}: pod {p}");
+                }
+            };
+            check(&table, &truth);
+            // Gain (first, middle, last pod), change, lose, and a class beyond one byte.
+            for (p, c) in [(0u32, 3), (501, 5), (999, 2), (picked[1], 0), (picked[2], 300)] {
+                table.set(p, c);
+                truth[p as usize] = c;
+                check(&table, &truth);
+            }
+            table.set(picked[2], 0);
+            truth[picked[2] as usize] = 0;
+            check(&table, &truth);
+        }
     }
 }
