@@ -235,6 +235,16 @@ pub(crate) struct Peers {
     pub(crate) relative: Vec<Relative>,
 }
 
+impl Peers {
+    /// Drops the spare capacity of the lists: a snapshot keeps every rule's peers for its
+    /// whole life, and lists built by pushing hold up to twice what they use.
+    pub(crate) fn shrink_to_fit(&mut self) {
+        self.pod_sets.shrink_to_fit();
+        self.blocks.shrink_to_fit();
+        self.relative.shrink_to_fit();
+    }
+}
+
 /// An Antrea peer whose namespaces depend on the subject's namespace
 /// (`shared/reference/antrea-model.md` §7): the pods of `pods` (the peer's `podSelector`
 /// across all namespaces, or every pod) in the namespaces `same` picks.

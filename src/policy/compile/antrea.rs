@@ -241,6 +241,7 @@ impl Cluster {
                 rules[d as usize].push(self.antrea_rule(i, d, r, ns, applied));
             }
         }
+        rules.iter_mut().for_each(Vec::shrink_to_fit);
         let applies = [!rules[0].is_empty(), !rules[1].is_empty()];
         let (subject, subject_set) = match spec_set {
             Some(s) => (Arc::clone(&self.interner.sets[s as usize]), Some(s)),
@@ -476,6 +477,9 @@ impl Cluster {
             // Only ICMP/IGMP protocols, or only port entries an Allow cannot evaluate.
             peers = Peers::default();
         }
+        peers.shrink_to_fit();
+        let mut ports = ports;
+        ports.0.shrink_to_fit();
         Rule {
             name: (!r.name.is_empty()).then(|| r.name.clone()),
             index: index as u32,

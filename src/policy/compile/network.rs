@@ -154,6 +154,7 @@ impl Cluster {
             }
             out.pod_sets.sort_unstable();
             out.pod_sets.dedup();
+            out.shrink_to_fit();
             out
         };
         // NetworkPolicy rules only allow; a rule's position is its index.
@@ -182,6 +183,7 @@ impl Cluster {
                 rules[1].push(allow(i, peers, ports));
             }
         }
+        rules.iter_mut().for_each(Vec::shrink_to_fit);
         Some(Policy {
             object: Arc::new(object),
             tier: Tier::NetworkPolicy,
