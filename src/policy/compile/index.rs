@@ -123,7 +123,9 @@ pub(super) fn per_pod_policies(
     let mut set_ids: HashMap<Arc<PodPolicies>, u32> = HashMap::new();
     let per_pod: Vec<u32> = per_pod
         .into_iter()
-        .map(|lists| {
+        .map(|mut lists| {
+            // Kept for the snapshot's life: no spare capacity from the pushes.
+            lists.by_tier.iter_mut().flatten().for_each(Vec::shrink_to_fit);
             let lists = Arc::new(lists);
             *set_ids.entry(lists).or_insert_with_key(|lists| {
                 policy_sets.push(Arc::clone(lists));
