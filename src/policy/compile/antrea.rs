@@ -33,6 +33,7 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use roaring::RoaringBitmap;
 
 use super::cluster::{Cluster, SetKey};
+use super::parallel::{balanced_ranges, default_workers, par_ranges};
 use super::{meta_namespace, own_annotations, port_u16, protocol_or_tcp, selector};
 use crate::policy::antrea_tiers::{TierTable, tier_object_name};
 use crate::policy::api::antrea::{
@@ -60,19 +61,43 @@ pub fn admit(objects: &antrea::Objects, problems: &mut Vec<Problem>) -> antrea::
     let mut tiers = last_of_each(&objects.tiers, Kind::AntreaTier, problems);
     crate::policy::antrea_tiers::creation_order(&mut tiers);
     let (table, tiers) = TierTable::build(&tiers, problems);
-    fn admit_kind<T: kube::Resource>(
+    // Each policy is checked against the Tier table alone, so the checks run on worker
+    // threads (a large set holds a thousand policies and a hundred thousand peers); their
+    // problems are reported in input order all the same.
+    fn admit_kind<T: kube::Resource + Send + Sync>(
         items: &[Arc<T>],
         kind: Kind,
-        check: impl Fn(&T, &mut Vec<Problem>),
+        check: impl Fn(&T, &mut Vec<Problem>) + Sync,
+        weight: impl Fn(&T) -> usize,
         problems: &mut Vec<Problem>,
     ) -> Vec<Arc<T>> {
-        let mut kept = last_of_each(items, kind, problems);
-        kept.retain(|p| {
-            let start = problems.len();
-            check(p, problems);
-            !problems[start..].iter().any(Problem::is_error)
+        let kept = last_of_each(items, kind, problems);
+        let weights: Vec<usize> = kept.iter().map(|p| weight(p)).collect();
+        let ranges = balanced_ranges(&weights, default_workers());
+        let checked = par_ranges(&kept, &ranges, |_, chunk| {
+            chunk
+                .iter()
+                .map(|p| {
+                    let mut found = Vec::new();
+                    check(p, &mut found);
+                    found
+                })
+                .collect::<Vec<_>>()
         });
-        kept
+        let mut admitted = Vec::with_capacity(kept.len());
+        for (p, found) in kept.into_iter().zip(checked.into_iter().flatten()) {
+            let valid = !found.iter().any(Problem::is_error);
+            problems.extend(found);
+            if valid {
+                admitted.push(p);
+            }
+        }
+        admitted
+    }
+    /// About how much checking a policy takes: its rules and peers.
+    fn weight(spec: PolicySpecRef<'_>) -> usize {
+        let rules = spec.ingress.iter().chain(spec.egress);
+        1 + spec.applied_to.len() + rules.map(|r| 1 + r.from.len() + r.to.len()).sum::<usize>()
     }
     antrea::Objects {
         tiers,
@@ -80,12 +105,14 @@ pub fn admit(objects: &antrea::Objects, problems: &mut Vec<Problem>) -> antrea::
             &objects.cluster_network_policies,
             Kind::AntreaClusterNetworkPolicy,
             |p, out| validate::antrea_cluster_network_policy(p, &table, out),
+            |p| weight((&p.spec).into()),
             problems,
         ),
         network_policies: admit_kind(
             &objects.network_policies,
             Kind::AntreaNetworkPolicy,
             |p, out| validate::antrea_network_policy(p, &table, out),
+            |p| weight((&p.spec).into()),
             problems,
         ),
     }
