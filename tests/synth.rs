@@ -4,18 +4,24 @@
 use tierproxy::policy::{Basis, Revision, Snapshot, Verdict};
 use tierproxy::synth::{self, Shape};
 
-#[test]
-fn synthetic_cluster_is_valid_and_deterministic() {
-    let shape = Shape {
+/// A small cluster of `pods` pods in 20 namespaces on 4 nodes, 30 NetworkPolicies and
+/// 12 ANPs × 10 rules × ≤ 10 peers.
+fn small(pods: usize) -> Shape {
+    Shape {
         namespaces: 20,
-        pods: 200,
+        pods,
         nodes: 4,
         network_policies: 30,
         admin_policies: 12,
         rules_per_admin_policy: 10,
         max_peers: 10,
         admin_selects_all: false,
-    };
+    }
+}
+
+#[test]
+fn synthetic_cluster_is_valid_and_deterministic() {
+    let shape = small(200);
     let inputs = synth::cluster(shape, 7);
     let c = Snapshot::compile(&inputs, Revision(1));
     let errors: Vec<String> =
@@ -34,16 +40,7 @@ fn synthetic_cluster_is_valid_and_deterministic() {
 /// agrees with the reference evaluation on every flow.
 #[test]
 fn synthetic_antrea_set_is_valid_decides_and_agrees_with_the_reference() {
-    let shape = Shape {
-        namespaces: 20,
-        pods: 400,
-        nodes: 4,
-        network_policies: 30,
-        admin_policies: 12,
-        rules_per_admin_policy: 10,
-        max_peers: 10,
-        admin_selects_all: false,
-    };
+    let shape = small(400);
     let antrea = synth::AntreaShape {
         custom_tiers: 8,
         acnps_per_tier: 10,

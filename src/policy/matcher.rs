@@ -738,26 +738,34 @@ fn classes(
 ) -> PodClasses {
     let mut class = |pod: u32| interner.intern(std::mem::take(&mut scratch[pod as usize]));
     if touched.len() * 2 >= pod_count {
-        let mut dense = vec![0 as Class; pod_count];
+        // One byte per pod until a class needs two.
+        let mut dense = ClassVec::U8(vec![0; pod_count]);
         for &pod in &touched {
-            dense[pod as usize] = class(pod);
+            dense.set(pod as usize, class(pod));
         }
-        return PodClasses::Dense(ClassVec::from_classes(dense));
+        return PodClasses::Dense(dense);
     }
-    touched.sort_unstable();
-    let classes = ClassVec::from_classes(touched.iter().map(|&p| class(p)).collect());
     if touched.len() * 20 >= pod_count {
+        // The presence bits put the pods in id order; no sort needed.
         let mut blocks = vec![(0u64, 0u32); pod_count.div_ceil(64)];
         for &pod in &touched {
             blocks[pod as usize / 64].0 |= 1 << (pod % 64);
         }
+        let mut ids = Vec::with_capacity(touched.len());
         let mut rank = 0;
-        for b in &mut blocks {
-            b.1 = rank;
-            rank += b.0.count_ones();
+        for (b, block) in blocks.iter_mut().enumerate() {
+            block.1 = rank;
+            rank += block.0.count_ones();
+            let mut word = block.0;
+            while word != 0 {
+                ids.push(class((b * 64) as u32 + word.trailing_zeros()));
+                word &= word - 1;
+            }
         }
-        PodClasses::Ranked { blocks, classes }
+        PodClasses::Ranked { blocks, classes: ClassVec::from_classes(ids) }
     } else {
+        touched.sort_unstable();
+        let classes = ClassVec::from_classes(touched.iter().map(|&p| class(p)).collect());
         PodClasses::Sparse { pods: touched, classes }
     }
 }
