@@ -342,10 +342,10 @@ fn custom_tier_priority(t: usize, tiers: usize) -> i32 {
 /// - appliedTo: a team's namespaces (every fifth policy narrowed to one app), every
 ///   twenty-fifth policy with rule-level appliedTo instead (subject-dependent rules);
 /// - actions cycle Allow, Drop, Reject, Pass (Pass is not used in `baseline`);
-/// - peers: a team's namespaces and an app (ACNP) or an app in the policy's namespace
-///   (ANNP), an app across the cluster, a /24 outside the pod network, and in every
-///   twentieth ACNP `namespaces.match: Self` (in another twentieth, the `fe` pods of
-///   namespaces with the subject's `env`: `namespaces.sameLabels`);
+/// - peers: an app in a team's namespaces; an app alone (across the cluster in an ACNP, in
+///   the policy's namespace in an ANNP); in egress rules a /24 outside the pod network; and
+///   in every twentieth ACNP `namespaces.match: Self` (in another twentieth, the `fe` pods
+///   of namespaces with the subject's `env`: `namespaces.sameLabels`);
 /// - ports: one number in 1000–1063, the named port `metrics`, or a range (endPort);
 /// - priorities repeat in pairs inside a Tier, so policies of equal priority interleave.
 pub fn antrea(
