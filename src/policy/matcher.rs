@@ -21,7 +21,9 @@
 //! (`namespaces.match: Self`, `sameLabels`) is a bit the caller checks one by one, only
 //! when it sits below the first masked hit (antrea-model.md §6–§7).
 //! Policies with more than [`MAX_RULES`] rules in a direction keep the linear evaluation in
-//! `eval.rs` (NetworkPolicy has no rule limit; ANP has 100, CNP 25).
+//! `eval.rs` (NetworkPolicy has no rule limit; ANP has 100, CNP 25), and so does a direction
+//! whose rules split pods, addresses and ports into more distinct masks than a class id
+//! numbers (65,535; [`Matcher::build`]).
 
 use std::net::IpAddr;
 
@@ -249,6 +251,8 @@ struct Interner {
     /// The last mask interned and its class: neighbouring pods (one set's members, one
     /// interval after another) mostly repeat it, and this skips the table.
     last: (RuleMask, Class),
+    /// A mask found no class id (more than [`Class::MAX`] distinct masks).
+    full: bool,
 }
 
 impl Interner {
@@ -265,6 +269,11 @@ impl Interner {
         }
         let c = match self.ids.get(&m) {
             Some(&c) => c,
+            None if self.masks.len() > Class::MAX as usize => {
+                // No class id left: the build fails ([`Matcher::build`]).
+                self.full = true;
+                return 0;
+            }
             None => {
                 let c = self.masks.len() as Class;
                 self.masks.push(m);
@@ -407,12 +416,18 @@ impl Matcher {
     /// Compiles `rules` (≤ [`MAX_RULES`]) of one policy direction. `pod_sets` are the
     /// snapshot's interned pod sets; `addrs` its single-address pods; `scratch` holds one
     /// zeroed mask per pod and is left zeroed.
+    ///
+    /// # Errors
+    /// [`TooManyClasses`] when the rules split pods, addresses and ports into more distinct
+    /// rule masks than a [`Class`] can number (65,535: possible only with that many pods,
+    /// each in its own combination of the rules' peer sets). The policy direction is then
+    /// evaluated rule by rule, as one above [`MAX_RULES`] is: slower, never wrong.
     pub(crate) fn build(
         rules: &[Rule],
         pod_sets: &[std::sync::Arc<roaring::RoaringBitmap>],
         addrs: &PodAddrs,
         scratch: &mut [RuleMask],
-    ) -> Matcher {
+    ) -> Result<Matcher, TooManyClasses> {
         let pod_count = scratch.len();
         debug_assert!(rules.len() <= MAX_RULES);
         let mut interner = Interner::new();
@@ -519,7 +534,10 @@ impl Matcher {
                     .collect(),
             )
         });
-        Matcher {
+        if interner.full {
+            return Err(TooManyClasses);
+        }
+        Ok(Matcher {
             masks: interner.masks,
             all_peers,
             all_ports,
@@ -532,7 +550,7 @@ impl Matcher {
             scoped,
             subjects,
             relative,
-        }
+        })
     }
 
     /// Sets the class of pod `pod` to what [`Matcher::build`] would give it now: the rules
@@ -1176,5 +1194,52 @@ mod tests {
             truth[picked[2] as usize] = 0;
             check(&table, &truth);
         }
+    }
+
+    /// More distinct rule masks than a class id can number (17 rules, each holding the pods
+    /// whose id has one bit set: every one of 70,000 pods its own mask) is refused, not
+    /// wrapped into wrong classes; the caller then evaluates rule by rule.
+    #[test]
+    fn more_masks_than_class_ids_fail_the_build() {
+        use crate::policy::model::{Action, Peers, Rule};
+        use crate::policy::ports::Ports;
+        let pods = 70_000u32;
+        let sets: Vec<std::sync::Arc<roaring::RoaringBitmap>> = (0..17)
+            .map(|bit| std::sync::Arc::new((0..pods).filter(|p| p >> bit & 1 == 1).collect()))
+            .collect();
+        let rule = |k: u32| Rule {
+            name: None,
+            index: k,
+            action: Action::Allow,
+            peers: Peers { pod_sets: vec![k], ..Peers::default() },
+            ports: Ports::any(),
+            fail_closed: false,
+            applied_to: None,
+            enable_logging: false,
+            log_label: None,
+        };
+        let mut scratch = vec![0 as RuleMask; pods as usize];
+        let addrs = PodAddrs::default();
+        let rules: Vec<Rule> = (0..17).map(rule).collect();
+        assert!(Matcher::build(&rules, &sets, &addrs, &mut scratch).is_err());
+        assert!(scratch.iter().all(|&m| m == 0), "scratch is left zeroed");
+        // 16 rules: 65,536 masks, the empty one among them, fit.
+        let m = Matcher::build(&rules[..16], &sets, &addrs, &mut scratch).expect("fits");
+        let hit = |p: u32| {
+            m.first_rule(
+                0,
+                Endpoint::Pod(p),
+                false,
+                [0, 0, 0, 0].into(),
+                Protocol::Tcp,
+                80,
+                &[],
+                |_| false,
+            )
+        };
+        assert_eq!(hit(0), None);
+        assert_eq!(hit(0b1000), Some(3));
+        assert_eq!(hit(65_535), Some(0));
+        assert_eq!(hit(65_536 + 0b100), Some(2));
     }
 }

@@ -423,7 +423,9 @@ impl State {
             let rules = &policy.rules[d];
             scratch.resize(s.pods.len(), 0);
             policy.matchers[d] = matchable(rules)
-                .then(|| Arc::new(Matcher::build(rules, sets, &self.cluster.addrs, &mut scratch)));
+                .then(|| Matcher::build(rules, sets, &self.cluster.addrs, &mut scratch).ok())
+                .flatten()
+                .map(Arc::new);
         }
 
         // Who names which set now.
@@ -627,11 +629,14 @@ impl State {
             let p = &mut s.policies[pid as usize];
             let rules = &p.rules[d as usize];
             let Some(m) = p.matchers[d as usize].as_mut() else { continue };
-            let m = Arc::make_mut(m);
-            if m.set_pod(pod, rules, &s.pod_sets, addr).is_err() {
-                // Its class table is full: build it again from what the sets hold now.
+            if Arc::make_mut(m).set_pod(pod, rules, &s.pod_sets, addr).is_err() {
+                // Its class table is full: build it again from what the sets hold now, or,
+                // past what a matcher numbers, evaluate that direction rule by rule.
                 let mut scratch = vec![0; s.pods.len()];
-                *m = Matcher::build(rules, &s.pod_sets, &self.cluster.addrs, &mut scratch);
+                p.matchers[d as usize] =
+                    Matcher::build(rules, &s.pod_sets, &self.cluster.addrs, &mut scratch)
+                        .ok()
+                        .map(Arc::new);
             }
         }
         // The pod's per-pod list: the policies whose subject flipped join or leave it.

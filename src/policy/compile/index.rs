@@ -153,8 +153,11 @@ fn build_matchers(
     let ranges = balanced_ranges(&weights, workers);
     let built = par_ranges(policies, &ranges, |_, chunk| {
         let mut scratch = vec![0; pods];
-        let mut build =
-            |r: &Vec<Rule>| matchable(r).then(|| Matcher::build(r, sets, addrs, &mut scratch));
+        // A direction whose masks need more classes than a matcher numbers is walked rule
+        // by rule ([`Matcher::build`]'s error), as one above the rule limit is.
+        let mut build = |r: &Vec<Rule>| {
+            matchable(r).then(|| Matcher::build(r, sets, addrs, &mut scratch).ok()).flatten()
+        };
         chunk.iter().map(|p| [build(&p.rules[0]), build(&p.rules[1])]).collect::<Vec<_>>()
     });
     built.into_iter().flatten().collect()
