@@ -221,54 +221,37 @@ pub fn augment(inputs: &Inputs) -> Result<(Inputs, Vec<Added>), DualStackError> 
 /// # Errors
 /// [`DualStackError::Encode`] naming the object.
 pub fn manifest_text(inputs: &Inputs) -> Result<String, DualStackError> {
-    fn put<T: Serialize>(
+    fn put<T: Serialize + kube::Resource>(
         out: &mut Vec<u8>,
         items: &[std::sync::Arc<T>],
-        name: impl Fn(&T) -> String,
+        kind: &str,
     ) -> Result<(), DualStackError> {
         for item in items {
-            serde_json::to_writer_pretty(&mut *out, item)
-                .map_err(|source| DualStackError::Encode { object: name(item), source })?;
+            serde_json::to_writer_pretty(&mut *out, item).map_err(|source| {
+                let meta = item.meta();
+                let name = meta.name.as_deref().unwrap_or("");
+                let object = match meta.namespace.as_deref() {
+                    Some(ns) => format!("{kind} {ns}/{name}"),
+                    None => format!("{kind} {name}"),
+                };
+                DualStackError::Encode { object, source }
+            })?;
             out.push(b'\n');
         }
         Ok(())
     }
-    let meta_name = |kind: &str, ns: Option<&str>, name: Option<&str>| match ns {
-        Some(ns) => format!("{kind} {ns}/{}", name.unwrap_or("")),
-        None => format!("{kind} {}", name.unwrap_or("")),
-    };
     let mut out = Vec::new();
-    put(&mut out, &inputs.namespaces, |o| {
-        meta_name("namespace", None, o.metadata.name.as_deref())
-    })?;
-    put(&mut out, &inputs.nodes, node_name)?;
-    put(&mut out, &inputs.pods, pod_name)?;
-    put(&mut out, &inputs.network_policies, |o| {
-        meta_name("networkpolicy", o.metadata.namespace.as_deref(), o.metadata.name.as_deref())
-    })?;
-    put(&mut out, &inputs.admin_network_policies, |o| {
-        meta_name("adminnetworkpolicy", None, o.metadata.name.as_deref())
-    })?;
-    put(&mut out, &inputs.baseline_admin_network_policies, |o| {
-        meta_name("baselineadminnetworkpolicy", None, o.metadata.name.as_deref())
-    })?;
-    put(&mut out, &inputs.cluster_network_policies, |o| {
-        meta_name("clusternetworkpolicy", None, o.metadata.name.as_deref())
-    })?;
+    put(&mut out, &inputs.namespaces, "namespace")?;
+    put(&mut out, &inputs.nodes, "node")?;
+    put(&mut out, &inputs.pods, "pod")?;
+    put(&mut out, &inputs.network_policies, "networkpolicy")?;
+    put(&mut out, &inputs.admin_network_policies, "adminnetworkpolicy")?;
+    put(&mut out, &inputs.baseline_admin_network_policies, "baselineadminnetworkpolicy")?;
+    put(&mut out, &inputs.cluster_network_policies, "clusternetworkpolicy")?;
     let antrea = &inputs.antrea;
-    put(&mut out, &antrea.tiers, |o| {
-        meta_name("tier.crd.antrea.io", None, o.metadata.name.as_deref())
-    })?;
-    put(&mut out, &antrea.cluster_network_policies, |o| {
-        meta_name("clusternetworkpolicy.crd.antrea.io", None, o.metadata.name.as_deref())
-    })?;
-    put(&mut out, &antrea.network_policies, |o| {
-        meta_name(
-            "networkpolicy.crd.antrea.io",
-            o.metadata.namespace.as_deref(),
-            o.metadata.name.as_deref(),
-        )
-    })?;
+    put(&mut out, &antrea.tiers, "tier.crd.antrea.io")?;
+    put(&mut out, &antrea.cluster_network_policies, "clusternetworkpolicy.crd.antrea.io")?;
+    put(&mut out, &antrea.network_policies, "networkpolicy.crd.antrea.io")?;
     Ok(String::from_utf8_lossy(&out).into_owned())
 }
 
