@@ -53,12 +53,19 @@ fn validator_available(test: &str) -> bool {
 
 /// Runs tests/validate_manifests.py with `args`.
 fn validate(args: &[&Path]) -> Output {
+    validate_with_crds(&[], args)
+}
+
+/// [`validate`] with the CRDs in `crds` (directories) beside `deploy/crds`.
+fn validate_with_crds(crds: &[&Path], args: &[&Path]) -> Output {
     let mut cmd = Command::new("python3");
     cmd.arg(root().join("tests/validate_manifests.py"))
         .arg("--crds")
-        .arg(root().join("deploy/crds"))
-        .args(args);
-    cmd.output().expect("running python3")
+        .arg(root().join("deploy/crds"));
+    for dir in crds {
+        cmd.arg("--crds").arg(dir);
+    }
+    cmd.args(args).output().expect("running python3")
 }
 
 /// `kubectl kustomize deploy/` into a file in `dir`, or `None` (SKIPPED) without kubectl.
@@ -353,15 +360,8 @@ fn deploy_and_examples_validate_against_kubernetes_and_the_crds() {
     let antrea = tmp.path().join("antrea-crds");
     std::fs::create_dir(&antrea).unwrap();
     tierproxy(&["crds", "--antrea", "--out-dir", antrea.to_str().unwrap()]);
-    let out = Command::new("python3")
-        .arg(root().join("tests/validate_manifests.py"))
-        .arg("--crds")
-        .arg(r.join("deploy/crds"))
-        .arg("--crds")
-        .arg(&antrea)
-        .args(&inputs)
-        .output()
-        .expect("running python3");
+    let args: Vec<&Path> = inputs.iter().map(PathBuf::as_path).collect();
+    let out = validate_with_crds(&[&antrea], &args);
     assert!(out.status.success(), "manifests do not validate:\n{}", text(&out));
     let stdout = String::from_utf8_lossy(&out.stdout);
     // What an admin applies is all there: kustomize rendered every resource, and the
