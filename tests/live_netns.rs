@@ -860,4 +860,11 @@ fn a_policy_change_during_an_upgrade_still_cuts_what_it_denies() {
         })
         .count();
     assert_eq!(ends, 1, "one end record for the cut connection, from one agent");
+
+    // After the upgrade every node's agent is a new one with its own log: `lab apply` is
+    // answered by it (it waited on the retired agents' logs and timed out).
+    let o = apply(&lab, &[&base, &a]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert_eq!(out.matches("snapshot applied").count(), 2, "{out}");
+    assert!(echoes(&mut spared), "the NetworkPolicy is gone: 7070 still flows");
 }

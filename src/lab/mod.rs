@@ -40,6 +40,7 @@ pub mod service;
 pub mod state;
 pub mod synth;
 
+use std::collections::BTreeMap;
 use std::io::Write;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -994,15 +995,25 @@ pub fn apply(
             );
         }
     }
-    let logs: Vec<(String, PathBuf, usize)> = if state.agents {
+    // Per node, every agent log there is (`lab upgrade` starts each agent with its own) and
+    // how many answers each held before the change.
+    let logs: Vec<(String, BTreeMap<PathBuf, Seen>)> = if state.agents {
         state
             .plan
             .nodes
             .iter()
             .map(|n| {
-                let log = state.dir.join(format!("agent-{}.log", n.name));
-                let seen = reload_lines(&log).len();
-                (n.name.clone(), log, seen)
+                let seen = agent_logs(&state.dir, &n.name)
+                    .into_iter()
+                    .map(|log| {
+                        let seen = Seen {
+                            answers: reload_lines(&log).len(),
+                            enforcing: enforcing_line(&log).is_some(),
+                        };
+                        (log, seen)
+                    })
+                    .collect();
+                (n.name.clone(), seen)
             })
             .collect()
     } else {
@@ -1036,15 +1047,10 @@ pub fn apply(
     }
     let deadline = std::time::Instant::now() + APPLY_TIMEOUT;
     let mut out = Vec::new();
-    for (node, log, seen) in logs {
+    for (node, seen) in logs {
         let outcome = loop {
-            let lines = reload_lines(&log);
-            if let Some(line) = lines.get(seen) {
-                break if line.contains("snapshot applied") {
-                    Ok(line.clone())
-                } else {
-                    Err(line.clone())
-                };
+            if let Some(answer) = answer(&state.dir, &node, &seen) {
+                break answer;
             }
             if std::time::Instant::now() >= deadline {
                 break Err(format!("no answer within {} s", APPLY_TIMEOUT.as_secs()));
@@ -1054,6 +1060,62 @@ pub fn apply(
         out.push(Applied { node, outcome });
     }
     Ok(out)
+}
+
+/// The logs of every agent started on `node` in the lab directory `dir`: `lab up`'s
+/// `agent-<node>.log`, and `agent-<node>.<generation>.log` of each `lab upgrade`.
+fn agent_logs(dir: &Path, node: &str) -> Vec<PathBuf> {
+    let first = dir.join(format!("agent-{node}.log"));
+    let upgraded = (2..).map(|g| dir.join(format!("agent-{node}.{g}.log")));
+    std::iter::once(first)
+        .chain(upgraded.take_while(|log| log.exists()))
+        .filter(|log| log.exists())
+        .collect()
+}
+
+/// What `lab apply` saw in one agent log before the change.
+#[derive(Debug, Clone, Copy)]
+struct Seen {
+    /// Answers ([`reload_lines`]) it held.
+    answers: usize,
+    /// Whether its agent was enforcing yet.
+    enforcing: bool,
+}
+
+/// An agent's answer on `node` to a manifest change, given what each of its logs held
+/// before (`seen`): a new answer in one of them (applied, or refused); or the `enforcing`
+/// line of an agent that was not enforcing yet (a `lab upgrade` meanwhile). Such an agent
+/// reads the manifests as it starts: if that was after the change its first snapshot is
+/// the change, which it never logs as one; if before, its watcher compares against what it
+/// read and applies the change at once, logging it as usual.
+fn answer(
+    dir: &Path,
+    node: &str,
+    seen: &BTreeMap<PathBuf, Seen>,
+) -> Option<Result<String, String>> {
+    for log in agent_logs(dir, node) {
+        let before = seen.get(&log).copied().unwrap_or(Seen { answers: 0, enforcing: false });
+        if let Some(line) = reload_lines(&log).get(before.answers) {
+            return Some(as_answer(line));
+        }
+        if !before.enforcing
+            && let Some(line) = enforcing_line(&log)
+        {
+            return Some(Ok(format!("{line} (an agent started during the change)")));
+        }
+    }
+    None
+}
+
+/// The `enforcing` line of an agent log, once its agent enforces.
+fn enforcing_line(log: &Path) -> Option<String> {
+    let text = std::fs::read_to_string(log).ok()?;
+    text.lines().find(|l| l.contains("tierproxy::agent: enforcing")).map(str::to_string)
+}
+
+/// A reload line ([`reload_lines`]) as an answer: applied, or refused.
+fn as_answer(line: &str) -> Result<String, String> {
+    if line.contains("snapshot applied") { Ok(line.to_string()) } else { Err(line.to_string()) }
 }
 
 /// The lines of an agent's log that answer a manifest change: applied, or refused.
