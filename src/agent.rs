@@ -267,6 +267,42 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
         trim_heap();
         tracing::info!(rss_mib = rss_mib(), "initial lists done");
     }
+    // Live change: the manifests are watched (and the API server, by the watchers); each
+    // change becomes a new snapshot. Watched before they are first read: a change written
+    // while the agent starts (a `lab upgrade` racing a `lab apply`) queues a trigger, which
+    // the reloader, once it runs, compares against what was read. Watched only once it
+    // enforced, such a change was never applied (issue #23).
+    let watch = if opts.manifests.is_empty() {
+        None
+    } else {
+        match manifest::watch(&opts.manifests, manifest::DEFAULT_DEBOUNCE) {
+            Ok((w, rx)) => {
+                let triggers = triggers.clone();
+                // Forwards until the watch is dropped and its channel closes.
+                let forward = std::thread::Builder::new()
+                    .name("tierproxy-mwatch".into())
+                    .spawn(move || {
+                        while let Ok(paths) = rx.recv() {
+                            tracing::debug!(paths = paths.len(), first = ?paths.first(), "manifests changed");
+                            if triggers.send(()).is_err() {
+                                return;
+                            }
+                        }
+                    });
+                if let Err(e) = forward {
+                    tracing::error!(error = %e, "cannot start the manifest watch");
+                }
+                Some(w)
+            }
+            Err(e) => {
+                tracing::error!(
+                    error = %crate::error::chain(&e),
+                    "cannot watch the manifests; their changes are not seen until restarted"
+                );
+                None
+            }
+        }
+    };
     let initial_fingerprint = manifest::fingerprint(&opts.manifests);
     let initial_generation = kube.as_ref().map_or(0, |k| k.source.generation());
     let initial_records = kube.as_ref().map_or(0, |k| k.records.version());
@@ -483,41 +519,15 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
     if let Some(k) = &kube {
         k.set_enforcing(true);
     }
-    tracing::info!(node = %opts.node, audit = auditor.enabled(), "enforcing");
+    // `manifests`: which contents this first snapshot was built from (`lab apply` tells an
+    // agent that read its change from one that read the contents before it).
+    tracing::info!(
+        node = %opts.node,
+        audit = auditor.enabled(),
+        manifests = %manifest::FingerprintHex(initial_fingerprint),
+        "enforcing"
+    );
 
-    // Live change: the manifests are watched (and the API server, by the watchers); each
-    // change becomes a new snapshot.
-    let watch = if opts.manifests.is_empty() {
-        None
-    } else {
-        match manifest::watch(&opts.manifests, manifest::DEFAULT_DEBOUNCE) {
-            Ok((w, rx)) => {
-                let triggers = triggers.clone();
-                // Forwards until the watch is dropped and its channel closes.
-                let forward = std::thread::Builder::new()
-                    .name("tierproxy-mwatch".into())
-                    .spawn(move || {
-                        while let Ok(paths) = rx.recv() {
-                            tracing::debug!(paths = paths.len(), first = ?paths.first(), "manifests changed");
-                            if triggers.send(()).is_err() {
-                                return;
-                            }
-                        }
-                    });
-                if let Err(e) = forward {
-                    tracing::error!(error = %e, "cannot start the manifest watch");
-                }
-                Some(w)
-            }
-            Err(e) => {
-                tracing::error!(
-                    error = %crate::error::chain(&e),
-                    "cannot watch the manifests; their changes are not seen until restarted"
-                );
-                None
-            }
-        }
-    };
     // The reloader ends when every sender is gone: the manifest forwarder's (when the
     // watch is dropped), the API-server side's (when it stops), and this one.
     drop(triggers);

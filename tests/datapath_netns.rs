@@ -1420,6 +1420,78 @@ fn a_udp_flow_outlives_a_crashed_agent_and_the_next_one_cuts_it_if_its_policy_de
     let _ = agent.0.wait();
 }
 
+/// Regression (issue #23, a flaky upgrade test): an agent read its manifests as it started
+/// but watched them only once it enforced, so a change written in between was never
+/// applied (the new agent of a `lab upgrade` kept allowing what a policy applied during
+/// the hand-over denied). The change here is written as soon as the agent says it
+/// compiled its first snapshot, well before it enforces.
+#[test]
+fn a_manifest_change_while_the_agent_starts_is_applied() {
+    if !netns_available("a_manifest_change_while_the_agent_starts_is_applied") {
+        return;
+    }
+    let lab = lab_with_agents("startch");
+    let n1 = netns_of_node(&lab, "n1");
+    let client = netns_of_pod(&lab, "a", "client");
+    let pid = agent_pids(&lab).into_iter().find(|(ns, _)| *ns == n1).expect("agent of n1").1;
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::SIGKILL)
+        .expect("kill the agent");
+    wait_gone(pid);
+
+    let manifests = lab.file("agent2.yaml", CLUSTER);
+    let log = lab.dir.path().join("agent2.log");
+    let child = bin()
+        .args(["agent", "--netns", &n1, "--node", "n1", "--log"])
+        .arg(&log)
+        .arg("--manifests")
+        .arg(&manifests)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("a second agent starts");
+    let mut agent = KillOnDrop(child);
+    let logged = |what: &str| std::fs::read_to_string(&log).unwrap_or_default().contains(what);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !logged("first snapshot compiled") {
+        assert!(agent.0.try_wait().unwrap().is_none(), "the second agent exited");
+        assert!(Instant::now() < deadline, "no first snapshot in 30 s");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    std::fs::write(
+        &manifests,
+        format!(
+            "{CLUSTER}---\napiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\n\
+             metadata: {{name: isolate-server, namespace: a}}\n\
+             spec: {{podSelector: {{}}, policyTypes: [Ingress]}}\n"
+        ),
+    )
+    .expect("change the manifests");
+    assert!(
+        !logged("tierproxy::agent: enforcing"),
+        "the change was not written before the agent enforced: the test proves nothing"
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !logged("snapshot applied") {
+        assert!(agent.0.try_wait().unwrap().is_none(), "the second agent exited");
+        assert!(
+            Instant::now() < deadline,
+            "the change made while the agent started was not applied in 10 s:\n{}",
+            std::fs::read_to_string(&log).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(
+        !connects(&client, "10.60.1.3:8080", Duration::from_secs(2)),
+        "the NetworkPolicy written during the start isolates a/server"
+    );
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(agent.0.id() as i32),
+        nix::sys::signal::SIGTERM,
+    )
+    .expect("stop the second agent");
+    let _ = agent.0.wait();
+}
+
 /// Bytes each bulk connection of the upgrade test sends (and gets echoed).
 const UPGRADE_BULK: usize = 16 << 20;
 

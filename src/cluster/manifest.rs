@@ -261,6 +261,18 @@ pub fn load_as(paths: &[PathBuf], form: Form) -> Loaded {
     out
 }
 
+/// A [`fingerprint`] as an agent logs it: 16 lowercase hex digits (the `manifests` field
+/// of its `enforcing` line, which `tierproxy lab apply` compares with the fingerprint of
+/// the contents it wrote).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FingerprintHex(pub u64);
+
+impl std::fmt::Display for FingerprintHex {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:016x}", self.0)
+    }
+}
+
 /// A 64-bit hash of what [`load`] would read under `paths`: each file's path and bytes, in
 /// reading order (a file that cannot be read hashes its error). Equal fingerprints mean an
 /// event changed nothing (a `touch`, a rewrite with the same content), so a watcher can

@@ -1045,11 +1045,14 @@ pub fn apply(
             .map(|(node, ..)| Applied { node, outcome: Ok("manifests unchanged".into()) })
             .collect());
     }
+    let changed = crate::cluster::manifest::FingerprintHex(crate::cluster::manifest::fingerprint(
+        std::slice::from_ref(&staged),
+    ));
     let deadline = std::time::Instant::now() + APPLY_TIMEOUT;
     let mut out = Vec::new();
     for (node, seen) in logs {
         let outcome = loop {
-            if let Some(answer) = answer(&state.dir, &node, &seen) {
+            if let Some(answer) = answer(&state.dir, &node, &seen, changed) {
                 break answer;
             }
             if std::time::Instant::now() >= deadline {
@@ -1084,14 +1087,17 @@ struct Seen {
 
 /// An agent's answer on `node` to a manifest change, given what each of its logs held
 /// before (`seen`): a new answer in one of them (applied, or refused); or the `enforcing`
-/// line of an agent that was not enforcing yet (a `lab upgrade` meanwhile). Such an agent
-/// reads the manifests as it starts: if that was after the change its first snapshot is
-/// the change, which it never logs as one; if before, its watcher compares against what it
-/// read and applies the change at once, logging it as usual.
+/// line of an agent that was not enforcing yet (a `lab upgrade` meanwhile) and whose first
+/// snapshot was built from the changed contents (`changed`, the line's `manifests`). Such
+/// an agent watches the manifests before it reads them: if it read them before the change,
+/// its reloader compares against what it read and applies the change once it enforces,
+/// logging it as usual. An agent whose `enforcing` line names no `manifests` (a build from
+/// before this field) is taken at its word.
 fn answer(
     dir: &Path,
     node: &str,
     seen: &BTreeMap<PathBuf, Seen>,
+    changed: crate::cluster::manifest::FingerprintHex,
 ) -> Option<Result<String, String>> {
     for log in agent_logs(dir, node) {
         let before = seen.get(&log).copied().unwrap_or(Seen { answers: 0, enforcing: false });
@@ -1100,11 +1106,18 @@ fn answer(
         }
         if !before.enforcing
             && let Some(line) = enforcing_line(&log)
+            && field(&line, "manifests").is_none_or(|read| read == changed.to_string())
         {
             return Some(Ok(format!("{line} (an agent started during the change)")));
         }
     }
     None
+}
+
+/// The value of `name=value` in a log line of the agent's (tracing's text format, values
+/// without spaces), if there.
+fn field<'a>(line: &'a str, name: &str) -> Option<&'a str> {
+    line.split_whitespace().find_map(|w| w.strip_prefix(name)?.strip_prefix('='))
 }
 
 /// The `enforcing` line of an agent log, once its agent enforces.
@@ -1126,4 +1139,54 @@ fn reload_lines(log: &Path) -> Vec<String> {
         .filter(|l| l.contains("snapshot applied") || l.contains("the last good snapshot stays"))
         .map(str::to_string)
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cluster::manifest::FingerprintHex;
+
+    const ENFORCING: &str =
+        "2026-11-27T01:27:24.5Z  INFO tierproxy::agent: enforcing node=n1 audit=true";
+
+    /// The answers `lab apply` takes from an agent started during the change (issue #23):
+    /// its `enforcing` line only if it read the changed contents, else its reload.
+    #[test]
+    fn an_agent_started_during_a_change_answers_once_it_read_the_change() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = dir.path().join("agent-n1.log");
+        let changed = FingerprintHex(0xfeed);
+        let seen = BTreeMap::new();
+        let ask = || answer(dir.path(), "n1", &seen, changed);
+        assert_eq!(ask(), None, "no log yet");
+
+        std::fs::write(&log, format!("{ENFORCING} manifests={}\n", FingerprintHex(0xbeef)))
+            .unwrap();
+        assert_eq!(ask(), None, "it read the contents before the change: not an answer yet");
+
+        let applied = "2026-11-27T01:27:24.6Z  INFO tierproxy::agent: revision=2 snapshot applied";
+        std::fs::write(
+            &log,
+            format!("{ENFORCING} manifests={}\n{applied}\n", FingerprintHex(0xbeef)),
+        )
+        .unwrap();
+        assert_eq!(ask(), Some(Ok(applied.to_string())), "its reload answers");
+
+        std::fs::write(&log, format!("{ENFORCING} manifests={changed}\n")).unwrap();
+        assert!(matches!(ask(), Some(Ok(l)) if l.contains("started during the change")));
+
+        std::fs::write(&log, format!("{ENFORCING}\n")).unwrap();
+        assert!(
+            matches!(ask(), Some(Ok(l)) if l.contains("started during the change")),
+            "an agent that does not say what it read is taken at its word"
+        );
+    }
+
+    #[test]
+    fn a_log_field_is_found_by_its_whole_name() {
+        let line = "INFO tierproxy::agent: enforcing node=n1 manifests=00ab premanifests=x";
+        assert_eq!(field(line, "manifests"), Some("00ab"));
+        assert_eq!(field(line, "node"), Some("n1"));
+        assert_eq!(field(line, "manifest"), None);
+    }
 }
