@@ -452,7 +452,7 @@ impl Matcher {
             for &s in &peers.pod_sets {
                 *set_masks.entry(s).or_default() |= bit;
             }
-            for node in peers.nodes.iter().flatten() {
+            for node in peers.nodes.iter().flat_map(|n| n.iter()) {
                 *node_mask.entry(node).or_default() |= bit;
             }
             for b in &peers.blocks {
@@ -1211,7 +1211,7 @@ mod tests {
             name: None,
             index: k,
             action: Action::Allow,
-            peers: Peers { pod_sets: vec![k], ..Peers::default() },
+            peers: Peers { pod_sets: Box::new([k]), ..Peers::default() },
             ports: Ports::any(),
             fail_closed: false,
             applied_to: None,

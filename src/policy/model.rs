@@ -225,23 +225,66 @@ pub(crate) struct Peers {
     /// Deny/Pass rule).
     pub(crate) all: bool,
     /// Interned pod sets (namespaces / pods / NetworkPolicy selector peers).
-    pub(crate) pod_sets: Vec<SetId>,
+    pub(crate) pod_sets: Box<[SetId]>,
     /// Node ids (a `nodes` peer), matched against node addresses.
-    pub(crate) nodes: Option<RoaringBitmap>,
+    pub(crate) nodes: Option<Box<RoaringBitmap>>,
     /// `networks` / `ipBlock` peers, matched against any address.
-    pub(crate) blocks: Vec<Block>,
+    pub(crate) blocks: Box<[Block]>,
     /// Peers relative to the subject's namespace (Antrea `namespaces.match: Self` and
     /// `namespaces.sameLabels`), matched against pod peers only.
-    pub(crate) relative: Vec<Relative>,
+    pub(crate) relative: Box<[Relative]>,
 }
 
 impl Peers {
-    /// Drops the spare capacity of the lists: a snapshot keeps every rule's peers for its
-    /// whole life, and lists built by pushing hold up to twice what they use.
-    pub(crate) fn shrink_to_fit(&mut self) {
-        self.pod_sets.shrink_to_fit();
-        self.blocks.shrink_to_fit();
-        self.relative.shrink_to_fit();
+    /// Replaces each pod set id by `f` of it, then sorts and dedups them (the ids of a
+    /// rule prepared with worker-local ids, made the snapshot's). Reallocates only when
+    /// two ids became one.
+    pub(crate) fn map_pod_sets(&mut self, f: impl Fn(SetId) -> SetId) {
+        let ids = &mut self.pod_sets;
+        for id in ids.iter_mut() {
+            *id = f(*id);
+        }
+        ids.sort_unstable();
+        if ids.windows(2).any(|w| w[0] == w[1]) {
+            let mut v = std::mem::take(ids).into_vec();
+            v.dedup();
+            *ids = v.into_boxed_slice();
+        }
+    }
+}
+
+/// A [`Peers`] being built from a rule's peer list: lists that grow, kept by a snapshot as
+/// boxed slices with no spare capacity ([`PeersBuilder::build`]; a snapshot holds every
+/// rule's peers for its whole life, 100,000 rules in a large cluster).
+#[derive(Debug, Clone, Default)]
+pub(crate) struct PeersBuilder {
+    /// [`Peers::all`].
+    pub(crate) all: bool,
+    /// [`Peers::pod_sets`].
+    pub(crate) pod_sets: Vec<SetId>,
+    /// [`Peers::nodes`].
+    pub(crate) nodes: Option<RoaringBitmap>,
+    /// [`Peers::blocks`].
+    pub(crate) blocks: Vec<Block>,
+    /// [`Peers::relative`].
+    pub(crate) relative: Vec<Relative>,
+}
+
+impl PeersBuilder {
+    /// Matches every address.
+    pub(crate) fn all() -> Self {
+        PeersBuilder { all: true, ..PeersBuilder::default() }
+    }
+
+    /// The peers as a snapshot keeps them.
+    pub(crate) fn build(self) -> Peers {
+        Peers {
+            all: self.all,
+            pod_sets: self.pod_sets.into_boxed_slice(),
+            nodes: self.nodes.map(Box::new),
+            blocks: self.blocks.into_boxed_slice(),
+            relative: self.relative.into_boxed_slice(),
+        }
     }
 }
 
@@ -289,7 +332,7 @@ impl SameNamespaces {
 #[derive(Debug, Clone)]
 pub(crate) struct Rule {
     /// The rule's `name`, if it has one.
-    pub(crate) name: Option<String>,
+    pub(crate) name: Option<Box<str>>,
     /// Position in the policy's ingress or egress list.
     pub(crate) index: u32,
     pub(crate) action: Action,

@@ -116,12 +116,12 @@ impl PortMatch {
 /// A rule's port list: empty matches every protocol and port (an absent `ports`/`protocols`
 /// field); otherwise any entry must match.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Default)]
-pub struct Ports(pub Vec<PortMatch>);
+pub struct Ports(pub Box<[PortMatch]>);
 
 impl Ports {
     /// Matches every protocol and port.
     pub fn any() -> Self {
-        Ports(Vec::new())
+        Ports(Box::new([]))
     }
 
     /// See [`PortMatch::matches`]; an empty list matches everything.

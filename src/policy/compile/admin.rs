@@ -22,7 +22,7 @@ use super::{
 use crate::policy::api::{LabelSelector, NamespacedPod, SelectorRef, v1alpha1, v1alpha2};
 use crate::policy::cidr::{self, Block};
 use crate::policy::labels::{LabelSet, Labels};
-use crate::policy::model::{Action, Direction, Peers, Rule, SetId, Tier, rank};
+use crate::policy::model::{Action, Direction, PeersBuilder, Rule, SetId, Tier, rank};
 use crate::policy::ports::{PortMatch, PortSpec, Ports, Protocol};
 use crate::policy::problem::{Kind, ObjectRef, Problem};
 use crate::policy::selector::LabelIndex;
@@ -122,12 +122,7 @@ pub(super) fn admin_policy_edited(
         .collect();
     for d in 0..2 {
         for &i in &fresh[d] {
-            let sets = &mut rules[d][i].peers.pod_sets;
-            for id in sets.iter_mut() {
-                *id = ids[*id as usize];
-            }
-            sets.sort_unstable();
-            sets.dedup();
+            rules[d][i].peers.map_pod_sets(|id| ids[id as usize]);
         }
     }
     let (tier, priority, namespaces, pods) = admin_head(new);
@@ -243,12 +238,7 @@ fn keys_to_set_ids(prepared: &mut [Prepared<'_>], key_sets: &[Vec<SetId>], worke
         .collect();
     par_for_each_mut(prepared, &balanced_ranges(&weights, workers), |p| {
         for rule in p.body.iter_mut().flat_map(|b| b.rules.iter_mut().flatten()) {
-            let ids = &mut rule.peers.pod_sets;
-            for id in ids.iter_mut() {
-                *id = key_sets[p.worker][*id as usize];
-            }
-            ids.sort_unstable();
-            ids.dedup();
+            rule.peers.map_pod_sets(|id| key_sets[p.worker][id as usize]);
         }
     });
 }
@@ -475,7 +465,10 @@ fn admin_rule<'a>(
     dict: &mut PeerDict,
     node_index: &LabelIndex,
 ) -> Rule {
-    let mut out = Peers { pod_sets: Vec::with_capacity(peers.size_hint().0), ..Peers::default() };
+    let mut out = PeersBuilder {
+        pod_sets: Vec::with_capacity(peers.size_hint().0),
+        ..PeersBuilder::default()
+    };
     let mut unknown = false;
     // A selector this engine cannot compile (an unknown operator; the API server does not
     // validate selectors inside custom resources) is treated like a peer of an unknown
@@ -510,16 +503,16 @@ fn admin_rule<'a>(
     }
     let (action, fail_closed) = match (action, unknown) {
         (Action::Deny | Action::Pass, true) => {
-            out = Peers { all: true, ..Peers::default() };
+            out = PeersBuilder::all();
             (Action::Deny, true)
         }
         (a, _) => (a, false),
     };
     Rule {
-        name: (!name.is_empty()).then(|| name.to_string()),
+        name: (!name.is_empty()).then(|| name.into()),
         index: index as u32,
         action,
-        peers: out,
+        peers: out.build(),
         ports,
         fail_closed,
         applied_to: None,

@@ -42,7 +42,7 @@ use crate::policy::api::antrea::{
 };
 use crate::policy::cidr::{self, Block};
 use crate::policy::model::{
-    Action, Direction, Peers, Relative, Rule, SameNamespaces, SetId, Tier, rank,
+    Action, Direction, PeersBuilder, Relative, Rule, SameNamespaces, SetId, Tier, rank,
 };
 use crate::policy::ports::{PortMatch, PortSpec, Ports};
 use crate::policy::problem::{Kind, ObjectRef, Problem, ProblemKind};
@@ -459,7 +459,7 @@ impl Cluster {
         // `toServices` and `l7Protocols` are peers and ports this engine cannot evaluate.
         let to_services = d == Direction::Egress && !r.to_services.is_empty();
         let mut unknown = ports_unevaluable || !r.l7_protocols.is_empty();
-        let mut peers = Peers::default();
+        let mut peers = PeersBuilder::default();
         if list.is_empty() && !to_services {
             // "Absent or empty list → every address" (crd_utils.go `matchAllPeer`).
             peers.all = true;
@@ -489,11 +489,11 @@ impl Cluster {
                 // An Allow matches nothing through what it cannot evaluate: an L7 or
                 // toServices Allow matches nothing at all.
                 if !r.l7_protocols.is_empty() || to_services {
-                    peers = Peers::default();
+                    peers = PeersBuilder::default();
                 }
             } else {
                 // "applies to all the traffic its ports select"; a Pass acts as a drop.
-                peers = Peers { all: true, ..Peers::default() };
+                peers = PeersBuilder::all();
                 fail_closed = true;
                 if action == Action::Pass {
                     action = Action::Deny;
@@ -502,13 +502,11 @@ impl Cluster {
         }
         if selects_no_port {
             // Only ICMP/IGMP protocols, or only port entries an Allow cannot evaluate.
-            peers = Peers::default();
+            peers = PeersBuilder::default();
         }
-        peers.shrink_to_fit();
-        let mut ports = ports;
-        ports.0.shrink_to_fit();
+        let peers = peers.build();
         Rule {
-            name: (!r.name.is_empty()).then(|| r.name.clone()),
+            name: (!r.name.is_empty()).then(|| r.name.as_str().into()),
             index: index as u32,
             action,
             peers,
@@ -560,5 +558,5 @@ fn antrea_ports(
         out.push(PortMatch { protocol, ports });
     }
     let none = out.is_empty();
-    (Ports(out), unevaluable, none)
+    (Ports(out.into_boxed_slice()), unevaluable, none)
 }

@@ -11,7 +11,7 @@ use super::{
 };
 use crate::policy::api::NetworkPolicy;
 use crate::policy::cidr::{self, Block};
-use crate::policy::model::{Action, Direction, Peers, Rule, Tier, rank};
+use crate::policy::model::{Action, Direction, Peers, PeersBuilder, Rule, Tier, rank};
 use crate::policy::ports::{PortMatch, PortSpec, Ports};
 use crate::policy::problem::{Kind, ObjectRef, Problem};
 use crate::policy::snapshot::Policy;
@@ -122,9 +122,9 @@ impl Cluster {
         let compile_rule = |c: &mut Cluster, peers: &Option<Vec<NetworkPolicyPeer>>| -> Peers {
             // "If this field is empty or missing, this rule matches all sources/destinations."
             let Some(list) = peers.as_ref().filter(|l| !l.is_empty()) else {
-                return Peers { all: true, ..Peers::default() };
+                return PeersBuilder::all().build();
             };
-            let mut out = Peers::default();
+            let mut out = PeersBuilder::default();
             for p in list {
                 let NetworkPolicyPeer { ip_block, namespace_selector, pod_selector } = p;
                 if let Some(b) = ip_block {
@@ -154,8 +154,7 @@ impl Cluster {
             }
             out.pod_sets.sort_unstable();
             out.pod_sets.dedup();
-            out.shrink_to_fit();
-            out
+            out.build()
         };
         // NetworkPolicy rules only allow; a rule's position is its index.
         let allow = |index: usize, peers: Peers, ports| Rule {
