@@ -12,8 +12,11 @@
 //! - nodes → sorted pairs;
 //! - IPv4 / IPv6 addresses → disjoint intervals (a sweep over every `networks` / `ipBlock`
 //!   range, `except` ranges carved out), looked up by binary search;
-//! - ports → disjoint intervals per protocol; named ports → a mask per name, resolved on
-//!   the destination pod at decision time.
+//! - ports → disjoint intervals per protocol, their masks inline; named ports → a mask per
+//!   name, resolved on the destination pod at decision time.
+//!
+//! Masks are stored in 64 bits while they fit (a direction of at most 64 rules: every
+//! Antrea policy and nearly every NetworkPolicy), else in 128.
 //!
 //! The first matching rule is then `(peer_mask & port_mask).trailing_zeros()`. Antrea
 //! rules that depend on the subject fit too: a rule-level `appliedTo` is one more class
@@ -58,14 +61,104 @@ impl Intervals {
 
 /// Port intervals with their rule masks inline (one allocation, one search: ports are
 /// checked for every candidate policy, so no extra indirection through a class table).
-#[derive(Debug, Clone, Default)]
-struct PortMasks(Vec<(u32, RuleMask)>);
+/// Masks of 64 bits while every rule fits in them (Antrea and NetworkPolicy directions
+/// rarely have more than 64 rules), else 128: 16 bytes an interval instead of 32.
+#[derive(Debug, Clone)]
+enum PortMasks {
+    Narrow(Box<[(u32, u64)]>),
+    Wide(Box<[(u32, RuleMask)]>),
+}
+
+impl Default for PortMasks {
+    fn default() -> Self {
+        PortMasks::Narrow(Box::new([]))
+    }
+}
 
 impl PortMasks {
+    /// From interval starts and their masks, narrow if every mask fits.
+    fn new(intervals: impl Iterator<Item = (u32, RuleMask)> + Clone) -> Self {
+        if intervals.clone().all(|(_, m)| m <= u64::MAX as RuleMask) {
+            PortMasks::Narrow(intervals.map(|(s, m)| (s, m as u64)).collect())
+        } else {
+            PortMasks::Wide(intervals.collect())
+        }
+    }
+
     #[inline]
     fn get(&self, port: u16) -> RuleMask {
-        let i = self.0.partition_point(|&(s, _)| s <= port as u32);
-        i.checked_sub(1).map_or(0, |i| self.0[i].1)
+        match self {
+            PortMasks::Narrow(v) => {
+                let i = v.partition_point(|&(s, _)| s <= port as u32);
+                i.checked_sub(1).map_or(0, |i| v[i].1 as RuleMask)
+            }
+            PortMasks::Wide(v) => {
+                let i = v.partition_point(|&(s, _)| s <= port as u32);
+                i.checked_sub(1).map_or(0, |i| v[i].1)
+            }
+        }
+    }
+}
+
+/// A matcher's mask table, by [`Class`]: 64-bit masks while every mask fits (a direction
+/// of at most 64 rules), else 128.
+#[derive(Debug, Clone)]
+enum MaskTable {
+    Narrow(Vec<u64>),
+    Wide(Vec<RuleMask>),
+}
+
+impl MaskTable {
+    /// `masks` (the interner's), narrow if they all fit.
+    fn new(masks: Vec<RuleMask>) -> Self {
+        if masks.iter().all(|&m| m <= u64::MAX as RuleMask) {
+            let mut narrow: Vec<u64> = masks.into_iter().map(|m| m as u64).collect();
+            narrow.shrink_to_fit();
+            MaskTable::Narrow(narrow)
+        } else {
+            let mut wide = masks;
+            wide.shrink_to_fit();
+            MaskTable::Wide(wide)
+        }
+    }
+
+    #[inline]
+    fn get(&self, c: Class) -> RuleMask {
+        match self {
+            MaskTable::Narrow(v) => v[c as usize] as RuleMask,
+            MaskTable::Wide(v) => v[c as usize],
+        }
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            MaskTable::Narrow(v) => v.len(),
+            MaskTable::Wide(v) => v.len(),
+        }
+    }
+
+    fn position(&self, mask: RuleMask) -> Option<usize> {
+        match self {
+            MaskTable::Narrow(v) => {
+                u64::try_from(mask).ok().and_then(|m| v.iter().position(|&x| x == m))
+            }
+            MaskTable::Wide(v) => v.iter().position(|&x| x == mask),
+        }
+    }
+
+    /// Adds `mask` as the next class, widening the table if it needs 128 bits.
+    fn push(&mut self, mask: RuleMask) {
+        match self {
+            MaskTable::Narrow(v) => match u64::try_from(mask) {
+                Ok(m) => v.push(m),
+                Err(_) => {
+                    let mut wide: Vec<RuleMask> = v.iter().map(|&m| m as RuleMask).collect();
+                    wide.push(mask);
+                    *self = MaskTable::Wide(wide);
+                }
+            },
+            MaskTable::Wide(v) => v.push(mask),
+        }
     }
 }
 
@@ -204,8 +297,8 @@ fn fold_addresses<K: Copy + Ord + Into<u128>>(
 /// The precompiled rule masks of one policy direction.
 #[derive(Debug, Clone)]
 pub(crate) struct Matcher {
-    /// Mask table; `masks[0] == 0`.
-    masks: Vec<RuleMask>,
+    /// Mask table; class 0 is the empty mask.
+    masks: MaskTable,
     /// Rules that match every peer.
     all_peers: RuleMask,
     /// Rules that match every protocol and port.
@@ -524,21 +617,23 @@ impl Matcher {
         let mut nodes: Vec<(u32, Class)> =
             node_mask.iter().map(|(n, m)| (*n, interner.intern(*m))).collect();
         nodes.sort_unstable();
+        // Port intervals keep their masks inline: interned apart, they leave the class
+        // table to the classes lookups use.
+        let mut port_interner = Interner::new();
         let ports = ports.map(|mut p| {
-            let iv = sweep(&mut p, &mut interner);
-            PortMasks(
+            let iv = sweep(&mut p, &mut port_interner);
+            PortMasks::new(
                 iv.starts
                     .iter()
                     .zip(&iv.classes)
-                    .map(|(s, c)| (*s as u32, interner.masks[*c as usize]))
-                    .collect(),
+                    .map(|(s, c)| (*s as u32, port_interner.masks[*c as usize])),
             )
         });
-        if interner.full {
+        if interner.full || port_interner.full {
             return Err(TooManyClasses);
         }
         Ok(Matcher {
-            masks: interner.masks,
+            masks: MaskTable::new(interner.masks),
             all_peers,
             all_ports,
             pods,
@@ -593,7 +688,7 @@ impl Matcher {
 
     /// The class of `mask`, added to the table if new.
     fn class_of(&mut self, mask: RuleMask) -> Result<Class, TooManyClasses> {
-        match self.masks.iter().position(|&m| m == mask) {
+        match self.masks.position(mask) {
             Some(c) => Ok(c as Class),
             None if self.masks.len() > Class::MAX as usize => Err(TooManyClasses),
             None => {
@@ -605,7 +700,7 @@ impl Matcher {
 
     #[inline]
     fn mask(&self, c: Class) -> RuleMask {
-        self.masks[c as usize]
+        self.masks.get(c)
     }
 
     /// The index of the first rule matching the flow, if any. `subject` is the subject
@@ -1241,5 +1336,65 @@ mod tests {
         assert_eq!(hit(0b1000), Some(3));
         assert_eq!(hit(65_535), Some(0));
         assert_eq!(hit(65_536 + 0b100), Some(2));
+    }
+
+    /// A matcher whose masks all fitted in 64 bits when built keeps them narrow; a pod
+    /// that later matches a rule past the 64th (its labels changed: `set_pod`) widens the
+    /// table. Port intervals of a rule past the 64th are wide from the start.
+    #[test]
+    fn narrow_masks_widen_when_a_rule_past_the_64th_matches() {
+        use crate::policy::model::{Action, Peers, Rule};
+        use crate::policy::ports::{PortMatch, PortSpec, Ports};
+        let pods = 10u32;
+        // Set k holds pod k for k < 10; the sets of rules 10..70 are empty for now.
+        let mut sets: Vec<std::sync::Arc<roaring::RoaringBitmap>> = (0..70u32)
+            .map(|k| std::sync::Arc::new((k < pods).then_some(k).into_iter().collect()))
+            .collect();
+        let rule = |k: u32, ports: Ports| Rule {
+            name: None,
+            index: k,
+            action: Action::Allow,
+            peers: Peers { pod_sets: Box::new([k]), ..Peers::default() },
+            ports,
+            fail_closed: false,
+            applied_to: None,
+            enable_logging: false,
+            log_label: None,
+        };
+        let mut rules: Vec<Rule> = (0..70).map(|k| rule(k, Ports::any())).collect();
+        let mut scratch = vec![0 as RuleMask; pods as usize];
+        let hit = |m: &Matcher, p: u32, port: u16| {
+            m.first_rule(
+                0,
+                Endpoint::Pod(p),
+                false,
+                [0, 0, 0, 0].into(),
+                Protocol::Tcp,
+                port,
+                &[],
+                |_| false,
+            )
+        };
+        let mut m =
+            Matcher::build(&rules, &sets, &PodAddrs::default(), &mut scratch).expect("fits");
+        assert!(matches!(m.masks, MaskTable::Narrow(_)), "every pod mask fits in 64 bits");
+        assert_eq!(hit(&m, 3, 80), Some(3));
+        // Pod 3 joins set 69 and leaves set 3: only rule 69 matches it now.
+        sets[69] = std::sync::Arc::new([3].into_iter().collect());
+        sets[3] = std::sync::Arc::new(roaring::RoaringBitmap::new());
+        m.set_pod(3, &rules, &sets, None).expect("a class is free");
+        assert!(matches!(m.masks, MaskTable::Wide(_)), "the new mask needs 128 bits");
+        assert_eq!(hit(&m, 3, 80), Some(69));
+        assert_eq!(hit(&m, 4, 80), Some(4), "the other classes kept their masks");
+
+        // Rule 69 alone on port 9090.
+        rules[69].ports = Ports(Box::new([PortMatch {
+            protocol: Some(Protocol::Tcp),
+            ports: PortSpec::Range(9090, 9090),
+        }]));
+        let m = Matcher::build(&rules, &sets, &PodAddrs::default(), &mut scratch).expect("fits");
+        assert!(matches!(m.ports[0], PortMasks::Wide(_)), "rule 69's port needs 128 bits");
+        assert_eq!(hit(&m, 3, 9090), Some(69));
+        assert_eq!(hit(&m, 3, 80), None);
     }
 }
