@@ -475,6 +475,26 @@ fn a_stopped_agent_removes_its_rules_and_a_crashed_one_leaves_the_node_closed() 
 /// Kills a process when dropped (a test's own agent, which `lab down` does not know).
 struct KillOnDrop(std::process::Child);
 
+impl KillOnDrop {
+    /// Stops the agent as `lab down` does (SIGTERM) and waits for it.
+    fn terminate(mut self) {
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(self.0.id() as i32),
+            nix::sys::signal::SIGTERM,
+        )
+        .expect("stop the agent");
+        let _ = self.0.wait();
+    }
+}
+
+/// Kills the lab agent running in `netns` with SIGKILL (a crash) and waits until it is gone.
+fn crash_agent(lab: &Lab, netns: &str) {
+    let pid = agent_pids(lab).into_iter().find(|(ns, _)| ns == netns).expect("the agent").1;
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::SIGKILL)
+        .expect("kill the agent");
+    wait_gone(pid);
+}
+
 impl Drop for KillOnDrop {
     fn drop(&mut self) {
         let _ = self.0.kill();
@@ -494,10 +514,7 @@ fn the_next_agent_restores_tcp_tw_reuse_a_crashed_one_left_set() {
     let n1 = netns_of_node(&lab, "n1");
     let sysctl = || run_in(&n1, &["cat", "/proc/sys/net/ipv4/tcp_tw_reuse"]).trim().to_string();
     assert_eq!(sysctl(), "1", "the agent set it");
-    let pid = agent_pids(&lab).into_iter().find(|(ns, _)| *ns == n1).expect("agent of n1").1;
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::SIGKILL)
-        .expect("kill the agent");
-    wait_gone(pid);
+    crash_agent(&lab, &n1);
     assert_eq!(sysctl(), "1", "a crash leaves it set");
 
     let ready = lab.dir.path().join("agent2.ready");
@@ -522,12 +539,7 @@ fn the_next_agent_restores_tcp_tw_reuse_a_crashed_one_left_set() {
     assert_eq!(sysctl(), "2", "the kernel's default, which the first agent found, is back");
     let log = std::fs::read_to_string(lab.dir.path().join("agent2.log")).unwrap();
     assert!(log.contains("restored net.ipv4.tcp_tw_reuse"), "{log}");
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(agent.0.id() as i32),
-        nix::sys::signal::SIGTERM,
-    )
-    .expect("stop the second agent");
-    let _ = agent.0.wait();
+    agent.terminate();
 }
 
 #[test]
@@ -1361,10 +1373,7 @@ fn a_udp_flow_outlives_a_crashed_agent_and_the_next_one_cuts_it_if_its_policy_de
         flow.send(what).is_ok() && flow.recv(&mut buf).is_ok()
     };
     assert!(ask(b"before"), "the flow is up");
-    let pid = agent_pids(&lab).into_iter().find(|(ns, _)| *ns == n1).expect("agent of n1").1;
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::SIGKILL)
-        .expect("kill the agent");
-    wait_gone(pid);
+    crash_agent(&lab, &n1);
     assert!(ask(b"crashed"), "a crash does not cut a live UDP flow");
 
     // The next agent's manifests isolate a/server for ingress.
@@ -1412,12 +1421,7 @@ fn a_udp_flow_outlives_a_crashed_agent_and_the_next_one_cuts_it_if_its_policy_de
     assert_eq!(cut["attributes"]["tierproxy.flow.verdict"], "deny", "{cut}");
     assert!(ready.exists(), "cut before the agent said it was ready");
     assert!(!ask(b"after"), "the denied flow is cut: its datagram is decided again, dropped");
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(agent.0.id() as i32),
-        nix::sys::signal::SIGTERM,
-    )
-    .expect("stop the second agent");
-    let _ = agent.0.wait();
+    agent.terminate();
 }
 
 /// Regression (issue #23, a flaky upgrade test): an agent read its manifests as it started
@@ -1433,10 +1437,7 @@ fn a_manifest_change_while_the_agent_starts_is_applied() {
     let lab = lab_with_agents("startch");
     let n1 = netns_of_node(&lab, "n1");
     let client = netns_of_pod(&lab, "a", "client");
-    let pid = agent_pids(&lab).into_iter().find(|(ns, _)| *ns == n1).expect("agent of n1").1;
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::SIGKILL)
-        .expect("kill the agent");
-    wait_gone(pid);
+    crash_agent(&lab, &n1);
 
     let manifests = lab.file("agent2.yaml", CLUSTER);
     let log = lab.dir.path().join("agent2.log");
@@ -1484,12 +1485,7 @@ fn a_manifest_change_while_the_agent_starts_is_applied() {
         !connects(&client, "10.60.1.3:8080", Duration::from_secs(2)),
         "the NetworkPolicy written during the start isolates a/server"
     );
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(agent.0.id() as i32),
-        nix::sys::signal::SIGTERM,
-    )
-    .expect("stop the second agent");
-    let _ = agent.0.wait();
+    agent.terminate();
 }
 
 /// Bytes each bulk connection of the upgrade test sends (and gets echoed).

@@ -61,8 +61,8 @@ impl Intervals {
 
 /// Port intervals with their rule masks inline: one allocation and one search, as ports
 /// are checked for every candidate policy. The interval starts come first, four 16-bit
-/// ports to a word (30 intervals are two cache lines, searched without a miss each step),
-/// then the masks, one word each while every mask fits in 64 bits (most directions have at
+/// ports to a word (the starts of 32 intervals fill one cache line, where the search's
+/// steps no longer miss one by one), then the masks, one word each while every mask fits in 64 bits (most directions have at
 /// most 64 rules), else two. Interval `i` covers ports `start(i)..start(i + 1)`; ports
 /// below the first start have none.
 #[derive(Debug, Clone, Default)]
@@ -123,125 +123,101 @@ impl PortMasks {
     }
 }
 
-/// A matcher's mask table, by [`Class`]: 64-bit masks while every mask fits (a direction
-/// of at most 64 rules), else 128.
+/// A vector of `W` values kept as the narrower `N` while every value fits, widened to `W`
+/// on demand (never narrowed again): class ids (one byte while a matcher has at most 255
+/// classes, most have a few dozen) and rule masks (64 bits while a direction has at most
+/// 64 rules).
 #[derive(Debug, Clone)]
-enum MaskTable {
-    Narrow(Vec<u64>),
-    Wide(Vec<RuleMask>),
+enum Widening<N, W> {
+    Narrow(Vec<N>),
+    Wide(Vec<W>),
 }
 
-impl MaskTable {
-    /// `masks` (the interner's), narrow if they all fit.
-    fn new(masks: Vec<RuleMask>) -> Self {
-        if masks.iter().all(|&m| m <= u64::MAX as RuleMask) {
-            let mut narrow: Vec<u64> = masks.into_iter().map(|m| m as u64).collect();
-            narrow.shrink_to_fit();
-            MaskTable::Narrow(narrow)
-        } else {
-            let mut wide = masks;
-            wide.shrink_to_fit();
-            MaskTable::Wide(wide)
+/// Class ids ([`Widening`]).
+type ClassVec = Widening<u8, Class>;
+
+/// A matcher's mask table, by [`Class`] ([`Widening`]); class 0 is the empty mask.
+type MaskTable = Widening<u64, RuleMask>;
+
+impl<N, W> Widening<N, W>
+where
+    N: Copy + PartialEq + Into<W> + TryFrom<W>,
+    W: Copy + PartialEq,
+{
+    /// `values`, narrow if they all fit; no spare capacity either way.
+    fn new(values: Vec<W>) -> Self {
+        let narrow: Option<Vec<N>> = values.iter().map(|&v| N::try_from(v).ok()).collect();
+        match narrow {
+            Some(n) => Widening::Narrow(n),
+            None => {
+                let mut wide = values;
+                wide.shrink_to_fit();
+                Widening::Wide(wide)
+            }
         }
     }
 
     #[inline]
-    fn get(&self, c: Class) -> RuleMask {
+    fn get(&self, i: usize) -> W {
         match self {
-            MaskTable::Narrow(v) => v[c as usize] as RuleMask,
-            MaskTable::Wide(v) => v[c as usize],
+            Widening::Narrow(v) => v[i].into(),
+            Widening::Wide(v) => v[i],
         }
     }
 
     fn len(&self) -> usize {
         match self {
-            MaskTable::Narrow(v) => v.len(),
-            MaskTable::Wide(v) => v.len(),
+            Widening::Narrow(v) => v.len(),
+            Widening::Wide(v) => v.len(),
         }
     }
 
-    fn position(&self, mask: RuleMask) -> Option<usize> {
+    /// The first index holding `x`.
+    fn position(&self, x: W) -> Option<usize> {
         match self {
-            MaskTable::Narrow(v) => {
-                u64::try_from(mask).ok().and_then(|m| v.iter().position(|&x| x == m))
+            Widening::Narrow(v) => N::try_from(x).ok().and_then(|n| v.iter().position(|&y| y == n)),
+            Widening::Wide(v) => v.iter().position(|&y| y == x),
+        }
+    }
+
+    /// `x` as stored, the table widened first if it does not fit.
+    fn widen_for(&mut self, x: W) -> Result<N, W> {
+        if let Widening::Narrow(v) = self {
+            match N::try_from(x) {
+                Ok(n) => return Ok(n),
+                Err(_) => *self = Widening::Wide(v.iter().map(|&n| n.into()).collect()),
             }
-            MaskTable::Wide(v) => v.iter().position(|&x| x == mask),
+        }
+        Err(x)
+    }
+
+    fn set(&mut self, i: usize, x: W) {
+        match (self.widen_for(x), self) {
+            (Ok(n), Widening::Narrow(v)) => v[i] = n,
+            (_, Widening::Wide(v)) => v[i] = x,
+            (Err(_), Widening::Narrow(_)) => unreachable!("widened above"),
         }
     }
 
-    /// Adds `mask` as the next class, widening the table if it needs 128 bits.
-    fn push(&mut self, mask: RuleMask) {
-        match self {
-            MaskTable::Narrow(v) => match u64::try_from(mask) {
-                Ok(m) => v.push(m),
-                Err(_) => {
-                    let mut wide: Vec<RuleMask> = v.iter().map(|&m| m as RuleMask).collect();
-                    wide.push(mask);
-                    *self = MaskTable::Wide(wide);
-                }
-            },
-            MaskTable::Wide(v) => v.push(mask),
-        }
-    }
-}
-
-/// Class ids, one byte each while every id fits (most matchers have a few dozen classes),
-/// else two.
-#[derive(Debug, Clone)]
-enum ClassVec {
-    U8(Vec<u8>),
-    U16(Vec<Class>),
-}
-
-impl ClassVec {
-    /// `classes` as one byte each if they all fit.
-    fn from_classes(classes: Vec<Class>) -> ClassVec {
-        if classes.iter().all(|&c| c <= u8::MAX as Class) {
-            ClassVec::U8(classes.into_iter().map(|c| c as u8).collect())
-        } else {
-            ClassVec::U16(classes)
+    fn insert(&mut self, i: usize, x: W) {
+        match (self.widen_for(x), self) {
+            (Ok(n), Widening::Narrow(v)) => v.insert(i, n),
+            (_, Widening::Wide(v)) => v.insert(i, x),
+            (Err(_), Widening::Narrow(_)) => unreachable!("widened above"),
         }
     }
 
-    #[inline]
-    fn get(&self, i: usize) -> Class {
-        match self {
-            ClassVec::U8(v) => v[i] as Class,
-            ClassVec::U16(v) => v[i],
-        }
-    }
-
-    /// Two bytes per class from now on, if `c` needs them.
-    fn widen_for(&mut self, c: Class) {
-        if let ClassVec::U8(v) = self
-            && c > u8::MAX as Class
-        {
-            *self = ClassVec::U16(v.iter().map(|&x| x as Class).collect());
-        }
-    }
-
-    fn set(&mut self, i: usize, c: Class) {
-        self.widen_for(c);
-        match self {
-            ClassVec::U8(v) => v[i] = c as u8,
-            ClassVec::U16(v) => v[i] = c,
-        }
-    }
-
-    fn insert(&mut self, i: usize, c: Class) {
-        self.widen_for(c);
-        match self {
-            ClassVec::U8(v) => v.insert(i, c as u8),
-            ClassVec::U16(v) => v.insert(i, c),
-        }
+    fn push(&mut self, x: W) {
+        let len = self.len();
+        self.insert(len, x);
     }
 
     fn remove(&mut self, i: usize) {
         match self {
-            ClassVec::U8(v) => {
+            Widening::Narrow(v) => {
                 v.remove(i);
             }
-            ClassVec::U16(v) => {
+            Widening::Wide(v) => {
                 v.remove(i);
             }
         }
@@ -723,7 +699,7 @@ impl Matcher {
 
     #[inline]
     fn mask(&self, c: Class) -> RuleMask {
-        self.masks.get(c)
+        self.masks.get(c as usize)
     }
 
     /// The index of the first rule matching the flow, if any. `subject` is the subject
@@ -807,8 +783,8 @@ impl PodClasses {
     fn get(&self, pod: u32) -> Class {
         match self {
             PodClasses::Dense(d) => match d {
-                ClassVec::U8(v) => v.get(pod as usize).map_or(0, |&c| c as Class),
-                ClassVec::U16(v) => v.get(pod as usize).copied().unwrap_or(0),
+                Widening::Narrow(v) => v.get(pod as usize).map_or(0, |&c| c as Class),
+                Widening::Wide(v) => v.get(pod as usize).copied().unwrap_or(0),
             },
             PodClasses::Ranked { blocks, classes } => {
                 let Some(&(word, rank)) = blocks.get(pod as usize / 64) else { return 0 };
@@ -875,7 +851,7 @@ fn classes(
     let mut class = |pod: u32| interner.intern(std::mem::take(&mut scratch[pod as usize]));
     if touched.len() * 2 >= pod_count {
         // One byte per pod until a class needs two.
-        let mut dense = ClassVec::U8(vec![0; pod_count]);
+        let mut dense = ClassVec::Narrow(vec![0; pod_count]);
         for &pod in &touched {
             dense.set(pod as usize, class(pod));
         }
@@ -898,10 +874,10 @@ fn classes(
                 word &= word - 1;
             }
         }
-        PodClasses::Ranked { blocks, classes: ClassVec::from_classes(ids) }
+        PodClasses::Ranked { blocks, classes: ClassVec::new(ids) }
     } else {
         touched.sort_unstable();
-        let classes = ClassVec::from_classes(touched.iter().map(|&p| class(p)).collect());
+        let classes = ClassVec::new(touched.iter().map(|&p| class(p)).collect());
         PodClasses::Sparse { pods: touched, classes }
     }
 }
@@ -1400,13 +1376,13 @@ mod tests {
         };
         let mut m =
             Matcher::build(&rules, &sets, &PodAddrs::default(), &mut scratch).expect("fits");
-        assert!(matches!(m.masks, MaskTable::Narrow(_)), "every pod mask fits in 64 bits");
+        assert!(matches!(m.masks, Widening::Narrow(_)), "every pod mask fits in 64 bits");
         assert_eq!(hit(&m, 3, 80), Some(3));
         // Pod 3 joins set 69 and leaves set 3: only rule 69 matches it now.
         sets[69] = std::sync::Arc::new([3].into_iter().collect());
         sets[3] = std::sync::Arc::new(roaring::RoaringBitmap::new());
         m.set_pod(3, &rules, &sets, None).expect("a class is free");
-        assert!(matches!(m.masks, MaskTable::Wide(_)), "the new mask needs 128 bits");
+        assert!(matches!(m.masks, Widening::Wide(_)), "the new mask needs 128 bits");
         assert_eq!(hit(&m, 3, 80), Some(69));
         assert_eq!(hit(&m, 4, 80), Some(4), "the other classes kept their masks");
 
