@@ -631,9 +631,15 @@ async fn antrea_objects_are_watched_once_their_crds_exist() {
                               "egress": [{"action": "Reject"}]}}));
     // The upstream kinds of the same names are other resources.
     api.apply(network_policy("shop", "upstream"));
-    until("Antrea's objects", || {
-        let a = source.inputs().antrea;
-        a.tiers.len() == 2 && a.cluster_network_policies.len() == 1 && a.network_policies.len() == 1
+    // Each kind has its own watcher: the upstream NetworkPolicy may arrive after Antrea's
+    // objects, so both are waited for (waiting for Antrea's alone failed in CI).
+    until("Antrea's objects and the upstream NetworkPolicy", || {
+        let inputs = source.inputs();
+        let a = &inputs.antrea;
+        a.tiers.len() == 2
+            && a.cluster_network_policies.len() == 1
+            && a.network_policies.len() == 1
+            && inputs.network_policies.len() == 1
     })
     .await;
     until("reported", || changes.load(Ordering::SeqCst) > before).await;
