@@ -62,9 +62,9 @@ impl Intervals {
 /// Port intervals with their rule masks inline: one allocation and one search, as ports
 /// are checked for every candidate policy. The interval starts come first, four 16-bit
 /// ports to a word (the starts of 32 intervals fill one cache line, where the search's
-/// steps no longer miss one by one), then the masks, one word each while every mask fits in 64 bits (most directions have at
-/// most 64 rules), else two. Interval `i` covers ports `start(i)..start(i + 1)`; ports
-/// below the first start have none.
+/// steps no longer miss one by one), then the masks, one word each while every mask fits
+/// in 64 bits (most directions have at most 64 rules), else two. Interval `i` covers ports
+/// `start(i)..start(i + 1)`; ports below the first start have none.
 #[derive(Debug, Clone, Default)]
 struct PortMasks {
     /// Number of intervals.

@@ -8,7 +8,8 @@
 //! 1. updates the label indexes and, for every interned [`SetKey`], the membership of each
 //!    pod whose labels (or whose namespace's labels) changed;
 //! 2. for each pod whose membership of some set flipped, sets the pod's class again in the
-//!    [`Matcher`]s that name those sets ([`Matcher::set_pod`]), points the policies whose
+//!    [`Matcher`](crate::policy::matcher::Matcher)s that name those sets
+//!    ([`Matcher::set_pod`](crate::policy::matcher::Matcher::set_pod)), points the policies whose
 //!    subject is one of those sets at the new set, and rebuilds the pod's per-pod policy
 //!    list (interned with the others);
 //! 3. compiles each edited policy alone against the cluster as it is now, under the same
@@ -45,11 +46,10 @@ use std::sync::Arc;
 use kube::Resource;
 
 use super::cluster::{Cluster, NO_LABELS, SetKey};
-use super::index::{DeclaredPorts, addr_ranges, declared_ports, matchable, place, port_ranges};
+use super::index::{DeclaredPorts, addr_ranges, declared_ports, matcher, place, port_ranges};
 use super::{Inputs, meta_name, meta_namespace, own_annotations, parallel};
 use crate::policy::api::{Namespace, NetworkPolicy, Node, Pod, v1alpha1, v1alpha2};
 use crate::policy::labels::LabelsRef;
-use crate::policy::matcher::Matcher;
 use crate::policy::model::{Revision, Rule, SetId};
 use crate::policy::problem::{Kind, ObjectRef, Problem};
 use crate::policy::snapshot::{PodPolicies, Policy, Snapshot};
@@ -422,10 +422,8 @@ impl State {
             }
             let rules = &policy.rules[d];
             scratch.resize(s.pods.len(), 0);
-            policy.matchers[d] = matchable(rules)
-                .then(|| Matcher::build(rules, sets, &self.cluster.addrs, &mut scratch).ok())
-                .flatten()
-                .map(Arc::new);
+            policy.matchers[d] =
+                matcher(rules, sets, &self.cluster.addrs, &mut scratch).map(Arc::new);
         }
 
         // Who names which set now.
@@ -634,9 +632,7 @@ impl State {
                 // past what a matcher numbers, evaluate that direction rule by rule.
                 let mut scratch = vec![0; s.pods.len()];
                 p.matchers[d as usize] =
-                    Matcher::build(rules, &s.pod_sets, &self.cluster.addrs, &mut scratch)
-                        .ok()
-                        .map(Arc::new);
+                    matcher(rules, &s.pod_sets, &self.cluster.addrs, &mut scratch).map(Arc::new);
             }
         }
         // The pod's per-pod list: the policies whose subject flipped join or leave it.

@@ -9,7 +9,7 @@ use roaring::RoaringBitmap;
 
 use super::parallel::{balanced_ranges, par_ranges};
 use crate::policy::matcher::{
-    AddrIndex, MAX_RULES, Matcher, PodAddrs, PortIndex, block_ranges, protocol_index,
+    AddrIndex, MAX_RULES, Matcher, PodAddrs, PortIndex, RuleMask, block_ranges, protocol_index,
 };
 use crate::policy::model::{Direction, PodEntry, Rule, Tier};
 use crate::policy::ports::{PortSpec, Protocol};
@@ -153,20 +153,25 @@ fn build_matchers(
     let ranges = balanced_ranges(&weights, workers);
     let built = par_ranges(policies, &ranges, |_, chunk| {
         let mut scratch = vec![0; pods];
-        // A direction whose masks need more classes than a matcher numbers is walked rule
-        // by rule ([`Matcher::build`]'s error), as one above the rule limit is.
-        let mut build = |r: &Vec<Rule>| {
-            matchable(r).then(|| Matcher::build(r, sets, addrs, &mut scratch).ok()).flatten()
-        };
+        let mut build = |r: &Vec<Rule>| matcher(r, sets, addrs, &mut scratch);
         chunk.iter().map(|p| [build(&p.rules[0]), build(&p.rules[1])]).collect::<Vec<_>>()
     });
     built.into_iter().flatten().collect()
 }
 
-/// Whether the rules of one policy direction get a [`Matcher`]: at most [`MAX_RULES`] of
-/// them. Otherwise they are evaluated rule by rule.
-pub(super) fn matchable(rules: &[Rule]) -> bool {
-    rules.len() <= MAX_RULES
+/// The [`Matcher`] of one policy direction's `rules`, or `None` when they are evaluated
+/// rule by rule: above [`MAX_RULES`] of them, or when their masks need more classes than a
+/// matcher numbers ([`Matcher::build`]'s error). `scratch` holds a zero per pod.
+pub(super) fn matcher(
+    rules: &[Rule],
+    sets: &[Arc<RoaringBitmap>],
+    addrs: &PodAddrs,
+    scratch: &mut [RuleMask],
+) -> Option<Matcher> {
+    if rules.len() > MAX_RULES {
+        return None;
+    }
+    Matcher::build(rules, sets, addrs, scratch).ok()
 }
 
 /// Per named port, the (protocol, number) pairs some pod declares under that name.
