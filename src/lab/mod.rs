@@ -1036,18 +1036,17 @@ pub fn apply(
         manifests
     };
     let staged = state.dir.join(STAGED_MANIFESTS);
-    let before = crate::cluster::manifest::fingerprint(std::slice::from_ref(&staged));
+    use crate::cluster::manifest::{FingerprintHex, fingerprint};
+    let before = fingerprint(std::slice::from_ref(&staged));
     stage_manifests(&manifests, &state.dir)?;
-    if crate::cluster::manifest::fingerprint(std::slice::from_ref(&staged)) == before {
+    let changed = FingerprintHex(fingerprint(std::slice::from_ref(&staged)));
+    if changed.0 == before {
         // The agents skip a change that changes nothing; there is nothing to wait for.
         return Ok(logs
             .into_iter()
             .map(|(node, ..)| Applied { node, outcome: Ok("manifests unchanged".into()) })
             .collect());
     }
-    let changed = crate::cluster::manifest::FingerprintHex(crate::cluster::manifest::fingerprint(
-        std::slice::from_ref(&staged),
-    ));
     let deadline = std::time::Instant::now() + APPLY_TIMEOUT;
     let mut out = Vec::new();
     for (node, seen) in logs {
