@@ -651,7 +651,11 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
         // would be restarted by its supervisor (a DaemonSet's pod restarts its container)
         // and take everything back.
         drop(runtime);
-        tracing::info!("handed over: idle until SIGTERM");
+        if STOP_SIGNALLED.load(std::sync::atomic::Ordering::SeqCst) {
+            tracing::info!("handed over; stopped during the hand-over: exiting");
+        } else {
+            tracing::info!("handed over: idle until SIGTERM");
+        }
         let idle = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
         idle.block_on(wait_for_signal());
     }
@@ -1325,10 +1329,46 @@ impl Drop for Installed<'_> {
     }
 }
 
+/// Set once SIGTERM or SIGINT has come, at any time after the first [`wait_for_signal`]:
+/// a tokio listener sees only the signals that come while it exists, and the agent has
+/// two in turn (the serving runtime's, then the idle one's after a hand-over). Without
+/// it, a stop asked during a hand-over was taken by the first and the agent then idled
+/// until a second one (review finding 18 of issue #23).
+static STOP_SIGNALLED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Records SIGTERM and SIGINT in [`STOP_SIGNALLED`] from now on (once per process), beside
+/// tokio's own handlers (both are actions of `signal-hook-registry`, which runs every
+/// action registered for a signal).
+fn record_stop_signals() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        for sig in [nix::libc::SIGTERM, nix::libc::SIGINT] {
+            // SAFETY: the action only stores to an atomic, which is async-signal-safe.
+            let registered = unsafe {
+                signal_hook_registry::register(sig, || {
+                    STOP_SIGNALLED.store(true, std::sync::atomic::Ordering::SeqCst)
+                })
+            };
+            if let Err(e) = registered {
+                tracing::warn!(error = %e, signal = sig, "cannot record stop signals; a stop during a hand-over then needs a second one");
+            }
+        }
+    });
+}
+
+/// Returns when SIGTERM or SIGINT comes, or at once when one came already since the first
+/// call ([`STOP_SIGNALLED`]).
 async fn wait_for_signal() {
     use tokio::signal::unix::{SignalKind, signal};
+    record_stop_signals();
     match (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) {
         (Ok(mut term), Ok(mut int)) => {
+            // A stop that came before these listeners: one taken by an earlier wait (a stop
+            // during a hand-over, taken by the serving runtime before the agent idles), or
+            // one that came between two waits, which no listener saw.
+            if STOP_SIGNALLED.load(std::sync::atomic::Ordering::SeqCst) {
+                return;
+            }
             tokio::select! {
                 _ = term.recv() => {}
                 _ = int.recv() => {}

@@ -1507,6 +1507,72 @@ fn greeted(netns: &str, to: &str) -> (TcpStream, BufReader<TcpStream>) {
     (c, r)
 }
 
+/// Review finding 18 of issue #23: an agent told to stop (SIGTERM) while it hands over
+/// finishes the hand-over, then exits. Before, its serving runtime took the signal, and
+/// after the hand-over it idled, waiting for a second one: a pod that never ended until the
+/// kubelet's SIGKILL. The connection it held goes on through the next agent.
+#[test]
+fn an_agent_stopped_during_its_hand_over_exits_once_it_is_over() {
+    if !netns_available("an_agent_stopped_during_its_hand_over_exits_once_it_is_over") {
+        return;
+    }
+    let lab = lab_with_agents("hstop");
+    let n1 = netns_of_node(&lab, "n1");
+    let client = netns_of_pod(&lab, "a", "client");
+    let old = agent_pids(&lab).into_iter().find(|(ns, _)| *ns == n1).expect("n1's agent").1;
+    // The next agent as `lab upgrade` starts it: the old one's command line, its own log
+    // and ready file.
+    let cmdline = std::fs::read(format!("/proc/{old}/cmdline")).expect("the agent's cmdline");
+    let mut args: Vec<String> = cmdline
+        .split(|b| *b == 0)
+        .filter(|a| !a.is_empty())
+        .skip(1)
+        .map(|a| String::from_utf8_lossy(a).into_owned())
+        .collect();
+    let value = |args: &[String], flag: &str| {
+        args.iter().position(|a| a == flag).map(|k| k + 1).expect("the agent has the flag")
+    };
+    let old_log = std::path::PathBuf::from(&args[value(&args, "--log")]);
+    let ready = lab.dir.path().join("agent2.ready");
+    let k = value(&args, "--log");
+    args[k] = lab.dir.path().join("agent2.log").display().to_string();
+    let k = value(&args, "--ready-file");
+    args[k] = ready.display().to_string();
+
+    let (mut c, mut r) = greeted(&client, "10.60.1.3:8080");
+    let child = bin()
+        .args(&args)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("the next agent starts");
+    let mut next = KillOnDrop(child);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !std::fs::read_to_string(&old_log)
+        .is_ok_and(|t| t.contains("handing over to the next agent"))
+    {
+        assert!(next.0.try_wait().unwrap().is_none(), "the next agent exited");
+        assert!(Instant::now() < deadline, "the old agent never began handing over");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(old), nix::sys::signal::SIGTERM)
+        .expect("stop the old agent");
+    while !ready.exists() {
+        assert!(next.0.try_wait().unwrap().is_none(), "the next agent exited");
+        assert!(Instant::now() < deadline, "the next agent was not ready in 30 s");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    wait_gone(old);
+    let said = std::fs::read_to_string(&old_log).unwrap();
+    assert!(said.contains("handed over to the next agent"), "a hand-over, not a drain: {said}");
+    c.write_all(b"ping").expect("the connection goes on");
+    let mut echo = [0u8; 4];
+    r.read_exact(&mut echo).expect("echoed through the next agent");
+    assert_eq!(&echo, b"ping");
+    drop((c, r));
+    next.terminate();
+}
+
 /// Issue #23: `lab upgrade` replaces the agent of every node while 1,000 connections are
 /// open (half on the node, half across nodes), four of them moving 16 MiB each way, one
 /// half-closed, a UDP flow is live and new connections keep being made. The new agents

@@ -336,6 +336,18 @@ impl Giver {
             send(&fd, &Message::Refuse { reason: reason.clone() }, &[])?;
             return Err(protocol(reason));
         };
+        if *self.lock_outcome() == Some(Outcome::Completed) {
+            // This agent gave everything away and acts on nothing (it waits to be stopped):
+            // a next agent that still reaches its socket (the agent it handed over to never
+            // served the path, or is gone) must start on its own at once, not wait out a
+            // hand-over nobody answers (review finding 18 of issue #23).
+            let reason = "this agent handed over to another already and holds nothing".to_string();
+            send(&fd, &Message::Refuse { reason: reason.clone() }, &[])?;
+            tracing::info!(
+                "a next agent asked for a hand-over after this one handed over; refused"
+            );
+            return Ok(());
+        }
         send(&fd, &Message::Accept { version }, &[])?;
         tracing::info!(version, "handing over to the next agent");
         self.begin();
@@ -474,8 +486,9 @@ fn send_connection(fd: &OwnedFd, c: &Connection) -> io::Result<()> {
 pub enum Take {
     /// No agent listens there: start as usual.
     Nobody,
-    /// The running agent speaks no common version (its reason): start as usual; it
-    /// drains when it is stopped.
+    /// The running agent speaks no common version, or handed over to another agent
+    /// already (its reason): start as usual; an agent that holds anything drains it when
+    /// it is stopped.
     Refused(String),
     /// The running agent handed everything over.
     Taken(Taken),
@@ -813,6 +826,27 @@ mod tests {
             Message::Refuse { reason } => assert!(reason.contains("no common hand-over version")),
             other => panic!("{other:?}"),
         }
+    }
+
+    /// An agent that handed over already refuses the next agent that still reaches its
+    /// socket, at once: before, it accepted, asked a proxy that had stopped, and the next
+    /// agent waited out the 10 s step timeout before starting on its own (review finding 18
+    /// of issue #23).
+    #[test]
+    fn an_agent_that_handed_over_refuses_the_next_at_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("giver.sock");
+        let giver = Arc::new(Giver::new(1));
+        giver.serve(&path).unwrap();
+        giver.begin();
+        giver.end(Outcome::Completed);
+        let asked = std::time::Instant::now();
+        match take(&path).unwrap() {
+            Take::Refused(reason) => assert!(reason.contains("handed over"), "{reason}"),
+            other => panic!("{other:?}"),
+        }
+        assert!(asked.elapsed() < STEP_TIMEOUT, "refused only after {:?}", asked.elapsed());
+        assert!(!giver.park(), "the queue readers of a retired agent are not asked to park");
     }
 
     /// A message that is not JSON of this protocol is an error naming the protocol, never a
