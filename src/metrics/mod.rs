@@ -45,6 +45,12 @@ pub struct DataPathMetrics {
     pub decision_seconds: Histogram,
     /// Proxied connections accepted.
     pub connections_opened: Counter,
+    /// Live connections taken from the previous agent at a hand-over (issue #23; that
+    /// agent counted them opened).
+    pub connections_adopted: Counter,
+    /// Live connections given to the next agent at a hand-over (issue #23; that agent
+    /// counts their close).
+    pub connections_handed_over: Counter,
     /// Proxied connections closed, by reason (as `CLOSE_REASONS`).
     closed: [Counter; 7],
     /// Bytes relayed client → server and server → client.
@@ -112,10 +118,14 @@ impl DataPathMetrics {
     }
 
     /// Counts a closed connection.
-    pub fn closed(&self, reason: crate::audit::CloseReason, to_server: u64, to_client: u64) {
+    pub fn closed(&self, reason: crate::audit::CloseReason) {
         if let Some(i) = CLOSE_REASONS.iter().position(|r| *r == reason) {
             self.closed[i].inc();
         }
+    }
+
+    /// Counts bytes relayed to the server and to the client.
+    pub fn relayed(&self, to_server: u64, to_client: u64) {
         self.bytes[0].inc_by(to_server);
         self.bytes[1].inc_by(to_client);
     }
@@ -139,6 +149,8 @@ impl Metrics {
         let bytes: Family<Labels, Counter> = Family::default();
         let decision_seconds = Histogram::new(exponential_buckets(1e-7, 2.0, 20));
         let connections_opened = Counter::default();
+        let connections_adopted = Counter::default();
+        let connections_handed_over = Counter::default();
         let dir_counters = [Direction::Ingress, Direction::Egress].map(|dir| {
             VERDICTS.map(|verdict| {
                 TIERS.map(|tier| {
@@ -174,6 +186,16 @@ impl Metrics {
             "Proxied connections accepted",
             connections_opened.clone(),
         );
+        registry.register(
+            "connections_adopted",
+            "Live connections taken from the previous agent at a hand-over",
+            connections_adopted.clone(),
+        );
+        registry.register(
+            "connections_handed_over",
+            "Live connections given to the next agent at a hand-over",
+            connections_handed_over.clone(),
+        );
         registry.register("connections_closed", "Proxied connections closed, by reason", closed);
         registry.register("relayed_bytes", "Bytes relayed, by direction", bytes);
         registry.register_collector(Box::new(scraped));
@@ -184,6 +206,8 @@ impl Metrics {
                 flows: flow_counters,
                 decision_seconds,
                 connections_opened,
+                connections_adopted,
+                connections_handed_over,
                 closed: closed_counters,
                 bytes: byte_counters,
             }),

@@ -58,6 +58,9 @@ pub struct Lifecycle {
     open: bool,
     /// Dropped after [`Lifecycle::drop`] has written the end record.
     registration: Registration,
+    /// Bytes (to the server, to the client) the previous agent relayed before it handed
+    /// the flow over: in its end record, not in this agent's relayed-bytes metric.
+    inherited: (u64, u64),
 }
 
 impl std::fmt::Debug for Lifecycle {
@@ -96,7 +99,13 @@ impl Lifecycle {
         if !admission.decision.verdict.is_allow() {
             return Err(admission.decision.verdict);
         }
-        Ok(Lifecycle { decider: decider.clone(), admission, open: false, registration })
+        Ok(Lifecycle {
+            decider: decider.clone(),
+            admission,
+            open: false,
+            registration,
+            inherited: (0, 0),
+        })
     }
 
     /// Counts the flow as opened (`tierproxy_connections_opened_total`); from now on its
@@ -117,9 +126,11 @@ impl Lifecycle {
 
     /// Takes in a live connection the previous agent handed over (issue #23): registers it
     /// with its start and its byte counts so far, decides it again on the snapshot in
-    /// force ([`Decider::adopt`]) and counts it as opened: its end record, written here,
-    /// gives its whole duration and bytes, and is audited when the previous agent audited
-    /// its admission (`handed.audited`). Returns the flow and whether that decision allows
+    /// force ([`Decider::adopt`]) and counts it as adopted
+    /// (`tierproxy_connections_adopted_total`; the previous agent counted it opened): its
+    /// end record, written here, gives its whole duration and bytes, and is audited when
+    /// the previous agent audited its admission (`handed.audited`); this agent's
+    /// relayed-bytes metric counts only the bytes it relays. Returns the flow and whether that decision allows
     /// it; when it does not, the flow is told to stop for a policy change (the caller
     /// resets it and ends it with [`Lifecycle::stop_reason`]).
     pub fn adopt(
@@ -131,10 +142,14 @@ impl Lifecycle {
     ) -> (Self, bool) {
         let now = std::time::Instant::now();
         let accepted = now.checked_sub(handed.age).unwrap_or(now);
+        let inherited = (
+            counters.to_server.load(Ordering::Relaxed),
+            counters.to_client.load(Ordering::Relaxed),
+        );
         let registration = registry.register_at(key, accepted, counters);
         let decision = decider.adopt(&registration.tracked);
         let _ = registration.tracked.decision.set(decision.clone());
-        decider.metrics().connections_opened.inc();
+        decider.metrics().connections_adopted.inc();
         let allowed = decision.verdict == Verdict::Allow;
         let admission = Admission {
             decision,
@@ -142,14 +157,24 @@ impl Lifecycle {
             time: handed.decided,
             point: DecisionPoint::HandOver,
         };
-        (Lifecycle { decider: decider.clone(), admission, open: true, registration }, allowed)
+        let flow =
+            Lifecycle { decider: decider.clone(), admission, open: true, registration, inherited };
+        (flow, allowed)
     }
 
     /// Hands the flow over to the next agent: this agent writes no end record for it (the
-    /// next one will, [`Lifecycle::adopt`]). It leaves the registry when the caller drops
-    /// it, which must be after the connection is given on: a hand-over is over once no
-    /// TCP flow is left in the registry ([`Registry::wait_no_tcp`]).
+    /// next one will, [`Lifecycle::adopt`]); it counts it handed over
+    /// (`tierproxy_connections_handed_over_total`) and the bytes it relayed of it
+    /// (`tierproxy_relayed_bytes_total`). It leaves the registry when the caller drops it,
+    /// which must be after the connection is given on: a hand-over is over once no TCP
+    /// flow is left in the registry ([`Registry::wait_no_tcp`]).
     pub fn hand_over(&mut self) -> HandedFlow {
+        if self.open {
+            let metrics = self.decider.metrics();
+            metrics.connections_handed_over.inc();
+            let (to_server, to_client) = self.relayed_here();
+            metrics.relayed(to_server, to_client);
+        }
         self.open = false;
         HandedFlow {
             age: self.tracked().accepted.elapsed(),
@@ -187,7 +212,20 @@ impl Lifecycle {
             to_client: t.counters.to_client.load(Ordering::Relaxed),
             duration: t.accepted.elapsed(),
         };
-        record_end(&self.decider, Some(&self.admission), t.key, end);
+        let here = self.relayed_here();
+        self.decider.metrics().closed(reason);
+        self.decider.metrics().relayed(here.0, here.1);
+        audit_end(&self.decider, Some(&self.admission), t.key, end);
+    }
+
+    /// Bytes (to the server, to the client) this agent relayed: the flow's counts less
+    /// what it inherited from the previous agent.
+    fn relayed_here(&self) -> (u64, u64) {
+        let c = &self.registration.tracked.counters;
+        (
+            c.to_server.load(Ordering::Relaxed).saturating_sub(self.inherited.0),
+            c.to_client.load(Ordering::Relaxed).saturating_sub(self.inherited.1),
+        )
     }
 }
 
@@ -214,7 +252,14 @@ pub fn record_end(
     key: FlowKey,
     end: ConnectionEnd,
 ) {
-    decider.metrics().closed(end.reason, end.to_server, end.to_client);
+    decider.metrics().closed(end.reason);
+    decider.metrics().relayed(end.to_server, end.to_client);
+    audit_end(decider, admission, key, end);
+}
+
+/// The audit part of [`record_end`]: the end event when `admission` was audited or a
+/// policy change cut the flow.
+fn audit_end(decider: &Decider, admission: Option<&Admission>, key: FlowKey, end: ConnectionEnd) {
     let Some(admission) = admission else { return };
     let auditor = decider.auditor();
     if !auditor.enabled() || !(admission.audited || end.reason == CloseReason::PolicyChange) {

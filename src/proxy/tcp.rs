@@ -791,7 +791,18 @@ mod tests {
             assert!(rest.is_empty());
         }
         until("the new agent's connections to end", || new_registry.is_empty()).await;
-        assert_eq!(new.opened(), 6);
+        // Each agent counts what it did (review finding 19 of #23): the old one opened and
+        // handed over the six, the new one adopted and closed them; the relayed bytes are
+        // split between them, each agent's own share, and add up to the end records'.
+        assert_eq!((old.opened(), old.metric("tierproxy_connections_handed_over_total")), (6, 6));
+        assert_eq!((new.opened(), new.metric("tierproxy_connections_adopted_total")), (0, 6));
+        assert_eq!(new.closed_total(), 6);
+        let relayed = |t: &testing::TestDecider, d: &str| {
+            t.metric(&format!("tierproxy_relayed_bytes_total{{direction=\"{d}\"}}"))
+        };
+        let before = relayed(&old, "to_server");
+        // The half-closed connection's request and some of the bulk moved before.
+        assert!(before > 7, "the old agent counts the bytes it relayed: {before}");
         let events = new.events();
         let ends: Vec<_> =
             events.iter().filter(|v| v["event"] == crate::audit::event::CONNECTION_END).collect();
@@ -804,6 +815,8 @@ mod tests {
         let b = BULK as u64;
         assert_eq!(bytes(attr::BYTES_TO_SERVER), [4, 7, b, b, b, b]);
         assert_eq!(bytes(attr::BYTES_TO_CLIENT), [0, 0, 0, 0, 0, 8]);
+        assert_eq!(before + relayed(&new, "to_server"), 4 + 7 + 4 * b);
+        assert_eq!(relayed(&old, "to_client") + relayed(&new, "to_client"), 8);
         assert_eq!(testing::end_reasons(&events), ["normal"; 6]);
         // Allowed again: not audited again (the old agent audited each admission).
         assert!(testing::decision_points(&events).is_empty());
