@@ -175,12 +175,20 @@ pub struct Giver {
     park: AtomicBool,
     tx: Sender<Outgoing>,
     rx: Receiver<Outgoing>,
-    /// How the hand-over under way ended; `None` until it has.
-    outcome: Mutex<Option<Outcome>>,
+    /// Which hand-over is the latest and how it ended.
+    outcome: Mutex<Ended>,
     /// Wakes parked queue readers when it ended.
     ended_cv: Condvar,
     /// Wakes the proxy when it ended.
     ended: tokio::sync::Notify,
+}
+
+/// The latest hand-over of a [`Giver`]: its number (each [`Giver::begin`] counts one) and
+/// how it ended (`None` while under way).
+#[derive(Debug, Default)]
+struct Ended {
+    generation: u64,
+    outcome: Option<Outcome>,
 }
 
 impl Giver {
@@ -194,7 +202,7 @@ impl Giver {
             park: AtomicBool::new(false),
             tx,
             rx,
-            outcome: Mutex::new(None),
+            outcome: Mutex::new(Ended::default()),
             ended_cv: Condvar::new(),
             ended: tokio::sync::Notify::new(),
         }
@@ -209,29 +217,42 @@ impl Giver {
     /// for the proxy's end of it ([`super::tcp::serve`]) instead of draining what the next
     /// agent holds too.
     pub fn committed(&self) -> bool {
-        self.park() || *self.lock_outcome() == Some(Outcome::Completed)
+        self.park() || self.lock_outcome().outcome == Some(Outcome::Completed)
     }
 
     /// A queue reader parks: gives queue `num` (a duplicate of its socket, `fd`) and waits
-    /// until the hand-over ended. Returns `true` when it failed and the reader reads on,
+    /// until the hand-over it gave it to ended. Returns `true` when that one failed and the
+    /// reader reads on (parking again at once if another hand-over began meanwhile),
     /// `false` when the next agent has the queue (the reader ends).
+    ///
+    /// The queue is given under the lock that [`Giver::begin`] and [`Giver::end`] take, so
+    /// it goes to the hand-over whose generation the reader then waits on. Before, a reader
+    /// woken late from a failed hand-over found the next one's empty outcome and waited on
+    /// without giving its queue to it, which then failed after its step timeout (review
+    /// finding 17 of issue #23).
     pub fn parked(&self, num: u16, fd: OwnedFd) -> bool {
+        let mut ended = self.lock_outcome();
+        let generation = ended.generation;
         self.give(Outgoing::Queue(num, fd));
-        let mut outcome = self.lock_outcome();
         loop {
-            match *outcome {
+            if ended.generation != generation {
+                // A later hand-over began: the one this reader parked for ended, and only a
+                // failed one is followed by another.
+                return true;
+            }
+            match ended.outcome {
                 Some(o) => return o == Outcome::Failed,
                 None => {
-                    outcome = self
+                    ended = self
                         .ended_cv
-                        .wait(outcome)
+                        .wait(ended)
                         .unwrap_or_else(std::sync::PoisonError::into_inner);
                 }
             }
         }
     }
 
-    fn lock_outcome(&self) -> std::sync::MutexGuard<'_, Option<Outcome>> {
+    fn lock_outcome(&self) -> std::sync::MutexGuard<'_, Ended> {
         self.outcome.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
@@ -256,15 +277,22 @@ impl Giver {
         let _ = self.tx.send(item);
     }
 
-    /// Returns how the hand-over under way ended, once it has (after
-    /// [`Outgoing::Finished`] was given).
+    /// Returns how the hand-over under way when it is called ended, once it has (after
+    /// [`Outgoing::Finished`] was given); `Failed` when a later one began meanwhile.
     pub async fn outcome(&self) -> Outcome {
+        let generation = self.lock_outcome().generation;
         loop {
             let ended = self.ended.notified();
             tokio::pin!(ended);
             ended.as_mut().enable();
-            if let Some(o) = *self.lock_outcome() {
-                return o;
+            {
+                let e = self.lock_outcome();
+                if e.generation != generation {
+                    return Outcome::Failed;
+                }
+                if let Some(o) = e.outcome {
+                    return o;
+                }
             }
             ended.await;
         }
@@ -279,13 +307,23 @@ impl Giver {
                 c.relay.abort();
             }
         }
-        *self.lock_outcome() = None;
+        let mut ended = self.lock_outcome();
+        ended.generation += 1;
+        ended.outcome = None;
+        // Under the lock: a reader giving its queue sees the park and the generation of
+        // one hand-over, never the park of one and the generation of another.
         self.park.store(true, Ordering::Release);
+        drop(ended);
+        // A reader still waiting on the previous one's outcome: it reads on, then parks
+        // for this one.
+        self.ended_cv.notify_all();
     }
 
     fn end(&self, outcome: Outcome) {
+        let mut ended = self.lock_outcome();
         self.park.store(false, Ordering::Release);
-        *self.lock_outcome() = Some(outcome);
+        ended.outcome = Some(outcome);
+        drop(ended);
         self.ended_cv.notify_all();
         self.ended.notify_waiters();
     }
@@ -336,7 +374,7 @@ impl Giver {
             send(&fd, &Message::Refuse { reason: reason.clone() }, &[])?;
             return Err(protocol(reason));
         };
-        if *self.lock_outcome() == Some(Outcome::Completed) {
+        if self.lock_outcome().outcome == Some(Outcome::Completed) {
             // This agent gave everything away and acts on nothing (it waits to be stopped):
             // a next agent that still reaches its socket (the agent it handed over to never
             // served the path, or is gone) must start on its own at once, not wait out a
@@ -847,6 +885,49 @@ mod tests {
         }
         assert!(asked.elapsed() < STEP_TIMEOUT, "refused only after {:?}", asked.elapsed());
         assert!(!giver.park(), "the queue readers of a retired agent are not asked to park");
+    }
+
+    /// A reader still waiting on a failed hand-over's outcome when the next one begins
+    /// reads on and parks for the new one, giving its queue to it (review finding 17 of
+    /// issue #23: it found the new one's empty outcome, waited on without giving its queue,
+    /// and the new hand-over failed after its 10 s step timeout).
+    #[test]
+    fn a_reader_late_from_a_failed_hand_over_parks_for_the_next() {
+        let giver = Arc::new(Giver::new(1));
+        giver.begin();
+        let reader = {
+            let g = giver.clone();
+            std::thread::spawn(move || {
+                // As `queue::read` does: park whenever a hand-over is under way, read (here:
+                // wait a little) otherwise, until the next agent has the queue.
+                let mut parks = 0;
+                let deadline = std::time::Instant::now() + Duration::from_secs(10);
+                while std::time::Instant::now() < deadline {
+                    if !g.park() {
+                        std::thread::sleep(Duration::from_millis(1));
+                        continue;
+                    }
+                    parks += 1;
+                    let (a, _b) = std::os::unix::net::UnixDatagram::pair().unwrap();
+                    if !g.parked(3, a.into()) {
+                        return parks;
+                    }
+                }
+                parks
+            })
+        };
+        let first = giver.rx.recv_timeout(Duration::from_secs(5)).expect("the first queue");
+        assert!(matches!(first, Outgoing::Queue(3, _)));
+        // The first hand-over fails and the next begins before the reader wakes.
+        giver.end(Outcome::Failed);
+        giver.begin();
+        let second = giver.rx.recv_timeout(Duration::from_secs(5));
+        assert!(
+            matches!(second, Ok(Outgoing::Queue(3, _))),
+            "the reader gave the next one its queue"
+        );
+        giver.end(Outcome::Completed);
+        assert_eq!(reader.join().unwrap(), 2, "parked once per hand-over, then ended");
     }
 
     /// A message that is not JSON of this protocol is an error naming the protocol, never a
