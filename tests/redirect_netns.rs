@@ -448,7 +448,9 @@ fn nftables_apply_update_remove() {
             "tproxy ip to 127.0.0.1:15001 meta mark set meta mark | 0x00002000 accept",
             "tproxy ip6 to [::1]:15001",
             "ip saddr @nodes-v4 return",
-            "ip daddr @pods-v4 meta l4proto != udp socket mark & 0x00000080 == 0x00000080 \
+            "ip daddr @pods-v4 ip saddr != @pods-v4 meta l4proto != udp \
+             socket mark & 0x00000080 == 0x00000080 ct zone set 29808",
+            "ip saddr @pods-v4 meta l4proto != udp socket mark & 0x00000080 == 0x00000080 \
              ct zone set 29808",
             "meta mark & 0x00000080 == 0x00000080 ct zone set 29808",
             "iifname \"lo\" ip saddr @nodes-v4 return",

@@ -599,11 +599,16 @@ fn raw_input(spec: &RulesetSpec, fam: Family, o: &mut String) {
         // looked up in the default zone were INVALID there.
         // On the kernel UDP path no upstream leg is UDP: UDP is spared the socket lookup.
         let not_udp = if c.udp_path == UdpPath::Kernel { "! -p udp " } else { "" };
-        for (dir, words) in [("src", "from"), ("dst", "to")] {
+        // One socket lookup per packet: a packet from a local pod to another was looked up
+        // by the first rule, so the second takes only those to a local pod from elsewhere.
+        for (dir, words, not_from_pod) in [
+            ("src", "from", String::new()),
+            ("dst", "to", format!("-m set ! --match-set {pods} src ")),
+        ] {
             let _ = writeln!(
                 o,
                 "-A {zin} {not_udp}-m comment --comment \"tierproxy: upstream leg {words} a local pod, own zone\" \
-                 -m set --match-set {pods} {dir} -m socket --restore-skmark \
+                 -m set --match-set {pods} {dir} {not_from_pod}-m socket --restore-skmark \
                  -m mark --mark {bypass} {ct}"
             );
         }

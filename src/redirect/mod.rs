@@ -80,7 +80,9 @@
 //!    pod, of a socket whose `SO_MARK` is the bypass mark, transparent or not: a leg from
 //!    the node's own address is an ordinary socket; iptables reads the mark with `socket
 //!    --restore-skmark` and clears the bits again, nft with `socket mark`), get `CT
-//!    --zone` (nft `ct zone set`). An upstream leg is bound to the
+//!    --zone` (nft `ct zone set`); one socket lookup per packet (a packet from a local pod
+//!    to another is looked up only by the rule for packets from a local pod). An upstream
+//!    leg is bound to the
 //!    client's address with a port the node's kernel picks, unaware of the client
 //!    kernel's ports, so the legs of two connections can share a 4-tuple; in one zone,
 //!    conntrack drops the second leg's SYN when it confirms it (`insert_failed`), and the

@@ -654,6 +654,14 @@ fn apply_batch(spec: &RulesetSpec) -> Nftables<'static> {
                 // Any socket, not only transparent ones: see the iptables backend. On the
                 // kernel UDP path no upstream leg is UDP: UDP is spared the socket lookup.
                 let mut expr = vec![in_set(fam, field, fam.pods)];
+                if field == "daddr" {
+                    // From a local pod as well: the rule before looked its socket up.
+                    expr.push(is(
+                        payload(fam.proto, "saddr"),
+                        Operator::NEQ,
+                        str_expr(format!("@{}", fam.pods)),
+                    ));
+                }
                 if c.udp_path == UdpPath::Kernel {
                     expr.push(is(meta(MetaKey::L4proto), Operator::NEQ, str_expr("udp")));
                 }
