@@ -130,9 +130,9 @@ impl Lifecycle {
     /// (`tierproxy_connections_adopted_total`; the previous agent counted it opened): its
     /// end record, written here, gives its whole duration and bytes, and is audited when
     /// the previous agent audited its admission (`handed.audited`); this agent's
-    /// relayed-bytes metric counts only the bytes it relays. Returns the flow and whether that decision allows
-    /// it; when it does not, the flow is told to stop for a policy change (the caller
-    /// resets it and ends it with [`Lifecycle::stop_reason`]).
+    /// relayed-bytes metric counts only the bytes it relays. Returns the flow and whether
+    /// that decision allows it; when it does not, the flow is told to stop for a policy
+    /// change (the caller resets it and ends it with [`Lifecycle::stop_reason`]).
     pub fn adopt(
         decider: &Arc<Decider>,
         registry: &Arc<Registry>,
@@ -213,9 +213,7 @@ impl Lifecycle {
             duration: t.accepted.elapsed(),
         };
         let here = self.relayed_here();
-        self.decider.metrics().closed(reason);
-        self.decider.metrics().relayed(here.0, here.1);
-        audit_end(&self.decider, Some(&self.admission), t.key, end);
+        count_and_audit(&self.decider, Some(&self.admission), t.key, end, here);
     }
 
     /// Bytes (to the server, to the client) this agent relayed: the flow's counts less
@@ -252,14 +250,20 @@ pub fn record_end(
     key: FlowKey,
     end: ConnectionEnd,
 ) {
-    decider.metrics().closed(end.reason);
-    decider.metrics().relayed(end.to_server, end.to_client);
-    audit_end(decider, admission, key, end);
+    count_and_audit(decider, admission, key, end, (end.to_server, end.to_client));
 }
 
-/// The audit part of [`record_end`]: the end event when `admission` was audited or a
-/// policy change cut the flow.
-fn audit_end(decider: &Decider, admission: Option<&Admission>, key: FlowKey, end: ConnectionEnd) {
+/// [`record_end`], counting `relayed` (to the server, to the client) as this agent's
+/// relayed bytes: all of them, or for a flow the previous agent handed over, those since.
+fn count_and_audit(
+    decider: &Decider,
+    admission: Option<&Admission>,
+    key: FlowKey,
+    end: ConnectionEnd,
+    relayed: (u64, u64),
+) {
+    decider.metrics().closed(end.reason);
+    decider.metrics().relayed(relayed.0, relayed.1);
     let Some(admission) = admission else { return };
     let auditor = decider.auditor();
     if !auditor.enabled() || !(admission.audited || end.reason == CloseReason::PolicyChange) {

@@ -82,11 +82,10 @@
 //!    --restore-skmark` and clears the bits again, nft with `socket mark`), get `CT
 //!    --zone` (nft `ct zone set`); one socket lookup per packet (a packet from a local pod
 //!    to another is looked up only by the rule for packets from a local pod). An upstream
-//!    leg is bound to the
-//!    client's address with a port the node's kernel picks, unaware of the client
-//!    kernel's ports, so the legs of two connections can share a 4-tuple; in one zone,
-//!    conntrack drops the second leg's SYN when it confirms it (`insert_failed`), and the
-//!    client retransmits a second later. Measured in the load-test lab before this rule:
+//!    leg is bound to the client's address with a port the node's kernel picks, unaware
+//!    of the client kernel's ports, so the legs of two connections can share a 4-tuple; in
+//!    one zone, conntrack drops the second leg's SYN when it confirms it (`insert_failed`),
+//!    and the client retransmits a second later. Measured in the load-test lab before this rule:
 //!    18 of 10,000 connections at concurrency 8 lost their SYN, and new connections/s
 //!    fell from 2,600 at concurrency 1 to 2,500 at 8; with it, none, and 4,000/s. The
 //!    client legs stay in the default zone, where kube-proxy's DNAT and the conntrack
