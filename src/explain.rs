@@ -387,7 +387,9 @@ pub fn outcome_json(s: &Snapshot, dir: Direction, o: Option<&Outcome>) -> Value 
 /// One line for a person describing a direction's outcome.
 fn outcome_text(v: &Value) -> String {
     let verdict = v["verdict"].as_str().unwrap_or("?");
-    let mut s = format!("{verdict:<5}");
+    // As wide as the longest verdict, `reject`: the tier and the policy start in one column
+    // on every line.
+    let mut s = format!("{verdict:<6}");
     match v["reason"].as_str() {
         Some("not-a-pod") => s.push_str(" (not a pod-network pod: no policy applies)"),
         Some("own-node") => s.push_str(" (from the pod's own node: always allowed)"),
@@ -627,6 +629,25 @@ pub fn check(manifests: &[PathBuf], format: Format, out: &mut dyn Write) -> u8 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The tier and the policy start in one column whatever the verdict; before, a
+    /// `reject` (six letters, issue #22) pushed them one character to the right.
+    #[test]
+    fn direction_lines_keep_their_columns_for_every_verdict() {
+        let line = |verdict: &str| {
+            outcome_text(&json!({
+                "verdict": verdict,
+                "tier": "admin",
+                "policy": {"kind": "AdminNetworkPolicy", "name": "p"},
+                "rule": {"index": 0},
+                "reason": "rule",
+            }))
+        };
+        let column = |s: String| s.find("admin").expect("the tier");
+        for verdict in ["allow", "deny", "pass"] {
+            assert_eq!(column(line(verdict)), column(line("reject")), "{verdict}");
+        }
+    }
 
     const PODS: &str = r#"
 apiVersion: v1
