@@ -267,6 +267,49 @@ fn unknown_probe_endpoint_is_a_named_error() {
     assert!(stderr(&o).contains("no pod nope/pod in the manifests"), "{}", stderr(&o));
 }
 
+/// The BaselineAdminNetworkPolicy ranks at priority 1 among the Baseline-tier
+/// ClusterNetworkPolicies (antrea-model.md §3): a Baseline CNP at 1 whose subject overlaps
+/// it is a tie, reported on both, the BANP's on `spec` (it has no priority field).
+#[test]
+fn check_reports_a_baseline_cnp_tied_with_the_banp() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = write(
+        dir.path(),
+        "p.yaml",
+        r#"
+apiVersion: v1
+kind: Pod
+metadata: {name: p, namespace: a}
+spec: {containers: [{name: c}]}
+status: {podIP: 10.0.0.1}
+---
+apiVersion: policy.networking.k8s.io/v1alpha2
+kind: ClusterNetworkPolicy
+metadata: {name: base}
+spec:
+  tier: Baseline
+  priority: 1
+  subject: {namespaces: {}}
+  ingress: [{action: Accept, from: [{namespaces: {}}]}]
+---
+apiVersion: policy.networking.k8s.io/v1alpha1
+kind: BaselineAdminNetworkPolicy
+metadata: {name: default}
+spec:
+  subject: {namespaces: {}}
+  ingress: [{action: Deny, from: [{namespaces: {}}]}]
+"#,
+    );
+    let o = run(&["check", "-m", m.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(0), "a tie is a warning");
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        out.contains("ClusterNetworkPolicy base: spec.priority: priority 1 is shared with BaselineAdminNetworkPolicy default")
+            && out.contains("BaselineAdminNetworkPolicy default: spec: priority 1 is shared with ClusterNetworkPolicy base"),
+        "{out}"
+    );
+}
+
 #[test]
 fn check_reports_domain_names_and_priority_conflicts() {
     let dir = tempfile::tempdir().unwrap();

@@ -1177,7 +1177,7 @@ spec:
             ingress: "default",
         },
         Row {
-            name: "CNP Baseline comes before the BANP",
+            name: "the BANP ranks at priority 1 among Baseline CNPs (Antrea, antrea-model §3): before one at 900",
             policies: r#"
 apiVersion: policy.networking.k8s.io/v1alpha2
 kind: ClusterNetworkPolicy
@@ -1199,9 +1199,90 @@ spec:
             to: "prod/web",
             protocol: TCP,
             port: 80,
+            verdict: DENY,
+            egress: "default",
+            ingress: "baseline:default",
+        },
+        Row {
+            name: "a Baseline CNP at priority 0 comes before the BANP",
+            policies: r#"
+apiVersion: policy.networking.k8s.io/v1alpha2
+kind: ClusterNetworkPolicy
+metadata: {name: base-allow}
+spec:
+  tier: Baseline
+  priority: 0
+  subject: {namespaces: {}}
+  ingress: [{action: Accept, from: [{namespaces: {}}]}]
+---
+apiVersion: policy.networking.k8s.io/v1alpha1
+kind: BaselineAdminNetworkPolicy
+metadata: {name: default}
+spec:
+  subject: {namespaces: {}}
+  ingress: [{action: Deny, from: [{namespaces: {}}]}]
+"#,
+            from: "dev/web",
+            to: "prod/web",
+            protocol: TCP,
+            port: 80,
             verdict: ALLOW,
             egress: "default",
             ingress: "baseline:base-allow",
+        },
+        Row {
+            name: "a Baseline CNP tied with the BANP at priority 1: name order (a-allow before default)",
+            policies: r#"
+apiVersion: policy.networking.k8s.io/v1alpha2
+kind: ClusterNetworkPolicy
+metadata: {name: a-allow}
+spec:
+  tier: Baseline
+  priority: 1
+  subject: {namespaces: {}}
+  ingress: [{action: Accept, from: [{namespaces: {}}]}]
+---
+apiVersion: policy.networking.k8s.io/v1alpha1
+kind: BaselineAdminNetworkPolicy
+metadata: {name: default}
+spec:
+  subject: {namespaces: {}}
+  ingress: [{action: Deny, from: [{namespaces: {}}]}]
+"#,
+            from: "dev/web",
+            to: "prod/web",
+            protocol: TCP,
+            port: 80,
+            verdict: ALLOW,
+            egress: "default",
+            ingress: "baseline:a-allow",
+        },
+        Row {
+            name: "a Baseline CNP tied with the BANP at priority 1: name order (default before z-allow)",
+            policies: r#"
+apiVersion: policy.networking.k8s.io/v1alpha2
+kind: ClusterNetworkPolicy
+metadata: {name: z-allow}
+spec:
+  tier: Baseline
+  priority: 1
+  subject: {namespaces: {}}
+  ingress: [{action: Accept, from: [{namespaces: {}}]}]
+---
+apiVersion: policy.networking.k8s.io/v1alpha1
+kind: BaselineAdminNetworkPolicy
+metadata: {name: default}
+spec:
+  subject: {namespaces: {}}
+  ingress: [{action: Deny, from: [{namespaces: {}}]}]
+"#,
+            from: "dev/web",
+            to: "prod/web",
+            protocol: TCP,
+            port: 80,
+            verdict: DENY,
+            egress: "default",
+            ingress: "baseline:default",
         },
         Row {
             name: "CNP sctp protocol match",

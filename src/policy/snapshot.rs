@@ -31,8 +31,8 @@ pub(crate) struct Policy {
     /// Place among the admin-level tiers ([`rank`](super::model::rank)); an Antrea
     /// policy's Tier priority.
     pub(crate) rank: u8,
-    /// `spec.priority` (Antrea's is a float); NetworkPolicy has none (0); BANP sorts after
-    /// every Baseline CNP.
+    /// `spec.priority` (Antrea's is a float); NetworkPolicy has none (0); the BANP has
+    /// none and ranks at 1 among the Baseline CNPs, as in Antrea (`BANP_PRIORITY`).
     pub(crate) priority: f64,
     /// The Antrea Tier's name (`securityops`, a custom Tier's); `None` for upstream kinds.
     /// Antrea policies of one rank and priority interleave rule by rule.

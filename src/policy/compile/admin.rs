@@ -697,8 +697,8 @@ fn admin_head<'a>(
         }
         AdminObject::Banp(p) => {
             let v1alpha1::AdminNetworkPolicySubject { namespaces, pods } = &p.spec.subject;
-            // BANP has no priority. It is the cluster-wide default of v1alpha1, while
-            // Baseline-tier CNPs (v1alpha2) carry explicit priorities: BANP goes after them.
+            // BANP has no priority; Antrea ranks it at 1 among the Baseline-tier CNPs
+            // ([`BANP_PRIORITY`]).
             (Tier::Baseline, None, namespaces, pods)
         }
     }
@@ -903,10 +903,12 @@ fn cnp_action(a: v1alpha2::ClusterNetworkPolicyRuleAction) -> Action {
     }
 }
 
-/// Sort key of the BaselineAdminNetworkPolicy within the Baseline tier: after every
-/// ClusterNetworkPolicy `tier: Baseline`, whose priorities are at most
-/// [`validate::MAX_PRIORITY`].
-pub(super) const BANP_PRIORITY: f64 = (validate::MAX_PRIORITY + 1) as f64;
+/// Priority of the BaselineAdminNetworkPolicy, which has none, among the
+/// ClusterNetworkPolicies `tier: Baseline` (rank 254): 1, as Antrea gives it
+/// (`shared/reference/antrea-model.md` §3, "BANP vs CNP Baseline compare (priority 1) vs
+/// spec.priority"; Antrea `adminnetworkpolicy.go`). A Baseline CNP of priority 0 goes
+/// before it, one above 1 after it; at 1 the name decides and `check` reports the tie.
+pub(super) const BANP_PRIORITY: f64 = 1.0;
 
 impl Cluster {
     /// Finishes a validated admin object prepared by [`prepare_admin`], whose rules' peer

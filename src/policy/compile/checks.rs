@@ -4,15 +4,14 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use super::admin::BANP_PRIORITY;
 use super::index::place;
 use crate::policy::model::{Direction, Tier};
-use crate::policy::problem::{ObjectRef, Problem, ProblemKind};
+use crate::policy::problem::{Kind, ObjectRef, Problem, ProblemKind};
 use crate::policy::snapshot::{Policy, Snapshot};
 
-/// Pairs of admin-tier (or baseline-tier CNP) policies with equal priority whose subjects
-/// overlap, each with the number of pods both select: one warning on each policy of a
-/// pair, naming the other and saying which is evaluated first (the first in evaluation
+/// Pairs of admin-tier or baseline-tier policies (CNPs, and the BANP at its rank of 1)
+/// with equal priority whose subjects overlap, each with the number of pods both select:
+/// one warning on each policy of a pair, naming the other and saying which is evaluated first (the first in evaluation
 /// order: tier, priority, then name, kind, namespace). Used by `check` and the policy
 /// status (KEP-2091 "Risks and Mitigations": "provide a warning if there is another ANP
 /// with the same priority").
@@ -22,9 +21,7 @@ pub fn priority_conflicts(s: &Snapshot) -> Vec<Problem> {
     let by_prio: BTreeMap<(Tier, u8, i32), Vec<&Policy>> = s
         .policies
         .iter()
-        .filter(|p| {
-            p.tier != Tier::NetworkPolicy && p.priority != BANP_PRIORITY && p.antrea_tier.is_none()
-        })
+        .filter(|p| p.tier != Tier::NetworkPolicy && p.antrea_tier.is_none())
         .fold(BTreeMap::new(), |mut m, p| {
             m.entry((p.tier, p.rank, p.priority as i32)).or_insert_with(Vec::new).push(p);
             m
@@ -39,9 +36,15 @@ pub fn priority_conflicts(s: &Snapshot) -> Vec<Problem> {
                     // On both policies: each one's rules are ordered against the other's
                     // (issue #19: the second of a tie said Accepted).
                     for (this, other, first) in [(a, b, true), (b, a, false)] {
+                        // The BANP has no priority field: it ranks at 1 (`admin::BANP_PRIORITY`).
+                        let field = if this.object.kind == Kind::BaselineAdminNetworkPolicy {
+                            "spec"
+                        } else {
+                            "spec.priority"
+                        };
                         out.push(Problem::warning(
                             &this.object,
-                            "spec.priority",
+                            field,
                             ProblemKind::PriorityConflict {
                                 priority: prio,
                                 other: ObjectRef::clone(&other.object),
