@@ -177,6 +177,32 @@ spec:
   - {name: deny-all, action: Deny, from: [{namespaces: {}}]}
 "#;
 
+/// A ClusterNetworkPolicy `tier: Baseline` named `name` at `priority` accepting all
+/// ingress, and the BaselineAdminNetworkPolicy denying it: which one decides is their
+/// order (leaked: rows hold `&'static str`).
+fn baseline_cnp_and_banp(priority: u32, name: &str) -> &'static str {
+    let text = format!(
+        r#"
+apiVersion: policy.networking.k8s.io/v1alpha2
+kind: ClusterNetworkPolicy
+metadata: {{name: {name}}}
+spec:
+  tier: Baseline
+  priority: {priority}
+  subject: {{namespaces: {{}}}}
+  ingress: [{{action: Accept, from: [{{namespaces: {{}}}}]}}]
+---
+apiVersion: policy.networking.k8s.io/v1alpha1
+kind: BaselineAdminNetworkPolicy
+metadata: {{name: default}}
+spec:
+  subject: {{namespaces: {{}}}}
+  ingress: [{{action: Deny, from: [{{namespaces: {{}}}}]}}]
+"#
+    );
+    Box::leak(text.into_boxed_str())
+}
+
 fn rows() -> Vec<Row> {
     vec![
         Row {
@@ -1178,23 +1204,7 @@ spec:
         },
         Row {
             name: "the BANP ranks at priority 1 among Baseline CNPs (Antrea, antrea-model §3): before one at 900",
-            policies: r#"
-apiVersion: policy.networking.k8s.io/v1alpha2
-kind: ClusterNetworkPolicy
-metadata: {name: base-allow}
-spec:
-  tier: Baseline
-  priority: 900
-  subject: {namespaces: {}}
-  ingress: [{action: Accept, from: [{namespaces: {}}]}]
----
-apiVersion: policy.networking.k8s.io/v1alpha1
-kind: BaselineAdminNetworkPolicy
-metadata: {name: default}
-spec:
-  subject: {namespaces: {}}
-  ingress: [{action: Deny, from: [{namespaces: {}}]}]
-"#,
+            policies: baseline_cnp_and_banp(900, "base-allow"),
             from: "dev/web",
             to: "prod/web",
             protocol: TCP,
@@ -1205,23 +1215,7 @@ spec:
         },
         Row {
             name: "a Baseline CNP at priority 0 comes before the BANP",
-            policies: r#"
-apiVersion: policy.networking.k8s.io/v1alpha2
-kind: ClusterNetworkPolicy
-metadata: {name: base-allow}
-spec:
-  tier: Baseline
-  priority: 0
-  subject: {namespaces: {}}
-  ingress: [{action: Accept, from: [{namespaces: {}}]}]
----
-apiVersion: policy.networking.k8s.io/v1alpha1
-kind: BaselineAdminNetworkPolicy
-metadata: {name: default}
-spec:
-  subject: {namespaces: {}}
-  ingress: [{action: Deny, from: [{namespaces: {}}]}]
-"#,
+            policies: baseline_cnp_and_banp(0, "base-allow"),
             from: "dev/web",
             to: "prod/web",
             protocol: TCP,
@@ -1232,23 +1226,7 @@ spec:
         },
         Row {
             name: "a Baseline CNP tied with the BANP at priority 1: name order (a-allow before default)",
-            policies: r#"
-apiVersion: policy.networking.k8s.io/v1alpha2
-kind: ClusterNetworkPolicy
-metadata: {name: a-allow}
-spec:
-  tier: Baseline
-  priority: 1
-  subject: {namespaces: {}}
-  ingress: [{action: Accept, from: [{namespaces: {}}]}]
----
-apiVersion: policy.networking.k8s.io/v1alpha1
-kind: BaselineAdminNetworkPolicy
-metadata: {name: default}
-spec:
-  subject: {namespaces: {}}
-  ingress: [{action: Deny, from: [{namespaces: {}}]}]
-"#,
+            policies: baseline_cnp_and_banp(1, "a-allow"),
             from: "dev/web",
             to: "prod/web",
             protocol: TCP,
@@ -1259,23 +1237,7 @@ spec:
         },
         Row {
             name: "a Baseline CNP tied with the BANP at priority 1: name order (default before z-allow)",
-            policies: r#"
-apiVersion: policy.networking.k8s.io/v1alpha2
-kind: ClusterNetworkPolicy
-metadata: {name: z-allow}
-spec:
-  tier: Baseline
-  priority: 1
-  subject: {namespaces: {}}
-  ingress: [{action: Accept, from: [{namespaces: {}}]}]
----
-apiVersion: policy.networking.k8s.io/v1alpha1
-kind: BaselineAdminNetworkPolicy
-metadata: {name: default}
-spec:
-  subject: {namespaces: {}}
-  ingress: [{action: Deny, from: [{namespaces: {}}]}]
-"#,
+            policies: baseline_cnp_and_banp(1, "z-allow"),
             from: "dev/web",
             to: "prod/web",
             protocol: TCP,
