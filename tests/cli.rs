@@ -267,22 +267,25 @@ fn unknown_probe_endpoint_is_a_named_error() {
     assert!(stderr(&o).contains("no pod nope/pod in the manifests"), "{}", stderr(&o));
 }
 
+/// `check`'s output for `policies` beside one pod (`a/p`), which must pass (exit 0:
+/// warnings do not fail check).
+fn check_warnings(policies: &str) -> String {
+    let dir = tempfile::tempdir().unwrap();
+    let pod = "apiVersion: v1\nkind: Pod\nmetadata: {name: p, namespace: a}\n\
+               spec: {containers: [{name: c}]}\nstatus: {podIP: 10.0.0.1}\n---";
+    let m = write(dir.path(), "p.yaml", &format!("{pod}{policies}"));
+    let o = run(&["check", "-m", m.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(0), "warnings do not fail check: {}", stderr(&o));
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
 /// The BaselineAdminNetworkPolicy ranks at priority 1 among the Baseline-tier
 /// ClusterNetworkPolicies (antrea-model.md §3): a Baseline CNP at 1 whose subject overlaps
 /// it is a tie, reported on both, the BANP's on `spec` (it has no priority field).
 #[test]
 fn check_reports_a_baseline_cnp_tied_with_the_banp() {
-    let dir = tempfile::tempdir().unwrap();
-    let m = write(
-        dir.path(),
-        "p.yaml",
+    let out = check_warnings(
         r#"
-apiVersion: v1
-kind: Pod
-metadata: {name: p, namespace: a}
-spec: {containers: [{name: c}]}
-status: {podIP: 10.0.0.1}
----
 apiVersion: policy.networking.k8s.io/v1alpha2
 kind: ClusterNetworkPolicy
 metadata: {name: base}
@@ -300,9 +303,6 @@ spec:
   ingress: [{action: Deny, from: [{namespaces: {}}]}]
 "#,
     );
-    let o = run(&["check", "-m", m.to_str().unwrap()]);
-    assert_eq!(o.status.code(), Some(0), "a tie is a warning");
-    let out = String::from_utf8_lossy(&o.stdout);
     assert!(
         out.contains("ClusterNetworkPolicy base: spec.priority: priority 1 is shared with BaselineAdminNetworkPolicy default")
             && out.contains("BaselineAdminNetworkPolicy default: spec: priority 1 is shared with ClusterNetworkPolicy base"),
@@ -312,17 +312,8 @@ spec:
 
 #[test]
 fn check_reports_domain_names_and_priority_conflicts() {
-    let dir = tempfile::tempdir().unwrap();
-    let m = write(
-        dir.path(),
-        "p.yaml",
+    let out = check_warnings(
         r#"
-apiVersion: v1
-kind: Pod
-metadata: {name: p, namespace: a}
-spec: {containers: [{name: c}]}
-status: {podIP: 10.0.0.1}
----
 apiVersion: policy.networking.k8s.io/v1alpha1
 kind: AdminNetworkPolicy
 metadata: {name: one}
@@ -340,9 +331,6 @@ spec:
   ingress: [{action: Deny, from: [{namespaces: {}}]}]
 "#,
     );
-    let o = run(&["check", "-m", m.to_str().unwrap()]);
-    assert_eq!(o.status.code(), Some(0), "warnings do not fail check");
-    let out = String::from_utf8_lossy(&o.stdout);
     assert!(
         out.contains("AdminNetworkPolicy one: spec.egress[0]: domainNames peers are not resolved"),
         "{out}"

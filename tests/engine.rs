@@ -177,15 +177,21 @@ spec:
   - {name: deny-all, action: Deny, from: [{namespaces: {}}]}
 "#;
 
-/// A ClusterNetworkPolicy `tier: Baseline` named `name` at `priority` accepting all
-/// ingress, and the BaselineAdminNetworkPolicy denying it: which one decides is their
-/// order (leaked: rows hold `&'static str`).
-fn baseline_cnp_and_banp(priority: u32, name: &str) -> &'static str {
-    let text = format!(
+/// The row `name`: dev/web → prod/web TCP 80 under a ClusterNetworkPolicy `tier: Baseline`
+/// named `cnp` at `priority` accepting all ingress and the BaselineAdminNetworkPolicy
+/// denying it, so their order decides (the manifest is leaked: rows hold `&'static str`).
+fn baseline_cnp_and_banp(
+    name: &'static str,
+    priority: u32,
+    cnp: &str,
+    verdict: Verdict,
+    ingress: &'static str,
+) -> Row {
+    let policies = format!(
         r#"
 apiVersion: policy.networking.k8s.io/v1alpha2
 kind: ClusterNetworkPolicy
-metadata: {{name: {name}}}
+metadata: {{name: {cnp}}}
 spec:
   tier: Baseline
   priority: {priority}
@@ -200,7 +206,17 @@ spec:
   ingress: [{{action: Deny, from: [{{namespaces: {{}}}}]}}]
 "#
     );
-    Box::leak(text.into_boxed_str())
+    Row {
+        name,
+        policies: Box::leak(policies.into_boxed_str()),
+        from: "dev/web",
+        to: "prod/web",
+        protocol: TCP,
+        port: 80,
+        verdict,
+        egress: "default",
+        ingress,
+    }
 }
 
 fn rows() -> Vec<Row> {
@@ -1202,50 +1218,34 @@ spec:
             egress: "default",
             ingress: "default",
         },
-        Row {
-            name: "the BANP ranks at priority 1 among Baseline CNPs (Antrea, antrea-model §3): before one at 900",
-            policies: baseline_cnp_and_banp(900, "base-allow"),
-            from: "dev/web",
-            to: "prod/web",
-            protocol: TCP,
-            port: 80,
-            verdict: DENY,
-            egress: "default",
-            ingress: "baseline:default",
-        },
-        Row {
-            name: "a Baseline CNP at priority 0 comes before the BANP",
-            policies: baseline_cnp_and_banp(0, "base-allow"),
-            from: "dev/web",
-            to: "prod/web",
-            protocol: TCP,
-            port: 80,
-            verdict: ALLOW,
-            egress: "default",
-            ingress: "baseline:base-allow",
-        },
-        Row {
-            name: "a Baseline CNP tied with the BANP at priority 1: name order (a-allow before default)",
-            policies: baseline_cnp_and_banp(1, "a-allow"),
-            from: "dev/web",
-            to: "prod/web",
-            protocol: TCP,
-            port: 80,
-            verdict: ALLOW,
-            egress: "default",
-            ingress: "baseline:a-allow",
-        },
-        Row {
-            name: "a Baseline CNP tied with the BANP at priority 1: name order (default before z-allow)",
-            policies: baseline_cnp_and_banp(1, "z-allow"),
-            from: "dev/web",
-            to: "prod/web",
-            protocol: TCP,
-            port: 80,
-            verdict: DENY,
-            egress: "default",
-            ingress: "baseline:default",
-        },
+        baseline_cnp_and_banp(
+            "the BANP ranks at priority 1 among Baseline CNPs (Antrea, antrea-model §3): before one at 900",
+            900,
+            "base-allow",
+            DENY,
+            "baseline:default",
+        ),
+        baseline_cnp_and_banp(
+            "a Baseline CNP at priority 0 comes before the BANP",
+            0,
+            "base-allow",
+            ALLOW,
+            "baseline:base-allow",
+        ),
+        baseline_cnp_and_banp(
+            "a Baseline CNP tied with the BANP at priority 1: name order (a-allow before default)",
+            1,
+            "a-allow",
+            ALLOW,
+            "baseline:a-allow",
+        ),
+        baseline_cnp_and_banp(
+            "a Baseline CNP tied with the BANP at priority 1: name order (default before z-allow)",
+            1,
+            "z-allow",
+            DENY,
+            "baseline:default",
+        ),
         Row {
             name: "CNP sctp protocol match",
             policies: r#"
