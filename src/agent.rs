@@ -26,11 +26,12 @@
 //! queues a node then stays closed while the agent is away).
 //!
 //! Hand-over (issue #23, `--handover-socket`): between steps 1 and 2 a starting agent asks
-//! the running one, if any, for its NFQUEUE sockets, listeners and live connections
-//! ([`crate::proxy::handover`]); it reads and serves them before installing its ruleset,
-//! acknowledges, turns ready, and serves the socket for the agent after it. The agent that
-//! handed over drains nothing, leaves the ruleset, the sysctls and the Node's annotation to
-//! the next one, and idles until SIGTERM (a supervisor would restart one that exited).
+//! the running one, if any, for its NFQUEUE sockets, listeners, live connections and UDP
+//! flows of the proxy path ([`crate::proxy::handover`]); it reads and serves them before
+//! installing its ruleset, acknowledges, turns ready, and serves the socket for the agent
+//! after it. The agent that handed over drains nothing, leaves the ruleset, the sysctls
+//! and the Node's annotation to the next one, and idles until SIGTERM (a supervisor would
+//! restart one that exited).
 //!
 //! Sources: issues #3, #5 and #6; DESIGN §3 (data path), §5 (shared state).
 
@@ -389,19 +390,13 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
         udp_kernel,
         refusal_mark: r.bypass_mark.value,
     };
-    // Issue #23: the running agent, if any, hands its queues, listeners and connections
-    // over now; from here on this agent must serve them without delay.
-    // Not with `--udp-path proxy`: its UDP listeners and flows cannot pass yet, and the
-    // next agent could not bind the listeners while this one holds them.
-    let handover_socket = opts.handover_socket.as_ref().filter(|_| {
-        udp_kernel || {
-            tracing::warn!(
-                "no hand-over with --udp-path proxy: its UDP listeners and flows cannot pass yet"
-            );
-            false
-        }
+    // Issue #23: the running agent, if any, hands its queues, listeners, connections and
+    // (`--udp-path proxy`) UDP flows over now; from here on this agent must serve them
+    // without delay.
+    let handover_socket = opts.handover_socket.as_ref();
+    let giver = handover_socket.map(|_| {
+        Arc::new(Giver::new(queue::queue_count(&queue_config)).with_udp_proxy(!udp_kernel))
     });
-    let giver = handover_socket.map(|_| Arc::new(Giver::new(queue::queue_count(&queue_config))));
     let mut taken = handover_socket.and_then(|path| take_over(path));
     queue::start(
         queue_config,
@@ -445,16 +440,25 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
         SocketAddr::new(IpAddr::V6(r.tproxy_addr_v6), r.tproxy_port),
     ];
     let handed_listeners = taken.as_mut().map(|t| std::mem::take(&mut t.listeners));
-    let listeners = runtime.block_on(async { listen(&addrs, handed_listeners) })?;
+    let listeners = runtime.block_on(async {
+        reuse_or_bind(&addrs, handed_listeners, tokio::net::TcpListener::from_std, tcp::bind)
+    })?;
     let adopted = taken.as_mut().map(|t| std::mem::take(&mut t.connections)).unwrap_or_default();
-    let udp_listeners =
-        if udp_kernel { Vec::new() } else { runtime.block_on(async { udp::bind(&addrs) })? };
+    let handed_udp = taken.as_mut().map(|t| std::mem::take(&mut t.udp_listeners));
+    // On the kernel path no UDP listener: one handed over (the previous agent relayed UDP
+    // on the proxy path) is closed; its flows are relayed on until they end.
+    let udp_addrs: &[SocketAddr] = if udp_kernel { &[] } else { &addrs };
+    let udp_listeners = runtime.block_on(async {
+        reuse_or_bind(udp_addrs, handed_udp, tokio::net::UdpSocket::from_std, udp::bind)
+    })?;
+    let adopted_udp = taken.as_mut().map(|t| std::mem::take(&mut t.udp_flows)).unwrap_or_default();
     let udp_config = UdpConfig {
         bypass_mark: r.bypass_mark.value,
         preserve_source: opts.preserve_source,
         local_addrs: proxy.local_addrs.clone(),
         idle_timeout: opts.udp_idle_timeout,
         max_flows: fds.max_udp_flows,
+        handover: giver.clone(),
     };
     // Serving starts now, before the ruleset is installed: with no previous agent nothing
     // reaches the listeners before it is, and after a hand-over the handed-over connections
@@ -468,6 +472,7 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
         registry.clone(),
         udp_stats.clone(),
         stop_rx.clone(),
+        adopted_udp,
     ));
     let serving = runtime.spawn(tcp::serve(
         listeners,
@@ -665,8 +670,8 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
     }
 }
 
-/// Asks the agent serving the hand-over socket at `path` for its queues, listeners and
-/// live connections (issue #23). `None` when there is none, when it refuses (no common
+/// Asks the agent serving the hand-over socket at `path` for its queues, listeners, live
+/// connections and UDP flows (issue #23). `None` when there is none, when it refuses (no common
 /// protocol version: it drains when stopped) or when the exchange fails; each is logged.
 fn take_over(path: &std::path::Path) -> Option<handover::Taken> {
     match handover::take(path) {
@@ -684,6 +689,8 @@ fn take_over(path: &std::path::Path) -> Option<handover::Taken> {
                 queues = t.queues.len(),
                 listeners = t.listeners.len(),
                 connections = t.connections.len(),
+                udp_listeners = t.udp_listeners.len(),
+                udp_flows = t.udp_flows.len(),
                 "took over from the running agent"
             );
             Some(t)
@@ -695,13 +702,19 @@ fn take_over(path: &std::path::Path) -> Option<handover::Taken> {
     }
 }
 
-/// The transparent listeners on `addrs`: the previous agent's where it handed one over for
-/// that address (issue #23), else bound anew ([`tcp::bind`]). A handed-over listener for
-/// an address this agent does not listen on is closed, with a warning.
-fn listen(
+/// The transparent listeners (TCP or UDP) on `addrs`: the previous agent's where it
+/// handed one over for that address (issue #23; registered with the runtime by `adopt`),
+/// else bound anew by `bind` ([`tcp::bind`], [`udp::bind`]). A handed-over listener for an
+/// address this agent does not listen on is closed, with a warning.
+///
+/// # Errors
+/// When a handed-over listener cannot be registered, or `bind` fails.
+fn reuse_or_bind<S, L>(
     addrs: &[SocketAddr],
-    handed: Option<Vec<(SocketAddr, std::net::TcpListener)>>,
-) -> anyhow::Result<Vec<tokio::net::TcpListener>> {
+    handed: Option<Vec<(SocketAddr, S)>>,
+    adopt: impl Fn(S) -> std::io::Result<L>,
+    bind: impl FnOnce(&[SocketAddr]) -> anyhow::Result<Vec<L>>,
+) -> anyhow::Result<Vec<L>> {
     let mut handed = handed.unwrap_or_default();
     let mut out = Vec::new();
     let mut unbound = Vec::new();
@@ -709,10 +722,7 @@ fn listen(
         match handed.iter().position(|(a, _)| *a == addr) {
             Some(i) => {
                 let (_, l) = handed.swap_remove(i);
-                out.push(
-                    tokio::net::TcpListener::from_std(l)
-                        .with_context(|| format!("the handed-over listener on {addr}"))?,
-                );
+                out.push(adopt(l).with_context(|| format!("the handed-over listener on {addr}"))?);
             }
             None => unbound.push(addr),
         }
@@ -721,7 +731,7 @@ fn listen(
         tracing::warn!(%addr, "the previous agent handed over a listener this agent does not use: closed");
     }
     if !unbound.is_empty() {
-        out.extend(tcp::bind(&unbound)?);
+        out.extend(bind(&unbound)?);
     }
     Ok(out)
 }

@@ -89,7 +89,8 @@ pub struct AgentOptions {
     /// Created (empty) once the node is enforcing; removed on exit.
     pub ready_file: Option<PathBuf>,
     /// The hand-over socket (issue #23): at start, the agent asks the one serving it for
-    /// its queues, listeners and live connections; then it serves it for the next agent.
+    /// its queues, listeners, live connections and UDP flows (proxy path); then it serves
+    /// it for the next agent.
     /// `None`: no hand-over, a stop drains.
     pub handover_socket: Option<PathBuf>,
     /// Redirection (marks, queues, ports, backend, fail-open, keep rules).

@@ -208,9 +208,10 @@ struct AgentArgs {
     #[arg(long)]
     ready_file: Option<PathBuf>,
     /// Hand-over socket (a Unix socket on a hostPath every agent pod of the node mounts,
-    /// e.g. /run/tierproxy/handover.sock): at start, take the queues, listeners and live
-    /// connections of the agent serving it, which then exits without resetting any; then
-    /// serve it for the next agent. Without it, a stop drains and resets.
+    /// e.g. /run/tierproxy/handover.sock): at start, take the queues, listeners, live
+    /// connections and UDP flows (`--udp-path proxy`) of the agent serving it, which then
+    /// exits without resetting any; then serve it for the next agent. Without it, a stop
+    /// drains and resets.
     #[arg(long)]
     handover_socket: Option<PathBuf>,
     /// Append logs to this file instead of standard error.

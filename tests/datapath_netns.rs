@@ -1777,6 +1777,131 @@ fn live_connections_and_flows_survive_an_upgrade_of_every_agent() {
     assert_eq!(big, 4, "the bulk connections' whole byte counts");
 }
 
+/// Issue #23 with `--udp-path proxy`: `lab upgrade` while two UDP flows exchange a
+/// datagram every 20 ms. The new agent takes the flows' sockets, so every request is
+/// answered, the server sees the same source port before, during and after (the same
+/// upstream socket, not a new flow), and each flow has one end record, from the new agent
+/// once it goes idle, with every byte. Before, an agent on the proxy path did not hand
+/// over at all: its flows ended with it and the next ones came from new ports.
+#[test]
+fn udp_flows_of_the_proxy_path_keep_their_sockets_through_an_upgrade() {
+    if !netns_available("udp_flows_of_the_proxy_path_keep_their_sockets_through_an_upgrade") {
+        return;
+    }
+    let args = ["--udp-path=proxy".to_string(), "--udp-idle-timeout-secs=3".to_string()];
+    let lab = lab_with_agent_args("udpup", &args, &[]);
+    let client = netns_of_pod(&lab, "a", "client");
+    let flows: Vec<std::net::UdpSocket> = (0..2)
+        .map(|_| {
+            in_netns(&client, || {
+                let s = std::net::UdpSocket::bind("10.60.1.2:0").map_err(io("bind"))?;
+                s.connect("10.60.1.3:5353").map_err(io("connect"))?;
+                s.set_read_timeout(Some(Duration::from_secs(5))).map_err(io("timeout"))?;
+                Ok(s)
+            })
+            .expect("UDP socket")
+        })
+        .collect();
+    // One request/answer: the answer is the server's greeting (the source it saw) and the
+    // request. Returns the source port the server saw.
+    let round = |s: &std::net::UdpSocket, i: u64| -> Result<String, String> {
+        let request = format!("req{i:05}");
+        s.send(request.as_bytes()).map_err(|e| format!("send {i}: {e}"))?;
+        let mut buf = [0u8; 128];
+        let n = s.recv(&mut buf).map_err(|e| format!("answer {i}: {e}"))?;
+        let answer = String::from_utf8_lossy(&buf[..n]).into_owned();
+        let (greeting, echoed) = answer.split_once('\n').ok_or(answer.clone())?;
+        if echoed != request {
+            return Err(format!("answer {i}: {answer:?}"));
+        }
+        let port = greeting.rsplit(' ').next().unwrap_or_default().to_string();
+        Ok(port)
+    };
+    let ports: Vec<String> = flows.iter().map(|s| round(s, 0).expect("before")).collect();
+
+    let upgrading = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let traffic: Vec<_> = flows
+        .into_iter()
+        .zip(ports.clone())
+        .map(|(s, port)| {
+            let upgrading = upgrading.clone();
+            std::thread::spawn(move || {
+                // Rounds until the upgrade is over, then one more.
+                let deadline = Instant::now() + Duration::from_secs(120);
+                let mut rounds = 1;
+                loop {
+                    let last = !upgrading.load(std::sync::atomic::Ordering::Relaxed)
+                        || Instant::now() > deadline;
+                    let seen = round(&s, rounds)?;
+                    if seen != port {
+                        return Err(format!(
+                            "round {rounds}: the server saw port {seen}, not {port}"
+                        ));
+                    }
+                    rounds += 1;
+                    if last {
+                        return Ok::<u64, String>(rounds);
+                    }
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+            })
+        })
+        .collect();
+
+    let o = lab.lab(&["upgrade", "--node", "n1"]);
+    assert!(o.status.success(), "lab upgrade: {}", text(&o));
+    let upgraded: Value = serde_json::from_str(String::from_utf8_lossy(&o.stdout).trim())
+        .unwrap_or_else(|e| panic!("{e}: {}", text(&o)));
+    assert_eq!(upgraded["handed_over"], true, "{upgraded}");
+    upgrading.store(false, std::sync::atomic::Ordering::Relaxed);
+    let sent: Vec<u64> = traffic
+        .into_iter()
+        .map(|t| t.join().expect("traffic").unwrap_or_else(|e| panic!("{e}")))
+        .collect();
+    // Each flow ends once idle for 3 s, at the new agent, with every byte it moved: 8
+    // bytes per request; the greeting `tierproxy-lab 10.60.1.2 <port>\n` and 8 per answer.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let ends = loop {
+        let ends: Vec<Value> = audit_events(&lab, "n1")
+            .into_iter()
+            .filter(|e| {
+                e["event"] == "tierproxy.connection.end"
+                    && e["attributes"]["network.transport"] == "udp"
+                    && e["attributes"]["source.address"] == "10.60.1.2"
+            })
+            .collect();
+        if ends.len() >= 2 || Instant::now() > deadline {
+            break ends;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert_eq!(ends.len(), 2, "one end record per flow: {ends:#?}");
+    for e in &ends {
+        assert_eq!(e["attributes"]["tierproxy.connection.close_reason"], "timeout", "{e}");
+    }
+    let mut got: Vec<(u64, u64)> = ends
+        .iter()
+        .map(|e| {
+            let a = &e["attributes"];
+            (
+                a["tierproxy.connection.bytes_to_server"].as_u64().unwrap(),
+                a["tierproxy.connection.bytes_to_client"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    got.sort_unstable();
+    let mut want: Vec<(u64, u64)> = sent
+        .iter()
+        .zip(&ports)
+        .map(|(&n, port)| {
+            let greeting = "tierproxy-lab 10.60.1.2 \n".len() + port.len();
+            (8 * n, (greeting as u64 + 8) * n)
+        })
+        .collect();
+    want.sort_unstable();
+    assert_eq!(got, want, "every byte of both flows, counted once");
+}
+
 /// Issue #22, "Reject, a third verdict": pods on two nodes (client and web dual-stack)
 /// and one Antrea ClusterNetworkPolicy in the `securityops` Tier that rejects the client
 /// at web's TCP 80, UDP 5353 and SCTP 38412, and drops it at TCP 81.

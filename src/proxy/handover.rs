@@ -1,9 +1,9 @@
-//! Hand-over of the TCP proxy to the next agent on an upgrade or restart (issue #23): the
-//! transparent listeners and every live connection — both sockets, the bytes in flight each
-//! way, how long it has lived and what it has moved — pass to the next agent over a Unix
-//! socket, and nothing is reset.
+//! Hand-over of the proxy to the next agent on an upgrade or restart (issue #23): the
+//! transparent listeners, every live TCP connection — both sockets, the bytes in flight each
+//! way, how long it has lived and what it has moved — and every UDP flow of the proxy path
+//! pass to the next agent over a Unix socket, and nothing is reset.
 //!
-//! Protocol, version 1, over a `SOCK_SEQPACKET` Unix socket (unix(7): each message keeps its
+//! Protocol, version 2, over a `SOCK_SEQPACKET` Unix socket (unix(7): each message keeps its
 //! boundaries and carries its descriptors). A message is one JSON object ([`Message`]) with
 //! its descriptors in one `SCM_RIGHTS` control message:
 //! 1. next → previous: `hello`, the oldest and newest versions it speaks;
@@ -15,18 +15,27 @@
 //!    stopped reading it), one `listener` per transparent listener (descriptor: the
 //!    listening socket), one `connection` per live TCP connection (descriptors: the
 //!    client's socket, the upstream socket, then a pipe for each direction with bytes in
-//!    flight), then `done` with how many of each it sent;
+//!    flight), one `udp-listener` per transparent UDP listener and one `udp-flow` per live
+//!    UDP flow of the proxy path (descriptors: the upstream socket, then the reply socket;
+//!    version 2), then `done` with how many of each it sent;
 //! 4. next → previous: `ack` once it has taken them in; the previous agent then exits
 //!    without resetting anything.
 //!
 //! A descriptor passed with `SCM_RIGHTS` refers to the same open socket: the same TCP
 //! connection with its queued bytes, the same listening socket with the connections
 //! waiting in its backlog. A pipe passed holds exactly the bytes the previous agent read
-//! and did not write ([`super::relay::Suspended`]). So no connection and no byte is lost
-//! or duplicated between the agents; a connection waits, never longer than the hand-over.
+//! and did not write ([`super::relay::Suspended`]). A UDP flow holds no datagram outside its
+//! sockets (each one read is sent before the next read), so its sockets' receive queues
+//! are all it has in flight. So no connection and no byte is lost or duplicated between
+//! the agents; a connection waits, never longer than the hand-over.
 //!
-//! The giving side: [`Giver`], shared by the proxy ([`super::tcp::serve`]) and the
-//! thread that serves the socket ([`Giver::serve`]). The taking side: [`take`].
+//! Versions: 1 has no UDP messages. An agent serving UDP on the proxy path refuses a next
+//! agent that speaks only version 1 (it could not take the UDP flows): that one starts
+//! without a hand-over, and this one drains when stopped.
+//!
+//! The giving side: [`Giver`], shared by the proxies ([`super::tcp::serve`],
+//! [`super::udp::serve`]) and the thread that serves the socket ([`Giver::serve`]). The
+//! taking side: [`take`].
 //!
 //! Sources: unix(7) (`SOCK_SEQPACKET`, `SCM_RIGHTS`, `SO_PEERCRED`), cmsg(3), issue #23.
 
@@ -43,17 +52,23 @@ use nix::sys::socket::{ControlMessage, ControlMessageOwned, MsgFlags, recvmsg, s
 use socket2::{Domain, SockAddr, Socket, Type};
 
 use super::lifecycle::HandedFlow;
+use super::registry::Registry;
 use super::relay::{DirectionState, Resume, Suspended};
 use crate::policy::ports::Protocol;
 use crate::policy::{FlowKey, Revision};
 
-/// The newest protocol version this build speaks.
-pub const VERSION: u32 = 1;
+/// The newest protocol version this build speaks (2: UDP listeners and flows of the proxy
+/// path pass too).
+pub const VERSION: u32 = 2;
+
+/// The first protocol version that carries UDP listeners and flows.
+const UDP_VERSION: u32 = 2;
 
 /// The oldest protocol version this build speaks.
 pub const OLDEST_VERSION: u32 = 1;
 
-/// Most descriptors one message carries: a connection's two sockets and two pipes.
+/// Most descriptors one message carries: a connection's two sockets and two pipes (a UDP
+/// flow has two sockets).
 const MAX_FDS: usize = 4;
 
 /// Most descriptors one `SCM_RIGHTS` message can carry (Linux `include/net/scm.h`
@@ -70,24 +85,49 @@ pub const STEP_TIMEOUT: Duration = Duration::from_secs(10);
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(tag = "type", rename_all = "kebab-case")]
 enum Message {
-    Hello { oldest: u32, newest: u32 },
-    Accept { version: u32 },
-    Refuse { reason: String },
-    Queue { num: u16 },
-    Listener { addr: SocketAddr },
+    Hello {
+        oldest: u32,
+        newest: u32,
+    },
+    Accept {
+        version: u32,
+    },
+    Refuse {
+        reason: String,
+    },
+    Queue {
+        num: u16,
+    },
+    Listener {
+        addr: SocketAddr,
+    },
     Connection(Header),
-    Done { queues: usize, listeners: usize, connections: usize },
+    UdpListener {
+        addr: SocketAddr,
+    },
+    UdpFlow(UdpHeader),
+    Done {
+        queues: usize,
+        listeners: usize,
+        connections: usize,
+        /// Version 2; absent (0) from a version 1 peer.
+        #[serde(default)]
+        udp_listeners: usize,
+        #[serde(default)]
+        udp_flows: usize,
+    },
     Ack,
 }
 
-/// A connection's `connection` message; its descriptors travel beside it.
+/// What a `connection` and a `udp-flow` message say of their flow.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
-struct Header {
+struct FlowHeader {
     /// The client's address.
     src: SocketAddr,
     /// The original destination.
     dst: SocketAddr,
-    /// How long ago the connection was accepted, milliseconds.
+    /// How long ago the connection was accepted (the flow's first datagram came),
+    /// milliseconds.
     age_ms: u64,
     /// Bytes written to the server so far.
     to_server: u64,
@@ -99,10 +139,58 @@ struct Header {
     audited: bool,
     /// When its admitting decision was made, milliseconds since the Unix epoch.
     decided_ms: u64,
+}
+
+impl FlowHeader {
+    fn new(key: &FlowKey, flow: &HandedFlow, to_server: u64, to_client: u64) -> FlowHeader {
+        FlowHeader {
+            src: key.src,
+            dst: key.dst,
+            age_ms: flow.age.as_millis() as u64,
+            to_server,
+            to_client,
+            revision: flow.revision.0,
+            audited: flow.audited,
+            decided_ms: flow
+                .decided
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_millis() as u64),
+        }
+    }
+
+    /// The flow's key (with `protocol`) and what the next agent learns of it.
+    fn flow(&self, protocol: Protocol) -> (FlowKey, HandedFlow) {
+        (
+            FlowKey { src: self.src, dst: self.dst, protocol },
+            HandedFlow {
+                age: Duration::from_millis(self.age_ms),
+                revision: Revision(self.revision),
+                audited: self.audited,
+                decided: std::time::UNIX_EPOCH + Duration::from_millis(self.decided_ms),
+            },
+        )
+    }
+}
+
+/// A connection's `connection` message; its descriptors travel beside it.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+struct Header {
+    #[serde(flatten)]
+    flow: FlowHeader,
     /// Client → server.
     up: Dir,
     /// Server → client.
     down: Dir,
+}
+
+/// A UDP flow's `udp-flow` message (version 2); its two sockets travel beside it.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+struct UdpHeader {
+    #[serde(flatten)]
+    flow: FlowHeader,
+    /// How long ago its last datagram either way crossed it, milliseconds: its idle
+    /// timeout goes on from there.
+    idle_ms: u64,
 }
 
 /// One direction of a [`Header`].
@@ -137,7 +225,28 @@ pub struct Connection {
     pub relay: Suspended,
 }
 
-/// What the proxy and the queue readers give the hand-over thread ([`Giver::give`]).
+/// A live UDP flow of the proxy path passing between agents ([`super::udp`]).
+#[derive(Debug)]
+pub struct UdpFlow {
+    /// Client address and original destination.
+    pub key: FlowKey,
+    /// Its age, admitting decision's revision and time, and whether that was audited.
+    pub flow: HandedFlow,
+    /// Payload bytes sent to the server so far.
+    pub to_server: u64,
+    /// Payload bytes sent to the client so far.
+    pub to_client: u64,
+    /// How long ago its last datagram crossed it.
+    pub idle: Duration,
+    /// The socket connected to the original destination (the server's replies arrive on
+    /// it), with the datagrams queued on it.
+    pub upstream: std::net::UdpSocket,
+    /// The socket bound to the original destination and connected to the client (the
+    /// client's datagrams arrive on it), with the datagrams queued on it.
+    pub reply: std::net::UdpSocket,
+}
+
+/// What the proxies and the queue readers give the hand-over thread ([`Giver::give`]).
 #[derive(Debug)]
 pub enum Outgoing {
     /// An NFQUEUE queue's number and netlink socket (a duplicate), its reader parked
@@ -147,7 +256,12 @@ pub enum Outgoing {
     Listener(SocketAddr, OwnedFd),
     /// A live connection, stopped where it was.
     Connection(Connection),
-    /// Everything has been given.
+    /// A transparent UDP listener (a duplicate of its descriptor) and its address; the UDP
+    /// proxy has stopped reading it.
+    UdpListener(SocketAddr, OwnedFd),
+    /// A live UDP flow of the proxy path, its relay stopped.
+    UdpFlow(UdpFlow),
+    /// One proxy (TCP, or UDP on the proxy path) has given everything it has.
     Finished,
 }
 
@@ -161,16 +275,20 @@ pub enum Outcome {
     Failed,
 }
 
-/// The giving side of a hand-over, shared by the TCP proxy, the queue readers and the
+/// The giving side of a hand-over, shared by the proxies, the queue readers and the
 /// thread serving the socket: the thread asks ([`Giver::requested`], [`Giver::park`]);
-/// each queue reader parks and gives its queue ([`Giver::parked`]); the proxy stops
-/// accepting and gives its listeners and connections one by one ([`Giver::give`]); the
-/// thread sends them and reports how it went ([`Giver::outcome`]).
+/// each queue reader parks and gives its queue ([`Giver::parked`]); each proxy stops
+/// accepting and gives its listeners and flows one by one ([`Giver::give`]), then
+/// [`Outgoing::Finished`]; the thread sends them and reports how it went
+/// ([`Giver::outcome`]).
 #[derive(Debug)]
 pub struct Giver {
     /// How many queues the readers give in each hand-over.
     queues: usize,
+    /// The TCP proxy's request.
     request: tokio::sync::Notify,
+    /// The UDP proxy's request, when it serves the proxy path ([`Giver::with_udp_proxy`]).
+    request_udp: Option<tokio::sync::Notify>,
     /// Set while the queue readers are to park.
     park: AtomicBool,
     tx: Sender<Outgoing>,
@@ -193,18 +311,40 @@ struct Ended {
 
 impl Giver {
     /// A giver for an agent with `queues` NFQUEUE readers (each gives its queue in a
-    /// hand-over; 0: none, as in tests of the proxy alone).
+    /// hand-over; 0: none, as in tests of the proxy alone) and the TCP proxy.
     pub fn new(queues: usize) -> Giver {
         let (tx, rx) = crossbeam_channel::unbounded();
         Giver {
             queues,
             request: tokio::sync::Notify::new(),
+            request_udp: None,
             park: AtomicBool::new(false),
             tx,
             rx,
             outcome: Mutex::new(Ended::default()),
             ended_cv: Condvar::new(),
             ended: tokio::sync::Notify::new(),
+        }
+    }
+
+    /// The same giver, with the UDP proxy (`--udp-path proxy`) giving its listeners and
+    /// flows too when `udp_proxy` ([`super::udp::serve`]); a next agent that speaks no
+    /// version carrying them is refused.
+    pub fn with_udp_proxy(mut self, udp_proxy: bool) -> Giver {
+        self.request_udp = udp_proxy.then(tokio::sync::Notify::new);
+        self
+    }
+
+    /// How many proxies give [`Outgoing::Finished`] in each hand-over.
+    fn proxies(&self) -> usize {
+        1 + usize::from(self.request_udp.is_some())
+    }
+
+    /// Asks every proxy to give what it has.
+    fn ask(&self) {
+        self.request.notify_one();
+        if let Some(udp) = &self.request_udp {
+            udp.notify_one();
         }
     }
 
@@ -256,16 +396,22 @@ impl Giver {
         self.outcome.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// Returns when a next agent asks for a hand-over (a request made before the wait is
-    /// kept for it).
-    pub async fn requested(&self) {
-        self.request.notified().await;
+    /// Returns when a next agent asks the proxy of `protocol` (TCP, or UDP on the proxy
+    /// path) for a hand-over (a request made before the wait is kept for it). Never, for
+    /// UDP, when this giver has no UDP proxy.
+    pub async fn requested(&self, protocol: Protocol) {
+        match (protocol, &self.request_udp) {
+            (Protocol::Tcp, _) => self.request.notified().await,
+            (Protocol::Udp, Some(udp)) => udp.notified().await,
+            _ => std::future::pending().await,
+        }
     }
 
     /// Hands `item` to the thread that sends it. Never blocks.
     ///
     /// Outside a hand-over (one that failed and ended already) nobody sends it: a
-    /// connection is reset at once, anything else closed.
+    /// connection is reset at once, anything else closed (a UDP flow's next datagram is
+    /// then decided again and opens a new flow).
     pub fn give(&self, item: Outgoing) {
         if !self.park() {
             if let Outgoing::Connection(c) = item {
@@ -296,6 +442,37 @@ impl Giver {
             }
             ended.await;
         }
+    }
+
+    /// A proxy's part of a hand-over, once it has stopped taking new flows: gives each of
+    /// `listeners` (a listener that could not be duplicated is logged and kept), tells
+    /// every live flow of `protocol` to stop for the hand-over (each one's task gives it
+    /// on), waits until none is left, gives [`Outgoing::Finished`] and returns how the
+    /// hand-over ended.
+    pub async fn hand_over_proxy(
+        &self,
+        registry: &Registry,
+        protocol: Protocol,
+        listeners: Vec<io::Result<Outgoing>>,
+    ) -> Outcome {
+        for l in listeners {
+            match l {
+                Ok(item) => self.give(item),
+                Err(e) => {
+                    tracing::warn!(error = %e, protocol = protocol.as_str(), "a listener could not be handed over")
+                }
+            }
+        }
+        let told = registry.hand_over(protocol);
+        tracing::info!(
+            protocol = protocol.as_str(),
+            flows = told,
+            "stopping live flows for the hand-over"
+        );
+        registry.wait_none(protocol).await;
+        registry.hand_over_ended(protocol);
+        self.give(Outgoing::Finished);
+        self.outcome().await
     }
 
     /// A hand-over begins: no outcome yet, the readers park. The proxy is asked once they
@@ -374,6 +551,13 @@ impl Giver {
             send(&fd, &Message::Refuse { reason: reason.clone() }, &[])?;
             return Err(protocol(reason));
         };
+        if self.request_udp.is_some() && version < UDP_VERSION {
+            let reason = format!(
+                "this agent relays UDP flows (--udp-path proxy), which hand-over version {version} cannot carry: the next agent speaks {oldest}..={newest}"
+            );
+            send(&fd, &Message::Refuse { reason: reason.clone() }, &[])?;
+            return Err(protocol(reason));
+        }
         if self.lock_outcome().outcome == Some(Outcome::Completed) {
             // This agent gave everything away and acts on nothing (it waits to be stopped):
             // a next agent that still reaches its socket (the agent it handed over to never
@@ -390,15 +574,16 @@ impl Giver {
         tracing::info!(version, "handing over to the next agent");
         self.begin();
         let (mut queues, mut listeners, mut connections) = (0, 0, 0);
-        let mut finished = false;
+        let (mut udp_listeners, mut udp_flows) = (0, 0);
+        let mut finished = 0;
         let mut failed: Option<io::Error> = None;
         // The live connections stop only once every queue reader has parked (an idle one
         // notices within `PARK_CHECK`): that wait is new flows', not theirs.
         let mut asked = self.queues == 0;
         if asked {
-            self.request.notify_one();
+            self.ask();
         }
-        while !finished || queues < self.queues {
+        while finished < self.proxies() || queues < self.queues {
             if failed.is_some() && !asked {
                 // The proxy was never asked: nothing more is coming but late queues, which
                 // the next hand-over's start closes; the parked readers resume at the end.
@@ -409,7 +594,8 @@ impl Giver {
                 Err(_) => {
                     // The proxy or a queue reader gave nothing for too long: stuck or gone.
                     failed.get_or_insert(io::Error::other(format!(
-                        "the proxy finished: {finished}, queues given: {queues} of {}; nothing more for 10 s",
+                        "proxies finished: {finished} of {}, queues given: {queues} of {}; nothing more for 10 s",
+                        self.proxies(),
                         self.queues
                     )));
                     break;
@@ -417,7 +603,7 @@ impl Giver {
             };
             match &item {
                 Outgoing::Finished => {
-                    finished = true;
+                    finished += 1;
                     continue;
                 }
                 Outgoing::Queue(..) => queues += 1,
@@ -443,6 +629,14 @@ impl Giver {
                     connections += 1;
                     send_connection(&fd, c)
                 }
+                Outgoing::UdpListener(addr, l) => {
+                    udp_listeners += 1;
+                    send(&fd, &Message::UdpListener { addr: *addr }, &[l.as_raw_fd()])
+                }
+                Outgoing::UdpFlow(f) => {
+                    udp_flows += 1;
+                    send_udp_flow(&fd, f)
+                }
                 Outgoing::Finished => unreachable!("handled above"),
             };
             match sent {
@@ -452,10 +646,10 @@ impl Giver {
                     }
                     failed = Some(e);
                 }
-                // The last queue is the next agent's: the proxy's turn.
+                // The last queue is the next agent's: the proxies' turn.
                 Ok(()) if matches!(item, Outgoing::Queue(..)) && queues == self.queues => {
                     asked = true;
-                    self.request.notify_one();
+                    self.ask();
                 }
                 Ok(()) => {}
             }
@@ -463,7 +657,9 @@ impl Giver {
         let result = match failed {
             Some(e) => Err(e),
             None => {
-                send(&fd, &Message::Done { queues, listeners, connections }, &[]).and_then(|()| {
+                let done =
+                    Message::Done { queues, listeners, connections, udp_listeners, udp_flows };
+                send(&fd, &done, &[]).and_then(|()| {
                     // No timeout now: the next agent reads the queues already, and this
                     // one must not read them again unless the next one is gone (EOF) or
                     // says something else.
@@ -477,16 +673,34 @@ impl Giver {
         };
         match &result {
             Ok(()) => {
-                tracing::info!(queues, listeners, connections, "handed over to the next agent");
+                tracing::info!(
+                    queues,
+                    listeners,
+                    connections,
+                    udp_listeners,
+                    udp_flows,
+                    "handed over to the next agent"
+                );
                 self.end(Outcome::Completed);
             }
             Err(e) => {
-                tracing::warn!(error = %e, listeners, connections, "hand-over failed part-way; connections not sent were reset");
+                tracing::warn!(error = %e, listeners, connections, udp_flows, "hand-over failed part-way; connections not sent were reset, UDP flows not sent closed");
                 self.end(Outcome::Failed);
             }
         }
         result
     }
+}
+
+/// A duplicate of listener `l`'s descriptor, with its address `addr`, to give on.
+///
+/// # Errors
+/// When `addr` is one, or the descriptor cannot be duplicated (out of descriptors).
+pub fn duplicate(
+    l: &impl std::os::fd::AsFd,
+    addr: io::Result<SocketAddr>,
+) -> io::Result<(SocketAddr, OwnedFd)> {
+    Ok((addr?, l.as_fd().try_clone_to_owned()?))
 }
 
 /// The newest version both sides speak, if any.
@@ -498,18 +712,7 @@ fn common_version(oldest: u32, newest: u32) -> Option<u32> {
 fn send_connection(fd: &OwnedFd, c: &Connection) -> io::Result<()> {
     let r = &c.relay;
     let header = Header {
-        src: c.key.src,
-        dst: c.key.dst,
-        age_ms: c.flow.age.as_millis() as u64,
-        to_server: c.to_server,
-        to_client: c.to_client,
-        revision: c.flow.revision.0,
-        audited: c.flow.audited,
-        decided_ms: c
-            .flow
-            .decided
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_millis() as u64),
+        flow: FlowHeader::new(&c.key, &c.flow, c.to_server, c.to_client),
         up: Dir::of(&r.to_server),
         down: Dir::of(&r.to_client),
     };
@@ -517,6 +720,14 @@ fn send_connection(fd: &OwnedFd, c: &Connection) -> io::Result<()> {
     fds.extend(r.to_server.in_flight.as_ref().map(|(p, _)| p.as_raw_fd()));
     fds.extend(r.to_client.in_flight.as_ref().map(|(p, _)| p.as_raw_fd()));
     send(fd, &Message::Connection(header), &fds)
+}
+
+fn send_udp_flow(fd: &OwnedFd, f: &UdpFlow) -> io::Result<()> {
+    let header = UdpHeader {
+        flow: FlowHeader::new(&f.key, &f.flow, f.to_server, f.to_client),
+        idle_ms: f.idle.as_millis() as u64,
+    };
+    send(fd, &Message::UdpFlow(header), &[f.upstream.as_raw_fd(), f.reply.as_raw_fd()])
 }
 
 /// What [`take`] found at the hand-over socket.
@@ -544,6 +755,10 @@ pub struct Taken {
     pub listeners: Vec<(SocketAddr, std::net::TcpListener)>,
     /// The live connections, each stopped where it was.
     pub connections: Vec<Connection>,
+    /// The transparent UDP listeners (proxy path), with the addresses they were bound to.
+    pub udp_listeners: Vec<(SocketAddr, std::net::UdpSocket)>,
+    /// The live UDP flows of the proxy path.
+    pub udp_flows: Vec<UdpFlow>,
     socket: OwnedFd,
 }
 
@@ -589,6 +804,8 @@ pub fn take(path: &Path) -> io::Result<Take> {
         queues: Vec::new(),
         listeners: Vec::new(),
         connections: Vec::new(),
+        udp_listeners: Vec::new(),
+        udp_flows: Vec::new(),
         socket: fd,
     };
     match receive_all(&mut taken) {
@@ -621,11 +838,25 @@ fn receive_all(taken: &mut Taken) -> io::Result<()> {
                 taken.listeners.push((addr, l));
             }
             Message::Connection(h) => taken.connections.push(connection(h, fds)?),
-            Message::Done { queues, listeners, connections } => {
-                let arrived = (taken.queues.len(), taken.listeners.len(), taken.connections.len());
-                if (queues, listeners, connections) != arrived {
+            Message::UdpListener { addr } => {
+                let [l] = take_fds::<1>(&mut fds, "UDP listener")?;
+                let l = std::net::UdpSocket::from(l);
+                l.set_nonblocking(true)?;
+                taken.udp_listeners.push((addr, l));
+            }
+            Message::UdpFlow(h) => taken.udp_flows.push(udp_flow(h, fds)?),
+            Message::Done { queues, listeners, connections, udp_listeners, udp_flows } => {
+                let said = (queues, listeners, connections, udp_listeners, udp_flows);
+                let arrived = (
+                    taken.queues.len(),
+                    taken.listeners.len(),
+                    taken.connections.len(),
+                    taken.udp_listeners.len(),
+                    taken.udp_flows.len(),
+                );
+                if said != arrived {
                     return Err(protocol(format!(
-                        "done says {queues} queues, {listeners} listeners and {connections} connections; {arrived:?} arrived"
+                        "done says {said:?} (queues, listeners, connections, UDP listeners, UDP flows); {arrived:?} arrived"
                     )));
                 }
                 return Ok(());
@@ -655,17 +886,34 @@ fn connection(h: Header, mut fds: Vec<OwnedFd>) -> io::Result<Connection> {
     let (client, server) = (std::net::TcpStream::from(client), std::net::TcpStream::from(server));
     client.set_nonblocking(true)?;
     server.set_nonblocking(true)?;
+    let (key, flow) = h.flow.flow(Protocol::Tcp);
     Ok(Connection {
-        key: FlowKey { src: h.src, dst: h.dst, protocol: Protocol::Tcp },
-        flow: HandedFlow {
-            age: Duration::from_millis(h.age_ms),
-            revision: Revision(h.revision),
-            audited: h.audited,
-            decided: std::time::UNIX_EPOCH + Duration::from_millis(h.decided_ms),
-        },
-        to_server: h.to_server,
-        to_client: h.to_client,
+        key,
+        flow,
+        to_server: h.flow.to_server,
+        to_client: h.flow.to_client,
         relay: Suspended { client, server, to_server, to_client },
+    })
+}
+
+/// A received `udp-flow` and its descriptors.
+fn udp_flow(h: UdpHeader, mut fds: Vec<OwnedFd>) -> io::Result<UdpFlow> {
+    if fds.len() != 2 {
+        return Err(protocol(format!("a UDP flow with {} descriptors, 2 expected", fds.len())));
+    }
+    let [upstream, reply] = take_fds::<2>(&mut fds, "UDP flow")?;
+    let (upstream, reply) = (std::net::UdpSocket::from(upstream), std::net::UdpSocket::from(reply));
+    upstream.set_nonblocking(true)?;
+    reply.set_nonblocking(true)?;
+    let (key, flow) = h.flow.flow(Protocol::Udp);
+    Ok(UdpFlow {
+        key,
+        flow,
+        to_server: h.flow.to_server,
+        to_client: h.flow.to_client,
+        idle: Duration::from_millis(h.idle_ms),
+        upstream,
+        reply,
     })
 }
 
@@ -864,6 +1112,36 @@ mod tests {
             Message::Refuse { reason } => assert!(reason.contains("no common hand-over version")),
             other => panic!("{other:?}"),
         }
+    }
+
+    /// An agent relaying UDP on the proxy path refuses a next agent that speaks only
+    /// version 1, which has no UDP messages (its flows would be lost), and says why; an
+    /// agent without it hands over to that one in version 1.
+    #[test]
+    fn a_udp_proxy_agent_refuses_a_next_agent_without_udp_hand_over() {
+        let dir = tempfile::tempdir().unwrap();
+        let ask_v1 = |path: &Path| {
+            let s = Socket::new(Domain::UNIX, Type::SEQPACKET.cloexec(), None).unwrap();
+            s.connect(&SockAddr::unix(path).unwrap()).unwrap();
+            let fd: OwnedFd = s.into();
+            send(&fd, &Message::Hello { oldest: 1, newest: 1 }, &[]).unwrap();
+            recv(&fd).unwrap().0
+        };
+        let udp = Arc::new(Giver::new(0).with_udp_proxy(true));
+        let path = dir.path().join("udp.sock");
+        udp.serve(&path).unwrap();
+        match ask_v1(&path) {
+            Message::Refuse { reason } => {
+                assert!(reason.contains("--udp-path proxy"), "{reason}");
+                assert!(reason.contains("1..=1"), "{reason}");
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(!udp.park(), "no hand-over began");
+        let tcp = Arc::new(Giver::new(0));
+        let path = dir.path().join("tcp.sock");
+        tcp.serve(&path).unwrap();
+        assert_eq!(ask_v1(&path), Message::Accept { version: 1 });
     }
 
     /// An agent that handed over already refuses the next agent that still reaches its

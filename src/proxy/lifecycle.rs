@@ -166,8 +166,8 @@ impl Lifecycle {
     /// next one will, [`Lifecycle::adopt`]); it counts it handed over
     /// (`tierproxy_connections_handed_over_total`) and the bytes it relayed of it
     /// (`tierproxy_relayed_bytes_total`). It leaves the registry when the caller drops it,
-    /// which must be after the connection is given on: a hand-over is over once no TCP
-    /// flow is left in the registry ([`Registry::wait_no_tcp`]).
+    /// which must be after the flow is given on: a hand-over is over once no flow of its
+    /// protocol is left in the registry ([`Registry::wait_none`]).
     pub fn hand_over(&mut self) -> HandedFlow {
         if self.open {
             let metrics = self.decider.metrics();

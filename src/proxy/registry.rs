@@ -19,6 +19,16 @@ use super::relay::Counters;
 use crate::audit::CloseReason;
 use crate::policy::FlowKey;
 use crate::policy::eval::Decision;
+use crate::policy::ports::Protocol;
+
+/// `protocol`'s bit in [`Registry::handing_over`].
+fn bit(protocol: Protocol) -> u8 {
+    match protocol {
+        Protocol::Tcp => 1,
+        Protocol::Udp => 2,
+        Protocol::Sctp => 4,
+    }
+}
 
 /// Why a live flow was told to stop; audited as its close reason.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -29,8 +39,8 @@ pub enum StopReason {
     /// A new snapshot denies the flow (issue #5).
     PolicyChange = 2,
     /// The flow goes to the next agent (issue #23): its relay stops without touching its
-    /// sockets and the connection is handed over ([`super::handover`]). A flow that cannot
-    /// be handed over (not TCP, or no hand-over under way) ends as at shutdown.
+    /// sockets and the flow is handed over ([`super::handover`]). A flow that cannot be
+    /// handed over (no hand-over under way) ends as at shutdown.
     HandOver = 3,
 }
 
@@ -95,8 +105,9 @@ pub struct Registry {
     next: AtomicU64,
     /// Notified (every waiter) when the last live flow leaves.
     emptied: Notify,
-    /// A hand-over is under way: every flow that leaves notifies [`Registry::left`].
-    handing_over: std::sync::atomic::AtomicBool,
+    /// The protocols whose flows are being handed over ([`bit`] of each): while any is,
+    /// every flow that leaves notifies [`Registry::left`].
+    handing_over: AtomicU8,
     /// Notified (every waiter) when a flow leaves during a hand-over.
     left: Notify,
 }
@@ -118,7 +129,7 @@ impl Drop for Registration {
         if empty {
             self.registry.emptied.notify_waiters();
         }
-        if self.registry.handing_over.load(Ordering::Relaxed) {
+        if self.registry.handing_over.load(Ordering::Relaxed) != 0 {
             self.registry.left.notify_waiters();
         }
     }
@@ -154,13 +165,11 @@ impl Registry {
             stop: Notify::new(),
             stop_why: AtomicU8::new(0),
         });
-        // Registered after a hand-over's walk began: told at once, so the walk's wait for
-        // no TCP connection is not left waiting on it. Read under the lock the walk sets
+        // Registered after its protocol's hand-over walk began: told at once, so the walk's
+        // wait for no flow of it is not left waiting on it. Read under the lock the walk sets
         // the flag under: a flow is either in the walk's copy or sees the flag.
         let mut live = self.lock();
-        if key.protocol == crate::policy::ports::Protocol::Tcp
-            && self.handing_over.load(Ordering::Relaxed)
-        {
+        if self.handing_over.load(Ordering::Relaxed) & bit(key.protocol) != 0 {
             tracked.stop(StopReason::HandOver);
         }
         live.insert(tracked.id, tracked.clone());
@@ -168,17 +177,21 @@ impl Registry {
         Registration { registry: self.clone(), tracked }
     }
 
-    /// Tells every live TCP connection to stop for a hand-over ([`StopReason::HandOver`]):
-    /// each relay stops where it is and its task hands the connection on. Returns how many
-    /// were told. From now on [`Registry::wait_no_tcp`] is woken as flows leave.
-    pub fn hand_over_tcp(&self) -> usize {
+    /// Tells every live flow of `protocol` (TCP connections, UDP flows of the proxy path)
+    /// to stop for a hand-over ([`StopReason::HandOver`]): each relay stops where it is
+    /// and its task hands the flow on. A flow of `protocol` registered from now on is told
+    /// at once. Returns how many were told. From now on [`Registry::wait_none`] is woken
+    /// as flows leave, until [`Registry::hand_over_ended`] for `protocol`.
+    pub fn hand_over(&self, protocol: Protocol) -> usize {
         {
+            // Under the lock registration reads the mask under: a flow is either in the
+            // copy below or sees its protocol's bit.
             let _live = self.lock();
-            self.handing_over.store(true, Ordering::Relaxed);
+            self.handing_over.fetch_or(bit(protocol), Ordering::Relaxed);
         }
         let mut n = 0;
         for t in self.connections() {
-            if t.key.protocol == crate::policy::ports::Protocol::Tcp {
+            if t.key.protocol == protocol {
                 t.stop(StopReason::HandOver);
                 n += 1;
             }
@@ -186,32 +199,30 @@ impl Registry {
         n
     }
 
-    /// Live TCP connections now.
-    pub fn tcp_len(&self) -> usize {
-        self.lock()
-            .values()
-            .filter(|t| t.key.protocol == crate::policy::ports::Protocol::Tcp)
-            .count()
+    /// Live flows of `protocol` now.
+    pub fn len_of(&self, protocol: Protocol) -> usize {
+        self.lock().values().filter(|t| t.key.protocol == protocol).count()
     }
 
-    /// Returns once no TCP connection is live (at once if none is); only during a
-    /// hand-over ([`Registry::hand_over_tcp`]), which makes leaving flows wake it.
-    pub async fn wait_no_tcp(&self) {
+    /// Returns once no flow of `protocol` is live (at once if none is); only during its
+    /// hand-over ([`Registry::hand_over`]), which makes leaving flows wake it.
+    pub async fn wait_none(&self, protocol: Protocol) {
         loop {
             let left = self.left.notified();
             tokio::pin!(left);
             left.as_mut().enable();
-            if self.tcp_len() == 0 {
+            if self.len_of(protocol) == 0 {
                 return;
             }
             left.await;
         }
     }
 
-    /// Ends a hand-over that did not complete: leaving flows stop waking
-    /// [`Registry::wait_no_tcp`].
-    pub fn hand_over_ended(&self) {
-        self.handing_over.store(false, Ordering::Relaxed);
+    /// Ends the hand-over of `protocol`'s flows (given on, or a hand-over that did not
+    /// complete): new flows of it are no longer told to stop, and once no protocol is
+    /// handed over, leaving flows stop waking [`Registry::wait_none`].
+    pub fn hand_over_ended(&self, protocol: Protocol) {
+        self.handing_over.fetch_and(!bit(protocol), Ordering::Relaxed);
     }
 
     /// Number of live flows.

@@ -40,7 +40,7 @@ use tokio::net::{TcpListener, TcpSocket, TcpStream};
 use tokio::sync::{Semaphore, watch};
 
 use super::decider::Decider;
-use super::handover::{Connection, Giver, Outcome, Outgoing};
+use super::handover::{self, Connection, Giver, Outcome, Outgoing};
 use super::lifecycle::Lifecycle;
 use super::registry::{Registry, StopReason};
 use super::relay::{self, RelayConfig, RelayEnd, Relayed, Resume};
@@ -166,7 +166,7 @@ pub async fn serve(
         let accepting = accept_loop(&listeners, &limit, &config, &decider, &registry);
         let handover = async {
             match &config.handover {
-                Some(g) => g.requested().await,
+                Some(g) => g.requested(Protocol::Tcp).await,
                 None => std::future::pending().await,
             }
         };
@@ -197,21 +197,11 @@ pub async fn serve(
 /// gives it on, [`proxy`]) and waits until none is left; the caller has stopped
 /// accepting. Returns how the hand-over ended.
 pub async fn hand_over(listeners: &[TcpListener], registry: &Registry, giver: &Giver) -> Outcome {
-    for l in listeners {
-        let dup = l
-            .local_addr()
-            .and_then(|a| std::os::fd::AsFd::as_fd(l).try_clone_to_owned().map(|fd| (a, fd)));
-        match dup {
-            Ok((addr, fd)) => giver.give(Outgoing::Listener(addr, fd)),
-            Err(e) => tracing::warn!(error = %e, "a listener could not be handed over"),
-        }
-    }
-    let told = registry.hand_over_tcp();
-    tracing::info!(connections = told, "stopping live connections for the hand-over");
-    registry.wait_no_tcp().await;
-    registry.hand_over_ended();
-    giver.give(Outgoing::Finished);
-    giver.outcome().await
+    let given = listeners
+        .iter()
+        .map(|l| handover::duplicate(l, l.local_addr()).map(|(a, fd)| Outgoing::Listener(a, fd)))
+        .collect();
+    giver.hand_over_proxy(registry, Protocol::Tcp, given).await
 }
 
 /// The accept loop over `listeners`, on a task of its own.
@@ -726,7 +716,7 @@ mod tests {
         let giving = {
             let (giver, registry) = (giver.clone(), old_registry.clone());
             tokio::spawn(async move {
-                giver.requested().await;
+                giver.requested(Protocol::Tcp).await;
                 hand_over(&[listener], &registry, &giver).await
             })
         };
@@ -861,7 +851,7 @@ mod tests {
         let giving = {
             let (giver, registry) = (giver.clone(), old_registry.clone());
             tokio::spawn(async move {
-                giver.requested().await;
+                giver.requested(Protocol::Tcp).await;
                 hand_over(&[], &registry, &giver).await
             })
         };

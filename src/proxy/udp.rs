@@ -29,6 +29,14 @@
 //!   its sockets are, and exactly one end record however its task ends.
 //! - The flow table is bounded: at the limit, the first datagram of a new flow is dropped
 //!   and counted, and the limit is logged once per episode.
+//! - Hand-over to the next agent (issue #23, [`super::handover`] version 2): the proxy
+//!   stops reading its listeners and gives a duplicate of each, then each flow's task
+//!   gives its two sockets with the flow's age, bytes, idle time and admitting decision.
+//!   Nothing is read and not sent, so the datagrams waiting in those sockets' queues are
+//!   all that is in flight, and they pass with the sockets. The next agent decides each
+//!   flow again ([`super::lifecycle::Lifecycle::adopt`]) and relays it on from the same
+//!   sockets: the server goes on seeing the same source port, and the client the same
+//!   peer.
 //!
 //! UDP to the node's own addresses is not proxied (the proxy cannot bind a hostNetwork
 //! server's address and port): the ruleset lets the kernel forward it after its first
@@ -52,8 +60,9 @@ use tokio::net::UdpSocket;
 use tokio::sync::watch;
 
 use super::decider::Decider;
+use super::handover::{self, Giver, Outcome, Outgoing, UdpFlow};
 use super::lifecycle::Lifecycle;
-use super::registry::{Registry, Tracked};
+use super::registry::{Registry, StopReason, Tracked};
 use super::tcp::unmap;
 use crate::audit::CloseReason;
 use crate::policy::FlowKey;
@@ -78,6 +87,9 @@ pub struct UdpConfig {
     pub idle_timeout: Duration,
     /// Most live flows; the first datagram of a flow over it is dropped.
     pub max_flows: usize,
+    /// Where the listeners and live flows go when the next agent asks for them (issue
+    /// #23); `None`: no hand-over, a stop ends every flow.
+    pub handover: Option<Arc<Giver>>,
 }
 
 /// Counters of the UDP proxy since start.
@@ -103,11 +115,22 @@ struct Flow {
 #[derive(Debug)]
 struct Table {
     flows: Mutex<HashMap<(SocketAddr, SocketAddr), Arc<Flow>>>,
+    /// Zero of the flows' `last` times: an idle timeout before the table was made, so
+    /// that a handed-over flow's last datagram, up to an idle timeout ago, has a time.
     epoch: Instant,
     stats: Arc<UdpStats>,
 }
 
 impl Table {
+    fn new(idle_timeout: Duration, stats: Arc<UdpStats>) -> Table {
+        let now = Instant::now();
+        Table {
+            flows: Mutex::new(HashMap::new()),
+            epoch: now.checked_sub(idle_timeout).unwrap_or(now),
+            stats,
+        }
+    }
+
     fn now_ms(&self) -> u64 {
         self.epoch.elapsed().as_millis() as u64
     }
@@ -169,33 +192,136 @@ fn listener(addr: SocketAddr) -> io::Result<UdpSocket> {
 /// stops taking new flows and returns. Live flows end on their own (idle), or when the
 /// registry tells them to stop (the TCP proxy's drain does so for every registered flow).
 /// Counts in `stats`.
+///
+/// `adopted`: flows the previous agent handed over ([`super::handover::take`]), decided
+/// again and relayed on from their sockets ([`adopt`]). With `config.handover`, a next
+/// agent that asks gets the listeners and every live flow ([`hand_over`]); serving then
+/// ends once it acknowledged. A hand-over that fails part-way closes the flows not sent
+/// (their next datagram is decided again and opens a new flow) and reading resumes.
 pub async fn serve(
     listeners: Vec<UdpSocket>,
     config: UdpConfig,
     decider: Arc<Decider>,
     registry: Arc<Registry>,
     stats: Arc<UdpStats>,
-    mut shutdown: watch::Receiver<bool>,
+    shutdown: watch::Receiver<bool>,
+    adopted: Vec<UdpFlow>,
 ) {
-    let table = Arc::new(Table { flows: Mutex::new(HashMap::new()), epoch: Instant::now(), stats });
-    let config = Arc::new(config);
-    let mut tasks = Vec::new();
-    for l in listeners {
-        let (table, config, decider, registry) =
-            (table.clone(), config.clone(), decider.clone(), registry.clone());
-        tasks.push(tokio::spawn(async move {
-            listen(l, &table, &config, &decider, &registry).await;
-        }));
+    let table = Arc::new(Table::new(config.idle_timeout, stats));
+    serve_table(&table, listeners, Arc::new(config), decider, registry, shutdown, adopted).await;
+}
+
+/// [`serve`] with the flow table `table`.
+async fn serve_table(
+    table: &Arc<Table>,
+    listeners: Vec<UdpSocket>,
+    config: Arc<UdpConfig>,
+    decider: Arc<Decider>,
+    registry: Arc<Registry>,
+    mut shutdown: watch::Receiver<bool>,
+    adopted: Vec<UdpFlow>,
+) {
+    for f in adopted {
+        adopt(f, table, &config, &decider, &registry);
     }
-    let _ = shutdown.wait_for(|stop| *stop).await;
-    for t in tasks {
-        t.abort();
+    let listeners: Vec<Arc<UdpSocket>> = listeners.into_iter().map(Arc::new).collect();
+    loop {
+        let tasks: Vec<_> = listeners
+            .iter()
+            .map(|l| {
+                let (l, table, config, decider, registry) =
+                    (l.clone(), table.clone(), config.clone(), decider.clone(), registry.clone());
+                tokio::spawn(async move {
+                    listen(&l, &table, &config, &decider, &registry).await;
+                })
+            })
+            .collect();
+        let handover = async {
+            match &config.handover {
+                Some(g) => g.requested(Protocol::Udp).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            () = async { let _ = shutdown.wait_for(|stop| *stop).await; } => {
+                for t in tasks {
+                    t.abort();
+                }
+                return;
+            }
+            () = handover => {
+                // No datagram is read from here on: a listener's queue passes whole.
+                for t in &tasks {
+                    t.abort();
+                }
+                for t in tasks {
+                    let _ = t.await;
+                }
+                let giver = config.handover.as_ref().expect("asked through it");
+                if hand_over(&listeners, &registry, giver).await == Outcome::Completed {
+                    return;
+                }
+            }
+        }
     }
+}
+
+/// Gives the next agent (through `giver`) a duplicate of each listener's descriptor, then
+/// stops every live UDP flow of `registry` for a hand-over (each one's task gives it on)
+/// and waits until none is left; the caller has stopped reading the listeners. Returns
+/// how the hand-over ended.
+async fn hand_over(listeners: &[Arc<UdpSocket>], registry: &Registry, giver: &Giver) -> Outcome {
+    let given = listeners
+        .iter()
+        .map(|l| {
+            handover::duplicate(&**l, l.local_addr()).map(|(a, fd)| Outgoing::UdpListener(a, fd))
+        })
+        .collect();
+    giver.hand_over_proxy(registry, Protocol::Udp, given).await
+}
+
+/// Takes in a flow the previous agent handed over: registered with its age and bytes,
+/// decided again on the snapshot in force ([`Lifecycle::adopt`]; a denied one's sockets
+/// are closed and it ends `policy-change`), then relayed on from its sockets with the idle
+/// time it had.
+fn adopt(
+    f: UdpFlow,
+    table: &Arc<Table>,
+    config: &Arc<UdpConfig>,
+    decider: &Arc<Decider>,
+    registry: &Arc<Registry>,
+) {
+    let UdpFlow { key, flow: handed, to_server, to_client, idle, upstream, reply } = f;
+    let counters =
+        super::relay::Counters { to_server: to_server.into(), to_client: to_client.into() };
+    let (life, allowed) = Lifecycle::adopt(decider, registry, key, &handed, counters);
+    if !allowed {
+        tracing::info!(src = %key.src, dst = %key.dst, "a handed-over UDP flow is denied by the snapshot in force; closed");
+        drop((upstream, reply));
+        let reason = life.stop_reason();
+        return life.end(reason);
+    }
+    let sockets = UdpSocket::from_std(upstream).and_then(|u| Ok((u, UdpSocket::from_std(reply)?)));
+    let (upstream, reply) = match sockets {
+        Ok(pair) => pair,
+        Err(e) => {
+            tracing::warn!(error = %e, src = %key.src, dst = %key.dst, "a handed-over UDP flow could not be registered with the runtime");
+            return life.end(CloseReason::Reset);
+        }
+    };
+    let last = table.now_ms().saturating_sub(idle.as_millis() as u64);
+    let flow = Arc::new(Flow {
+        upstream: Arc::new(upstream),
+        tracked: life.tracked().clone(),
+        last: AtomicU64::new(last),
+    });
+    table.lock().insert((key.src, key.dst), flow.clone());
+    spawn_relay(Entry { table: table.clone(), key: (key.src, key.dst), flow }, reply, life, config);
 }
 
 /// Reads datagrams from one listener for ever.
 async fn listen(
-    listener: UdpSocket,
+    listener: &UdpSocket,
     table: &Arc<Table>,
     config: &Arc<UdpConfig>,
     decider: &Arc<Decider>,
@@ -306,13 +432,58 @@ fn datagram(
     if life.open() {
         forward(&flow.upstream, payload, &flow.tracked.counters.to_server, table);
     }
-    let (entry, config) = (Entry { table: table.clone(), key: (src, dst), flow }, config.clone());
+    spawn_relay(Entry { table: table.clone(), key: (src, dst), flow }, reply, life, config);
+}
+
+/// Relays the flow of `entry` on a task of its own until it ends (its end record), or
+/// until it is stopped for a hand-over (given on, [`give_on`]).
+fn spawn_relay(entry: Entry, reply: UdpSocket, life: Lifecycle, config: &Arc<UdpConfig>) {
+    let config = config.clone();
     tokio::spawn(async move {
-        let reason = relay(&entry.flow, &reply, &entry.table, &config).await;
-        drop(entry);
-        tracing::debug!(%src, %dst, reason = reason.as_str(), "UDP flow closed");
-        life.end(reason);
+        let (src, dst) = entry.key;
+        match relay(&entry.flow, &reply, &entry.table, &config).await {
+            Relayed::Ended(reason) => {
+                drop(entry);
+                tracing::debug!(%src, %dst, reason = reason.as_str(), "UDP flow closed");
+                life.end(reason);
+            }
+            Relayed::HandOver(giver) => give_on(entry, reply, life, &giver),
+        }
     });
+}
+
+/// Gives a flow stopped for a hand-over to the next agent: its two sockets (the datagrams
+/// queued on them pass with them), its age, bytes and idle time. It leaves the table and
+/// then the registry only after it was given, so the hand-over's `done` follows it.
+fn give_on(entry: Entry, reply: UdpSocket, mut life: Lifecycle, giver: &Giver) {
+    let flow = &entry.flow;
+    let idle = entry.table.now_ms().saturating_sub(flow.last.load(Ordering::Relaxed));
+    let handed = life.hand_over();
+    let counters = &flow.tracked.counters;
+    let (to_server, to_client) =
+        (counters.to_server.load(Ordering::Relaxed), counters.to_client.load(Ordering::Relaxed));
+    let sockets = std::os::fd::AsFd::as_fd(&*flow.upstream)
+        .try_clone_to_owned()
+        .map(std::net::UdpSocket::from)
+        .and_then(|upstream| Ok((upstream, reply.into_std()?)));
+    match sockets {
+        Ok((upstream, reply)) => giver.give(Outgoing::UdpFlow(UdpFlow {
+            key: flow.tracked.key,
+            flow: handed,
+            to_server,
+            to_client,
+            idle: Duration::from_millis(idle),
+            upstream,
+            reply,
+        })),
+        // Out of descriptors: closed here, its next datagram is decided again and opens
+        // a new flow in the next agent.
+        Err(e) => {
+            tracing::warn!(error = %e, src = %flow.tracked.key.src, dst = %flow.tracked.key.dst, "a UDP flow could not be handed over; closed")
+        }
+    }
+    drop(entry);
+    drop(life);
 }
 
 /// A flow's place in the table, held by its task: the entry leaves the table when the task
@@ -357,8 +528,22 @@ fn refused(client: SocketAddr, server: SocketAddr) {
     }
 }
 
-/// Relays one flow until it ends; returns why.
-async fn relay(flow: &Flow, reply: &UdpSocket, table: &Table, config: &UdpConfig) -> CloseReason {
+/// How a flow's [`relay`] ended.
+enum Relayed {
+    /// The flow ended, for this reason.
+    Ended(CloseReason),
+    /// Stopped for a hand-over, its sockets untouched: to give to the next agent.
+    HandOver(Arc<Giver>),
+}
+
+impl From<CloseReason> for Relayed {
+    fn from(reason: CloseReason) -> Relayed {
+        Relayed::Ended(reason)
+    }
+}
+
+/// Relays one flow until it ends or is stopped for a hand-over; returns which.
+async fn relay(flow: &Flow, reply: &UdpSocket, table: &Table, config: &UdpConfig) -> Relayed {
     let client = flow.tracked.key.src;
     let counters = &flow.tracked.counters;
     let idle_ms = config.idle_timeout.as_millis() as u64;
@@ -370,7 +555,7 @@ async fn relay(flow: &Flow, reply: &UdpSocket, table: &Table, config: &UdpConfig
             // (datagram_poll), which `readable()` never wakes for, so the flow would wait
             // for its idle timeout instead of ending on "port unreachable".
             r = flow.upstream.ready(Interest::READABLE | Interest::ERROR) => {
-                let Ok(ready) = r else { return CloseReason::Reset };
+                let Ok(ready) = r else { return CloseReason::Reset.into() };
                 // The socket's pending error (`try_recv` would not see it: it is tried only
                 // on READABLE readiness).
                 if ready.is_error() {
@@ -379,9 +564,9 @@ async fn relay(flow: &Flow, reply: &UdpSocket, table: &Table, config: &UdpConfig
                         // client, which would have received it without the proxy.
                         Ok(Some(e)) if e.kind() == io::ErrorKind::ConnectionRefused => {
                             refused(client, flow.tracked.key.dst);
-                            return CloseReason::UpstreamUnreachable;
+                            return CloseReason::UpstreamUnreachable.into();
                         }
-                        Ok(Some(_)) | Err(_) => return CloseReason::Reset,
+                        Ok(Some(_)) | Err(_) => return CloseReason::Reset.into(),
                         // Taken already (a send on the socket reports and clears it): the
                         // readiness is cleared, or `ready` would answer at once again.
                         Ok(None) => {
@@ -405,15 +590,15 @@ async fn relay(flow: &Flow, reply: &UdpSocket, table: &Table, config: &UdpConfig
                         Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                         Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {
                             refused(client, flow.tracked.key.dst);
-                            return CloseReason::UpstreamUnreachable;
+                            return CloseReason::UpstreamUnreachable.into();
                         }
-                        Err(_) => return CloseReason::Reset,
+                        Err(_) => return CloseReason::Reset.into(),
                     }
                 }
             }
             r = reply.readable() => {
                 if r.is_err() {
-                    return CloseReason::Reset;
+                    return CloseReason::Reset.into();
                 }
                 // The client's later datagrams, delivered to this socket by the ruleset's
                 // `socket --transparent` rule → the original destination.
@@ -432,17 +617,21 @@ async fn relay(flow: &Flow, reply: &UdpSocket, table: &Table, config: &UdpConfig
                         Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                         // The client's port is closed (ICMP from the client): nothing more
                         // to deliver to it.
-                        Err(_) => return CloseReason::Reset,
+                        Err(_) => return CloseReason::Reset.into(),
                     }
                 }
             }
             _ = tokio::time::sleep_until(idle_at.into()) => {
                 if table.now_ms().saturating_sub(flow.last.load(Ordering::Relaxed)) >= idle_ms {
-                    return CloseReason::Timeout;
+                    return CloseReason::Timeout.into();
                 }
             }
             _ = flow.tracked.stop.notified() => {
-                return flow.tracked.stop_reason().map_or(CloseReason::Shutdown, CloseReason::from);
+                let why = flow.tracked.stop_reason();
+                if let (Some(StopReason::HandOver), Some(giver)) = (why, &config.handover) {
+                    return Relayed::HandOver(giver.clone());
+                }
+                return why.map_or(CloseReason::Shutdown, CloseReason::from).into();
             }
         }
     }
@@ -573,17 +762,14 @@ spec:
         let server: SocketAddr = "127.0.0.63:5353".parse().unwrap();
         client.connect(server).unwrap();
         client.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-        let table = Arc::new(Table {
-            flows: Mutex::new(HashMap::new()),
-            epoch: Instant::now(),
-            stats: Arc::default(),
-        });
+        let table = Arc::new(Table::new(Duration::from_secs(5), Arc::default()));
         let config = Arc::new(UdpConfig {
             bypass_mark: 0,
             preserve_source: false,
             local_addrs: Arc::new([]),
             idle_timeout: Duration::from_secs(5),
             max_flows: 16,
+            handover: None,
         });
         let registry = Arc::new(Registry::default());
         let from = client.local_addr().unwrap();
@@ -601,11 +787,7 @@ spec:
     /// same 4-tuple is not removed by an older one's end.
     #[tokio::test]
     async fn a_flow_whose_task_panics_leaves_the_table() {
-        let table = Arc::new(Table {
-            flows: Mutex::new(HashMap::new()),
-            epoch: Instant::now(),
-            stats: Arc::default(),
-        });
+        let table = Arc::new(Table::new(Duration::from_secs(5), Arc::default()));
         let (src, dst): (SocketAddr, SocketAddr) =
             ("127.0.0.1:40000".parse().unwrap(), "127.0.0.1:53".parse().unwrap());
         let registry = Arc::new(Registry::default());
@@ -633,5 +815,232 @@ spec:
         table.lock().insert((src, dst), newer.clone());
         drop(Entry { table: table.clone(), key: (src, dst), flow: older });
         assert!(table.lock().get(&(src, dst)).is_some_and(|f| Arc::ptr_eq(f, &newer)));
+    }
+
+    /// Whether this process may make sockets transparent (`IP_TRANSPARENT` needs
+    /// CAP_NET_ADMIN, as the agent has); says so when it may not, and fails then under
+    /// `TIERPROXY_REQUIRE_NETNS=1`.
+    fn transparent_allowed(test: &str) -> bool {
+        let s = Socket::new(Domain::IPV4, Type::DGRAM, None).unwrap();
+        match s.set_ip_transparent_v4(true) {
+            Ok(()) => true,
+            Err(e) => {
+                if std::env::var("TIERPROXY_REQUIRE_NETNS").as_deref() == Ok("1") {
+                    panic!("{test} needs CAP_NET_ADMIN ({e}) and TIERPROXY_REQUIRE_NETNS=1");
+                }
+                use std::io::Write;
+                let _ = writeln!(
+                    std::io::stderr(),
+                    "SKIPPED: {test}: needs CAP_NET_ADMIN for IP_TRANSPARENT ({e})"
+                );
+                false
+            }
+        }
+    }
+
+    /// The server of the hand-over test: answers each datagram with its payload, `@` and
+    /// the source port it came from (the flow's upstream socket), for 30 s at most.
+    fn echo_server() -> (std::net::UdpSocket, SocketAddr) {
+        let s = Socket::new(Domain::IPV4, Type::DGRAM, None).unwrap();
+        // The flows' reply sockets bind this address too, as they bind a remote server's.
+        s.set_reuse_address(true).unwrap();
+        s.bind(&"127.0.0.3:0".parse::<SocketAddr>().unwrap().into()).unwrap();
+        let s: std::net::UdpSocket = s.into();
+        let addr = s.local_addr().unwrap();
+        let echo = s.try_clone().unwrap();
+        echo.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        std::thread::spawn(move || {
+            let mut buf = [0u8; 512];
+            while let Ok((n, from)) = echo.recv_from(&mut buf) {
+                let mut answer = buf[..n].to_vec();
+                answer.extend_from_slice(format!("@{}", from.port()).as_bytes());
+                let _ = echo.send_to(&answer, from);
+            }
+        });
+        (s, addr)
+    }
+
+    /// A client pod's socket, connected to `server`.
+    fn client(server: SocketAddr) -> std::net::UdpSocket {
+        let c = std::net::UdpSocket::bind("127.0.0.2:0").unwrap();
+        c.connect(server).unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        c
+    }
+
+    /// `c`'s next datagram, as text.
+    fn answer(c: &std::net::UdpSocket) -> String {
+        let mut buf = [0u8; 512];
+        let n = c.recv(&mut buf).expect("an answer");
+        String::from_utf8_lossy(&buf[..n]).into_owned()
+    }
+
+    /// Issue #23: live UDP flows of the proxy path pass to the next agent with their two
+    /// sockets. A datagram the client sends and one the server sends while the flow is
+    /// between the agents wait in those sockets and arrive; the server goes on seeing the
+    /// same source port (the same upstream socket, not a new flow); the old agent writes
+    /// no end record, the new one one per flow with its whole bytes. Before version 2 the
+    /// agent refused to hand over at all with `--udp-path proxy`.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn live_flows_pass_to_the_next_agent_with_their_sockets_and_queued_datagrams() {
+        let test = "live_flows_pass_to_the_next_agent_with_their_sockets_and_queued_datagrams";
+        if !transparent_allowed(test) {
+            return;
+        }
+        use super::super::decider::testing;
+        let dir = tempfile::tempdir().unwrap();
+        let old = testing::decider(testing::LOOPBACK_CLUSTER, &dir.path().join("old"));
+        let new = testing::decider(testing::LOOPBACK_CLUSTER, &dir.path().join("new"));
+        let giver = Arc::new(Giver::new(0).with_udp_proxy(true));
+        let socket_path = dir.path().join("handover.sock");
+        giver.serve(&socket_path).unwrap();
+        let config = |handover| {
+            Arc::new(UdpConfig {
+                bypass_mark: 0,
+                preserve_source: false,
+                local_addrs: Arc::new([]),
+                idle_timeout: Duration::from_secs(60),
+                max_flows: 16,
+                handover,
+            })
+        };
+        let (old_config, new_config) = (config(Some(giver.clone())), config(None));
+        let (old_registry, new_registry) =
+            (Arc::new(Registry::default()), Arc::new(Registry::default()));
+        let (server, server_addr) = echo_server();
+
+        // The old agent: a listener (a stand-in: nothing is sent to it) and two flows, each
+        // opened by its first datagram as the listener hands it over, then relayed.
+        let old_table = Arc::new(Table::new(Duration::from_secs(60), Arc::default()));
+        let (_stop_old, stop_rx) = watch::channel(false);
+        let listener = UdpSocket::bind("127.0.0.4:0").await.unwrap();
+        let listener_addr = listener.local_addr().unwrap();
+        let old_serving = tokio::spawn({
+            let (table, config) = (old_table.clone(), old_config.clone());
+            let (decider, registry) = (old.decider.clone(), old_registry.clone());
+            async move {
+                serve_table(&table, vec![listener], config, decider, registry, stop_rx, vec![])
+                    .await;
+            }
+        });
+        let clients = [client(server_addr), client(server_addr)];
+        let mut ports = Vec::new();
+        for (i, c) in clients.iter().enumerate() {
+            let first = format!("first{i}");
+            let src = c.local_addr().unwrap();
+            datagram(
+                src,
+                server_addr,
+                first.as_bytes(),
+                &old_table,
+                &old_config,
+                &old.decider,
+                &old_registry,
+            );
+            let got = answer(c);
+            let (payload, port) = got.split_once('@').expect("payload@port");
+            assert_eq!(payload, first);
+            ports.push(port.to_string());
+            // The client's later datagrams reach the flow's reply socket.
+            c.send(b"second").unwrap();
+            assert_eq!(answer(c), format!("second@{port}"));
+        }
+        assert_eq!(old_registry.len(), 2);
+
+        // The TCP proxy's part (nothing to give), as the agent runs it beside this one.
+        let tcp_part = {
+            let (giver, registry) = (giver.clone(), old_registry.clone());
+            tokio::spawn(async move {
+                giver.requested(Protocol::Tcp).await;
+                super::super::tcp::hand_over(&[], &registry, &giver).await
+            })
+        };
+        let path = socket_path.clone();
+        let mut taken = match tokio::task::spawn_blocking(move || handover::take(&path))
+            .await
+            .unwrap()
+            .unwrap()
+        {
+            handover::Take::Taken(t) => t,
+            other => panic!("no hand-over: {other:?}"),
+        };
+        assert_eq!(
+            (taken.version, taken.udp_listeners.len(), taken.udp_flows.len()),
+            (handover::VERSION, 1, 2)
+        );
+        assert_eq!(taken.udp_listeners[0].0, listener_addr);
+        // Between the agents: the first client says something, and the server sends the
+        // second client something unasked; both wait in the flows' sockets.
+        clients[0].send(b"between").unwrap();
+        let second_src = clients[1].local_addr().unwrap();
+        let upstream = taken
+            .udp_flows
+            .iter()
+            .find(|f| f.key.src == second_src)
+            .map(|f| f.upstream.local_addr().unwrap())
+            .expect("the second client's flow");
+        server.send_to(b"pushed", upstream).unwrap();
+
+        let new_table = Arc::new(Table::new(Duration::from_secs(60), Arc::default()));
+        let (stop_new, stop_rx) = watch::channel(false);
+        let listeners: Vec<UdpSocket> = std::mem::take(&mut taken.udp_listeners)
+            .into_iter()
+            .map(|(_, l)| UdpSocket::from_std(l).unwrap())
+            .collect();
+        let adopted = std::mem::take(&mut taken.udp_flows);
+        let new_serving = tokio::spawn({
+            let (table, decider, registry) =
+                (new_table.clone(), new.decider.clone(), new_registry.clone());
+            async move {
+                serve_table(&table, listeners, new_config, decider, registry, stop_rx, adopted)
+                    .await;
+            }
+        });
+        taken.ack().unwrap();
+        assert_eq!(tcp_part.await.unwrap(), Outcome::Completed);
+        tokio::time::timeout(Duration::from_secs(5), old_serving)
+            .await
+            .expect("the old agent's UDP proxy returns once it handed over")
+            .unwrap();
+        assert!(old_registry.is_empty() && old_table.lock().is_empty());
+        assert_eq!(old.closed_total(), 0, "the old agent wrote an end record");
+
+        // Both flows go on through the new agent, from the same upstream sockets.
+        assert_eq!(answer(&clients[0]), format!("between@{}", ports[0]));
+        assert_eq!(answer(&clients[1]), "pushed");
+        for (c, port) in clients.iter().zip(&ports) {
+            c.send(b"after").unwrap();
+            assert_eq!(answer(c), format!("after@{port}"));
+        }
+        assert_eq!(new_table.lock().len(), 2);
+
+        assert_eq!((old.opened(), old.metric("tierproxy_connections_handed_over_total")), (2, 2));
+        assert_eq!((new.opened(), new.metric("tierproxy_connections_adopted_total")), (0, 2));
+        new_registry.stop_all();
+        let _ = stop_new.send(true);
+        new_serving.await.unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !new_registry.is_empty() {
+            assert!(Instant::now() < deadline, "the new agent's flows did not end");
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        let events = new.events();
+        let ends: Vec<_> =
+            events.iter().filter(|v| v["event"] == crate::audit::event::CONNECTION_END).collect();
+        let bytes = |k: &str| {
+            let mut v: Vec<u64> =
+                ends.iter().map(|e| e["attributes"][k].as_u64().unwrap()).collect();
+            v.sort_unstable();
+            v
+        };
+        use crate::audit::event::attr;
+        // Client 0: first0, second, between, after; client 1: first1, second, after.
+        assert_eq!(bytes(attr::BYTES_TO_SERVER), [6 + 6 + 5, 6 + 6 + 7 + 5]);
+        // The answers carry `@port`; client 1's pushed datagram has none.
+        let p = |i: usize| ports[i].len() as u64 + 1;
+        let mut to_client = vec![6 + 6 + 7 + 5 + 4 * p(0), 6 + 6 + 6 + 5 + 3 * p(1)];
+        to_client.sort_unstable();
+        assert_eq!(bytes(attr::BYTES_TO_CLIENT), to_client);
+        assert_eq!(testing::end_reasons(&events), ["shutdown"; 2]);
     }
 }
