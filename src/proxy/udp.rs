@@ -1043,4 +1043,61 @@ spec:
         assert_eq!(bytes(attr::BYTES_TO_CLIENT), to_client);
         assert_eq!(testing::end_reasons(&events), ["shutdown"; 2]);
     }
+
+    /// Issue #23: a flow handed over that the next agent's snapshot denies (a policy
+    /// changed meanwhile) is not relayed: its sockets are closed, its re-decision is
+    /// audited (decision point `hand-over`), and its end is `policy-change` with the bytes
+    /// it had moved.
+    #[tokio::test]
+    async fn a_handed_over_flow_the_next_snapshot_denies_is_closed_and_ends_policy_change() {
+        use super::super::decider::testing;
+        let dir = tempfile::tempdir().unwrap();
+        let new = testing::decider(&testing::loopback_cluster_denying(), dir.path());
+        let upstream = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        let reply = std::net::UdpSocket::bind("127.0.0.3:0").unwrap();
+        let (upstream_addr, reply_addr) =
+            (upstream.local_addr().unwrap(), reply.local_addr().unwrap());
+        let flow = UdpFlow {
+            key: FlowKey {
+                src: "127.0.0.2:40000".parse().unwrap(),
+                dst: reply_addr,
+                protocol: Protocol::Udp,
+            },
+            flow: super::super::lifecycle::HandedFlow {
+                age: Duration::from_secs(3),
+                revision: crate::policy::Revision(1),
+                audited: true,
+                decided: std::time::SystemTime::now(),
+            },
+            to_server: 12,
+            to_client: 34,
+            idle: Duration::from_millis(10),
+            upstream,
+            reply,
+        };
+        let table = Arc::new(Table::new(Duration::from_secs(60), Arc::default()));
+        let config = Arc::new(UdpConfig {
+            bypass_mark: 0,
+            preserve_source: false,
+            local_addrs: Arc::new([]),
+            idle_timeout: Duration::from_secs(60),
+            max_flows: 16,
+            handover: None,
+        });
+        let registry = Arc::new(Registry::default());
+        adopt(flow, &table, &config, &new.decider, &registry);
+        assert!(registry.is_empty() && table.lock().is_empty(), "the denied flow is not relayed");
+        // Its sockets are closed: their addresses are free again.
+        std::net::UdpSocket::bind(upstream_addr).expect("the upstream socket was closed");
+        std::net::UdpSocket::bind(reply_addr).expect("the reply socket was closed");
+        assert_eq!(new.closed(CloseReason::PolicyChange), 1);
+        assert_eq!(new.metric("tierproxy_connections_adopted_total"), 1);
+        let events = new.events();
+        assert_eq!(testing::decision_points(&events), ["hand-over", "hand-over"]);
+        assert_eq!(testing::end_reasons(&events), ["policy-change"]);
+        let end = events.iter().find(|v| v["event"] == crate::audit::event::CONNECTION_END);
+        let attributes = &end.expect("an end record")["attributes"];
+        assert_eq!(attributes[crate::audit::event::attr::BYTES_TO_SERVER], 12);
+        assert_eq!(attributes[crate::audit::event::attr::BYTES_TO_CLIENT], 34);
+    }
 }
