@@ -1573,6 +1573,26 @@ fn an_agent_stopped_during_its_hand_over_exits_once_it_is_over() {
     next.terminate();
 }
 
+/// The end records n1's agent wrote of a/client's (10.60.1.2) `transport` flows, once
+/// there are `want` of them, or all there are after 30 s.
+fn client_ends(lab: &Lab, transport: &str, want: usize) -> Vec<Value> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let ends: Vec<Value> = audit_events(lab, "n1")
+            .into_iter()
+            .filter(|e| {
+                e["event"] == "tierproxy.connection.end"
+                    && e["attributes"]["source.address"] == "10.60.1.2"
+                    && e["attributes"]["network.transport"] == transport
+            })
+            .collect();
+        if ends.len() >= want || Instant::now() > deadline {
+            return ends;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
 /// Issue #23: `lab upgrade` replaces the agent of every node while 1,000 connections are
 /// open (half on the node, half across nodes), four of them moving 16 MiB each way, one
 /// half-closed, a UDP flow is live and new connections keep being made. The new agents
@@ -1738,21 +1758,7 @@ fn live_connections_and_flows_survive_an_upgrade_of_every_agent() {
     // One end record per connection, from whichever agent held it last (n1's: it proxies
     // every one of them): 1,000 idle, 4 bulk, the half-closed one and the churn's.
     let want = 1000 + 4 + 1 + (made[0] + made[1]) as usize;
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let ends = loop {
-        let ends: Vec<Value> = audit_events(&lab, "n1")
-            .into_iter()
-            .filter(|e| {
-                e["event"] == "tierproxy.connection.end"
-                    && e["attributes"]["source.address"] == "10.60.1.2"
-                    && e["attributes"]["network.transport"] == "tcp"
-            })
-            .collect();
-        if ends.len() >= want || Instant::now() > deadline {
-            break ends;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    };
+    let ends = client_ends(&lab, "tcp", want);
     assert_eq!(ends.len(), want, "one end record per connection");
     for (port, to) in &long_lived {
         let of: Vec<&Value> = ends
@@ -1860,21 +1866,7 @@ fn udp_flows_of_the_proxy_path_keep_their_sockets_through_an_upgrade() {
         .collect();
     // Each flow ends once idle for 3 s, at the new agent, with every byte it moved: 8
     // bytes per request; the greeting `tierproxy-lab 10.60.1.2 <port>\n` and 8 per answer.
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let ends = loop {
-        let ends: Vec<Value> = audit_events(&lab, "n1")
-            .into_iter()
-            .filter(|e| {
-                e["event"] == "tierproxy.connection.end"
-                    && e["attributes"]["network.transport"] == "udp"
-                    && e["attributes"]["source.address"] == "10.60.1.2"
-            })
-            .collect();
-        if ends.len() >= 2 || Instant::now() > deadline {
-            break ends;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    };
+    let ends = client_ends(&lab, "udp", 2);
     assert_eq!(ends.len(), 2, "one end record per flow: {ends:#?}");
     for e in &ends {
         assert_eq!(e["attributes"]["tierproxy.connection.close_reason"], "timeout", "{e}");

@@ -513,6 +513,17 @@ pub(crate) mod testing {
             .collect()
     }
 
+    /// The `attribute` (a byte count) of each connection-end event among `events`, sorted.
+    pub(crate) fn end_bytes(events: &[serde_json::Value], attribute: &str) -> Vec<u64> {
+        let mut v: Vec<u64> = events
+            .iter()
+            .filter(|v| v["event"] == crate::audit::event::CONNECTION_END)
+            .map(|v| v["attributes"][attribute].as_u64().unwrap())
+            .collect();
+        v.sort_unstable();
+        v
+    }
+
     /// The decision points of the decision events among `events` (one event per audited
     /// direction: two for a flow between two pods of the node).
     pub(crate) fn decision_points(events: &[serde_json::Value]) -> Vec<String> {

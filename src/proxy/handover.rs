@@ -692,6 +692,15 @@ impl Giver {
     }
 }
 
+/// Returns when a next agent asks the proxy of `protocol` for a hand-over through
+/// `giver` ([`Giver::requested`]); never when there is no giver (no hand-over socket).
+pub async fn asked(giver: Option<&Arc<Giver>>, protocol: Protocol) {
+    match giver {
+        Some(g) => g.requested(protocol).await,
+        None => std::future::pending().await,
+    }
+}
+
 /// A duplicate of listener `l`'s descriptor, with its address `addr`, to give on.
 ///
 /// # Errors
@@ -1028,6 +1037,22 @@ fn recv(fd: &OwnedFd) -> io::Result<(Message, Vec<OwnedFd>)> {
 /// node (`deploy/`), so the next agent finds the running one.
 pub fn default_path() -> PathBuf {
     PathBuf::from("/run/tierproxy/handover.sock")
+}
+
+/// Helpers of the proxies' hand-over tests.
+#[cfg(test)]
+pub(crate) mod testing {
+    use super::{Take, Taken, take};
+
+    /// Takes over from the agent serving `path`, on a blocking thread as a starting agent
+    /// does; panics unless it hands over.
+    pub(crate) async fn take_over(path: &std::path::Path) -> Taken {
+        let path = path.to_owned();
+        match tokio::task::spawn_blocking(move || take(&path)).await.unwrap().unwrap() {
+            Take::Taken(t) => t,
+            other => panic!("no hand-over: {other:?}"),
+        }
+    }
 }
 
 #[cfg(test)]

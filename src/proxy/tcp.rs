@@ -164,12 +164,7 @@ pub async fn serve(
     let listeners = Arc::new(listeners);
     loop {
         let accepting = accept_loop(&listeners, &limit, &config, &decider, &registry);
-        let handover = async {
-            match &config.handover {
-                Some(g) => g.requested(Protocol::Tcp).await,
-                None => std::future::pending().await,
-            }
-        };
+        let handover = handover::asked(config.handover.as_ref(), Protocol::Tcp);
         tokio::select! {
             () = async { let _ = shutdown.wait_for(|stop| *stop).await; } => {
                 accepting.abort();
@@ -720,15 +715,7 @@ mod tests {
                 hand_over(&[listener], &registry, &giver).await
             })
         };
-        let path = socket_path.clone();
-        let mut taken = match tokio::task::spawn_blocking(move || handover::take(&path))
-            .await
-            .unwrap()
-            .unwrap()
-        {
-            handover::Take::Taken(t) => t,
-            other => panic!("no hand-over: {other:?}"),
-        };
+        let mut taken = handover::testing::take_over(&socket_path).await;
         assert_eq!(
             (taken.version, taken.listeners.len(), taken.connections.len()),
             (handover::VERSION, 1, 6)
@@ -794,14 +781,7 @@ mod tests {
         // The half-closed connection's request and some of the bulk moved before.
         assert!(before > 7, "the old agent counts the bytes it relayed: {before}");
         let events = new.events();
-        let ends: Vec<_> =
-            events.iter().filter(|v| v["event"] == crate::audit::event::CONNECTION_END).collect();
-        let bytes = |k: &str| {
-            let mut v: Vec<u64> =
-                ends.iter().map(|e| e["attributes"][k].as_u64().unwrap()).collect();
-            v.sort_unstable();
-            v
-        };
+        let bytes = |k: &str| testing::end_bytes(&events, k);
         let b = BULK as u64;
         assert_eq!(bytes(attr::BYTES_TO_SERVER), [4, 7, b, b, b, b]);
         assert_eq!(bytes(attr::BYTES_TO_CLIENT), [0, 0, 0, 0, 0, 8]);
@@ -855,15 +835,7 @@ mod tests {
                 hand_over(&[], &registry, &giver).await
             })
         };
-        let taken = match tokio::task::spawn_blocking(move || handover::take(&socket_path))
-            .await
-            .unwrap()
-            .unwrap()
-        {
-            handover::Take::Taken(t) => t,
-            other => panic!("no hand-over: {other:?}"),
-        };
-        let mut taken = taken;
+        let mut taken = handover::testing::take_over(&socket_path).await;
         let c = taken.connections.pop().unwrap();
         taken.ack().unwrap();
         assert_eq!(giving.await.unwrap(), Outcome::Completed);

@@ -236,12 +236,7 @@ async fn serve_table(
                 })
             })
             .collect();
-        let handover = async {
-            match &config.handover {
-                Some(g) => g.requested(Protocol::Udp).await,
-                None => std::future::pending().await,
-            }
-        };
+        let handover = handover::asked(config.handover.as_ref(), Protocol::Udp);
         tokio::select! {
             () = async { let _ = shutdown.wait_for(|stop| *stop).await; } => {
                 for t in tasks {
@@ -763,14 +758,7 @@ spec:
         client.connect(server).unwrap();
         client.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
         let table = Arc::new(Table::new(Duration::from_secs(5), Arc::default()));
-        let config = Arc::new(UdpConfig {
-            bypass_mark: 0,
-            preserve_source: false,
-            local_addrs: Arc::new([]),
-            idle_timeout: Duration::from_secs(5),
-            max_flows: 16,
-            handover: None,
-        });
+        let config = test_config(None);
         let registry = Arc::new(Registry::default());
         let from = client.local_addr().unwrap();
         datagram(from, server, b"query", &table, &config, &t.decider, &registry);
@@ -815,6 +803,19 @@ spec:
         table.lock().insert((src, dst), newer.clone());
         drop(Entry { table: table.clone(), key: (src, dst), flow: older });
         assert!(table.lock().get(&(src, dst)).is_some_and(|f| Arc::ptr_eq(f, &newer)));
+    }
+
+    /// The proxy's settings in these tests: no marks, source not kept, a minute's idle
+    /// timeout, 16 flows, and `handover`.
+    fn test_config(handover: Option<Arc<Giver>>) -> Arc<UdpConfig> {
+        Arc::new(UdpConfig {
+            bypass_mark: 0,
+            preserve_source: false,
+            local_addrs: Arc::new([]),
+            idle_timeout: Duration::from_secs(60),
+            max_flows: 16,
+            handover,
+        })
     }
 
     /// Whether this process may make sockets transparent (`IP_TRANSPARENT` needs
@@ -894,17 +895,7 @@ spec:
         let giver = Arc::new(Giver::new(0).with_udp_proxy(true));
         let socket_path = dir.path().join("handover.sock");
         giver.serve(&socket_path).unwrap();
-        let config = |handover| {
-            Arc::new(UdpConfig {
-                bypass_mark: 0,
-                preserve_source: false,
-                local_addrs: Arc::new([]),
-                idle_timeout: Duration::from_secs(60),
-                max_flows: 16,
-                handover,
-            })
-        };
-        let (old_config, new_config) = (config(Some(giver.clone())), config(None));
+        let (old_config, new_config) = (test_config(Some(giver.clone())), test_config(None));
         let (old_registry, new_registry) =
             (Arc::new(Registry::default()), Arc::new(Registry::default()));
         let (server, server_addr) = echo_server();
@@ -955,15 +946,7 @@ spec:
                 super::super::tcp::hand_over(&[], &registry, &giver).await
             })
         };
-        let path = socket_path.clone();
-        let mut taken = match tokio::task::spawn_blocking(move || handover::take(&path))
-            .await
-            .unwrap()
-            .unwrap()
-        {
-            handover::Take::Taken(t) => t,
-            other => panic!("no hand-over: {other:?}"),
-        };
+        let mut taken = handover::testing::take_over(&socket_path).await;
         assert_eq!(
             (taken.version, taken.udp_listeners.len(), taken.udp_flows.len()),
             (handover::VERSION, 1, 2)
@@ -1025,14 +1008,7 @@ spec:
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
         let events = new.events();
-        let ends: Vec<_> =
-            events.iter().filter(|v| v["event"] == crate::audit::event::CONNECTION_END).collect();
-        let bytes = |k: &str| {
-            let mut v: Vec<u64> =
-                ends.iter().map(|e| e["attributes"][k].as_u64().unwrap()).collect();
-            v.sort_unstable();
-            v
-        };
+        let bytes = |k: &str| testing::end_bytes(&events, k);
         use crate::audit::event::attr;
         // Client 0: first0, second, between, after; client 1: first1, second, after.
         assert_eq!(bytes(attr::BYTES_TO_SERVER), [6 + 6 + 5, 6 + 6 + 7 + 5]);
@@ -1076,14 +1052,7 @@ spec:
             reply,
         };
         let table = Arc::new(Table::new(Duration::from_secs(60), Arc::default()));
-        let config = Arc::new(UdpConfig {
-            bypass_mark: 0,
-            preserve_source: false,
-            local_addrs: Arc::new([]),
-            idle_timeout: Duration::from_secs(60),
-            max_flows: 16,
-            handover: None,
-        });
+        let config = test_config(None);
         let registry = Arc::new(Registry::default());
         adopt(flow, &table, &config, &new.decider, &registry);
         assert!(registry.is_empty() && table.lock().is_empty(), "the denied flow is not relayed");
