@@ -671,8 +671,9 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
 }
 
 /// Asks the agent serving the hand-over socket at `path` for its queues, listeners, live
-/// connections and UDP flows (issue #23). `None` when there is none, when it refuses (no common
-/// protocol version: it drains when stopped) or when the exchange fails; each is logged.
+/// connections and UDP flows (issue #23). `None` when there is none, when it refuses (no
+/// common protocol version, or UDP flows this one's version cannot take: it drains when
+/// stopped) or when the exchange fails; each is logged.
 fn take_over(path: &std::path::Path) -> Option<handover::Taken> {
     match handover::take(path) {
         Ok(handover::Take::Nobody) => {

@@ -165,9 +165,9 @@ impl Registry {
             stop: Notify::new(),
             stop_why: AtomicU8::new(0),
         });
-        // Registered after its protocol's hand-over walk began: told at once, so the walk's
-        // wait for no flow of it is not left waiting on it. Read under the lock the walk sets
-        // the flag under: a flow is either in the walk's copy or sees the flag.
+        // Registered after its protocol's hand-over walk began: told at once, so the
+        // walk's wait for no flow of it is not left waiting on it. Read under the lock the
+        // walk sets the flag under: a flow is either in the walk's copy or sees the flag.
         let mut live = self.lock();
         if self.handing_over.load(Ordering::Relaxed) & bit(key.protocol) != 0 {
             tracked.stop(StopReason::HandOver);
