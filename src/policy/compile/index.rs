@@ -113,14 +113,18 @@ pub(super) fn per_pod_policies(
             if !p.applies[d as usize] {
                 continue;
             }
-            for pod in p.subject.iter() {
+            // `for_each`: roaring's `fold` walks container by container (see
+            // `matcher::add_mask`).
+            p.subject.iter().for_each(|pod| {
                 per_pod[pod as usize].by_tier[p.tier.index()][d as usize].push(pid as u32);
-            }
+            });
         }
     }
 
     let mut policy_sets: Vec<Arc<PodPolicies>> = Vec::new();
-    let mut set_ids: HashMap<Arc<PodPolicies>, u32> = HashMap::new();
+    // FxHash: the keys are lists of this compile's own policy ids, which no object can
+    // choose, hashed once per pod (a long list each with a large policy set).
+    let mut set_ids: rustc_hash::FxHashMap<Arc<PodPolicies>, u32> = Default::default();
     let per_pod: Vec<u32> = per_pod
         .into_iter()
         .map(|mut lists| {
