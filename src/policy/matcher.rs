@@ -832,8 +832,6 @@ impl PodClasses {
     }
 }
 
-/// The classes of the pods `touched` (each once) from their masks in `scratch` (zeroed
-/// again), in the layout [`PodClasses`] picks for how many of the `pod_count` pods that is.
 /// ORs `mask` into the scratch mask of every pod of `set`, listing in `touched` each pod
 /// whose mask was zero. Iterated with `for_each`: roaring's `fold` walks container by
 /// container, where `next` re-checks which container it is in for every pod (the walks of
@@ -853,6 +851,8 @@ fn add_mask(
     });
 }
 
+/// The classes of the pods `touched` (each once) from their masks in `scratch` (zeroed
+/// again), in the layout [`PodClasses`] picks for how many of the `pod_count` pods that is.
 fn classes(
     mut touched: Vec<u32>,
     pod_count: usize,

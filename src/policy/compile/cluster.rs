@@ -30,7 +30,7 @@ use crate::policy::validate::{self, NAMESPACE_NAME_LABEL};
 pub(super) struct Interner {
     /// foldhash, seeded per process: a key is the selectors of a policy someone wrote, so
     /// the hash must not be one they can aim collisions at (as FxHash could be), and
-    /// SipHash cost a twentieth of a large compile here.
+    /// SipHash cost about a twentieth of a large compile here.
     pub(super) ids: HashMap<SetKey, SetId, foldhash::fast::RandomState>,
     /// The pod sets, by [`SetId`]: the snapshot's pod sets (shared with it).
     pub(super) sets: Vec<Arc<RoaringBitmap>>,
