@@ -41,3 +41,5 @@ pub mod policy;
 pub mod proxy;
 pub mod redirect;
 pub mod synth;
+#[cfg(test)]
+pub(crate) mod testing;

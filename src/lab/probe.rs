@@ -511,16 +511,7 @@ mod tests {
     /// Whether this process may open raw sockets (CAP_NET_RAW); prints the skip line, or
     /// panics when network tests are required (`TIERPROXY_REQUIRE_NETNS=1`, as in CI).
     fn raw_sockets(test: &str) -> bool {
-        match sctp::raw_socket(localhost()) {
-            Ok(_) => true,
-            Err(e) => {
-                if std::env::var("TIERPROXY_REQUIRE_NETNS").as_deref() == Ok("1") {
-                    panic!("{test}: needs CAP_NET_RAW ({e}) and TIERPROXY_REQUIRE_NETNS=1");
-                }
-                let _ = writeln!(std::io::stderr(), "SKIPPED: {test}: needs CAP_NET_RAW ({e})");
-                false
-            }
-        }
+        crate::testing::capable(test, "CAP_NET_RAW", sctp::raw_socket(localhost()))
     }
 
     /// A raw SCTP server on loopback address `ip` (each test its own: every raw socket

@@ -710,19 +710,13 @@ mod tests {
     /// `TIERPROXY_REQUIRE_NETNS=1`.
     #[tokio::test]
     async fn a_rejected_datagram_decided_by_the_proxy_gets_its_client_an_icmp_error() {
-        if let Err(e) = socket2::Socket::new(
+        let raw = socket2::Socket::new(
             socket2::Domain::IPV4,
             socket2::Type::RAW,
             Some(socket2::Protocol::from(255)),
-        ) {
-            if std::env::var("TIERPROXY_REQUIRE_NETNS").as_deref() == Ok("1") {
-                panic!("needs CAP_NET_RAW ({e}) and TIERPROXY_REQUIRE_NETNS=1");
-            }
-            use std::io::Write;
-            let _ = writeln!(
-                std::io::stderr(),
-                "SKIPPED: a_rejected_datagram_decided_by_the_proxy_gets_its_client_an_icmp_error: needs CAP_NET_RAW ({e})"
-            );
+        );
+        let test = "a_rejected_datagram_decided_by_the_proxy_gets_its_client_an_icmp_error";
+        if !crate::testing::capable(test, "CAP_NET_RAW", raw) {
             return;
         }
         let manifests = r#"
@@ -818,27 +812,6 @@ spec:
         })
     }
 
-    /// Whether this process may make sockets transparent (`IP_TRANSPARENT` needs
-    /// CAP_NET_ADMIN, as the agent has); says so when it may not, and fails then under
-    /// `TIERPROXY_REQUIRE_NETNS=1`.
-    fn transparent_allowed(test: &str) -> bool {
-        let s = Socket::new(Domain::IPV4, Type::DGRAM, None).unwrap();
-        match s.set_ip_transparent_v4(true) {
-            Ok(()) => true,
-            Err(e) => {
-                if std::env::var("TIERPROXY_REQUIRE_NETNS").as_deref() == Ok("1") {
-                    panic!("{test} needs CAP_NET_ADMIN ({e}) and TIERPROXY_REQUIRE_NETNS=1");
-                }
-                use std::io::Write;
-                let _ = writeln!(
-                    std::io::stderr(),
-                    "SKIPPED: {test}: needs CAP_NET_ADMIN for IP_TRANSPARENT ({e})"
-                );
-                false
-            }
-        }
-    }
-
     /// The server of the hand-over test: answers each datagram with its payload, `@` and
     /// the source port it came from (the flow's upstream socket), for 30 s at most.
     fn echo_server() -> (std::net::UdpSocket, SocketAddr) {
@@ -885,7 +858,8 @@ spec:
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn live_flows_pass_to_the_next_agent_with_their_sockets_and_queued_datagrams() {
         let test = "live_flows_pass_to_the_next_agent_with_their_sockets_and_queued_datagrams";
-        if !transparent_allowed(test) {
+        let s = Socket::new(Domain::IPV4, Type::DGRAM, None).unwrap();
+        if !crate::testing::capable(test, "CAP_NET_ADMIN", s.set_ip_transparent_v4(true)) {
             return;
         }
         use super::super::decider::testing;
