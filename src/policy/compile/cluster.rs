@@ -23,6 +23,7 @@ use crate::policy::model::{Endpoint, NamespaceEntry, NodeEntry, PodEntry, SetId}
 use crate::policy::ports::NamedPort;
 use crate::policy::problem::{Kind, ObjectRef, Problem, ProblemKind};
 use crate::policy::selector::{LabelIndex, Selector};
+use crate::policy::snapshot::AddrMap;
 use crate::policy::validate::{self, NAMESPACE_NAME_LABEL};
 
 /// Interns pod sets by the selector(s) that produced them.
@@ -325,8 +326,8 @@ impl Cluster {
     /// Addresses pass: reads the node addresses and pod IPs; returns what each address is.
     /// Nodes first, then pods; the first claimant keeps an address, and each later one is
     /// warned about ([`ProblemKind::AddressConflict`]).
-    pub(super) fn addresses(&self, problems: &mut Vec<Problem>) -> HashMap<IpAddr, Endpoint> {
-        let mut by_ip: HashMap<IpAddr, Endpoint> = HashMap::new();
+    pub(super) fn addresses(&self, problems: &mut Vec<Problem>) -> AddrMap {
+        let mut by_ip = AddrMap::default();
         let mut owner: HashMap<IpAddr, ObjectRef> = HashMap::new();
         let claims = self
             .node_addrs
