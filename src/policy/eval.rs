@@ -8,17 +8,37 @@
 //! (isolation is final), then the Baseline tier, then allow. What each tier does with its
 //! matches is here; which tier comes when is not.
 //!
+//! A direction's candidates (the subject's policies that have a rule for the flow's port)
+//! are each one to four cache misses: the policy, its matcher's header, the port table and
+//! the peer's class. Taken one by one, they wait in a row, and a flow on a port that many
+//! policies name visits fifty of them. So after its first two candidates (as many as most
+//! flows need), a direction warms the next ones before deciding them, in batches of two,
+//! then four, then eight: it asks for every batch member's policy lines, then their
+//! matchers' headers, then the flow's data in them, so that a batch waits about three
+//! misses rather than three per member. Warming only prefetches; what is decided, and in
+//! which order, does not change. Measured in one process against the code without it, on
+//! the `decide` bench's flows, 10 alternated rounds: with the Antrea set p99 0.77–0.83×,
+//! p50 0.98–1.03×; the large cluster alone p99 0.93–1.06×, p50 1.01–1.09×.
+//!
 //! A [`Decision`] holds no strings: it names policies and rules by index into the snapshot
 //! it came from, so deciding allocates nothing unless a Pass is taken. Use
 //! [`Snapshot::policy_ref`] and [`Snapshot::rule_info`] to name them.
 
 use std::net::{IpAddr, SocketAddr};
 
-use super::matcher::{has, protocol_index};
+use super::matcher::{has, prefetch, protocol_index};
 use super::model::{Action, Direction, Endpoint, Peers, Revision, Tier};
 use super::ports::{NamedPort, Protocol};
 use super::problem::ObjectRef;
 use super::snapshot::{Policy, Snapshot};
+
+/// Candidates a direction decides before it warms any (module docs), and the size of its
+/// first warmed batch; each later batch doubles, up to [`MAX_WARM`]. A flow decided by
+/// its first candidate or two (the median) warms nothing.
+const FIRST_WARM: usize = 2;
+
+/// Most candidates warmed in one batch.
+const MAX_WARM: usize = 8;
 
 /// A new flow's first packet, as far as policy cares: the 5-tuple less the source port.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -391,12 +411,58 @@ impl Snapshot {
                 self.first_rule_linear(p, d, subject, peer, peer_ip, flow, dst_ports)
             }
         };
+        // Warming (module docs): the next `n` candidates from `list[from]` on get their
+        // lines asked for in three rounds (policy, matcher header, the flow's data), each
+        // round's misses overlapping. Returns the list position after the last one.
+        let warm = |list: &[u32], from: usize, n: usize| -> usize {
+            let mut pids = [0u32; MAX_WARM];
+            let (mut k, mut j) = (0, from);
+            for &pid in &list[from..] {
+                j += 1;
+                if !skip(pid) {
+                    pids[k] = pid;
+                    k += 1;
+                    if k == n {
+                        break;
+                    }
+                }
+            }
+            let pids = &pids[..k];
+            for &pid in pids {
+                let p = &self.policies[pid as usize];
+                prefetch(&p.matchers[d]);
+                prefetch(&p.priority);
+            }
+            for &pid in pids {
+                if let Some(m) = &self.policies[pid as usize].matchers[d] {
+                    m.prefetch_header(flow.protocol);
+                }
+            }
+            for &pid in pids {
+                if let Some(m) = &self.policies[pid as usize].matchers[d] {
+                    m.prefetch_data(subject, peer, flow.protocol);
+                }
+            }
+            j
+        };
+        // Called at each candidate `list[i]` before it is decided: the first `FIRST_WARM`
+        // of the direction go unwarmed (most flows need no more); past them, a candidate
+        // beyond the last warmed batch (`*warmed`, a list position) warms the next batch,
+        // each twice the last.
+        let (mut seen, mut batch) = (0usize, FIRST_WARM);
+        let mut step = |list: &[u32], i: usize, warmed: &mut usize| {
+            seen += 1;
+            if FAST && seen > FIRST_WARM && i >= *warmed {
+                *warmed = warm(list, i, batch);
+                batch = (batch * 2).min(MAX_WARM);
+            }
+        };
         // Tier by tier in `Tier::ORDER`; the lists are by position in it.
         for (tier, by_direction) in Tier::ORDER.into_iter().zip(&lists.by_tier) {
             let list = &by_direction[d];
             match tier {
                 Tier::Admin | Tier::Baseline => {
-                    let mut i = 0;
+                    let (mut i, mut warmed) = (0, 0);
                     while i < list.len() {
                         // Antrea policies of one rank and priority are one run, interleaved
                         // rule by rule: "(tier priority, policy priority, rule index)"
@@ -409,6 +475,7 @@ impl Snapshot {
                             i += 1;
                             continue;
                         }
+                        step(list, i, &mut warmed);
                         let end = self.run_end(list, i);
                         let mut best: Option<RuleHit> = None;
                         for &pid in &list[i..end] {
@@ -450,10 +517,12 @@ impl Snapshot {
                     let Some(&first) = list.first() else { continue };
                     // The subject is isolated in this direction: "v1.NetworkPolicy always
                     // makes a final decision for selected pods".
-                    for &pid in list {
+                    let mut warmed = 0;
+                    for (i, &pid) in list.iter().enumerate() {
                         if skip(pid) {
                             continue;
                         }
+                        step(list, i, &mut warmed);
                         if let Some(ri) = first_rule(pid) {
                             let hit = RuleHit { policy: pid, rule: ri };
                             return Outcome {
