@@ -268,12 +268,23 @@ pub fn wait_ready(pending: &mut [Pending<'_>], timeout: Duration) -> Result<(), 
     }
 }
 
-/// Whether `pid` is a live process (not gone, not a zombie).
+/// Whether process `pid` has a thread that has not exited (`/proc/<pid>/task/*/stat`,
+/// proc(5)): false once the process is gone or every thread is a zombie or dead.
+///
+/// The first thread's state alone is not enough: when a multi-threaded process is
+/// killed, or its first thread calls `pthread_exit`, that thread can be a zombie while
+/// the others still run, and they hold the process's files and `flock(2)` locks until
+/// the last of them exits. A caller that took the zombie for the end could start the
+/// next agent while the killed one's state-file lock was still held.
 pub fn alive(pid: i32) -> bool {
-    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { return false };
-    // "pid (comm) S ...": comm may hold spaces and parentheses; the state follows the last ')'.
-    let state = stat.rsplit_once(')').and_then(|(_, rest)| rest.trim_start().chars().next());
-    !matches!(state, None | Some('Z' | 'X'))
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return false };
+    tasks.flatten().any(|t| {
+        let Ok(stat) = std::fs::read_to_string(t.path().join("stat")) else { return false };
+        // "tid (comm) S ...": comm may hold spaces and parentheses; the state follows the
+        // last ')'.
+        let state = stat.rsplit_once(')').and_then(|(_, rest)| rest.trim_start().chars().next());
+        !matches!(state, None | Some('Z' | 'X'))
+    })
 }
 
 /// Stops `pids`: SIGTERM, up to [`STOP_GRACE`] to exit, then SIGKILL and up to 1 s more.
@@ -367,6 +378,36 @@ mod tests {
             "{e}"
         );
         assert!(e.contains("bad flag"), "{e}");
+    }
+
+    /// A process whose first thread has exited while another still runs is alive: the
+    /// running thread holds its files and locks (the killed agent's state-file lock, which
+    /// made `the_next_agent_restores_tcp_tw_reuse_a_crashed_one_left_set` flaky).
+    #[test]
+    fn a_process_is_alive_while_any_thread_runs_after_its_first_one_exited() {
+        let dir = tempfile::tempdir().unwrap();
+        // python3's main thread leaves with pthread_exit; its other thread sleeps on.
+        let script = "import ctypes, threading, time\n\
+            threading.Thread(target=time.sleep, args=(30,)).start()\n\
+            ctypes.CDLL(None).pthread_exit(None)\n";
+        let mut c = Command::new("python3");
+        c.args(["-c", script]);
+        let mut child = spawn_detached(c, &dir.path().join("py.log")).expect("python3 starts");
+        let pid = child.id() as i32;
+        let leader = format!("/proc/{pid}/stat");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let stat = std::fs::read_to_string(&leader).unwrap_or_default();
+            if stat.rsplit_once(')').is_some_and(|(_, r)| r.trim_start().starts_with('Z')) {
+                break;
+            }
+            assert!(Instant::now() < deadline, "the first thread did not exit: {stat}");
+            std::thread::sleep(POLL);
+        }
+        assert!(alive(pid), "the sleeping thread still runs");
+        assert!(stop(&[pid]).is_empty());
+        assert!(!alive(pid));
+        let _ = child.wait(); // `stop` reaped it already
     }
 
     #[test]

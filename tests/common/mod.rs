@@ -131,11 +131,9 @@ pub fn lab_netns(prefix: &str) -> Vec<String> {
         .collect()
 }
 
+/// Whether process `pid` has a thread that has not exited ([`tierproxy::lab::procs::alive`]).
 pub fn alive(pid: u64) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .ok()
-        .and_then(|s| s.rsplit_once(')').map(|(_, r)| r.trim_start().to_string()))
-        .is_some_and(|r| !r.starts_with('Z') && !r.starts_with('X'))
+    tierproxy::lab::procs::alive(pid as i32)
 }
 
 /// A lab under a test's own prefix; dropping it runs `lab down`.
