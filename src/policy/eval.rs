@@ -17,8 +17,9 @@
 //! matchers' headers, then the flow's data in them, so that a batch waits about three
 //! misses rather than three per member. Warming only prefetches; what is decided, and in
 //! which order, does not change. Measured in one process against the code without it, on
-//! the `decide` bench's flows, 10 alternated rounds: with the Antrea set p99 0.77–0.83×,
-//! p50 0.98–1.03×; the large cluster alone p99 0.93–1.06×, p50 1.01–1.09×.
+//! the `decide` bench's flows, 10 alternated rounds, two runs: with the Antrea set p99
+//! 0.77× and 0.83×, p50 0.99× and 1.03×; the large cluster alone p99 0.99× and 0.93×, p50
+//! 1.05× and 1.01× (docs/architecture.md, "Measured: with Antrea's tiers").
 //!
 //! A [`Decision`] holds no strings: it names policies and rules by index into the snapshot
 //! it came from, so deciding allocates nothing unless a Pass is taken. Use
