@@ -278,13 +278,15 @@ pub fn wait_ready(pending: &mut [Pending<'_>], timeout: Duration) -> Result<(), 
 /// next agent while the killed one's state-file lock was still held.
 pub fn alive(pid: i32) -> bool {
     let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return false };
-    tasks.flatten().any(|t| {
-        let Ok(stat) = std::fs::read_to_string(t.path().join("stat")) else { return false };
-        // "tid (comm) S ...": comm may hold spaces and parentheses; the state follows the
-        // last ')'.
-        let state = stat.rsplit_once(')').and_then(|(_, rest)| rest.trim_start().chars().next());
-        !matches!(state, None | Some('Z' | 'X'))
-    })
+    tasks.flatten().any(|t| !matches!(state(&t.path().join("stat")), None | Some('Z' | 'X')))
+}
+
+/// The state letter of a `/proc/.../stat` file (`R`, `S`, `Z`, ...; proc(5)), if it can
+/// be read: "pid (comm) S ...", where comm may hold spaces and parentheses, so the state
+/// follows the last ')'.
+fn state(stat: &Path) -> Option<char> {
+    let stat = std::fs::read_to_string(stat).ok()?;
+    stat.rsplit_once(')').and_then(|(_, rest)| rest.trim_start().chars().next())
 }
 
 /// Stops `pids`: SIGTERM, up to [`STOP_GRACE`] to exit, then SIGKILL and up to 1 s more.
@@ -394,14 +396,10 @@ mod tests {
         c.args(["-c", script]);
         let mut child = spawn_detached(c, &dir.path().join("py.log")).expect("python3 starts");
         let pid = child.id() as i32;
-        let leader = format!("/proc/{pid}/stat");
+        let leader = PathBuf::from(format!("/proc/{pid}/stat"));
         let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            let stat = std::fs::read_to_string(&leader).unwrap_or_default();
-            if stat.rsplit_once(')').is_some_and(|(_, r)| r.trim_start().starts_with('Z')) {
-                break;
-            }
-            assert!(Instant::now() < deadline, "the first thread did not exit: {stat}");
+        while state(&leader) != Some('Z') {
+            assert!(Instant::now() < deadline, "the first thread did not exit");
             std::thread::sleep(POLL);
         }
         assert!(alive(pid), "the sleeping thread still runs");
