@@ -57,6 +57,7 @@ use crate::proxy::decider::{Current, Decider, DeciderLimits};
 use crate::proxy::handover::{self, Giver};
 use crate::proxy::queue::{self, QueueConfig};
 use crate::proxy::registry::Registry;
+use crate::proxy::reject::KernelRefusal;
 use crate::proxy::relay::{PipePool, RelayConfig};
 use crate::proxy::tcp::{self, ProxyConfig};
 use crate::proxy::udp::{self, UdpConfig};
@@ -376,6 +377,8 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
         None
     };
     let r = &opts.redirect;
+    // Armed once this agent's ruleset, with the refusal chains, is installed.
+    let kernel_refusal = backend.refuses().then(|| KernelRefusal::new(r.reject_mark));
     let queue_activity = queue::QueueActivity::default();
     // A reader that gives up is reported here; the agent then stops as on SIGTERM, its
     // guards run, and `run` returns the failure (exit status 70, `QueueFailed::EXIT_CODE`).
@@ -389,6 +392,7 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
         max_len: QUEUE_MAX_LEN,
         udp_kernel,
         refusal_mark: r.bypass_mark.value,
+        kernel_refusal: kernel_refusal.clone(),
     };
     // Issue #23: the running agent, if any, hands its queues, listeners, connections and
     // (`--udp-path proxy`) UDP flows over now; from here on this agent must serve them
@@ -503,6 +507,9 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
         keep: r.keep_rules_on_exit || handed_over_to_us,
     };
     backend.apply(&spec).with_context(|| format!("installing the {} ruleset", backend.name()))?;
+    if let Some(k) = &kernel_refusal {
+        k.arm();
+    }
     let mut sweeper = sweeper;
     if let Some(s) = sweeper.as_mut() {
         // UDP flows a previous agent admitted are forwarded on their conntrack entries:

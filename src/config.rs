@@ -7,7 +7,7 @@
 //!
 //! # Packet marks
 //!
-//! tierproxy uses three single-bit marks, each with its own mask, so it only ever reads and
+//! tierproxy uses four single-bit marks, each with its own mask, so it only ever reads and
 //! writes its own bits of `skb->mark` and leaves every other bit to whoever owns it:
 //!
 //! | mark | default | set by | read by |
@@ -15,13 +15,15 @@
 //! | decided | `0x1000` | the NFQUEUE verdict (REPEAT with this bit) | the queue rule (skip), the TPROXY rule |
 //! | route | `0x2000` | TPROXY `--tproxy-mark`, the `socket --transparent` rule | `ip rule fwmark … lookup TABLE` |
 //! | bypass | `0x0080` | `SO_MARK` of the proxy's upstream sockets | the first rule (return untouched) |
+//! | reject | `0x0040` | the NFQUEUE verdict (ACCEPT with this bit) on a rejected packet the kernel refuses | the refusal chains (`reject`) |
 //!
 //! Why these bits: kube-proxy owns `0x4000` (masquerade) and `0x8000` (drop); Calico's
 //! default `iptablesMarkMask` is `0xffff0000` and it allocates every bit of it; Cilium uses
 //! `0x0f00` plus the upper 16 bits for identities; Weave and kube-router use bits 16–18.
-//! Bits 12 and 13 (`0x1000`, `0x2000`) are owned by none of them, and bit 7 (`0x0080`) only
-//! falls under Istio ambient's `0xfff` mask, which is not expected on the same node. All
-//! three are configurable; [`RedirectConfig::validate`] insists they are non-zero and
+//! Bits 12 and 13 (`0x1000`, `0x2000`) are owned by none of them, and bits 6 and 7
+//! (`0x0040`, `0x0080`) only fall under Istio ambient's `0xfff` mask, which is not expected
+//! on the same node. All four are configurable; [`RedirectConfig::validate`] insists they
+//! are non-zero and
 //! pairwise disjoint (a route mark equal to the bypass mark would send the proxy's own
 //! upstream SYNs back into the proxy).
 
@@ -271,6 +273,11 @@ pub const DEFAULT_ROUTE_MARK: Mark = Mark::bit(13);
 /// ruleset returns such packets untouched.
 pub const DEFAULT_BYPASS_MARK: Mark = Mark::bit(7);
 
+/// Default "reject" mark bit: set by the NFQUEUE verdict (ACCEPT) on a rejected first
+/// packet that the kernel's reject answers (the refusal chains right after the decision;
+/// `proxy::reject`, "Addresses after a DNAT").
+pub const DEFAULT_REJECT_MARK: Mark = Mark::bit(6);
+
 /// Default routing table holding `local default dev lo` for route-marked packets. Any
 /// number other than the kernel's reserved 0, 253, 254, 255 works; 1501 has no well-known
 /// user.
@@ -331,7 +338,7 @@ impl fmt::Display for Mark {
     }
 }
 
-/// Which of the three marks an error or a rule is about.
+/// Which of the four marks an error or a rule is about.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MarkRole {
     /// [`RedirectConfig::decided_mark`].
@@ -340,15 +347,18 @@ pub enum MarkRole {
     Route,
     /// [`RedirectConfig::bypass_mark`].
     Bypass,
+    /// [`RedirectConfig::reject_mark`].
+    Reject,
 }
 
 impl fmt::Display for MarkRole {
-    /// The field name without `_mark`: `decided`, `route`, `bypass`.
+    /// The field name without `_mark`: `decided`, `route`, `bypass`, `reject`.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
             MarkRole::Decided => "decided",
             MarkRole::Route => "route",
             MarkRole::Bypass => "bypass",
+            MarkRole::Reject => "reject",
         })
     }
 }
@@ -531,6 +541,10 @@ pub struct RedirectConfig {
     /// `SO_MARK` of the proxy's upstream sockets, never touched by the ruleset. Default
     /// [`DEFAULT_BYPASS_MARK`].
     pub bypass_mark: Mark,
+    /// Mark of a rejected first packet accepted for the kernel's reject to answer: where
+    /// the queue passes no conntrack entry, only the kernel knows the address a DNAT'd
+    /// client used (`proxy::reject`). Default [`DEFAULT_REJECT_MARK`].
+    pub reject_mark: Mark,
     /// Routing table with the `local` default route. Default [`DEFAULT_ROUTE_TABLE`].
     pub route_table: u32,
     /// Priority of the fwmark `ip rule`. Default [`DEFAULT_RULE_PRIORITY`].
@@ -577,6 +591,7 @@ impl Default for RedirectConfig {
             decided_mark: DEFAULT_DECIDED_MARK,
             route_mark: DEFAULT_ROUTE_MARK,
             bypass_mark: DEFAULT_BYPASS_MARK,
+            reject_mark: DEFAULT_REJECT_MARK,
             route_table: DEFAULT_ROUTE_TABLE,
             rule_priority: DEFAULT_RULE_PRIORITY,
             name_prefix: DEFAULT_NAME_PREFIX.to_owned(),
@@ -657,12 +672,13 @@ impl RedirectConfig {
         self.queue_first.checked_add(self.queue_count)
     }
 
-    /// The three marks with their roles, in the order decided, route, bypass.
-    pub fn marks(&self) -> [(MarkRole, Mark); 3] {
+    /// The four marks with their roles, in the order decided, route, bypass, reject.
+    pub fn marks(&self) -> [(MarkRole, Mark); 4] {
         [
             (MarkRole::Decided, self.decided_mark),
             (MarkRole::Route, self.route_mark),
             (MarkRole::Bypass, self.bypass_mark),
+            (MarkRole::Reject, self.reject_mark),
         ]
     }
 }
@@ -766,6 +782,20 @@ mod tests {
         assert_eq!(
             e,
             ConfigError::MarksOverlap { a: MarkRole::Route, b: MarkRole::Bypass, shared: 0x2000 }
+        );
+    }
+
+    #[test]
+    fn the_reject_mark_shares_no_bit_with_the_others() {
+        assert_eq!(RedirectConfig::default().validate(), Ok(()));
+        let e = invalid(|c| c.reject_mark = Mark { value: 0x40, mask: 0xc0 });
+        assert_eq!(
+            e,
+            ConfigError::MarksOverlap { a: MarkRole::Bypass, b: MarkRole::Reject, shared: 0x80 }
+        );
+        assert_eq!(
+            invalid(|c| c.reject_mark = Mark::bit(32)),
+            ConfigError::MarkZero { role: MarkRole::Reject }
         );
     }
 

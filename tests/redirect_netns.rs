@@ -270,6 +270,20 @@ fn iptables_lifecycle(test: &str, cmds: IptablesCommands) {
     let after_dnat = ns.sh(&["nft", "list", "table", "inet", "tierproxy-dnat"]);
     assert!(after_dnat.contains("ct status dnat socket transparent 1"), "{after_dnat}");
     assert!(after_dnat.contains("tproxy ip to 127.0.0.1:15001"), "{after_dnat}");
+    // The refusal chains, right after the decision in mangle INPUT and FORWARD (nft lists
+    // an ICMP reject without the `meta nfproto` it implies).
+    for hook in ["input", "forward"] {
+        let chain =
+            format!("chain refuse_{hook} {{\n\t\ttype filter hook {hook} priority mangle + 1");
+        assert!(after_dnat.contains(&chain), "{after_dnat}");
+    }
+    for refusal in [
+        "meta mark & 0x00000040 == 0x00000040 meta l4proto tcp reject with tcp reset",
+        "meta mark & 0x00000040 == 0x00000040 reject with icmp host-prohibited",
+        "meta mark & 0x00000040 == 0x00000040 reject with icmpv6 admin-prohibited",
+    ] {
+        assert_eq!(after_dnat.matches(refusal).count(), 2, "{refusal} in each chain: {after_dnat}");
+    }
     for fam in ["-4", "-6"] {
         let rules = ns.sh(&["ip", fam, "rule", "show"]);
         assert!(rules.contains("1501:\tfrom all fwmark 0x2000/0x2000 lookup 1501"), "{rules}");

@@ -9,10 +9,13 @@
 //! tests are about what a rejected packet's client sees, which the policy engine does not
 //! change (`datapath_netns` and `lab_netns` do the same through real Antrea policies).
 //! A router DNAT from a "ClusterIP" to the rejected port shows the refusal comes from the
-//! address the client used (the queue's `NFQA_CT`).
+//! address the client used: the agent's own answer built from the queue's `NFQA_CT`, or,
+//! where the kernel passes none (CONFIG_NETFILTER_NETLINK_GLUE_CT unset, as on these
+//! machines), the kernel's reject in the ruleset's refusal chains
+//! (`tierproxy::redirect::refusal_table`), which the reader hands such packets to.
 //!
 //! Needs root (CAP_NET_ADMIN, CAP_SYS_ADMIN, CAP_NET_RAW) and `ip`, `iptables`,
-//! `ip6tables`; without them each test prints `SKIPPED: ...`, or fails with
+//! `ip6tables`, `nft`; without them each test prints `SKIPPED: ...`, or fails with
 //! `TIERPROXY_REQUIRE_NETNS=1`. Namespaces are named `tprj-<pid>-<n>` and removed on drop.
 
 use std::io::ErrorKind;
@@ -22,11 +25,12 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use tierproxy::config::RedirectConfig;
 use tierproxy::lab::sctp::{self, Chunk, Packet};
 use tierproxy::proxy::conntrack::original_tuple;
 use tierproxy::proxy::nfqueue::{Answer, NfVerdict, Queue};
 use tierproxy::proxy::packet;
-use tierproxy::proxy::reject::{Refuser, Sent};
+use tierproxy::proxy::reject::{KernelRefusal, Refuser, Sent};
 
 mod common;
 
@@ -100,9 +104,11 @@ struct Topology {
     _router: Netns,
     stop: Arc<AtomicBool>,
     reader: Option<std::thread::JoinHandle<()>>,
-    /// Rejected packets queued, refusals sent, and rejected packets that got none.
+    /// Rejected packets queued, refusals sent (by the reader or, `kernel` of them, handed
+    /// to the kernel's reject), and rejected packets that got none.
     rejected: Arc<AtomicU64>,
     sent: Arc<AtomicU64>,
+    kernel: Arc<AtomicU64>,
     unsent: Arc<AtomicU64>,
     /// Whether a queued packet came with its conntrack entry (`NFQA_CT`: kernels with
     /// CONFIG_NETFILTER_NETLINK_GLUE_CT).
@@ -180,6 +186,16 @@ fn topology(queue: u16) -> Topology {
         queue_rule(&["-p", "udp", "-m", "conntrack", "!", "--ctstatus", "CONFIRMED"]);
         queue_rule(&["-p", "sctp", "-m", "conntrack", "--ctstate", "NEW"]);
     }
+    // The ruleset's refusal chains, right after the queue in the forward hook.
+    let refusals = tierproxy::redirect::refusal_table(&RedirectConfig::default(), "tprj");
+    let mut nft = Command::new("ip")
+        .args(["netns", "exec", &router.0, "nft", "-j", "-f", "-"])
+        .stdin(std::process::Stdio::piped())
+        .spawn()
+        .expect("runs nft");
+    use std::io::Write as _;
+    nft.stdin.take().expect("stdin").write_all(refusals.as_bytes()).expect("to nft");
+    assert!(nft.wait().expect("nft ends").success(), "nft took the refusal chains");
     // Every port listens on the server (TCP) or is bound (UDP, no answer): whatever the
     // client hears about REJECTED and DENIED comes from the router, not from a closed port.
     let listeners: Vec<(TcpListener, UdpSocket)> = server.run(|| {
@@ -194,17 +210,21 @@ fn topology(queue: u16) -> Topology {
     });
     let stop = Arc::new(AtomicBool::new(false));
     let (rejected, sent, unsent) = (Arc::default(), Arc::default(), Arc::default());
+    let kernel: Arc<AtomicU64> = Arc::default();
     let conntrack = Arc::new(AtomicBool::new(false));
     let (ready_tx, ready_rx) = std::sync::mpsc::channel();
     let reader = {
         let (router_name, stop, conntrack) = (router.0.clone(), stop.clone(), conntrack.clone());
         let (rejected, sent, unsent): (Arc<AtomicU64>, Arc<AtomicU64>, Arc<AtomicU64>) =
             (Arc::clone(&rejected), Arc::clone(&sent), Arc::clone(&unsent));
+        let kernel = Arc::clone(&kernel);
         std::thread::spawn(move || {
             tierproxy::lab::netns::enter(&router_name).expect("setns");
             let mut q = Queue::bind(queue, 256, 64, false).expect("bind the queue");
             ready_tx.send(()).unwrap();
-            let mut refuser = Refuser::new(0);
+            let refusal = KernelRefusal::new(RedirectConfig::default().reject_mark);
+            refusal.arm();
+            let mut refuser = Refuser::new(0).with_kernel(Some(refusal));
             while !stop.load(Ordering::Relaxed) {
                 let _ = q.process(64, |p| {
                     let port = packet::parse(p.payload).map(|k| k.dst.port());
@@ -215,11 +235,19 @@ fn topology(queue: u16) -> Topology {
                             if original.is_some() {
                                 conntrack.store(true, Ordering::Relaxed);
                             }
-                            match refuser.refuse(p.payload, original.as_ref()) {
+                            let (answer, mark) =
+                                refuser.refuse_queued(p.payload, p.mark, original.as_ref(), false);
+                            match answer {
                                 Sent::Sent(_) => sent.fetch_add(1, Ordering::Relaxed),
                                 _ => unsent.fetch_add(1, Ordering::Relaxed),
                             };
-                            Answer { verdict: NfVerdict::Drop, mark: None }
+                            match mark {
+                                Some(mark) => {
+                                    kernel.fetch_add(1, Ordering::Relaxed);
+                                    Answer { verdict: NfVerdict::Accept, mark: Some(mark) }
+                                }
+                                None => Answer { verdict: NfVerdict::Drop, mark: None },
+                            }
                         }
                         Ok(DENIED) | Err(_) => Answer { verdict: NfVerdict::Drop, mark: None },
                         Ok(_) => Answer { verdict: NfVerdict::Accept, mark: None },
@@ -238,40 +266,32 @@ fn topology(queue: u16) -> Topology {
         reader: Some(reader),
         rejected,
         sent,
+        kernel,
         unsent,
         conntrack,
     }
 }
 
 impl Topology {
-    /// Every rejected packet the queue handed over got exactly one refusal, and there were
-    /// at least `probes` of them (a DNAT'd SYN whose refusal the client ignored is sent
-    /// again, and refused again).
-    fn assert_one_refusal_each(&self, probes: u64) {
+    /// Every probe's rejected packet got exactly one refusal (a refused client sends no
+    /// second one). Where the queue passed no conntrack entry, the `kernel` ones of them
+    /// were the kernel's: TCP and UDP (`by_kernel` says whether this test's protocol is
+    /// one the kernel answers); else the reader sent each.
+    fn assert_one_refusal_each(&self, probes: u64, by_kernel: bool) {
         let rejected = self.rejected.load(Ordering::Relaxed);
-        assert!(rejected >= probes, "{rejected} rejected packets queued, {probes} probes");
+        assert_eq!(rejected, probes, "rejected packets queued");
         assert_eq!(self.sent.load(Ordering::Relaxed), rejected, "one refusal each");
         assert_eq!(self.unsent.load(Ordering::Relaxed), 0);
-    }
-
-    /// What a refused flow to the "ClusterIP" ends with: `refused` where the queue passes
-    /// each packet's conntrack entry; else the refusal comes from the backend's address,
-    /// which the client ignores, and it times out as for a deny (the documented limit of
-    /// kernels without CONFIG_NETFILTER_NETLINK_GLUE_CT, such as these machines'; never a
-    /// connection).
-    fn dnat_refusal(&self, refused: ErrorKind) -> ErrorKind {
-        if self.conntrack.load(Ordering::Relaxed) {
-            return refused;
-        }
-        use std::io::Write;
-        let _ = writeln!(
-            std::io::stderr(),
-            "NOTE: no NFQA_CT from this kernel (CONFIG_NETFILTER_NETLINK_GLUE_CT unset): a DNAT'd refusal times out"
-        );
-        if refused == ErrorKind::ConnectionRefused {
-            ErrorKind::TimedOut
+        let kernel = self.kernel.load(Ordering::Relaxed);
+        if self.conntrack.load(Ordering::Relaxed) || !by_kernel {
+            assert_eq!(kernel, 0, "the reader answers what it knows the original tuple of");
         } else {
-            ErrorKind::WouldBlock
+            use std::io::Write;
+            let _ = writeln!(
+                std::io::stderr(),
+                "NOTE: no NFQA_CT from this kernel (CONFIG_NETFILTER_NETLINK_GLUE_CT unset): the kernel's reject answered"
+            );
+            assert_eq!(kernel, rejected, "handed to the kernel's reject");
         }
     }
 }
@@ -350,13 +370,9 @@ fn a_rejected_tcp_connect_is_refused_at_once_and_a_denied_one_times_out() {
     // to, or the client ignores it and times out.
     for service in [SERVICE4, SERVICE6] {
         let (r, took) = connect(&t, at(service, SERVICE_PORT));
-        assert_eq!(
-            r,
-            Err(t.dnat_refusal(ErrorKind::ConnectionRefused)),
-            "DNAT'd ({service}, {took:?})"
-        );
+        assert_eq!(r, Err(ErrorKind::ConnectionRefused), "DNAT'd ({service}, {took:?})");
     }
-    t.assert_one_refusal_each(4);
+    t.assert_one_refusal_each(4, true);
 }
 
 #[test]
@@ -376,13 +392,13 @@ fn a_rejected_udp_datagram_gets_administratively_prohibited_and_a_denied_one_not
         let e = datagram(&t, at(server, REJECTED));
         assert_eq!(e.kind(), kind, "rejected ({server}): {e}");
         let e = datagram(&t, at(service, SERVICE_PORT));
-        assert_eq!(e.kind(), t.dnat_refusal(kind), "DNAT'd ({service}): {e}");
+        assert_eq!(e.kind(), kind, "DNAT'd ({service}): {e}");
         let e = datagram(&t, at(server, DENIED));
         assert_eq!(e.kind(), ErrorKind::WouldBlock, "denied ({server}): {e}");
         let e = datagram(&t, at(server, ALLOWED));
         assert_eq!(e.kind(), ErrorKind::WouldBlock, "allowed, nobody answers ({server}): {e}");
     }
-    t.assert_one_refusal_each(4);
+    t.assert_one_refusal_each(4, true);
 }
 
 #[test]
@@ -398,5 +414,5 @@ fn a_rejected_sctp_init_is_aborted_and_a_denied_one_unanswered() {
         assert_eq!(answer.src_port, REJECTED);
         assert_eq!(sctp_init(&t, at(server, DENIED)), None, "denied ({server})");
     }
-    t.assert_one_refusal_each(2);
+    t.assert_one_refusal_each(2, false);
 }

@@ -24,7 +24,9 @@ use common::*;
 /// namespace `b` on TCP 8080 and UDP 5353 only. Namespace `b`: `web-local` on n1 (8080
 /// named `http`, 9090, UDP 5353 named `dns`), `web-remote` and `vault` on n2. NetworkPolicy
 /// `b/only-8080` isolates b's pods for ingress except from namespace a on 8080 and UDP 5353;
-/// ANP `guard-vault` denies ingress to `app: vault` from namespace a.
+/// ANP `guard-vault` denies ingress to `app: vault` from namespace a. Antrea ACNP
+/// `reject-shielded` (Tier `securityops`) rejects ingress to `shielded` (n1) from namespace
+/// a, which reaches it through ClusterIP 10.96.0.13.
 const CLUSTER: &str = r#"
 apiVersion: v1
 kind: Node
@@ -74,6 +76,39 @@ kind: Pod
 metadata: {name: vault, namespace: b, labels: {app: vault}}
 spec: {nodeName: n2, containers: [{name: c, ports: [{containerPort: 8080}]}]}
 status: {phase: Running, podIP: 10.62.2.3}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: shielded, namespace: b, labels: {app: shielded}}
+spec:
+  nodeName: n1
+  containers:
+  - name: c
+    ports:
+    - {containerPort: 8080}
+    - {containerPort: 5353, protocol: UDP}
+status: {phase: Running, podIP: 10.62.1.4}
+---
+apiVersion: v1
+kind: Service
+metadata: {name: shielded, namespace: b}
+spec:
+  clusterIP: 10.96.0.13
+  selector: {app: shielded}
+  ports:
+  - {name: web, port: 80, targetPort: 8080}
+  - {name: dns, port: 53, protocol: UDP, targetPort: 5353}
+---
+apiVersion: crd.antrea.io/v1beta1
+kind: ClusterNetworkPolicy
+metadata: {name: reject-shielded}
+spec:
+  priority: 5
+  tier: securityops
+  appliedTo: [{podSelector: {matchLabels: {app: shielded}}}]
+  ingress:
+  - action: Reject
+    from: [{namespaceSelector: {matchLabels: {kubernetes.io/metadata.name: a}}}]
 ---
 apiVersion: v1
 kind: Service
@@ -223,8 +258,8 @@ fn cluster_ip_flows_are_decided_on_the_backend_pod_and_answered_from_the_cluster
     let cluster = lab.file("cluster.yaml", CLUSTER);
     let up = lab.up_with(true, &[&cluster], None);
     assert!(
-        String::from_utf8_lossy(&up.stdout).contains("3 ClusterIP Services")
-            || String::from_utf8_lossy(&up.stderr).contains("3 ClusterIP Services"),
+        String::from_utf8_lossy(&up.stdout).contains("4 ClusterIP Services")
+            || String::from_utf8_lossy(&up.stderr).contains("4 ClusterIP Services"),
         "{}",
         text(&up)
     );
@@ -265,6 +300,26 @@ fn cluster_ip_flows_are_decided_on_the_backend_pod_and_answered_from_the_cluster
         assert!(started.elapsed() >= Duration::from_millis(1400), "{why}: dropped silently");
     }
 
+    // Rejected on the backend (issue #22): refused at once, and from the ClusterIP, or the
+    // client would ignore the refusal and time out as for a deny. The RST and the ICMP
+    // error come from the kernel's reject where the queue passes no conntrack entry (these
+    // machines' kernels), from the agent elsewhere.
+    let started = Instant::now();
+    let e = tcp_cycle(&client, addr("10.96.0.13:80"), Duration::from_millis(1500))
+        .expect_err("rejected through the ClusterIP");
+    assert!(e.contains("refused"), "a refusal: {e}");
+    assert!(started.elapsed() < Duration::from_millis(1000), "at once: {:?}", started.elapsed());
+    let e = in_netns(&client, || {
+        let s = UdpSocket::bind("0.0.0.0:0").map_err(io("bind"))?;
+        s.connect(addr("10.96.0.13:53")).map_err(io("connect"))?;
+        s.set_read_timeout(Some(Duration::from_millis(1500))).map_err(io("timeout"))?;
+        s.send(b"rejected?").map_err(io("send"))?;
+        Ok(s.recv(&mut [0u8; 64]).expect_err("no answer but the refusal"))
+    })
+    .expect("UDP to the rejecting ClusterIP");
+    // ICMP host administratively prohibited: EHOSTUNREACH on a connected socket.
+    assert_eq!(e.kind(), std::io::ErrorKind::HostUnreachable, "{e}");
+
     // The audit names the backend pod and its target port, never a ClusterIP.
     let local = decision_to(&audit, "10.62.1.3", 8080, "allow");
     assert_eq!(local["attributes"]["tierproxy.destination.k8s.pod.name"], "web-local", "{local}");
@@ -274,6 +329,9 @@ fn cluster_ip_flows_are_decided_on_the_backend_pod_and_answered_from_the_cluster
     assert_eq!(udp["attributes"]["network.transport"], "udp", "{udp}");
     let port = decision_to(&audit, "10.62.1.3", 9090, "deny");
     assert_eq!(port["attributes"]["tierproxy.destination.k8s.pod.name"], "web-local", "{port}");
+    let shielded = decision_to(&audit, "10.62.1.4", 8080, "reject");
+    assert_eq!(shielded["attributes"]["tierproxy.policy.name"], "reject-shielded", "{shielded}");
+    decision_to(&audit, "10.62.1.4", 5353, "reject");
     let vault = decision_to(&audit, "10.62.2.3", 8080, "deny");
     assert_eq!(vault["attributes"]["tierproxy.destination.k8s.pod.name"], "vault", "{vault}");
     assert_eq!(vault["attributes"]["tierproxy.policy.name"], "guard-vault", "{vault}");

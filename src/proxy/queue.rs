@@ -31,11 +31,11 @@ use super::decider::{Decider, DecisionStats};
 use super::handover::Giver;
 use super::nfqueue::{Answer, NfVerdict, Queue};
 use super::packet;
-use super::reject::{Refuser, Sent};
+use super::reject::{KernelRefusal, Refuser, Sent};
 use crate::policy::eval::Verdict;
 
 /// How the queue readers are set up.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct QueueConfig {
     /// First queue number.
     pub first: u16,
@@ -62,6 +62,10 @@ pub struct QueueConfig {
     /// `SO_MARK` of the raw sockets that refuse rejected flows ([`super::reject`]): the
     /// bypass mark, so that the ruleset leaves a refusal to the node itself alone.
     pub refusal_mark: u32,
+    /// The kernel's reject, where the ruleset has the refusal chains: it answers the
+    /// rejected packets that came without their conntrack entry
+    /// ([`Refuser::refuse_queued`]).
+    pub kernel_refusal: Option<KernelRefusal>,
 }
 
 /// Bytes of each packet the kernel copies to us: the IP header, any IPv6 extension
@@ -186,7 +190,7 @@ pub fn start(
                 .with_context(|| format!("binding NFQUEUE {num}"))?,
         };
         let decider = decider.clone();
-        let config = QueueConfig { fail_open, ..config };
+        let config = QueueConfig { fail_open, ..config.clone() };
         let kernel_forwarded = num == forwarded;
         let activity = activity.reader();
         let fatal = fatal.clone();
@@ -240,7 +244,7 @@ fn read(
         mark: Some(mark & !config.decided_mask | config.decided_value),
     };
     let drop = Answer { verdict: NfVerdict::Drop, mark: None };
-    let mut refuser = Refuser::new(config.refusal_mark);
+    let mut refuser = Refuser::new(config.refusal_mark).with_kernel(config.kernel_refusal.clone());
     let mut failures = 0;
     loop {
         if let Some(g) = giver.filter(|g| g.park()) {
@@ -274,12 +278,22 @@ fn read(
                         Verdict::Deny => drop,
                         Verdict::Reject => {
                             if p.conntrack.is_empty() {
-                                no_conntrack_warning(num);
+                                no_conntrack_warning(num, config.kernel_refusal.is_some());
                             }
                             let original = super::conntrack::original_tuple(p.conntrack);
-                            let sent = refuser.refuse(p.payload, original.as_ref());
+                            let (sent, mark) = refuser.refuse_queued(
+                                p.payload,
+                                p.mark,
+                                original.as_ref(),
+                                proxied,
+                            );
                             count_refusal(&key, sent, &decider.stats);
-                            drop
+                            match mark {
+                                Some(mark) => {
+                                    Answer { verdict: NfVerdict::Accept, mark: Some(mark) }
+                                }
+                                None => drop,
+                            }
                         }
                     }
                 }
@@ -333,14 +347,24 @@ fn read(
 static UNSENT: crate::limits::Hits = crate::limits::Hits::new();
 
 /// Says once per process that the kernel passes no conntrack entry with queued packets
-/// (`NFQA_CT` needs CONFIG_NETFILTER_NETLINK_GLUE_CT; these machines' kernel lacks it).
-fn no_conntrack_warning(queue: u16) {
+/// (`NFQA_CT` needs CONFIG_NETFILTER_NETLINK_GLUE_CT; these machines' kernel lacks it), and
+/// what that costs: with the refusal chains (`kernel_refusal`) the kernel's reject answers
+/// TCP and kernel-path UDP, so only SCTP and proxy-path UDP to a ClusterIP or NodePort go
+/// unanswered; without them every rejected flow to one does.
+fn no_conntrack_warning(queue: u16, kernel_refusal: bool) {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
-        tracing::warn!(
-            queue,
-            "rejected packet queued without its conntrack entry (kernel without CONFIG_NETFILTER_NETLINK_GLUE_CT): rejected flows to a ClusterIP or NodePort are refused from the backend's address, which their clients ignore (they time out, as for a deny)"
-        );
+        if kernel_refusal {
+            tracing::warn!(
+                queue,
+                "rejected packet queued without its conntrack entry (kernel without CONFIG_NETFILTER_NETLINK_GLUE_CT): the kernel's reject refuses rejected TCP and UDP; rejected SCTP associations and --udp-path proxy flows to a ClusterIP or NodePort are refused from the backend's address, which their clients ignore (they time out, as for a deny)"
+            );
+        } else {
+            tracing::warn!(
+                queue,
+                "rejected packet queued without its conntrack entry (kernel without CONFIG_NETFILTER_NETLINK_GLUE_CT) and no refusal chains (the iptables backend without nft): rejected flows to a ClusterIP or NodePort are refused from the backend's address, which their clients ignore (they time out, as for a deny)"
+            );
+        }
     });
 }
 

@@ -23,7 +23,7 @@
 //! it (IP header, then the first 8 bytes of its transport header: RFC 792, as Antrea
 //! does), with the original addresses and ports.
 //!
-//! **Why the agent sends it, not the kernel's REJECT.** The kernel's reject (xt REJECT,
+//! **Why the agent sends it, not the kernel's REJECT, where it can.** The kernel's reject (xt REJECT,
 //! nft `reject`) runs only in filter-type chains, so a queue verdict would have to accept
 //! the packet with a "reject" mark for a later rule to refuse it; any rule before that one
 //! that accepts it (another program's filter chain, a ruleset not installed yet) would let
@@ -31,6 +31,19 @@
 //! else is installed; and nothing in the kernel sends an SCTP ABORT for a packet. Also, the
 //! kernel's ICMP errors about TPROXY'd packets would come from a non-local address, which
 //! its own route lookup refuses.
+//!
+//! **Where the kernel answers** ([`Refuser::refuse_queued`], [`KernelRefusal`]). A kernel
+//! without CONFIG_NETFILTER_NETLINK_GLUE_CT passes no `NFQA_CT`, and the entry of a queued
+//! first packet is not confirmed yet, so ctnetlink cannot find it either: the agent cannot
+//! know the ClusterIP or NodePort a DNAT'd client used. For such packets the reader hands
+//! TCP, and UDP the ruleset did not TPROXY, to the kernel's reject: it accepts the packet
+//! with the reject mark, and the ruleset's refusal chains, right after the decision
+//! (`redirect` rule 8), refuse it with the same answers as the table above. The kernel
+//! attaches the packet's conntrack entry to its answer, and NAT un-does the DNAT on it
+//! (`nf_send_reset`, `icmp_send`). SCTP and TPROXY'd UDP to a ClusterIP stay refused from
+//! the backend's address, which their clients ignore. The risk named above is held small:
+//! no other program's chain sits between the decision (-150) and the refusal chains
+//! (-149), and packets are handed over only once those chains are installed.
 //!
 //! **Limits** (a refusal must not become a reflection or amplification tool):
 //! - at most one answer per queued packet, to the packet's own source; a pod cannot forge
@@ -42,7 +55,8 @@
 //!   for the ICMP errors it sends, `net.ipv4.icmp_msgs_per_sec`); beyond it the packet is
 //!   only dropped, the client times out as for a deny, and the hit is counted
 //!   ([`crate::limits::Limits::rejects`]) and logged at most once per 10 s. The kernel's
-//!   per-destination ICMP rate limit (`icmp_ratelimit`) does not apply to raw sockets.
+//!   per-destination ICMP rate limit (`icmp_ratelimit`) does not apply to raw sockets; it
+//!   does apply, on top, to the ICMP errors the kernel's reject sends.
 //!
 //! The answer leaves on a raw socket (`IPPROTO_RAW`: the header is ours, CAP_NET_RAW)
 //! carrying the bypass mark (`SO_MARK`), so that the ruleset leaves it alone if it comes
@@ -429,13 +443,62 @@ fn checksum(data: &[u8], initial: u32) -> u16 {
     !(sum as u16)
 }
 
-/// Raw sockets that send refusals, one per family, opened on first use. One per queue
-/// reader thread: sending needs no lock.
+/// Raw sockets that send refusals, one per family, opened on first use, and the kernel's
+/// reject where it answers instead ([`Refuser::refuse_queued`]). One per queue reader
+/// thread: sending needs no lock.
 #[derive(Debug)]
 pub struct Refuser {
     mark: u32,
     v4: Option<Socket>,
     v6: Option<Socket>,
+    kernel: Option<KernelRefusal>,
+}
+
+/// The kernel's reject as the answerer of rejected packets: the ruleset's refusal chains
+/// (`redirect`'s `Backend::refuses`) refuse a packet the queue accepted with the reject
+/// mark ([`crate::config::RedirectConfig::reject_mark`]). Clones share one switch, armed
+/// once those chains are installed: before, a packet accepted so would go on undecided (a
+/// previous agent's ruleset, handed over, may lack them).
+#[derive(Debug, Clone)]
+pub struct KernelRefusal {
+    value: u32,
+    mask: u32,
+    armed: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl KernelRefusal {
+    /// Refusals by packets marked `mark` (its bits within its mask set, the rest of the
+    /// packet's mark kept), disarmed.
+    pub fn new(mark: crate::config::Mark) -> KernelRefusal {
+        KernelRefusal { value: mark.value, mask: mark.mask, armed: Default::default() }
+    }
+
+    /// Says that the refusal chains are installed: from now on rejected packets may be
+    /// handed to them.
+    pub fn arm(&self) {
+        self.armed.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Whether [`KernelRefusal::arm`] was called on this or a clone.
+    pub fn is_armed(&self) -> bool {
+        self.armed.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+/// Whether one more refusal fits in this second's [`MAX_PER_SECOND`]; counts and logs
+/// (at most once per [`crate::limits::LOG_EVERY`]) the hit when not.
+fn within_limit() -> bool {
+    if LIMIT.allow() {
+        return true;
+    }
+    if let Some(n) = crate::limits::LIMITS.rejects.hit() {
+        tracing::warn!(
+            hits = n,
+            max_per_second = MAX_PER_SECOND,
+            "refusals of rejected flows over the rate limit: dropped without an answer (their clients time out)"
+        );
+    }
+    false
 }
 
 /// What became of one refusal.
@@ -454,7 +517,7 @@ pub enum Sent {
 impl Refuser {
     /// Refusals from sockets marked `mark` (`SO_MARK`: the ruleset's bypass mark).
     pub fn new(mark: u32) -> Refuser {
-        Refuser { mark, v4: None, v6: None }
+        Refuser { mark, v4: None, v6: None, kernel: None }
     }
 
     /// Builds the refusal of `queued` ([`refusal`]) and sends it, within [`MAX_PER_SECOND`].
@@ -467,19 +530,58 @@ impl Refuser {
 
     /// Sends `r` unless [`MAX_PER_SECOND`] were sent this second already.
     pub fn send_limited(&mut self, r: &Refusal) -> Sent {
-        if !LIMIT.allow() {
-            if let Some(n) = crate::limits::LIMITS.rejects.hit() {
-                tracing::warn!(
-                    hits = n,
-                    max_per_second = MAX_PER_SECOND,
-                    "refusals of rejected flows over the rate limit: dropped without an answer (their clients time out)"
-                );
-            }
+        if !within_limit() {
             return Sent::Limited;
         }
         match self.send(r) {
             Ok(()) => Sent::Sent(r.answer),
             Err(e) => Sent::Failed(e),
+        }
+    }
+
+    /// This refuser, handing refusals to the kernel where `kernel` says
+    /// ([`Refuser::refuse_queued`]).
+    pub fn with_kernel(mut self, kernel: Option<KernelRefusal>) -> Refuser {
+        self.kernel = kernel;
+        self
+    }
+
+    /// Refuses the rejected packet `queued`, whose mark is `mark`, and says what its verdict
+    /// is: `None`, drop it (answered here, as [`Refuser::refuse`] does, or not at all);
+    /// `Some(new mark)`, accept it with that mark, for the ruleset's refusal chains to
+    /// answer it with the kernel's reject.
+    ///
+    /// The kernel answers when the queue passed no conntrack entry (`original` is `None`),
+    /// a [`KernelRefusal`] is armed, and the answer is one the kernel can send: a TCP RST,
+    /// or ICMP for UDP the ruleset did not TPROXY (`tproxied` false; a TPROXY'd datagram's
+    /// destination is not local, and the kernel's ICMP source address must be). Either
+    /// way the answer counts against [`MAX_PER_SECOND`]: over it the packet is dropped
+    /// unanswered ([`Sent::Limited`]).
+    pub fn refuse_queued(
+        &mut self,
+        queued: &[u8],
+        mark: u32,
+        original: Option<&Tuple>,
+        tproxied: bool,
+    ) -> (Sent, Option<u32>) {
+        let r = match refusal(queued, original) {
+            Ok(r) => r,
+            Err(e) => return (Sent::Unanswered(e), None),
+        };
+        let kernel_answers = match r.answer {
+            Answer::TcpReset => true,
+            Answer::IcmpProhibited => !tproxied,
+            Answer::SctpAbort => false,
+        };
+        let kernel = self.kernel.as_ref().filter(|k| k.is_armed());
+        match kernel {
+            Some(k) if original.is_none() && kernel_answers => {
+                if !within_limit() {
+                    return (Sent::Limited, None);
+                }
+                (Sent::Sent(r.answer), Some(mark & !k.mask | k.value))
+            }
+            _ => (self.send_limited(&r), None),
         }
     }
 
@@ -605,6 +707,43 @@ mod tests {
         assert_eq!((&quoted[12..16], &quoted[16..20]), (&CLIENT[..], &[10, 96, 0, 10][..]));
         assert_eq!(&m[28..36], &[0xc3, 0x50, 0x00, 0x35, 0, 30, 0xab, 0xcd]);
         assert_eq!(be16(ip, 2) as usize, r.packet.len());
+    }
+
+    /// Which rejected packets are handed to the kernel's reject (an accept verdict with the
+    /// reject mark) and which the agent answers itself (dropped). Loopback addresses: an
+    /// answer the agent sends here stays on this host.
+    #[test]
+    fn the_kernel_refuses_tcp_and_untproxied_udp_only_when_armed_and_without_conntrack() {
+        let (client, server) = ([127, 0, 0, 1], [127, 0, 0, 2]);
+        let tcp = v4_packet(TCP, client, server, &syn(1000, SYN), 40);
+        let udp = v4_packet(UDP, client, server, &[0xc3, 0x50, 0, 0x35, 0, 9, 0, 0, 1], 9);
+        let kernel = KernelRefusal::new(crate::config::Mark::bit(6));
+        let mut r = Refuser::new(0).with_kernel(Some(kernel.clone()));
+        // Disarmed (the refusal chains not installed yet): never accepted.
+        assert_eq!(r.refuse_queued(&tcp, 0, None, false).1, None);
+        kernel.arm();
+        let (sent, mark) = r.refuse_queued(&tcp, 0x1000, None, false);
+        assert!(matches!(sent, Sent::Sent(Answer::TcpReset)), "{sent:?}");
+        assert_eq!(mark, Some(0x1040), "the reject bit set, the packet's other bits kept");
+        let (sent, mark) = r.refuse_queued(&udp, 0, None, false);
+        assert!(matches!(sent, Sent::Sent(Answer::IcmpProhibited)), "{sent:?}");
+        assert_eq!(mark, Some(0x40));
+        // A TPROXY'd datagram: the kernel's ICMP cannot come from its non-local destination.
+        assert_eq!(r.refuse_queued(&udp, 0, None, true).1, None);
+        // With the conntrack entry the agent answers from the original destination itself.
+        let original = Tuple {
+            src: "127.0.0.1:50000".parse().unwrap(),
+            dst: "127.0.0.3:80".parse().unwrap(),
+            protocol: TCP,
+        };
+        assert_eq!(r.refuse_queued(&tcp, 0, Some(&original), false).1, None);
+        // What no refusal answers is dropped, whoever would answer.
+        let rst = v4_packet(TCP, client, server, &syn(1000, RST), 40);
+        let (sent, mark) = r.refuse_queued(&rst, 0, None, false);
+        assert!(matches!(sent, Sent::Unanswered(RefuseError::Unanswerable(_))), "{sent:?}");
+        assert_eq!(mark, None);
+        // Without a kernel refusal (no refusal chains) the agent answers everything.
+        assert_eq!(Refuser::new(0).refuse_queued(&tcp, 0, None, false).1, None);
     }
 
     #[test]

@@ -123,9 +123,11 @@ impl IptablesBackend {
     /// This backend, also installing table `inet <prefix>-dnat` with `nft` (the program):
     /// rule 3 for connections a DNAT rewrote (a ClusterIP), in a chain right after the
     /// DNAT, where the socket lookup sees the rewritten header and `tproxy` can hand the
-    /// ACK of a SYN cookie to the listener. xt TPROXY runs only in the mangle table, before
-    /// the DNAT. Needs CONFIG_NFT_TPROXY and CONFIG_NFT_SOCKET
-    /// ([`super::nft::check_tproxy_support`]), not CONFIG_NFT_QUEUE.
+    /// ACK of a SYN cookie to the listener (xt TPROXY runs only in the mangle table, before
+    /// the DNAT); and the refusal chains ([`Backend::refuses`]; xt REJECT runs only in the
+    /// filter table, after other programs' chains). Needs CONFIG_NFT_TPROXY,
+    /// CONFIG_NFT_SOCKET and CONFIG_NFT_REJECT_INET ([`super::nft::check_tproxy_support`]),
+    /// not CONFIG_NFT_QUEUE.
     pub fn with_nft_after_dnat(mut self, nft: &str) -> Self {
         self.nft = Some(nft.to_owned());
         self
@@ -713,6 +715,10 @@ fn update_input(names: &Names, add: &[IpAddr], remove: &[IpAddr]) -> String {
 impl Backend for IptablesBackend {
     fn kind(&self) -> BackendKind {
         BackendKind::Iptables
+    }
+
+    fn refuses(&self) -> bool {
+        self.nft.is_some()
     }
 
     fn render(&self, spec: &RulesetSpec) -> String {

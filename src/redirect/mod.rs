@@ -239,10 +239,12 @@
 //! * nftables backend: `nft` (JSON support, nftables ≥ 0.9.3) and `ip`; CONFIG_NFT_QUEUE,
 //!   CONFIG_NFT_TPROXY, CONFIG_NFT_SOCKET (with `socket mark`), CONFIG_NFT_FIB_INET
 //!   (chain S), CONFIG_NFT_CT
-//!   with CONFIG_NF_CONNTRACK_ZONES, CONFIG_NETFILTER_NETLINK_QUEUE.
-//! * iptables backend, optional: `nft` with CONFIG_NFT_TPROXY and CONFIG_NFT_SOCKET, for
-//!   the chain after the DNAT that completes SYN cookies to ClusterIPs (table
-//!   `inet <prefix>-dnat`; used when [`select`] finds them).
+//!   with CONFIG_NF_CONNTRACK_ZONES, CONFIG_NFT_REJECT_INET (rule 8),
+//!   CONFIG_NETFILTER_NETLINK_QUEUE.
+//! * iptables backend, optional: `nft` with CONFIG_NFT_TPROXY, CONFIG_NFT_SOCKET and
+//!   CONFIG_NFT_REJECT_INET, for the chain after the DNAT that completes SYN cookies to
+//!   ClusterIPs and for the refusal chains (rule 8) (table `inet <prefix>-dnat`; used
+//!   when [`select`] finds them).
 //! * Both: CAP_NET_ADMIN.
 //!
 //! # The decider's side of the contract
@@ -251,13 +253,26 @@
 //! `(mark & !decided.mask) | decided.value`: the verdict's mark attribute (NFQA_MARK)
 //! replaces the whole `skb->mark`, so other owners' bits must be carried over. A denied
 //! packet is answered with NF_DROP (no RST, no ICMP). A rejected one (an Antrea `Reject`
-//! rule, issue #22) is answered with NF_DROP too; the agent itself sends its client the
+//! rule, issue #22) is answered with NF_DROP too, and the agent itself sends its client the
 //! refusal (`proxy::reject`: a TCP RST, ICMP administratively prohibited, an SCTP ABORT)
 //! on a raw socket carrying the bypass mark, so rule 1 (and rule 7) return it untouched
-//! where it comes back in over `lo`. The ruleset has no rule, mark or table for rejects:
-//! a rejected packet is never accepted for a later REJECT rule to refuse (a rule of
-//! another program's that accepted it first would let the flow through), and no
-//! netfilter reject sends an SCTP ABORT.
+//! where it comes back in over `lo`; dropped in the queue, it never goes on. Except where
+//! the queue passed no conntrack entry (a kernel without
+//! CONFIG_NETFILTER_NETLINK_GLUE_CT): only the kernel then knows the ClusterIP or NodePort
+//! a DNAT'd client used, so a rejected TCP SYN or kernel-path UDP datagram is answered with
+//! NF_ACCEPT and `(mark & !reject.mask) | reject.value`, and rule 8 refuses it.
+//!
+//! INPUT and FORWARD, priority mangle + 1 (-149; nft base chains `refuse_input` and
+//! `refuse_forward`, in the nftables backend's table or the iptables backend's `inet
+//! <prefix>-dnat`, [`Backend::refuses`]):
+//!
+//! 8. **Reject mark → the kernel's reject:** `reject with tcp reset` for TCP, `icmp
+//!    host-prohibited` (code 10) for other IPv4, `icmpv6 admin-prohibited` (code 1) for
+//!    other IPv6: the agent's own answers. The reject attaches the packet's conntrack
+//!    entry to its answer, and NAT un-does the DNAT on it (nft(8), "REJECT STATEMENT";
+//!    `nf_send_reset`, `icmp_send`). Right after the decision, so that no other program's
+//!    chain sees the accepted packet first; the reader hands packets over only once these
+//!    chains are installed (`proxy::reject::KernelRefusal`).
 //!
 //! What was found on the development machines (kernel 6.18): `nft ... queue` fails with
 //! "No such file or directory" (CONFIG_NFT_QUEUE unset), even under `nft -c`, which [`probe`]
@@ -640,6 +655,13 @@ pub trait Backend: fmt::Debug + Send + Sync {
         }
     }
 
+    /// Whether the ruleset holds the refusal chains: after the decision, the kernel's
+    /// reject answers a packet the queue accepted with [`RedirectConfig::reject_mark`]. The
+    /// nftables backend always has them; the iptables backend in its table `inet
+    /// <prefix>-dnat` ([`IptablesBackend::with_nft_after_dnat`]). Without them a reader
+    /// must never accept a rejected packet: it would go on undecided.
+    fn refuses(&self) -> bool;
+
     /// The exact input [`Backend::apply`] feeds to each program, in order, each under a
     /// `### <command line>` header. Deterministic: equal specs give equal text.
     fn render(&self, spec: &RulesetSpec) -> String;
@@ -722,30 +744,38 @@ pub trait Backend: fmt::Debug + Send + Sync {
     fn remove(&self, config: &RedirectConfig) -> Result<(), RedirectError>;
 }
 
+/// The refusal chains alone ([`Backend::refuses`]) in table `inet <table>`, as the JSON
+/// `nft -j -f -` applies (replacing that table if it exists): what every ruleset adds right
+/// after the decision, for a namespace whose queue rules are not tierproxy's (the reject
+/// tests' router).
+pub fn refusal_table(config: &RedirectConfig, table: &str) -> String {
+    nft::json(&nft::refusal_batch(config, table))
+}
+
 /// What [`probe`] found.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Probe {
     /// The backend to use.
     pub kind: BackendKind,
-    /// Why: for nftables, that `nft -c` accepted a rule with `queue`, `tproxy` and `socket`;
-    /// for iptables, what `nft` answered.
+    /// Why: for nftables, that `nft -c` accepted rules with `queue`, `tproxy`, `socket` and
+    /// `reject`; for iptables, what `nft` answered.
     pub reason: String,
-    /// For the iptables backend: whether the kernel runs nft's `tproxy` and `socket`, so
-    /// that the backend can add rule 3's chain after the DNAT
-    /// ([`IptablesBackend::with_nft_after_dnat`]).
+    /// For the iptables backend: whether the kernel runs nft's `tproxy`, `socket` and
+    /// `reject`, so that the backend can add rule 3's chain after the DNAT and rule 8's
+    /// refusal chains ([`IptablesBackend::with_nft_after_dnat`]).
     pub nft_tproxy: bool,
 }
 
 /// Probes the kernel: [`BackendKind::Nftables`] when `nft -c` (a check that sends the
 /// transaction to the kernel and aborts it, so nothing changes) accepts a throwaway table
-/// with `queue`, `tproxy` and `socket transparent` rules; [`BackendKind::Iptables`] otherwise
-/// (no `nft` binary, or a kernel without CONFIG_NFT_QUEUE, CONFIG_NFT_TPROXY or
-/// CONFIG_NFT_SOCKET).
+/// with `queue`, `tproxy`, `socket transparent` and `reject` rules;
+/// [`BackendKind::Iptables`] otherwise (no `nft` binary, or a kernel without
+/// CONFIG_NFT_QUEUE, CONFIG_NFT_TPROXY, CONFIG_NFT_SOCKET or CONFIG_NFT_REJECT_INET).
 pub fn probe() -> Probe {
     match nft::check_kernel_support("nft") {
         Ok(()) => Probe {
             kind: BackendKind::Nftables,
-            reason: "nft -c accepted queue, tproxy and socket rules".into(),
+            reason: "nft -c accepted queue, tproxy, socket and reject rules".into(),
             nft_tproxy: true,
         },
         Err(e) => Probe {
@@ -786,15 +816,17 @@ pub fn select(choice: BackendChoice) -> Selection {
         BackendKind::Iptables if nft_tproxy => (
             Box::new(IptablesBackend::new().with_nft_after_dnat("nft")),
             format!(
-                "{reason}; nft tproxy works: connections to a ClusterIP that a SYN cookie \
-                 completes reach the proxy"
+                "{reason}; nft tproxy and reject work: connections to a ClusterIP that a \
+                 SYN cookie completes reach the proxy, and the kernel refuses rejected flows \
+                 where the queue passes no conntrack entry"
             ),
         ),
         BackendKind::Iptables => (
             Box::new(IptablesBackend::new()),
             format!(
-                "{reason}; no nft tproxy: a connection to a ClusterIP that a SYN cookie \
-                 completes (the proxy's SYN queue full) hangs"
+                "{reason}; no nft tproxy or reject: a connection to a ClusterIP that a SYN \
+                 cookie completes (the proxy's SYN queue full) hangs, and where the queue \
+                 passes no conntrack entry a rejected flow to one times out"
             ),
         ),
         BackendKind::Nftables => (Box::new(NftablesBackend::new()), reason),

@@ -2,7 +2,7 @@
 //! (`prerouting`, `input`, `forward`) and the regular chain `decide`, plus, unless
 //! [`RedirectConfig::upstream_zone`] is 0, the base chains `zone_in` and `zone_out` at
 //! priority raw (-300, before conntrack) for the upstream legs' conntrack zone (rule 0),
-//! built with the `nftables` crate's typed JSON API and applied by `nft -j -f -` as one
+//! and the refusal chains `refuse_input` and `refuse_forward` at -149 (rule 8), built with the `nftables` crate's typed JSON API and applied by `nft -j -f -` as one
 //! transaction (libnftables-json(5)).
 //!
 //! Re-applying is atomic: the batch adds the table (a no-op when it exists), deletes it and
@@ -12,8 +12,9 @@
 //! chain's DNAT (-100) and routing, `input` and `forward` after both. A REPEAT verdict
 //! restarts the hook, so one chain serves both walks of a decided packet.
 //!
-//! Needs CONFIG_NFT_QUEUE (`queue`), CONFIG_NFT_TPROXY (`tproxy`) and CONFIG_NFT_SOCKET
-//! (`socket`); [`check_kernel_support`] asks the kernel without changing anything.
+//! Needs CONFIG_NFT_QUEUE (`queue`), CONFIG_NFT_TPROXY (`tproxy`), CONFIG_NFT_SOCKET
+//! (`socket`) and CONFIG_NFT_REJECT_INET (`reject`); [`check_kernel_support`] asks the
+//! kernel without changing anything.
 
 use std::borrow::Cow;
 use std::collections::{BTreeSet, HashSet};
@@ -30,9 +31,10 @@ use ::nftables::schema::{
     SetTypeValue, Table,
 };
 use ::nftables::stmt::{
-    Counter, JumpTarget, Mangle, Match, Operator, Queue, QueueFlag, SetOp, Statement, TProxy,
+    Counter, JumpTarget, Mangle, Match, Operator, Queue, QueueFlag, Reject, RejectType, SetOp,
+    Statement, TProxy,
 };
-use ::nftables::types::{NfChainPolicy, NfChainType, NfFamily, NfHook};
+use ::nftables::types::{NfChainPolicy, NfChainType, NfFamily, NfHook, RejectCode};
 
 use super::exec::Cmd;
 use super::{
@@ -63,6 +65,11 @@ pub const SOURCE_CHAIN: &str = "source";
 /// (priority -99) that takes the later packets of proxied connections to a ClusterIP
 /// (rule 3, DNAT'd): their socket, or the listener for the ACK of a SYN cookie.
 pub const PROXIED_CHAIN: &str = "proxied";
+/// Name of the base chain hooked at input right after the decision (priority -149) whose
+/// kernel reject answers the rejected packets the queue accepted with the reject mark.
+pub const REFUSE_INPUT_CHAIN: &str = "refuse_input";
+/// As [`REFUSE_INPUT_CHAIN`], hooked at forward.
+pub const REFUSE_FORWARD_CHAIN: &str = "refuse_forward";
 
 /// TCP header flag bits (RFC 9293 §3.1).
 const TCP_FIN: u32 = 0x01;
@@ -79,6 +86,10 @@ const PRIORITY_RAW: i32 = -300;
 /// priority of the prerouting hook (nft(8), "TPROXY STATEMENT"), which xt TPROXY, bound
 /// to the mangle table (-150), cannot.
 const PRIORITY_AFTER_DSTNAT: i32 = -99;
+/// Right after the decision (the iptables backend's mangle INPUT and FORWARD, the nftables
+/// backend's `input` and `forward`, all at `mangle`, -150): a packet the queue accepted
+/// meets the refusal chains before any other chain of the hook can take it.
+const PRIORITY_AFTER_DECIDE: i32 = PRIORITY_MANGLE + 1;
 
 /// Set names inside the table (no prefix needed: the table is tierproxy's own).
 const PODS_V4: &str = "pods-v4";
@@ -377,15 +388,68 @@ fn after_dnat_rules(b: &mut Builder<'_>, c: &RedirectConfig) {
     }
 }
 
-/// The transaction the iptables backend adds when the kernel has nft's `tproxy` and
-/// `socket` (xt TPROXY cannot run after the DNAT): table `inet <prefix>-dnat`
-/// ([`Names::dnat_table`]) replaced by one holding [`after_dnat_rules`].
+/// The refusal chains (issue #22, "Reject"): base chains [`REFUSE_INPUT_CHAIN`] and
+/// [`REFUSE_FORWARD_CHAIN`] at [`PRIORITY_AFTER_DECIDE`] in `b`'s table. A packet carrying
+/// the reject mark ([`RedirectConfig::reject_mark`], set only by a queue verdict on a
+/// rejected first packet) is refused by the kernel: TCP with a RST (`reject with tcp
+/// reset`), anything else with ICMP destination unreachable code 10, host administratively
+/// prohibited, or ICMPv6 code 1, administratively prohibited, Antrea's answers
+/// (`proxy::reject`). nft's reject drops the packet and attaches its conntrack entry to
+/// the answer (`nf_send_reset`, `icmp_send`), so NAT un-does a DNAT on the answer: it comes
+/// from the ClusterIP or NodePort the client used, which the agent cannot know where the
+/// queue passes no conntrack entry (nft(8), "REJECT STATEMENT").
+fn refusal_rules(b: &mut Builder<'_>, c: &RedirectConfig) {
+    let reject = |ty: RejectType, code: Option<RejectCode>| {
+        Statement::Reject(Some(Reject::new(Some(ty), code)))
+    };
+    for (chain, hook) in
+        [(REFUSE_INPUT_CHAIN, NfHook::Input), (REFUSE_FORWARD_CHAIN, NfHook::Forward)]
+    {
+        b.batch.add(NfListObject::Chain(b.base_chain_at(chain, hook, PRIORITY_AFTER_DECIDE)));
+        b.rule(
+            chain,
+            "tierproxy: rejected, refused by the kernel",
+            vec![mark_set(c.reject_mark), l4proto_in(&["tcp"]), reject(RejectType::TCPReset, None)],
+        );
+        for (nfproto, ty, code) in [
+            ("ipv4", RejectType::ICMP, RejectCode::HostProhibited),
+            ("ipv6", RejectType::ICMPv6, RejectCode::AdminProhibited),
+        ] {
+            b.rule(
+                chain,
+                "tierproxy: rejected, refused by the kernel",
+                vec![
+                    mark_set(c.reject_mark),
+                    is(meta(MetaKey::Nfproto), Operator::EQ, str_expr(nfproto)),
+                    reject(ty, Some(code)),
+                ],
+            );
+        }
+    }
+}
+
+/// The transaction the iptables backend adds when the kernel has nft's `tproxy`, `socket`
+/// and `reject` (xt TPROXY cannot run after the DNAT, xt REJECT not in the mangle table):
+/// table `inet <prefix>-dnat` ([`Names::dnat_table`]) replaced by one holding
+/// [`after_dnat_rules`] and [`refusal_rules`].
 pub(crate) fn after_dnat_batch(config: &RedirectConfig) -> Nftables<'static> {
     let mut b = Builder { table: Names::new(config).dnat_table, batch: Batch::new() };
     b.batch.add(NfListObject::Table(b.table()));
     b.batch.delete(NfListObject::Table(b.table()));
     b.batch.add(NfListObject::Table(b.table()));
     after_dnat_rules(&mut b, config);
+    refusal_rules(&mut b, config);
+    b.batch.to_nftables()
+}
+
+/// The transaction that replaces table `inet <table>` with one holding [`refusal_rules`]
+/// alone.
+pub(crate) fn refusal_batch(config: &RedirectConfig, table: &str) -> Nftables<'static> {
+    let mut b = Builder { table: table.to_owned(), batch: Batch::new() };
+    b.batch.add(NfListObject::Table(b.table()));
+    b.batch.delete(NfListObject::Table(b.table()));
+    b.batch.add(NfListObject::Table(b.table()));
+    refusal_rules(&mut b, config);
     b.batch.to_nftables()
 }
 
@@ -402,9 +466,10 @@ pub(crate) fn json(input: &Nftables<'_>) -> String {
     to_json(input, false)
 }
 
-/// Whether the kernel runs nft's `tproxy` and `socket` (CONFIG_NFT_TPROXY,
-/// CONFIG_NFT_SOCKET), without `queue`: what the iptables backend needs for
-/// [`after_dnat_batch`]. Checked as [`check_kernel_support`] does, with `nft -c`.
+/// Whether the kernel runs nft's `tproxy`, `socket` and `reject` (CONFIG_NFT_TPROXY,
+/// CONFIG_NFT_SOCKET, CONFIG_NFT_REJECT with CONFIG_NFT_REJECT_INET), without `queue`: what
+/// the iptables backend needs for [`after_dnat_batch`]. Checked as [`check_kernel_support`]
+/// does, with `nft -c`.
 ///
 /// # Errors
 /// The failing `nft` command with its standard error.
@@ -412,6 +477,7 @@ pub fn check_tproxy_support(nft: &str) -> Result<(), RedirectError> {
     let mut b = Builder { table: "tierproxy-probe".into(), batch: Batch::new() };
     b.batch.add(NfListObject::Table(b.table()));
     after_dnat_rules(&mut b, &RedirectConfig::default());
+    refusal_rules(&mut b, &RedirectConfig::default());
     Cmd::new(nft, ["-c", "-j", "-f", "-"]).run(Some(&to_json(&b.batch.to_nftables(), false)))?;
     Ok(())
 }
@@ -720,6 +786,7 @@ fn apply_batch(spec: &RulesetSpec) -> Nftables<'static> {
         ]
     };
     after_dnat_rules(&mut b, c);
+    refusal_rules(&mut b, c);
     for fam in [V4, V6] {
         let mut expr = later();
         expr.insert(0, is(meta(MetaKey::Nfproto), Operator::EQ, str_expr(fam.nfproto)));
@@ -1164,6 +1231,7 @@ pub fn check_kernel_support(nft: &str) -> Result<(), RedirectError> {
         "probe: socket",
         vec![socket(SocketAttr::Transparent, 1), Statement::Accept(None)],
     );
+    refusal_rules(&mut b, &probe);
     Cmd::new(nft, ["-c", "-j", "-f", "-"]).run(Some(&to_json(&b.batch.to_nftables(), false)))?;
     Ok(())
 }
@@ -1188,6 +1256,10 @@ impl NftablesBackend {
 impl Backend for NftablesBackend {
     fn kind(&self) -> BackendKind {
         BackendKind::Nftables
+    }
+
+    fn refuses(&self) -> bool {
+        true
     }
 
     fn render(&self, spec: &RulesetSpec) -> String {
