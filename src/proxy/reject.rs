@@ -452,6 +452,8 @@ pub struct Refuser {
     v4: Option<Socket>,
     v6: Option<Socket>,
     kernel: Option<KernelRefusal>,
+    /// The budget answers count against: the process's [`MAX_PER_SECOND`] (a test's own).
+    limit: &'static crate::limits::PerSecond,
 }
 
 /// The kernel's reject as the answerer of rejected packets: the ruleset's refusal chains
@@ -485,10 +487,10 @@ impl KernelRefusal {
     }
 }
 
-/// Whether one more refusal fits in this second's [`MAX_PER_SECOND`]; counts and logs
-/// (at most once per [`crate::limits::LOG_EVERY`]) the hit when not.
-fn within_limit() -> bool {
-    if LIMIT.allow() {
+/// Whether one more refusal fits in this second's budget (`limit`: [`MAX_PER_SECOND`]);
+/// counts and logs (at most once per [`crate::limits::LOG_EVERY`]) the hit when not.
+fn within_limit(limit: &crate::limits::PerSecond) -> bool {
+    if limit.allow() {
         return true;
     }
     if let Some(n) = crate::limits::LIMITS.rejects.hit() {
@@ -517,7 +519,7 @@ pub enum Sent {
 impl Refuser {
     /// Refusals from sockets marked `mark` (`SO_MARK`: the ruleset's bypass mark).
     pub fn new(mark: u32) -> Refuser {
-        Refuser { mark, v4: None, v6: None, kernel: None }
+        Refuser { mark, v4: None, v6: None, kernel: None, limit: &LIMIT }
     }
 
     /// Builds the refusal of `queued` ([`refusal`]) and sends it, within [`MAX_PER_SECOND`].
@@ -530,7 +532,7 @@ impl Refuser {
 
     /// Sends `r` unless [`MAX_PER_SECOND`] were sent this second already.
     pub fn send_limited(&mut self, r: &Refusal) -> Sent {
-        if !within_limit() {
+        if !within_limit(self.limit) {
             return Sent::Limited;
         }
         match self.send(r) {
@@ -576,7 +578,7 @@ impl Refuser {
         let kernel = self.kernel.as_ref().filter(|k| k.is_armed());
         match kernel {
             Some(k) if original.is_none() && kernel_answers => {
-                if !within_limit() {
+                if !within_limit(self.limit) {
                     return (Sent::Limited, None);
                 }
                 (Sent::Sent(r.answer), Some(mark & !k.mask | k.value))
@@ -744,6 +746,34 @@ mod tests {
         assert_eq!(mark, None);
         // Without a kernel refusal (no refusal chains) the agent answers everything.
         assert_eq!(Refuser::new(0).refuse_queued(&tcp, 0, None, false).1, None);
+    }
+
+    /// A pod flooding a rejected port reaches the refusal budget: past it, a packet the
+    /// kernel would have answered is dropped unanswered, not accepted, and each such packet
+    /// is counted as a `rejects` limit hit. (A budget of the test's own: the process's is
+    /// shared with the tests that send refusals.)
+    #[test]
+    fn past_the_budget_a_rejected_packet_is_dropped_unanswered_and_counted() {
+        static BUDGET: crate::limits::PerSecond = crate::limits::PerSecond::new(10);
+        let syn = v4_packet(TCP, [127, 0, 0, 1], [127, 0, 0, 2], &syn(1000, SYN), 40);
+        let kernel = KernelRefusal::new(crate::config::Mark::bit(6));
+        kernel.arm();
+        let mut r = Refuser::new(0).with_kernel(Some(kernel));
+        r.limit = &BUDGET;
+        let hits = crate::limits::LIMITS.rejects.get();
+        let (mut answered, mut limited) = (0, 0);
+        for _ in 0..25 {
+            match r.refuse_queued(&syn, 0, None, false) {
+                (Sent::Sent(Answer::TcpReset), Some(0x40)) => answered += 1,
+                (Sent::Limited, None) => limited += 1,
+                other => panic!("{other:?}"),
+            }
+        }
+        // Within one second 10 are answered; a second that ends during the loop allows 10
+        // more at most.
+        assert!((10..=20).contains(&answered), "{answered} answered");
+        assert_eq!(answered + limited, 25);
+        assert!(crate::limits::LIMITS.rejects.get() - hits >= limited, "each counted");
     }
 
     #[test]
