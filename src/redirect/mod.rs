@@ -266,7 +266,9 @@
 //! `refuse_forward`, in the nftables backend's table or the iptables backend's `inet
 //! <prefix>-dnat`, [`Backend::refuses`]):
 //!
-//! 8. **Reject mark → the kernel's reject:** `reject with tcp reset` for TCP, `icmp
+//! 8. **Reject mark → the kernel's reject** (each base chain tests the mark and jumps to
+//!    chain `refuse`, so every other packet of the hooks costs one rule): `reject with tcp
+//!    reset` for TCP, `icmp
 //!    host-prohibited` (code 10) for other IPv4, `icmpv6 admin-prohibited` (code 1) for
 //!    other IPv6: the agent's own answers. The reject attaches the packet's conntrack
 //!    entry to its answer, and NAT un-does the DNAT on it (nft(8), "REJECT STATEMENT";

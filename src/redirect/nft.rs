@@ -70,6 +70,8 @@ pub const PROXIED_CHAIN: &str = "proxied";
 pub const REFUSE_INPUT_CHAIN: &str = "refuse_input";
 /// As [`REFUSE_INPUT_CHAIN`], hooked at forward.
 pub const REFUSE_FORWARD_CHAIN: &str = "refuse_forward";
+/// Name of the regular chain the refusal base chains jump to with a marked packet.
+pub const REFUSE_CHAIN: &str = "refuse";
 
 /// TCP header flag bits (RFC 9293 §3.1).
 const TCP_FIN: u32 = 0x01;
@@ -389,7 +391,8 @@ fn after_dnat_rules(b: &mut Builder<'_>, c: &RedirectConfig) {
 }
 
 /// The refusal chains (issue #22, "Reject"): base chains [`REFUSE_INPUT_CHAIN`] and
-/// [`REFUSE_FORWARD_CHAIN`] at [`PRIORITY_AFTER_DECIDE`] in `b`'s table. A packet carrying
+/// [`REFUSE_FORWARD_CHAIN`] at [`PRIORITY_AFTER_DECIDE`] in `b`'s table, jumping to
+/// [`REFUSE_CHAIN`]. A packet carrying
 /// the reject mark ([`RedirectConfig::reject_mark`], set only by a queue verdict on a
 /// rejected first packet) is refused by the kernel: TCP with a RST (`reject with tcp
 /// reset`), anything else with ICMP destination unreachable code 10, host administratively
@@ -399,32 +402,39 @@ fn after_dnat_rules(b: &mut Builder<'_>, c: &RedirectConfig) {
 /// from the ClusterIP or NodePort the client used, which the agent cannot know where the
 /// queue passes no conntrack entry (nft(8), "REJECT STATEMENT").
 fn refusal_rules(b: &mut Builder<'_>, c: &RedirectConfig) {
+    // Every packet of the hooks meets the base chains: one mark test each, the rest in
+    // the regular chain.
+    b.batch.add(NfListObject::Chain(b.regular_chain(REFUSE_CHAIN)));
     let reject = |ty: RejectType, code: Option<RejectCode>| {
         Statement::Reject(Some(Reject::new(Some(ty), code)))
     };
+    let comment = "tierproxy: rejected, refused by the kernel";
+    b.rule(REFUSE_CHAIN, comment, vec![l4proto_in(&["tcp"]), reject(RejectType::TCPReset, None)]);
+    for (nfproto, ty, code) in [
+        ("ipv4", RejectType::ICMP, RejectCode::HostProhibited),
+        ("ipv6", RejectType::ICMPv6, RejectCode::AdminProhibited),
+    ] {
+        b.rule(
+            REFUSE_CHAIN,
+            comment,
+            vec![
+                is(meta(MetaKey::Nfproto), Operator::EQ, str_expr(nfproto)),
+                reject(ty, Some(code)),
+            ],
+        );
+    }
     for (chain, hook) in
         [(REFUSE_INPUT_CHAIN, NfHook::Input), (REFUSE_FORWARD_CHAIN, NfHook::Forward)]
     {
         b.batch.add(NfListObject::Chain(b.base_chain_at(chain, hook, PRIORITY_AFTER_DECIDE)));
         b.rule(
             chain,
-            "tierproxy: rejected, refused by the kernel",
-            vec![mark_set(c.reject_mark), l4proto_in(&["tcp"]), reject(RejectType::TCPReset, None)],
+            "tierproxy: rejected",
+            vec![
+                mark_set(c.reject_mark),
+                Statement::Jump(JumpTarget { target: REFUSE_CHAIN.into() }),
+            ],
         );
-        for (nfproto, ty, code) in [
-            ("ipv4", RejectType::ICMP, RejectCode::HostProhibited),
-            ("ipv6", RejectType::ICMPv6, RejectCode::AdminProhibited),
-        ] {
-            b.rule(
-                chain,
-                "tierproxy: rejected, refused by the kernel",
-                vec![
-                    mark_set(c.reject_mark),
-                    is(meta(MetaKey::Nfproto), Operator::EQ, str_expr(nfproto)),
-                    reject(ty, Some(code)),
-                ],
-            );
-        }
     }
 }
 
