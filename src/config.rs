@@ -15,7 +15,7 @@
 //! | decided | `0x1000` | the NFQUEUE verdict (REPEAT with this bit) | the queue rule (skip), the TPROXY rule |
 //! | route | `0x2000` | TPROXY `--tproxy-mark`, the `socket --transparent` rule | `ip rule fwmark … lookup TABLE` |
 //! | bypass | `0x0080` | `SO_MARK` of the proxy's upstream sockets | the first rule (return untouched) |
-//! | reject | `0x0040` | the NFQUEUE verdict (ACCEPT with this bit) on a rejected packet the kernel refuses | the refusal chains (`reject`) |
+//! | reject | `0x0040` | the NFQUEUE verdict (ACCEPT with this bit) on a rejected packet the kernel refuses | the refusal chains (`refuse_input`, `refuse_forward`) |
 //!
 //! Why these bits: kube-proxy owns `0x4000` (masquerade) and `0x8000` (drop); Calico's
 //! default `iptablesMarkMask` is `0xffff0000` and it allocates every bit of it; Cilium uses
@@ -23,9 +23,8 @@
 //! Bits 12 and 13 (`0x1000`, `0x2000`) are owned by none of them, and bits 6 and 7
 //! (`0x0040`, `0x0080`) only fall under Istio ambient's `0xfff` mask, which is not expected
 //! on the same node. All four are configurable; [`RedirectConfig::validate`] insists they
-//! are non-zero and
-//! pairwise disjoint (a route mark equal to the bypass mark would send the proxy's own
-//! upstream SYNs back into the proxy).
+//! are non-zero and pairwise disjoint (a route mark equal to the bypass mark would send the
+//! proxy's own upstream SYNs back into the proxy).
 
 use std::fmt;
 use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};

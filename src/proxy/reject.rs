@@ -23,14 +23,14 @@
 //! it (IP header, then the first 8 bytes of its transport header: RFC 792, as Antrea
 //! does), with the original addresses and ports.
 //!
-//! **Why the agent sends it, not the kernel's REJECT, where it can.** The kernel's reject (xt REJECT,
-//! nft `reject`) runs only in filter-type chains, so a queue verdict would have to accept
-//! the packet with a "reject" mark for a later rule to refuse it; any rule before that one
-//! that accepts it (another program's filter chain, a ruleset not installed yet) would let
-//! a rejected flow through. Dropped in the queue, a rejected packet never goes on, whatever
-//! else is installed; and nothing in the kernel sends an SCTP ABORT for a packet. Also, the
-//! kernel's ICMP errors about TPROXY'd packets would come from a non-local address, which
-//! its own route lookup refuses.
+//! **Why the agent sends it, not the kernel's REJECT, where it can.** The kernel's reject
+//! (xt REJECT, nft `reject`) runs only in filter-type chains, so a queue verdict would have
+//! to accept the packet with a "reject" mark for a later rule to refuse it; any rule before
+//! that one that accepts it (another program's filter chain, a ruleset not installed yet)
+//! would let a rejected flow through. Dropped in the queue, a rejected packet never goes
+//! on, whatever else is installed; and nothing in the kernel sends an SCTP ABORT for a
+//! packet. Also, the kernel's ICMP errors about TPROXY'd packets would come from a
+//! non-local address, which its own route lookup refuses.
 //!
 //! **Where the kernel answers** ([`Refuser::refuse_queued`], [`KernelRefusal`]). A kernel
 //! without CONFIG_NETFILTER_NETLINK_GLUE_CT passes no `NFQA_CT`, and the entry of a queued
@@ -522,14 +522,6 @@ impl Refuser {
         Refuser { mark, v4: None, v6: None, kernel: None, limit: &LIMIT }
     }
 
-    /// Builds the refusal of `queued` ([`refusal`]) and sends it, within [`MAX_PER_SECOND`].
-    pub fn refuse(&mut self, queued: &[u8], original: Option<&Tuple>) -> Sent {
-        match refusal(queued, original) {
-            Ok(r) => self.send_limited(&r),
-            Err(e) => Sent::Unanswered(e),
-        }
-    }
-
     /// Sends `r` unless [`MAX_PER_SECOND`] were sent this second already.
     pub fn send_limited(&mut self, r: &Refusal) -> Sent {
         if !within_limit(self.limit) {
@@ -549,7 +541,8 @@ impl Refuser {
     }
 
     /// Refuses the rejected packet `queued`, whose mark is `mark`, and says what its verdict
-    /// is: `None`, drop it (answered here, as [`Refuser::refuse`] does, or not at all);
+    /// is: `None`, drop it (its [`refusal`] sent here with [`Refuser::send_limited`], or
+    /// none);
     /// `Some(new mark)`, accept it with that mark, for the ruleset's refusal chains to
     /// answer it with the kernel's reject.
     ///

@@ -268,13 +268,12 @@
 //!
 //! 8. **Reject mark → the kernel's reject** (each base chain tests the mark and jumps to
 //!    chain `refuse`, so every other packet of the hooks costs one rule): `reject with tcp
-//!    reset` for TCP, `icmp
-//!    host-prohibited` (code 10) for other IPv4, `icmpv6 admin-prohibited` (code 1) for
-//!    other IPv6: the agent's own answers. The reject attaches the packet's conntrack
-//!    entry to its answer, and NAT un-does the DNAT on it (nft(8), "REJECT STATEMENT";
-//!    `nf_send_reset`, `icmp_send`). Right after the decision, so that no other program's
-//!    chain sees the accepted packet first; the reader hands packets over only once these
-//!    chains are installed (`proxy::reject::KernelRefusal`).
+//!    reset` for TCP, `icmp host-prohibited` (code 10) for other IPv4, `icmpv6
+//!    admin-prohibited` (code 1) for other IPv6: the agent's own answers. The reject
+//!    attaches the packet's conntrack entry to its answer, and NAT un-does the DNAT on it
+//!    (nft(8), "REJECT STATEMENT"; `nf_send_reset`, `icmp_send`). Right after the decision,
+//!    so that no other program's chain sees the accepted packet first; the reader hands
+//!    packets over only once these chains are installed (`proxy::reject::KernelRefusal`).
 //!
 //! What was found on the development machines (kernel 6.18): `nft ... queue` fails with
 //! "No such file or directory" (CONFIG_NFT_QUEUE unset), even under `nft -c`, which [`probe`]

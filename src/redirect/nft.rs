@@ -2,7 +2,8 @@
 //! (`prerouting`, `input`, `forward`) and the regular chain `decide`, plus, unless
 //! [`RedirectConfig::upstream_zone`] is 0, the base chains `zone_in` and `zone_out` at
 //! priority raw (-300, before conntrack) for the upstream legs' conntrack zone (rule 0),
-//! and the refusal chains `refuse_input` and `refuse_forward` at -149 (rule 8), built with the `nftables` crate's typed JSON API and applied by `nft -j -f -` as one
+//! and the refusal chains `refuse_input` and `refuse_forward` at -149 with `refuse` (rule
+//! 8), built with the `nftables` crate's typed JSON API and applied by `nft -j -f -` as one
 //! transaction (libnftables-json(5)).
 //!
 //! Re-applying is atomic: the batch adds the table (a no-op when it exists), deletes it and
@@ -392,15 +393,15 @@ fn after_dnat_rules(b: &mut Builder<'_>, c: &RedirectConfig) {
 
 /// The refusal chains (issue #22, "Reject"): base chains [`REFUSE_INPUT_CHAIN`] and
 /// [`REFUSE_FORWARD_CHAIN`] at [`PRIORITY_AFTER_DECIDE`] in `b`'s table, jumping to
-/// [`REFUSE_CHAIN`]. A packet carrying
-/// the reject mark ([`RedirectConfig::reject_mark`], set only by a queue verdict on a
-/// rejected first packet) is refused by the kernel: TCP with a RST (`reject with tcp
-/// reset`), anything else with ICMP destination unreachable code 10, host administratively
-/// prohibited, or ICMPv6 code 1, administratively prohibited, Antrea's answers
-/// (`proxy::reject`). nft's reject drops the packet and attaches its conntrack entry to
-/// the answer (`nf_send_reset`, `icmp_send`), so NAT un-does a DNAT on the answer: it comes
-/// from the ClusterIP or NodePort the client used, which the agent cannot know where the
-/// queue passes no conntrack entry (nft(8), "REJECT STATEMENT").
+/// [`REFUSE_CHAIN`]. A packet carrying the reject mark ([`RedirectConfig::reject_mark`],
+/// set only by a queue verdict on a rejected first packet) is refused by the kernel: TCP
+/// with a RST (`reject with tcp reset`), anything else with ICMP destination unreachable
+/// code 10, host administratively prohibited, or ICMPv6 code 1, administratively
+/// prohibited, Antrea's answers (`proxy::reject`). nft's reject drops the packet and
+/// attaches its conntrack entry to the answer (`nf_send_reset`, `icmp_send`), so NAT
+/// un-does a DNAT on the answer: it comes from the ClusterIP or NodePort the client used,
+/// which the agent cannot know where the queue passes no conntrack entry (nft(8), "REJECT
+/// STATEMENT").
 fn refusal_rules(b: &mut Builder<'_>, c: &RedirectConfig) {
     // Every packet of the hooks meets the base chains: one mark test each, the rest in
     // the regular chain.
