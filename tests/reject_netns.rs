@@ -296,26 +296,8 @@ impl Topology {
     }
 }
 
-/// Whether `test` can run here: the capabilities and `ip` ([`common::netns_available`]),
-/// and the tools the topology runs; a missing tool is a skip, said as such (a failure
-/// under `TIERPROXY_REQUIRE_NETNS=1`).
 fn available(test: &str) -> bool {
-    if !common::netns_available(test) {
-        return false;
-    }
-    let missing: Vec<&str> = ["iptables", "ip6tables", "nft"]
-        .into_iter()
-        .filter(|tool| Command::new(tool).arg("--version").output().is_err())
-        .collect();
-    if missing.is_empty() {
-        return true;
-    }
-    if std::env::var("TIERPROXY_REQUIRE_NETNS").as_deref() == Ok("1") {
-        panic!("{test}: needs {missing:?} and TIERPROXY_REQUIRE_NETNS=1");
-    }
-    use std::io::Write;
-    let _ = writeln!(std::io::stderr(), "SKIPPED: {test}: needs {missing:?} on PATH");
-    false
+    common::tools_available(test, &["iptables", "ip6tables", "nft"])
 }
 
 /// A TCP connect from the client to `to`: `Ok` or the error's kind, with the time it took.

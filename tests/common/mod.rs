@@ -28,13 +28,34 @@ pub fn netns_available(test: &str) -> bool {
     } else {
         format!("missing {}", missing.join(", "))
     };
+    skip(test, &format!("CAP_NET_ADMIN ({why})"))
+}
+
+/// [`netns_available`], and every program of `tools` runs here (`--version`); prints the
+/// skip line naming the missing ones (or panics when netns tests are required) when not.
+pub fn tools_available(test: &str, tools: &[&str]) -> bool {
+    if !netns_available(test) {
+        return false;
+    }
+    let missing: Vec<&str> = tools
+        .iter()
+        .copied()
+        .filter(|tool| Command::new(tool).arg("--version").output().is_err())
+        .collect();
+    missing.is_empty() || skip(test, &format!("{} on PATH", missing.join(", ")))
+}
+
+/// Says that `test` cannot run because it `needs` something: `SKIPPED: <test>: needs
+/// <needs>` on standard error, or a panic under `TIERPROXY_REQUIRE_NETNS=1` (CI), so that
+/// a skip never passes silently there. Returns `false`.
+fn skip(test: &str, needs: &str) -> bool {
     if std::env::var("TIERPROXY_REQUIRE_NETNS").as_deref() == Ok("1") {
-        panic!("{test}: needs CAP_NET_ADMIN ({why}) and TIERPROXY_REQUIRE_NETNS=1");
+        panic!("{test}: needs {needs} and TIERPROXY_REQUIRE_NETNS=1");
     }
     // Straight to the process's stderr: libtest captures `eprintln!` of passing tests, and
     // a skip must be seen.
     use std::io::Write;
-    let _ = writeln!(std::io::stderr(), "SKIPPED: {test}: needs CAP_NET_ADMIN ({why})");
+    let _ = writeln!(std::io::stderr(), "SKIPPED: {test}: needs {needs}");
     false
 }
 
