@@ -463,8 +463,7 @@ pub struct Refuser {
 /// previous agent's ruleset, handed over, may lack them).
 #[derive(Debug, Clone)]
 pub struct KernelRefusal {
-    value: u32,
-    mask: u32,
+    mark: crate::config::Mark,
     armed: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
@@ -472,7 +471,7 @@ impl KernelRefusal {
     /// Refusals by packets marked `mark` (its bits within its mask set, the rest of the
     /// packet's mark kept), disarmed.
     pub fn new(mark: crate::config::Mark) -> KernelRefusal {
-        KernelRefusal { value: mark.value, mask: mark.mask, armed: Default::default() }
+        KernelRefusal { mark, armed: Default::default() }
     }
 
     /// Says that the refusal chains are installed: from now on rejected packets may be
@@ -522,7 +521,7 @@ impl Refuser {
         Refuser { mark, v4: None, v6: None, kernel: None, limit: &LIMIT }
     }
 
-    /// Sends `r` unless [`MAX_PER_SECOND`] were sent this second already.
+    /// Sends `r` unless this refuser's budget ([`MAX_PER_SECOND`]) was spent this second.
     pub fn send_limited(&mut self, r: &Refusal) -> Sent {
         if !within_limit(self.limit) {
             return Sent::Limited;
@@ -574,7 +573,7 @@ impl Refuser {
                 if !within_limit(self.limit) {
                     return (Sent::Limited, None);
                 }
-                (Sent::Sent(r.answer), Some(mark & !k.mask | k.value))
+                (Sent::Sent(r.answer), Some(mark & !k.mark.mask | k.mark.value))
             }
             _ => (self.send_limited(&r), None),
         }
