@@ -141,23 +141,19 @@ type MaskTable = Widening<u64, RuleMask>;
 
 impl<N, W> Widening<N, W>
 where
-    N: Copy + PartialEq + Into<W> + TryFrom<W>,
+    N: Copy + Default + PartialEq + Into<W> + TryFrom<W>,
     W: Copy + PartialEq,
 {
     /// `values`, narrow if they all fit; no spare capacity either way.
     fn new(values: Vec<W>) -> Self {
-        // Collected through `Option`, the vector has no size hint and grows by doubling.
-        let narrow: Option<Vec<N>> = values.iter().map(|&v| N::try_from(v).ok()).collect();
-        match narrow {
-            Some(mut n) => {
-                n.shrink_to_fit();
-                Widening::Narrow(n)
-            }
-            None => {
-                let mut wide = values;
-                wide.shrink_to_fit();
-                Widening::Wide(wide)
-            }
+        // Checked in one pass without an early exit, then converted in another: both
+        // vectorize (a dense class table has a value per pod).
+        if values.iter().fold(true, |fits, &v| fits & N::try_from(v).is_ok()) {
+            Widening::Narrow(values.iter().map(|&v| N::try_from(v).unwrap_or_default()).collect())
+        } else {
+            let mut wide = values;
+            wide.shrink_to_fit();
+            Widening::Wide(wide)
         }
     }
 
@@ -283,8 +279,7 @@ fn fold_addresses<K: Copy + Ord + Into<u128>>(
     iv: &Intervals,
     addrs: &[(K, u32)],
     masks: &[RuleMask],
-    scratch: &mut [RuleMask],
-    touched: &mut Vec<u32>,
+    scratch: &mut Scratch,
 ) {
     for (i, &start) in iv.starts.iter().enumerate() {
         let m = masks[iv.classes[i] as usize];
@@ -293,17 +288,270 @@ fn fold_addresses<K: Copy + Ord + Into<u128>>(
         }
         let end = iv.starts.get(i + 1).copied();
         let from = addrs.partition_point(|(a, _)| (*a).into() < start);
-        for &(a, pod) in &addrs[from..] {
-            if end.is_some_and(|e| a.into() >= e) {
-                break;
-            }
-            let slot = &mut scratch[pod as usize];
-            if *slot == 0 {
-                touched.push(pod);
-            }
-            *slot |= m;
+        let inside = addrs[from..].iter().take_while(|(a, _)| end.is_none_or(|e| (*a).into() < e));
+        scratch.add_pods(inside.map(|&(_, pod)| pod), m);
+    }
+}
+
+/// A pod set as [`Matcher::build`] walks it: [`FlatSets`]' ids or presence words, or the
+/// snapshot's own bitmap (a patch that builds one matcher).
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum PodList<'a> {
+    /// Pod ids, ascending.
+    Ids(&'a [u32]),
+    /// Bit `p % 64` of word `p / 64` set for pod `p`.
+    Words(&'a [u64]),
+    Bitmap(&'a roaring::RoaringBitmap),
+}
+
+/// What [`Matcher::build`] reads pod sets from, by [`SetId`].
+pub(crate) trait PodSets: Sync {
+    /// Set `id`'s pods.
+    fn pods(&self, id: SetId) -> PodList<'_>;
+}
+
+impl PodSets for [std::sync::Arc<roaring::RoaringBitmap>] {
+    fn pods(&self, id: SetId) -> PodList<'_> {
+        PodList::Bitmap(&self[id as usize])
+    }
+}
+
+/// The snapshot's pod sets copied out of their bitmaps for a full compile's matcher builds:
+/// every set is walked there once per rule that names it (about twenty million pods for the
+/// Antrea benchmark set, from under six thousand distinct sets), and a roaring iterator
+/// costs several times the OR it feeds. A set keeps its ids (4 bytes a pod) or, when that
+/// is larger, a presence bit per pod id.
+#[derive(Debug, Default)]
+pub(crate) struct FlatSets {
+    sets: Vec<FlatSet>,
+}
+
+#[derive(Debug)]
+enum FlatSet {
+    Ids(Box<[u32]>),
+    Words(Box<[u64]>),
+}
+
+impl FlatSets {
+    /// Copies `sets` (pod ids below `pods`).
+    pub(crate) fn new(sets: &[std::sync::Arc<roaring::RoaringBitmap>], pods: usize) -> Self {
+        let words = pods.div_ceil(64);
+        let sets = (sets.iter())
+            .map(|set| {
+                if set.len() as usize * 32 > pods {
+                    let mut out = vec![0u64; words];
+                    set.iter().for_each(|p| out[p as usize / 64] |= 1 << (p % 64));
+                    FlatSet::Words(out.into_boxed_slice())
+                } else {
+                    FlatSet::Ids(set.iter().collect())
+                }
+            })
+            .collect();
+        FlatSets { sets }
+    }
+}
+
+impl PodSets for FlatSets {
+    fn pods(&self, id: SetId) -> PodList<'_> {
+        match &self.sets[id as usize] {
+            FlatSet::Ids(ids) => PodList::Ids(ids),
+            FlatSet::Words(words) => PodList::Words(words),
         }
     }
+}
+
+/// The per-pod working memory of [`Matcher::build`], kept between builds (one per compile
+/// thread).
+///
+/// Each pod holds a *working class*: an id for the OR of the rule masks added to it so
+/// far (0 for none). Adding a mask to a set's pods moves each pod from its class to the
+/// class of that OR, and the move is computed once per class and step, not per pod: a
+/// step is one array read per pod where a mask per pod would need a hash lookup per pod
+/// to number at the end (the walks of the Antrea benchmark set visit twenty million pods
+/// in a compile). [`classes`] then numbers only the working classes pods ended in.
+///
+/// Empty outside a build: every build drains what it added.
+#[derive(Debug)]
+pub(crate) struct Scratch {
+    /// Working class by pod id.
+    class: Vec<u32>,
+    /// Bit `p % 64` of word `p / 64`: pod `p`'s working class is not 0.
+    touched: Vec<u64>,
+    /// Mask by working class; 0 is the empty mask.
+    masks: Vec<RuleMask>,
+    ids: rustc_hash::FxHashMap<RuleMask, u32>,
+    /// By working class: the step `.0` last moved it, to class `.1`.
+    moves: Vec<(u32, u32)>,
+    /// The current step. Every walk starts a new one first, so the moves of step 0 (a
+    /// class never moved yet) are never current.
+    step: u32,
+}
+
+impl Default for Scratch {
+    fn default() -> Self {
+        Scratch::new(0)
+    }
+}
+
+impl Scratch {
+    /// Empty memory for pod ids `0..pods`.
+    pub(crate) fn new(pods: usize) -> Self {
+        Scratch {
+            class: vec![0; pods],
+            touched: vec![0; pods.div_ceil(64)],
+            masks: vec![0],
+            ids: [(0, 0)].into_iter().collect(),
+            moves: vec![(0, 0)],
+            step: 0,
+        }
+    }
+
+    /// Grows or shrinks to pod ids `0..pods`, still empty.
+    pub(crate) fn resize(&mut self, pods: usize) {
+        self.class.resize(pods, 0);
+        self.touched.resize(pods.div_ceil(64), 0);
+    }
+
+    /// The number of pod ids this covers.
+    fn pods(&self) -> usize {
+        self.class.len()
+    }
+
+    /// Starts a step: the moves of the last one no longer apply.
+    fn next_step(&mut self) {
+        self.step = self.step.wrapping_add(1);
+        if self.step == 0 {
+            self.moves.fill((0, 0));
+            self.step = 1;
+        }
+    }
+
+    /// ORs `mask` into the mask of every pod of `set`.
+    fn add_set(&mut self, set: PodList<'_>, mask: RuleMask) {
+        match set {
+            PodList::Ids(ids) => self.add_pods(ids.iter().copied(), mask),
+            PodList::Words(words) => {
+                let pods = words.iter().enumerate().flat_map(|(w, &word)| {
+                    let mut bits = word;
+                    std::iter::from_fn(move || {
+                        let bit = (bits != 0).then(|| bits.trailing_zeros())?;
+                        bits &= bits - 1;
+                        Some((w * 64) as u32 + bit)
+                    })
+                });
+                self.add_pods(pods, mask)
+            }
+            // `for_each`: roaring's `fold` walks container by container, where `next`
+            // re-checks which container it is in for every pod.
+            PodList::Bitmap(b) => self.add_pods(b.iter(), mask),
+        }
+    }
+
+    /// ORs `mask` into the mask of every pod of `pods`, as one step.
+    fn add_pods(&mut self, pods: impl Iterator<Item = u32>, mask: RuleMask) {
+        if mask == 0 {
+            return;
+        }
+        self.next_step();
+        let Scratch { class, touched, masks, ids, moves, step } = self;
+        step_pods(pods, mask, *step, class, touched, &mut Moves { masks, ids, moves });
+    }
+
+    /// The number of pods whose mask is not zero.
+    fn count(&self) -> usize {
+        self.touched.iter().map(|w| w.count_ones() as usize).sum()
+    }
+
+    #[cfg(test)]
+    fn is_empty(&self) -> bool {
+        self.class.iter().all(|&c| c == 0)
+            && self.touched.iter().all(|&w| w == 0)
+            && self.masks == [0]
+            && self.ids.len() == 1
+    }
+
+    /// Calls `f` with every pod whose mask is not zero and that mask's class in `interner`
+    /// (interned once per working class), in pod id order, and empties the scratch.
+    fn drain(&mut self, interner: &mut Interner, f: impl FnMut(u32, Class)) {
+        let mut class_of = vec![UNSET; self.masks.len()];
+        let Scratch { class, touched, masks, .. } = self;
+        drain_pods(touched, class, masks, &mut class_of, interner, f);
+        self.masks.truncate(1);
+        self.moves.truncate(1);
+        self.ids.clear();
+        self.ids.insert(0, 0);
+    }
+}
+
+/// A working class not numbered yet ([`drain_pods`]).
+const UNSET: u32 = u32::MAX;
+
+/// The walk of [`Scratch::drain`], its tables slices of their own (as in [`step_pods`]):
+/// `class_of` holds each working class's number in `interner`, [`UNSET`] until its first
+/// pod.
+#[inline]
+fn drain_pods(
+    touched: &mut [u64],
+    class: &mut [u32],
+    masks: &[RuleMask],
+    class_of: &mut [u32],
+    interner: &mut Interner,
+    mut f: impl FnMut(u32, Class),
+) {
+    for (w, word) in touched.iter_mut().enumerate() {
+        let mut bits = std::mem::take(word);
+        while bits != 0 {
+            let pod = w * 64 + bits.trailing_zeros() as usize;
+            let c = std::mem::take(&mut class[pod]) as usize;
+            if class_of[c] == UNSET {
+                class_of[c] = interner.intern(masks[c]) as u32;
+            }
+            f(pod as u32, class_of[c] as Class);
+            bits &= bits - 1;
+        }
+    }
+}
+
+/// A [`Scratch`]'s working classes, borrowed apart from its per-pod tables.
+struct Moves<'a> {
+    masks: &'a mut Vec<RuleMask>,
+    ids: &'a mut rustc_hash::FxHashMap<RuleMask, u32>,
+    moves: &'a mut Vec<(u32, u32)>,
+}
+
+/// The walk of [`Scratch::add_pods`]: each pod moves to the working class its class moves
+/// to in step `step` (which adds `mask`). The per-pod tables are slices of their own here,
+/// so the loop keeps their addresses in registers across its stores.
+#[inline]
+fn step_pods(
+    pods: impl Iterator<Item = u32>,
+    mask: RuleMask,
+    step: u32,
+    class: &mut [u32],
+    touched: &mut [u64],
+    work: &mut Moves<'_>,
+) {
+    pods.for_each(|pod| {
+        let c = class[pod as usize];
+        let (moved, to) = work.moves[c as usize];
+        let to = if moved == step { to } else { first_move(work, c, mask, step) };
+        class[pod as usize] = to;
+        touched[pod as usize / 64] |= 1 << (pod % 64);
+    });
+}
+
+/// Where working class `c` moves in step `step` (which adds `mask`): computed when the
+/// step meets a pod of `c` for the first time.
+#[inline(never)]
+fn first_move(work: &mut Moves<'_>, c: u32, mask: RuleMask, step: u32) -> u32 {
+    let m = work.masks[c as usize] | mask;
+    let to = *work.ids.entry(m).or_insert_with(|| {
+        work.masks.push(m);
+        work.moves.push((0, 0));
+        (work.masks.len() - 1) as u32
+    });
+    work.moves[c as usize] = (step, to);
+    to
 }
 
 /// The precompiled rule masks of one policy direction.
@@ -349,12 +597,12 @@ pub(crate) fn protocol_index(p: Protocol) -> usize {
     }
 }
 
-#[derive(Default)]
+/// Rule masks numbered as [`Class`]es, in order of first appearance; mask 0 is class 0.
 struct Interner {
     masks: Vec<RuleMask>,
     ids: rustc_hash::FxHashMap<RuleMask, Class>,
-    /// The last mask interned and its class: neighbouring pods (one set's members, one
-    /// interval after another) mostly repeat it, and this skips the table.
+    /// The last mask interned and its class: one interval after another mostly repeats
+    /// it, and this skips the table.
     last: (RuleMask, Class),
     /// A mask found no class id (more than [`Class::MAX`] distinct masks).
     full: bool,
@@ -362,10 +610,7 @@ struct Interner {
 
 impl Interner {
     fn new() -> Self {
-        let mut i = Interner::default();
-        i.ids.insert(0, 0);
-        i.masks.push(0);
-        i
+        Interner { masks: vec![0], ids: [(0, 0)].into_iter().collect(), last: (0, 0), full: false }
     }
 
     fn intern(&mut self, m: RuleMask) -> Class {
@@ -519,8 +764,8 @@ pub(crate) fn block_ranges(b: &Block, out: &mut Vec<(u128, u128)>) {
 
 impl Matcher {
     /// Compiles `rules` (≤ [`MAX_RULES`]) of one policy direction. `pod_sets` are the
-    /// snapshot's interned pod sets; `addrs` its single-address pods; `scratch` holds one
-    /// zeroed mask per pod and is left zeroed.
+    /// snapshot's interned pod sets; `addrs` its single-address pods; `scratch` covers
+    /// every pod id, empty, and is left empty.
     ///
     /// # Errors
     /// [`TooManyClasses`] when the rules split pods, addresses and ports into more distinct
@@ -529,16 +774,14 @@ impl Matcher {
     /// evaluated rule by rule, as one above [`MAX_RULES`] is: slower, never wrong.
     pub(crate) fn build(
         rules: &[Rule],
-        pod_sets: &[std::sync::Arc<roaring::RoaringBitmap>],
+        pod_sets: &(impl PodSets + ?Sized),
         addrs: &PodAddrs,
-        scratch: &mut [RuleMask],
+        scratch: &mut Scratch,
     ) -> Result<Matcher, TooManyClasses> {
-        let pod_count = scratch.len();
         debug_assert!(rules.len() <= MAX_RULES);
         let mut interner = Interner::new();
         let mut all_peers: RuleMask = 0;
         let mut all_ports: RuleMask = 0;
-        let mut touched: Vec<u32> = Vec::new();
         let mut node_mask: rustc_hash::FxHashMap<u32, RuleMask> = Default::default();
         let (mut v4, mut v6): (Vec<Range>, Vec<Range>) = (Vec::new(), Vec::new());
         let mut ports: [Vec<Range>; 3] = Default::default();
@@ -588,15 +831,15 @@ impl Matcher {
             }
         }
         for (&s, &mask) in &set_masks {
-            add_mask(&pod_sets[s as usize], mask, scratch, &mut touched);
+            scratch.add_set(pod_sets.pods(s), mask);
         }
         // Pod peers never search the address intervals: a single-address pod's matches by
         // address (`networks`, `ipBlock`) are folded into its class here.
         let v4 = sweep(&mut v4, &mut interner);
         let v6 = sweep(&mut v6, &mut interner);
-        fold_addresses(&v4, &addrs.v4, &interner.masks, scratch, &mut touched);
-        fold_addresses(&v6, &addrs.v6, &interner.masks, scratch, &mut touched);
-        let pods = classes(std::mem::take(&mut touched), pod_count, &mut interner, scratch);
+        fold_addresses(&v4, &addrs.v4, &interner.masks, scratch);
+        fold_addresses(&v6, &addrs.v6, &interner.masks, scratch);
+        let pods = classes(scratch, &mut interner);
         // Rule-level appliedTo: the same walk over each distinct set, now by subject.
         let mut scoped: RuleMask = 0;
         let mut relative: RuleMask = 0;
@@ -611,9 +854,9 @@ impl Matcher {
             }
         }
         for (&s, &mask) in &set_masks {
-            add_mask(&pod_sets[s as usize], mask, scratch, &mut touched);
+            scratch.add_set(pod_sets.pods(s), mask);
         }
-        let subjects = classes(std::mem::take(&mut touched), pod_count, &mut interner, scratch);
+        let subjects = classes(scratch, &mut interner);
         let mut nodes: Vec<(u32, Class)> =
             node_mask.iter().map(|(n, m)| (*n, interner.intern(*m))).collect();
         nodes.sort_unstable();
@@ -881,64 +1124,37 @@ impl PodClasses {
     }
 }
 
-/// ORs `mask` into the scratch mask of every pod of `set`, listing in `touched` each pod
-/// whose mask was zero. Iterated with `for_each`: roaring's `fold` walks container by
-/// container, where `next` re-checks which container it is in for every pod (the walks of
-/// a large policy set visit about ten million pods per compile).
-fn add_mask(
-    set: &roaring::RoaringBitmap,
-    mask: RuleMask,
-    scratch: &mut [RuleMask],
-    touched: &mut Vec<u32>,
-) {
-    set.iter().for_each(|pod| {
-        let m = &mut scratch[pod as usize];
-        if *m == 0 {
-            touched.push(pod);
-        }
-        *m |= mask;
-    });
-}
-
-/// The classes of the pods `touched` (each once) from their masks in `scratch` (zeroed
-/// again), in the layout [`PodClasses`] picks for how many of the `pod_count` pods that is.
-fn classes(
-    mut touched: Vec<u32>,
-    pod_count: usize,
-    interner: &mut Interner,
-    scratch: &mut [RuleMask],
-) -> PodClasses {
-    let mut class = |pod: u32| interner.intern(std::mem::take(&mut scratch[pod as usize]));
-    if touched.len() * 2 >= pod_count {
-        // One byte per pod until a class needs two.
-        let mut dense = ClassVec::Narrow(vec![0; pod_count]);
-        for &pod in &touched {
-            dense.set(pod as usize, class(pod));
-        }
-        return PodClasses::Dense(dense);
+/// The classes of the pods whose mask in `scratch` is not zero (the scratch emptied), in
+/// the layout [`PodClasses`] picks for how many of the scratch's pods that is.
+fn classes(scratch: &mut Scratch, interner: &mut Interner) -> PodClasses {
+    let (touched, pod_count) = (scratch.count(), scratch.pods());
+    if touched * 2 >= pod_count {
+        // One byte per pod unless a class needs two ([`Widening::new`]).
+        let mut dense: Vec<Class> = vec![0; pod_count];
+        let slots = dense.as_mut_slice();
+        scratch.drain(interner, |pod, c| slots[pod as usize] = c);
+        return PodClasses::Dense(ClassVec::new(dense));
     }
-    if touched.len() * 20 >= pod_count {
-        // The presence bits put the pods in id order; no sort needed.
-        let mut blocks = vec![(0u64, 0u32); pod_count.div_ceil(64)];
-        for &pod in &touched {
-            blocks[pod as usize / 64].0 |= 1 << (pod % 64);
-        }
-        let mut ids = Vec::with_capacity(touched.len());
+    let mut ids = Vec::with_capacity(touched);
+    if touched * 20 >= pod_count {
+        // The presence bits are the scratch's own, with their ranks.
         let mut rank = 0;
-        for (b, block) in blocks.iter_mut().enumerate() {
-            block.1 = rank;
-            rank += block.0.count_ones();
-            let mut word = block.0;
-            while word != 0 {
-                ids.push(class((b * 64) as u32 + word.trailing_zeros()));
-                word &= word - 1;
-            }
-        }
+        let blocks = (scratch.touched.iter())
+            .map(|&word| {
+                let block = (word, rank);
+                rank += word.count_ones();
+                block
+            })
+            .collect();
+        scratch.drain(interner, |_, c| ids.push(c));
         PodClasses::Ranked { blocks, classes: ClassVec::new(ids) }
     } else {
-        touched.sort_unstable();
-        let classes = ClassVec::new(touched.iter().map(|&p| class(p)).collect());
-        PodClasses::Sparse { pods: touched, classes }
+        let mut pods = Vec::with_capacity(touched);
+        scratch.drain(interner, |pod, c| {
+            pods.push(pod);
+            ids.push(c);
+        });
+        PodClasses::Sparse { pods, classes: ClassVec::new(ids) }
     }
 }
 
@@ -1316,6 +1532,60 @@ mod tests {
         assert_eq!(m(31), 0);
     }
 
+    /// A set added from its flat copy (ids or presence words, whichever [`FlatSets`]
+    /// picked) or from its bitmap gives every pod the mask a walk of the set gives it, and
+    /// marks exactly those pods; draining yields them in id order with their mask's class
+    /// and leaves the scratch empty for the next build.
+    #[test]
+    fn scratch_adds_flat_and_bitmap_sets_alike() {
+        use std::sync::Arc;
+        let pods = 1000usize;
+        let sets: Vec<Arc<roaring::RoaringBitmap>> = [
+            (0..64).collect::<roaring::RoaringBitmap>(),
+            (64..65).chain([70, 200, 255, 256, 511]).collect(),
+            (60..300).chain(320..390).chain(999..1000).collect(),
+            (0..1000).filter(|p| p % 3 == 0 || p % 64 == 63).collect(),
+            (0..1000).collect(),
+            roaring::RoaringBitmap::new(),
+        ]
+        .into_iter()
+        .map(Arc::new)
+        .collect();
+        let flat = FlatSets::new(&sets, pods);
+        let kinds: Vec<&str> = (0..sets.len() as SetId)
+            .map(|id| match flat.pods(id) {
+                PodList::Ids(_) => "ids",
+                PodList::Words(_) => "words",
+                PodList::Bitmap(_) => "bitmap",
+            })
+            .collect();
+        assert_eq!(kinds, ["words", "ids", "words", "words", "words", "ids"]);
+        // One scratch each, reused as a compile thread does; one's step counter wraps.
+        let (mut flat_scratch, mut bitmap_scratch) = (Scratch::new(pods), Scratch::new(pods));
+        bitmap_scratch.step = u32::MAX - 20;
+        for picks in 1u32..(1 << sets.len()) {
+            let mut want = vec![0 as RuleMask; pods];
+            let picked = (0..sets.len() as SetId).filter(|i| picks >> i & 1 == 1);
+            for i in picked.clone() {
+                sets[i as usize].iter().for_each(|p| want[p as usize] |= 1 << (i * 11));
+            }
+            for (from_flat, scratch) in [(true, &mut flat_scratch), (false, &mut bitmap_scratch)] {
+                let list = |i| if from_flat { flat.pods(i) } else { sets.as_slice().pods(i) };
+                picked.clone().for_each(|i| scratch.add_set(list(i), 1 << (i * 11)));
+                assert_eq!(scratch.count(), want.iter().filter(|&&m| m != 0).count());
+                let mut drained = Vec::new();
+                let mut interner = Interner::new();
+                scratch.drain(&mut interner, |pod, c| drained.push((pod, c)));
+                assert!(drained.is_sorted(), "pods in id order");
+                let mut got = vec![0 as RuleMask; pods];
+                drained.iter().for_each(|&(pod, c)| got[pod as usize] = interner.masks[c as usize]);
+                assert_eq!(got, want, "sets {picks:#b}");
+                assert!(scratch.is_empty(), "drained to empty");
+            }
+        }
+        assert!(bitmap_scratch.step < 1000, "the step counter wrapped");
+    }
+
     /// Every layout of [`PodClasses`] (dense, ranked, sparse) answers as a plain map from
     /// pod to class, before and after pods gain, change and lose their class, including a
     /// class that needs two bytes.
@@ -1324,14 +1594,14 @@ mod tests {
         let pods = 1000usize;
         for touched in [900usize, 200, 10] {
             let mut interner = Interner::new();
-            let mut scratch = vec![0 as RuleMask; pods];
+            let mut scratch = Scratch::new(pods);
             let mut truth = vec![0 as Class; pods];
             let picked: Vec<u32> = (0..touched as u32).map(|i| (i * 997) % pods as u32).collect();
             for &p in &picked {
-                scratch[p as usize] = 1 << (p % 7);
+                scratch.add_pods(std::iter::once(p), 1 << (p % 7));
             }
-            let mut table = super::classes(picked.clone(), pods, &mut interner, &mut scratch);
-            assert!(scratch.iter().all(|&m| m == 0), "scratch is left zeroed");
+            let mut table = super::classes(&mut scratch, &mut interner);
+            assert!(scratch.is_empty(), "scratch is left empty");
             for &p in &picked {
                 truth[p as usize] = interner.intern(1 << (p % 7));
             }
@@ -1387,13 +1657,13 @@ mod tests {
             enable_logging: false,
             log_label: None,
         };
-        let mut scratch = vec![0 as RuleMask; pods as usize];
+        let mut scratch = Scratch::new(pods as usize);
         let addrs = PodAddrs::default();
         let rules: Vec<Rule> = (0..17).map(rule).collect();
-        assert!(Matcher::build(&rules, &sets, &addrs, &mut scratch).is_err());
-        assert!(scratch.iter().all(|&m| m == 0), "scratch is left zeroed");
+        assert!(Matcher::build(&rules, sets.as_slice(), &addrs, &mut scratch).is_err());
+        assert!(scratch.is_empty(), "scratch is left empty");
         // 16 rules: 65,536 masks, the empty one among them, fit.
-        let m = Matcher::build(&rules[..16], &sets, &addrs, &mut scratch).expect("fits");
+        let m = Matcher::build(&rules[..16], sets.as_slice(), &addrs, &mut scratch).expect("fits");
         let hit = |p: u32| {
             m.first_rule(
                 0,
@@ -1436,7 +1706,7 @@ mod tests {
             log_label: None,
         };
         let mut rules: Vec<Rule> = (0..70).map(|k| rule(k, Ports::any())).collect();
-        let mut scratch = vec![0 as RuleMask; pods as usize];
+        let mut scratch = Scratch::new(pods as usize);
         let hit = |m: &Matcher, p: u32, port: u16| {
             m.first_rule(
                 0,
@@ -1449,8 +1719,8 @@ mod tests {
                 |_| false,
             )
         };
-        let mut m =
-            Matcher::build(&rules, &sets, &PodAddrs::default(), &mut scratch).expect("fits");
+        let mut m = Matcher::build(&rules, sets.as_slice(), &PodAddrs::default(), &mut scratch)
+            .expect("fits");
         assert!(matches!(m.masks, Widening::Narrow(_)), "every pod mask fits in 64 bits");
         assert_eq!(hit(&m, 3, 80), Some(3));
         // Pod 3 joins set 69 and leaves set 3: only rule 69 matches it now.
@@ -1466,7 +1736,8 @@ mod tests {
             protocol: Some(Protocol::Tcp),
             ports: PortSpec::Range(9090, 9090),
         }]));
-        let m = Matcher::build(&rules, &sets, &PodAddrs::default(), &mut scratch).expect("fits");
+        let m = Matcher::build(&rules, sets.as_slice(), &PodAddrs::default(), &mut scratch)
+            .expect("fits");
         assert!(m.ports[0].wide, "rule 69's port needs 128 bits");
         assert_eq!(hit(&m, 3, 9090), Some(69));
         assert_eq!(hit(&m, 3, 80), None);

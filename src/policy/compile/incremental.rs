@@ -50,6 +50,7 @@ use super::index::{DeclaredPorts, addr_ranges, declared_ports, matcher, place, p
 use super::{Inputs, meta_name, meta_namespace, own_annotations, parallel};
 use crate::policy::api::{Namespace, NetworkPolicy, Node, Pod, v1alpha1, v1alpha2};
 use crate::policy::labels::LabelsRef;
+use crate::policy::matcher::Scratch;
 use crate::policy::model::{Revision, Rule, SetId};
 use crate::policy::problem::{Kind, ObjectRef, Problem};
 use crate::policy::snapshot::{PodPolicies, Policy, Snapshot};
@@ -412,7 +413,7 @@ impl State {
                 return Err("an edited policy compiles to none (its namespace is not declared)");
             }
         };
-        let mut scratch = Vec::new();
+        let mut scratch = Scratch::default();
         let sets = &self.cluster.interner.sets;
         for (d, kept) in kept.into_iter().enumerate() {
             if kept {
@@ -421,9 +422,9 @@ impl State {
                 continue;
             }
             let rules = &policy.rules[d];
-            scratch.resize(s.pods.len(), 0);
+            scratch.resize(s.pods.len());
             policy.matchers[d] =
-                matcher(rules, sets, &self.cluster.addrs, &mut scratch).map(Arc::new);
+                matcher(rules, sets.as_slice(), &self.cluster.addrs, &mut scratch).map(Arc::new);
         }
 
         // Who names which set now.
@@ -630,9 +631,10 @@ impl State {
             if Arc::make_mut(m).set_pod(pod, rules, &s.pod_sets, addr).is_err() {
                 // Its class table is full: build it again from what the sets hold now, or,
                 // past what a matcher numbers, evaluate that direction rule by rule.
-                let mut scratch = vec![0; s.pods.len()];
+                let mut scratch = Scratch::new(s.pods.len());
                 p.matchers[d as usize] =
-                    matcher(rules, &s.pod_sets, &self.cluster.addrs, &mut scratch).map(Arc::new);
+                    matcher(rules, s.pod_sets.as_slice(), &self.cluster.addrs, &mut scratch)
+                        .map(Arc::new);
             }
         }
         // The pod's per-pod list: the policies whose subject flipped join or leave it.

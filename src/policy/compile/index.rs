@@ -9,7 +9,8 @@ use roaring::RoaringBitmap;
 
 use super::parallel::{balanced_ranges, par_ranges};
 use crate::policy::matcher::{
-    AddrIndex, MAX_RULES, Matcher, PodAddrs, PortIndex, RuleMask, block_ranges, protocol_index,
+    AddrIndex, FlatSets, MAX_RULES, Matcher, PodAddrs, PodSets, PortIndex, Scratch, block_ranges,
+    protocol_index,
 };
 use crate::policy::model::{Direction, PodEntry, Rule, Tier};
 use crate::policy::ports::{PortSpec, Protocol};
@@ -113,8 +114,8 @@ pub(super) fn per_pod_policies(
             if !p.applies[d as usize] {
                 continue;
             }
-            // `for_each`: roaring's `fold` walks container by container (see
-            // `matcher::add_mask`).
+            // `for_each`: roaring's `fold` walks container by container, where `next`
+            // re-checks which container it is in for every pod.
             p.subject.iter().for_each(|pod| {
                 per_pod[pod as usize].by_tier[p.tier.index()][d as usize].push(pid as u32);
             });
@@ -155,8 +156,9 @@ fn build_matchers(
         .map(|p| p.rules.iter().flatten().map(|r| 1 + r.peers.pod_sets.len()).sum())
         .collect();
     let ranges = balanced_ranges(&weights, workers);
+    let sets = &FlatSets::new(sets, pods);
     let built = par_ranges(policies, &ranges, |_, chunk| {
-        let mut scratch = vec![0; pods];
+        let mut scratch = Scratch::new(pods);
         let mut build = |r: &Vec<Rule>| matcher(r, sets, addrs, &mut scratch);
         chunk.iter().map(|p| [build(&p.rules[0]), build(&p.rules[1])]).collect::<Vec<_>>()
     });
@@ -165,12 +167,12 @@ fn build_matchers(
 
 /// The [`Matcher`] of one policy direction's `rules`, or `None` when they are evaluated
 /// rule by rule: above [`MAX_RULES`] of them, or when their masks need more classes than a
-/// matcher numbers ([`Matcher::build`]'s error). `scratch` holds a zero per pod.
+/// matcher numbers ([`Matcher::build`]'s error). `scratch` covers every pod id, empty.
 pub(super) fn matcher(
     rules: &[Rule],
-    sets: &[Arc<RoaringBitmap>],
+    sets: &(impl PodSets + ?Sized),
     addrs: &PodAddrs,
-    scratch: &mut [RuleMask],
+    scratch: &mut Scratch,
 ) -> Option<Matcher> {
     if rules.len() > MAX_RULES {
         return None;
