@@ -321,7 +321,7 @@ impl PodSets for [std::sync::Arc<roaring::RoaringBitmap>] {
 /// Antrea benchmark set, from under six thousand distinct sets), and a roaring iterator
 /// costs several times the OR it feeds. A set keeps its ids (4 bytes a pod) or, when that
 /// is larger, a presence bit per pod id.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct FlatSets {
     sets: Vec<FlatSet>,
 }

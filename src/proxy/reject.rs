@@ -541,9 +541,8 @@ impl Refuser {
 
     /// Refuses the rejected packet `queued`, whose mark is `mark`, and says what its verdict
     /// is: `None`, drop it (its [`refusal`] sent here with [`Refuser::send_limited`], or
-    /// none);
-    /// `Some(new mark)`, accept it with that mark, for the ruleset's refusal chains to
-    /// answer it with the kernel's reject.
+    /// none); `Some(new mark)`, accept it with that mark, for the ruleset's refusal chains
+    /// to answer it with the kernel's reject.
     ///
     /// The kernel answers when the queue passed no conntrack entry (`original` is `None`),
     /// a [`KernelRefusal`] is armed, and the answer is one the kernel can send: a TCP RST,
