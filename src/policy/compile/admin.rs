@@ -5,7 +5,7 @@
 //! These objects hold nearly all of a large input's peers (a million peers naming a few
 //! hundred distinct selectors), so the work is shaped around reading them once:
 //! [`prepare_admin`] validates and compiles them rule by rule on worker threads, each
-//! worker keying its selector peers in its own [`PeerDict`]; [`intern_peer_keys`] then
+//! worker keying its selector peers in its own [`SetDict`]; [`intern_peer_keys`] then
 //! resolves each distinct key once, in worker order; [`keys_to_set_ids`] turns the rules'
 //! keys into sorted pod set ids on the workers again; [`Cluster::admin_policy`] resolves
 //! each subject.
@@ -16,12 +16,13 @@ use roaring::RoaringBitmap;
 
 use super::cluster::{Cluster, SetKey};
 use super::parallel::{balanced_ranges, par_for_each_mut, par_ranges};
+use super::set_dict::{RawSet, SetDict, intern_used};
 use super::{
     Inputs, dedup_sorted, meta_name, own_annotations, port_u16, protocol_or_tcp, selector,
 };
-use crate::policy::api::{LabelSelector, NamespacedPod, SelectorRef, v1alpha1, v1alpha2};
+use crate::policy::api::{LabelSelector, NamespacedPod, v1alpha1, v1alpha2};
 use crate::policy::cidr::{self, Block};
-use crate::policy::labels::{LabelSet, Labels};
+use crate::policy::labels::Labels;
 use crate::policy::model::{Action, Direction, PeersBuilder, Rule, SetId, Tier, rank};
 use crate::policy::ports::{PortMatch, PortSpec, Ports, Protocol};
 use crate::policy::problem::{Kind, ObjectRef, Problem};
@@ -97,7 +98,7 @@ pub(super) fn admin_policy_edited(
     {
         return Some(Edited::Unchanged);
     }
-    let mut dict = PeerDict::default();
+    let mut dict = SetDict::default();
     let mut rules: [Vec<Rule>; 2] = counts.map(Vec::with_capacity);
     // Per direction, the positions of the rules compiled here (their peers are worker keys).
     let mut fresh: [Vec<usize>; 2] = Default::default();
@@ -196,13 +197,12 @@ fn admin_objects<'a>(
 }
 
 /// Resolves and interns in `c` the pod set of every key of the workers' `dicts` that a
-/// valid object's rule uses, in worker order, so set ids do not depend on thread timing.
-/// Returns, per worker, the set id of each of its keys (`SetId::MAX` for a key no valid
-/// rule uses). Workers' keys naming the same set meet in the interner.
+/// valid object's rule uses ([`intern_used`]). Returns, per worker, the set id of each of
+/// its keys (`SetId::MAX` for a key no valid rule uses).
 fn intern_peer_keys(
     c: &mut Cluster,
     prepared: &[Prepared<'_>],
-    dicts: Vec<PeerDict>,
+    dicts: Vec<SetDict>,
 ) -> Vec<Vec<SetId>> {
     // Only keys that valid objects use get a pod set: a key whose selectors do not
     // compile is in no rule (its peers failed closed), nor is a key only invalid
@@ -215,17 +215,7 @@ fn intern_peer_keys(
             }
         }
     }
-    dicts
-        .into_iter()
-        .zip(&used)
-        .map(|(d, used)| {
-            d.sets
-                .into_iter()
-                .zip(used)
-                .map(|(set, &used)| set.filter(|_| used).map_or(SetId::MAX, |k| c.intern(k)))
-                .collect()
-        })
-        .collect()
+    intern_used(c, dicts, &used)
 }
 
 /// Turns the worker keys in the rules of `prepared` into sorted, deduplicated pod set ids
@@ -241,64 +231,6 @@ fn keys_to_set_ids(prepared: &mut [Prepared<'_>], key_sets: &[Vec<SetId>], worke
             rule.peers.map_pod_sets(|id| key_sets[p.worker][id as usize]);
         }
     });
-}
-
-/// Appends an injective byte encoding of `sel` to `out`: equal encodings ⇔ equal
-/// selectors (every string is length-prefixed, every optional field carries a presence
-/// byte). One pass over the selector's maps gives both the memo key's hash and its
-/// equality check, where hashing and then comparing the objects read them twice.
-fn encode_selector(out: &mut Vec<u8>, sel: SelectorRef<'_>) {
-    fn put(out: &mut Vec<u8>, s: &str) {
-        out.extend_from_slice(&(s.len() as u32).to_le_bytes());
-        out.extend_from_slice(s.as_bytes());
-    }
-    let SelectorRef { match_labels, match_expressions } = sel;
-    match match_labels {
-        None => out.push(0),
-        Some(labels) => {
-            out.push(1);
-            out.extend_from_slice(&(labels.len() as u32).to_le_bytes());
-            for (k, v) in labels.pairs() {
-                put(out, k);
-                put(out, v);
-            }
-        }
-    }
-    match match_expressions {
-        None => out.push(0),
-        Some(exprs) => {
-            out.push(1);
-            out.extend_from_slice(&(exprs.len() as u32).to_le_bytes());
-            for e in exprs {
-                put(out, &e.key);
-                put(out, &e.operator);
-                match &e.values {
-                    None => out.push(0),
-                    Some(values) => {
-                        out.push(1);
-                        out.extend_from_slice(&(values.len() as u32).to_le_bytes());
-                        for v in values {
-                            put(out, v);
-                        }
-                    }
-                }
-            }
-        }
-    }
-}
-
-/// Sets `out` to the [`encode_selector`] key of a `namespaces` peer (`pods == None`) or a
-/// `pods` peer.
-fn encode_peer(out: &mut Vec<u8>, ns: &LabelSelector, pods: Option<&LabelSelector>) {
-    out.clear();
-    encode_selector(out, ns.into());
-    match pods {
-        None => out.push(0),
-        Some(p) => {
-            out.push(1);
-            encode_selector(out, p.into());
-        }
-    }
 }
 
 /// ANP / BANP `ports` (v1alpha1 `AdminNetworkPolicyPort`).
@@ -462,7 +394,7 @@ fn admin_rule<'a>(
     action: Action,
     peers: impl Iterator<Item = PeerFields<'a>>,
     ports: Ports,
-    dict: &mut PeerDict,
+    dict: &mut SetDict,
     node_index: &LabelIndex,
 ) -> Rule {
     let mut out = PeersBuilder {
@@ -475,12 +407,14 @@ fn admin_rule<'a>(
     // kind: it fails closed.
     for p in peers {
         let key = match (p.namespaces, p.pods) {
-            (Some(ns), _) => Some(dict.key(ns, None)),
-            (None, Some(np)) => Some(dict.key(&np.namespace_selector, Some(&np.pod_selector))),
+            (Some(ns), _) => Some(dict.key(RawSet::Namespaces(ns.into()))),
+            (None, Some(np)) => Some(
+                dict.key(RawSet::Pods((&np.namespace_selector).into(), (&np.pod_selector).into())),
+            ),
             (None, None) => None,
         };
         if let Some(k) = key {
-            if dict.sets[k as usize].is_some() {
+            if dict.resolves(k) {
                 out.pod_sets.push(k);
             } else {
                 unknown = true;
@@ -518,35 +452,6 @@ fn admin_rule<'a>(
         applied_to: None,
         enable_logging: false,
         log_label: None,
-    }
-}
-
-/// The distinct selector peers one worker of [`prepare_admin`] met, by content: a million
-/// peers name a few hundred distinct selector pairs, so only these few are compiled.
-#[derive(Default)]
-struct PeerDict {
-    /// Keys by [`encode_peer`] bytes.
-    ids: rustc_hash::FxHashMap<Box<[u8]>, u32>,
-    /// Per key, the pod set it names (`None`: a selector does not compile, so the peer
-    /// fails closed).
-    sets: Vec<Option<SetKey>>,
-    buf: Vec<u8>,
-}
-
-impl PeerDict {
-    fn key(&mut self, ns: &LabelSelector, pods: Option<&LabelSelector>) -> u32 {
-        encode_peer(&mut self.buf, ns, pods);
-        // FxHash: these keys come from the cluster's own objects, not from a remote peer.
-        if let Some(&id) = self.ids.get(self.buf.as_slice()) {
-            return id;
-        }
-        let id = self.sets.len() as u32;
-        self.sets.push(match pods {
-            None => selector(ns).map(SetKey::Namespaces),
-            Some(p) => selector(ns).zip(selector(p)).map(|(n, p)| SetKey::Pods(n, p)),
-        });
-        self.ids.insert(self.buf.as_slice().into(), id);
-        id
     }
 }
 
@@ -606,7 +511,7 @@ struct Prepared<'a> {
     problems: Vec<Problem>,
     /// `None` when validation found an error: the object is left out.
     body: Option<AdminBody<'a>>,
-    /// The worker whose [`PeerDict`] the rules' keys index.
+    /// The worker whose [`SetDict`] the rules' keys index.
     worker: usize,
 }
 
@@ -619,11 +524,11 @@ fn prepare_admin<'a>(
     node_index: &LabelIndex,
     validate: bool,
     workers: usize,
-) -> (Vec<Prepared<'a>>, Vec<PeerDict>) {
+) -> (Vec<Prepared<'a>>, Vec<SetDict>) {
     let weights: Vec<usize> = items.iter().map(|(_, o)| o.weight()).collect();
     let ranges = balanced_ranges(&weights, workers);
     let results = par_ranges(items, &ranges, |worker, chunk| {
-        let mut dict = PeerDict::default();
+        let mut dict = SetDict::default();
         let prepared: Vec<Prepared<'a>> =
             chunk
                 .iter()
@@ -810,7 +715,7 @@ fn admin_rule_at<'a>(
     obj: AdminObject<'a>,
     d: Direction,
     i: usize,
-    dict: &mut PeerDict,
+    dict: &mut SetDict,
     node_index: &LabelIndex,
 ) -> Rule {
     let (name, action, ports) = match (obj, d) {
@@ -954,51 +859,4 @@ impl Cluster {
 fn namespaced_pod_key(np: &NamespacedPod) -> Option<SetKey> {
     let NamespacedPod { namespace_selector, pod_selector } = np;
     Some(SetKey::Pods(selector(namespace_selector)?, selector(pod_selector)?))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn peer_keys_are_equal_exactly_when_the_selectors_are() {
-        use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelectorRequirement;
-        let labels = |pairs: &[(&str, &str)]| LabelSelector {
-            match_labels: Some(pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()),
-            match_expressions: None,
-        };
-        let expr = |values: Option<Vec<&str>>| LabelSelector {
-            match_labels: None,
-            match_expressions: Some(vec![LabelSelectorRequirement {
-                key: "k".into(),
-                operator: "In".into(),
-                values: values.map(|v| v.into_iter().map(String::from).collect()),
-            }]),
-        };
-        let distinct = [
-            labels(&[("ab", "c")]),
-            labels(&[("a", "bc")]),
-            labels(&[("a", "b"), ("c", "d")]),
-            labels(&[]),
-            LabelSelector::default(),
-            expr(None),
-            expr(Some(vec![])),
-            expr(Some(vec!["a", "b"])),
-            expr(Some(vec!["ab"])),
-        ];
-        let key = |ns: &LabelSelector, pods: Option<&LabelSelector>| {
-            let mut k = Vec::new();
-            encode_peer(&mut k, ns, pods);
-            k
-        };
-        for (i, a) in distinct.iter().enumerate() {
-            assert_eq!(key(a, None), key(&a.clone(), None));
-            for (j, b) in distinct.iter().enumerate() {
-                assert_eq!(i == j, key(a, None) == key(b, None), "{a:?} vs {b:?}");
-                assert_eq!(i == j, key(a, Some(a)) == key(b, Some(a)), "{a:?} vs {b:?}");
-                // A `namespaces` peer never shares a key with a `pods` peer.
-                assert_ne!(key(a, None), key(b, Some(a)));
-            }
-        }
-    }
 }

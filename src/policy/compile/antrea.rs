@@ -28,12 +28,13 @@
 
 use std::sync::Arc;
 
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use roaring::RoaringBitmap;
 
 use super::cluster::{Cluster, SetKey};
 use super::parallel::{balanced_ranges, default_workers, par_ranges};
+use super::set_dict::{EVERYTHING, RawSet, SetDict, intern_used};
 use super::{meta_namespace, own_annotations, port_u16, protocol_or_tcp, selector};
 use crate::policy::antrea_tiers::{TierTable, tier_object_name};
 use crate::policy::api::antrea::{
@@ -94,11 +95,6 @@ pub fn admit(objects: &antrea::Objects, problems: &mut Vec<Problem>) -> antrea::
         }
         admitted
     }
-    /// About how much checking a policy takes: its rules and peers.
-    fn weight(spec: PolicySpecRef<'_>) -> usize {
-        let rules = spec.ingress.iter().chain(spec.egress);
-        1 + spec.applied_to.len() + rules.map(|r| 1 + r.from.len() + r.to.len()).sum::<usize>()
-    }
     antrea::Objects {
         tiers,
         cluster_network_policies: admit_kind(
@@ -144,10 +140,17 @@ fn last_of_each<T: kube::Resource>(
 /// takes them as admitted, only building the Tier table (a policy whose Tier is missing is
 /// still reported and left out). Returns the policies, ACNPs then ANNPs, each kind by
 /// name; interns their selectors in `c`.
+///
+/// Shaped as the admin pass is ([`super::admin`]): workers ([`prepare`], up to `workers`
+/// threads) compile the policies rule by rule, keying every pod set a peer or `appliedTo`
+/// entry names in their own [`SetDict`]; the keys that kept rules use are then interned
+/// in worker order, and each policy is finished on the calling thread
+/// ([`Cluster::antrea_policy`]: set ids, `appliedTo` unions, the subject).
 pub(super) fn antrea_policies(
     c: &mut Cluster,
     objects: &antrea::Objects,
     validate: bool,
+    workers: usize,
     problems: &mut Vec<Problem>,
 ) -> Vec<Policy> {
     if objects.is_empty() {
@@ -165,38 +168,140 @@ pub(super) fn antrea_policies(
     let mut tiers = objects.tiers.clone();
     crate::policy::antrea_tiers::creation_order(&mut tiers);
     let table = TierTable::build(&tiers, &mut Vec::new()).0;
-    let mut out = Vec::new();
     let mut acnps: Vec<_> = objects.cluster_network_policies.iter().collect();
     acnps.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
-    for p in acnps {
-        let object = validate::object_ref(Kind::AntreaClusterNetworkPolicy, &p.metadata);
-        let spec = (&p.spec).into();
-        let annotations = own_annotations(&p.metadata);
-        if let Some(p) = c.antrea_policy(object, spec, None, &table, annotations, problems) {
-            out.push(p);
-        }
-    }
     let mut annps: Vec<_> = objects.network_policies.iter().collect();
     annps.sort_by_key(|p| (meta_namespace(&p.metadata), p.metadata.name.clone()));
-    for p in annps {
-        let object = validate::object_ref(Kind::AntreaNetworkPolicy, &p.metadata);
-        let ns = meta_namespace(&p.metadata);
-        let spec = (&p.spec).into();
-        let annotations = own_annotations(&p.metadata);
-        if let Some(p) = c.antrea_policy(object, spec, Some(&ns), &table, annotations, problems) {
-            out.push(p);
+    let items: Vec<Item<'_>> = acnps
+        .into_iter()
+        .map(|p| Item {
+            kind: Kind::AntreaClusterNetworkPolicy,
+            metadata: &p.metadata,
+            spec: (&p.spec).into(),
+            namespaced: false,
+        })
+        .chain(annps.into_iter().map(|p| Item {
+            kind: Kind::AntreaNetworkPolicy,
+            metadata: &p.metadata,
+            spec: (&p.spec).into(),
+            namespaced: true,
+        }))
+        .collect();
+    let (prepared, dicts) = prepare(&items, c, &table, workers);
+    let mut used: Vec<Vec<bool>> = dicts.iter().map(|d| vec![false; d.sets.len()]).collect();
+    for p in &prepared {
+        if let Some(body) = &p.body {
+            body.keys().for_each(|k| used[p.worker][k as usize] = true);
+        }
+    }
+    let key_sets = intern_used(c, dicts, &used);
+    let mut out = Vec::with_capacity(prepared.len());
+    for p in prepared {
+        problems.extend(p.problems);
+        if let Some(body) = p.body {
+            out.push(c.antrea_policy(body, &key_sets[p.worker]));
         }
     }
     out
 }
 
+/// One admitted Antrea policy, as [`prepare`] reads it.
+struct Item<'a> {
+    kind: Kind,
+    metadata: &'a ObjectMeta,
+    spec: PolicySpecRef<'a>,
+    /// An ANNP (its `metadata.namespace` scopes its selectors), not an ACNP.
+    namespaced: bool,
+}
+
+/// What a worker of [`prepare`] made of one policy.
+struct Prepared {
+    /// A missing Tier (the policy is then left out).
+    problems: Vec<Problem>,
+    /// `None` when the policy is left out: its Tier is missing, or it is an ANNP in a
+    /// namespace nobody declared (no pod lives there: it selects nothing).
+    body: Option<Body>,
+    /// The worker whose [`SetDict`] the body's keys index.
+    worker: usize,
+}
+
+/// A policy compiled on a worker, its pod sets still keys of the worker's [`SetDict`]:
+/// in its rules' `peers.pod_sets` (unsorted) and `relative` peers, and in the
+/// `appliedTo` lists kept beside them.
+struct Body {
+    object: ObjectRef,
+    tier: Tier,
+    rank: u8,
+    priority: f64,
+    tier_name: String,
+    annotations: Box<[(String, String)]>,
+    /// The policy-level `appliedTo` entries' keys; `None` when it has none (every rule then
+    /// has its own).
+    applied_to: Option<Vec<u32>>,
+    /// With no policy-level `appliedTo`: per direction and rule, that rule's entries' keys.
+    rule_applied_to: [Vec<Vec<u32>>; 2],
+    /// Rules by [`Direction`] index.
+    rules: [Vec<Rule>; 2],
+}
+
+impl Body {
+    /// Every key the body holds (with repeats).
+    fn keys(&self) -> impl Iterator<Item = u32> + '_ {
+        let rules = self.rules.iter().flatten();
+        let applied = self.applied_to.iter().chain(self.rule_applied_to.iter().flatten());
+        applied.flatten().copied().chain(rules.flat_map(|r| {
+            let relative = r.peers.relative.iter().map(|rel| rel.pods);
+            r.peers.pod_sets.iter().copied().chain(relative)
+        }))
+    }
+}
+
+/// Compiles `items` on up to `workers` threads (ranges of about equal rules and peers),
+/// each with its own [`SetDict`]. Returns, in item order, what each became, and each
+/// worker's dict.
+fn prepare(
+    items: &[Item<'_>],
+    c: &Cluster,
+    table: &TierTable,
+    workers: usize,
+) -> (Vec<Prepared>, Vec<SetDict>) {
+    let weights: Vec<usize> = items.iter().map(|i| weight(i.spec)).collect();
+    let ranges = balanced_ranges(&weights, workers);
+    let results = par_ranges(items, &ranges, |worker, chunk| {
+        let mut w = Worker { dict: SetDict::default(), c, table };
+        let prepared: Vec<Prepared> = chunk
+            .iter()
+            .map(|item| {
+                let mut problems = Vec::new();
+                let body = w.policy(item, &mut problems);
+                Prepared { problems, body, worker }
+            })
+            .collect();
+        (prepared, w.dict)
+    });
+    let mut prepared = Vec::with_capacity(items.len());
+    let mut dicts = Vec::with_capacity(results.len());
+    for (p, d) in results {
+        prepared.extend(p);
+        dicts.push(d);
+    }
+    (prepared, dicts)
+}
+
+/// About how much compiling a policy takes: its rules and peers.
+fn weight(spec: PolicySpecRef<'_>) -> usize {
+    let rules = spec.ingress.iter().chain(spec.egress);
+    1 + spec.applied_to.len() + rules.map(|r| 1 + r.from.len() + r.to.len()).sum::<usize>()
+}
+
 /// What one peer of a rule selects, before the rule's action decides what an
 /// unevaluable peer means.
 enum PeerSet {
-    /// An interned pod set.
-    Pods(SetKey),
-    /// Pods relative to the subject's namespace.
-    Relative(SetKey, SameNamespaces),
+    /// A pod set: a key of the worker's [`SetDict`] that resolves.
+    Pods(u32),
+    /// Pods relative to the subject's namespace: the key of the peer's pods in every
+    /// namespace.
+    Relative(u32, SameNamespaces),
     /// Node ids.
     Nodes(RoaringBitmap),
     /// An address block.
@@ -208,24 +313,21 @@ enum PeerSet {
     Unevaluable,
 }
 
-/// The selector that selects everything (`{}`).
-fn everything() -> Option<crate::policy::selector::Selector> {
-    selector(&LabelSelector::default())
+/// One worker of [`prepare`]: its dict, and what it reads of the cluster (namespace ids,
+/// the node label index) and the Tier table.
+struct Worker<'c> {
+    dict: SetDict,
+    c: &'c Cluster,
+    table: &'c TierTable,
 }
 
-impl Cluster {
-    /// Compiles one admitted Antrea policy: `namespace` is an ANNP's, `None` for an ACNP.
-    /// `None` (with an error in `problems`) when its Tier does not exist.
-    fn antrea_policy(
-        &mut self,
-        object: ObjectRef,
-        spec: PolicySpecRef<'_>,
-        namespace: Option<&str>,
-        table: &TierTable,
-        annotations: Box<[(String, String)]>,
-        problems: &mut Vec<Problem>,
-    ) -> Option<Policy> {
-        let Some(entry) = table.get(spec.tier) else {
+impl Worker<'_> {
+    /// Compiles one admitted policy. `None` (with an error in `problems`) when its Tier
+    /// does not exist; `None` alone for an ANNP in a namespace nobody declared.
+    fn policy(&mut self, item: &Item<'_>, problems: &mut Vec<Problem>) -> Option<Body> {
+        let spec = item.spec;
+        let object = validate::object_ref(item.kind, item.metadata);
+        let Some(entry) = self.table.get(spec.tier) else {
             problems.push(Problem::error(
                 &object,
                 "spec.tier",
@@ -238,66 +340,46 @@ impl Cluster {
         };
         // No pod lives in a namespace nobody declared: an ANNP there selects nothing (as a
         // NetworkPolicy there does).
-        let ns = match namespace {
-            Some(n) => Some(*self.ns_ids.get(n)?),
-            None => None,
+        let ns = match item.namespaced {
+            true => Some(*self.c.ns_ids.get(&meta_namespace(item.metadata))?),
+            false => None,
         };
         let (tier, rank) = if entry.priority >= rank::ANTREA_BASELINE {
             (Tier::Baseline, entry.priority)
         } else {
             (Tier::Admin, entry.priority)
         };
-        let mut rules: [Vec<Rule>; 2] = [Vec::new(), Vec::new()];
-        let mut subject = RoaringBitmap::new();
-        let spec_set = self.applied_to(spec.applied_to, ns);
-        if let Some(s) = spec_set {
-            subject |= &*self.interner.sets[s as usize];
-        }
+        let applied_to =
+            (!spec.applied_to.is_empty()).then(|| self.applied_to(spec.applied_to, ns));
+        let mut rule_applied_to: [Vec<Vec<u32>>; 2] = Default::default();
+        let mut rules: [Vec<Rule>; 2] =
+            [spec.ingress.len(), spec.egress.len()].map(Vec::with_capacity);
         for (d, list) in [(Direction::Ingress, spec.ingress), (Direction::Egress, spec.egress)] {
             for (i, r) in list.iter().enumerate() {
-                let applied = if spec.applied_to.is_empty() {
-                    let s = self.applied_to(&r.applied_to, ns);
-                    if let Some(s) = s {
-                        subject |= &*self.interner.sets[s as usize];
-                    }
-                    // A rule whose appliedTo selects nothing applies to no subject.
-                    Some(s.unwrap_or_else(|| self.intern(SetKey::Union(Vec::new()))))
-                } else {
-                    None
-                };
-                rules[d as usize].push(self.antrea_rule(i, d, r, ns, applied));
+                if applied_to.is_none() {
+                    rule_applied_to[d as usize].push(self.applied_to(&r.applied_to, ns));
+                }
+                rules[d as usize].push(self.rule(i, d, r, ns));
             }
         }
-        rules.iter_mut().for_each(Vec::shrink_to_fit);
-        let applies = [!rules[0].is_empty(), !rules[1].is_empty()];
-        let (subject, subject_set) = match spec_set {
-            Some(s) => (Arc::clone(&self.interner.sets[s as usize]), Some(s)),
-            None => (Arc::new(subject), None),
-        };
-        let tier_name = tier_object_name(spec.tier).into_owned();
-        Some(Policy {
-            object: Arc::new(object),
+        Some(Body {
+            object,
             tier,
             rank,
             priority: spec.priority,
-            antrea_tier: Some(Arc::from(tier_name)),
-            rules: Arc::new(rules),
-            matchers: [None, None],
-            subject,
-            subject_set,
-            applies,
-            annotations: annotations.into(),
+            tier_name: tier_object_name(spec.tier).into_owned(),
+            annotations: own_annotations(item.metadata),
+            applied_to,
+            rule_applied_to,
+            rules,
         })
     }
 
-    /// The pod set an `appliedTo` list selects (§6), interned; `None` for an empty list.
+    /// The keys of the pod sets an `appliedTo` list selects (§6), those that resolve.
     /// Entries of kinds this engine does not evaluate (group, serviceAccount, service,
     /// nodeSelector, externalEntitySelector; `validate` warns about each) select no pod.
-    fn applied_to(&mut self, list: &[AppliedTo], ns: Option<u32>) -> Option<SetId> {
-        if list.is_empty() {
-            return None;
-        }
-        let mut ids: Vec<SetId> = Vec::new();
+    fn applied_to(&mut self, list: &[AppliedTo], ns: Option<u32>) -> Vec<u32> {
+        let mut keys = Vec::with_capacity(list.len());
         for a in list {
             let AppliedTo {
                 pod_selector,
@@ -316,37 +398,39 @@ impl Cluster {
             if other {
                 continue;
             }
-            let key = match (ns, namespace_selector, pod_selector) {
+            let set = match (ns, namespace_selector, pod_selector) {
                 // ANNP: "podSelector within the ANNP's Namespace only"; a namespaceSelector
                 // is outside its schema (pruned by the API server).
-                (Some(ns), _, Some(p)) => selector(p).map(|p| SetKey::InNamespace(ns, p)),
+                (Some(ns), _, Some(p)) => RawSet::InNamespace(ns, p.into()),
                 // An empty entry: Antrea's group selector keeps the ANNP's namespace and
                 // matches every pod there (`group.go NewGroupSelector`,
                 // `group_entity_index.go match`; antrea-model.md §11.5).
-                (Some(ns), _, None) => everything().map(|all| SetKey::InNamespace(ns, all)),
-                (None, Some(n), Some(p)) => {
-                    selector(n).zip(selector(p)).map(|(n, p)| SetKey::Pods(n, p))
-                }
-                (None, Some(n), None) => selector(n).map(SetKey::Namespaces),
-                (None, None, Some(p)) => {
-                    everything().zip(selector(p)).map(|(n, p)| SetKey::Pods(n, p))
-                }
-                (None, None, None) => None,
+                (Some(ns), _, None) => RawSet::InNamespace(ns, EVERYTHING),
+                (None, Some(n), Some(p)) => RawSet::Pods(n.into(), p.into()),
+                (None, Some(n), None) => RawSet::Namespaces(n.into()),
+                (None, None, Some(p)) => RawSet::Pods(EVERYTHING, p.into()),
+                (None, None, None) => continue,
             };
-            if let Some(k) = key {
-                ids.push(self.intern(k));
+            let k = self.dict.key(set);
+            if self.dict.resolves(k) {
+                keys.push(k);
             }
         }
-        ids.sort_unstable();
-        ids.dedup();
-        Some(match ids.as_slice() {
-            [one] => *one,
-            _ => self.intern(SetKey::Union(ids)),
-        })
+        keys
+    }
+
+    /// The key of a set that resolves, else [`PeerSet::Unevaluable`] (a selector that
+    /// does not compile).
+    fn pods(&mut self, set: RawSet<'_>) -> PeerSet {
+        let k = self.dict.key(set);
+        match self.dict.resolves(k) {
+            true => PeerSet::Pods(k),
+            false => PeerSet::Unevaluable,
+        }
     }
 
     /// One peer of a rule (§7), in a policy of namespace `ns` (an ANNP's) or none (ACNP).
-    fn antrea_peer(&mut self, p: &NetworkPolicyPeer, d: Direction, ns: Option<u32>) -> PeerSet {
+    fn peer(&mut self, p: &NetworkPolicyPeer, d: Direction, ns: Option<u32>) -> PeerSet {
         let NetworkPolicyPeer {
             ip_block,
             pod_selector,
@@ -381,20 +465,13 @@ impl Cluster {
         }
         if let Some(n) = node_selector {
             return match selector(n) {
-                Some(s) => PeerSet::Nodes(self.node_index.resolve(&s)),
+                Some(s) => PeerSet::Nodes(self.c.node_index.resolve(&s)),
                 None => PeerSet::Unevaluable,
             };
         }
         if external_entity_selector.is_some() || *scope == Some(PeerScope::ClusterSet) {
             return PeerSet::Unevaluable;
         }
-        let pods = match pod_selector {
-            Some(p) => match selector(p) {
-                Some(s) => Some(s),
-                None => return PeerSet::Unevaluable,
-            },
-            None => None,
-        };
         if let Some(n) = namespaces {
             let same = match (&n.match_, &n.same_labels) {
                 (Some(NamespaceMatchType::SelfNamespace), _) => SameNamespaces::Own,
@@ -405,44 +482,31 @@ impl Cluster {
                 (None, Some(keys)) => SameNamespaces::Labels(keys.clone().into_boxed_slice()),
                 (None, None) => return PeerSet::Unevaluable,
             };
-            let Some(all) = everything() else { return PeerSet::Unevaluable };
-            let key = match pods {
-                Some(p) => SetKey::Pods(all, p),
-                None => SetKey::Namespaces(all),
+            let set = match pod_selector {
+                Some(p) => RawSet::Pods(EVERYTHING, p.into()),
+                None => RawSet::Namespaces(EVERYTHING),
             };
-            return PeerSet::Relative(key, same);
+            return match self.pods(set) {
+                PeerSet::Pods(k) => PeerSet::Relative(k, same),
+                other => other,
+            };
         }
-        match (namespace_selector, pods, ns) {
-            (Some(n), pods, _) => match (selector(n), pods) {
-                (Some(n), Some(p)) => PeerSet::Pods(SetKey::Pods(n, p)),
-                (Some(n), None) => PeerSet::Pods(SetKey::Namespaces(n)),
-                (None, _) => PeerSet::Unevaluable,
-            },
+        match (namespace_selector, pod_selector, ns) {
+            (Some(n), Some(p), _) => self.pods(RawSet::Pods(n.into(), p.into())),
+            (Some(n), None, _) => self.pods(RawSet::Namespaces(n.into())),
             // ANNP: the pods of the policy's namespace; ACNP: of every namespace.
-            (None, Some(p), Some(ns)) => PeerSet::Pods(SetKey::InNamespace(ns, p)),
-            (None, Some(p), None) => match everything() {
-                Some(all) => PeerSet::Pods(SetKey::Pods(all, p)),
-                None => PeerSet::Unevaluable,
-            },
+            (None, Some(p), Some(ns)) => self.pods(RawSet::InNamespace(ns, p.into())),
+            (None, Some(p), None) => self.pods(RawSet::Pods(EVERYTHING, p.into())),
             // An empty ANNP peer selects its namespace (as an empty appliedTo entry does);
             // an empty ACNP peer selects nothing.
-            (None, None, Some(ns)) => match everything() {
-                Some(all) => PeerSet::Pods(SetKey::InNamespace(ns, all)),
-                None => PeerSet::Unevaluable,
-            },
+            (None, None, Some(ns)) => self.pods(RawSet::InNamespace(ns, EVERYTHING)),
             (None, None, None) => PeerSet::Nothing,
         }
     }
 
-    /// One rule at position `index` of direction `d`, with its rule-level appliedTo set.
-    fn antrea_rule(
-        &mut self,
-        index: usize,
-        d: Direction,
-        r: &antrea::Rule,
-        ns: Option<u32>,
-        applied_to: Option<SetId>,
-    ) -> Rule {
+    /// One rule at position `index` of direction `d`; its `applied_to` is left `None`
+    /// (the finishing step sets it from [`Body::rule_applied_to`]).
+    fn rule(&mut self, index: usize, d: Direction, r: &antrea::Rule, ns: Option<u32>) -> Rule {
         let action = match r.action {
             RuleAction::Allow => Action::Allow,
             RuleAction::Drop => Action::Deny,
@@ -468,20 +532,15 @@ impl Cluster {
             unknown = true;
         }
         for p in list {
-            match self.antrea_peer(p, d, ns) {
-                PeerSet::Pods(k) => peers.pod_sets.push(self.intern(k)),
-                PeerSet::Relative(k, same) => {
-                    let pods = self.intern(k);
-                    peers.relative.push(Relative { pods, same });
-                }
+            match self.peer(p, d, ns) {
+                PeerSet::Pods(k) => peers.pod_sets.push(k),
+                PeerSet::Relative(pods, same) => peers.relative.push(Relative { pods, same }),
                 PeerSet::Nodes(n) => *peers.nodes.get_or_insert_with(RoaringBitmap::new) |= n,
                 PeerSet::Block(b) => peers.blocks.push(b),
                 PeerSet::Nothing => {}
                 PeerSet::Unevaluable => unknown = true,
             }
         }
-        peers.pod_sets.sort_unstable();
-        peers.pod_sets.dedup();
         let mut fail_closed = false;
         let mut action = action;
         if unknown {
@@ -504,17 +563,82 @@ impl Cluster {
             // Only ICMP/IGMP protocols, or only port entries an Allow cannot evaluate.
             peers = PeersBuilder::default();
         }
-        let peers = peers.build();
         Rule {
             name: (!r.name.is_empty()).then(|| r.name.as_str().into()),
             index: index as u32,
             action,
-            peers,
+            peers: peers.build(),
             ports,
             fail_closed,
-            applied_to,
+            applied_to: None,
             enable_logging: r.enable_logging,
             log_label: (!r.log_label.is_empty()).then(|| Arc::from(r.log_label.as_str())),
+        }
+    }
+}
+
+impl Cluster {
+    /// Finishes a policy [`prepare`]d on a worker whose keys are interned (`sets`: the
+    /// worker's key → set id): the rules' pod sets become sorted set ids, each `appliedTo`
+    /// list one set (a union of several), and the subject the union of the policy's or
+    /// of its rules' `appliedTo` sets.
+    fn antrea_policy(&mut self, body: Body, sets: &[SetId]) -> Policy {
+        let Body {
+            object,
+            tier,
+            rank,
+            priority,
+            tier_name,
+            annotations,
+            applied_to,
+            rule_applied_to,
+            mut rules,
+        } = body;
+        let spec_set = applied_to.map(|keys| self.applied_set(&keys, sets));
+        let mut subject = RoaringBitmap::new();
+        for (d, rules) in rules.iter_mut().enumerate() {
+            for (i, rule) in rules.iter_mut().enumerate() {
+                rule.peers.map_pod_sets(|k| sets[k as usize]);
+                for rel in rule.peers.relative.iter_mut() {
+                    rel.pods = sets[rel.pods as usize];
+                }
+                if let Some(keys) = rule_applied_to[d].get(i) {
+                    // A rule whose appliedTo selects nothing applies to no subject.
+                    let s = self.applied_set(keys, sets);
+                    subject |= &*self.interner.sets[s as usize];
+                    rule.applied_to = Some(s);
+                }
+            }
+        }
+        let applies = [!rules[0].is_empty(), !rules[1].is_empty()];
+        let (subject, subject_set) = match spec_set {
+            Some(s) => (Arc::clone(&self.interner.sets[s as usize]), Some(s)),
+            None => (Arc::new(subject), None),
+        };
+        Policy {
+            object: Arc::new(object),
+            tier,
+            rank,
+            priority,
+            antrea_tier: Some(Arc::from(tier_name)),
+            rules: Arc::new(rules),
+            matchers: [None, None],
+            subject,
+            subject_set,
+            applies,
+            annotations: annotations.into(),
+        }
+    }
+
+    /// The one pod set an `appliedTo` list's keys select: the set itself when there is
+    /// one, else the interned union of them (empty for none).
+    fn applied_set(&mut self, keys: &[u32], sets: &[SetId]) -> SetId {
+        let mut ids: Vec<SetId> = keys.iter().map(|&k| sets[k as usize]).collect();
+        ids.sort_unstable();
+        ids.dedup();
+        match ids.as_slice() {
+            [one] => *one,
+            _ => self.intern(SetKey::Union(ids)),
         }
     }
 }

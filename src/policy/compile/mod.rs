@@ -28,9 +28,11 @@
 //! - [`incremental`]: the [`Compiler`], which keeps the compile-time state and patches the
 //!   last snapshot after small changes instead of running the passes again.
 //!
-//! The large parts (pods, admin objects, matchers) run on up to four threads
-//! ([`parallel`]); decisions and problems do not depend on how many, and for one thread
-//! count the snapshot does not depend on thread timing.
+//! The large parts (pods, admin and Antrea objects, matchers) run on up to four threads
+//! ([`parallel`]); their workers key the pod sets that peers name in their own
+//! [`set_dict`], interned afterwards in worker order. Decisions and problems do not depend
+//! on how many threads, and for one thread count the snapshot does not depend on thread
+//! timing.
 //!
 //! The tier order itself lives in one place: [`Tier::ORDER`]. The passes only derive from
 //! it: policies sort by tier through `Tier`'s `Ord` ([`index`]), and the per-pod lists are
@@ -46,6 +48,7 @@ mod incremental;
 mod index;
 mod network;
 mod parallel;
+mod set_dict;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -218,7 +221,13 @@ impl Snapshot {
 
         let mut policies = admin::admin_policies(&mut c, inputs, validate, workers, &mut problems);
         policies.extend(network::network_policies(&mut c, inputs, validate, &mut problems));
-        policies.extend(antrea::antrea_policies(&mut c, &inputs.antrea, validate, &mut problems));
+        policies.extend(antrea::antrea_policies(
+            &mut c,
+            &inputs.antrea,
+            validate,
+            workers,
+            &mut problems,
+        ));
         index::evaluation_order(&mut policies);
         let (port_index, addr_index) = index::matchers_and_indexes(
             &mut policies,
@@ -338,6 +347,65 @@ mod tests {
         assert!(one.problems.iter().any(|p| p.object.name == "bad-priority" && p.is_error()));
         assert!(one.problems.iter().any(|p| p.object.name == "odd-selector" && !p.is_error()));
         assert!(one.snapshot.policies.iter().all(|p| p.object.name != "bad-priority"));
+    }
+
+    /// The Antrea pass spread over workers: same problems, policies and decisions as on
+    /// one, with and without validation (without it, the workers report a missing Tier
+    /// themselves), including an ANNP in a namespace nobody declared.
+    #[test]
+    fn antrea_policies_compile_on_several_workers_as_on_one() {
+        let shape = Shape { namespaces: 40, pods: 800, nodes: 4, ..Shape::LARGE };
+        let mut inputs = synth::cluster(Shape { admin_policies: 2, ..shape }, 5);
+        let antrea_shape = synth::AntreaShape {
+            custom_tiers: 4,
+            acnps_per_tier: 6,
+            annps: 40,
+            rules_per_policy: 8,
+            max_peers: 5,
+        };
+        inputs.antrea = synth::antrea(antrea_shape, shape, 5);
+        let objects = &mut inputs.antrea;
+        // As much work as the pass weighs it (rules and peers): enough to be split.
+        let weight = |spec: crate::policy::api::antrea::PolicySpecRef<'_>| -> usize {
+            let rules = spec.ingress.iter().chain(spec.egress);
+            1 + spec.applied_to.len() + rules.map(|r| 1 + r.from.len() + r.to.len()).sum::<usize>()
+        };
+        let total: usize = objects
+            .cluster_network_policies
+            .iter()
+            .map(|p| weight((&p.spec).into()))
+            .sum::<usize>()
+            + objects.network_policies.iter().map(|p| weight((&p.spec).into())).sum::<usize>();
+        assert!(total > parallel::PARALLEL_MIN_PEERS, "too small to split: {total}");
+        let mut lost = (*objects.cluster_network_policies[3]).clone();
+        lost.metadata.name = Some("in-a-lost-tier".into());
+        lost.spec.tier = "no-such-tier".into();
+        objects.cluster_network_policies.push(Arc::new(lost));
+        let mut stray = (*objects.network_policies[2]).clone();
+        stray.metadata.namespace = Some("nobody-declared-this".into());
+        objects.network_policies.push(Arc::new(stray));
+        for validate in [true, false] {
+            let one = Snapshot::compile_inner(&inputs, Revision(1), validate, 1).0;
+            let lost: Vec<_> =
+                one.problems.iter().filter(|p| p.object.name == "in-a-lost-tier").collect();
+            assert!(lost.iter().any(|p| p.is_error()), "validate {validate}: {:?}", one.problems);
+            let antrea = one.snapshot.policies.iter().filter(|p| p.antrea_tier.is_some());
+            assert_eq!(antrea.count(), 100, "every Antrea policy but the two left out");
+            for workers in [2, 3, 4] {
+                let many = Snapshot::compile_inner(&inputs, Revision(1), validate, workers).0;
+                assert_eq!(one.problems, many.problems, "{workers} workers: problems differ");
+                let names = |s: &Snapshot| -> Vec<ObjectRef> {
+                    s.policies.iter().map(|p| ObjectRef::clone(&p.object)).collect()
+                };
+                assert_eq!(names(&one.snapshot), names(&many.snapshot));
+                assert_eq!(one.snapshot.pod_sets.len(), many.snapshot.pod_sets.len());
+                for f in synth::flows(shape, 3_000, 13) {
+                    let d = many.snapshot.decide(&f);
+                    assert_eq!(one.snapshot.decide(&f), d, "{workers} workers: {f:?}");
+                    assert_eq!(many.snapshot.decide_reference(&f), d, "{workers} workers: {f:?}");
+                }
+            }
+        }
     }
 
     /// Pods given as views (the API-server source's form) compile to the same snapshot
