@@ -102,43 +102,97 @@ pub(super) fn matchers_and_indexes(
 }
 
 /// Per pod (`pods` of them), the ids of the ordered `policies` (sorted by [`place`]) that
-/// apply to it, per tier and direction, in evaluation order; the distinct lists interned. Returns the index into
-/// the distinct lists by pod id, and the distinct lists (ids in order of first use).
+/// apply to it, per tier and direction, in evaluation order; the distinct lists interned.
+/// Returns the index into the distinct lists by pod id, and the distinct lists (ids in
+/// order of first use, by pod id).
+///
+/// The lists are never built per pod. Each pod holds a *list class*: the id of the
+/// sequence of (policy, direction) steps that applied to it so far, nodes of a trie whose
+/// root is the empty list. A step moves every pod of the policy's subject from its class
+/// to that class's child for the step, made once per class and step; pods of one
+/// namespace move together, so a visit is two array reads and a write. Two pods end in
+/// one class exactly when their lists are equal, so each distinct list is then read off
+/// the trie once, from its class up to the root. The trie has at most a node per visit
+/// (16 bytes with its move), against 4 bytes a visit for per-pod lists; with the bench's
+/// Antrea set, 155,631 nodes for 1.24 M visits.
 pub(super) fn per_pod_policies(
     policies: &[Policy],
     pods: usize,
 ) -> (Vec<u32>, Vec<Arc<PodPolicies>>) {
-    let mut per_pod = vec![PodPolicies::default(); pods];
+    /// A trie node: its parent class and the step that made it from its parent.
+    struct Node {
+        parent: u32,
+        policy: u32,
+        direction: Direction,
+    }
+    let mut class = vec![0u32; pods];
+    let root = Node { parent: u32::MAX, policy: u32::MAX, direction: Direction::Ingress };
+    let mut nodes = vec![root];
+    // Per class: the last step that moved it, and the child it moved to then.
+    let mut moved_at = vec![0u32; 1];
+    let mut moved_to = vec![0u32; 1];
+    let mut step = 0u32;
     for (pid, p) in policies.iter().enumerate() {
-        for d in Direction::BOTH {
-            if !p.applies[d as usize] {
+        for direction in Direction::BOTH {
+            if !p.applies[direction as usize] {
                 continue;
             }
+            step += 1;
             // `for_each`: roaring's `fold` walks container by container, where `next`
             // re-checks which container it is in for every pod.
             p.subject.iter().for_each(|pod| {
-                per_pod[pod as usize].by_tier[p.tier.index()][d as usize].push(pid as u32);
+                let from = class[pod as usize] as usize;
+                if moved_at[from] != step {
+                    moved_at[from] = step;
+                    moved_to[from] = nodes.len() as u32;
+                    nodes.push(Node { parent: from as u32, policy: pid as u32, direction });
+                    moved_at.push(0);
+                    moved_to.push(0);
+                }
+                class[pod as usize] = moved_to[from];
             });
         }
     }
 
+    // Final classes numbered in order of first use by pod id; each one's lists read off
+    // the trie once (`moved_to` reused as the numbering, `u32::MAX`: not numbered yet).
+    moved_to.iter_mut().for_each(|n| *n = u32::MAX);
     let mut policy_sets: Vec<Arc<PodPolicies>> = Vec::new();
-    // FxHash: the keys are lists of this compile's own policy ids, which no object can
-    // choose, hashed once per pod (a long list each with a large policy set).
-    let mut set_ids: rustc_hash::FxHashMap<Arc<PodPolicies>, u32> = Default::default();
-    let per_pod: Vec<u32> = per_pod
+    let mut steps: Vec<(u32, Direction)> = Vec::new();
+    let per_pod = class
         .into_iter()
-        .map(|mut lists| {
-            // Kept for the snapshot's life: no spare capacity from the pushes.
-            lists.by_tier.iter_mut().flatten().for_each(Vec::shrink_to_fit);
-            let lists = Arc::new(lists);
-            *set_ids.entry(lists).or_insert_with_key(|lists| {
-                policy_sets.push(Arc::clone(lists));
-                (policy_sets.len() - 1) as u32
-            })
+        .map(|c| {
+            let id = &mut moved_to[c as usize];
+            if *id == u32::MAX {
+                *id = policy_sets.len() as u32;
+                steps.clear();
+                let mut at = c;
+                while at != 0 {
+                    let n = &nodes[at as usize];
+                    steps.push((n.policy, n.direction));
+                    at = n.parent;
+                }
+                policy_sets.push(Arc::new(lists_of(policies, &steps)));
+            }
+            *id
         })
         .collect();
     (per_pod, policy_sets)
+}
+
+/// The per-tier, per-direction lists of `steps` ((policy id, direction), in reverse
+/// order), each allocated to its exact length: a snapshot keeps them for its life.
+fn lists_of(policies: &[Policy], steps: &[(u32, Direction)]) -> PodPolicies {
+    let mut counts = [[0usize; 2]; Tier::COUNT];
+    for &(pid, d) in steps {
+        counts[policies[pid as usize].tier.index()][d as usize] += 1;
+    }
+    let mut lists =
+        PodPolicies { by_tier: counts.map(|per_direction| per_direction.map(Vec::with_capacity)) };
+    for &(pid, d) in steps.iter().rev() {
+        lists.by_tier[policies[pid as usize].tier.index()][d as usize].push(pid);
+    }
+    lists
 }
 
 /// The [`Matcher`]s of every policy direction with at most [`MAX_RULES`] rules, by

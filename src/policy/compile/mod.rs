@@ -408,6 +408,51 @@ mod tests {
         }
     }
 
+    /// The per-pod policy lists read off the list-class trie are, pod by pod, the lists a
+    /// plain walk of every policy's subject builds; each distinct list is kept once, in
+    /// order of first use by pod id, with no spare capacity.
+    #[test]
+    fn per_pod_lists_are_each_pods_policies_in_order_and_interned() {
+        let shape = Shape { namespaces: 30, pods: 600, nodes: 3, ..Shape::LARGE };
+        let mut inputs = synth::cluster(Shape { admin_policies: 6, ..shape }, 9);
+        let antrea = synth::AntreaShape {
+            custom_tiers: 3,
+            acnps_per_tier: 4,
+            annps: 30,
+            rules_per_policy: 4,
+            max_peers: 3,
+        };
+        inputs.antrea = synth::antrea(antrea, shape, 9);
+        let s = Snapshot::compile(&inputs, Revision(1)).snapshot;
+        let pods = s.pods.len();
+        let mut plain = vec![crate::policy::snapshot::PodPolicies::default(); pods];
+        for (pid, p) in s.policies.iter().enumerate() {
+            for d in Direction::BOTH {
+                if p.applies[d as usize] {
+                    for pod in p.subject.iter() {
+                        plain[pod as usize].by_tier[p.tier.index()][d as usize].push(pid as u32);
+                    }
+                }
+            }
+        }
+        let mut first_use = Vec::new();
+        for (pod, want) in plain.iter().enumerate() {
+            let id = s.per_pod[pod] as usize;
+            assert_eq!(*s.policy_sets[id], *want, "pod {pod}");
+            if !first_use.contains(&id) {
+                assert_eq!(id, first_use.len(), "ids in order of first use");
+                first_use.push(id);
+            }
+        }
+        assert_eq!(first_use.len(), s.policy_sets.len(), "every list is some pod's");
+        let distinct: std::collections::HashSet<_> = s.policy_sets.iter().collect();
+        assert_eq!(distinct.len(), s.policy_sets.len(), "each list kept once");
+        assert!(s.policy_sets.len() > 10, "the cluster's pods differ: {}", s.policy_sets.len());
+        let lists = s.policy_sets.iter().flat_map(|l| l.by_tier.iter().flatten());
+        assert!(lists.clone().any(|l| l.len() > 5), "some pods have many policies");
+        assert!(lists.into_iter().all(|l| l.capacity() == l.len()), "no spare capacity");
+    }
+
     /// Pods given as views (the API-server source's form) compile to the same snapshot
     /// as the Pods they came from; a view wins over a Pod of the same name.
     #[test]
