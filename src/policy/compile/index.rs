@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use roaring::RoaringBitmap;
 
-use super::parallel::{balanced_ranges, par_ranges};
+use super::parallel::{par_map_claimed, workers_for};
 use crate::policy::matcher::{
     AddrIndex, FlatSets, MAX_RULES, Matcher, PodAddrs, PodSets, PortIndex, Scratch, block_ranges,
     protocol_index,
@@ -205,19 +205,26 @@ fn build_matchers(
     pods: usize,
     workers: usize,
 ) -> Vec<[Option<Matcher>; 2]> {
-    let weights: Vec<usize> = policies
-        .iter()
-        .map(|p| p.rules.iter().flatten().map(|r| 1 + r.peers.pod_sets.len()).sum())
-        .collect();
-    let ranges = balanced_ranges(&weights, workers);
+    let weight = policies.iter().flat_map(|p| p.rules.iter().flatten());
+    let workers = workers_for(weight.map(|r| 1 + r.peers.pod_sets.len()).sum(), workers);
     let sets = &FlatSets::new(sets, pods);
-    let built = par_ranges(policies, &ranges, |_, chunk| {
-        let mut scratch = Scratch::new(pods);
-        let mut build = |r: &Vec<Rule>| matcher(r, sets, addrs, &mut scratch);
-        chunk.iter().map(|p| [build(&p.rules[0]), build(&p.rules[1])]).collect::<Vec<_>>()
-    });
-    built.into_iter().flatten().collect()
+    // Claimed in batches: a policy's weight foretells its build badly (ranges of equal
+    // weight finished 30 % apart on the bench's Antrea set).
+    par_map_claimed(
+        policies,
+        workers,
+        MATCHER_BATCH,
+        || Scratch::new(pods),
+        |scratch, p| {
+            let mut build = |r: &Vec<Rule>| matcher(r, sets, addrs, scratch);
+            [build(&p.rules[0]), build(&p.rules[1])]
+        },
+    )
 }
+
+/// Policies a matcher worker claims at a time: small enough that the workers finish
+/// together, large enough that claiming costs nothing next to the builds.
+const MATCHER_BATCH: usize = 8;
 
 /// The [`Matcher`] of one policy direction's `rules`, or `None` when they are evaluated
 /// rule by rule: above [`MAX_RULES`] of them, or when their masks need more classes than a

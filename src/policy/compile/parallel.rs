@@ -21,7 +21,7 @@ pub(super) fn default_workers() -> usize {
 /// equal total weight (one range when the total is below [`PARALLEL_MIN_PEERS`]).
 pub(super) fn balanced_ranges(weights: &[usize], workers: usize) -> Vec<std::ops::Range<usize>> {
     let total: usize = weights.iter().sum();
-    let workers = if total < PARALLEL_MIN_PEERS { 1 } else { workers.max(1) };
+    let workers = workers_for(total, workers);
     let mut out = Vec::with_capacity(workers);
     let (mut start, mut acc) = (0, 0);
     for (i, w) in weights.iter().enumerate() {
@@ -33,6 +33,55 @@ pub(super) fn balanced_ranges(weights: &[usize], workers: usize) -> Vec<std::ops
     }
     out.push(start..weights.len());
     out
+}
+
+/// How many of `workers` threads work of `total` weight is spread over: one below
+/// [`PARALLEL_MIN_PEERS`].
+pub(super) fn workers_for(total: usize, workers: usize) -> usize {
+    if total < PARALLEL_MIN_PEERS { 1 } else { workers.max(1) }
+}
+
+/// Maps every item with `work` on `workers` threads (the calling thread and scoped ones)
+/// that claim the next `batch` items until none are left, so a thread that drew cheap
+/// items takes more of them: for work whose cost its weight foretells badly (a matcher's
+/// build depends on how its sets' pods overlap). Each thread gets its own state from
+/// `init`. Results come back in item order; which thread mapped an item must not change
+/// its result. A panic in a worker is resumed on the caller.
+pub(super) fn par_map_claimed<T: Sync, S, R: Send>(
+    items: &[T],
+    workers: usize,
+    batch: usize,
+    init: impl Fn() -> S + Sync,
+    work: impl Fn(&mut S, &T) -> R + Sync,
+) -> Vec<R> {
+    let batch = batch.max(1);
+    if workers <= 1 || items.len() <= batch {
+        let mut state = init();
+        return items.iter().map(|it| work(&mut state, it)).collect();
+    }
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let claim = || {
+        let mut state = init();
+        let mut done: Vec<(usize, Vec<R>)> = Vec::new();
+        loop {
+            let start = next.fetch_add(batch, std::sync::atomic::Ordering::Relaxed);
+            if start >= items.len() {
+                return done;
+            }
+            let end = (start + batch).min(items.len());
+            done.push((start, items[start..end].iter().map(|it| work(&mut state, it)).collect()));
+        }
+    };
+    let mut batches = std::thread::scope(|scope| {
+        let handles: Vec<_> = (1..workers).map(|_| scope.spawn(claim)).collect();
+        let mut all = claim();
+        for h in handles {
+            all.extend(h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)));
+        }
+        all
+    });
+    batches.sort_unstable_by_key(|&(start, _)| start);
+    batches.into_iter().flat_map(|(_, r)| r).collect()
 }
 
 /// Runs `work` on each range of `items` (from [`balanced_ranges`]), the first on the
@@ -108,5 +157,27 @@ mod tests {
         // Small inputs stay on the calling thread.
         assert_eq!(balanced_ranges(&[1, 2, 3], 4), vec![0..3]);
         assert_eq!(balanced_ranges(&[], 4), vec![0..0]);
+    }
+
+    #[test]
+    fn claimed_batches_map_every_item_once_in_order_on_every_thread() {
+        let items: Vec<u64> = (0..1_000).collect();
+        for (workers, batch) in [(1, 4), (2, 1), (2, 7), (3, 4), (4, 1_000), (4, 2_000)] {
+            let threads = std::sync::Mutex::new(std::collections::HashSet::new());
+            let out = par_map_claimed(
+                &items,
+                workers,
+                batch,
+                || 0usize,
+                |mapped, &x| {
+                    *mapped += 1;
+                    threads.lock().unwrap().insert(std::thread::current().id());
+                    x * x
+                },
+            );
+            assert_eq!(out, items.iter().map(|x| x * x).collect::<Vec<_>>(), "{workers}/{batch}");
+            assert!(threads.into_inner().unwrap().len() <= workers);
+        }
+        assert!(par_map_claimed(&[] as &[u8], 4, 4, || (), |_, &x| x).is_empty());
     }
 }
