@@ -16,7 +16,7 @@ use roaring::RoaringBitmap;
 
 use super::cluster::{Cluster, SetKey};
 use super::parallel::{balanced_ranges, par_for_each_mut, par_ranges};
-use super::set_dict::{RawSet, SetDict, intern_used};
+use super::set_dict::{RawSet, SetDict, gather, intern_used};
 use super::{
     Inputs, dedup_sorted, meta_name, own_annotations, port_u16, protocol_or_tcp, selector,
 };
@@ -574,13 +574,7 @@ fn prepare_admin<'a>(
                 .collect();
         (prepared, dict)
     });
-    let mut prepared = Vec::with_capacity(items.len());
-    let mut dicts = Vec::with_capacity(results.len());
-    for (p, d) in results {
-        prepared.extend(p);
-        dicts.push(d);
-    }
-    (prepared, dicts)
+    gather(results, items.len())
 }
 
 /// Tier, priority and subject (`namespaces`, `pods`) of an admin object.

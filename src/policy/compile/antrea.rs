@@ -34,7 +34,7 @@ use roaring::RoaringBitmap;
 
 use super::cluster::{Cluster, SetKey};
 use super::parallel::{balanced_ranges, default_workers, par_ranges};
-use super::set_dict::{EVERYTHING, RawSet, SetDict, intern_used};
+use super::set_dict::{EVERYTHING, RawSet, SetDict, gather, intern_used};
 use super::{meta_namespace, own_annotations, port_u16, protocol_or_tcp, selector};
 use crate::policy::antrea_tiers::{TierTable, tier_object_name};
 use crate::policy::api::antrea::{
@@ -279,17 +279,11 @@ fn prepare(
             .collect();
         (prepared, w.dict)
     });
-    let mut prepared = Vec::with_capacity(items.len());
-    let mut dicts = Vec::with_capacity(results.len());
-    for (p, d) in results {
-        prepared.extend(p);
-        dicts.push(d);
-    }
-    (prepared, dicts)
+    gather(results, items.len())
 }
 
 /// About how much compiling a policy takes: its rules and peers.
-fn weight(spec: PolicySpecRef<'_>) -> usize {
+pub(super) fn weight(spec: PolicySpecRef<'_>) -> usize {
     let rules = spec.ingress.iter().chain(spec.egress);
     1 + spec.applied_to.len() + rules.map(|r| 1 + r.from.len() + r.to.len()).sum::<usize>()
 }

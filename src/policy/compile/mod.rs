@@ -266,6 +266,27 @@ mod tests {
     use crate::policy::problem::ProblemKind;
     use crate::synth::{self, Shape};
 
+    /// Asserts that `many` (compiled on several workers) has `one`'s problems, policies
+    /// in order and decisions on `flows`, and decides them as the reference evaluator
+    /// does.
+    fn assert_compiled_alike(
+        one: &Compiled,
+        many: &Compiled,
+        flows: &[crate::policy::Flow],
+        what: &str,
+    ) {
+        assert_eq!(one.problems, many.problems, "{what}: problems differ");
+        let names = |s: &Snapshot| -> Vec<ObjectRef> {
+            s.policies.iter().map(|p| ObjectRef::clone(&p.object)).collect()
+        };
+        assert_eq!(names(&one.snapshot), names(&many.snapshot), "{what}");
+        for f in flows {
+            let d = many.snapshot.decide(f);
+            assert_eq!(one.snapshot.decide(f), d, "{what}: {f:?}");
+            assert_eq!(many.snapshot.decide_reference(f), d, "{what}: {f:?}");
+        }
+    }
+
     /// A cluster above [`parallel::PARALLEL_MIN_PEERS`], with duplicates, invalid objects and
     /// warnings among the admin objects, so that every part of the parallel path runs.
     fn large_inputs() -> Inputs {
@@ -332,17 +353,9 @@ mod tests {
         let one = Snapshot::compile_inner(&inputs, Revision(1), true, 1).0;
         for workers in [2, 3, 4] {
             let many = Snapshot::compile_inner(&inputs, Revision(1), true, workers).0;
-            assert_eq!(one.problems, many.problems, "{workers} workers: problems differ");
-            let names = |s: &Snapshot| -> Vec<ObjectRef> {
-                s.policies.iter().map(|p| ObjectRef::clone(&p.object)).collect()
-            };
-            assert_eq!(names(&one.snapshot), names(&many.snapshot));
             let shape = Shape { namespaces: 60, pods: 1_200, nodes: 6, ..Shape::LARGE };
-            for f in synth::flows(shape, 5_000, 11) {
-                let d = many.snapshot.decide(&f);
-                assert_eq!(one.snapshot.decide(&f), d, "{workers} workers: {f:?}");
-                assert_eq!(many.snapshot.decide_reference(&f), d, "{workers} workers: {f:?}");
-            }
+            let flows = synth::flows(shape, 5_000, 11);
+            assert_compiled_alike(&one, &many, &flows, &format!("{workers} workers"));
         }
         assert!(one.problems.iter().any(|p| p.object.name == "bad-priority" && p.is_error()));
         assert!(one.problems.iter().any(|p| p.object.name == "odd-selector" && !p.is_error()));
@@ -366,16 +379,10 @@ mod tests {
         inputs.antrea = synth::antrea(antrea_shape, shape, 5);
         let objects = &mut inputs.antrea;
         // As much work as the pass weighs it (rules and peers): enough to be split.
-        let weight = |spec: crate::policy::api::antrea::PolicySpecRef<'_>| -> usize {
-            let rules = spec.ingress.iter().chain(spec.egress);
-            1 + spec.applied_to.len() + rules.map(|r| 1 + r.from.len() + r.to.len()).sum::<usize>()
-        };
-        let total: usize = objects
-            .cluster_network_policies
-            .iter()
-            .map(|p| weight((&p.spec).into()))
-            .sum::<usize>()
-            + objects.network_policies.iter().map(|p| weight((&p.spec).into())).sum::<usize>();
+        let acnps =
+            objects.cluster_network_policies.iter().map(|p| antrea::weight((&p.spec).into()));
+        let annps = objects.network_policies.iter().map(|p| antrea::weight((&p.spec).into()));
+        let total: usize = acnps.chain(annps).sum();
         assert!(total > parallel::PARALLEL_MIN_PEERS, "too small to split: {total}");
         let mut lost = (*objects.cluster_network_policies[3]).clone();
         lost.metadata.name = Some("in-a-lost-tier".into());
@@ -384,6 +391,7 @@ mod tests {
         let mut stray = (*objects.network_policies[2]).clone();
         stray.metadata.namespace = Some("nobody-declared-this".into());
         objects.network_policies.push(Arc::new(stray));
+        let flows = synth::flows(shape, 3_000, 13);
         for validate in [true, false] {
             let one = Snapshot::compile_inner(&inputs, Revision(1), validate, 1).0;
             let lost: Vec<_> =
@@ -393,17 +401,9 @@ mod tests {
             assert_eq!(antrea.count(), 100, "every Antrea policy but the two left out");
             for workers in [2, 3, 4] {
                 let many = Snapshot::compile_inner(&inputs, Revision(1), validate, workers).0;
-                assert_eq!(one.problems, many.problems, "{workers} workers: problems differ");
-                let names = |s: &Snapshot| -> Vec<ObjectRef> {
-                    s.policies.iter().map(|p| ObjectRef::clone(&p.object)).collect()
-                };
-                assert_eq!(names(&one.snapshot), names(&many.snapshot));
-                assert_eq!(one.snapshot.pod_sets.len(), many.snapshot.pod_sets.len());
-                for f in synth::flows(shape, 3_000, 13) {
-                    let d = many.snapshot.decide(&f);
-                    assert_eq!(one.snapshot.decide(&f), d, "{workers} workers: {f:?}");
-                    assert_eq!(many.snapshot.decide_reference(&f), d, "{workers} workers: {f:?}");
-                }
+                let what = format!("validate {validate}, {workers} workers");
+                assert_compiled_alike(&one, &many, &flows, &what);
+                assert_eq!(one.snapshot.pod_sets.len(), many.snapshot.pod_sets.len(), "{what}");
             }
         }
     }

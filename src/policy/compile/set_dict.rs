@@ -71,6 +71,18 @@ impl SetDict {
     }
 }
 
+/// The workers' results (per worker, what it made of its range of `items` items, and its
+/// dict), joined: everything made, in item order, and the dicts, in worker order.
+pub(super) fn gather<P>(results: Vec<(Vec<P>, SetDict)>, items: usize) -> (Vec<P>, Vec<SetDict>) {
+    let mut made = Vec::with_capacity(items);
+    let mut dicts = Vec::with_capacity(results.len());
+    for (p, d) in results {
+        made.extend(p);
+        dicts.push(d);
+    }
+    (made, dicts)
+}
+
 /// Resolves and interns in `c` the pod set of every key of `dicts` that `used` marks
 /// (per worker, per key), in worker order, so set ids do not depend on thread timing.
 /// Returns, per worker, the set id of each of its keys: [`SetId::MAX`] for a key not
