@@ -1,8 +1,10 @@
 //! Spreading the large passes of a compile over threads: contiguous ranges of about equal
-//! work, the first run on the calling thread, the others on scoped threads.
+//! work, the first run on the calling thread, the others on scoped threads; or, where an
+//! item's weight foretells its cost badly (matcher builds), batches that each thread
+//! claims as it becomes free ([`par_map_claimed`]).
 //!
-//! Results come back in range order: what a compile produces may depend on the number of
-//! ranges, never on thread timing.
+//! Results come back in range (or item) order: what a compile produces may depend on the
+//! number of ranges, never on thread timing.
 
 /// Below this many peers in all admin objects together, compiling stays on the calling
 /// thread (spawning costs more than it saves).
