@@ -1,8 +1,9 @@
-//! ClusterIP Services end to end (issue #6): a lab whose nodes carry kube-proxy-like
-//! nftables DNAT for the Services in its manifests, with agents. A client pod connects to
-//! ClusterIPs whose backend is on its own node and on the other node; policy must be decided
-//! on the backend pod (its labels, namespace and target port), never on the ClusterIP, and
-//! the client must see every reply come from the ClusterIP.
+//! ClusterIP and NodePort Services end to end (issues #6 and #22): a lab whose nodes carry
+//! kube-proxy-like nftables DNAT for the Services in its manifests, with agents. A client
+//! pod connects to ClusterIPs whose backend is on its own node and on the other node, and to
+//! node ports of its own node; policy must be decided on the backend pod (its labels,
+//! namespace and target port), never on the ClusterIP or the node port, and the client must
+//! see every reply (and every refusal) come from the address and port it connected to.
 //!
 //! Without the decision after the DNAT (the queue in PREROUTING, before kube-proxy's nat
 //! hook) this fails: the client's egress policy, which allows namespace `b` on 8080 only,
@@ -26,7 +27,10 @@ use common::*;
 /// `b/only-8080` isolates b's pods for ingress except from namespace a on 8080 and UDP 5353;
 /// ANP `guard-vault` denies ingress to `app: vault` from namespace a. Antrea ACNP
 /// `reject-shielded` (Tier `securityops`) rejects ingress to `shielded` (n1) from namespace
-/// a, which reaches it through ClusterIP 10.96.0.13.
+/// a, which reaches it through ClusterIP 10.96.0.13 and node ports 30013 (TCP) and 30053
+/// (UDP). `local` (ClusterIP 10.96.0.10) has node ports 30080, 30054 (UDP) and 30090.
+/// The client, `web-local` and `shielded` are dual-stack, and so are the ClusterIPs of
+/// `local` (fd00:96::10) and `shielded` (fd00:96::13).
 const CLUSTER: &str = r#"
 apiVersion: v1
 kind: Node
@@ -50,7 +54,7 @@ apiVersion: v1
 kind: Pod
 metadata: {name: client, namespace: a, labels: {app: client}}
 spec: {nodeName: n1, containers: [{name: c}]}
-status: {phase: Running, podIP: 10.62.1.2}
+status: {phase: Running, podIP: 10.62.1.2, podIPs: [{ip: 10.62.1.2}, {ip: "fd00:62::1:2"}]}
 ---
 apiVersion: v1
 kind: Pod
@@ -63,7 +67,7 @@ spec:
     - {name: http, containerPort: 8080}
     - {containerPort: 9090}
     - {name: dns, containerPort: 5353, protocol: UDP}
-status: {phase: Running, podIP: 10.62.1.3}
+status: {phase: Running, podIP: 10.62.1.3, podIPs: [{ip: 10.62.1.3}, {ip: "fd00:62::1:3"}]}
 ---
 apiVersion: v1
 kind: Pod
@@ -87,17 +91,19 @@ spec:
     ports:
     - {containerPort: 8080}
     - {containerPort: 5353, protocol: UDP}
-status: {phase: Running, podIP: 10.62.1.4}
+status: {phase: Running, podIP: 10.62.1.4, podIPs: [{ip: 10.62.1.4}, {ip: "fd00:62::1:4"}]}
 ---
 apiVersion: v1
 kind: Service
 metadata: {name: shielded, namespace: b}
 spec:
+  type: NodePort
   clusterIP: 10.96.0.13
+  clusterIPs: [10.96.0.13, "fd00:96::13"]
   selector: {app: shielded}
   ports:
-  - {name: web, port: 80, targetPort: 8080}
-  - {name: dns, port: 53, protocol: UDP, targetPort: 5353}
+  - {name: web, port: 80, targetPort: 8080, nodePort: 30013}
+  - {name: dns, port: 53, protocol: UDP, targetPort: 5353, nodePort: 30053}
 ---
 apiVersion: crd.antrea.io/v1beta1
 kind: ClusterNetworkPolicy
@@ -114,12 +120,14 @@ apiVersion: v1
 kind: Service
 metadata: {name: local, namespace: b}
 spec:
+  type: NodePort
   clusterIP: 10.96.0.10
+  clusterIPs: [10.96.0.10, "fd00:96::10"]
   selector: {app: web-local}
   ports:
-  - {name: web, port: 80, targetPort: http}
-  - {name: dns, port: 53, protocol: UDP, targetPort: dns}
-  - {name: admin, port: 8080, targetPort: 9090}
+  - {name: web, port: 80, targetPort: http, nodePort: 30080}
+  - {name: dns, port: 53, protocol: UDP, targetPort: dns, nodePort: 30054}
+  - {name: admin, port: 8080, targetPort: 9090, nodePort: 30090}
 ---
 apiVersion: v1
 kind: Service
@@ -198,7 +206,7 @@ fn tcp_cycle(
 /// received from `to`.
 fn udp_exchange(netns: &str, to: SocketAddr, n: usize) -> Vec<String> {
     in_netns(netns, || {
-        let s = UdpSocket::bind("0.0.0.0:0").map_err(io("bind"))?;
+        let s = UdpSocket::bind(any_port(to)).map_err(io("bind"))?;
         s.connect(to).map_err(io("connect"))?;
         s.set_read_timeout(Some(Duration::from_secs(3))).map_err(io("timeout"))?;
         let mut answers = Vec::new();
@@ -206,12 +214,17 @@ fn udp_exchange(netns: &str, to: SocketAddr, n: usize) -> Vec<String> {
         for i in 0..n {
             s.send(format!("d{i}").as_bytes()).map_err(io("send"))?;
             let (len, from) = s.recv_from(&mut buf).map_err(io("recv"))?;
-            assert_eq!(from, to, "the answer comes from the ClusterIP");
+            assert_eq!(from, to, "the answer comes from the address the client sent to");
             answers.push(String::from_utf8_lossy(&buf[..len]).into_owned());
         }
         Ok(answers)
     })
-    .expect("UDP through a ClusterIP")
+    .expect("UDP through a Service")
+}
+
+/// The unspecified address of `to`'s family, port 0.
+fn any_port(to: SocketAddr) -> &'static str {
+    if to.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" }
 }
 
 /// The decision records of `audit` (JSON Lines) whose client is the test's client.
@@ -249,8 +262,8 @@ fn decision_to(audit: &Path, dst: &str, port: u64, verdict: &str) -> Value {
 }
 
 #[test]
-fn cluster_ip_flows_are_decided_on_the_backend_pod_and_answered_from_the_cluster_ip() {
-    let test = "cluster_ip_flows_are_decided_on_the_backend_pod_and_answered_from_the_cluster_ip";
+fn service_flows_are_decided_on_the_backend_pod_and_answered_from_the_address_used() {
+    let test = "service_flows_are_decided_on_the_backend_pod_and_answered_from_the_address_used";
     if !netns_available(test) {
         return;
     }
@@ -258,8 +271,8 @@ fn cluster_ip_flows_are_decided_on_the_backend_pod_and_answered_from_the_cluster
     let cluster = lab.file("cluster.yaml", CLUSTER);
     let up = lab.up_with(true, &[&cluster], None);
     assert!(
-        String::from_utf8_lossy(&up.stdout).contains("4 ClusterIP Services")
-            || String::from_utf8_lossy(&up.stderr).contains("4 ClusterIP Services"),
+        String::from_utf8_lossy(&up.stdout).contains("4 Services, ClusterIP and NodePort")
+            || String::from_utf8_lossy(&up.stderr).contains("4 Services, ClusterIP and NodePort"),
         "{}",
         text(&up)
     );
@@ -288,11 +301,36 @@ fn cluster_ip_flows_are_decided_on_the_backend_pod_and_answered_from_the_cluster
         assert!(a.starts_with(&format!("tierproxy-lab {CLIENT_IP} ")), "{a}");
         assert!(a.ends_with(&format!("d{i}")), "{a}");
     }
+    // IPv6: the ClusterIP of the same Service, the client's IPv6 address kept.
+    let (greeting, peer) = tcp_cycle(&client, addr("[fd00:96::10]:80"), Duration::from_secs(3))
+        .expect("same-node backend through an IPv6 ClusterIP");
+    assert!(greeting.starts_with("tierproxy-lab fd00:62::1:2 "), "{greeting}");
+    assert_eq!(peer, addr("[fd00:96::10]:80"));
+    let answers = udp_exchange(&client, addr("[fd00:96::10]:53"), 2);
+    assert!(answers.iter().all(|a| a.starts_with("tierproxy-lab fd00:62::1:2 ")), "{answers:?}");
+    // (c) A node port of the client's node (kube-proxy's NodePort DNAT; the lab keeps the
+    // client's address), TCP and UDP: the same backend, answered from the node's address
+    // and node port.
+    for _ in 0..2 {
+        let (greeting, peer) = tcp_cycle(&client, addr("172.33.0.2:30080"), Duration::from_secs(3))
+            .expect("backend through a node port");
+        assert!(greeting.starts_with(&format!("tierproxy-lab {CLIENT_IP} ")), "{greeting}");
+        assert_eq!(peer, addr("172.33.0.2:30080"));
+    }
+    let answers = udp_exchange(&client, addr("172.33.0.2:30054"), 3);
+    for (i, a) in answers.iter().enumerate() {
+        assert!(a.starts_with(&format!("tierproxy-lab {CLIENT_IP} ")), "{a}");
+        assert!(a.ends_with(&format!("d{i}")), "{a}");
+    }
 
     // Denied on the backend: its target port 9090 (the ClusterIP's port is 8080, which both
     // policies allow), and a backend pod an AdminNetworkPolicy guards. Timeouts, not
     // refusals.
-    for (to, why) in [("10.96.0.10:8080", "target port 9090"), ("10.96.0.12:80", "vault pod")] {
+    for (to, why) in [
+        ("10.96.0.10:8080", "target port 9090"),
+        ("172.33.0.2:30090", "target port 9090 through a node port"),
+        ("10.96.0.12:80", "vault pod"),
+    ] {
         let started = Instant::now();
         let r = tcp_cycle(&client, addr(to), Duration::from_millis(1500));
         let e = r.expect_err(why);
@@ -304,21 +342,37 @@ fn cluster_ip_flows_are_decided_on_the_backend_pod_and_answered_from_the_cluster
     // client would ignore the refusal and time out as for a deny. The RST and the ICMP
     // error come from the kernel's reject where the queue passes no conntrack entry (these
     // machines' kernels), from the agent elsewhere.
-    let started = Instant::now();
-    let e = tcp_cycle(&client, addr("10.96.0.13:80"), Duration::from_millis(1500))
-        .expect_err("rejected through the ClusterIP");
-    assert!(e.contains("refused"), "a refusal: {e}");
-    assert!(started.elapsed() < Duration::from_millis(1000), "at once: {:?}", started.elapsed());
-    let e = in_netns(&client, || {
-        let s = UdpSocket::bind("0.0.0.0:0").map_err(io("bind"))?;
-        s.connect(addr("10.96.0.13:53")).map_err(io("connect"))?;
-        s.set_read_timeout(Some(Duration::from_millis(1500))).map_err(io("timeout"))?;
-        s.send(b"rejected?").map_err(io("send"))?;
-        Ok(s.recv(&mut [0u8; 64]).expect_err("no answer but the refusal"))
-    })
-    .expect("UDP to the rejecting ClusterIP");
-    // ICMP host administratively prohibited: EHOSTUNREACH on a connected socket.
-    assert_eq!(e.kind(), std::io::ErrorKind::HostUnreachable, "{e}");
+    // The same through the node ports of the client's node: the kernel's answer is un-NATed
+    // to the node's address and node port. And over IPv6, where the TPROXY'd SYN is refused
+    // in INPUT and the datagram gets ICMPv6 administratively prohibited.
+    for (tcp, udp) in [
+        ("10.96.0.13:80", "10.96.0.13:53"),
+        ("172.33.0.2:30013", "172.33.0.2:30053"),
+        ("[fd00:96::13]:80", "[fd00:96::13]:53"),
+    ] {
+        let started = Instant::now();
+        let e = tcp_cycle(&client, addr(tcp), Duration::from_millis(1500))
+            .expect_err("rejected through the Service");
+        assert!(e.contains("refused"), "{tcp}: a refusal: {e}");
+        let took = started.elapsed();
+        assert!(took < Duration::from_millis(1000), "{tcp}: at once: {took:?}");
+        let e = in_netns(&client, || {
+            let s = UdpSocket::bind(any_port(addr(udp))).map_err(io("bind"))?;
+            s.connect(addr(udp)).map_err(io("connect"))?;
+            s.set_read_timeout(Some(Duration::from_millis(1500))).map_err(io("timeout"))?;
+            s.send(b"rejected?").map_err(io("send"))?;
+            Ok(s.recv(&mut [0u8; 64]).expect_err("no answer but the refusal"))
+        })
+        .expect("UDP to the rejecting Service");
+        // ICMP host administratively prohibited: EHOSTUNREACH on a connected socket;
+        // ICMPv6 administratively prohibited: EACCES (`icmpv6_err_convert`).
+        let expected = if addr(udp).is_ipv4() {
+            std::io::ErrorKind::HostUnreachable
+        } else {
+            std::io::ErrorKind::PermissionDenied
+        };
+        assert_eq!(e.kind(), expected, "{udp}: {e}");
+    }
 
     // The audit names the backend pod and its target port, never a ClusterIP.
     let local = decision_to(&audit, "10.62.1.3", 8080, "allow");
@@ -339,8 +393,8 @@ fn cluster_ip_flows_are_decided_on_the_backend_pod_and_answered_from_the_cluster
     assert!(
         !all.iter().any(|v| v["attributes"]["destination.address"]
             .as_str()
-            .is_some_and(|a| a.starts_with("10.96."))),
-        "no decision on a ClusterIP: {all:#?}"
+            .is_some_and(|a| a.starts_with("10.96.") || a.starts_with("172.33."))),
+        "no decision on a ClusterIP or a node's address: {all:#?}"
     );
 
     // The DNAT is the lab's: its table in every node namespace.
@@ -353,5 +407,6 @@ fn cluster_ip_flows_are_decided_on_the_backend_pod_and_answered_from_the_cluster
         let listing = String::from_utf8_lossy(&o.stdout);
         assert!(listing.contains("dnat ip to 10.62.1.3:9090"), "{node}: {listing}");
         assert!(listing.contains("numgen random mod 1"), "{node}: {listing}");
+        assert!(listing.contains("tcp dport 30080 jump"), "{node}: {listing}");
     }
 }

@@ -9,7 +9,7 @@
 //! - [`procs`]: background processes (echo servers, agents: [`procs::agent_command`]),
 //!   readiness, stopping, Ctrl-C.
 //! - [`serve`]: the echo server protocol (`tierproxy lab serve`).
-//! - [`service`]: ClusterIP Services from the manifests → kube-proxy-like nftables DNAT in
+//! - [`service`]: ClusterIP and NodePort Services from the manifests → kube-proxy-like nftables DNAT in
 //!   every node namespace.
 //! - [`synth`]: `lab synth`: a lab's manifests plus a large policy set it does not build.
 //! - [`sctp`]: SCTP INIT / INIT ACK / ABORT packets on raw sockets (kernels without SCTP).
@@ -869,7 +869,7 @@ pub fn up_summary(state: &State) -> String {
         String::new()
     } else {
         format!(
-            "; {} ClusterIP Services (nftables table inet {})",
+            "; {} Services, ClusterIP and NodePort (nftables table inet {})",
             p.services.len(),
             service::TABLE
         )

@@ -1,5 +1,5 @@
 //! The lab's topology as a value: which network namespaces, links, addresses, routes,
-//! servers and ClusterIP Services a set of manifests (and probes) asks for. Pure: nothing
+//! servers and ClusterIP and NodePort Services a set of manifests (and probes) asks for. Pure: nothing
 //! here touches the system;
 //! [`Plan::link_script`] and [`Plan::netns_scripts`] render it as `ip -batch` commands.
 //!
@@ -170,7 +170,7 @@ pub struct Plan {
     /// listed (a large synthetic policy set has thousands).
     #[serde(default)]
     pub uninstantiated: Uninstantiated,
-    /// ClusterIP Services, installed as DNAT in every node namespace
+    /// ClusterIP and NodePort Services, installed as DNAT in every node namespace
     /// ([`super::service`]), planned by [`Plan::build`] against the pods it built (absent
     /// in the state files of labs built before Services: none).
     #[serde(default)]
@@ -859,7 +859,7 @@ status: {phase: Running, podIP: 10.0.9.3}
                 "metadata: {name: web, namespace: x}\n\
                  spec: {clusterIP: 10.96.0.10, selector: {app: web}, ports: [{port: 80}]}\n",
             ),
-            service("metadata: {name: np}\nspec: {type: NodePort, clusterIP: 10.96.0.11}\n"),
+            service("metadata: {name: lb}\nspec: {type: LoadBalancer, clusterIP: 10.96.0.11}\n"),
         ];
         let p = Plan::build("t1", &loaded, &compiled.snapshot, &[], &services).unwrap();
         assert_eq!(p.services.len(), 1);
@@ -868,8 +868,8 @@ status: {phase: Running, podIP: 10.0.9.3}
         // x/web-lost is selected but not built (its node is not in the manifests).
         assert_eq!(backends, ["x/web"]);
         let last = p.skipped.last().unwrap();
-        assert_eq!(last.object, "service default/np");
-        assert!(last.reason.contains("NodePort"), "{last:?}");
+        assert_eq!(last.object, "service default/lb");
+        assert!(last.reason.contains("LoadBalancer"), "{last:?}");
 
         let bad = [service("metadata: {name: b}\nspec: {clusterIP: 10.96.0.300}\n")];
         let e = Plan::build("t1", &loaded, &compiled.snapshot, &[], &bad).unwrap_err();

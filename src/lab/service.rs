@@ -1,30 +1,41 @@
-//! ClusterIP Services in the lab: `v1` Service objects read from the lab's manifests and
-//! installed in every node namespace as kube-proxy-like nftables DNAT (issue #6).
+//! ClusterIP and NodePort Services in the lab: `v1` Service objects read from the lab's
+//! manifests and installed in every node namespace as kube-proxy-like nftables DNAT (issues
+//! #6 and #22).
 //!
 //! What a real node does, and the lab copies: kube-proxy (nftables mode) rewrites the
 //! destination of a connection to `spec.clusterIP:port` into one backend pod's
 //! `podIP:targetPort`, chosen at random per connection (`numgen random mod N vmap`), in a
 //! `nat` chain at priority `dstnat` (-100) of the `prerouting` hook (traffic from pods) and
-//! the `output` hook (traffic from the node itself). Conntrack un-NATs the replies, so the
-//! client sees them come from the ClusterIP. tierproxy's interception (mangle, -150) runs
+//! the `output` hook (traffic from the node itself). A NodePort Service's
+//! `spec.ports[].nodePort` on any of the node's own addresses (`fib daddr type local`,
+//! loopback excepted) is rewritten the same way (kube-proxy's `nodeports` chain, its
+//! default `--nodeport-addresses`). Conntrack un-NATs the replies, so the client sees them
+//! come from the ClusterIP or the node's address and node port. tierproxy's interception (mangle, -150) runs
 //! before that DNAT and its decision (mangle INPUT / FORWARD) after it, so a Service flow
 //! is decided on the backend pod and its target port: see the module docs of `redirect`.
 //!
 //! Read here, from the same files the policy loader reads (which skips Services with a
 //! note, leaving the policy inputs unchanged):
-//! - `spec.type`: `ClusterIP` or absent; other types are skipped with a note (their
-//!   ClusterIP part would work, their node ports would not be there).
+//! - `spec.type`: `ClusterIP` (or absent) or `NodePort`; other types (`LoadBalancer`,
+//!   `ExternalName`) are skipped with a note (a LoadBalancer's ClusterIP part would work,
+//!   its load balancer would not be there).
 //! - `spec.clusterIPs` (else `spec.clusterIP`); `None` (headless) is skipped.
 //! - `spec.selector`: equality on every key, against Running pods of the Service's namespace
 //!   that the lab built in a pod namespace (hostNetwork pods are not backends here). No
 //!   selector: no backends (a real cluster's manual EndpointSlices are not read).
 //! - `spec.ports[]`: `port`, `protocol` (default TCP), `targetPort` (default `port`; a number,
 //!   or a name looked up in the backend pod's `containers[].ports[].name` with the same
-//!   protocol, per pod, as kube-proxy resolves it from the EndpointSlice).
+//!   protocol, per pod, as kube-proxy resolves it from the EndpointSlice), `nodePort` (type
+//!   `NodePort` only; the lab allocates none, so a port without one gets its ClusterIP
+//!   part only, with a note).
 //!
 //! Not copied: sessionAffinity, internal/external traffic policy, hairpin masquerade (a pod
 //! reaching itself through its Service), the reject rule kube-proxy adds for Services without
-//! endpoints (here such a port has no rule, and the packet goes on to the fabric).
+//! endpoints (here such a port has no rule, and the packet goes on to the fabric), and the
+//! masquerade of node-port traffic (kube-proxy SNATs it to the node's address under
+//! `externalTrafficPolicy: Cluster`; here the client's address is kept, as under `Local`).
+//! Without that SNAT a backend's replies must pass the node that DNAT'd the connection to
+//! be un-NATed, so a node port is for clients on the node it names or on the backend's.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -82,6 +93,10 @@ pub struct ServicePortPlan {
     pub cluster_ip: IpAddr,
     /// `spec.ports[].port`.
     pub port: u16,
+    /// `spec.ports[].nodePort` of a NodePort Service, on every local address of the node
+    /// of the ClusterIP's family; `None` for a ClusterIP Service.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node_port: Option<u16>,
     /// Running, selected pods of the ClusterIP's family, in manifest order.
     pub backends: Vec<ServiceBackend>,
 }
@@ -101,19 +116,20 @@ mod protocol_name {
     }
 }
 
-/// A ClusterIP Service as the lab installs it.
+/// A ClusterIP or NodePort Service as the lab installs it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ServicePlan {
     /// `metadata.namespace` (default `default`).
     pub namespace: String,
     /// `metadata.name`.
     pub name: String,
-    /// Every (ClusterIP, port) pair.
+    /// Every (ClusterIP, port) pair, with its node port if any.
     pub ports: Vec<ServicePortPlan>,
 }
 
-/// A Service the lab does not build (not of type ClusterIP, or headless), and why; the
-/// plan lists it among what it left out.
+/// A Service, or a part of one, that the lab does not build (not of type ClusterIP or
+/// NodePort, headless, a node port it would have to allocate), and why; the plan lists it
+/// among what it left out.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Unbuilt {
     /// `namespace/name`.
@@ -199,11 +215,12 @@ fn target_port(port: &ServicePort, protocol: Protocol, pod: &Pod) -> Option<u16>
 /// Plans `services` against the pods of the manifests (`pods`); `built` gives the
 /// addresses of a pod (namespace, name) the lab built, `None` for one it did not build (only
 /// built pods are backends). Part of [`Plan::build`](super::plan::Plan::build), which passes
-/// the pods it has just planned. Services that are not of type ClusterIP, or headless, are
-/// returned second, as [`Unbuilt`].
+/// the pods it has just planned. Services that are not of type ClusterIP or NodePort, or
+/// headless, and NodePort ports without a `nodePort`, are returned second, as [`Unbuilt`].
 ///
 /// # Errors
-/// [`ServiceError::Field`] for an invalid ClusterIP, port, target port or protocol.
+/// [`ServiceError::Field`] for an invalid ClusterIP, port, target port, node port or
+/// protocol.
 pub fn plan<'a>(
     services: &[Service],
     pods: &[std::sync::Arc<Pod>],
@@ -227,13 +244,17 @@ pub fn plan<'a>(
             skip(&mut skipped, "no spec".into());
             continue;
         };
-        match spec.type_.as_deref() {
-            None | Some("ClusterIP") => {}
+        let node_ports = match spec.type_.as_deref() {
+            None | Some("ClusterIP") => false,
+            Some("NodePort") => true,
             Some(other) => {
-                skip(&mut skipped, format!("spec.type {other}: the lab builds ClusterIP only"));
+                skip(
+                    &mut skipped,
+                    format!("spec.type {other}: the lab builds ClusterIP and NodePort only"),
+                );
                 continue;
             }
-        }
+        };
         let ip_texts: Vec<String> = match (&spec.cluster_ips, &spec.cluster_ip) {
             (Some(ips), _) if !ips.is_empty() => ips.clone(),
             (_, Some(ip)) => vec![ip.clone()],
@@ -287,6 +308,22 @@ pub fn plan<'a>(
                 }
                 _ => {}
             }
+            let node_port = match sp.node_port {
+                _ if !node_ports => None,
+                None | Some(0) => {
+                    skip(
+                        &mut skipped,
+                        format!(
+                            "spec.ports[{i}].nodePort: none given, and the lab allocates none \
+                             (its ClusterIP part is built)"
+                        ),
+                    );
+                    None
+                }
+                Some(n) => Some(u16::try_from(n).ok().filter(|p| *p != 0).ok_or_else(|| {
+                    field(format!("spec.ports[{i}].nodePort"), format!("{n} is not 1-65535"))
+                })?),
+            };
             for &cluster_ip in &cluster_ips {
                 let backends = backends
                     .iter()
@@ -304,6 +341,7 @@ pub fn plan<'a>(
                     protocol,
                     cluster_ip,
                     port,
+                    node_port,
                     backends,
                 });
             }
@@ -324,9 +362,11 @@ fn l4(protocol: Protocol) -> &'static str {
 /// The `nft -f` script that replaces table `inet` [`TABLE`] with DNAT for `services`, in
 /// kube-proxy's nftables shape: base chains at `prerouting` and `output`, priority
 /// `dstnat`, jump to `services`, which sends each (ClusterIP, protocol, port) to a chain
-/// that picks a backend with `numgen random mod N vmap` and `goto`s its `dnat` chain.
-/// Ports without backends get no rule. One transaction: the `add` + `delete` of the table
-/// make re-running it a replacement.
+/// that picks a backend with `numgen random mod N vmap` and `goto`s its `dnat` chain, and
+/// last sends packets to a local address but loopback to `nodeports`, which sends each
+/// (family, protocol, node port) to the same chain as its ClusterIP port. Ports without
+/// backends get no rule. One transaction: the `add` + `delete` of the table make re-running
+/// it a replacement.
 pub fn nft_script(services: &[ServicePlan]) -> String {
     let mut o = String::new();
     let _ = writeln!(o, "add table inet {TABLE}");
@@ -340,6 +380,7 @@ pub fn nft_script(services: &[ServicePlan]) -> String {
         );
     }
     let mut chains = String::new();
+    let mut node_ports = String::new();
     let _ = writeln!(o, "  chain services {{");
     for (s, svc) in services.iter().enumerate() {
         for (p, port) in svc.ports.iter().enumerate() {
@@ -358,6 +399,16 @@ pub fn nft_script(services: &[ServicePlan]) -> String {
                 svc.name,
                 if port.name.is_empty() { port.port.to_string() } else { port.name.clone() }
             );
+            if let Some(np) = port.node_port {
+                let _ = writeln!(
+                    node_ports,
+                    "    meta nfproto {} {} dport {np} jump {chain} comment \"{}/{} node port\"",
+                    if port.cluster_ip.is_ipv4() { "ipv4" } else { "ipv6" },
+                    l4(port.protocol),
+                    svc.namespace,
+                    svc.name,
+                );
+            }
             let n = port.backends.len();
             let map: Vec<String> = (0..n).map(|e| format!("{e} : goto {chain}-e{e}")).collect();
             let _ = writeln!(
@@ -381,7 +432,14 @@ pub fn nft_script(services: &[ServicePlan]) -> String {
             }
         }
     }
+    if !node_ports.is_empty() {
+        let _ = writeln!(o, "    fib daddr type local ip daddr != 127.0.0.0/8 jump nodeports");
+        let _ = writeln!(o, "    fib daddr type local ip6 daddr != ::1 jump nodeports");
+    }
     let _ = writeln!(o, "  }}");
+    if !node_ports.is_empty() {
+        let _ = write!(o, "  chain nodeports {{\n{node_ports}  }}\n");
+    }
     o.push_str(&chains);
     o.push_str("}\n");
     o
@@ -484,17 +542,67 @@ mod tests {
     }
 
     #[test]
+    fn node_ports_send_local_addresses_to_their_cluster_ip_port_chain() {
+        let mut lab = Built::new(&[("web", "a", "10.0.0.1")]);
+        lab.0[0].2.push("fd00::1".parse().expect("ip"));
+        let svc = service(
+            "metadata: {name: s, namespace: web}\n\
+             spec: {type: NodePort, clusterIPs: [10.96.0.10, 'fd00:96::10'], selector: {app: web}, \
+             ports: [{name: h, port: 80, targetPort: 8080, nodePort: 30080}, \
+             {port: 53, protocol: UDP, targetPort: 5353}]}\n",
+        );
+        let (planned, skipped) = plan(&[svc], &[pod(WEB_A).into()], lab.ips()).expect("plan");
+        let ports = &planned[0].ports;
+        let node_ports: Vec<_> =
+            ports.iter().map(|p| (p.cluster_ip.is_ipv4(), p.node_port)).collect();
+        assert_eq!(
+            node_ports,
+            [(true, Some(30080)), (false, Some(30080)), (true, None), (false, None)]
+        );
+        // The UDP port has no nodePort: the lab allocates none and says so.
+        assert_eq!(skipped.len(), 1, "{skipped:?}");
+        assert!(skipped[0].reason.starts_with("spec.ports[1].nodePort: none given"), "{skipped:?}");
+        let script = nft_script(&planned);
+        for line in [
+            "fib daddr type local ip daddr != 127.0.0.0/8 jump nodeports",
+            "fib daddr type local ip6 daddr != ::1 jump nodeports",
+            "meta nfproto ipv4 tcp dport 30080 jump svc0-0 comment \"web/s node port\"",
+            "meta nfproto ipv6 tcp dport 30080 jump svc0-1 comment \"web/s node port\"",
+        ] {
+            assert!(script.contains(line), "{line}: {script}");
+        }
+        // The ClusterIP rules come first; the node ports last, in a chain of their own.
+        let cluster_ip = script.find("ip daddr 10.96.0.10 tcp dport 80 jump svc0-0").expect("rule");
+        assert!(cluster_ip < script.find("jump nodeports").expect("jump"), "{script}");
+        assert!(!script.contains("udp dport 30080"), "{script}");
+        // Without node ports, no `nodeports` chain and no jump to it.
+        let (planned, _) = plan(
+            &[service("metadata: {name: c, namespace: web}\nspec: {clusterIP: 10.96.0.11, selector: {app: web}, ports: [{port: 80}]}\n")],
+            &[pod(WEB_A).into()],
+            lab.ips(),
+        )
+        .expect("plan");
+        assert!(!nft_script(&planned).contains("nodeports"));
+    }
+
+    #[test]
     fn other_types_and_headless_are_skipped_bad_fields_are_errors() {
         let lab = Built::new(&[]);
-        let np = service(
-            "metadata: {name: np}\nspec: {type: NodePort, clusterIP: 10.96.0.1, ports: [{port: 80}]}\n",
+        let lb = service(
+            "metadata: {name: lb}\nspec: {type: LoadBalancer, clusterIP: 10.96.0.1, ports: [{port: 80}]}\n",
         );
         let headless =
             service("metadata: {name: h}\nspec: {clusterIP: None, ports: [{port: 80}]}\n");
-        let (planned, skipped) = plan(&[np, headless], &[], lab.ips()).expect("plan");
+        let (planned, skipped) = plan(&[lb, headless], &[], lab.ips()).expect("plan");
         assert!(planned.is_empty());
         assert_eq!(skipped.len(), 2);
-        assert!(skipped[0].reason.contains("NodePort"), "{skipped:?}");
+        assert!(skipped[0].reason.contains("LoadBalancer"), "{skipped:?}");
+        assert!(skipped[1].reason.contains("headless"), "{skipped:?}");
+        let bad = service(
+            "metadata: {name: b}\nspec: {type: NodePort, clusterIP: 10.96.0.3, ports: [{port: 80, nodePort: 65536}]}\n",
+        );
+        let e = plan(&[bad], &[], lab.ips()).unwrap_err().to_string();
+        assert_eq!(e, "Service default/b: spec.ports[0].nodePort: 65536 is not 1-65535");
         let bad =
             service("metadata: {name: b}\nspec: {clusterIP: 10.96.0.300, ports: [{port: 80}]}\n");
         let e = plan(&[bad], &[], lab.ips()).unwrap_err().to_string();
