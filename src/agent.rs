@@ -392,6 +392,7 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
         max_len: QUEUE_MAX_LEN,
         udp_kernel,
         refusal_mark: r.bypass_mark.value,
+        tproxy_mark: r.route_mark,
         kernel_refusal: kernel_refusal.clone(),
     };
     // Issue #23: the running agent, if any, hands its queues, listeners, connections and

@@ -135,7 +135,9 @@ metadata: {name: remote, namespace: b}
 spec:
   clusterIP: 10.96.0.11
   selector: {app: web-remote}
-  ports: [{port: 80, targetPort: 8080}]
+  ports:
+  - {port: 80, targetPort: 8080}
+  - {name: dns, port: 53, protocol: UDP, targetPort: 5353}
 ---
 apiVersion: v1
 kind: Service
@@ -409,4 +411,110 @@ fn service_flows_are_decided_on_the_backend_pod_and_answered_from_the_address_us
         assert!(listing.contains("numgen random mod 1"), "{node}: {listing}");
         assert!(listing.contains("tcp dport 30080 jump"), "{node}: {listing}");
     }
+}
+
+/// The UDP datagrams the kernel of namespace `netns` delivered to its sockets, IPv4 and
+/// IPv6 (`Udp: InDatagrams`, `Udp6InDatagrams`).
+fn udp_delivered(netns: &str) -> (u64, u64) {
+    in_netns(netns, || {
+        let v4 = std::fs::read_to_string("/proc/thread-self/net/snmp").map_err(io("snmp"))?;
+        let v6 = std::fs::read_to_string("/proc/thread-self/net/snmp6").map_err(io("snmp6"))?;
+        let udp: Vec<&str> = v4.lines().filter(|l| l.starts_with("Udp: ")).collect();
+        let at = udp[0].split(' ').position(|f| f == "InDatagrams").expect("InDatagrams");
+        let in4 = udp[1].split(' ').nth(at).and_then(|v| v.parse().ok()).expect("a count");
+        let in6 = (v6.lines().find_map(|l| l.strip_prefix("Udp6InDatagrams")))
+            .and_then(|v| v.trim().parse().ok())
+            .expect("Udp6InDatagrams");
+        Ok((in4, in6))
+    })
+    .expect("the namespace's UDP counters")
+}
+
+/// `--udp-path proxy` (issue #22, on kernels without CONFIG_NETFILTER_NETLINK_GLUE_CT, as
+/// these machines' are): a rejected datagram to a ClusterIP, IPv4 or IPv6, or to a node
+/// port is refused from the address the client sent to, and never reaches its server.
+/// For a ClusterIP the queue cannot say which address that was: the datagram (TPROXY'd)
+/// goes on to the proxy, which refuses it, and conntrack, having confirmed the flow's
+/// entry on delivery, un-NATs the refusal. Before this, the refusal came from the
+/// backend's address and the client timed out. UDP to a node port is not TPROXY'd, so the
+/// kernel's reject answers it, as on the kernel path. A server's port unreachable behind a
+/// ClusterIP, which the proxy relays, reaches the client too.
+#[test]
+fn the_udp_proxy_path_refuses_through_a_service_from_the_address_used() {
+    let test = "the_udp_proxy_path_refuses_through_a_service_from_the_address_used";
+    if !netns_available(test) {
+        return;
+    }
+    let lab = Lab::new("svcu");
+    let cluster = lab.file("cluster.yaml", CLUSTER);
+    let o = lab.lab(&[
+        "up",
+        "--manifests",
+        cluster.to_str().expect("path"),
+        "--agent-arg=--udp-path=proxy",
+        "--agent-arg=--metrics-addr=127.0.0.1:9464",
+    ]);
+    assert!(o.status.success(), "lab up failed: {}", text(&o));
+    let client = netns_of_pod(&lab, "a", "client");
+    let addr = |s: &str| s.parse::<SocketAddr>().expect("address");
+    let refusal = |to: SocketAddr| {
+        in_netns(&client, || {
+            let s = UdpSocket::bind(any_port(to)).map_err(io("bind"))?;
+            s.connect(to).map_err(io("connect"))?;
+            s.set_read_timeout(Some(Duration::from_millis(1500))).map_err(io("timeout"))?;
+            s.send(b"refused?").map_err(io("send"))?;
+            Ok(s.recv(&mut [0u8; 64]).expect_err("no answer but the refusal").kind())
+        })
+        .expect("UDP through a Service")
+    };
+    // Allowed: the proxy relays, answers come from the ClusterIP. (Not node ports: UDP to
+    // the node's own addresses is not proxied, and on this path the backend's answers to
+    // it are taken for a flow of their own; see the README's limits.)
+    for to in ["10.96.0.10:53", "[fd00:96::10]:53"] {
+        let answers = udp_exchange(&client, addr(to), 2);
+        for (i, a) in answers.iter().enumerate() {
+            assert!(a.starts_with("tierproxy-lab ") && a.ends_with(&format!("d{i}")), "{to}: {a}");
+        }
+    }
+    use std::io::ErrorKind::{ConnectionRefused, HostUnreachable, PermissionDenied};
+    let shielded = netns_of_pod(&lab, "b", "shielded");
+    let delivered = udp_delivered(&shielded);
+    for (to, expected) in [
+        ("10.96.0.13:53", HostUnreachable),
+        ("172.33.0.2:30053", HostUnreachable),
+        ("[fd00:96::13]:53", PermissionDenied),
+        // web-remote (n2) has no UDP server: its port unreachable, relayed by the proxy.
+        ("10.96.0.11:53", ConnectionRefused),
+    ] {
+        let started = Instant::now();
+        assert_eq!(refusal(addr(to)), expected, "{to}");
+        let took = started.elapsed();
+        assert!(took < Duration::from_millis(1000), "{to}: at once: {took:?}");
+    }
+    // Refused, never delivered: the rejected server's kernel got none of them (a datagram
+    // let on would be there before its client gave up).
+    assert_eq!(udp_delivered(&shielded), delivered, "no rejected datagram reached shielded");
+    // Each rejected datagram decided once, at its first packet (the proxy took that
+    // decision instead of deciding the flow again), and refused once, by the proxy.
+    let n1 = netns_of_node(&lab, "n1");
+    let metrics = in_netns(&n1, || {
+        let mut s = TcpStream::connect("127.0.0.1:9464").map_err(io(&n1))?;
+        s.set_read_timeout(Some(Duration::from_secs(5))).map_err(io(&n1))?;
+        write!(s, "GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n").map_err(io(&n1))?;
+        let mut body = String::new();
+        std::io::Read::read_to_string(&mut s, &mut body).map_err(io(&n1))?;
+        Ok(body)
+    })
+    .expect("metrics reachable in the node's namespace");
+    let value = |sample: &str| -> f64 {
+        metrics
+            .lines()
+            .find(|l| l.starts_with(sample))
+            .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+            .unwrap_or_else(|| panic!("no {sample} in\n{metrics}"))
+    };
+    assert_eq!(value("tierproxy_reject_answers_total{answer=\"icmp_prohibited\"}"), 3.0);
+    assert_eq!(value("tierproxy_decisions_at_accept_total"), 0.0);
+    let audit = Path::new("/run/tierproxy-lab").join(&lab.prefix).join("audit-n1.jsonl");
+    decision_to(&audit, "10.62.1.4", 5353, "reject");
 }

@@ -231,13 +231,18 @@ impl Decider {
     /// it for [`Decider::take`] (the proxy attaches it to the connection it accepts). A flow
     /// the kernel forwards once decided (the kernel-forwarded flows' queue: UDP, SCTP, TCP
     /// from an enforced pod) is never taken; an allowed UDP one is tracked in
-    /// [`Decider::forwarded`] until its conntrack entry goes. In lossless audit mode this
-    /// waits while the audit queue is full.
-    pub fn first_packet(&self, key: FlowKey, proxied: bool) -> Arc<Decision> {
+    /// [`Decider::forwarded`] until its conntrack entry goes. A rejected one is kept too
+    /// when `proxied` and `hand_reject` (the caller lets the packet on to the proxy, which
+    /// refuses it: see `queue`'s reader), so that the proxy takes this decision rather than
+    /// deciding and auditing the flow a second time. In lossless audit mode this waits
+    /// while the audit queue is full.
+    pub fn first_packet(&self, key: FlowKey, proxied: bool, hand_reject: bool) -> Arc<Decision> {
         let started = std::time::Instant::now();
         let admission = self.decide_and_audit(key, DecisionPoint::FirstPacket);
         let d = admission.decision.clone();
-        if d.verdict == Verdict::Allow {
+        if d.verdict == Verdict::Reject && proxied && hand_reject {
+            self.pending.insert(key, admission);
+        } else if d.verdict == Verdict::Allow {
             if proxied {
                 self.pending.insert(key, admission);
             } else if key.protocol == crate::policy::Protocol::Udp
@@ -605,7 +610,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let t = testing::decider(&cluster(), dir.path());
         let d = &t.decider;
-        d.first_packet(key(1000), true);
+        d.first_packet(key(1000), true, false);
         let a = d.take_or_decide(key(1000));
         assert_eq!(a.point, DecisionPoint::FirstPacket);
         assert_eq!(d.stats.decided_at_accept.load(Ordering::Relaxed), 0);

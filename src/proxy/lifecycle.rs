@@ -344,7 +344,7 @@ mod tests {
     #[test]
     fn a_flow_the_queue_decided_takes_the_first_packets_decision() {
         let (_dir, t, registry) = setup(LOOPBACK_CLUSTER);
-        t.decider.first_packet(key(1), true);
+        t.decider.first_packet(key(1), true, false);
         let mut flow = Lifecycle::admit(&t.decider, &registry, key(1)).expect("allowed");
         assert!(flow.open());
         drop(flow);

@@ -62,6 +62,12 @@ pub struct QueueConfig {
     /// `SO_MARK` of the raw sockets that refuse rejected flows ([`super::reject`]): the
     /// bypass mark, so that the ruleset leaves a refusal to the node itself alone.
     pub refusal_mark: u32,
+    /// The mark TPROXY gives the packets it hands to a listener (`redirect` rule 6,
+    /// `--tproxy-mark`: [`crate::config::RedirectConfig::route_mark`]): a queued packet
+    /// carrying it will reach the proxy once accepted; one without it goes on to its
+    /// destination (a TCP SYN from an enforced pod, UDP to the node's own addresses or on
+    /// the kernel path, SCTP).
+    pub tproxy_mark: crate::config::Mark,
     /// The kernel's reject, where the ruleset has the refusal chains: it answers the
     /// rejected packets that came without their conntrack entry
     /// ([`Refuser::refuse_queued`]).
@@ -273,9 +279,20 @@ fn read(
                     let udp_forwarded =
                         config.udp_kernel && key.protocol == crate::policy::Protocol::Udp;
                     let proxied = !(kernel_forwarded || udp_forwarded);
-                    match decider.first_packet(key, proxied).verdict {
+                    let tproxied = p.mark & config.tproxy_mark.mask == config.tproxy_mark.value;
+                    // A rejected datagram that TPROXY hands to the proxy, queued without its
+                    // conntrack entry, goes on to the proxy, which refuses it: delivered, its
+                    // entry is confirmed, so NAT un-does a ClusterIP's DNAT on the refusal,
+                    // which the agent cannot address itself (module docs of `reject`). Only
+                    // one TPROXY'd: any other would go on to its server.
+                    let hand_reject = proxied
+                        && tproxied
+                        && key.protocol == crate::policy::Protocol::Udp
+                        && p.conntrack.is_empty();
+                    match decider.first_packet(key, proxied, hand_reject).verdict {
                         Verdict::Allow => allow(p.mark),
                         Verdict::Deny => drop,
+                        Verdict::Reject if hand_reject => allow(p.mark),
                         Verdict::Reject => {
                             if p.conntrack.is_empty() {
                                 no_conntrack_warning(num, config.kernel_refusal.is_some());
@@ -285,7 +302,7 @@ fn read(
                                 p.payload,
                                 p.mark,
                                 original.as_ref(),
-                                proxied,
+                                tproxied,
                             );
                             count_refusal(&key, sent, &decider.stats);
                             match mark {
@@ -349,20 +366,21 @@ static UNSENT: crate::limits::Hits = crate::limits::Hits::new();
 /// Says once per process that the kernel passes no conntrack entry with queued packets
 /// (`NFQA_CT` needs CONFIG_NETFILTER_NETLINK_GLUE_CT; these machines' kernel lacks it), and
 /// what that costs: with the refusal chains (`kernel_refusal`) the kernel's reject answers
-/// TCP and kernel-path UDP, so only SCTP and proxy-path UDP to a ClusterIP or NodePort go
-/// unanswered; without them every rejected flow to one does.
+/// TCP and UDP that was not TPROXY'd, and the proxy a TPROXY'd datagram (the reader lets
+/// it on), so only SCTP to a ClusterIP or NodePort goes unanswered; without them every
+/// rejected TCP flow or kernel-forwarded datagram to one does.
 fn no_conntrack_warning(queue: u16, kernel_refusal: bool) {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
         if kernel_refusal {
             tracing::warn!(
                 queue,
-                "rejected packet queued without its conntrack entry (kernel without CONFIG_NETFILTER_NETLINK_GLUE_CT): the kernel's reject refuses rejected TCP and UDP; rejected SCTP associations and --udp-path proxy flows to a ClusterIP or NodePort are refused from the backend's address, which their clients ignore (they time out, as for a deny)"
+                "rejected packet queued without its conntrack entry (kernel without CONFIG_NETFILTER_NETLINK_GLUE_CT): the kernel's reject refuses rejected TCP and UDP; rejected SCTP associations to a ClusterIP or NodePort are refused from the backend's address, which their clients ignore (they time out, as for a deny)"
             );
         } else {
             tracing::warn!(
                 queue,
-                "rejected packet queued without its conntrack entry (kernel without CONFIG_NETFILTER_NETLINK_GLUE_CT) and no refusal chains (the iptables backend without nft): rejected flows to a ClusterIP or NodePort are refused from the backend's address, which their clients ignore (they time out, as for a deny)"
+                "rejected packet queued without its conntrack entry (kernel without CONFIG_NETFILTER_NETLINK_GLUE_CT) and no refusal chains (the iptables backend without nft): rejected flows to a ClusterIP or NodePort, but --udp-path proxy datagrams, are refused from the backend's address, which their clients ignore (they time out, as for a deny)"
             );
         }
     });

@@ -40,8 +40,13 @@
 //! with the reject mark, and the ruleset's refusal chains, right after the decision
 //! (`redirect` rule 8), refuse it with the same answers as the table above. The kernel
 //! attaches the packet's conntrack entry to its answer, and NAT un-does the DNAT on it
-//! (`nf_send_reset`, `icmp_send`). SCTP and TPROXY'd UDP to a ClusterIP stay refused from
-//! the backend's address, which their clients ignore. The risk named above is held small:
+//! (`nf_send_reset`, `icmp_send`). A TPROXY'd datagram (`--udp-path proxy`) cannot be
+//! refused so (the kernel's ICMP source must be local): the reader lets it on to the
+//! proxy, which takes the reader's decision and refuses it; delivered, the flow's entry is
+//! confirmed, so conntrack relates the refusal to it and NAT un-does the DNAT (the ruleset
+//! keeps the agent's ICMP out of the upstream legs' zone, `redirect` rule 0). SCTP to a
+//! ClusterIP stays refused from the backend's address, which its client ignores (nothing in
+//! the kernel sends an ABORT for a packet). The risk named above is held small:
 //! no other program's chain sits between the decision (-150) and the refusal chains
 //! (-149), and packets are handed over only once those chains are installed.
 //!

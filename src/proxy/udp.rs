@@ -387,9 +387,11 @@ fn datagram(
     let mut life = match Lifecycle::admit(decider, registry, key) {
         Ok(life) => life,
         Err(verdict) => {
-            // A datagram the queue did not decide (a full queue failing open, a decision
-            // that aged out) or decided under an older snapshot: dropped, and refused as
-            // the queue refuses, when rejected.
+            // A datagram the queue rejected and let on (it came without its conntrack
+            // entry: delivered, the entry is confirmed, and NAT un-does a ClusterIP's DNAT
+            // on this refusal; `queue`'s reader), one it did not decide (a full queue
+            // failing open, a decision that aged out) or decided under an older snapshot:
+            // dropped, and refused as the queue refuses, when rejected.
             table.stats.dropped.fetch_add(1, Ordering::Relaxed);
             if verdict == crate::policy::eval::Verdict::Reject {
                 let refusal = super::reject::datagram_refusal(src, dst, payload.len());

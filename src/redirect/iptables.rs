@@ -23,9 +23,9 @@ use std::net::IpAddr;
 
 use super::exec::Cmd;
 use super::{
-    Backend, BackendKind, COMMENT_ENFORCED, COMMENT_NODE_SOURCE, COMMENT_POD_SOURCE,
-    COMMENT_STRAY_TCP, DropCounts, Names, QUEUED_PROTOCOLS, QueueWhen, RedirectError, RulesetSpec,
-    by_family, routing, tproxy_protocols,
+    Backend, BackendKind, COMMENT_AGENT_ICMP, COMMENT_ENFORCED, COMMENT_NODE_SOURCE,
+    COMMENT_POD_SOURCE, COMMENT_STRAY_TCP, DropCounts, Names, QUEUED_PROTOCOLS, QueueWhen,
+    RedirectError, RulesetSpec, by_family, routing, tproxy_protocols,
 };
 use crate::config::{RedirectConfig, UdpPath};
 
@@ -620,6 +620,17 @@ fn raw_input(spec: &RulesetSpec, fam: Family, o: &mut String) {
              -m mark --mark {bypass} -j MARK --set-xmark 0x0/{:#x}",
             bypass.mask
         );
+        // The agent's own ICMP errors (refusals, relayed port unreachables) carry the bypass
+        // mark too, but belong to the client's flow: in the default zone conntrack finds it
+        // (RELATED) and NAT un-does a ClusterIP's or node port's DNAT on them.
+        let icmp = match fam {
+            Family::V4 => "icmp",
+            Family::V6 => "ipv6-icmp",
+        };
+        let _ = writeln!(
+            o,
+            "-A {zout} -p {icmp} -m comment --comment \"{COMMENT_AGENT_ICMP}\" -j RETURN"
+        );
         let _ = writeln!(
             o,
             "-A {zout} -m comment --comment \"tierproxy: proxy upstream sockets, own zone\" \
@@ -1002,7 +1013,7 @@ mod tests {
             raw.lines().filter(|l| l.starts_with("-A TIERPROXY-ZONE")).count()
         };
         assert_eq!(rules(0), 0);
-        assert_eq!(rules(7), 5);
+        assert_eq!(rules(7), 6);
     }
 
     #[test]

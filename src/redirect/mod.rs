@@ -89,7 +89,11 @@
 //!    18 of 10,000 connections at concurrency 8 lost their SYN, and new connections/s
 //!    fell from 2,600 at concurrency 1 to 2,500 at 8; with it, none, and 4,000/s. The
 //!    client legs stay in the default zone, where kube-proxy's DNAT and the conntrack
-//!    mark of rule 3 live.
+//!    mark of rule 3 live. So do the agent's own ICMP errors (refusals of rejected
+//!    datagrams, relayed port unreachables: `proxy::reject`, `proxy::icmp`), which carry
+//!    the bypass mark too: OUTPUT returns ICMP and ICMPv6 first, so that conntrack finds
+//!    the client's flow they quote (RELATED) and NAT un-does a ClusterIP's or node port's
+//!    DNAT on them, as on the kernel's own errors.
 //!
 //! PREROUTING (`TIERPROXY`, nft `prerouting`):
 //!
@@ -295,6 +299,10 @@ use crate::config::{BackendChoice, ConfigError, RedirectConfig, UdpPath};
 
 pub use self::iptables::{IptablesBackend, IptablesCommands};
 pub use self::nft::NftablesBackend;
+
+/// Comment of the rule that keeps the agent's own ICMP errors out of the upstream legs'
+/// conntrack zone (rule 0).
+pub(crate) const COMMENT_AGENT_ICMP: &str = "tierproxy: agent ICMP errors, default zone";
 
 /// Comment of chain S's rule 2, by which [`Backend::drop_counts`] finds its counter.
 pub(crate) const COMMENT_NODE_SOURCE: &str = "tierproxy: node address from outside, forged";

@@ -746,6 +746,12 @@ fn apply_batch(spec: &RulesetSpec) -> Nftables<'static> {
                 b.rule(ZONE_IN_CHAIN, comment, expr);
             }
         }
+        // The agent's ICMP errors in the client's zone: see the iptables backend.
+        b.rule(
+            ZONE_OUT_CHAIN,
+            super::COMMENT_AGENT_ICMP,
+            vec![l4proto_in(&["icmp", "ipv6-icmp"]), Statement::Return(None)],
+        );
         b.rule(
             ZONE_OUT_CHAIN,
             "tierproxy: proxy upstream sockets, own zone",
