@@ -9,8 +9,8 @@
 //! - [`procs`]: background processes (echo servers, agents: [`procs::agent_command`]),
 //!   readiness, stopping, Ctrl-C.
 //! - [`serve`]: the echo server protocol (`tierproxy lab serve`).
-//! - [`service`]: ClusterIP and NodePort Services from the manifests → kube-proxy-like nftables DNAT in
-//!   every node namespace.
+//! - [`service`]: ClusterIP and NodePort Services from the manifests → kube-proxy-like
+//!   nftables DNAT in every node namespace.
 //! - [`synth`]: `lab synth`: a lab's manifests plus a large policy set it does not build.
 //! - [`sctp`]: SCTP INIT / INIT ACK / ABORT packets on raw sockets (kernels without SCTP).
 //! - [`probe`]: real connections from inside namespaces.

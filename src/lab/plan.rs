@@ -1,6 +1,6 @@
 //! The lab's topology as a value: which network namespaces, links, addresses, routes,
-//! servers and ClusterIP and NodePort Services a set of manifests (and probes) asks for. Pure: nothing
-//! here touches the system;
+//! servers and ClusterIP and NodePort Services a set of manifests (and probes) asks for.
+//! Pure: nothing here touches the system;
 //! [`Plan::link_script`] and [`Plan::netns_scripts`] render it as `ip -batch` commands.
 //!
 //! Shape (one lab, prefix `P`):

@@ -10,9 +10,10 @@
 //! `spec.ports[].nodePort` on any of the node's own addresses (`fib daddr type local`,
 //! loopback excepted) is rewritten the same way (kube-proxy's `nodeports` chain, its
 //! default `--nodeport-addresses`). Conntrack un-NATs the replies, so the client sees them
-//! come from the ClusterIP or the node's address and node port. tierproxy's interception (mangle, -150) runs
-//! before that DNAT and its decision (mangle INPUT / FORWARD) after it, so a Service flow
-//! is decided on the backend pod and its target port: see the module docs of `redirect`.
+//! come from the ClusterIP or the node's address and node port. tierproxy's interception
+//! (mangle, -150) runs before that DNAT and its decision (mangle INPUT / FORWARD) after it,
+//! so a Service flow is decided on the backend pod and its target port: see the module docs
+//! of `redirect`.
 //!
 //! Read here, from the same files the policy loader reads (which skips Services with a
 //! note, leaving the policy inputs unchanged):

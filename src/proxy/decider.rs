@@ -602,6 +602,39 @@ mod tests {
         FlowKey { src, dst: "10.60.1.3:8080".parse().unwrap(), protocol: Protocol::Tcp }
     }
 
+    /// Issue #22: a rejected first packet that the queue's reader lets on to the proxy
+    /// (`hand_reject`) leaves its decision for the proxy to take, so the flow is decided,
+    /// counted and audited once; one the reader refuses itself leaves nothing.
+    #[test]
+    fn a_rejected_first_packet_handed_to_the_proxy_is_taken_not_decided_again() {
+        let dir = tempfile::tempdir().unwrap();
+        let rejecting = format!(
+            "{}---
+apiVersion: crd.antrea.io/v1beta1
+kind: ClusterNetworkPolicy
+metadata: {{name: reject-all}}
+spec:
+  priority: 1
+  tier: securityops
+  appliedTo: [{{podSelector: {{}}}}]
+  ingress: [{{action: Reject, from: [{{podSelector: {{}}}}]}}]
+",
+            cluster()
+        );
+        let t = testing::decider(&rejecting, dir.path());
+        let d = &t.decider;
+        let udp = |sport| FlowKey { protocol: Protocol::Udp, ..key(sport) };
+        assert_eq!(d.first_packet(udp(1000), true, true).verdict, Verdict::Reject);
+        let a = d.take_or_decide(udp(1000));
+        assert_eq!((a.point, a.decision.verdict), (DecisionPoint::FirstPacket, Verdict::Reject));
+        assert_eq!(d.stats.decided_at_accept.load(Ordering::Relaxed), 0);
+        assert_eq!(d.stats.rejected.load(Ordering::Relaxed), 1);
+        // Refused by the reader: nothing kept, a later take decides anew.
+        d.first_packet(udp(2000), true, false);
+        assert_eq!(d.take_or_decide(udp(2000)).point, DecisionPoint::Accept);
+        assert_eq!(d.stats.decided_at_accept.load(Ordering::Relaxed), 1);
+    }
+
     /// Issue #17, item 6: a flow the proxy takes without a first-packet decision (the
     /// kernel let it through a full fail-open queue) is decided there, counted, and audited
     /// as decided at accept; one the queue decided keeps its first packet's decision.
