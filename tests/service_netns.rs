@@ -436,12 +436,13 @@ fn udp_delivered(netns: &str) -> (u64, u64) {
 /// For a ClusterIP the queue cannot say which address that was: the datagram (TPROXY'd)
 /// goes on to the proxy, which refuses it, and conntrack, having confirmed the flow's
 /// entry on delivery, un-NATs the refusal. Before this, the refusal came from the
-/// backend's address and the client timed out. UDP to a node port is not TPROXY'd, so the
-/// kernel's reject answers it, as on the kernel path. A server's port unreachable behind a
-/// ClusterIP, which the proxy relays, reaches the client too.
+/// backend's address and the client timed out. UDP to a node port is not TPROXY'd (the
+/// node's own address): the kernel forwards an allowed flow, its answers included, and
+/// its reject answers a rejected one, as on the kernel path. A server's port unreachable
+/// behind a ClusterIP, which the proxy relays, reaches the client too.
 #[test]
-fn the_udp_proxy_path_refuses_through_a_service_from_the_address_used() {
-    let test = "the_udp_proxy_path_refuses_through_a_service_from_the_address_used";
+fn the_udp_proxy_path_answers_and_refuses_through_a_service_from_the_address_used() {
+    let test = "the_udp_proxy_path_answers_and_refuses_through_a_service_from_the_address_used";
     if !netns_available(test) {
         return;
     }
@@ -467,10 +468,11 @@ fn the_udp_proxy_path_refuses_through_a_service_from_the_address_used() {
         })
         .expect("UDP through a Service")
     };
-    // Allowed: the proxy relays, answers come from the ClusterIP. (Not node ports: UDP to
-    // the node's own addresses is not proxied, and on this path the backend's answers to
-    // it are taken for a flow of their own; see the README's limits.)
-    for to in ["10.96.0.10:53", "[fd00:96::10]:53"] {
+    // Allowed: the proxy relays, answers come from the ClusterIP; UDP to a node port is
+    // forwarded by the kernel (the node's own address), answers from the node port. The
+    // backend's answers to a node port once passed the proxy's interception as a flow of
+    // their own and never reached the client.
+    for to in ["10.96.0.10:53", "[fd00:96::10]:53", "172.33.0.2:30054"] {
         let answers = udp_exchange(&client, addr(to), 2);
         for (i, a) in answers.iter().enumerate() {
             assert!(a.starts_with("tierproxy-lab ") && a.ends_with(&format!("d{i}")), "{to}: {a}");

@@ -24,8 +24,8 @@ use std::net::IpAddr;
 use super::exec::Cmd;
 use super::{
     Backend, BackendKind, COMMENT_AGENT_ICMP, COMMENT_ENFORCED, COMMENT_NODE_SOURCE,
-    COMMENT_POD_SOURCE, COMMENT_STRAY_TCP, DropCounts, Names, QUEUED_PROTOCOLS, QueueWhen,
-    RedirectError, RulesetSpec, by_family, routing, tproxy_protocols,
+    COMMENT_POD_SOURCE, COMMENT_STRAY_TCP, COMMENT_UDP_TO_NODE, DropCounts, Names,
+    QUEUED_PROTOCOLS, QueueWhen, RedirectError, RulesetSpec, by_family, routing, tproxy_protocols,
 };
 use crate::config::{RedirectConfig, UdpPath};
 
@@ -384,9 +384,18 @@ fn restore_input(spec: &RulesetSpec, fam: Family) -> String {
     );
     // Rule 5: UDP to the node's own addresses is forwarded by the kernel after its first
     // packet's decision (the proxy cannot take a hostNetwork server's address and port).
+    // Its connection is marked on its first datagram, before any DNAT (the route bit,
+    // which otherwise marks TCP connections only): a node port's flow is DNAT'd to a pod,
+    // whose answers pass here from a local pod, and neither they nor the flow's later
+    // datagrams are intercepted or queued.
+    let _ = writeln!(
+        o,
+        "-A {chain} -p udp -m comment --comment \"{COMMENT_UDP_TO_NODE}\" \
+         -m set --match-set {nodes} dst -m conntrack --ctstate NEW -j CONNMARK --set-xmark {route}"
+    );
     let udp_to_node = format!(
         "-p udp -m comment --comment \"tierproxy: UDP to the node itself, decided\" \
-         -m set --match-set {nodes} dst -m conntrack ! --ctstate NEW -j RETURN"
+         -m connmark --mark {route} -m conntrack ! --ctstate NEW -j RETURN"
     );
     let _ = writeln!(o, "-A {chain} {udp_to_node}");
     // Rule 6: packets of pod flows not owned by a proxy socket, egress then ingress → the
@@ -528,9 +537,10 @@ fn restore_input(spec: &RulesetSpec, fam: Family) -> String {
                 (format!(" {SYN}"), &queue_target)
             }
             QueueWhen::Always => {
+                // After the DNAT: a node port's flow by its connection mark (rule 5).
                 let _ = writeln!(
                     o,
-                    "-A {queue} -p {proto} -m set --match-set {nodes} dst -j NFQUEUE {forwarded}{bypass_flag}"
+                    "-A {queue} -p {proto} -m connmark --mark {route} -j NFQUEUE {forwarded}{bypass_flag}"
                 );
                 (String::new(), &queue_target)
             }

@@ -161,6 +161,12 @@
 //! 5. **UDP to the node's own addresses, not `ctstate NEW` → return.** The proxy cannot
 //!    take a hostNetwork server's address and port for its reply socket, so UDP to the node
 //!    is decided on its first packet (rule 7) and then delivered by the kernel, like SCTP.
+//!    The first datagram marks its connection (`CONNMARK` / `ct mark` with the route bit,
+//!    which otherwise marks TCP connections only), here, before any DNAT; later datagrams
+//!    return by that mark, in both directions. A node port's flow is DNAT'd to a pod, so
+//!    its answers come from a local pod: matched by the node's address they were taken
+//!    for a UDP flow of their own (rule 6) and proxied to the client from the node's
+//!    address (`--udp-path proxy`; found by `tests/service_netns.rs`).
 //! 6. **Source or destination a local pod → intercept** (iptables chain
 //!    `TIERPROXY-INTERCEPT`): first, TCP that is not a SYN and that conntrack sees as `NEW`
 //!    (picked up mid-stream) or `INVALID` is dropped and counted: it belongs to no
@@ -303,6 +309,9 @@ pub use self::nft::NftablesBackend;
 /// Comment of the rule that keeps the agent's own ICMP errors out of the upstream legs'
 /// conntrack zone (rule 0).
 pub(crate) const COMMENT_AGENT_ICMP: &str = "tierproxy: agent ICMP errors, default zone";
+
+/// Comment of rule 5's connection mark on the first datagram of a UDP flow to the node.
+pub(crate) const COMMENT_UDP_TO_NODE: &str = "tierproxy: UDP to the node itself, marked";
 
 /// Comment of chain S's rule 2, by which [`Backend::drop_counts`] finds its counter.
 pub(crate) const COMMENT_NODE_SOURCE: &str = "tierproxy: node address from outside, forged";

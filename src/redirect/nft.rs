@@ -832,17 +832,29 @@ fn apply_batch(spec: &RulesetSpec) -> Nftables<'static> {
     }
     // Rule 5: UDP to the node's own addresses is forwarded by the kernel after its first
     // packet's decision (the proxy cannot take a hostNetwork server's address and port).
-    let udp_to_node = |fam: Fam| {
+    // Its connection marked on its first datagram, before any DNAT: see the iptables
+    // backend (a node port's answers, from a local pod, are not intercepted either).
+    for fam in [V4, V6] {
+        b.rule(
+            CHAIN,
+            super::COMMENT_UDP_TO_NODE,
+            vec![
+                l4proto_in(&["udp"]),
+                in_set(fam, "daddr", fam.nodes),
+                is(ct_state(), Operator::EQ, str_expr("new")),
+                set_ct_mark(c.route_mark),
+            ],
+        );
+    }
+    let udp_to_node = || {
         vec![
             l4proto_in(&["udp"]),
-            in_set(fam, "daddr", fam.nodes),
+            ct_mark_set(c.route_mark),
             is(ct_state(), Operator::NEQ, str_expr("new")),
             Statement::Return(None),
         ]
     };
-    for fam in [V4, V6] {
-        b.rule(CHAIN, "tierproxy: UDP to the node itself, decided", udp_to_node(fam));
-    }
+    b.rule(CHAIN, "tierproxy: UDP to the node itself, decided", udp_to_node());
     // Rules 6 and 7: packets of pod flows not owned by a proxy socket, egress then ingress:
     // TCP SYNs (their connection marked for rule 3) and UDP not to the node's own addresses
     // → the proxy's listener; then a drop for those nft's tproxy found no listener for (xt
@@ -995,9 +1007,7 @@ fn apply_batch(spec: &RulesetSpec) -> Nftables<'static> {
     for fam in [V4, V6] {
         b.rule(DECIDE_CHAIN, "tierproxy: from the node itself", from_node(fam));
     }
-    for fam in [V4, V6] {
-        b.rule(DECIDE_CHAIN, "tierproxy: UDP to the node itself, decided", udp_to_node(fam));
-    }
+    b.rule(DECIDE_CHAIN, "tierproxy: UDP to the node itself, decided", udp_to_node());
 
     // A SYN of a class the snapshot in force allowed (the cache is emptied at each new
     // snapshot): no queue trip. The proxy decides and audits it when it accepts it; a
@@ -1071,13 +1081,14 @@ fn apply_batch(spec: &RulesetSpec) -> Nftables<'static> {
                     }
                     QueueWhen::Always => {
                         // UDP to the node is forwarded by the kernel once decided: its own
-                        // queue, which never fails open when full.
+                        // queue, which never fails open when full. After the DNAT: a node
+                        // port's flow by its connection mark (rule 5).
                         b.rule(
                             DECIDE_CHAIN,
                             comment,
                             vec![
                                 l4proto_in(&[proto]),
-                                in_set(fam, "daddr", fam.nodes),
+                                ct_mark_set(c.route_mark),
                                 in_set(fam, field, fam.pods),
                                 forwarded_queue(c),
                             ],
