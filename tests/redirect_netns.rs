@@ -233,9 +233,9 @@ fn iptables_lifecycle(test: &str, cmds: IptablesCommands) {
         (&cmds.ip6tables_restore, &cmds.ip6tables_save),
     ] {
         let expected = rendered_rules(&rendered, restore);
-        // 34 in mangle, 9 in raw (3 checking sources, 6 for the upstream legs' conntrack
+        // 34 in mangle, 8 in raw (3 checking sources, 5 for the upstream legs' conntrack
         // zone).
-        assert_eq!(expected.len(), 43, "{restore} section of:\n{rendered}");
+        assert_eq!(expected.len(), 42, "{restore} section of:\n{rendered}");
         let raw = ns.sh(&[save, "-t", "raw"]);
         let saved = ns.sh(&[save, "-t", "mangle"]);
         let ours: Vec<&str> =
@@ -468,7 +468,10 @@ fn nftables_apply_update_remove() {
              socket mark & 0x00000080 == 0x00000080 ct zone set 29808",
             "ip saddr @pods-v4 meta l4proto != udp socket mark & 0x00000080 == 0x00000080 \
              ct zone set 29808",
-            "meta mark & 0x00000080 == 0x00000080 ct zone set 29808",
+            "meta mark & 0x00000080 == 0x00000080 meta l4proto != { icmp, ipv6-icmp } ct zone \
+             set 29808",
+            "meta l4proto udp ip daddr @nodes-v4 ct state new ct mark set ct mark | 0x00002000",
+            "meta l4proto udp ct mark & 0x00002000 == 0x00002000 ct state != new return",
             "iifname \"lo\" ip saddr @nodes-v4 return",
             "ip saddr @nodes-v4 counter packets 0 bytes 0 drop",
             "iifname @podif fib saddr . iif oif missing counter packets 0 bytes 0 drop",

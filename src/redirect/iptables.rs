@@ -23,9 +23,9 @@ use std::net::IpAddr;
 
 use super::exec::Cmd;
 use super::{
-    Backend, BackendKind, COMMENT_AGENT_ICMP, COMMENT_ENFORCED, COMMENT_NODE_SOURCE,
-    COMMENT_POD_SOURCE, COMMENT_STRAY_TCP, COMMENT_UDP_TO_NODE, DropCounts, Names,
-    QUEUED_PROTOCOLS, QueueWhen, RedirectError, RulesetSpec, by_family, routing, tproxy_protocols,
+    Backend, BackendKind, COMMENT_ENFORCED, COMMENT_NODE_SOURCE, COMMENT_POD_SOURCE,
+    COMMENT_STRAY_TCP, COMMENT_UDP_TO_NODE, DropCounts, Names, QUEUED_PROTOCOLS, QueueWhen,
+    RedirectError, RulesetSpec, by_family, routing, tproxy_protocols,
 };
 use crate::config::{RedirectConfig, UdpPath};
 
@@ -630,20 +630,17 @@ fn raw_input(spec: &RulesetSpec, fam: Family, o: &mut String) {
              -m mark --mark {bypass} -j MARK --set-xmark 0x0/{:#x}",
             bypass.mask
         );
-        // The agent's own ICMP errors (refusals, relayed port unreachables) carry the bypass
-        // mark too, but belong to the client's flow: in the default zone conntrack finds it
-        // (RELATED) and NAT un-does a ClusterIP's or node port's DNAT on them.
+        // Not ICMP: the agent's own ICMP errors (refusals, relayed port unreachables) carry
+        // the bypass mark too, but belong to the client's flow: in the default zone
+        // conntrack finds it (RELATED) and NAT un-does a ClusterIP's DNAT on them. In the
+        // same rule, so that an upstream packet costs no second one.
         let icmp = match fam {
             Family::V4 => "icmp",
             Family::V6 => "ipv6-icmp",
         };
         let _ = writeln!(
             o,
-            "-A {zout} -p {icmp} -m comment --comment \"{COMMENT_AGENT_ICMP}\" -j RETURN"
-        );
-        let _ = writeln!(
-            o,
-            "-A {zout} -m comment --comment \"tierproxy: proxy upstream sockets, own zone\" \
+            "-A {zout} ! -p {icmp} -m comment --comment \"tierproxy: proxy upstream sockets, own zone\" \
              -m mark --mark {bypass} {ct}"
         );
     }
@@ -1023,7 +1020,7 @@ mod tests {
             raw.lines().filter(|l| l.starts_with("-A TIERPROXY-ZONE")).count()
         };
         assert_eq!(rules(0), 0);
-        assert_eq!(rules(7), 6);
+        assert_eq!(rules(7), 5);
     }
 
     #[test]

@@ -91,9 +91,9 @@
 //!    client legs stay in the default zone, where kube-proxy's DNAT and the conntrack
 //!    mark of rule 3 live. So do the agent's own ICMP errors (refusals of rejected
 //!    datagrams, relayed port unreachables: `proxy::reject`, `proxy::icmp`), which carry
-//!    the bypass mark too: OUTPUT returns ICMP and ICMPv6 first, so that conntrack finds
-//!    the client's flow they quote (RELATED) and NAT un-does a ClusterIP's or node port's
-//!    DNAT on them, as on the kernel's own errors.
+//!    the bypass mark too: OUTPUT's zone rule spares ICMP and ICMPv6, so that conntrack
+//!    finds the client's flow they quote (RELATED) and NAT un-does a ClusterIP's DNAT on
+//!    them, as on the kernel's own errors.
 //!
 //! PREROUTING (`TIERPROXY`, nft `prerouting`):
 //!
@@ -305,10 +305,6 @@ use crate::config::{BackendChoice, ConfigError, RedirectConfig, UdpPath};
 
 pub use self::iptables::{IptablesBackend, IptablesCommands};
 pub use self::nft::NftablesBackend;
-
-/// Comment of the rule that keeps the agent's own ICMP errors out of the upstream legs'
-/// conntrack zone (rule 0).
-pub(crate) const COMMENT_AGENT_ICMP: &str = "tierproxy: agent ICMP errors, default zone";
 
 /// Comment of rule 5's connection mark on the first datagram of a UDP flow to the node.
 pub(crate) const COMMENT_UDP_TO_NODE: &str = "tierproxy: UDP to the node itself, marked";

@@ -746,16 +746,20 @@ fn apply_batch(spec: &RulesetSpec) -> Nftables<'static> {
                 b.rule(ZONE_IN_CHAIN, comment, expr);
             }
         }
-        // The agent's ICMP errors in the client's zone: see the iptables backend.
-        b.rule(
-            ZONE_OUT_CHAIN,
-            super::COMMENT_AGENT_ICMP,
-            vec![l4proto_in(&["icmp", "ipv6-icmp"]), Statement::Return(None)],
+        // Not the agent's ICMP errors, which belong to the client's flow: see the iptables
+        // backend.
+        let not_icmp = is(
+            meta(MetaKey::L4proto),
+            Operator::NEQ,
+            Expression::Named(NamedExpression::Set(vec![
+                SetItem::Element(str_expr("icmp")),
+                SetItem::Element(str_expr("ipv6-icmp")),
+            ])),
         );
         b.rule(
             ZONE_OUT_CHAIN,
             "tierproxy: proxy upstream sockets, own zone",
-            vec![mark_set(c.bypass_mark), zone()],
+            vec![mark_set(c.bypass_mark), not_icmp, zone()],
         );
     }
 
@@ -841,7 +845,7 @@ fn apply_batch(spec: &RulesetSpec) -> Nftables<'static> {
             vec![
                 l4proto_in(&["udp"]),
                 in_set(fam, "daddr", fam.nodes),
-                is(ct_state(), Operator::EQ, str_expr("new")),
+                is(ct_state(), Operator::IN, str_expr("new")),
                 set_ct_mark(c.route_mark),
             ],
         );
