@@ -827,25 +827,9 @@ fn every_agent_audits_allow_deny_pass_and_close_to_an_otlp_receiver_on_the_host(
     assert_eq!(code, Some(0), "{}", text(&o));
     // Each agent serves its metrics in its node's namespace.
     let n1 = netns_of_node(&lab, "n1");
-    let get = |path: &str| -> String {
-        in_netns(&n1, || {
-            let mut s = std::net::TcpStream::connect("127.0.0.1:9464").map_err(io(&n1))?;
-            s.set_read_timeout(Some(Duration::from_secs(5))).map_err(io(&n1))?;
-            write!(s, "GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").map_err(io(&n1))?;
-            let mut body = String::new();
-            s.read_to_string(&mut body).map_err(io(&n1))?;
-            Ok(body)
-        })
-        .expect("metrics reachable in the node's namespace")
-    };
+    let get = |path: &str| agent_http(&n1, path);
     let metrics = get("/metrics");
-    let value = |line_start: &str| -> f64 {
-        metrics
-            .lines()
-            .find(|l| l.starts_with(line_start))
-            .and_then(|l| l.rsplit(' ').next()?.parse().ok())
-            .unwrap_or_else(|| panic!("no {line_start} in\n{metrics}"))
-    };
+    let value = |sample: &str| metric_value(&metrics, sample);
     assert!(value("tierproxy_decisions_total{verdict=\"allow\"}") >= 1.0);
     assert!(value("tierproxy_decisions_total{verdict=\"deny\"}") >= 1.0);
     assert!(value("tierproxy_connections_opened_total") >= 1.0);
@@ -2000,23 +1984,8 @@ fn an_antrea_reject_rule_refuses_tcp_udp_and_sctp_at_once_and_a_drop_stays_silen
     );
     assert_eq!(code, Some(0), "{}", text(&o));
 
-    let n1 = netns_of_node(&lab, "n1");
-    let metrics = in_netns(&n1, || {
-        let mut s = std::net::TcpStream::connect("127.0.0.1:9464").map_err(io(&n1))?;
-        s.set_read_timeout(Some(Duration::from_secs(5))).map_err(io(&n1))?;
-        write!(s, "GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n").map_err(io(&n1))?;
-        let mut body = String::new();
-        s.read_to_string(&mut body).map_err(io(&n1))?;
-        Ok(body)
-    })
-    .expect("metrics reachable in the node's namespace");
-    let value = |sample: &str| -> f64 {
-        metrics
-            .lines()
-            .find(|l| l.starts_with(sample))
-            .and_then(|l| l.rsplit(' ').next()?.parse().ok())
-            .unwrap_or_else(|| panic!("no {sample} in\n{metrics}"))
-    };
+    let metrics = agent_http(&netns_of_node(&lab, "n1"), "/metrics");
+    let value = |sample: &str| metric_value(&metrics, sample);
     // One refusal per rejected first packet: a refused client sends no second one.
     assert_eq!(value("tierproxy_reject_answers_total{answer=\"tcp_reset\"}"), 3.0);
     assert_eq!(value("tierproxy_reject_answers_total{answer=\"icmp_prohibited\"}"), 2.0);

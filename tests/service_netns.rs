@@ -498,23 +498,8 @@ fn the_udp_proxy_path_answers_and_refuses_through_a_service_from_the_address_use
     assert_eq!(udp_delivered(&shielded), delivered, "no rejected datagram reached shielded");
     // Each rejected datagram decided once, at its first packet (the proxy took that
     // decision instead of deciding the flow again), and refused once, by the proxy.
-    let n1 = netns_of_node(&lab, "n1");
-    let metrics = in_netns(&n1, || {
-        let mut s = TcpStream::connect("127.0.0.1:9464").map_err(io(&n1))?;
-        s.set_read_timeout(Some(Duration::from_secs(5))).map_err(io(&n1))?;
-        write!(s, "GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n").map_err(io(&n1))?;
-        let mut body = String::new();
-        std::io::Read::read_to_string(&mut s, &mut body).map_err(io(&n1))?;
-        Ok(body)
-    })
-    .expect("metrics reachable in the node's namespace");
-    let value = |sample: &str| -> f64 {
-        metrics
-            .lines()
-            .find(|l| l.starts_with(sample))
-            .and_then(|l| l.rsplit(' ').next()?.parse().ok())
-            .unwrap_or_else(|| panic!("no {sample} in\n{metrics}"))
-    };
+    let metrics = agent_http(&netns_of_node(&lab, "n1"), "/metrics");
+    let value = |sample: &str| metric_value(&metrics, sample);
     assert_eq!(value("tierproxy_reject_answers_total{answer=\"icmp_prohibited\"}"), 3.0);
     assert_eq!(value("tierproxy_decisions_at_accept_total"), 0.0);
     let audit = Path::new("/run/tierproxy-lab").join(&lab.prefix).join("audit-n1.jsonl");

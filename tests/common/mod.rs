@@ -97,6 +97,32 @@ pub fn io(what: &str) -> impl Fn(std::io::Error) -> tierproxy::lab::LabError + '
     }
 }
 
+/// The HTTP/1.0 response (status line, headers, body) of a lab agent's metrics server at
+/// 127.0.0.1:9464 in `netns` (the agent started with `--metrics-addr=127.0.0.1:9464`) to
+/// `GET path`.
+pub fn agent_http(netns: &str, path: &str) -> String {
+    use std::io::{Read, Write};
+    tierproxy::lab::netns::in_netns(netns, || {
+        let mut s = std::net::TcpStream::connect("127.0.0.1:9464").map_err(io(netns))?;
+        s.set_read_timeout(Some(Duration::from_secs(5))).map_err(io(netns))?;
+        write!(s, "GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").map_err(io(netns))?;
+        let mut body = String::new();
+        s.read_to_string(&mut body).map_err(io(netns))?;
+        Ok(body)
+    })
+    .expect("metrics reachable in the node's namespace")
+}
+
+/// The value of the first sample of `metrics` (a Prometheus text exposition) whose line
+/// starts with `sample` (a name, with labels if any). Panics, showing `metrics`, if none.
+pub fn metric_value(metrics: &str, sample: &str) -> f64 {
+    metrics
+        .lines()
+        .find(|l| l.starts_with(sample))
+        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+        .unwrap_or_else(|| panic!("no {sample} in\n{metrics}"))
+}
+
 /// What a connected UDP socket of `netns`, bound to `from` (port 0), hears back within
 /// 5 s after sending one datagram to `to`: `Ok(())` for an answer, else the error's kind
 /// (`ConnectionRefused` for an ICMP port unreachable, `WouldBlock` for nothing).
