@@ -180,6 +180,9 @@ spec:
 
 const CLIENT_IP: &str = "10.62.1.2";
 
+/// The client's IPv6 address.
+const CLIENT_IP6: &str = "fd00:62::1:2";
+
 /// One TCP connection from `netns` to `to`: the greeting line, then an echo. The stream's
 /// peer is `to` (a connected socket takes segments from `to` only, so the greeting arriving
 /// at all shows that the replies were un-NATed to the ClusterIP).
@@ -222,6 +225,24 @@ fn udp_exchange(netns: &str, to: SocketAddr, n: usize) -> Vec<String> {
         Ok(answers)
     })
     .expect("UDP through a Service")
+}
+
+/// Asserts that a TCP connection from `netns` to `to` is served, to the client address
+/// `client` (the server greets with the address it saw) and from `to` (the stream's peer).
+fn served_tcp(netns: &str, to: SocketAddr, client: &str) {
+    let (greeting, peer) = tcp_cycle(netns, to, Duration::from_secs(3))
+        .unwrap_or_else(|e| panic!("{to}: not served: {e}"));
+    assert!(greeting.starts_with(&format!("tierproxy-lab {client} ")), "{to}: {greeting}");
+    assert_eq!(peer, to);
+}
+
+/// Asserts that `n` datagrams from `netns` to `to` are each answered, from `to`, by a
+/// server that saw the client address `client`.
+fn served_udp(netns: &str, to: SocketAddr, n: usize, client: &str) {
+    for (i, a) in udp_exchange(netns, to, n).iter().enumerate() {
+        assert!(a.starts_with(&format!("tierproxy-lab {client} ")), "{to}: {a}");
+        assert!(a.ends_with(&format!("d{i}")), "{to}: {a}");
+    }
 }
 
 /// The unspecified address of `to`'s family, port 0.
@@ -286,44 +307,23 @@ fn service_flows_are_decided_on_the_backend_pod_and_answered_from_the_address_us
     // ingress from a on 8080), source preserved, replies from the ClusterIP. Several
     // connections: each is a new SYN to the ClusterIP.
     for _ in 0..3 {
-        let (greeting, peer) = tcp_cycle(&client, addr("10.96.0.10:80"), Duration::from_secs(3))
-            .expect("same-node backend through the ClusterIP");
-        assert!(greeting.starts_with(&format!("tierproxy-lab {CLIENT_IP} ")), "{greeting}");
-        assert_eq!(peer, addr("10.96.0.10:80"));
+        served_tcp(&client, addr("10.96.0.10:80"), CLIENT_IP);
     }
     // (b) Backend on the other node.
-    let (greeting, peer) = tcp_cycle(&client, addr("10.96.0.11:80"), Duration::from_secs(3))
-        .expect("cross-node backend through the ClusterIP");
-    assert!(greeting.starts_with(&format!("tierproxy-lab {CLIENT_IP} ")), "{greeting}");
-    assert_eq!(peer, addr("10.96.0.11:80"));
+    served_tcp(&client, addr("10.96.0.11:80"), CLIENT_IP);
     // UDP: every datagram to the ClusterIP reaches the backend's 5353 and is answered from
     // the ClusterIP (the later ones, too, which the proxy's listener takes again).
-    let answers = udp_exchange(&client, addr("10.96.0.10:53"), 3);
-    for (i, a) in answers.iter().enumerate() {
-        assert!(a.starts_with(&format!("tierproxy-lab {CLIENT_IP} ")), "{a}");
-        assert!(a.ends_with(&format!("d{i}")), "{a}");
-    }
+    served_udp(&client, addr("10.96.0.10:53"), 3, CLIENT_IP);
     // IPv6: the ClusterIP of the same Service, the client's IPv6 address kept.
-    let (greeting, peer) = tcp_cycle(&client, addr("[fd00:96::10]:80"), Duration::from_secs(3))
-        .expect("same-node backend through an IPv6 ClusterIP");
-    assert!(greeting.starts_with("tierproxy-lab fd00:62::1:2 "), "{greeting}");
-    assert_eq!(peer, addr("[fd00:96::10]:80"));
-    let answers = udp_exchange(&client, addr("[fd00:96::10]:53"), 2);
-    assert!(answers.iter().all(|a| a.starts_with("tierproxy-lab fd00:62::1:2 ")), "{answers:?}");
+    served_tcp(&client, addr("[fd00:96::10]:80"), CLIENT_IP6);
+    served_udp(&client, addr("[fd00:96::10]:53"), 2, CLIENT_IP6);
     // (c) A node port of the client's node (kube-proxy's NodePort DNAT; the lab keeps the
     // client's address), TCP and UDP: the same backend, answered from the node's address
     // and node port.
     for _ in 0..2 {
-        let (greeting, peer) = tcp_cycle(&client, addr("172.33.0.2:30080"), Duration::from_secs(3))
-            .expect("backend through a node port");
-        assert!(greeting.starts_with(&format!("tierproxy-lab {CLIENT_IP} ")), "{greeting}");
-        assert_eq!(peer, addr("172.33.0.2:30080"));
+        served_tcp(&client, addr("172.33.0.2:30080"), CLIENT_IP);
     }
-    let answers = udp_exchange(&client, addr("172.33.0.2:30054"), 3);
-    for (i, a) in answers.iter().enumerate() {
-        assert!(a.starts_with(&format!("tierproxy-lab {CLIENT_IP} ")), "{a}");
-        assert!(a.ends_with(&format!("d{i}")), "{a}");
-    }
+    served_udp(&client, addr("172.33.0.2:30054"), 3, CLIENT_IP);
 
     // Denied on the backend: its target port 9090 (the ClusterIP's port is 8080, which both
     // policies allow), and a backend pod an AdminNetworkPolicy guards. Timeouts, not
@@ -472,11 +472,12 @@ fn the_udp_proxy_path_answers_and_refuses_through_a_service_from_the_address_use
     // forwarded by the kernel (the node's own address), answers from the node port. The
     // backend's answers to a node port once passed the proxy's interception as a flow of
     // their own and never reached the client.
-    for to in ["10.96.0.10:53", "[fd00:96::10]:53", "172.33.0.2:30054"] {
-        let answers = udp_exchange(&client, addr(to), 2);
-        for (i, a) in answers.iter().enumerate() {
-            assert!(a.starts_with("tierproxy-lab ") && a.ends_with(&format!("d{i}")), "{to}: {a}");
-        }
+    for (to, from) in [
+        ("10.96.0.10:53", CLIENT_IP),
+        ("[fd00:96::10]:53", CLIENT_IP6),
+        ("172.33.0.2:30054", CLIENT_IP),
+    ] {
+        served_udp(&client, addr(to), 2, from);
     }
     use std::io::ErrorKind::{ConnectionRefused, HostUnreachable, PermissionDenied};
     let shielded = netns_of_pod(&lab, "b", "shielded");
