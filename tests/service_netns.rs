@@ -30,12 +30,12 @@ use common::*;
 /// a, which reaches it through ClusterIP 10.96.0.13 and node ports 30013 (TCP) and 30053
 /// (UDP). `local` (ClusterIP 10.96.0.10) has node ports 30080, 30054 (UDP) and 30090.
 /// The client, `web-local` and `shielded` are dual-stack, and so are the ClusterIPs of
-/// `local` (fd00:96::10) and `shielded` (fd00:96::13).
+/// `local` (fd00:96::10) and `shielded` (fd00:96::13), and n1 (fd00:33::2).
 const CLUSTER: &str = r#"
 apiVersion: v1
 kind: Node
 metadata: {name: n1}
-status: {addresses: [{type: InternalIP, address: 172.33.0.2}]}
+status: {addresses: [{type: InternalIP, address: 172.33.0.2}, {type: InternalIP, address: "fd00:33::2"}]}
 ---
 apiVersion: v1
 kind: Node
@@ -324,6 +324,9 @@ fn service_flows_are_decided_on_the_backend_pod_and_answered_from_the_address_us
         served_tcp(&client, addr("172.33.0.2:30080"), CLIENT_IP);
     }
     served_udp(&client, addr("172.33.0.2:30054"), 3, CLIENT_IP);
+    // The node's IPv6 address: the node port of the IPv6 ClusterIP's port.
+    served_tcp(&client, addr("[fd00:33::2]:30080"), CLIENT_IP6);
+    served_udp(&client, addr("[fd00:33::2]:30054"), 2, CLIENT_IP6);
 
     // Denied on the backend: its target port 9090 (the ClusterIP's port is 8080, which both
     // policies allow), and a backend pod an AdminNetworkPolicy guards. Timeouts, not
@@ -350,6 +353,7 @@ fn service_flows_are_decided_on_the_backend_pod_and_answered_from_the_address_us
     for (tcp, udp) in [
         ("10.96.0.13:80", "10.96.0.13:53"),
         ("172.33.0.2:30013", "172.33.0.2:30053"),
+        ("[fd00:33::2]:30013", "[fd00:33::2]:30053"),
         ("[fd00:96::13]:80", "[fd00:96::13]:53"),
     ] {
         let started = Instant::now();
