@@ -374,7 +374,17 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
             .context("starting the conntrack event thread")?;
         Some(Sweeper::open().context("opening ctnetlink sockets (--udp-path proxy does without)")?)
     } else {
-        None
+        // The proxy path: the kernel forwards only UDP to the node's own addresses (a
+        // hostNetwork server, a node port), marked by rule 5; a new snapshot cuts those it
+        // denies by their conntrack entries, where ctnetlink is there (no end records:
+        // nothing tracks them).
+        match Sweeper::open() {
+            Ok(s) => Some(s.only(opts.redirect.route_mark)),
+            Err(e) => {
+                tracing::warn!(error = %e, "no ctnetlink: UDP flows to the node's own addresses (hostNetwork servers, node ports) are not cut by a policy change");
+                None
+            }
+        }
     };
     let r = &opts.redirect;
     // Armed once this agent's ruleset, with the refusal chains, is installed.
@@ -967,7 +977,8 @@ struct Reloader<'a> {
     ticked: std::time::Instant,
     /// The queue readers' batches, for emptying the kernel-side cache of allowed classes.
     queue_activity: &'a queue::QueueActivity,
-    /// Kernel-forwarded UDP flows' sweeps ([`forwarded::sweep`]); `None` on the proxy path.
+    /// Kernel-forwarded UDP flows' sweeps ([`forwarded::sweep`]); on the proxy path, of
+    /// the flows to the node's own addresses only, and `None` without ctnetlink there.
     sweeper: Option<Sweeper>,
 }
 
@@ -988,6 +999,9 @@ pub struct Sweeper {
     swept: std::time::Instant,
     /// [`forwarded::ForwardedStats::events_lost`] at the last sweep.
     lost: u64,
+    /// The connection mark an entry must carry to be swept (the proxy path's flows to the
+    /// node, [`Sweeper::only`]); `None`: every UDP entry of zone 0.
+    only: Option<crate::config::Mark>,
 }
 
 impl Sweeper {
@@ -1001,7 +1015,15 @@ impl Sweeper {
             delete: conntrack::Conntrack::open()?,
             swept: std::time::Instant::now(),
             lost: 0,
+            only: None,
         })
+    }
+
+    /// This sweeper, for entries whose connection mark carries `mark` only (see
+    /// [`forwarded::sweep`]).
+    pub fn only(mut self, mark: crate::config::Mark) -> Sweeper {
+        self.only = Some(mark);
+        self
     }
 
     /// One [`forwarded::sweep`], logged: with `redecide`, after a new snapshot (every live
@@ -1011,7 +1033,7 @@ impl Sweeper {
         self.swept = std::time::Instant::now();
         self.lost =
             decider.forwarded().stats.events_lost.load(std::sync::atomic::Ordering::Relaxed);
-        match forwarded::sweep(decider, &mut self.dump, &mut self.delete, redecide) {
+        match forwarded::sweep(decider, &mut self.dump, &mut self.delete, redecide, self.only) {
             Ok(s) => {
                 tracing::debug!(
                     checked = s.checked,

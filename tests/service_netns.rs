@@ -442,7 +442,8 @@ fn udp_delivered(netns: &str) -> (u64, u64) {
 /// entry on delivery, un-NATs the refusal. Before this, the refusal came from the
 /// backend's address and the client timed out. UDP to a node port is not TPROXY'd (the
 /// node's own address): the kernel forwards an allowed flow, its answers included, and
-/// its reject answers a rejected one, as on the kernel path. A server's port unreachable
+/// its reject answers a rejected one, as on the kernel path; a new snapshot that denies
+/// such a live flow cuts it (its conntrack entry deleted). A server's port unreachable
 /// behind a ClusterIP, which the proxy relays, reaches the client too.
 #[test]
 fn the_udp_proxy_path_answers_and_refuses_through_a_service_from_the_address_used() {
@@ -509,4 +510,50 @@ fn the_udp_proxy_path_answers_and_refuses_through_a_service_from_the_address_use
     assert_eq!(value("tierproxy_decisions_at_accept_total"), 0.0);
     let audit = Path::new("/run/tierproxy-lab").join(&lab.prefix).join("audit-n1.jsonl");
     decision_to(&audit, "10.62.1.4", 5353, "reject");
+
+    // A live flow through a node port, which the kernel forwards on this path too, is cut
+    // when a new snapshot denies it: its conntrack entry deleted (the sweep of the flows
+    // rule 5 marked), its next datagram decided again and dropped. Before, it lived on
+    // until its entry expired.
+    let flow = in_netns(&client, || {
+        let s = UdpSocket::bind("0.0.0.0:0").map_err(io("bind"))?;
+        s.connect(addr("172.33.0.2:30054")).map_err(io("connect"))?;
+        s.set_read_timeout(Some(Duration::from_millis(1500))).map_err(io("timeout"))?;
+        Ok(s)
+    })
+    .expect("socket");
+    let ask = |payload: &[u8]| -> Option<String> {
+        flow.send(payload).ok()?;
+        let mut buf = [0u8; 512];
+        let n = flow.recv(&mut buf).ok()?;
+        Some(String::from_utf8_lossy(&buf[..n]).into_owned())
+    };
+    for i in 0..3 {
+        let answer = ask(format!("q{i}").as_bytes()).expect("answered before the change");
+        assert!(answer.ends_with(&format!("q{i}")), "{answer}");
+    }
+    let no_udp = lab.file("no-udp.yaml", &CLUSTER.replace(", {port: 5353, protocol: UDP}]", "]"));
+    let o = lab.lab(&["apply", "-m", no_udp.to_str().expect("path")]);
+    assert!(o.status.success(), "lab apply: {}", text(&o));
+    // Only the flows the kernel forwards are swept (the two to the node port; the
+    // proxy's own flows, its ClusterIP flows' entries among them, it cuts itself).
+    assert!(String::from_utf8_lossy(&o.stdout).contains(" udp_cut=2 "), "{}", text(&o));
+    // A re-decision denying the class is audited (the ClusterIP flow the proxy relays to
+    // web-local is of the same class, and denies of one class within a second are one
+    // record).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let cut = loop {
+        let found = decisions(&audit).into_iter().find(|v| {
+            v["attributes"]["tierproxy.decision.point"] == "re-decision"
+                && v["attributes"]["destination.address"] == "10.62.1.3"
+                && v["attributes"]["destination.port"] == 5353
+        });
+        if let Some(v) = found {
+            break v;
+        }
+        assert!(Instant::now() < deadline, "no re-decision of the class:\n{}", text(&o));
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert_eq!(cut["attributes"]["tierproxy.verdict"], "deny", "{cut}");
+    assert_eq!(ask(b"after"), None, "the flow is cut and its datagrams dropped");
 }

@@ -306,12 +306,16 @@ pub struct Swept {
 }
 
 /// Lists the conntrack table's UDP entries (zone 0: the pods' flows; the proxy's upstream
-/// legs have their own zone), and with `redecide` decides each against the snapshot in
-/// force, deleting the entries of the flows it denies (their tracked flows end with
-/// reason `policy-change` when the destroy event comes); then forgets tracked flows with
-/// no entry that are older than [`UNCONFIRMED_AFTER`]. Call with `redecide` after a new
-/// snapshot is published and the queue readers have answered their batches, and without
-/// it after lost events.
+/// legs have their own zone; with `only`, just the entries whose connection mark carries
+/// it), and with `redecide` decides each against the snapshot in force, deleting the
+/// entries of the flows it denies (their tracked flows end with reason `policy-change`
+/// when the destroy event comes); then forgets tracked flows with no entry that are older
+/// than [`UNCONFIRMED_AFTER`]. Call with `redecide` after a new snapshot is published and
+/// the queue readers have answered their batches, and without it after lost events.
+///
+/// `only` serves the proxy path (`--udp-path proxy`), where the kernel forwards just the
+/// UDP flows to the node's own addresses, which `redirect` rule 5 marks with the route
+/// mark; every other UDP flow there is the proxy's, which cuts and audits its own.
 ///
 /// # Errors
 /// The dump's or a delete's netlink errors; entries not yet visited are then left.
@@ -320,13 +324,14 @@ pub fn sweep(
     dump: &mut Conntrack,
     delete: &mut Conntrack,
     redecide: bool,
+    only: Option<crate::config::Mark>,
 ) -> std::io::Result<Swept> {
     let mut out = Swept::default();
     let mut present = HashSet::new();
     let tracked = decider.forwarded();
     let mut failed = None;
     dump.dump(conntrack::UDP, |e| {
-        if e.zone != 0 || failed.is_some() {
+        if e.zone != 0 || failed.is_some() || only.is_some_and(|m| e.mark & m.mask != m.value) {
             return;
         }
         let key = key_of(&e);
