@@ -244,13 +244,22 @@ fn ct_status() -> Expression<'static> {
 }
 
 fn l4proto_in(protos: &[&'static str]) -> Statement<'static> {
-    let right = match protos {
+    is(meta(MetaKey::L4proto), Operator::EQ, l4protos(protos))
+}
+
+/// `meta l4proto != { protos }`.
+fn l4proto_not_in(protos: &[&'static str]) -> Statement<'static> {
+    is(meta(MetaKey::L4proto), Operator::NEQ, l4protos(protos))
+}
+
+/// One protocol name, or an anonymous set of them.
+fn l4protos(protos: &[&'static str]) -> Expression<'static> {
+    match protos {
         [one] => str_expr(*one),
         many => Expression::Named(NamedExpression::Set(
             many.iter().map(|p| SetItem::Element(str_expr(*p))).collect(),
         )),
-    };
-    is(meta(MetaKey::L4proto), Operator::EQ, right)
+    }
 }
 
 /// `queue num N` to the kernel-forwarded flows' queue
@@ -748,18 +757,10 @@ fn apply_batch(spec: &RulesetSpec) -> Nftables<'static> {
         }
         // Not the agent's ICMP errors, which belong to the client's flow: see the iptables
         // backend.
-        let not_icmp = is(
-            meta(MetaKey::L4proto),
-            Operator::NEQ,
-            Expression::Named(NamedExpression::Set(vec![
-                SetItem::Element(str_expr("icmp")),
-                SetItem::Element(str_expr("ipv6-icmp")),
-            ])),
-        );
         b.rule(
             ZONE_OUT_CHAIN,
             "tierproxy: proxy upstream sockets, own zone",
-            vec![mark_set(c.bypass_mark), not_icmp, zone()],
+            vec![mark_set(c.bypass_mark), l4proto_not_in(&["icmp", "ipv6-icmp"]), zone()],
         );
     }
 
