@@ -147,6 +147,21 @@ pub fn scraped(sources: Sources, config: &AuditConfig) -> Scraped {
                     vec![],
                     f.stats.cut.load(Relaxed),
                 ),
+                c(
+                    "conntrack_event_datagrams",
+                    "Datagrams of conntrack new and destroy events of UDP entries read (one \
+                     event each; --udp-path kernel)",
+                    vec![],
+                    f.stats.event_datagrams.load(Relaxed),
+                ),
+                c(
+                    "conntrack_event_batches",
+                    "Times the conntrack event reader woke and read the events queued by then \
+                     (it pauses 1 ms between batches); datagrams over batches is the events a \
+                     wake-up took",
+                    vec![],
+                    f.stats.event_batches.load(Relaxed),
+                ),
             ]);
         }
         let dr = "Packets the ruleset dropped, by reason: node_source (a node address as the \

@@ -519,18 +519,52 @@ impl Events {
     /// Socket errors; ENOBUFS means events were lost (the socket's buffer overflowed
     /// before reliable delivery could hold them back): the caller should resynchronise
     /// from a dump.
-    pub fn next(&mut self, protocol: u8, mut each: impl FnMut(Event, Entry)) -> io::Result<usize> {
+    pub fn next(&mut self, protocol: u8, each: impl FnMut(Event, Entry)) -> io::Result<usize> {
+        self.read(protocol, MsgFlags::empty(), each).map(|n| n.unwrap_or(0))
+    }
+
+    /// Reads, without waiting, up to `max` datagrams of events that are queued already and
+    /// passes each event about an entry of IP protocol `protocol` to `each`, as
+    /// [`Events::next`] does. Returns how many datagrams it read (0: none was queued).
+    ///
+    /// # Errors
+    /// As [`Events::next`]; datagrams read before the error have been passed on.
+    pub fn drain(
+        &mut self,
+        protocol: u8,
+        max: usize,
+        mut each: impl FnMut(Event, Entry),
+    ) -> io::Result<usize> {
+        let mut read = 0;
+        while read < max {
+            match self.read(protocol, MsgFlags::MSG_DONTWAIT, &mut each)? {
+                Some(_) => read += 1,
+                None => break,
+            }
+        }
+        Ok(read)
+    }
+
+    /// One `recv` with `flags`: the number of events passed to `each`, or `None` when
+    /// `MSG_DONTWAIT` found nothing queued.
+    fn read(
+        &mut self,
+        protocol: u8,
+        flags: MsgFlags,
+        mut each: impl FnMut(Event, Entry),
+    ) -> io::Result<Option<usize>> {
         loop {
-            match recv(self.fd.as_raw_fd(), &mut self.buf, MsgFlags::empty()) {
+            match recv(self.fd.as_raw_fd(), &mut self.buf, flags) {
                 Ok(n) => {
                     let mut count = 0;
                     parse(&self.buf[..n], protocol, |kind, e| {
                         count += 1;
                         each(kind, e);
                     })?;
-                    return Ok(count);
+                    return Ok(Some(count));
                 }
                 Err(Errno::EINTR) => continue,
+                Err(Errno::EAGAIN) if flags.contains(MsgFlags::MSG_DONTWAIT) => return Ok(None),
                 Err(e) => return Err(e.into()),
             }
         }
