@@ -671,6 +671,33 @@ fn identical_denies_in_a_window_become_one_event_with_their_count() {
     assert_eq!(auditor.stats().aggregated.load(Ordering::Relaxed), 19);
 }
 
+/// A stream of records (a flood of denies from a hostile pod, each a record) wakes the
+/// worker once per batch, not once per record: woken per record, a deny flood cost the
+/// agent a thread wake-up per denied packet on top of its decision.
+#[test]
+fn a_stream_of_records_wakes_the_worker_once_per_batch() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("audit.jsonl");
+    let mut c = config(json_file(&path));
+    c.deny_window = Duration::from_secs(30);
+    let s = snapshot();
+    let (plan, _) = Selection::new(&s, c.defaults);
+    let auditor = Auditor::start(c).unwrap();
+    const RECORDS: u16 = 2000;
+    for port in 0..RECORDS {
+        decide(&auditor, &plan, &s, sa(CLIENT, 20000 + port), sa(REMOTE, 9090));
+    }
+    auditor.shutdown();
+    let stats = auditor.stats();
+    assert_eq!(stats.submitted.load(Ordering::Relaxed), u64::from(RECORDS));
+    assert_eq!(stats.aggregated.load(Ordering::Relaxed), u64::from(RECORDS) - 1);
+    let wakeups = stats.wakeups.load(Ordering::Relaxed);
+    assert!(
+        wakeups * 4 <= u64::from(RECORDS),
+        "{wakeups} wake-ups of the worker for {RECORDS} records: fewer than 4 a wake-up"
+    );
+}
+
 /// A client retrying against an Antrea Reject is folded as one retrying against a deny.
 #[test]
 fn identical_rejects_in_a_window_become_one_event_with_their_count() {

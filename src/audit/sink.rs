@@ -27,11 +27,12 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
-use crossbeam_channel::{Receiver, RecvTimeoutError};
+use crossbeam_channel::{Receiver, RecvTimeoutError, TryRecvError};
 
 use super::Mode;
 use super::event::{self, Event};
 use super::otlp::{self, OtlpConfig};
+use super::pipeline::READ_PAUSE;
 
 /// The JSON Lines sink's output.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -268,18 +269,37 @@ pub(crate) fn start_otlp(
 
 /// Gathers a batch: blocks for the first event, then takes what arrives within `delay`,
 /// up to `max`. `None` when the queue is closed and empty.
+///
+/// Woken by an event within the window, it takes every event queued then pauses
+/// [`READ_PAUSE`] before it looks again, so that a stream of events (a deny flood's
+/// records) wakes the thread about once per pause, not once per event; a lone event
+/// costs one wake-up and the deadline's, as a plain wait would.
 fn gather(rx: &Receiver<Arc<Event>>, max: usize, delay: Duration) -> Option<Vec<Arc<Event>>> {
     let first = rx.recv().ok()?;
     let mut batch = Vec::with_capacity(max.min(1024));
     batch.push(first);
     let until = Instant::now() + delay;
-    while batch.len() < max {
+    loop {
+        while batch.len() < max {
+            match rx.try_recv() {
+                Ok(e) => batch.push(e),
+                Err(TryRecvError::Empty) => break,
+                // Shutdown: the worker is gone, nothing more will come.
+                Err(TryRecvError::Disconnected) => return Some(batch),
+            }
+        }
+        if batch.len() >= max {
+            return Some(batch);
+        }
         match rx.recv_deadline(until) {
             Ok(e) => batch.push(e),
-            Err(RecvTimeoutError::Timeout | RecvTimeoutError::Disconnected) => break,
+            Err(RecvTimeoutError::Timeout | RecvTimeoutError::Disconnected) => return Some(batch),
+        }
+        let left = until.saturating_duration_since(Instant::now());
+        if !left.is_zero() {
+            std::thread::sleep(READ_PAUSE.min(left));
         }
     }
-    Some(batch)
 }
 
 /// What the OTLP sink reports to, and reads from, the pipeline.
