@@ -636,15 +636,21 @@ fn json_lines(path: &Path) -> Vec<serde_json::Value> {
         .collect()
 }
 
+/// An auditor writing JSON Lines to `path` with a 30 s deny window (every deny of the
+/// tests below folds into its first), the small cluster's snapshot and its selection.
+fn aggregating_to_json(path: &Path) -> (Auditor, Arc<Snapshot>, Arc<Selection>) {
+    let mut c = config(json_file(path));
+    c.deny_window = Duration::from_secs(30);
+    let s = snapshot();
+    let (plan, _) = Selection::new(&s, c.defaults);
+    (Auditor::start(c).unwrap(), s, plan)
+}
+
 #[test]
 fn identical_denies_in_a_window_become_one_event_with_their_count() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("audit.jsonl");
-    let mut c = config(json_file(&path));
-    c.deny_window = Duration::from_secs(30);
-    let s = snapshot();
-    let (plan, _) = Selection::new(&s, c.defaults);
-    let auditor = Auditor::start(c).unwrap();
+    let (auditor, s, plan) = aggregating_to_json(&path);
     // 20 connection attempts of one client to one denied port (new source port each), and
     // 3 to another port.
     for port in 0..20 {
@@ -678,11 +684,7 @@ fn identical_denies_in_a_window_become_one_event_with_their_count() {
 fn a_stream_of_records_wakes_the_worker_once_per_batch() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("audit.jsonl");
-    let mut c = config(json_file(&path));
-    c.deny_window = Duration::from_secs(30);
-    let s = snapshot();
-    let (plan, _) = Selection::new(&s, c.defaults);
-    let auditor = Auditor::start(c).unwrap();
+    let (auditor, s, plan) = aggregating_to_json(&path);
     const RECORDS: u16 = 2000;
     for port in 0..RECORDS {
         decide(&auditor, &plan, &s, sa(CLIENT, 20000 + port), sa(REMOTE, 9090));

@@ -157,7 +157,7 @@ pub fn scraped(sources: Sources, config: &AuditConfig) -> Scraped {
                 c(
                     "conntrack_event_batches",
                     "Times the conntrack event reader woke and read the events queued by then \
-                     (it pauses 1 ms between batches); datagrams over batches is the events a \
+                     (it pauses between batches); datagrams over batches is the events a \
                      wake-up took",
                     vec![],
                     f.stats.event_batches.load(Relaxed),
