@@ -1337,6 +1337,47 @@ fn a_burst_of_new_udp_flows_is_read_many_events_per_wake_up() {
     );
 }
 
+/// Issue #20: when the event socket's buffer overflowed, a read fails with ENOBUFS and the
+/// datagrams still queued are read after it; every datagram read counts in
+/// `Events::received` (which the agent's `tierproxy_conntrack_event_datagrams_total`
+/// shows), whatever the reads around it returned.
+#[test]
+fn event_datagrams_are_counted_across_a_lost_events_error() {
+    if !netns_available("event_datagrams_are_counted_across_a_lost_events_error") {
+        return;
+    }
+    use tierproxy::proxy::conntrack::{Events, UDP};
+    let lab = lab_with_agents("kevl");
+    let n1 = netns_of_node(&lab, "n1");
+    // The smallest buffer the kernel grants: a few dozen events.
+    let mut events = in_netns(&n1, || Events::subscribe(1, UDP).map_err(io("subscribe")))
+        .expect("an event socket in n1");
+    let client = netns_of_pod(&lab, "a", "client");
+    in_netns(&client, || {
+        let mut open = Vec::new();
+        for _ in 0..500 {
+            let s = std::net::UdpSocket::bind("10.60.1.2:0").map_err(io("bind"))?;
+            s.send_to(b"q", "10.60.1.3:5353").map_err(io("send"))?;
+            open.push(s);
+        }
+        Ok(())
+    })
+    .expect("the burst is sent");
+    let mut passed = 0u64;
+    let mut lost = 0;
+    // Queued datagrams are read after the error; a few reads see all of them.
+    for _ in 0..4 {
+        match events.drain(UDP, 100_000, |_, _| passed += 1) {
+            Ok(_) => {}
+            Err(e) if e.raw_os_error() == Some(nix::libc::ENOBUFS) => lost += 1,
+            Err(e) => panic!("reading events: {e}"),
+        }
+    }
+    assert!(lost >= 1, "500 new flows did not overflow the smallest buffer");
+    assert!(passed > 0, "no datagram was queued after the overflow");
+    assert_eq!(events.received(), passed, "one event per datagram, every one counted");
+}
+
 /// Issue #20: the agent's conntrack event socket carries UDP entries only: a socket
 /// filter drops the events of every other protocol in the kernel, so a node's TCP
 /// connections (two entries each, a new and a destroy event per entry) never wake the

@@ -130,6 +130,8 @@ pub struct Conntrack {
 pub struct Events {
     fd: OwnedFd,
     buf: Vec<u8>,
+    /// Datagrams received since the subscription.
+    received: u64,
 }
 
 /// A netlink socket of the netfilter family, bound (the kernel picks its port id).
@@ -509,7 +511,7 @@ impl Events {
         }
         nix::sys::socket::setsockopt(&fd, nix::sys::socket::sockopt::RcvBufForce, &rcvbuf)?;
         set_option(&fd, nix::libc::SOL_NETLINK, NETLINK_BROADCAST_ERROR, &(1 as nix::libc::c_int))?;
-        Ok(Events { fd, buf: vec![0; RECV_BUF] })
+        Ok(Events { fd, buf: vec![0; RECV_BUF], received: 0 })
     }
 
     /// Waits for the next datagram of events and passes each event about an entry of IP
@@ -545,6 +547,12 @@ impl Events {
         Ok(read)
     }
 
+    /// Datagrams of events received since the subscription (one event each), those whose
+    /// events were passed on before an error included.
+    pub fn received(&self) -> u64 {
+        self.received
+    }
+
     /// One `recv` with `flags`: the number of events passed to `each`, or `None` when
     /// `MSG_DONTWAIT` found nothing queued.
     fn read(
@@ -556,6 +564,7 @@ impl Events {
         loop {
             match recv(self.fd.as_raw_fd(), &mut self.buf, flags) {
                 Ok(n) => {
+                    self.received += 1;
                     let mut count = 0;
                     parse(&self.buf[..n], protocol, |kind, e| {
                         count += 1;

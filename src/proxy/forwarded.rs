@@ -294,11 +294,11 @@ pub fn watch(decider: &Decider, mut events: Events, cached: (u32, u32)) {
         let read = events
             .next(conntrack::UDP, &mut each)
             .and_then(|_| events.drain(conntrack::UDP, EVENT_BATCH - 1, &mut each));
+        stats.event_datagrams.store(events.received(), Ordering::Relaxed);
         match read {
             Ok(more) => {
                 failures = 0;
                 stats.event_batches.fetch_add(1, Ordering::Relaxed);
-                stats.event_datagrams.fetch_add(1 + more as u64, Ordering::Relaxed);
                 if more + 1 < EVENT_BATCH {
                     std::thread::sleep(EVENT_PAUSE);
                 }
