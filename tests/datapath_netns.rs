@@ -1294,6 +1294,22 @@ fn dns_like_udp_flows_keep_the_client_port_and_end_with_their_payload_bytes_each
     }
 }
 
+/// Sends one datagram from each of `n` new sockets of a/client (10.60.1.2) to b/local's
+/// 5353, as fast as it can, without waiting for answers: `n` new flows, each a new
+/// conntrack entry. The sockets stay open until all are sent, so no port is used twice.
+fn new_udp_flows(client: &str, n: usize) {
+    in_netns(client, || {
+        let mut open = Vec::with_capacity(n);
+        for _ in 0..n {
+            let s = std::net::UdpSocket::bind("10.60.1.2:0").map_err(io("bind"))?;
+            s.send_to(b"q", "10.60.1.3:5353").map_err(io("send"))?;
+            open.push(s);
+        }
+        Ok(())
+    })
+    .expect("the burst is sent");
+}
+
 /// Issue #20: a burst of DNS-like flows of a cached class (a new conntrack entry each, so a
 /// new event each) is read by the agent's event reader many events per wake-up, not one:
 /// woken per event, it spent 7.6 µs of CPU per flow, most of it switching to the thread.
@@ -1308,17 +1324,7 @@ fn a_burst_of_new_udp_flows_is_read_many_events_per_wake_up() {
     // The class's first flow is decided on its first datagram, which caches the class.
     assert_eq!(udp_answer(&client, "10.60.1.2:0", "10.60.1.3:5353"), Ok(()));
     const FLOWS: usize = 1000;
-    in_netns(&client, || {
-        // Kept open until all are sent: no port, so no flow, is used twice.
-        let mut open = Vec::with_capacity(FLOWS);
-        for _ in 0..FLOWS {
-            let s = std::net::UdpSocket::bind("10.60.1.2:0").map_err(io("bind"))?;
-            s.send_to(b"q", "10.60.1.3:5353").map_err(io("send"))?;
-            open.push(s);
-        }
-        Ok(())
-    })
-    .expect("the burst is sent");
+    new_udp_flows(&client, FLOWS);
     let deadline = Instant::now() + Duration::from_secs(30);
     let metrics = loop {
         let metrics = agent_http(&n1, "/metrics");
@@ -1353,16 +1359,7 @@ fn event_datagrams_are_counted_across_a_lost_events_error() {
     let mut events = in_netns(&n1, || Events::subscribe(1, UDP).map_err(io("subscribe")))
         .expect("an event socket in n1");
     let client = netns_of_pod(&lab, "a", "client");
-    in_netns(&client, || {
-        let mut open = Vec::new();
-        for _ in 0..500 {
-            let s = std::net::UdpSocket::bind("10.60.1.2:0").map_err(io("bind"))?;
-            s.send_to(b"q", "10.60.1.3:5353").map_err(io("send"))?;
-            open.push(s);
-        }
-        Ok(())
-    })
-    .expect("the burst is sent");
+    new_udp_flows(&client, 500);
     let mut passed = 0u64;
     let mut lost = 0;
     // Queued datagrams are read after the error; a few reads see all of them.
