@@ -30,6 +30,7 @@
 
 use std::io;
 use std::os::fd::{AsFd, OwnedFd};
+use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
@@ -140,6 +141,10 @@ pub async fn relay(
         let mode = config.mode;
         let a = pump(client, server, pool, mode, to_server, &last, start, &mut up);
         let b = pump(server, client, pool, mode, to_client, &last, start, &mut down);
+        // Pinned here and lent to `drive`: a future an `async fn` takes by value is kept
+        // twice in its state (the argument and the local it is moved to, rust-lang/rust
+        // #62958), which made an idle connection's task 900 bytes larger.
+        tokio::pin!(a, b);
         drive(a, b, config.idle_timeout, &last, start, stop).await
     };
     match reason {
@@ -592,14 +597,13 @@ fn millis(start: Instant) -> u64 {
 /// Runs both directions until both end (Normal) or one fails, the idle clock runs out or
 /// `stop` fires.
 async fn drive(
-    a: impl Future<Output = io::Result<()>>,
-    b: impl Future<Output = io::Result<()>>,
+    mut a: Pin<&mut impl Future<Output = io::Result<()>>>,
+    mut b: Pin<&mut impl Future<Output = io::Result<()>>>,
     idle: Duration,
     last: &AtomicU64,
     start: Instant,
     stop: &Notify,
 ) -> RelayEnd {
-    tokio::pin!(a, b);
     let (mut a_done, mut b_done) = (false, false);
     let idle_ms = idle.as_millis() as u64;
     let idle_clock = async {
@@ -672,7 +676,7 @@ async fn pump<'p>(
             flight.done = true;
             return shutdown_write(to);
         }
-        from.readable().await?;
+        readable(from).await?;
         if mode == RelayMode::Copy {
             if copy_buf.is_empty() {
                 copy_buf = vec![0; COPY_BUFFER];
@@ -741,7 +745,7 @@ async fn flush(
     };
     if let Some((pipe, left)) = flight.inherited.as_mut() {
         while *left > 0 {
-            to.writable().await?;
+            writable(to).await?;
             match to.try_io(Interest::WRITABLE, || {
                 splice(pipe.as_fd(), None, to.as_fd(), None, *left, flags).map_err(io::Error::from)
             }) {
@@ -759,7 +763,7 @@ async fn flush(
     }
     if let Some(l) = flight.lease.as_mut() {
         while l.in_flight > 0 {
-            to.writable().await?;
+            writable(to).await?;
             let pipe = l.pipe();
             match to.try_io(Interest::WRITABLE, || {
                 splice(pipe.read.as_fd(), None, to.as_fd(), None, l.in_flight, flags)
@@ -775,7 +779,7 @@ async fn flush(
         }
     }
     while flight.sent < flight.pending.len() {
-        to.writable().await?;
+        writable(to).await?;
         match to.try_write(&flight.pending[flight.sent..]) {
             Ok(m) => {
                 flight.sent += m;
@@ -790,6 +794,19 @@ async fn flush(
         flight.sent = 0;
     }
     Ok(())
+}
+
+/// Waits until `s` is readable. Through `poll_read_ready`, which keeps the waker in the
+/// socket's own reader slot, rather than `TcpStream::readable`, whose future carries a
+/// waiter node (152 bytes) in every direction's state and joins and leaves the socket's
+/// waiter list at each wait. One task reads each socket, so the one slot is enough.
+async fn readable(s: &TcpStream) -> io::Result<()> {
+    std::future::poll_fn(|cx| s.poll_read_ready(cx)).await
+}
+
+/// [`readable`] for writing: the socket's writer slot (`poll_write_ready`).
+async fn writable(s: &TcpStream) -> io::Result<()> {
+    std::future::poll_fn(|cx| s.poll_write_ready(cx)).await
 }
 
 /// Bytes a read takes through user space in [`RelayMode::Auto`] before the direction
