@@ -23,9 +23,10 @@ use std::net::IpAddr;
 
 use super::exec::Cmd;
 use super::{
-    Backend, BackendKind, COMMENT_ENFORCED, COMMENT_NODE_SOURCE, COMMENT_POD_SOURCE,
-    COMMENT_STRAY_TCP, COMMENT_UDP_TO_NODE, DropCounts, Names, QUEUED_PROTOCOLS, QueueWhen,
-    RedirectError, RulesetSpec, by_family, routing, tproxy_protocols,
+    Backend, BackendKind, COMMENT_ENFORCED, COMMENT_ESTABLISHED_TCP, COMMENT_NODE_SOURCE,
+    COMMENT_POD_SOURCE, COMMENT_STRAY_TCP, COMMENT_TCP_PAST_SYN, COMMENT_UDP_TO_NODE, DropCounts,
+    Names, QUEUED_PROTOCOLS, QueueWhen, RedirectError, RulesetSpec, by_family, routing,
+    tproxy_protocols,
 };
 use crate::config::{RedirectConfig, UdpPath};
 
@@ -375,6 +376,15 @@ fn restore_input(spec: &RulesetSpec, fam: Family) -> String {
          -m tcp ! --tcp-flags FIN,SYN,RST,ACK SYN -m conntrack ! --ctstate DNAT --ctdir ORIGINAL \
          -m connmark --mark {route} {tproxy}"
     );
+    // Rule 3a: a later packet of an established TCP connection that rules 2 and 3 did not
+    // take: nothing below acts on it (rule 6 drops only new or invalid TCP past a SYN), so
+    // it returns before rule 6's set lookups.
+    let _ = writeln!(
+        o,
+        "-A {chain} -p tcp -m comment --comment \"{COMMENT_ESTABLISHED_TCP}\" \
+         -m tcp ! --tcp-flags FIN,SYN,RST,ACK SYN \
+         -m conntrack --ctstate ESTABLISHED,RELATED,UNTRACKED -j RETURN"
+    );
     // Rule 4: traffic the node sends itself over loopback (chain S dropped every other
     // packet with a node address as its source).
     let _ = writeln!(
@@ -427,6 +437,12 @@ fn restore_input(spec: &RulesetSpec, fam: Family) -> String {
              -m conntrack --ctstatus CONFIRMED -j RETURN"
         );
     }
+    // Every TCP rule below is for SYNs: a TCP packet past its connection's SYN returns.
+    let _ = writeln!(
+        o,
+        "-A {decide} -p tcp -m comment --comment \"{COMMENT_TCP_PAST_SYN}\" \
+         -m tcp ! --tcp-flags FIN,SYN,RST,ACK SYN -j RETURN"
+    );
     // An allowed SYN, repeated with the decided mark: its class (client, port, server)
     // enters the kernel-side cache, so the class's next SYNs skip the queue (rule 7).
     let _ = writeln!(

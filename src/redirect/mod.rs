@@ -144,6 +144,17 @@
 //!      The chain after the DNAT (above) does it; without nft's `tproxy` (an iptables
 //!      node whose kernel lacks CONFIG_NFT_TPROXY or CONFIG_NFT_SOCKET, or has no `nft`),
 //!      a cookie-completed connection to a ClusterIP still hangs, which [`select`] says.
+//!
+//!    **Rule 3a: any other TCP that is not a SYN, conntrack state `ESTABLISHED`, `RELATED`
+//!    or `UNTRACKED` (neither `INVALID` nor `NEW`) → return.** A later packet of an
+//!    established connection that rules 2 and 3 did not take (a connection the kernel
+//!    forwards: from an enforced pod, or between two addresses this node does not proxy):
+//!    nothing below acts on it (rule 4 returns, rule 5 is UDP's, rule 6 acts on SYNs and
+//!    drops only new or invalid TCP past a SYN), so it returns here instead of walking
+//!    them. Every packet of a connection across nodes crosses the server's node this way,
+//!    in the sender's context (on one node, a client's packets reach the proxy's sockets
+//!    in rule 2). Before this rule each one went on through rules 4 to 6: their set
+//!    lookups and the intercept chain.
 //! 4. **From the node's own addresses over `lo` → return.** Traffic the node sends to
 //!    itself; no queue trip (chain S dropped every other packet with a node source).
 //!
@@ -190,9 +201,11 @@
 //!
 //! INPUT and FORWARD (`TIERPROXY-DECIDE`, nft `decide`):
 //!
-//! 7. **Bypass mark, decided mark, from the node over `lo`, UDP to the node not NEW →
-//!    return** (as rules 1, 2/3, 4, 5; a TCP SYN with the decided mark, repeated by an
-//!    allow verdict, first adds its class — client, destination port, server — to the
+//! 7. **Bypass mark, TCP past its SYN, decided mark, from the node over `lo`, UDP to the
+//!    node not NEW → return** (as rules 1, 2/3, 4, 5; every TCP rule of the chain is for
+//!    SYNs, so every later packet of a connection returns before them; a TCP SYN with the
+//!    decided mark, repeated by an allow verdict, first adds its class — client,
+//!    destination port, server — to the
 //!    **kernel-side cache of allowed classes**, sets `<prefix>-allowed-v4`/`-v6`, nft
 //!    `allowed-v4`/`-v6`, with a timeout of [`ALLOWED_CACHE_SECS`], emptied at every new
 //!    snapshot by [`Backend::flush_allowed`]); then a TCP SYN of a cached class returns
@@ -317,6 +330,10 @@ pub(crate) const COMMENT_POD_SOURCE: &str = "tierproxy: source not routed via it
 pub(crate) const COMMENT_ENFORCED: &str = "tierproxy: from a pod its own node proxied";
 /// Comment of rule 6's drop of TCP that belongs to no decided connection.
 pub(crate) const COMMENT_STRAY_TCP: &str = "tierproxy: TCP of no decided connection";
+/// Comment of rule 3a's return for a later packet of an established TCP connection.
+pub(crate) const COMMENT_ESTABLISHED_TCP: &str = "tierproxy: established TCP, not intercepted";
+/// Comment of rule 7's return for TCP past its connection's SYN.
+pub(crate) const COMMENT_TCP_PAST_SYN: &str = "tierproxy: TCP past its SYN, decided";
 
 /// How long an allowed TCP class stays in the kernel-side cache after its last SYN
 /// (seconds; rule 7). Every new snapshot empties the cache ([`Backend::flush_allowed`]).

@@ -40,8 +40,9 @@ use ::nftables::types::{NfChainPolicy, NfChainType, NfFamily, NfHook, RejectCode
 use super::exec::Cmd;
 use super::{
     ALLOWED_CACHE_MAX, ALLOWED_CACHE_SECS, Backend, BackendKind, COMMENT_ENFORCED,
-    COMMENT_NODE_SOURCE, COMMENT_POD_SOURCE, COMMENT_STRAY_TCP, DropCounts, Names,
-    QUEUED_PROTOCOLS, QueueWhen, RedirectError, RulesetSpec, by_family, routing, tproxy_protocols,
+    COMMENT_ESTABLISHED_TCP, COMMENT_NODE_SOURCE, COMMENT_POD_SOURCE, COMMENT_STRAY_TCP,
+    COMMENT_TCP_PAST_SYN, DropCounts, Names, QUEUED_PROTOCOLS, QueueWhen, RedirectError,
+    RulesetSpec, by_family, routing, tproxy_protocols,
 };
 use crate::config::{Mark, RedirectConfig, UdpPath};
 
@@ -823,6 +824,27 @@ fn apply_batch(spec: &RulesetSpec) -> Nftables<'static> {
         expr.extend(tproxy(fam));
         b.rule(CHAIN, "tierproxy: no socket yet (SYN cookie)", expr);
     }
+    // Rule 3a: a later packet of an established TCP connection that rules 2 and 3 did not
+    // take: nothing below acts on it (the stray-TCP drop takes only new or invalid TCP past
+    // a SYN), so it returns before rule 6's set lookups.
+    b.rule(
+        CHAIN,
+        COMMENT_ESTABLISHED_TCP,
+        vec![
+            l4proto_in(&["tcp"]),
+            tcp_syn(Operator::NEQ),
+            is(
+                ct_state(),
+                Operator::IN,
+                Expression::Named(NamedExpression::Set(vec![
+                    SetItem::Element(str_expr("established")),
+                    SetItem::Element(str_expr("related")),
+                    SetItem::Element(str_expr("untracked")),
+                ])),
+            ),
+            Statement::Return(None),
+        ],
+    );
     // Rule 4: traffic the node sends itself over loopback (chain S dropped every other
     // packet with a node address as its source).
     let from_node = |fam: Fam| {
@@ -974,6 +996,12 @@ fn apply_batch(spec: &RulesetSpec) -> Nftables<'static> {
             ],
         );
     }
+    // Every TCP rule below is for SYNs: a TCP packet past its connection's SYN returns.
+    b.rule(
+        DECIDE_CHAIN,
+        COMMENT_TCP_PAST_SYN,
+        vec![l4proto_in(&["tcp"]), tcp_syn(Operator::NEQ), Statement::Return(None)],
+    );
     // An allowed SYN, repeated with the decided mark: its class (client, port, server)
     // enters the kernel-side cache, so the class's next SYNs skip the queue (rule 7).
     for fam in [V4, V6] {
