@@ -383,7 +383,7 @@ fn restore_input(spec: &RulesetSpec, fam: Family) -> String {
         o,
         "-A {chain} -p tcp -m comment --comment \"{COMMENT_ESTABLISHED_TCP}\" \
          -m tcp ! --tcp-flags FIN,SYN,RST,ACK SYN \
-         -m conntrack --ctstate ESTABLISHED,RELATED,UNTRACKED -j RETURN"
+         -m conntrack --ctstate RELATED,ESTABLISHED,UNTRACKED -j RETURN"
     );
     // Rule 4: traffic the node sends itself over loopback (chain S dropped every other
     // packet with a node address as its source).
