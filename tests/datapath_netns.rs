@@ -1164,14 +1164,15 @@ fn rule_packets(netns: &str, chain: &str, comment: &str) -> u64 {
         .sum()
 }
 
-/// Issue #18 ("cross within 10 % of same"): the packets of a connection past its SYN leave
-/// tierproxy's chains at their first TCP rule (`redirect` rules 3a and 7). The server's
-/// node forwards a connection its client's node proxied; every one of its packets crosses
-/// that node's PREROUTING and FORWARD in the sender's context, and walked the intercept
-/// chain's set lookups and the decision chain's rules, all of which act on SYNs only (or
-/// on new or invalid TCP), before the early returns existed: measured in a lab, they cost
-/// the client node's agent about 8 % of its CPU per cross-node connection. Read from the
-/// rules' counters (the iptables backend, chosen for them).
+/// Issue #18 (what a message and a connection cost): the packets of a connection past its
+/// SYN leave tierproxy's chains at their first TCP rule (`redirect` rules 3a and 7). The
+/// server's node forwards a connection its client's node proxied, and every packet of it
+/// used to walk that node's intercept chain (two set lookups) and its decision and queue
+/// chains, whose rules act on SYNs only (or on new or invalid TCP); the client's node
+/// walked its decision chain for every packet of both legs. Read from the rules' counters
+/// (the iptables backend, chosen for them): before rules 3a and 7's early return, the
+/// server's node counted 23 packets of such a connection in its intercept and queue
+/// chains.
 #[test]
 fn packets_past_a_connections_syn_return_before_the_interception_and_decision_rules() {
     const TEST: &str =
