@@ -1196,12 +1196,7 @@ fn packets_past_a_connections_syn_return_before_the_interception_and_decision_ru
     // 20 messages, each echoed before the next is written: at least 20 segments past the
     // SYN each way, on each leg.
     const ROUNDS: usize = 20;
-    let client = netns_of_pod(&lab, "a", "client");
-    let conn = connect_from(&client, "10.60.2.2:8080");
-    conn.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
-    let mut r = BufReader::new(conn.try_clone().expect("clone"));
-    let mut greeting = String::new();
-    r.read_line(&mut greeting).expect("greeting");
+    let (conn, mut r) = greeted(&netns_of_pod(&lab, "a", "client"), "10.60.2.2:8080");
     for i in 0..ROUNDS {
         (&conn).write_all(&[i as u8]).expect("write");
         let mut back = [0u8; 1];

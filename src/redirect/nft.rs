@@ -239,6 +239,13 @@ fn ct_state() -> Expression<'static> {
     Expression::Named(NamedExpression::CT(CT { key: "state".into(), family: None, dir: None }))
 }
 
+/// `ct state { STATES }`: the packet's conntrack state is one of `states` (nft(8), "CT
+/// EXPRESSION": `ct state` is a bitmask, so the set is a test of any of its bits).
+fn ct_state_in(states: &[&'static str]) -> Statement<'static> {
+    let items = states.iter().map(|s| SetItem::Element(str_expr(*s))).collect();
+    is(ct_state(), Operator::IN, Expression::Named(NamedExpression::Set(items)))
+}
+
 /// `ct status` (a bit set: `expected`, `seen-reply`, `assured`, `confirmed`, ...).
 fn ct_status() -> Expression<'static> {
     Expression::Named(NamedExpression::CT(CT { key: "status".into(), family: None, dir: None }))
@@ -833,15 +840,7 @@ fn apply_batch(spec: &RulesetSpec) -> Nftables<'static> {
         vec![
             l4proto_in(&["tcp"]),
             tcp_syn(Operator::NEQ),
-            is(
-                ct_state(),
-                Operator::IN,
-                Expression::Named(NamedExpression::Set(vec![
-                    SetItem::Element(str_expr("established")),
-                    SetItem::Element(str_expr("related")),
-                    SetItem::Element(str_expr("untracked")),
-                ])),
-            ),
+            ct_state_in(&["established", "related", "untracked"]),
             Statement::Return(None),
         ],
     );
@@ -916,14 +915,7 @@ fn apply_batch(spec: &RulesetSpec) -> Nftables<'static> {
                     in_set(fam, field, fam.pods),
                     l4proto_in(&["tcp"]),
                     tcp_syn(Operator::NEQ),
-                    is(
-                        ct_state(),
-                        Operator::IN,
-                        Expression::Named(NamedExpression::Set(vec![
-                            SetItem::Element(str_expr("invalid")),
-                            SetItem::Element(str_expr("new")),
-                        ])),
-                    ),
+                    ct_state_in(&["invalid", "new"]),
                     counter(),
                     Statement::Drop(None),
                 ],
