@@ -459,8 +459,8 @@ impl Snapshot {
             }
         };
         // Tier by tier in `Tier::ORDER`; the lists are by position in it.
-        for (tier, by_direction) in Tier::ORDER.into_iter().zip(&lists.by_tier) {
-            let list = &by_direction[d];
+        for (t, tier) in Tier::ORDER.into_iter().enumerate() {
+            let list = lists.list(t, d);
             match tier {
                 Tier::Admin | Tier::Baseline => {
                     let (mut i, mut warmed) = (0, 0);

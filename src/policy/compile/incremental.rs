@@ -53,7 +53,7 @@ use crate::policy::labels::LabelsRef;
 use crate::policy::matcher::Scratch;
 use crate::policy::model::{Revision, Rule, SetId};
 use crate::policy::problem::{Kind, ObjectRef, Problem};
-use crate::policy::snapshot::{PodPolicies, Policy, Snapshot};
+use crate::policy::snapshot::{PodPolicies, Policy, PolicyLists, Snapshot};
 use crate::policy::validate::NAMESPACE_NAME_LABEL;
 use crate::policy::{Compiled, PodView};
 
@@ -167,7 +167,7 @@ struct State {
     /// By set id: the policies whose subject the set is.
     subject_users: Vec<Vec<u32>>,
     /// The per-pod lists' ids (`snapshot.policy_sets`).
-    policy_set_ids: HashMap<Arc<PodPolicies>, u32>,
+    policy_set_ids: HashMap<PodPolicies, u32>,
     /// Per-pod lists in use after the last full compile or [`State::compact_policy_sets`].
     live_policy_sets: usize,
     /// Interned pod sets of the last full compile.
@@ -242,12 +242,8 @@ impl State {
                 }
             }
         }
-        let policy_set_ids = snapshot
-            .policy_sets
-            .iter()
-            .enumerate()
-            .map(|(i, l)| (Arc::clone(l), i as u32))
-            .collect();
+        let policy_set_ids =
+            snapshot.policy_sets.iter().enumerate().map(|(i, l)| (l.clone(), i as u32)).collect();
         let policy_ids = snapshot
             .policies
             .iter()
@@ -337,12 +333,12 @@ impl State {
     fn compact_policy_sets(&mut self) {
         let s = &mut self.snapshot;
         let mut renumbered = vec![u32::MAX; s.policy_sets.len()];
-        let mut kept: Vec<Arc<PodPolicies>> = Vec::new();
+        let mut kept: Vec<PodPolicies> = Vec::new();
         for id in Arc::make_mut(&mut s.per_pod) {
             let new = &mut renumbered[*id as usize];
             if *new == u32::MAX {
                 *new = kept.len() as u32;
-                kept.push(Arc::clone(&s.policy_sets[*id as usize]));
+                kept.push(s.policy_sets[*id as usize].clone());
             }
             *id = *new;
         }
@@ -471,11 +467,11 @@ impl State {
                 let (in0, in1) = (s0.contains(pod), s1.contains(pod));
                 let current = per_pod[pod as usize];
                 per_pod[pod as usize] = *memo.entry((current, in0, in1)).or_insert_with(|| {
-                    let mut lists = (*s.policy_sets[current as usize]).clone();
-                    for list in &mut lists.by_tier[t0] {
+                    let mut lists = s.policy_sets[current as usize].thaw();
+                    for list in &mut lists[t0] {
                         list.retain(|&q| q != pid);
                     }
-                    for (list, applies) in lists.by_tier[t1].iter_mut().zip(a1) {
+                    for (list, applies) in lists[t1].iter_mut().zip(a1) {
                         if in1 && applies {
                             let i = list.partition_point(|&q| place(&s.policies[q as usize]) < at);
                             list.insert(i, pid);
@@ -639,17 +635,16 @@ impl State {
         }
         // The pod's per-pod list: the policies whose subject flipped join or leave it.
         let current = &s.policy_sets[s.per_pod[pod as usize] as usize];
-        let mut lists: PodPolicies = (**current).clone();
+        let mut lists = current.thaw();
         let mut changed = false;
         for &set in sets {
             for &pid in &self.subject_users[set as usize] {
                 let p = &s.policies[pid as usize];
                 let member = p.subject.contains(pod);
-                for d in 0..2 {
-                    if !p.applies[d] {
+                for (list, applies) in lists[p.tier.index()].iter_mut().zip(p.applies) {
+                    if !applies {
                         continue;
                     }
-                    let list = &mut lists.by_tier[p.tier.index()][d];
                     match (list.iter().position(|&q| q == pid), member) {
                         (None, true) => {
                             let at = place(p);
@@ -683,18 +678,18 @@ fn free_elsewhere<T: Send + 'static>(retired: Vec<T>) {
     let _ = std::thread::Builder::new().name("tierproxy-free".into()).spawn(move || drop(retired));
 }
 
-/// The id of per-pod list `lists` in `sets` (`ids` indexes them), added if new.
+/// The id of per-pod lists `lists` in `sets` (`ids` indexes them), added if new.
 fn intern_lists(
-    ids: &mut HashMap<Arc<PodPolicies>, u32>,
-    sets: &mut Vec<Arc<PodPolicies>>,
-    lists: PodPolicies,
+    ids: &mut HashMap<PodPolicies, u32>,
+    sets: &mut Vec<PodPolicies>,
+    lists: PolicyLists,
 ) -> u32 {
+    let lists = PodPolicies::new(&lists);
     if let Some(&id) = ids.get(&lists) {
         return id;
     }
-    let lists = Arc::new(lists);
     let id = sets.len() as u32;
-    sets.push(Arc::clone(&lists));
+    sets.push(lists.clone());
     ids.insert(lists, id);
     id
 }

@@ -15,7 +15,7 @@ use crate::policy::matcher::{
 use crate::policy::model::{Direction, PodEntry, Rule, Tier};
 use crate::policy::ports::{PortSpec, Protocol};
 use crate::policy::problem::Kind;
-use crate::policy::snapshot::{PodPolicies, Policy};
+use crate::policy::snapshot::{PodPolicies, Policy, PolicyLists};
 
 /// A policy's place in the evaluation order: by tier, then inside each tier by rank
 /// (Antrea's global order: Antrea Tiers, CNP Admin, ANP; Antrea `baseline`, then
@@ -115,10 +115,7 @@ pub(super) fn matchers_and_indexes(
 /// the trie once, from its class up to the root. The trie has at most a node per visit
 /// (16 bytes with its move), against 4 bytes a visit for per-pod lists; with the bench's
 /// Antrea set, 155,631 nodes for 1.24 M visits.
-pub(super) fn per_pod_policies(
-    policies: &[Policy],
-    pods: usize,
-) -> (Vec<u32>, Vec<Arc<PodPolicies>>) {
+pub(super) fn per_pod_policies(policies: &[Policy], pods: usize) -> (Vec<u32>, Vec<PodPolicies>) {
     /// A trie node: its parent class and the step that made it from its parent.
     struct Node {
         parent: u32,
@@ -157,7 +154,7 @@ pub(super) fn per_pod_policies(
     // Final classes numbered in order of first use by pod id; each one's lists read off
     // the trie once (`moved_to` reused as the numbering, `u32::MAX`: not numbered yet).
     moved_to.iter_mut().for_each(|n| *n = u32::MAX);
-    let mut policy_sets: Vec<Arc<PodPolicies>> = Vec::new();
+    let mut policy_sets: Vec<PodPolicies> = Vec::new();
     let mut steps: Vec<(u32, Direction)> = Vec::new();
     let per_pod = class
         .into_iter()
@@ -172,7 +169,7 @@ pub(super) fn per_pod_policies(
                     steps.push((n.policy, n.direction));
                     at = n.parent;
                 }
-                policy_sets.push(Arc::new(lists_of(policies, &steps)));
+                policy_sets.push(lists_of(policies, &steps));
             }
             *id
         })
@@ -181,18 +178,13 @@ pub(super) fn per_pod_policies(
 }
 
 /// The per-tier, per-direction lists of `steps` ((policy id, direction), in reverse
-/// order), each allocated to its exact length: a snapshot keeps them for its life.
+/// order), frozen: a snapshot keeps them for its life.
 fn lists_of(policies: &[Policy], steps: &[(u32, Direction)]) -> PodPolicies {
-    let mut counts = [[0usize; 2]; Tier::COUNT];
-    for &(pid, d) in steps {
-        counts[policies[pid as usize].tier.index()][d as usize] += 1;
-    }
-    let mut lists =
-        PodPolicies { by_tier: counts.map(|per_direction| per_direction.map(Vec::with_capacity)) };
+    let mut lists = PolicyLists::default();
     for &(pid, d) in steps.iter().rev() {
-        lists.by_tier[policies[pid as usize].tier.index()][d as usize].push(pid);
+        lists[policies[pid as usize].tier.index()][d as usize].push(pid);
     }
-    lists
+    PodPolicies::new(&lists)
 }
 
 /// The [`Matcher`]s of every policy direction with at most [`MAX_RULES`] rules, by
