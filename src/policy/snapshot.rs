@@ -241,6 +241,9 @@ mod tests {
         }
         assert_eq!(frozen.thaw(), lists);
         assert_eq!(frozen, PodPolicies::new(&frozen.thaw()));
+        let interned: std::collections::HashSet<PodPolicies> =
+            [frozen.clone(), PodPolicies::new(&lists)].into_iter().collect();
+        assert_eq!(interned.len(), 1, "equal lists hash alike");
         assert_ne!(frozen, PodPolicies::default());
         let empty = PodPolicies::default();
         assert!(
