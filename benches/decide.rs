@@ -23,7 +23,10 @@
 //! only compiles that snapshot and decides 20,000 flows in [`decide_all`], for
 //! `valgrind --tool=callgrind --cache-sim=yes --LL=2097152,16,64
 //! --toggle-collect='decide::decide_all' target/release/deps/decide-<hash>` (about four
-//! minutes; the figures cover the 22,000 calls, a 2,000-flow warm-up included).
+//! minutes; the figures cover the 22,000 calls, a 2,000-flow warm-up included). To compare
+//! two builds, copy each binary away before building the other: its file name does not
+//! change between builds. Valgrind names the host's own last-level cache in a warning even
+//! with `--LL`; the option is applied (`callgrind_annotate` prints the cache it simulated).
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::hint::black_box;
