@@ -36,7 +36,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use socket2::{Domain, Socket, Type};
-use tokio::net::{TcpListener, TcpSocket, TcpStream};
+use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Semaphore, watch};
 
 use super::decider::Decider;
@@ -368,14 +368,9 @@ async fn proxy(
     }
     let to_self = key.dst.ip().is_loopback() || config.local_addrs.contains(&key.dst.ip());
     let source = (config.preserve_source && !to_self).then_some(key.src.ip());
-    let server = match tokio::time::timeout(
-        config.connect_timeout,
-        connect(source, key.dst, config),
-    )
-    .await
-    {
-        Ok(Ok(s)) => s,
-        Ok(Err(e)) if crate::limits::is_out_of_files(&e) => {
+    let server = match connect(source, key.dst, config).await {
+        Ok(s) => s,
+        Err(e) if crate::limits::is_out_of_files(&e) => {
             if let Some(n) = crate::limits::LIMITS.open_files.hit() {
                 tracing::warn!(error = %e, hits = n, "open files limit: upstream socket not created; clients reset");
             }
@@ -383,14 +378,8 @@ async fn proxy(
             flow.end(CloseReason::ResourceLimit);
             return;
         }
-        Ok(Err(e)) => {
+        Err(e) => {
             tracing::debug!(error = %e, dst = %key.dst, "upstream connect failed");
-            reset(&client);
-            flow.end(CloseReason::UpstreamUnreachable);
-            return;
-        }
-        Err(_) => {
-            tracing::debug!(dst = %key.dst, "upstream connect timed out");
             reset(&client);
             flow.end(CloseReason::UpstreamUnreachable);
             return;
@@ -507,7 +496,20 @@ pub(crate) fn unmap(a: SocketAddr) -> SocketAddr {
     }
 }
 
-/// Connects to `dst` with the bypass mark and `TCP_NODELAY`, from `source` when given.
+/// Connects to `dst` with the bypass mark and `TCP_NODELAY`, from `source` when given,
+/// within `config.connect_timeout` (an error of kind `TimedOut` past it).
+///
+/// A connection to a pod of this node, or of a node one veth or bridge away, is most often
+/// established when `connect(2)` returns `EINPROGRESS`: the SYN, the server's SYN-ACK and
+/// the ACK are all processed in this thread's own softirq before the call returns. A
+/// socket that has its peer then (`getpeername(2)`) is used at once; one that failed inside
+/// the call returns its `SO_ERROR`. Waiting for the writable event instead cost every
+/// connection a turn of the runtime's event loop (an `epoll_wait` and a task wake-up), and
+/// arming the timeout's timer an `eventfd` write whenever it was the runtime's earliest
+/// timer (tokio wakes its driver to re-arm the wheel), both before the relay could start
+/// (issue #18). Only a socket still in `SYN_SENT` waits, under the timeout. Sources:
+/// connect(2), `EINPROGRESS` (a non-blocking connect completes when the socket turns
+/// writable, its outcome in `SO_ERROR`), getpeername(2) (`ENOTCONN` until connected).
 async fn connect(
     source: Option<IpAddr>,
     dst: SocketAddr,
@@ -536,8 +538,32 @@ async fn connect(
         nix::sys::socket::setsockopt(&s, nix::sys::socket::sockopt::IpBindAddressNoPort, &true)?;
         s.bind(&SocketAddr::new(ip, 0).into())?;
     }
-    let std: std::net::TcpStream = s.into();
-    TcpSocket::from_std_stream(std).connect(dst).await
+    match s.connect(&dst.into()) {
+        Ok(()) => {}
+        Err(e) if e.raw_os_error() == Some(nix::libc::EINPROGRESS) => {}
+        Err(e) => return Err(e),
+    }
+    // Connected: a peer (one system call, the usual case). Else failed already (an RST
+    // inside the call: `SO_ERROR`), or still in SYN_SENT.
+    if s.peer_addr().is_ok() {
+        return TcpStream::from_std(s.into());
+    }
+    if let Some(e) = s.take_error()? {
+        return Err(e);
+    }
+    let stream = TcpStream::from_std(s.into())?;
+    let connected = async {
+        std::future::poll_fn(|cx| stream.poll_write_ready(cx)).await?;
+        match stream.take_error()? {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    };
+    match tokio::time::timeout(config.connect_timeout, connected).await {
+        Ok(Ok(())) => Ok(stream),
+        Ok(Err(e)) => Err(e),
+        Err(_) => Err(io::Error::new(io::ErrorKind::TimedOut, "upstream connect timed out")),
+    }
 }
 
 /// Closes with an RST: the client sees the same as from a server that refused.
@@ -548,6 +574,7 @@ fn reset(s: &TcpStream) {
 #[cfg(test)]
 mod tests {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpSocket;
 
     use super::*;
     use crate::audit::event::attr;
@@ -557,6 +584,55 @@ mod tests {
 
     fn config() -> ProxyConfig {
         config_with(RelayMode::Copy)
+    }
+
+    /// Polls `connect` once, as the runtime first does: `Some` when it is done without
+    /// waiting for any event.
+    fn connect_at_first_poll(
+        to: SocketAddr,
+        config: &ProxyConfig,
+    ) -> Option<io::Result<TcpStream>> {
+        let mut fut = std::pin::pin!(connect(None, to, config));
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        match fut.as_mut().poll(&mut cx) {
+            std::task::Poll::Ready(r) => Some(r),
+            std::task::Poll::Pending => None,
+        }
+    }
+
+    /// A connection whose handshake completes inside `connect(2)` (a listener on this
+    /// host) is used at once: its first poll returns it, with no timer armed and no wait for
+    /// the runtime's writable event (which the first poll has not seen: before the change
+    /// it returned `Pending`).
+    #[tokio::test]
+    async fn a_connect_established_inside_the_call_needs_no_wait() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let to = listener.local_addr().unwrap();
+        let stream = connect_at_first_poll(to, &config())
+            .expect("done at the first poll")
+            .expect("established inside connect(2)");
+        assert_eq!(stream.peer_addr().unwrap(), to);
+        assert!(stream.nodelay().unwrap(), "TCP_NODELAY set");
+        let (mut accepted, _) = listener.accept().await.unwrap();
+        let mut stream = stream;
+        stream.write_all(b"ping").await.unwrap();
+        let mut got = [0u8; 4];
+        accepted.read_exact(&mut got).await.unwrap();
+        assert_eq!(&got, b"ping");
+    }
+
+    /// A refusal that arrives inside `connect(2)` (an RST from this host) is the connect's
+    /// error, `ConnectionRefused`, at the first poll.
+    #[tokio::test]
+    async fn a_connect_refused_inside_the_call_fails_at_once() {
+        let closed = {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            l.local_addr().unwrap()
+        };
+        let err = connect_at_first_poll(closed, &config())
+            .expect("done at the first poll")
+            .expect_err("nothing listens");
+        assert_eq!(err.kind(), io::ErrorKind::ConnectionRefused, "{err}");
     }
 
     fn config_with(mode: RelayMode) -> ProxyConfig {
