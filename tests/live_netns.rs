@@ -686,6 +686,53 @@ fn churning_connections_lose_no_syn_to_a_conntrack_clash() {
     assert_eq!(syn_retransmits(&client) - retransmits, 0, "SYNs the client resent: {report}");
 }
 
+/// The proxy's upstream leg to a pod of its own node is untracked (rule 0 in `redirect`:
+/// no NAT applies to it and nothing reads its state, and conntrack was about a tenth of
+/// such a connection's time, issue #18), while a leg to another node's pod keeps the
+/// upstream zone (its packets leave the node, where SNAT may need conntrack). Read from
+/// n1's conntrack table while both connections are held: before the change the leg to
+/// a/server had an entry in the upstream zone.
+#[test]
+fn an_upstream_leg_to_a_pod_of_its_own_node_is_untracked() {
+    use tierproxy::proxy::conntrack::{Conntrack, Entry, TCP};
+    if !netns_available("an_upstream_leg_to_a_pod_of_its_own_node_is_untracked") {
+        return;
+    }
+    let lab = live_lab("ctu");
+    let client = netns_of_pod(&lab, "a", "client");
+    let node = netns_of_node(&lab, "n1");
+    // Past their greetings: both upstream legs are established.
+    let (local, remote) = (open(&client, "10.61.1.3:8080"), open(&client, "10.61.2.2:8080"));
+    let entries = in_netns(&node, || {
+        let mut ct = Conntrack::open().map_err(io("conntrack"))?;
+        let mut all: Vec<Entry> = Vec::new();
+        ct.dump(TCP, |e| all.push(e)).map_err(io("dump"))?;
+        Ok(all)
+    })
+    .expect("n1's conntrack table");
+    const ZONE: u16 = 29808; // the agent's default `--upstream-zone`
+    let to = |dst: &str| {
+        let dst: std::net::SocketAddr = dst.parse().unwrap();
+        move |e: &&Entry| e.orig.dst == dst
+    };
+    let leg = |c: &BufReader<TcpStream>| c.get_ref().local_addr().unwrap();
+    let (local_leg, remote_leg) = (leg(&local), leg(&remote));
+    let zoned = |dst: &str| entries.iter().filter(to(dst)).filter(|e| e.zone == ZONE).count();
+    assert_eq!(zoned("10.61.1.3:8080"), 0, "an upstream leg to a/server tracked: {entries:#?}");
+    assert!(zoned("10.61.2.2:8080") >= 1, "the leg to b/remote has no zone entry: {entries:#?}");
+    // The client's own legs stay tracked, in the default zone (kube-proxy's DNAT lives
+    // there, and the ruleset's conntrack mark).
+    for (client_leg, dst) in [(local_leg, "10.61.1.3:8080"), (remote_leg, "10.61.2.2:8080")] {
+        let found = entries.iter().filter(to(dst)).filter(|e| e.orig.src == client_leg);
+        assert_eq!(
+            found.map(|e| e.zone).collect::<Vec<_>>(),
+            vec![0],
+            "the client's leg {client_leg} to {dst}: {entries:#?}"
+        );
+    }
+    drop((local, remote));
+}
+
 /// `GET path` from inside `netns` to `addr` over HTTP/1.0: the status code and the body as
 /// JSON.
 fn debug_get(netns: &str, addr: &str, path: &str) -> (u16, Value) {

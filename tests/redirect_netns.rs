@@ -233,9 +233,9 @@ fn iptables_lifecycle(test: &str, cmds: IptablesCommands) {
         (&cmds.ip6tables_restore, &cmds.ip6tables_save),
     ] {
         let expected = rendered_rules(&rendered, restore);
-        // 36 in mangle, 8 in raw (3 checking sources, 5 for the upstream legs' conntrack
-        // zone).
-        assert_eq!(expected.len(), 44, "{restore} section of:\n{rendered}");
+        // 36 in mangle, 9 in raw (3 checking sources, 6 for the upstream legs' conntrack:
+        // untracked to and from a local pod, else a zone of their own).
+        assert_eq!(expected.len(), 45, "{restore} section of:\n{rendered}");
         let raw = ns.sh(&[save, "-t", "raw"]);
         let saved = ns.sh(&[save, "-t", "mangle"]);
         let ours: Vec<&str> =
@@ -467,7 +467,11 @@ fn nftables_apply_update_remove() {
             "ip daddr @pods-v4 ip saddr != @pods-v4 meta l4proto != udp \
              socket mark & 0x00000080 == 0x00000080 ct zone set 29808",
             "ip saddr @pods-v4 meta l4proto != udp socket mark & 0x00000080 == 0x00000080 \
-             ct zone set 29808",
+             notrack",
+            "meta mark & 0x00000080 == 0x00000080 meta l4proto != { icmp, ipv6-icmp } \
+             ip daddr @pods-v4 notrack return",
+            "meta mark & 0x00000080 == 0x00000080 meta l4proto != { icmp, ipv6-icmp } \
+             ip6 daddr @pods-v6 notrack return",
             "meta mark & 0x00000080 == 0x00000080 meta l4proto != { icmp, ipv6-icmp } ct zone \
              set 29808",
             "meta l4proto udp ip daddr @nodes-v4 ct state new ct mark set ct mark | 0x00002000",

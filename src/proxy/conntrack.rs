@@ -62,6 +62,9 @@ const CTA_PROTO_DST_PORT: u16 = 3;
 const CTA_COUNTERS_PACKETS: u16 = 1;
 const CTA_COUNTERS_BYTES: u16 = 2;
 
+/// IP protocol number of TCP.
+pub const TCP: u8 = 6;
+
 /// IP protocol number of UDP.
 pub const UDP: u8 = 17;
 

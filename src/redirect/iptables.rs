@@ -629,15 +629,17 @@ fn raw_input(spec: &RulesetSpec, fam: Family, o: &mut String) {
         let not_udp = if c.udp_path == UdpPath::Kernel { "! -p udp " } else { "" };
         // One socket lookup per packet: a packet from a local pod to another was looked up
         // by the first rule, so the second takes only those to a local pod from elsewhere.
-        for (dir, words, not_from_pod) in [
-            ("src", "from", String::new()),
-            ("dst", "to", format!("-m set ! --match-set {pods} src ")),
+        // A reply from a local pod belongs to a leg to that pod, which is untracked (below).
+        for (dir, words, not_from_pod, target) in [
+            ("src", "from", String::new(), ("untracked", "-j NOTRACK")),
+            ("dst", "to", format!("-m set ! --match-set {pods} src "), ("own zone", ct.as_str())),
         ] {
+            let (what, target) = target;
             let _ = writeln!(
                 o,
-                "-A {zin} {not_udp}-m comment --comment \"tierproxy: upstream leg {words} a local pod, own zone\" \
+                "-A {zin} {not_udp}-m comment --comment \"tierproxy: upstream leg {words} a local pod, {what}\" \
                  -m set --match-set {pods} {dir} {not_from_pod}-m socket --restore-skmark \
-                 -m mark --mark {bypass} {ct}"
+                 -m mark --mark {bypass} {target}"
             );
         }
         let _ = writeln!(
@@ -654,6 +656,18 @@ fn raw_input(spec: &RulesetSpec, fam: Family, o: &mut String) {
             Family::V4 => "icmp",
             Family::V6 => "ipv6-icmp",
         };
+        // A leg to a local pod is untracked: it needs no NAT (its destination is the pod
+        // itself, after any DNAT of the client's leg) and no state (nothing of the ruleset
+        // reads it), and conntrack was about a tenth of such a connection's time (issue
+        // #18). The zone rule after it leaves a packet that has its conntrack information
+        // (here: untracked) alone (xt CT: "previously seen"). Legs to anywhere else keep
+        // the zone: their packets may
+        // leave the node, where SNAT (masquerading) needs conntrack.
+        let _ = writeln!(
+            o,
+            "-A {zout} ! -p {icmp} -m comment --comment \"tierproxy: proxy upstream sockets to a local pod, untracked\" \
+             -m mark --mark {bypass} -m set --match-set {pods} dst -j NOTRACK"
+        );
         let _ = writeln!(
             o,
             "-A {zout} ! -p {icmp} -m comment --comment \"tierproxy: proxy upstream sockets, own zone\" \
@@ -1036,7 +1050,9 @@ mod tests {
             raw.lines().filter(|l| l.starts_with("-A TIERPROXY-ZONE")).count()
         };
         assert_eq!(rules(0), 0);
-        assert_eq!(rules(7), 5);
+        // Bypass mark, from a local pod (untracked), to a local pod (zone), mark cleared;
+        // OUTPUT: to a local pod (untracked), elsewhere (zone).
+        assert_eq!(rules(7), 6);
     }
 
     #[test]

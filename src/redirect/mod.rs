@@ -95,6 +95,22 @@
 //!    finds the client's flow they quote (RELATED) and NAT un-does a ClusterIP's DNAT on
 //!    them, as on the kernel's own errors.
 //!
+//!    **A leg to a local pod is untracked** (`-j NOTRACK`, nft `notrack`): in OUTPUT, a
+//!    packet of an upstream socket (not ICMP) to a local pod's address, first; in
+//!    PREROUTING, a packet from a local pod to an upstream socket (the rule for packets
+//!    from a local pod; a reply from a pod belongs to a leg to that pod). Such a leg needs
+//!    no NAT (it goes to the pod itself: the client leg's DNAT happened before the proxy
+//!    took it, `getsockname` gives the backend) and nothing of the ruleset reads its state:
+//!    rules 2 and 3a return its later packets whatever their state (3a names `UNTRACKED`),
+//!    and the decision chain returns TCP past its SYN. Conntrack was about a tenth of such
+//!    a connection's time: one entry created, confirmed and destroyed, and every packet
+//!    looked up (issue #18; `docs/architecture.md`, "The upstream leg to a local pod,
+//!    untracked"). A leg to anywhere else keeps the zone: its packets leave the node, where
+//!    a CNI's SNAT (masquerading) needs conntrack. (xt `CT --zone` skips a packet that has
+//!    its conntrack information, an untracked one too; nft's `ct zone set` does not, so the
+//!    nftables backend's untracked rule returns.) With `--upstream-zone 0` neither rule
+//!    exists and the legs share the default zone, as before rule 0.
+//!
 //! PREROUTING (`TIERPROXY`, nft `prerouting`):
 //!
 //! 1. **Bypass mark → return untouched.** The proxy's upstream sockets carry `SO_MARK` =

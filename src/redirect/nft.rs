@@ -742,7 +742,7 @@ fn apply_batch(spec: &RulesetSpec) -> Nftables<'static> {
         );
         for fam in [V4, V6] {
             for (field, comment) in [
-                ("saddr", "tierproxy: upstream leg from a local pod, own zone"),
+                ("saddr", "tierproxy: upstream leg from a local pod, untracked"),
                 ("daddr", "tierproxy: upstream leg to a local pod, own zone"),
             ] {
                 // Any socket, not only transparent ones: see the iptables backend. On the
@@ -759,12 +759,29 @@ fn apply_batch(spec: &RulesetSpec) -> Nftables<'static> {
                 if c.udp_path == UdpPath::Kernel {
                     expr.push(is(meta(MetaKey::L4proto), Operator::NEQ, str_expr("udp")));
                 }
-                expr.extend([socket_mark.clone(), zone()]);
+                // Replies from a local pod: of a leg to that pod, untracked (see the
+                // iptables backend).
+                let track = if field == "saddr" { Statement::Notrack } else { zone() };
+                expr.extend([socket_mark.clone(), track]);
                 b.rule(ZONE_IN_CHAIN, comment, expr);
             }
         }
         // Not the agent's ICMP errors, which belong to the client's flow: see the iptables
-        // backend.
+        // backend. A leg to a local pod is untracked, and returns: `ct zone set` would put
+        // an untracked packet in the zone again (it skips only a packet with an entry).
+        for fam in [V4, V6] {
+            b.rule(
+                ZONE_OUT_CHAIN,
+                "tierproxy: proxy upstream sockets to a local pod, untracked",
+                vec![
+                    mark_set(c.bypass_mark),
+                    l4proto_not_in(&["icmp", "ipv6-icmp"]),
+                    in_set(fam, "daddr", fam.pods),
+                    Statement::Notrack,
+                    Statement::Return(None),
+                ],
+            );
+        }
         b.rule(
             ZONE_OUT_CHAIN,
             "tierproxy: proxy upstream sockets, own zone",
@@ -1240,12 +1257,34 @@ fn sort_flags(v: &mut serde_json::Value) {
     }
 }
 
+/// Writes each `notrack` statement of `v`'s rules as the object nft reads,
+/// `{"notrack": null}` (libnftables-json(5), "NOTRACK"): the crate serializes its unit
+/// variant `Statement::Notrack` as the bare string `"notrack"`, which `nft -j` refuses
+/// ("Unexpected expr array element of type string, expected object").
+fn notrack_objects(v: &mut serde_json::Value) {
+    match v {
+        serde_json::Value::Object(map) => {
+            for (k, item) in map.iter_mut() {
+                if let (true, Some(list)) = (k == "expr", item.as_array_mut()) {
+                    for e in list.iter_mut().filter(|e| e.as_str() == Some("notrack")) {
+                        *e = serde_json::json!({ "notrack": null });
+                    }
+                }
+                notrack_objects(item);
+            }
+        }
+        serde_json::Value::Array(items) => items.iter_mut().for_each(notrack_objects),
+        _ => {}
+    }
+}
+
 fn to_json(n: &Nftables<'_>, pretty: bool) -> String {
     let mut value = match serde_json::to_value(n) {
         Ok(v) => v,
         Err(e) => return format!("{{\"error\": \"{e}\"}}"),
     };
     sort_flags(&mut value);
+    notrack_objects(&mut value);
     let r =
         if pretty { serde_json::to_string_pretty(&value) } else { serde_json::to_string(&value) };
     // The schema types serialize plain data only (strings, numbers, sequences, maps with
