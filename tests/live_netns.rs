@@ -687,8 +687,8 @@ fn churning_connections_lose_no_syn_to_a_conntrack_clash() {
 }
 
 /// The proxy's upstream leg to a pod of its own node is untracked (rule 0 in `redirect`:
-/// no NAT applies to it and nothing reads its state, and conntrack was about a tenth of
-/// such a connection's time, issue #18), while a leg to another node's pod keeps the
+/// no NAT applies to it and nothing reads its state, and its entry was half the conntrack
+/// work of such a connection, issue #18), while a leg to another node's pod keeps the
 /// upstream zone (its packets leave the node, where SNAT may need conntrack). Read from
 /// n1's conntrack table while both connections are held: before the change the leg to
 /// a/server had an entry in the upstream zone.

@@ -658,11 +658,11 @@ fn raw_input(spec: &RulesetSpec, fam: Family, o: &mut String) {
         };
         // A leg to a local pod is untracked: it needs no NAT (its destination is the pod
         // itself, after any DNAT of the client's leg) and no state (nothing of the ruleset
-        // reads it), and conntrack was about a tenth of such a connection's time (issue
-        // #18). The zone rule after it leaves a packet that has its conntrack information
+        // reads it), and its entry was half the conntrack work of a connection on one node
+        // (issue #18). The zone rule after it leaves a packet that has its conntrack information
         // (here: untracked) alone (xt CT: "previously seen"). Legs to anywhere else keep
-        // the zone: their packets may
-        // leave the node, where SNAT (masquerading) needs conntrack.
+        // the zone: their packets may leave the node, where SNAT (masquerading) needs
+        // conntrack.
         let _ = writeln!(
             o,
             "-A {zout} ! -p {icmp} -m comment --comment \"tierproxy: proxy upstream sockets to a local pod, untracked\" \

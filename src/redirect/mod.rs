@@ -102,10 +102,11 @@
 //!    no NAT (it goes to the pod itself: the client leg's DNAT happened before the proxy
 //!    took it, `getsockname` gives the backend) and nothing of the ruleset reads its state:
 //!    rules 2 and 3a return its later packets whatever their state (3a names `UNTRACKED`),
-//!    and the decision chain returns TCP past its SYN. Conntrack was about a tenth of such
-//!    a connection's time: one entry created, confirmed and destroyed, and every packet
-//!    looked up (issue #18; `docs/architecture.md`, "The upstream leg to a local pod,
-//!    untracked"). A leg to anywhere else keeps the zone: its packets leave the node, where
+//!    and the decision chain returns TCP past its SYN. The leg's entry (created, confirmed,
+//!    looked up by every packet, destroyed) was half the conntrack work of a connection on
+//!    one node, and conntrack ~7 % of its CPU; one entry per such connection is left in the
+//!    table instead of two (issue #18; `docs/architecture.md`, "The upstream leg to a local
+//!    pod, untracked"). A leg to anywhere else keeps the zone: its packets leave the node, where
 //!    a CNI's SNAT (masquerading) needs conntrack. (xt `CT --zone` skips a packet that has
 //!    its conntrack information, an untracked one too; nft's `ct zone set` does not, so the
 //!    nftables backend's untracked rule returns.) With `--upstream-zone 0` neither rule
