@@ -233,9 +233,10 @@ fn iptables_lifecycle(test: &str, cmds: IptablesCommands) {
         (&cmds.ip6tables_restore, &cmds.ip6tables_save),
     ] {
         let expected = rendered_rules(&rendered, restore);
-        // 36 in mangle, 9 in raw (3 checking sources, 6 for the upstream legs' conntrack:
-        // untracked to and from a local pod, else a zone of their own).
-        assert_eq!(expected.len(), 45, "{restore} section of:\n{rendered}");
+        // 36 in mangle, 12 in raw (3 checking sources, 9 for the upstream legs' conntrack:
+        // untracked to and from a local pod or an enforcing node's, else a zone of their
+        // own).
+        assert_eq!(expected.len(), 48, "{restore} section of:\n{rendered}");
         let raw = ns.sh(&[save, "-t", "raw"]);
         let saved = ns.sh(&[save, "-t", "mangle"]);
         let ours: Vec<&str> =
@@ -465,7 +466,12 @@ fn nftables_apply_update_remove() {
             "tproxy ip6 to [::1]:15001",
             "ip saddr @nodes-v4 return",
             "ip daddr @pods-v4 ip saddr != @pods-v4 meta l4proto != udp \
-             socket mark & 0x00000080 == 0x00000080 ct zone set 29808",
+             socket mark & 0x00000080 == 0x00000080 jump zone_leg",
+            "ip saddr @enforced-v4 notrack return",
+            "ip6 saddr @enforced-v6 notrack return",
+            "ct zone set 29808 comment \"tierproxy: upstream leg from elsewhere, own zone\"",
+            "meta mark & 0x00000080 == 0x00000080 meta l4proto != { icmp, ipv6-icmp } \
+             ip daddr @enforced-v4 notrack return",
             "ip saddr @pods-v4 meta l4proto != udp socket mark & 0x00000080 == 0x00000080 \
              notrack",
             "meta mark & 0x00000080 == 0x00000080 meta l4proto != { icmp, ipv6-icmp } \

@@ -212,7 +212,12 @@ fn hooks(names: &Names) -> [Jump<'_>; 6] {
 /// tierproxy's chains in `table`.
 fn own_chains<'a>(names: &'a Names, table: &str) -> Vec<&'a String> {
     match table {
-        "raw" => vec![&names.source_chain, &names.zone_in_chain, &names.zone_out_chain],
+        "raw" => vec![
+            &names.source_chain,
+            &names.zone_in_chain,
+            &names.zone_leg_chain,
+            &names.zone_out_chain,
+        ],
         _ => vec![
             &names.chain,
             &names.divert_chain,
@@ -579,18 +584,19 @@ fn restore_input(spec: &RulesetSpec, fam: Family) -> String {
 fn raw_input(spec: &RulesetSpec, fam: Family, o: &mut String) {
     let c = spec.config();
     let n = spec.names();
-    let pods = match fam {
-        Family::V4 => &n.pods_v4,
-        Family::V6 => &n.pods_v6,
+    let (pods, enforced) = match fam {
+        Family::V4 => (&n.pods_v4, &n.enforced_v4),
+        Family::V6 => (&n.pods_v6, &n.enforced_v6),
     };
-    let (zin, zout, bypass) = (&n.zone_in_chain, &n.zone_out_chain, c.bypass_mark);
+    let (zin, zleg, zout) = (&n.zone_in_chain, &n.zone_leg_chain, &n.zone_out_chain);
+    let bypass = c.bypass_mark;
     let (source, nodes, podif) = match fam {
         Family::V4 => (&n.source_chain, &n.nodes_v4, &n.podif_v4),
         Family::V6 => (&n.source_chain, &n.nodes_v6, &n.podif_v6),
     };
     o.push_str("*raw\n");
     // Declared in name order, as `iptables-save` lists them.
-    for ch in [source, zin, zout] {
+    for ch in [source, zin, zleg, zout] {
         let _ = writeln!(o, ":{ch} - [0:0]");
     }
     // Chain S: sources a pod cannot own (see the module docs of `redirect`).
@@ -629,15 +635,19 @@ fn raw_input(spec: &RulesetSpec, fam: Family, o: &mut String) {
         let not_udp = if c.udp_path == UdpPath::Kernel { "! -p udp " } else { "" };
         // One socket lookup per packet: a packet from a local pod to another was looked up
         // by the first rule, so the second takes only those to a local pod from elsewhere.
-        // A reply from a local pod belongs to a leg to that pod, which is untracked (below).
+        // A reply from a local pod belongs to a leg to that pod, which is untracked (below);
+        // one from elsewhere goes on to the leg chain, which tells an enforcing node's pod
+        // (untracked) from anything else (the zone) after this one socket lookup, so that
+        // the packets the kernel forwards to a local pod are looked up once, as before.
+        let to_leg = format!("-j {zleg}");
         for (dir, words, not_from_pod, target) in [
-            ("src", "from", String::new(), ("untracked", "-j NOTRACK")),
-            ("dst", "to", format!("-m set ! --match-set {pods} src "), ("own zone", ct.as_str())),
+            ("src", "from", String::new(), (", untracked", "-j NOTRACK")),
+            ("dst", "to", format!("-m set ! --match-set {pods} src "), ("", to_leg.as_str())),
         ] {
             let (what, target) = target;
             let _ = writeln!(
                 o,
-                "-A {zin} {not_udp}-m comment --comment \"tierproxy: upstream leg {words} a local pod, {what}\" \
+                "-A {zin} {not_udp}-m comment --comment \"tierproxy: upstream leg {words} a local pod{what}\" \
                  -m set --match-set {pods} {dir} {not_from_pod}-m socket --restore-skmark \
                  -m mark --mark {bypass} {target}"
             );
@@ -648,6 +658,17 @@ fn raw_input(spec: &RulesetSpec, fam: Family, o: &mut String) {
              -m mark --mark {bypass} -j MARK --set-xmark 0x0/{:#x}",
             bypass.mask
         );
+        // The leg chain: replies from elsewhere to an upstream socket (above). Written
+        // before OUTPUT's chain: `iptables-save` lists rules chain by chain, in name order.
+        let _ = writeln!(
+            o,
+            "-A {zleg} -m comment --comment \"tierproxy: upstream leg from a pod of an enforcing node, untracked\" \
+             -m set --match-set {enforced} src -j NOTRACK"
+        );
+        let _ = writeln!(
+            o,
+            "-A {zleg} -m comment --comment \"tierproxy: upstream leg from elsewhere, own zone\" {ct}"
+        );
         // Not ICMP: the agent's own ICMP errors (refusals, relayed port unreachables) carry
         // the bypass mark too, but belong to the client's flow: in the default zone
         // conntrack finds it (RELATED) and NAT un-does a ClusterIP's DNAT on them. In the
@@ -656,17 +677,22 @@ fn raw_input(spec: &RulesetSpec, fam: Family, o: &mut String) {
             Family::V4 => "icmp",
             Family::V6 => "ipv6-icmp",
         };
-        // A leg to a local pod is untracked: it needs no NAT (its destination is the pod
-        // itself, after any DNAT of the client's leg) and no state (nothing of the ruleset
-        // reads it), and its entry was half the conntrack work of a connection on one node
-        // (issue #18). The zone rule after it leaves a packet that has its conntrack information
-        // (here: untracked) alone (xt CT: "previously seen"). Legs to anywhere else keep
-        // the zone: their packets may leave the node, where SNAT (masquerading) needs
-        // conntrack.
+        // A leg to a local pod, or to a pod of a node whose agent enforces, is untracked: it
+        // needs no NAT (it goes to the pod itself, after any DNAT of the client's leg, and
+        // no pod-to-pod traffic is NATed) and no state (nothing of the ruleset reads it),
+        // and its entry was half the conntrack work of a connection on one node (issue #18).
+        // The zone rule after them leaves a packet that has its conntrack information (here:
+        // untracked) alone (xt CT: "previously seen"). Legs to anywhere else keep the zone:
+        // external addresses may need the node's SNAT (masquerading), which needs conntrack.
         let _ = writeln!(
             o,
             "-A {zout} ! -p {icmp} -m comment --comment \"tierproxy: proxy upstream sockets to a local pod, untracked\" \
              -m mark --mark {bypass} -m set --match-set {pods} dst -j NOTRACK"
+        );
+        let _ = writeln!(
+            o,
+            "-A {zout} ! -p {icmp} -m comment --comment \"tierproxy: proxy upstream sockets to a pod of an enforcing node, untracked\" \
+             -m mark --mark {bypass} -m set --match-set {enforced} dst -j NOTRACK"
         );
         let _ = writeln!(
             o,
@@ -1050,9 +1076,10 @@ mod tests {
             raw.lines().filter(|l| l.starts_with("-A TIERPROXY-ZONE")).count()
         };
         assert_eq!(rules(0), 0);
-        // Bypass mark, from a local pod (untracked), to a local pod (zone), mark cleared;
-        // OUTPUT: to a local pod (untracked), elsewhere (zone).
-        assert_eq!(rules(7), 6);
+        // Bypass mark, from a local pod (untracked), to a local pod (to the leg chain), mark
+        // cleared; the leg chain: from an enforcing node's pod (untracked), else (zone);
+        // OUTPUT: to a local pod, to an enforcing node's pod (untracked), elsewhere (zone).
+        assert_eq!(rules(7), 9);
     }
 
     #[test]

@@ -95,22 +95,28 @@
 //!    finds the client's flow they quote (RELATED) and NAT un-does a ClusterIP's DNAT on
 //!    them, as on the kernel's own errors.
 //!
-//!    **A leg to a local pod is untracked** (`-j NOTRACK`, nft `notrack`): in OUTPUT, a
-//!    packet of an upstream socket (not ICMP) to a local pod's address, first; in
-//!    PREROUTING, a packet from a local pod to an upstream socket (the rule for packets
-//!    from a local pod; a reply from a pod belongs to a leg to that pod). Such a leg needs
-//!    no NAT (it goes to the pod itself: the client leg's DNAT happened before the proxy
-//!    took it, `getsockname` gives the backend) and nothing of the ruleset reads its state:
-//!    rules 2 and 3a return its later packets whatever their state (3a names `UNTRACKED`),
-//!    and the decision chain returns TCP past its SYN. The leg's entry (created, confirmed,
-//!    looked up by every packet, destroyed) was half the conntrack work of a connection on
-//!    one node, and conntrack ~7 % of its CPU; one entry per such connection is left in the
-//!    table instead of two (issue #18; `docs/architecture.md`, "The upstream leg to a local
-//!    pod, untracked"). A leg to anywhere else keeps the zone: its packets leave the node, where
-//!    a CNI's SNAT (masquerading) needs conntrack. (xt `CT --zone` skips a packet that has
-//!    its conntrack information, an untracked one too; nft's `ct zone set` does not, so the
-//!    nftables backend's untracked rule returns.) With `--upstream-zone 0` neither rule
-//!    exists and the legs share the default zone, as before rule 0.
+//!    **A leg to a pod is untracked** (`-j NOTRACK`, nft `notrack`) when the pod is
+//!    local or on a node whose agent enforces (the enforced sets of rule 6): in OUTPUT, a
+//!    packet of an upstream socket (not ICMP) to such a pod's address, first; in
+//!    PREROUTING, a packet from a local pod to an upstream socket (a reply from a pod
+//!    belongs to a leg to that pod), and one from elsewhere whose socket the rule for
+//!    packets to a local pod found, when it comes from an enforcing node's pod (chain
+//!    `TIERPROXY-ZONE-LEG`, nft `zone_leg`, after that rule's one socket lookup, so that
+//!    the packets the kernel forwards to a local pod are still looked up once). Such a leg
+//!    needs no NAT (it goes to the pod itself: the client leg's DNAT happened before the
+//!    proxy took it, `getsockname` gives the backend; pod-to-pod traffic is never NATed)
+//!    and nothing of the ruleset reads its state: rules 2 and 3a take its later packets
+//!    whatever their state (3a names `UNTRACKED`), and the decision chain returns TCP past
+//!    its SYN. The leg's entry (created, confirmed, looked up by every packet, destroyed)
+//!    was half the conntrack work of a connection on one node, and conntrack ~7 % of its
+//!    CPU; one entry per such connection is left in the table instead of two (issue #18;
+//!    `docs/architecture.md`, "The upstream leg to a local pod, untracked"). A leg to
+//!    anywhere else (an external address, a node without an enforcing agent) keeps the
+//!    zone: its packets may need the node's SNAT (masquerading), which needs conntrack.
+//!    (xt `CT --zone` skips a packet that has its conntrack information, an untracked one
+//!    too; nft's `ct zone set` does not, so the nftables backend's untracked rules return.)
+//!    With `--upstream-zone 0` none of these rules exists and the legs share the default
+//!    zone, as before rule 0.
 //!
 //! PREROUTING (`TIERPROXY`, nft `prerouting`):
 //!
@@ -468,6 +474,10 @@ pub struct Names {
     /// replies to the proxy's upstream sockets into their conntrack zone (rule 0),
     /// e.g. `TIERPROXY-ZONE-IN`.
     pub zone_in_chain: String,
+    /// iptables chain in the raw table, jumped to from the zone-in chain for a reply from
+    /// elsewhere to an upstream socket: untracked from an enforcing node's pod, else the
+    /// zone (rule 0), e.g. `TIERPROXY-ZONE-LEG`.
+    pub zone_leg_chain: String,
     /// iptables chain in the raw table, jumped to from `raw OUTPUT`, that puts the
     /// packets of the proxy's upstream sockets into their conntrack zone (rule 0),
     /// e.g. `TIERPROXY-ZONE-OUT`.
@@ -520,6 +530,7 @@ impl Names {
             decide_chain: format!("{up}-DECIDE"),
             queue_chain: format!("{up}-QUEUE"),
             zone_in_chain: format!("{up}-ZONE-IN"),
+            zone_leg_chain: format!("{up}-ZONE-LEG"),
             zone_out_chain: format!("{up}-ZONE-OUT"),
             source_chain: format!("{up}-SOURCE"),
             pods_v4: format!("{p}-pods-v4"),

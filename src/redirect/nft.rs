@@ -60,6 +60,9 @@ pub const ZONE_IN_CHAIN: &str = "zone_in";
 /// Name of the base chain hooked at output, priority raw, that puts the packets of the
 /// proxy's upstream sockets into their conntrack zone (rule 0).
 pub const ZONE_OUT_CHAIN: &str = "zone_out";
+/// Name of the regular chain [`ZONE_IN_CHAIN`] jumps to for a reply from elsewhere to an
+/// upstream socket: untracked from an enforcing node's pod, else the zone (rule 0).
+pub const ZONE_LEG_CHAIN: &str = "zone_leg";
 /// Name of the base chain hooked at prerouting, priority raw - 10, that drops packets with
 /// sources their interface cannot own (chain S).
 pub const SOURCE_CHAIN: &str = "source";
@@ -740,10 +743,11 @@ fn apply_batch(spec: &RulesetSpec) -> Nftables<'static> {
             Operator::EQ,
             Expression::Number(c.bypass_mark.value),
         );
+        b.batch.add(NfListObject::Chain(b.regular_chain(ZONE_LEG_CHAIN)));
         for fam in [V4, V6] {
             for (field, comment) in [
                 ("saddr", "tierproxy: upstream leg from a local pod, untracked"),
-                ("daddr", "tierproxy: upstream leg to a local pod, own zone"),
+                ("daddr", "tierproxy: upstream leg to a local pod"),
             ] {
                 // Any socket, not only transparent ones: see the iptables backend. On the
                 // kernel UDP path no upstream leg is UDP: UDP is spared the socket lookup.
@@ -759,28 +763,51 @@ fn apply_batch(spec: &RulesetSpec) -> Nftables<'static> {
                 if c.udp_path == UdpPath::Kernel {
                     expr.push(is(meta(MetaKey::L4proto), Operator::NEQ, str_expr("udp")));
                 }
-                // Replies from a local pod: of a leg to that pod, untracked (see the
-                // iptables backend).
-                let track = if field == "saddr" { Statement::Notrack } else { zone() };
-                expr.extend([socket_mark.clone(), track]);
+                // Replies from a local pod: of a leg to that pod, untracked; from elsewhere:
+                // the leg chain tells an enforcing node's pod from the rest after this one
+                // socket lookup (see the iptables backend).
+                let then = if field == "saddr" {
+                    Statement::Notrack
+                } else {
+                    Statement::Jump(JumpTarget { target: ZONE_LEG_CHAIN.into() })
+                };
+                expr.extend([socket_mark.clone(), then]);
                 b.rule(ZONE_IN_CHAIN, comment, expr);
             }
         }
-        // Not the agent's ICMP errors, which belong to the client's flow: see the iptables
-        // backend. A leg to a local pod is untracked, and returns: `ct zone set` would put
-        // an untracked packet in the zone again (it skips only a packet with an entry).
         for fam in [V4, V6] {
             b.rule(
-                ZONE_OUT_CHAIN,
-                "tierproxy: proxy upstream sockets to a local pod, untracked",
+                ZONE_LEG_CHAIN,
+                "tierproxy: upstream leg from a pod of an enforcing node, untracked",
                 vec![
-                    mark_set(c.bypass_mark),
-                    l4proto_not_in(&["icmp", "ipv6-icmp"]),
-                    in_set(fam, "daddr", fam.pods),
+                    in_set(fam, "saddr", fam.enforced),
                     Statement::Notrack,
                     Statement::Return(None),
                 ],
             );
+        }
+        b.rule(ZONE_LEG_CHAIN, "tierproxy: upstream leg from elsewhere, own zone", vec![zone()]);
+        // Not the agent's ICMP errors, which belong to the client's flow: see the iptables
+        // backend. A leg to a local pod is untracked, and returns: `ct zone set` would put
+        // an untracked packet in the zone again (it skips only a packet with an entry).
+        for (enforced, comment) in [
+            (false, "tierproxy: proxy upstream sockets to a local pod, untracked"),
+            (true, "tierproxy: proxy upstream sockets to a pod of an enforcing node, untracked"),
+        ] {
+            for fam in [V4, V6] {
+                let set = if enforced { fam.enforced } else { fam.pods };
+                b.rule(
+                    ZONE_OUT_CHAIN,
+                    comment,
+                    vec![
+                        mark_set(c.bypass_mark),
+                        l4proto_not_in(&["icmp", "ipv6-icmp"]),
+                        in_set(fam, "daddr", set),
+                        Statement::Notrack,
+                        Statement::Return(None),
+                    ],
+                );
+            }
         }
         b.rule(
             ZONE_OUT_CHAIN,
