@@ -788,8 +788,9 @@ fn apply_batch(spec: &RulesetSpec) -> Nftables<'static> {
         }
         b.rule(ZONE_LEG_CHAIN, "tierproxy: upstream leg from elsewhere, own zone", vec![zone()]);
         // Not the agent's ICMP errors, which belong to the client's flow: see the iptables
-        // backend. A leg to a local pod is untracked, and returns: `ct zone set` would put
-        // an untracked packet in the zone again (it skips only a packet with an entry).
+        // backend. A leg to a local pod or to a pod of an enforcing node is untracked, and
+        // returns: `ct zone set` would put an untracked packet in the zone again (it skips
+        // only a packet with an entry).
         for (enforced, comment) in [
             (false, "tierproxy: proxy upstream sockets to a local pod, untracked"),
             (true, "tierproxy: proxy upstream sockets to a pod of an enforcing node, untracked"),
