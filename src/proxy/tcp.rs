@@ -553,7 +553,7 @@ async fn connect(
     }
     let stream = TcpStream::from_std(s.into())?;
     let connected = async {
-        std::future::poll_fn(|cx| stream.poll_write_ready(cx)).await?;
+        stream.writable().await?;
         match stream.take_error()? {
             Some(e) => Err(e),
             None => Ok(()),

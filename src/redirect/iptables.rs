@@ -640,11 +640,10 @@ fn raw_input(spec: &RulesetSpec, fam: Family, o: &mut String) {
         // (untracked) from anything else (the zone) after this one socket lookup, so that
         // the packets the kernel forwards to a local pod are looked up once, as before.
         let to_leg = format!("-j {zleg}");
-        for (dir, words, not_from_pod, target) in [
-            ("src", "from", String::new(), (", untracked", "-j NOTRACK")),
-            ("dst", "to", format!("-m set ! --match-set {pods} src "), ("", to_leg.as_str())),
+        for (dir, words, not_from_pod, what, target) in [
+            ("src", "from", String::new(), ", untracked", "-j NOTRACK"),
+            ("dst", "to", format!("-m set ! --match-set {pods} src "), "", to_leg.as_str()),
         ] {
-            let (what, target) = target;
             let _ = writeln!(
                 o,
                 "-A {zin} {not_udp}-m comment --comment \"tierproxy: upstream leg {words} a local pod{what}\" \
