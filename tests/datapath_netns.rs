@@ -1219,6 +1219,86 @@ fn packets_past_a_connections_syn_return_before_the_interception_and_decision_ru
     assert!(d[5] <= 2, "n1's queue chain saw {} packets of the connection: {said}", d[5]);
 }
 
+/// Issues #18 and #20 (what a connection and a flow cost): a packet between two pods of one
+/// node walks the interception chain and the queue chain once, not once for each end. The
+/// rules for packets from and to a local pod go to those chains (`-g`), so what the chain
+/// returns or lets fall through ends the walk; before, the rule for packets to a local pod
+/// sent it through again: every same-node SYN and first datagram looked its class up in
+/// the cache twice (a flow of a cached UDP class four times, through two rules), and every
+/// other packet walked the interception chain twice. Read from the rules' counters (the
+/// iptables backend): those rules for packets to a local pod took 1 packet of each
+/// same-node flow before, and the cached UDP class's rule 2.
+#[test]
+fn a_packet_between_two_local_pods_walks_the_interception_and_queue_chains_once() {
+    const TEST: &str =
+        "a_packet_between_two_local_pods_walks_the_interception_and_queue_chains_once";
+    if !netns_available(TEST) {
+        return;
+    }
+    let lab = lab_with_agent_args("once", &["--redirect-backend=iptables".into()], &[]);
+    let n1 = netns_of_node(&lab, "n1");
+    let counts = || {
+        [
+            rule_packets(&n1, "TIERPROXY", "tierproxy: flow to a local pod"),
+            rule_packets(&n1, "TIERPROXY-DECIDE", "tierproxy: flow to a local pod"),
+            rule_packets(&n1, "TIERPROXY-QUEUE", "tierproxy: allowed class, cached"),
+        ]
+    };
+    let client = netns_of_pod(&lab, "a", "client");
+    const FLOWS: usize = 10;
+    let before = counts();
+    // TCP, same node: each SYN (the first queued, the rest of a cached class).
+    for _ in 0..FLOWS {
+        greeted(&client, "10.60.1.3:8080");
+    }
+    // UDP, same node: DNS-like, a new socket and so a new flow each (all sockets kept
+    // open until the end, so that no port, and no flow, is used twice).
+    in_netns(&client, || {
+        let mut open = Vec::new();
+        for _ in 0..FLOWS {
+            let s = std::net::UdpSocket::bind("10.60.1.2:0").map_err(io("bind"))?;
+            s.connect("10.60.1.3:5353").map_err(io("connect"))?;
+            s.set_read_timeout(Some(Duration::from_secs(5))).map_err(io("timeout"))?;
+            s.send(b"q").map_err(io("send"))?;
+            s.recv(&mut [0u8; 512]).map_err(io("recv"))?;
+            open.push(s);
+        }
+        Ok(())
+    })
+    .expect("the UDP client runs");
+    // A protocol neither chain acts on (an IP packet of protocol 253, RFC 3692's for
+    // experiments): it falls through both chains, and ends there.
+    let from_before = rule_packets(&n1, "TIERPROXY-DECIDE", "tierproxy: flow from a local pod");
+    in_netns(&client, || {
+        use socket2::{Domain, Protocol, SockAddr, Socket, Type};
+        let raw = Socket::new(Domain::IPV4, Type::RAW, Some(Protocol::from(253)))
+            .map_err(io("raw socket"))?;
+        let to: SocketAddr = "10.60.1.3:0".parse().unwrap();
+        raw.send_to(b"experiment", &SockAddr::from(to)).map_err(io("send"))?;
+        Ok(())
+    })
+    .expect("the raw client runs");
+    // The SYNs and datagrams were answered above; the raw packet has been through n1's
+    // chains once the decision chain's rule for packets from a local pod counted it.
+    let from = || rule_packets(&n1, "TIERPROXY-DECIDE", "tierproxy: flow from a local pod");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while from() < from_before + 1 {
+        assert!(Instant::now() < deadline, "n1 never counted the raw packet");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let after = counts();
+    let d: Vec<u64> = after.iter().zip(before).map(|(a, b)| a - b).collect();
+    let said = format!("before {before:?}, after {after:?}");
+    assert_eq!(d[0], 0, "n1's rule 6 for packets to a local pod took {}: {said}", d[0]);
+    assert_eq!(d[1], 0, "n1's decision rule for packets to a local pod took {}: {said}", d[1]);
+    // At most one of each flow's packets took a cached-class rule: the TCP one for every
+    // SYN after the first of its class (some 9), the UDP one for every first datagram
+    // after the first of its class (some 9).
+    let most = 2 * FLOWS as u64;
+    assert!(d[2] <= most, "cached-class rules took {} packets of {most} flows: {said}", d[2]);
+    assert!(d[2] >= FLOWS as u64, "cached-class rules took only {}: {said}", d[2]);
+}
+
 /// Issue #18, item 3: the kernel-side cache of allowed classes. The first connection of a
 /// class (client, port, server) is decided on its queued SYN; the class then enters the
 /// cache, and the next connection's SYN skips the queue: the proxy decides it as it

@@ -142,11 +142,18 @@ fn fail_open_only_adds_queue_bypass() {
     let queue_lines = o.lines().filter(|l| l.contains("-j NFQUEUE")).count();
     assert_eq!(queue_lines, 8, "3 protocols and TCP not tproxied × 2 families");
     assert_eq!(o.matches("--queue-bypass").count(), queue_lines);
-    assert!(c.contains("-A TIERPROXY-QUEUE -p udp -j NFQUEUE --queue-balance 0:1\n"), "{c}");
-    let o = o.replace(" --queue-bypass", "").replace(
-        "-A TIERPROXY-QUEUE -p udp -j NFQUEUE --queue-num 2\n",
-        "-A TIERPROXY-QUEUE -p udp -j NFQUEUE --queue-balance 0:1\n",
-    );
+    let mut o = o.replace(" --queue-bypass", "");
+    for fam in ["v4", "v6"] {
+        let uncached_udp = format!(
+            "-A TIERPROXY-QUEUE -p udp -m set ! --match-set tierproxy-allowed-{fam} \
+             src,dst,dst -j NFQUEUE"
+        );
+        assert!(c.contains(&format!("{uncached_udp} --queue-balance 0:1\n")), "{c}");
+        o = o.replace(
+            &format!("{uncached_udp} --queue-num 2\n"),
+            &format!("{uncached_udp} --queue-balance 0:1\n"),
+        );
+    }
     assert_eq!(o, c);
 
     let nft = NftablesBackend::new();

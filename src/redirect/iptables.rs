@@ -415,12 +415,14 @@ fn restore_input(spec: &RulesetSpec, fam: Family) -> String {
     let _ = writeln!(o, "-A {chain} {udp_to_node}");
     // Rule 6: packets of pod flows not owned by a proxy socket, egress then ingress → the
     // intercept chain, which TPROXYs TCP SYNs and UDP; the decision follows after
-    // the DNAT, in INPUT.
+    // the DNAT, in INPUT. A goto (`-g`): what the intercept chain returns or lets fall
+    // through is done with PREROUTING, so that a packet between two local pods walks it
+    // once, not once for each end.
     for (dir, words) in [("src", "from"), ("dst", "to")] {
         let _ = writeln!(
             o,
             "-A {chain} -m comment --comment \"tierproxy: flow {words} a local pod\" \
-             -m set --match-set {pods} {dir} -j {intercept}"
+             -m set --match-set {pods} {dir} -g {intercept}"
         );
     }
     // INPUT and FORWARD, rule 7: the decision, on the header after kube-proxy's DNAT (nat
@@ -473,11 +475,13 @@ fn restore_input(spec: &RulesetSpec, fam: Family) -> String {
          -m set --match-set {nodes} src -j RETURN"
     );
     let _ = writeln!(o, "-A {decide} {udp_to_node}");
+    // A goto, as rule 6's: the queue chain's return (a cached class) ends the decision,
+    // so a flow between two local pods looks its class up once, not once for each end.
     for (dir, words) in [("src", "from"), ("dst", "to")] {
         let _ = writeln!(
             o,
             "-A {decide} -m comment --comment \"tierproxy: flow {words} a local pod\" \
-             -m set --match-set {pods} {dir} -j {queue}"
+             -m set --match-set {pods} {dir} -g {queue}"
         );
     }
     let _ = writeln!(o, "-A {divert} -j MARK --set-xmark {route}");
@@ -532,19 +536,6 @@ fn restore_input(spec: &RulesetSpec, fam: Family) -> String {
         "-A {queue} -p tcp -m comment --comment \"tierproxy: allowed class, cached\" \
          {SYN} -m set --match-set {allowed} src,dst,dst -j RETURN"
     );
-    if c.udp_path == UdpPath::Kernel {
-        // A UDP flow of a cached class: no queue trip either. Its conntrack entry gets the
-        // decided mark's bits as its connection mark, by which the agent, reading
-        // conntrack's new events, decides, audits and tracks the flow
-        // (`proxy::forwarded::watch`).
-        for target in [format!("CONNMARK --set-xmark {decided}"), "RETURN".to_owned()] {
-            let _ = writeln!(
-                o,
-                "-A {queue} -p udp -m comment --comment \"tierproxy: allowed class, cached\" \
-                 -m set --match-set {allowed} src,dst,dst -j {target}"
-            );
-        }
-    }
     for proto in QUEUED_PROTOCOLS {
         let (new_only, target) = match super::queue_when(proto, c.udp_path) {
             QueueWhen::Syn => {
@@ -565,14 +556,29 @@ fn restore_input(spec: &RulesetSpec, fam: Family) -> String {
                 );
                 (String::new(), &queue_target)
             }
-            // The decide chain returned confirmed UDP already. Balanced over the queues
-            // like TCP, unless they fail open: what they let through undecided the kernel
-            // would forward, and no proxy would decide it later.
-            QueueWhen::Unconfirmed if c.queue_bypass => (String::new(), &forwarded),
-            QueueWhen::Unconfirmed => (String::new(), &queue_target),
+            // The decide chain returned confirmed UDP already. A flow of a class the
+            // snapshot in force allowed is not queued (below); any other is, balanced over
+            // the queues like TCP, unless they fail open: what they let through undecided
+            // the kernel would forward, and no proxy would decide it later.
+            QueueWhen::Unconfirmed => {
+                let uncached = format!(" -m set ! --match-set {allowed} src,dst,dst");
+                (uncached, if c.queue_bypass { &forwarded } else { &queue_target })
+            }
             QueueWhen::New => (" -m conntrack --ctstate NEW".to_owned(), &forwarded),
         };
         let _ = writeln!(o, "-A {queue} -p {proto}{new_only} -j NFQUEUE {target}{bypass_flag}");
+        if super::queue_when(proto, c.udp_path) == QueueWhen::Unconfirmed {
+            // A UDP flow of a cached class, then: no queue trip either. Its conntrack
+            // entry gets the decided mark's bits as its connection mark, by which the
+            // agent, reading conntrack's new events, decides, audits and tracks the flow
+            // (`proxy::forwarded::watch`). One class lookup a flow: the rule above
+            // looked it up, and this one (falling through to the chain's end) needs none.
+            let _ = writeln!(
+                o,
+                "-A {queue} -p {proto} -m comment --comment \"tierproxy: allowed class, cached\" \
+                 -j CONNMARK --set-xmark {decided}"
+            );
+        }
     }
     o.push_str("COMMIT\n");
     raw_input(spec, fam, &mut o);
@@ -1094,7 +1100,13 @@ mod tests {
         );
         // UDP's first datagrams are balanced like SYNs (one queue here); the kernel-forwarded
         // flows' queue follows the balanced ones, SCTP goes there.
-        assert!(text.contains("-A TIERPROXY-QUEUE -p udp -j NFQUEUE --queue-num 7\n"), "{text}");
+        assert!(
+            text.contains(
+                "-A TIERPROXY-QUEUE -p udp -m set ! --match-set tierproxy-allowed-v4 src,dst,dst \
+                 -j NFQUEUE --queue-num 7\n"
+            ),
+            "{text}"
+        );
         assert!(
             text.contains(
                 "-A TIERPROXY-QUEUE -p sctp -m conntrack --ctstate NEW -j NFQUEUE --queue-num 8\n"

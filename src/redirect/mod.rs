@@ -254,6 +254,18 @@
 //!    is then forwarded by the kernel (the proxy does not terminate SCTP; denied
 //!    associations time out, rejected ones get an ABORT from the agent).
 //!
+//! **Each chain once a packet.** Rules 6 and 7 test the source, then the destination,
+//! against the local pods; a packet between two pods of the node matches both. The
+//! iptables backend goes to the intercept and queue chains (`-g`), so what they return or
+//! let fall through ends the walk of `PREROUTING` or `INPUT`/`FORWARD` there, and the
+//! queue chain looks a class up in the cache once a packet (a UDP flow of a cached class:
+//! the rule that queues the uncached ones looked it up, the connection mark follows
+//! without a second lookup). The nftables backend has the same rules in one chain, each
+//! packet leaving at its first verdict. Before: a same-node SYN of a cached class was
+//! looked up twice, a same-node flow of a cached UDP class four times, and a packet the
+//! chains do not act on walked both twice (issues #18 and #20; tested by
+//! `datapath_netns`'s rule counters).
+//!
 //! Policy routing (`ip rule fwmark ROUTE/MASK lookup TABLE priority P`, `ip route local
 //! default dev lo table TABLE`, both families) is installed and removed with the ruleset,
 //! see `routing.rs`.
