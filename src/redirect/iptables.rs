@@ -327,6 +327,12 @@ fn restore_input(spec: &RulesetSpec, fam: Family) -> String {
         (&n.chain, &n.divert_chain, &n.intercept_chain, &n.decide_chain, &n.queue_chain);
     let (bypass, decided, route) = (c.bypass_mark, c.decided_mark, c.route_mark);
     const SYN: &str = "-m tcp --tcp-flags FIN,SYN,RST,ACK SYN";
+    // Every rule's `-m comment` comes last, before its target: iptables-nft runs the
+    // comment as an xt match of its own (`comment_mt`, through `nft_match_large_eval`),
+    // evaluated in the order written, so a comment written first cost every packet that
+    // the rule did not take one more match (measured with the goto rules of rules 6 and 7:
+    // the chains' CPU 0.89× a datagram's, 0.83× a new flow's; docs/architecture.md, "The
+    // rule walk's matches").
     let mut o = String::from("*mangle\n");
     // Declared, and their rules written, in name order: `iptables-save` lists chains so
     // (legacy sorts them; nf_tables lists them in creation order, which this is).
@@ -336,16 +342,16 @@ fn restore_input(spec: &RulesetSpec, fam: Family) -> String {
     // PREROUTING, rule 1: the proxy's own upstream packets are never touched.
     let _ = writeln!(
         o,
-        "-A {chain} -m comment --comment \"tierproxy: proxy upstream sockets (bypass mark)\" \
-         -m mark --mark {bypass} -j RETURN"
+        "-A {chain} -m mark --mark {bypass} \
+         -m comment --comment \"tierproxy: proxy upstream sockets (bypass mark)\" -j RETURN"
     );
     if c.udp_path == UdpPath::Kernel {
         // Nothing below is for UDP on the kernel path (it is neither TPROXY'd nor owned by
         // a proxy socket): spare every datagram the socket lookups and set matches.
         let _ = writeln!(
             o,
-            "-A {chain} -p udp -m comment --comment \"tierproxy: UDP, decided in INPUT and FORWARD\" \
-             -j RETURN"
+            "-A {chain} -p udp \
+             -m comment --comment \"tierproxy: UDP, decided in INPUT and FORWARD\" -j RETURN"
         );
     }
     // Rule 2: established transparent sockets (proxied flows, upstream replies) → local.
@@ -354,13 +360,13 @@ fn restore_input(spec: &RulesetSpec, fam: Family) -> String {
     // the listener; delivered to the TIME_WAIT socket it is answered with a bare ACK.
     let _ = writeln!(
         o,
-        "-A {chain} -p tcp -m comment --comment \"tierproxy: established transparent socket\" \
-         -m tcp ! --tcp-flags FIN,SYN,RST,ACK SYN -m socket --transparent -j {divert}"
+        "-A {chain} -p tcp -m tcp ! --tcp-flags FIN,SYN,RST,ACK SYN -m socket --transparent \
+         -m comment --comment \"tierproxy: established transparent socket\" -j {divert}"
     );
     let _ = writeln!(
         o,
-        "-A {chain} ! -p tcp -m comment --comment \"tierproxy: established transparent socket\" \
-         -m socket --transparent -j {divert}"
+        "-A {chain} ! -p tcp -m socket --transparent \
+         -m comment --comment \"tierproxy: established transparent socket\" -j {divert}"
     );
     let tproxy =
         format!("-j TPROXY --on-port {} --on-ip {on_ip} --tproxy-mark {route}", c.tproxy_port);
@@ -370,32 +376,32 @@ fn restore_input(spec: &RulesetSpec, fam: Family) -> String {
     // the DNAT the kernel finds it.
     let _ = writeln!(
         o,
-        "-A {chain} -p tcp -m comment --comment \"tierproxy: proxied connection (conntrack mark)\" \
-         -m tcp ! --tcp-flags FIN,SYN,RST,ACK SYN -m conntrack --ctstate DNAT --ctdir ORIGINAL \
-         -m connmark --mark {route} -j {divert}"
+        "-A {chain} -p tcp -m tcp ! --tcp-flags FIN,SYN,RST,ACK SYN \
+         -m conntrack --ctstate DNAT --ctdir ORIGINAL -m connmark --mark {route} \
+         -m comment --comment \"tierproxy: proxied connection (conntrack mark)\" -j {divert}"
     );
     // Otherwise to the listener: the ACK that completes a SYN cookie has no socket yet.
     let _ = writeln!(
         o,
-        "-A {chain} -p tcp -m comment --comment \"tierproxy: no socket yet (SYN cookie)\" \
-         -m tcp ! --tcp-flags FIN,SYN,RST,ACK SYN -m conntrack ! --ctstate DNAT --ctdir ORIGINAL \
-         -m connmark --mark {route} {tproxy}"
+        "-A {chain} -p tcp -m tcp ! --tcp-flags FIN,SYN,RST,ACK SYN \
+         -m conntrack ! --ctstate DNAT --ctdir ORIGINAL -m connmark --mark {route} \
+         -m comment --comment \"tierproxy: no socket yet (SYN cookie)\" {tproxy}"
     );
     // Rule 3a: a later packet of an established TCP connection that rules 2 and 3 did not
     // take: nothing below acts on it (rule 6 drops only new or invalid TCP past a SYN), so
     // it returns before rule 6's set lookups.
     let _ = writeln!(
         o,
-        "-A {chain} -p tcp -m comment --comment \"{COMMENT_ESTABLISHED_TCP}\" \
-         -m tcp ! --tcp-flags FIN,SYN,RST,ACK SYN \
-         -m conntrack --ctstate RELATED,ESTABLISHED,UNTRACKED -j RETURN"
+        "-A {chain} -p tcp -m tcp ! --tcp-flags FIN,SYN,RST,ACK SYN \
+         -m conntrack --ctstate RELATED,ESTABLISHED,UNTRACKED \
+         -m comment --comment \"{COMMENT_ESTABLISHED_TCP}\" -j RETURN"
     );
     // Rule 4: traffic the node sends itself over loopback (chain S dropped every other
     // packet with a node address as its source).
     let _ = writeln!(
         o,
-        "-A {chain} -i lo -m comment --comment \"tierproxy: from the node itself\" \
-         -m set --match-set {nodes} src -j RETURN"
+        "-A {chain} -i lo -m set --match-set {nodes} src \
+         -m comment --comment \"tierproxy: from the node itself\" -j RETURN"
     );
     // Rule 5: UDP to the node's own addresses is forwarded by the kernel after its first
     // packet's decision (the proxy cannot take a hostNetwork server's address and port).
@@ -405,12 +411,12 @@ fn restore_input(spec: &RulesetSpec, fam: Family) -> String {
     // datagrams are intercepted or queued.
     let _ = writeln!(
         o,
-        "-A {chain} -p udp -m comment --comment \"{COMMENT_UDP_TO_NODE}\" \
-         -m set --match-set {nodes} dst -m conntrack --ctstate NEW -j CONNMARK --set-xmark {route}"
+        "-A {chain} -p udp -m set --match-set {nodes} dst -m conntrack --ctstate NEW \
+         -m comment --comment \"{COMMENT_UDP_TO_NODE}\" -j CONNMARK --set-xmark {route}"
     );
     let udp_to_node = format!(
-        "-p udp -m comment --comment \"tierproxy: UDP to the node itself, decided\" \
-         -m connmark --mark {route} -m conntrack ! --ctstate NEW -j RETURN"
+        "-p udp -m connmark --mark {route} -m conntrack ! --ctstate NEW \
+         -m comment --comment \"tierproxy: UDP to the node itself, decided\" -j RETURN"
     );
     let _ = writeln!(o, "-A {chain} {udp_to_node}");
     // Rule 6: packets of pod flows not owned by a proxy socket, egress then ingress → the
@@ -421,8 +427,8 @@ fn restore_input(spec: &RulesetSpec, fam: Family) -> String {
     for (dir, words) in [("src", "from"), ("dst", "to")] {
         let _ = writeln!(
             o,
-            "-A {chain} -m comment --comment \"tierproxy: flow {words} a local pod\" \
-             -m set --match-set {pods} {dir} -g {intercept}"
+            "-A {chain} -m set --match-set {pods} {dir} \
+             -m comment --comment \"tierproxy: flow {words} a local pod\" -g {intercept}"
         );
     }
     // INPUT and FORWARD, rule 7: the decision, on the header after kube-proxy's DNAT (nat
@@ -431,8 +437,8 @@ fn restore_input(spec: &RulesetSpec, fam: Family) -> String {
     // the decided mark.
     let _ = writeln!(
         o,
-        "-A {decide} -m comment --comment \"tierproxy: proxy upstream sockets (bypass mark)\" \
-         -m mark --mark {bypass} -j RETURN"
+        "-A {decide} -m mark --mark {bypass} \
+         -m comment --comment \"tierproxy: proxy upstream sockets (bypass mark)\" -j RETURN"
     );
     // First: every later datagram of every UDP flow takes this chain.
     if c.udp_path == UdpPath::Kernel {
@@ -440,39 +446,42 @@ fn restore_input(spec: &RulesetSpec, fam: Family) -> String {
         // allowed): forwarded by the kernel (see `QueueWhen::Unconfirmed`).
         let _ = writeln!(
             o,
-            "-A {decide} -p udp -m comment --comment \"tierproxy: UDP flow, decided\" \
-             -m conntrack --ctstatus CONFIRMED -j RETURN"
+            "-A {decide} -p udp -m conntrack --ctstatus CONFIRMED \
+             -m comment --comment \"tierproxy: UDP flow, decided\" -j RETURN"
         );
     }
     // Every TCP rule below is for SYNs: a TCP packet past its connection's SYN returns.
     let _ = writeln!(
         o,
-        "-A {decide} -p tcp -m comment --comment \"{COMMENT_TCP_PAST_SYN}\" \
-         -m tcp ! --tcp-flags FIN,SYN,RST,ACK SYN -j RETURN"
+        "-A {decide} -p tcp -m tcp ! --tcp-flags FIN,SYN,RST,ACK SYN \
+         -m comment --comment \"{COMMENT_TCP_PAST_SYN}\" -j RETURN"
     );
     // An allowed SYN, repeated with the decided mark: its class (client, port, server)
     // enters the kernel-side cache, so the class's next SYNs skip the queue (rule 7).
     let _ = writeln!(
         o,
-        "-A {decide} -p tcp -m comment --comment \"tierproxy: allowed class, cached\" \
-         {SYN} -m mark --mark {decided} -j SET --add-set {allowed} src,dst,dst --exist"
+        "-A {decide} -p tcp {SYN} -m mark --mark {decided} \
+         -m comment --comment \"tierproxy: allowed class, cached\" \
+         -j SET --add-set {allowed} src,dst,dst --exist"
     );
     if c.udp_path == UdpPath::Kernel {
         // The same for a UDP flow's first datagram (the set's port carries the protocol).
         let _ = writeln!(
             o,
-            "-A {decide} -p udp -m comment --comment \"tierproxy: allowed class, cached\" \
-             -m mark --mark {decided} -j SET --add-set {allowed} src,dst,dst --exist"
+            "-A {decide} -p udp -m mark --mark {decided} \
+             -m comment --comment \"tierproxy: allowed class, cached\" \
+             -j SET --add-set {allowed} src,dst,dst --exist"
         );
     }
     let _ = writeln!(
         o,
-        "-A {decide} -m comment --comment \"tierproxy: decided\" -m mark --mark {decided} -j RETURN"
+        "-A {decide} -m mark --mark {decided} \
+         -m comment --comment \"tierproxy: decided\" -j RETURN"
     );
     let _ = writeln!(
         o,
-        "-A {decide} -i lo -m comment --comment \"tierproxy: from the node itself\" \
-         -m set --match-set {nodes} src -j RETURN"
+        "-A {decide} -i lo -m set --match-set {nodes} src \
+         -m comment --comment \"tierproxy: from the node itself\" -j RETURN"
     );
     let _ = writeln!(o, "-A {decide} {udp_to_node}");
     // A goto, as rule 6's: the queue chain's return (a cached class) ends the decision,
@@ -480,8 +489,8 @@ fn restore_input(spec: &RulesetSpec, fam: Family) -> String {
     for (dir, words) in [("src", "from"), ("dst", "to")] {
         let _ = writeln!(
             o,
-            "-A {decide} -m comment --comment \"tierproxy: flow {words} a local pod\" \
-             -m set --match-set {pods} {dir} -g {queue}"
+            "-A {decide} -m set --match-set {pods} {dir} \
+             -m comment --comment \"tierproxy: flow {words} a local pod\" -g {queue}"
         );
     }
     let _ = writeln!(o, "-A {divert} -j MARK --set-xmark {route}");
@@ -492,16 +501,17 @@ fn restore_input(spec: &RulesetSpec, fam: Family) -> String {
     // to the node's own addresses → the proxy's listener.
     let _ = writeln!(
         o,
-        "-A {intercept} -p tcp -m comment --comment \"{COMMENT_STRAY_TCP}\" \
-         -m tcp ! --tcp-flags FIN,SYN,RST,ACK SYN -m conntrack --ctstate INVALID,NEW -j DROP"
+        "-A {intercept} -p tcp -m tcp ! --tcp-flags FIN,SYN,RST,ACK SYN \
+         -m conntrack --ctstate INVALID,NEW \
+         -m comment --comment \"{COMMENT_STRAY_TCP}\" -j DROP"
     );
     // TCP from a pod whose own node's agent proxied and decided the connection: decided
     // here on its SYN (rule 7, the kernel-forwarded flows' queue), then forwarded by the
     // kernel, not proxied a second time.
     let _ = writeln!(
         o,
-        "-A {intercept} -p tcp -m comment --comment \"{COMMENT_ENFORCED}\" \
-         -m set --match-set {enforced} src -j RETURN"
+        "-A {intercept} -p tcp -m set --match-set {enforced} src \
+         -m comment --comment \"{COMMENT_ENFORCED}\" -j RETURN"
     );
     for proto in tproxy_protocols(c.udp_path) {
         match super::queue_when(proto, c.udp_path) {
@@ -533,8 +543,8 @@ fn restore_input(spec: &RulesetSpec, fam: Family) -> String {
     // kernel-forwarded one (from an enforced pod) was decided at its client's node.
     let _ = writeln!(
         o,
-        "-A {queue} -p tcp -m comment --comment \"tierproxy: allowed class, cached\" \
-         {SYN} -m set --match-set {allowed} src,dst,dst -j RETURN"
+        "-A {queue} -p tcp {SYN} -m set --match-set {allowed} src,dst,dst \
+         -m comment --comment \"tierproxy: allowed class, cached\" -j RETURN"
     );
     for proto in QUEUED_PROTOCOLS {
         let (new_only, target) = match super::queue_when(proto, c.udp_path) {
@@ -612,14 +622,14 @@ fn raw_input(spec: &RulesetSpec, fam: Family, o: &mut String) {
     );
     let _ = writeln!(
         o,
-        "-A {source} -m comment --comment \"{COMMENT_NODE_SOURCE}\" \
-         -m set --match-set {nodes} src -j DROP"
+        "-A {source} -m set --match-set {nodes} src \
+         -m comment --comment \"{COMMENT_NODE_SOURCE}\" -j DROP"
     );
     if c.source_check {
         let _ = writeln!(
             o,
-            "-A {source} -m comment --comment \"{COMMENT_POD_SOURCE}\" \
-             -m set --match-set {podif} src,src -m rpfilter --invert -j DROP"
+            "-A {source} -m set --match-set {podif} src,src -m rpfilter --invert \
+             -m comment --comment \"{COMMENT_POD_SOURCE}\" -j DROP"
         );
     }
     if c.upstream_zone != 0 {
@@ -628,8 +638,8 @@ fn raw_input(spec: &RulesetSpec, fam: Family, o: &mut String) {
         // them) and their bypass mark, which the rules below must not clear.
         let _ = writeln!(
             o,
-            "-A {zin} -m comment --comment \"tierproxy: proxy upstream sockets (bypass mark)\" \
-             -m mark --mark {bypass} -j RETURN"
+            "-A {zin} -m mark --mark {bypass} \
+             -m comment --comment \"tierproxy: proxy upstream sockets (bypass mark)\" -j RETURN"
         );
         // Replies to an upstream socket: `--restore-skmark` copies the found socket's
         // SO_MARK into the packet mark (a client leg's socket has none); ours is the bypass
@@ -652,27 +662,30 @@ fn raw_input(spec: &RulesetSpec, fam: Family, o: &mut String) {
         ] {
             let _ = writeln!(
                 o,
-                "-A {zin} {not_udp}-m comment --comment \"tierproxy: upstream leg {words} a local pod{what}\" \
-                 -m set --match-set {pods} {dir} {not_from_pod}-m socket --restore-skmark \
-                 -m mark --mark {bypass} {target}"
+                "-A {zin} {not_udp}-m set --match-set {pods} {dir} {not_from_pod}\
+                 -m socket --restore-skmark -m mark --mark {bypass} \
+                 -m comment --comment \"tierproxy: upstream leg {words} a local pod{what}\" {target}"
             );
         }
         let _ = writeln!(
             o,
-            "-A {zin} -m comment --comment \"tierproxy: socket mark restored, cleared\" \
-             -m mark --mark {bypass} -j MARK --set-xmark 0x0/{:#x}",
+            "-A {zin} -m mark --mark {bypass} \
+             -m comment --comment \"tierproxy: socket mark restored, cleared\" \
+             -j MARK --set-xmark 0x0/{:#x}",
             bypass.mask
         );
         // The leg chain: replies from elsewhere to an upstream socket (above). Written
         // before OUTPUT's chain: `iptables-save` lists rules chain by chain, in name order.
         let _ = writeln!(
             o,
-            "-A {zleg} -m comment --comment \"tierproxy: upstream leg from a pod of an enforcing node, untracked\" \
-             -m set --match-set {enforced} src -j NOTRACK"
+            "-A {zleg} -m set --match-set {enforced} src \
+             -m comment --comment \"tierproxy: upstream leg from a pod of an enforcing node, untracked\" \
+             -j NOTRACK"
         );
         let _ = writeln!(
             o,
-            "-A {zleg} -m comment --comment \"tierproxy: upstream leg from elsewhere, own zone\" {ct}"
+            "-A {zleg} \
+             -m comment --comment \"tierproxy: upstream leg from elsewhere, own zone\" {ct}"
         );
         // Not ICMP: the agent's own ICMP errors (refusals, relayed port unreachables) carry
         // the bypass mark too, but belong to the client's flow: in the default zone
@@ -691,18 +704,20 @@ fn raw_input(spec: &RulesetSpec, fam: Family, o: &mut String) {
         // external addresses may need the node's SNAT (masquerading), which needs conntrack.
         let _ = writeln!(
             o,
-            "-A {zout} ! -p {icmp} -m comment --comment \"tierproxy: proxy upstream sockets to a local pod, untracked\" \
-             -m mark --mark {bypass} -m set --match-set {pods} dst -j NOTRACK"
+            "-A {zout} ! -p {icmp} -m mark --mark {bypass} -m set --match-set {pods} dst \
+             -m comment --comment \"tierproxy: proxy upstream sockets to a local pod, untracked\" \
+             -j NOTRACK"
         );
         let _ = writeln!(
             o,
-            "-A {zout} ! -p {icmp} -m comment --comment \"tierproxy: proxy upstream sockets to a pod of an enforcing node, untracked\" \
-             -m mark --mark {bypass} -m set --match-set {enforced} dst -j NOTRACK"
+            "-A {zout} ! -p {icmp} -m mark --mark {bypass} -m set --match-set {enforced} dst \
+             -m comment --comment \"tierproxy: proxy upstream sockets to a pod of an enforcing node, untracked\" \
+             -j NOTRACK"
         );
         let _ = writeln!(
             o,
-            "-A {zout} ! -p {icmp} -m comment --comment \"tierproxy: proxy upstream sockets, own zone\" \
-             -m mark --mark {bypass} {ct}"
+            "-A {zout} ! -p {icmp} -m mark --mark {bypass} \
+             -m comment --comment \"tierproxy: proxy upstream sockets, own zone\" {ct}"
         );
     }
     o.push_str("COMMIT\n");
