@@ -263,7 +263,7 @@ fn a_gibibyte_crosses_two_proxies_intact() {
             got += want;
         }
         let mut rest = [0u8; 1];
-        let eof = reader.read(&mut rest).map_err(io("eof"))?;
+        let eof = retrying(|| reader.read(&mut rest)).map_err(io("eof"))?;
         assert_eq!(eof, 0, "EOF after the echo");
         let sent = sender.join().expect("sender").map_err(io("send"))?;
         Ok((sent, sum, greeting))
@@ -338,7 +338,7 @@ fn half_close_and_resets_propagate_through_the_proxies() {
     c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     c.write_all(b"x").unwrap();
     server.join().expect("server");
-    let e = c.read(&mut [0u8; 8]).expect_err("a reset, not EOF");
+    let e = retrying(|| c.read(&mut [0u8; 8])).expect_err("a reset, not EOF");
     assert_eq!(e.kind(), ErrorKind::ConnectionReset, "{e}");
 
     // The client resets: the server sees a reset.
@@ -347,7 +347,7 @@ fn half_close_and_resets_propagate_through_the_proxies() {
         s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
         let mut b = [0u8; 1];
         s.read_exact(&mut b).expect("one byte");
-        tx.send(s.read(&mut [0u8; 8]).map_err(|e| e.kind())).unwrap();
+        tx.send(retrying(|| s.read(&mut [0u8; 8])).map_err(|e| e.kind())).unwrap();
     });
     let mut c = connect_from(&client_ns, "10.60.2.2:7777");
     c.write_all(b"x").unwrap();
@@ -557,7 +557,7 @@ fn a_direct_connection_to_the_proxy_listener_is_reset_not_proxied_to_itself() {
         Ok(match TcpStream::connect_timeout(&addr, Duration::from_secs(2)) {
             Ok(mut s) => {
                 s.set_read_timeout(Some(Duration::from_secs(5))).map_err(io("timeout"))?;
-                s.read(&mut [0u8; 64]).map_err(|e| e.kind())
+                retrying(|| s.read(&mut [0u8; 64])).map_err(|e| e.kind())
             }
             Err(e) => Err(e.kind()),
         })
@@ -678,7 +678,7 @@ fn on_sigterm_live_connections_drain_for_the_grace_period_then_are_reset() {
     r.read_exact(&mut echo).expect("echo while draining");
     assert_eq!(&echo, b"ping");
     // Then the agent stops it: both sides reset.
-    let e = r.read(&mut [0u8; 8]).expect_err("reset after the grace period, not EOF");
+    let e = retrying(|| r.read(&mut [0u8; 8])).expect_err("reset after the grace period, not EOF");
     assert_eq!(e.kind(), ErrorKind::ConnectionReset, "{e}");
     let waited = stopped.elapsed();
     assert!(waited >= Duration::from_secs(3), "reset before the grace period: {waited:?}");
@@ -748,7 +748,7 @@ fn an_upstream_that_never_answers_is_given_up_after_the_connect_timeout() {
     let mut c = connect_from(&client, "203.0.113.99:80");
     c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     let started = Instant::now();
-    let e = c.read(&mut [0u8; 8]).expect_err("the proxy gives up with a reset");
+    let e = retrying(|| c.read(&mut [0u8; 8])).expect_err("the proxy gives up with a reset");
     assert_eq!(e.kind(), ErrorKind::ConnectionReset, "{e}");
     let waited = started.elapsed();
     assert!(waited < Duration::from_secs(5), "not the 700 ms connect timeout: {waited:?}");
@@ -1260,7 +1260,7 @@ fn a_packet_between_two_local_pods_walks_the_interception_and_queue_chains_once(
             s.connect("10.60.1.3:5353").map_err(io("connect"))?;
             s.set_read_timeout(Some(Duration::from_secs(5))).map_err(io("timeout"))?;
             s.send(b"q").map_err(io("send"))?;
-            s.recv(&mut [0u8; 512]).map_err(io("recv"))?;
+            retrying(|| s.recv(&mut [0u8; 512])).map_err(io("recv"))?;
             open.push(s);
         }
         Ok(())
@@ -1392,7 +1392,7 @@ fn dns_like_udp_flows_keep_the_client_port_and_end_with_their_payload_bytes_each
             let query = vec![b'q'; 10 + i];
             s.send(&query).map_err(io("send"))?;
             let mut buf = [0u8; 512];
-            let n = s.recv(&mut buf).map_err(io("recv"))?;
+            let n = retrying(|| s.recv(&mut buf)).map_err(io("recv"))?;
             let answer = String::from_utf8_lossy(&buf[..n]).into_owned();
             assert_eq!(answer, format!("tierproxy-lab 10.60.1.2 {port}\n{}", "q".repeat(10 + i)));
             out.push((port, query.len(), n));
@@ -1585,7 +1585,7 @@ fn a_udp_flow_outlives_a_crashed_agent_and_the_next_one_cuts_it_if_its_policy_de
     .expect("a UDP socket");
     let ask = |what: &[u8]| -> bool {
         let mut buf = [0u8; 256];
-        flow.send(what).is_ok() && flow.recv(&mut buf).is_ok()
+        flow.send(what).is_ok() && retrying(|| flow.recv(&mut buf)).is_ok()
     };
     assert!(ask(b"before"), "the flow is up");
     crash_agent(&lab, &n1);
@@ -1855,7 +1855,7 @@ fn live_connections_and_flows_survive_an_upgrade_of_every_agent() {
                 let mut got = 0;
                 let mut buf = vec![0u8; 1 << 16];
                 while got < UPGRADE_BULK {
-                    let n = r.read(&mut buf).expect("bulk read");
+                    let n = retrying(|| r.read(&mut buf)).expect("bulk read");
                     assert!(n > 0, "EOF after {got} bytes");
                     for (k, b) in buf[..n].iter().enumerate() {
                         assert_eq!(*b, stream_byte(got + k), "byte {} differs", got + k);
@@ -1901,7 +1901,7 @@ fn live_connections_and_flows_survive_an_upgrade_of_every_agent() {
     let udp_round = |what: &str| {
         udp.send(what.as_bytes()).expect("UDP send");
         let mut buf = [0u8; 64];
-        udp.recv(&mut buf).unwrap_or_else(|e| panic!("UDP answer {what}: {e}"));
+        retrying(|| udp.recv(&mut buf)).unwrap_or_else(|e| panic!("UDP answer {what}: {e}"));
     };
     udp_round("before");
 
@@ -2029,7 +2029,7 @@ fn udp_flows_of_the_proxy_path_keep_their_sockets_through_an_upgrade() {
         let request = format!("req{i:05}");
         s.send(request.as_bytes()).map_err(|e| format!("send {i}: {e}"))?;
         let mut buf = [0u8; 128];
-        let n = s.recv(&mut buf).map_err(|e| format!("answer {i}: {e}"))?;
+        let n = retrying(|| s.recv(&mut buf)).map_err(|e| format!("answer {i}: {e}"))?;
         let answer = String::from_utf8_lossy(&buf[..n]).into_owned();
         let (greeting, echoed) = answer.split_once('\n').ok_or(answer.clone())?;
         if echoed != request {

@@ -175,7 +175,7 @@ fn cut_within(conn: &mut BufReader<TcpStream>, limit: Duration) -> Option<Durati
     let started = Instant::now();
     conn.get_ref().set_read_timeout(Some(limit)).expect("timeout");
     let mut buf = [0u8; 64];
-    match conn.read(&mut buf) {
+    match retrying(|| conn.read(&mut buf)) {
         Ok(0) => Some(started.elapsed()),
         Err(e) if e.kind() == ErrorKind::WouldBlock || e.kind() == ErrorKind::TimedOut => None,
         Err(_) => Some(started.elapsed()),
@@ -370,7 +370,7 @@ spec:
 fn ask(s: &UdpSocket, payload: &[u8]) -> Option<String> {
     s.send(payload).ok()?;
     let mut buf = [0u8; 512];
-    let n = s.recv(&mut buf).ok()?;
+    let n = retrying(|| s.recv(&mut buf)).ok()?;
     Some(String::from_utf8_lossy(&buf[..n]).into_owned())
 }
 

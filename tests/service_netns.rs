@@ -367,7 +367,7 @@ fn service_flows_are_decided_on_the_backend_pod_and_answered_from_the_address_us
             s.connect(addr(udp)).map_err(io("connect"))?;
             s.set_read_timeout(Some(Duration::from_millis(1500))).map_err(io("timeout"))?;
             s.send(b"rejected?").map_err(io("send"))?;
-            Ok(s.recv(&mut [0u8; 64]).expect_err("no answer but the refusal"))
+            Ok(retrying(|| s.recv(&mut [0u8; 64])).expect_err("no answer but the refusal"))
         })
         .expect("UDP to the rejecting Service");
         // ICMP host administratively prohibited: EHOSTUNREACH on a connected socket;
@@ -469,7 +469,7 @@ fn the_udp_proxy_path_answers_and_refuses_through_a_service_from_the_address_use
             s.connect(to).map_err(io("connect"))?;
             s.set_read_timeout(Some(Duration::from_millis(1500))).map_err(io("timeout"))?;
             s.send(b"refused?").map_err(io("send"))?;
-            Ok(s.recv(&mut [0u8; 64]).expect_err("no answer but the refusal").kind())
+            Ok(retrying(|| s.recv(&mut [0u8; 64])).expect_err("no answer but the refusal").kind())
         })
         .expect("UDP through a Service")
     };
@@ -525,7 +525,7 @@ fn the_udp_proxy_path_answers_and_refuses_through_a_service_from_the_address_use
     let ask = |payload: &[u8]| -> Option<String> {
         flow.send(payload).ok()?;
         let mut buf = [0u8; 512];
-        let n = flow.recv(&mut buf).ok()?;
+        let n = retrying(|| flow.recv(&mut buf)).ok()?;
         Some(String::from_utf8_lossy(&buf[..n]).into_owned())
     };
     for i in 0..3 {

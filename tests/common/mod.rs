@@ -123,6 +123,21 @@ pub fn metric_value(metrics: &str, sample: &str) -> f64 {
         .unwrap_or_else(|| panic!("no {sample} in\n{metrics}"))
 }
 
+/// `f()` (one blocking receive), again while it fails with `Interrupted`. A receive on a
+/// socket with a timeout (`SO_RCVTIMEO`, `set_read_timeout`) is never restarted after a
+/// signal, even one whose handler asked for it (signal(7), "Interruption of system calls
+/// and library functions by signal handlers"), and std's `read` and `recv` pass that
+/// `EINTR` on (its `read_exact` and `read_line` retry it). Seen once in CI, as a reset
+/// test's read failing with "Interrupted system call".
+pub fn retrying<T>(mut f: impl FnMut() -> std::io::Result<T>) -> std::io::Result<T> {
+    loop {
+        match f() {
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            other => return other,
+        }
+    }
+}
+
 /// What a connected UDP socket of `netns`, bound to `from` (port 0), hears back within
 /// 5 s after sending one datagram to `to`: `Ok(())` for an answer, else the error's kind
 /// (`ConnectionRefused` for an ICMP port unreachable, `WouldBlock` for nothing).
@@ -133,7 +148,7 @@ pub fn udp_answer(netns: &str, from: &str, to: &str) -> Result<(), std::io::Erro
         s.set_read_timeout(Some(Duration::from_secs(5))).map_err(io("timeout"))?;
         s.send(b"anyone there?").map_err(io("send"))?;
         let mut buf = [0u8; 64];
-        Ok(s.recv(&mut buf).map(|_| ()).map_err(|e| e.kind()))
+        Ok(retrying(|| s.recv(&mut buf)).map(|_| ()).map_err(|e| e.kind()))
     })
     .expect("the UDP client runs")
 }
