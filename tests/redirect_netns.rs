@@ -233,10 +233,10 @@ fn iptables_lifecycle(test: &str, cmds: IptablesCommands) {
         (&cmds.ip6tables_restore, &cmds.ip6tables_save),
     ] {
         let expected = rendered_rules(&rendered, restore);
-        // 35 in mangle, 12 in raw (3 checking sources, 9 for the upstream legs' conntrack:
+        // 35 in mangle, 13 in raw (4 checking sources, 9 for the upstream legs' conntrack:
         // untracked to and from a local pod or an enforcing node's, else a zone of their
         // own).
-        assert_eq!(expected.len(), 47, "{restore} section of:\n{rendered}");
+        assert_eq!(expected.len(), 48, "{restore} section of:\n{rendered}");
         let raw = ns.sh(&[save, "-t", "raw"]);
         let saved = ns.sh(&[save, "-t", "mangle"]);
         let ours: Vec<&str> =

@@ -213,6 +213,7 @@ fn hooks(names: &Names) -> [Jump<'_>; 6] {
 fn own_chains<'a>(names: &'a Names, table: &str) -> Vec<&'a String> {
     match table {
         "raw" => vec![
+            &names.pod_source_chain,
             &names.source_chain,
             &names.zone_in_chain,
             &names.zone_leg_chain,
@@ -606,32 +607,43 @@ fn raw_input(spec: &RulesetSpec, fam: Family, o: &mut String) {
     };
     let (zin, zleg, zout) = (&n.zone_in_chain, &n.zone_leg_chain, &n.zone_out_chain);
     let bypass = c.bypass_mark;
-    let (source, nodes, podif) = match fam {
-        Family::V4 => (&n.source_chain, &n.nodes_v4, &n.podif_v4),
-        Family::V6 => (&n.source_chain, &n.nodes_v6, &n.podif_v6),
+    let (source, pod_source) = (&n.source_chain, &n.pod_source_chain);
+    let (nodes, podif) = match fam {
+        Family::V4 => (&n.nodes_v4, &n.podif_v4),
+        Family::V6 => (&n.nodes_v6, &n.podif_v6),
     };
     o.push_str("*raw\n");
-    // Declared in name order, as `iptables-save` lists them.
-    for ch in [source, zin, zleg, zout] {
+    // Declared in name order, as `iptables-save` lists them; rules chain by chain in it.
+    for ch in [pod_source, source, zin, zleg, zout] {
         let _ = writeln!(o, ":{ch} - [0:0]");
     }
-    // Chain S: sources a pod cannot own (see the module docs of `redirect`).
+    // Chain S: sources a pod cannot own (see the module docs of `redirect`). With the
+    // source check, a packet from a pod's interface goes to the reverse-path check and ends
+    // the chain there: the check drops a node's own address as well (the reverse route to
+    // a local address is not through the pod's interface; rpfilter without
+    // `--accept-local`), so a pod's packet costs one set lookup here, not two.
+    if c.source_check {
+        let _ = writeln!(
+            o,
+            "-A {pod_source} -m rpfilter --invert -m comment --comment \"{COMMENT_POD_SOURCE}\" -j DROP"
+        );
+    }
     let _ = writeln!(
         o,
         "-A {source} -i lo -m comment --comment \"tierproxy: the node itself, over loopback\" -j RETURN"
     );
+    if c.source_check {
+        let _ = writeln!(
+            o,
+            "-A {source} -m set --match-set {podif} src,src \
+             -m comment --comment \"tierproxy: from a local pod interface\" -g {pod_source}"
+        );
+    }
     let _ = writeln!(
         o,
         "-A {source} -m set --match-set {nodes} src \
          -m comment --comment \"{COMMENT_NODE_SOURCE}\" -j DROP"
     );
-    if c.source_check {
-        let _ = writeln!(
-            o,
-            "-A {source} -m set --match-set {podif} src,src -m rpfilter --invert \
-             -m comment --comment \"{COMMENT_POD_SOURCE}\" -j DROP"
-        );
-    }
     if c.upstream_zone != 0 {
         let ct = format!("-j CT --zone {}", c.upstream_zone);
         // Packets over `lo` re-enter PREROUTING with their conntrack entry (CT would skip
