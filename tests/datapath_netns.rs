@@ -1223,11 +1223,12 @@ fn packets_past_a_connections_syn_return_before_the_interception_and_decision_ru
 /// node walks the interception chain and the queue chain once, not once for each end. The
 /// rules for packets from and to a local pod go to those chains (`-g`), so what the chain
 /// returns or lets fall through ends the walk; before, the rule for packets to a local pod
-/// sent it through again: every same-node SYN and first datagram looked its class up in
-/// the cache twice (a flow of a cached UDP class four times, through two rules), and every
-/// other packet walked the interception chain twice. Read from the rules' counters (the
-/// iptables backend): those rules for packets to a local pod took 1 packet of each
-/// same-node flow before, and the cached UDP class's rule 2.
+/// sent it through again: every same-node SYN and first datagram of a cached class looked
+/// its class up twice (a UDP one four times, through two rules), and a packet neither
+/// chain acts on walked both twice. Read from the rules' counters (the iptables backend):
+/// for these 10 SYNs, 10 flows and one raw packet, the rules for packets to a local pod
+/// took 2 (interception) and 20 (decision) of them before, and the cached-class rules 54;
+/// now none, and at most one a flow.
 #[test]
 fn a_packet_between_two_local_pods_walks_the_interception_and_queue_chains_once() {
     const TEST: &str =
