@@ -183,7 +183,7 @@ fn send_udp(netns: &str, from: &str, to: &str, payload: &[u8]) {
 /// The first datagram `s` receives, as text, and where it came from.
 fn first_datagram(s: &UdpSocket) -> (String, SocketAddr) {
     let mut buf = [0u8; 64];
-    let (n, from) = s.recv_from(&mut buf).expect("a datagram within 10 s");
+    let (n, from) = retrying(|| s.recv_from(&mut buf)).expect("a datagram within 10 s");
     (String::from_utf8_lossy(&buf[..n]).into_owned(), from)
 }
 

@@ -218,7 +218,7 @@ fn udp_exchange(netns: &str, to: SocketAddr, n: usize) -> Vec<String> {
         let mut buf = [0u8; 512];
         for i in 0..n {
             s.send(format!("d{i}").as_bytes()).map_err(io("send"))?;
-            let (len, from) = s.recv_from(&mut buf).map_err(io("recv"))?;
+            let (len, from) = retrying(|| s.recv_from(&mut buf)).map_err(io("recv"))?;
             assert_eq!(from, to, "the answer comes from the address the client sent to");
             answers.push(String::from_utf8_lossy(&buf[..len]).into_owned());
         }
