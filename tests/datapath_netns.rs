@@ -1269,7 +1269,8 @@ fn a_packet_between_two_local_pods_walks_the_interception_and_queue_chains_once(
     .expect("the UDP client runs");
     // A protocol neither chain acts on (an IP packet of protocol 253, RFC 3692's for
     // experiments): it falls through both chains, and ends there.
-    let from_before = rule_packets(&n1, "TIERPROXY-DECIDE", "tierproxy: flow from a local pod");
+    let from = || rule_packets(&n1, "TIERPROXY-DECIDE", "tierproxy: flow from a local pod");
+    let from_before = from();
     in_netns(&client, || {
         use socket2::{Domain, Protocol, SockAddr, Socket, Type};
         let raw = Socket::new(Domain::IPV4, Type::RAW, Some(Protocol::from(253)))
@@ -1281,7 +1282,6 @@ fn a_packet_between_two_local_pods_walks_the_interception_and_queue_chains_once(
     .expect("the raw client runs");
     // The SYNs and datagrams were answered above; the raw packet has been through n1's
     // chains once the decision chain's rule for packets from a local pod counted it.
-    let from = || rule_packets(&n1, "TIERPROXY-DECIDE", "tierproxy: flow from a local pod");
     let deadline = Instant::now() + Duration::from_secs(10);
     while from() < from_before + 1 {
         assert!(Instant::now() < deadline, "n1 never counted the raw packet");

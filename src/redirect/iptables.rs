@@ -548,7 +548,8 @@ fn restore_input(spec: &RulesetSpec, fam: Family) -> String {
          -m comment --comment \"tierproxy: allowed class, cached\" -j RETURN"
     );
     for proto in QUEUED_PROTOCOLS {
-        let (new_only, target) = match super::queue_when(proto, c.udp_path) {
+        let when = super::queue_when(proto, c.udp_path);
+        let (new_only, target) = match when {
             QueueWhen::Syn => {
                 // A SYN without the route mark was not TPROXY'd: one rule 6 lets the
                 // kernel forward (from an enforced pod). Its own queue: the balanced ones
@@ -578,7 +579,7 @@ fn restore_input(spec: &RulesetSpec, fam: Family) -> String {
             QueueWhen::New => (" -m conntrack --ctstate NEW".to_owned(), &forwarded),
         };
         let _ = writeln!(o, "-A {queue} -p {proto}{new_only} -j NFQUEUE {target}{bypass_flag}");
-        if super::queue_when(proto, c.udp_path) == QueueWhen::Unconfirmed {
+        if when == QueueWhen::Unconfirmed {
             // A UDP flow of a cached class, then: no queue trip either. Its conntrack
             // entry gets the decided mark's bits as its connection mark, by which the
             // agent, reading conntrack's new events, decides, audits and tracks the flow
