@@ -67,6 +67,22 @@ use crate::redirect::{self, RulesetSpec};
 /// Packets each kernel queue holds while the reader is busy.
 pub const QUEUE_MAX_LEN: u32 = 4096;
 
+/// One in how many new flows of a cached UDP class the ruleset lets the agent see through
+/// conntrack's new events ([`RulesetSpec::with_cached_udp_sample`]; issue #20): where the
+/// backend can spare the others' events ([`redirect::Backend::spares_new_events`]) on the
+/// kernel UDP path, audit's `--audit-allow-sample` (0 when no audit sink is configured:
+/// nothing is audited), so the kernel samples the cached classes' flows for audit and the
+/// agent reads only those it audits; 1 (every flow) elsewhere.
+fn cached_udp_sample(opts: &AgentOptions, backend: &dyn redirect::Backend) -> u32 {
+    if opts.redirect.udp_path != UdpPath::Kernel || !backend.spares_new_events() {
+        1
+    } else if opts.audit.sinks.is_empty() {
+        0
+    } else {
+        opts.audit.defaults.allow_sample
+    }
+}
+
 /// The addresses of the pods on every other node whose agent enforces (its Node carries
 /// [`crate::policy::compile::ANNOTATION_ENFORCING`], or it is one of `also`, by name):
 /// the ruleset's enforced pods ([`RulesetSpec::with_enforced_pods`]).
@@ -168,6 +184,7 @@ pub fn dry_run(opts: &AgentOptions) -> anyhow::Result<String> {
         &opts.enforcing_nodes,
     ));
     let selection = redirect::select(opts.redirect.backend);
+    let spec = spec.with_cached_udp_sample(cached_udp_sample(opts, &*selection.backend));
     Ok(format!(
         "# backend: {} ({})\n{}",
         selection.backend.name(),
@@ -340,25 +357,30 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
     tracing::info!(backend = backend.name(), reason = %selection.reason, "redirect backend");
     let interfaces = pod_interfaces(&*backend, &local);
     let enforced = enforced_pod_ips(&current.snapshot, current.node, &opts.enforcing_nodes);
+    let cached_udp_sample = cached_udp_sample(&opts, &*backend);
     let spec = RulesetSpec::new(opts.redirect.clone(), local, node_addrs)
         .context("redirect configuration")?
         .with_pod_interfaces(interfaces)
-        .with_enforced_pods(enforced);
+        .with_enforced_pods(enforced)
+        .with_cached_udp_sample(cached_udp_sample);
     tracing::info!(
         enforced_pods = spec.enforced_pods().len(),
         "pods on other enforcing nodes: their connections here are decided on the first packet, not proxied again"
     );
-    let decider = Arc::new(Decider::new(
-        current,
-        // Kernel-forwarded flows hold no descriptor: the option alone bounds them. On the
-        // proxy path no conntrack event ends them: none is tracked.
-        DeciderLimits {
-            forwarded_flows: if udp_kernel { opts.max_udp_flows } else { 0 },
-            ..DeciderLimits::default()
-        },
-        auditor.clone(),
-        metrics.data_path.clone(),
-    ));
+    let decider = Arc::new(
+        Decider::new(
+            current,
+            // Kernel-forwarded flows hold no descriptor: the option alone bounds them. On the
+            // proxy path no conntrack event ends them: none is tracked.
+            DeciderLimits {
+                forwarded_flows: if udp_kernel { opts.max_udp_flows } else { 0 },
+                ..DeciderLimits::default()
+            },
+            auditor.clone(),
+            metrics.data_path.clone(),
+        )
+        .with_cached_udp_sample(cached_udp_sample),
+    );
     let _ = decider_slot.set(decider.clone());
 
     // Kernel-forwarded UDP: destroy events are watched before the first flow is admitted,
@@ -398,6 +420,7 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
         count: r.queue_count,
         decided_value: r.decided_mark.value,
         decided_mask: r.decided_mark.mask,
+        reject_mark: r.reject_mark,
         fail_open: r.queue_bypass,
         max_len: QUEUE_MAX_LEN,
         udp_kernel,
@@ -1258,7 +1281,9 @@ impl Reloader<'_> {
         let redecided = self.decider.redecide(self.registry);
         let udp_cut = self.sweeper.as_mut().map_or(0, |s| s.sweep(self.decider, true));
         let spec = match RulesetSpec::new(self.opts.redirect.clone(), local, node_addrs) {
-            Ok(s) => s.with_enforced_pods(enforced),
+            Ok(s) => s
+                .with_enforced_pods(enforced)
+                .with_cached_udp_sample(self.decider.cached_udp_sample()),
             Err(e) => {
                 tracing::error!(error = %e, "ruleset for the new snapshot is invalid; kept the old one");
                 self.spec.clone()

@@ -17,6 +17,11 @@
 //! | bypass | `0x0080` | `SO_MARK` of the proxy's upstream sockets | the first rule (return untouched) |
 //! | reject | `0x0040` | the NFQUEUE verdict (ACCEPT with this bit) on a rejected packet the kernel refuses | the refusal chains (`refuse_input`, `refuse_forward`) |
 //!
+//! Decided and reject together (the REPEAT verdict on an allowed UDP datagram whose class
+//! must stay out of the kernel-side cache, `proxy::queue`) mean "allowed, not cached": the
+//! cache rule wants the decided bits without the reject ones, the refusal chains the
+//! reject bits without the decided ones.
+//!
 //! Why these bits: kube-proxy owns `0x4000` (masquerade) and `0x8000` (drop); Calico's
 //! default `iptablesMarkMask` is `0xffff0000` and it allocates every bit of it; Cilium uses
 //! `0x0f00` plus the upper 16 bits for identities; Weave and kube-router use bits 16–18.

@@ -21,7 +21,7 @@ use tierproxy::audit::limit::Limits;
 use tierproxy::audit::receiver::{Received, Receiver};
 use tierproxy::audit::{
     AuditConfig, Auditor, CloseReason, ConnectionEnd, Defaults, FlowInfo, JsonTarget, Mode,
-    OtlpConfig, OtlpProtocol, Selection, SinkConfig,
+    OtlpConfig, OtlpProtocol, Sampling, Selection, SinkConfig,
 };
 use tierproxy::cluster::manifest::parse_str;
 use tierproxy::policy::{Flow, FlowKey, Protocol, Revision, Snapshot};
@@ -621,6 +621,47 @@ fn allow_sampling_is_one_flow_in_n_and_keeps_both_directions_of_a_flow_together(
     let picks: Vec<[bool; 2]> = (0..12).map(|_| plan.select(&s, &d)).collect();
     assert_eq!(picks.iter().filter(|p| **p == [true, true]).count(), 3, "{picks:?}");
     assert!(picks.iter().all(|p| p[0] == p[1]), "{picks:?}");
+}
+
+/// Issue #20: a flow the kernel sampled (a cached UDP class's flow whose new event the
+/// ruleset let through) is logged where its hits ask for sampling, without this plan's
+/// counter, which it leaves alone; `always` tells the hits that log every flow (an
+/// annotation, `enableLogging`) from those that sample, so that their classes stay out of
+/// the kernel-side cache.
+#[test]
+fn a_flow_the_kernel_sampled_is_logged_and_always_names_the_hits_that_log_every_flow() {
+    let s = snapshot();
+    let sampled = Defaults { allow_sample: 4, deny: false, pass: false, close: true };
+    let (plan, _) = Selection::new(&s, sampled);
+    let flow = Flow {
+        src: CLIENT.parse().unwrap(),
+        dst: SERVER.parse().unwrap(),
+        protocol: Protocol::Tcp,
+        dst_port: 8080,
+    };
+    let d = s.decide(&flow);
+    assert!(d.egress.is_some() && d.ingress.is_some());
+    for _ in 0..5 {
+        assert_eq!(plan.select_as(&s, &d, Sampling::Taken), [true, true]);
+    }
+    // The counter was not moved: the next four counted flows are sampled as the first
+    // four would have been (the first of them).
+    let picks: Vec<[bool; 2]> = (0..4).map(|_| plan.select(&s, &d)).collect();
+    assert_eq!(picks, [[true, true], [false, false], [false, false], [false, false]]);
+    assert!(!plan.always(&s, &d), "sampled allows");
+    // Allows in full by the node's default, or never: `always` follows.
+    let (all, _) = Selection::new(&s, Defaults { allow_sample: 1, ..sampled });
+    assert!(all.always(&s, &d));
+    let (none, _) = Selection::new(&s, Defaults { allow_sample: 0, ..sampled });
+    assert!(!none.always(&s, &d));
+    assert_eq!(none.select_as(&s, &d, Sampling::Taken), [false, false]);
+    // A policy's annotation that logs its allows: always, whatever the sampling.
+    let on = snapshot_with(r#"annotations: {tierproxy.io/audit: "on"}"#);
+    let (plan, problems) = Selection::new(&on, Defaults { allow_sample: 0, ..sampled });
+    assert!(problems.is_empty(), "{problems:?}");
+    let to_remote = Flow { dst: REMOTE.parse().unwrap(), ..flow };
+    let d = on.decide(&to_remote);
+    assert!(plan.always(&on, &d), "{d:?}");
 }
 
 /// A JSON Lines sink into `path`, never rotated.

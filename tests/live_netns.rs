@@ -428,6 +428,59 @@ fn udp_flows_keep_the_client_address_and_port_and_are_cut_by_a_policy_change() {
     );
 }
 
+/// Issue #20: with nothing audited, the agent never sees a flow of a cached UDP class
+/// start (its entry's new event is spared, `redirect` rule 7); a policy change still cuts
+/// it: the sweep after the new snapshot decides every UDP entry of the table again and
+/// deletes the denied ones, and the flow's next datagram, queued again, is dropped.
+#[test]
+fn a_cached_udp_flow_the_agent_never_saw_start_is_cut_by_a_policy_change() {
+    if !netns_available("a_cached_udp_flow_the_agent_never_saw_start_is_cut_by_a_policy_change") {
+        return;
+    }
+    use tierproxy::proxy::conntrack::{Conntrack, UDP};
+    let lab = Lab::new("ucut");
+    let base = lab.file("base.yaml", NODES_AND_NAMESPACES);
+    let a = lab.file("a.yaml", &labelled(false));
+    let o =
+        lab.lab(&["up", "--no-audit", "--manifests", base.to_str().unwrap(), a.to_str().unwrap()]);
+    assert!(o.status.success(), "lab up failed: {}", text(&o));
+    let client = netns_of_pod(&lab, "a", "client");
+    let n1 = netns_of_node(&lab, "n1");
+    let flow = || {
+        in_netns(&client, || {
+            let s = UdpSocket::bind("10.61.1.2:0").map_err(io("bind"))?;
+            s.connect("10.61.2.2:5353").map_err(io("connect"))?;
+            s.set_read_timeout(Some(Duration::from_secs(2))).map_err(io("timeout"))?;
+            Ok(s)
+        })
+        .expect("socket")
+    };
+    // The first flow is decided at the queue and caches its class; the second skips the
+    // queue on both nodes.
+    let (first, second) = (flow(), flow());
+    assert!(ask(&first, b"q").is_some(), "the first flow is answered");
+    assert!(ask(&second, b"q").is_some(), "the cached flow is answered");
+    let port = second.local_addr().expect("local address").port();
+    let mut marks = Vec::new();
+    in_netns(&n1, || {
+        Conntrack::open()
+            .map_err(io("ct"))?
+            .dump(UDP, |e| {
+                if e.orig.src.port() == port && e.orig.dst.port() == 5353 {
+                    marks.push(e.mark);
+                }
+            })
+            .map_err(io("dump"))
+    })
+    .expect("conntrack listing");
+    assert_eq!(marks, [0x1000], "the cached flow's entry carries the decided mark");
+
+    let isolate = lab.file("isolate.yaml", ISOLATE_REMOTE);
+    apply(&lab, &[&base, &a, &isolate]);
+    assert_eq!(ask(&second, b"after"), None, "the cached flow is cut");
+    assert_eq!(ask(&first, b"after"), None, "the first flow is cut");
+}
+
 #[test]
 fn interception_follows_pods_added_and_removed_without_rebuilding_the_ruleset() {
     if !netns_available(

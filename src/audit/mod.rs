@@ -33,7 +33,7 @@ pub mod sink;
 pub use event::{CloseReason, ConnectionEnd, DecisionPoint, Event, FlowInfo};
 pub use otlp::{OtlpConfig, OtlpProtocol};
 pub use pipeline::{Admitted, AuditConfig, Auditor, Stats};
-pub use select::{Defaults, Selection};
+pub use select::{Defaults, Sampling, Selection};
 pub use sink::{JsonTarget, SinkConfig};
 
 /// What the pipeline does when a queue is full.

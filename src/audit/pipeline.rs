@@ -40,7 +40,7 @@ use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TrySendError};
 use super::Mode;
 use super::event::{self, ConnectionEnd, Context, Event, FlowInfo, Names, Value};
 use super::limit::{Admit, Aggregator, Limits, RateLimiter};
-use super::select::{Defaults, Selection};
+use super::select::{Defaults, Sampling, Selection};
 use super::sink::{self, Gate, SinkConfig, SinkStats};
 use crate::policy::compile::Direction;
 use crate::policy::eval::Decision;
@@ -323,8 +323,21 @@ impl Auditor {
         flow: FlowInfo,
         decision: &Arc<Decision>,
     ) -> bool {
+        self.decision_as(plan, snapshot, flow, decision, Sampling::Count)
+    }
+
+    /// [`Auditor::decision`], with the flow's sampling decided as `sampling` says
+    /// ([`Selection::select_as`]).
+    pub fn decision_as(
+        &self,
+        plan: &Selection,
+        snapshot: &Arc<Snapshot>,
+        flow: FlowInfo,
+        decision: &Arc<Decision>,
+        sampling: Sampling,
+    ) -> bool {
         let Some(s) = &self.shared else { return false };
-        let dirs = plan.select(snapshot, decision);
+        let dirs = plan.select_as(snapshot, decision, sampling);
         if dirs == [false, false] {
             return false;
         }

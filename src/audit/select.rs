@@ -205,6 +205,17 @@ pub enum Want {
     Always,
 }
 
+/// How a flow whose hits ask for [`Want::Sampled`] is sampled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sampling {
+    /// By this plan's counter: one flow in `allow_sample` ([`Defaults::allow_sample`]).
+    Count,
+    /// Already taken: the kernel sampled it (a UDP flow of a cached class whose new
+    /// conntrack entry the ruleset let the agent see, one in `allow_sample`; `redirect`
+    /// rule 7), so it is logged.
+    Taken,
+}
+
 /// The audit selection for one snapshot: every policy's switches, by policy index.
 /// Built once per snapshot revision ([`Selection::new`]), read by the deciders without locks.
 #[derive(Debug)]
@@ -316,18 +327,42 @@ impl Selection {
     /// Which directions of `decision` are logged, as `[ingress, egress]` by [`Direction`]
     /// index; samples the flow (one in `allow_sample`) when only sampled hits ask for it.
     pub fn select(&self, snapshot: &Snapshot, decision: &Decision) -> [bool; 2] {
+        self.select_as(snapshot, decision, Sampling::Count)
+    }
+
+    /// [`Selection::select`], with the flow's sampling decided as `sampling` says.
+    pub fn select_as(
+        &self,
+        snapshot: &Snapshot,
+        decision: &Decision,
+        sampling: Sampling,
+    ) -> [bool; 2] {
+        let w = self.wants(snapshot, decision);
+        let sampled = w.contains(&Want::Sampled)
+            && match sampling {
+                Sampling::Count => {
+                    let n = u64::from(self.defaults.allow_sample.max(1));
+                    self.sample.fetch_add(1, Ordering::Relaxed).is_multiple_of(n)
+                }
+                Sampling::Taken => true,
+            };
+        w.map(|w| w == Want::Always || (w == Want::Sampled && sampled))
+    }
+
+    /// Whether a direction of `decision` is logged whatever the sampling ([`Want::Always`]:
+    /// a policy's annotation, an Antrea rule's `enableLogging`, or `--audit-allow-sample 1`
+    /// for an allow). The kernel path never caches such a UDP class where the kernel
+    /// samples the cached flows (`proxy::queue`), so that every one of its flows is seen.
+    pub fn always(&self, snapshot: &Snapshot, decision: &Decision) -> bool {
+        self.wants(snapshot, decision).contains(&Want::Always)
+    }
+
+    /// Each direction's strongest [`Want`], as `[ingress, egress]`.
+    fn wants(&self, snapshot: &Snapshot, decision: &Decision) -> [Want; 2] {
         let want = |dir: Direction, o: &Option<Outcome>| {
             o.as_ref().map_or(Want::Never, |o| self.want_outcome(snapshot, dir, o))
         };
-        let w = [
-            want(Direction::Ingress, &decision.ingress),
-            want(Direction::Egress, &decision.egress),
-        ];
-        let sampled = w.contains(&Want::Sampled) && {
-            let n = u64::from(self.defaults.allow_sample.max(1));
-            self.sample.fetch_add(1, Ordering::Relaxed).is_multiple_of(n)
-        };
-        w.map(|w| w == Want::Always || (w == Want::Sampled && sampled))
+        [want(Direction::Ingress, &decision.ingress), want(Direction::Egress, &decision.egress)]
     }
 }
 

@@ -127,8 +127,9 @@ pub fn scraped(sources: Sources, config: &AuditConfig) -> Scraped {
             out.extend([
                 c(
                     "udp_forwarded_flows",
-                    "UDP flows allowed on their first datagram (or by the kernel-side cache) \
-                     and forwarded by the kernel (--udp-path kernel)",
+                    "UDP flows allowed on their first datagram (or by the kernel-side cache; \
+                     a cached flow whose new conntrack event was spared is counted at its \
+                     end) and forwarded by the kernel (--udp-path kernel)",
                     vec![],
                     f.stats.flows.load(Relaxed),
                 ),

@@ -51,6 +51,19 @@ pub struct Admission {
     pub point: DecisionPoint,
 }
 
+/// What [`Decider::first_packet`] answers.
+#[derive(Debug, Clone)]
+pub struct FirstPacket {
+    /// The decision.
+    pub decision: Arc<Decision>,
+    /// An allowed flow's class may enter the kernel-side cache of allowed classes
+    /// (`redirect` rule 7): false only for a kernel-path UDP flow whose decision audit
+    /// logs in full where the kernel samples the cached classes' flows
+    /// ([`Decider::with_cached_udp_sample`]); the queue then answers without the cache
+    /// (`proxy::queue`). True for anything not allowed.
+    pub cache: bool,
+}
+
 /// Decision cache and hand-over sizes.
 #[derive(Debug, Clone, Copy)]
 pub struct DeciderLimits {
@@ -137,6 +150,9 @@ pub struct Decider {
     auditor: Arc<Auditor>,
     metrics: Arc<DataPathMetrics>,
     forwarded: Forwarded,
+    /// One in how many new flows of a cached UDP class the ruleset reports through
+    /// conntrack's new events ([`Decider::with_cached_udp_sample`]).
+    cached_udp_sample: u32,
     /// The node is the next agent's (issue #23): this one acts on nothing any more.
     retired: std::sync::atomic::AtomicBool,
     /// Counters, for logs and tests.
@@ -177,9 +193,29 @@ impl Decider {
                 .time_to_live(limits.pending_ttl)
                 .build(),
             forwarded: Forwarded::new(limits.forwarded_flows),
+            cached_udp_sample: 1,
             stats: DecisionStats::default(),
             retired: std::sync::atomic::AtomicBool::new(false),
         }
+    }
+
+    /// This decider for a ruleset that reports one in `n` new flows of a cached UDP class
+    /// through conntrack's new events (`redirect::RulesetSpec::with_cached_udp_sample`):
+    /// 1, the default, every one (the agent samples them for audit itself); `n` ≥ 2, the
+    /// kernel's sample, which the agent then audits as sampled ([`audit::Sampling::Taken`]);
+    /// 0, none. With any `n` but 1, an allowed UDP class whose decision audit logs in full
+    /// ([`audit::Selection::always`]) is answered without caching it
+    /// ([`FirstPacket::cache`]), so that each of its flows is decided and audited at the
+    /// queue; and the end of a cached flow the agent never saw counts its decision
+    /// ([`super::forwarded::destroyed`]).
+    pub fn with_cached_udp_sample(mut self, n: u32) -> Self {
+        self.cached_udp_sample = n;
+        self
+    }
+
+    /// What [`Decider::with_cached_udp_sample`] set (1 by default).
+    pub fn cached_udp_sample(&self) -> u32 {
+        self.cached_udp_sample
     }
 
     /// The kernel-forwarded UDP flows this node tracks ([`super::forwarded`]).
@@ -236,10 +272,25 @@ impl Decider {
     /// refuses it: see `queue`'s reader), so that the proxy takes this decision rather than
     /// deciding and auditing the flow a second time. In lossless audit mode this waits
     /// while the audit queue is full.
-    pub fn first_packet(&self, key: FlowKey, proxied: bool, hand_reject: bool) -> Arc<Decision> {
+    ///
+    /// Returns the decision, and whether an allowed flow's class may enter the kernel-side
+    /// cache ([`FirstPacket::cache`]).
+    pub fn first_packet(&self, key: FlowKey, proxied: bool, hand_reject: bool) -> FirstPacket {
         let started = std::time::Instant::now();
-        let admission = self.decide_and_audit(key, DecisionPoint::FirstPacket);
+        let admission =
+            self.decide_and_audit(key, DecisionPoint::FirstPacket, audit::Sampling::Count);
         let d = admission.decision.clone();
+        // Where the kernel samples the flows of cached UDP classes, a class audit logs in
+        // full stays out of the cache: the agent would not see most of its flows.
+        let cache = d.verdict != Verdict::Allow
+            || proxied
+            || key.protocol != crate::policy::Protocol::Udp
+            || self.cached_udp_sample == 1
+            || !self.auditor.enabled()
+            || {
+                let current = self.current.load();
+                !current.audit.always(&current.snapshot, &d)
+            };
         if d.verdict == Verdict::Reject && proxied && hand_reject {
             self.pending.insert(key, admission);
         } else if d.verdict == Verdict::Allow {
@@ -252,19 +303,30 @@ impl Decider {
             }
         }
         self.metrics.decision_seconds.observe(started.elapsed().as_secs_f64());
-        d
+        FirstPacket { decision: d, cache }
     }
 
-    /// Decides `key` now (at `point`), audits the decision when the plan selects it, and
-    /// counts it (verdict, tier).
-    fn decide_and_audit(&self, key: FlowKey, point: DecisionPoint) -> Admission {
+    /// Decides `key` now (at `point`), audits the decision when the plan selects it
+    /// (sampled as `sampling` says), and counts it (verdict, tier).
+    fn decide_and_audit(
+        &self,
+        key: FlowKey,
+        point: DecisionPoint,
+        sampling: audit::Sampling,
+    ) -> Admission {
         let current = self.current.load();
         let decision = self.decide_in(&current, key.flow());
         let time = SystemTime::now();
         let flow = FlowInfo { key, time, point };
         let audited = self.auditor.enabled()
             && (decision.egress.is_some() || decision.ingress.is_some())
-            && self.auditor.decision(&current.audit, &current.snapshot, flow, &decision);
+            && self.auditor.decision_as(
+                &current.audit,
+                &current.snapshot,
+                flow,
+                &decision,
+                sampling,
+            );
         match decision.verdict {
             Verdict::Allow => self.stats.allowed.fetch_add(1, Ordering::Relaxed),
             Verdict::Deny => self.stats.denied.fetch_add(1, Ordering::Relaxed),
@@ -359,14 +421,35 @@ impl Decider {
         self.pending.remove(key)
     }
 
+    /// Counts the decision `d` of a kernel-forwarded UDP flow of a cached class that the
+    /// agent learns of only at its end (its new event was spared,
+    /// [`Decider::with_cached_udp_sample`]): verdict and tier, as a first packet's are.
+    /// Not audited (the kernel did not sample it).
+    pub fn count_unseen(&self, d: &Decision) {
+        match d.verdict {
+            Verdict::Allow => self.stats.allowed.fetch_add(1, Ordering::Relaxed),
+            Verdict::Deny => self.stats.denied.fetch_add(1, Ordering::Relaxed),
+            Verdict::Reject => self.stats.rejected.fetch_add(1, Ordering::Relaxed),
+        };
+        self.metrics.decision(d);
+    }
+
     /// The admission of the kernel-forwarded UDP flow `key` whose first datagram skipped the
     /// queue (its class was in the kernel-side cache of allowed classes, `redirect` rule 7):
     /// decided now, on the snapshot in force, audited with the decision point `conntrack`
     /// and counted in [`DecisionStats::decided_at_accept`]. Called when conntrack reports
-    /// the flow's new entry ([`super::forwarded::watch`]).
+    /// the flow's new entry ([`super::forwarded::watch`]): for every such flow, or, with
+    /// [`Decider::with_cached_udp_sample`] `n` ≥ 2, for the kernel's sample of one in `n`,
+    /// which is then audited as sampled.
     pub fn decide_cached(&self, key: FlowKey) -> Admission {
         self.stats.decided_at_accept.fetch_add(1, Ordering::Relaxed);
-        self.decide_and_audit(key, DecisionPoint::Conntrack)
+        // With n ≥ 2 the kernel let this flow's new event through as its sample.
+        let sampling = if self.cached_udp_sample >= 2 {
+            audit::Sampling::Taken
+        } else {
+            audit::Sampling::Count
+        };
+        self.decide_and_audit(key, DecisionPoint::Conntrack, sampling)
     }
 
     /// The admission of the flow `key` the proxy just took: its first packet's
@@ -384,7 +467,7 @@ impl Decider {
             return a;
         }
         self.stats.decided_at_accept.fetch_add(1, Ordering::Relaxed);
-        self.decide_and_audit(key, DecisionPoint::Accept)
+        self.decide_and_audit(key, DecisionPoint::Accept, audit::Sampling::Count)
     }
 
     /// The live connection `tracked`, which the previous agent handed over (issue #23),
@@ -624,7 +707,7 @@ spec:
         let t = testing::decider(&rejecting, dir.path());
         let d = &t.decider;
         let udp = |sport| FlowKey { protocol: Protocol::Udp, ..key(sport) };
-        assert_eq!(d.first_packet(udp(1000), true, true).verdict, Verdict::Reject);
+        assert_eq!(d.first_packet(udp(1000), true, true).decision.verdict, Verdict::Reject);
         let a = d.take_or_decide(udp(1000));
         assert_eq!((a.point, a.decision.verdict), (DecisionPoint::FirstPacket, Verdict::Reject));
         assert_eq!(d.stats.decided_at_accept.load(Ordering::Relaxed), 0);
@@ -664,5 +747,66 @@ spec:
         };
         assert_eq!(point(1000), "first-packet");
         assert_eq!(point(2000), "accept");
+    }
+
+    /// Issue #20: where the kernel samples the flows of cached UDP classes (a sample other
+    /// than 1), an allowed kernel-path UDP flow whose class audit logs in full (a
+    /// NetworkPolicy annotated `tierproxy.io/audit: "on"`) is answered without caching it,
+    /// so that each of its flows comes to the queue; a class audit samples may be cached,
+    /// and so may every class where the kernel reports every cached flow (sample 1), a
+    /// proxied flow, and TCP. A cached flow the kernel let through as its sample is audited
+    /// without the agent's own counter.
+    #[test]
+    fn a_udp_class_audit_logs_in_full_stays_out_of_the_cache_where_the_kernel_samples() {
+        let dir = tempfile::tempdir().unwrap();
+        let manifests = format!(
+            r#"{}---
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {{name: logged, namespace: a, annotations: {{tierproxy.io/audit: "on"}}}}
+spec:
+  podSelector: {{}}
+  policyTypes: [Ingress]
+  ingress: [{{ports: [{{protocol: UDP, port: 53}}]}}]
+---
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {{name: plain, namespace: a}}
+spec:
+  podSelector: {{}}
+  policyTypes: [Ingress]
+  ingress: [{{ports: [{{protocol: UDP, port: 5353}}, {{protocol: TCP, port: 53}}]}}]
+"#,
+            cluster()
+        );
+        let t = testing::decider(&manifests, dir.path());
+        let sampled = audit::Defaults { allow_sample: 4, ..testing::every_decision() };
+        let decider = |n: u32| {
+            let mut current = testing::current(&manifests, 1);
+            current.audit = audit::Selection::new(&current.snapshot, sampled).0;
+            let metrics = crate::metrics::Metrics::new(crate::metrics::Scraped(Box::new(Vec::new)));
+            Decider::new(current, DeciderLimits::default(), t.auditor.clone(), metrics.data_path)
+                .with_cached_udp_sample(n)
+        };
+        let flow = |protocol, port: u16| FlowKey {
+            protocol,
+            dst: format!("10.60.1.3:{port}").parse().unwrap(),
+            ..key(40000)
+        };
+        let kernel = decider(4);
+        let logged = kernel.first_packet(flow(Protocol::Udp, 53), false, false);
+        assert_eq!((logged.decision.verdict, logged.cache), (Verdict::Allow, false));
+        let plain = kernel.first_packet(flow(Protocol::Udp, 5353), false, false);
+        assert_eq!((plain.decision.verdict, plain.cache), (Verdict::Allow, true));
+        assert!(kernel.first_packet(flow(Protocol::Udp, 53), true, false).cache, "proxied");
+        assert!(kernel.first_packet(flow(Protocol::Tcp, 53), false, false).cache, "TCP");
+        assert!(decider(1).first_packet(flow(Protocol::Udp, 53), false, false).cache);
+        // Every flow the kernel reports is its sample: audited, all four.
+        let audited = (0..4).filter(|_| kernel.decide_cached(flow(Protocol::Udp, 5353)).audited);
+        assert_eq!(audited.count(), 4);
+        // Where every cached flow is reported, the agent samples them: one in four.
+        let every = decider(1);
+        let audited = (0..4).filter(|_| every.decide_cached(flow(Protocol::Udp, 5353)).audited);
+        assert_eq!(audited.count(), 1);
     }
 }

@@ -22,14 +22,29 @@
 //!   port, server) the snapshot in force allowed before skips the queue (`redirect` rule
 //!   7, the same kernel-side cache as TCP's, emptied at every new snapshot); its entry is
 //!   marked, and conntrack's new event for it makes [`watch`] decide, audit (decision point
-//!   `conntrack`) and track it.
+//!   `conntrack`) and track it. Where the ruleset can spare new events
+//!   (`Decider::with_cached_udp_sample` n ≠ 1), only one cached flow in n reports its new
+//!   event (none with n = 0: nothing audited): the kernel's audit sample, which the agent
+//!   audits as sampled and tracks; every other one reaches the agent only with its destroy
+//!   event, where [`destroyed`] counts its decision. A flow decided at the queue reports
+//!   no new event there either (the agent knows it). A class whose flows audit logs in
+//!   full is then never cached (`proxy::queue`), so each of its flows is decided and
+//!   audited at the queue. A new event costs the kernel a netlink message and the agent a
+//!   read per DNS-like query: sparing them gave 1.01–1.18× DNS-like flows per second in
+//!   11 of 12 loadtest pairs (one and eight clients, one node and across; the twelfth
+//!   0.90×; docs/architecture.md, "New events spared").
 //! - **Live change.** After a new snapshot is published (and every queue reader that was
 //!   deciding under the old one has answered), [`sweep`] lists the table's UDP entries,
 //!   decides each again and deletes the entries of those now denied: their next datagram
 //!   has no confirmed entry, so it is queued and dropped. A denying re-decision is audited
-//!   like the proxy's, and the end follows with reason `policy-change`.
-//! - **Memory.** Only flows whose decision was audited are held for their end record (it
-//!   names that decision); the end of every other flow a local pod takes part in is
+//!   like the proxy's, and the end follows with reason `policy-change`. The sweep lists
+//!   every entry, so it cuts the cached flows the agent never saw start too: a datagram
+//!   that passed the cache just before the cache was emptied is confirmed within its own
+//!   pass through the hooks (one softirq), long before the sweep lists the table, which
+//!   comes after a second emptying and the queue readers' answers.
+//! - **Memory.** Only flows whose decision was audited (and, where the kernel samples the
+//!   cached flows, the ones it sampled) are held for their end record (it names that
+//!   decision); the end of every other flow a local pod takes part in is
 //!   counted in the metrics from its destroy event alone (a DNS-heavy node makes a flow
 //!   per query: holding every one cost a lab agent 6 MiB of its peak RSS). At most
 //!   [`Forwarded::new`]'s `max` flows are held; an audited flow over it is still decided
@@ -145,11 +160,24 @@ impl Forwarded {
     /// tracked already (a flow whose first datagram was queued again) takes the new
     /// admission.
     pub fn admit(&self, key: FlowKey, admission: Admission) {
+        let track = admission.audited;
+        self.admit_as(key, admission, track);
+    }
+
+    /// [`Forwarded::admit`] for a flow of a cached class whose new event the kernel let
+    /// through as its sample (`Decider::with_cached_udp_sample` n ≠ 1): tracked whether
+    /// audited or not, so that its end is not taken for one the agent never saw
+    /// ([`destroyed`] counts those).
+    fn admit_seen(&self, key: FlowKey, admission: Admission) {
+        self.admit_as(key, admission, true);
+    }
+
+    fn admit_as(&self, key: FlowKey, admission: Admission, track: bool) {
         if self.max == 0 {
             return;
         }
         self.stats.flows.fetch_add(1, Ordering::Relaxed);
-        if !admission.audited {
+        if !track {
             return;
         }
         let mut flows = self.lock();
@@ -195,7 +223,13 @@ fn payload(c: conntrack::Counters, dst: SocketAddr) -> u64 {
 /// Ends the flow of the destroyed entry `e`: a tracked one is counted and audited with
 /// its payload bytes each way; another this node decided (a pod's end) is counted in the
 /// metrics. Returns whether it was tracked.
-pub fn destroyed(decider: &Decider, e: &Entry) -> bool {
+///
+/// Where the ruleset spares the new events of cached UDP flows
+/// ([`Decider::with_cached_udp_sample`] n ≠ 1), an untracked entry whose mark has the bits
+/// of `cached` (`value`, `mask`: the kernel-side cache let it through) is a flow the agent
+/// never saw: its decision is counted now (verdict, tier, `udp_forwarded_flows`), as the
+/// snapshot in force decides it, when that allows it (one a sweep cut was counted as cut).
+pub fn destroyed(decider: &Decider, e: &Entry, cached: (u32, u32)) -> bool {
     let key = key_of(e);
     let tracked = decider.forwarded().lock().remove(&key);
     if let Some(flow) = tracked {
@@ -206,6 +240,16 @@ pub fn destroyed(decider: &Decider, e: &Entry) -> bool {
     let cut =
         decider.forwarded().cut_untracked.lock().unwrap_or_else(|p| p.into_inner()).remove(&key);
     let d = decider.decide(key.flow());
+    let (value, mask) = cached;
+    if !cut
+        && decider.cached_udp_sample() != 1
+        && e.zone == 0
+        && e.mark & mask == value
+        && d.verdict == Verdict::Allow
+    {
+        decider.count_unseen(&d);
+        decider.forwarded().stats.flows.fetch_add(1, Ordering::Relaxed);
+    }
     if cut || d.egress.is_some() || d.ingress.is_some() {
         let reason = if cut { CloseReason::PolicyChange } else { CloseReason::Timeout };
         // Its start is not known: the duration is not recorded (the metrics do not read it).
@@ -240,7 +284,11 @@ fn confirmed(decider: &Decider, delete: Option<&mut Conntrack>, e: &Entry) {
     let key = key_of(e);
     let admission = decider.decide_cached(key);
     if admission.decision.verdict == Verdict::Allow {
-        decider.forwarded().admit(key, admission);
+        if decider.cached_udp_sample() == 1 {
+            decider.forwarded().admit(key, admission);
+        } else {
+            decider.forwarded().admit_seen(key, admission);
+        }
         return;
     }
     decider.stats.policy_cuts.fetch_add(1, Ordering::Relaxed);
@@ -288,7 +336,7 @@ pub fn watch(decider: &Decider, mut events: Events, cached: (u32, u32)) {
             }
             Event::New => {}
             Event::Destroy => {
-                destroyed(decider, &e);
+                destroyed(decider, &e, cached);
             }
         };
         let read = events

@@ -12,7 +12,10 @@
 //!   and an `NF_ACCEPT` would end the packet's walk through that table's chain there,
 //!   skipping the rules other software has after tierproxy's jump; the repeated packet
 //!   walks the chain again and skips the queue rule because it carries the decided mark
-//!   (DESIGN §3).
+//!   (DESIGN §3). A kernel-path UDP datagram whose class must stay out of the kernel-side
+//!   cache (audit logs its flows in full while the kernel samples the cached classes'
+//!   flows, [`super::decider::FirstPacket::cache`]) gets the reject bits with the decided
+//!   ones: "allowed, not cached" (`redirect` rule 7).
 //! - A packet that cannot be named (truncated, fragment, not TCP/UDP/SCTP): dropped.
 //!
 //! Each reader waits for a packet, takes whatever else is already queued (up to
@@ -48,6 +51,12 @@ pub struct QueueConfig {
     pub decided_value: u32,
     /// The bits the decided mark owns.
     pub decided_mask: u32,
+    /// The reject mark ([`crate::config::RedirectConfig::reject_mark`]). An allowed UDP
+    /// datagram whose class must stay out of the kernel-side cache
+    /// ([`super::decider::FirstPacket::cache`]) is repeated with the decided and the reject
+    /// bits together, which the ruleset reads as "allowed, not cached" (`redirect` rule 7;
+    /// the refusal chains refuse only the reject bits without the decided ones).
+    pub reject_mark: crate::config::Mark,
     /// Fail-open when a balanced queue is full (`NFQA_CFG_F_FAIL_OPEN`): the kernel accepts
     /// instead of dropping, and the TCP and UDP it lets through reach the proxy, which
     /// decides them as it takes them. Set together with the ruleset's queue bypass. Never
@@ -249,6 +258,14 @@ fn read(
         verdict: NfVerdict::Repeat,
         mark: Some(mark & !config.decided_mask | config.decided_value),
     };
+    let allow_uncached = |mark: u32| Answer {
+        verdict: NfVerdict::Repeat,
+        mark: Some(
+            mark & !(config.decided_mask | config.reject_mark.mask)
+                | config.decided_value
+                | config.reject_mark.value,
+        ),
+    };
     let drop = Answer { verdict: NfVerdict::Drop, mark: None };
     let mut refuser = Refuser::new(config.refusal_mark).with_kernel(config.kernel_refusal.clone());
     let mut failures = 0;
@@ -289,8 +306,10 @@ fn read(
                         && tproxied
                         && key.protocol == crate::policy::Protocol::Udp
                         && p.conntrack.is_empty();
-                    match decider.first_packet(key, proxied, hand_reject).verdict {
-                        Verdict::Allow => allow(p.mark),
+                    let first = decider.first_packet(key, proxied, hand_reject);
+                    match first.decision.verdict {
+                        Verdict::Allow if first.cache => allow(p.mark),
+                        Verdict::Allow => allow_uncached(p.mark),
                         Verdict::Deny => drop,
                         Verdict::Reject if hand_reject => allow(p.mark),
                         Verdict::Reject => {

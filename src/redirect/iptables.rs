@@ -28,7 +28,7 @@ use super::{
     Names, QUEUED_PROTOCOLS, QueueWhen, RedirectError, RulesetSpec, by_family, routing,
     tproxy_protocols,
 };
-use crate::config::{RedirectConfig, UdpPath};
+use crate::config::{Mark, RedirectConfig, UdpPath};
 
 /// The programs the backend runs; [`IptablesCommands::default`] uses the distribution's
 /// default `iptables` (on the development machines `iptables v1.8.9 (nf_tables)`),
@@ -466,10 +466,14 @@ fn restore_input(spec: &RulesetSpec, fam: Family) -> String {
          -j SET --add-set {allowed} src,dst,dst --exist"
     );
     if c.udp_path == UdpPath::Kernel {
-        // The same for a UDP flow's first datagram (the set's port carries the protocol).
+        // The same for a UDP flow's first datagram (the set's port carries the protocol),
+        // unless the queue answered "allowed, not cached": the decided and the reject bits
+        // together (`proxy::queue`).
+        let cacheable =
+            Mark { value: c.decided_mark.value, mask: c.decided_mark.mask | c.reject_mark.mask };
         let _ = writeln!(
             o,
-            "-A {decide} -p udp -m mark --mark {decided} \
+            "-A {decide} -p udp -m mark --mark {cacheable} \
              -m comment --comment \"tierproxy: allowed class, cached\" \
              -j SET --add-set {allowed} src,dst,dst --exist"
         );
@@ -839,7 +843,7 @@ impl Backend for IptablesBackend {
         }
         if let Some(nft) = &self.nft {
             let _ = writeln!(o, "### {nft} -j -f -");
-            o.push_str(&super::nft::json(&super::nft::after_dnat_batch(spec.config())));
+            o.push_str(&super::nft::json(&super::nft::after_dnat_batch(spec)));
             o.push('\n');
         }
         for line in routing::render(spec.config(), &self.cmds.ip) {
@@ -866,7 +870,7 @@ impl Backend for IptablesBackend {
             self.restore_cmd(fam).run(Some(&restore_input(spec, fam)))?;
         }
         if let Some(nft) = &self.nft {
-            let batch = super::nft::json(&super::nft::after_dnat_batch(spec.config()));
+            let batch = super::nft::json(&super::nft::after_dnat_batch(spec));
             Cmd::new(nft, ["-j", "-f", "-"]).run(Some(&batch))?;
         }
         // Routing before the jump: once the jump exists, TPROXY'd packets need the route.

@@ -197,8 +197,15 @@
 //! allowed, repeated with the decided mark, which adds its class to the kernel-side
 //! cache of allowed classes; a later flow of a cached class returns without a queue trip
 //! and its entry gets the decided mark's bits as its connection mark, by which the
-//! agent finds it in conntrack's new events (`proxy::forwarded`). Where rules 2–7
-//! name UDP, they describe the proxy path (`--udp-path proxy`).
+//! agent finds it in conntrack's new events (`proxy::forwarded`). After the decision
+//! (nftables: the decide chain; iptables: table `inet <prefix>-dnat`'s base chains at
+//! mangle + 1, where [`Backend::spares_new_events`]), `ct event set destroy` spares the
+//! new event of an entry the agent has no use for: a flow decided at the queue (the
+//! packet carries the decided mark), and every cached flow but one in
+//! [`RulesetSpec::cached_udp_sample`] (`numgen inc mod n`; every one with n = 1, none with
+//! 0). A datagram the queue answers with the decided and reject bits together ("allowed,
+//! not cached": audit logs its class in full) does not add its class to the cache. Where
+//! rules 2–7 name UDP, they describe the proxy path (`--udp-path proxy`).
 //!
 //! 5. **UDP to the node's own addresses, not `ctstate NEW` → return.** The proxy cannot
 //!    take a hostNetwork server's address and port for its reply socket, so UDP to the node
@@ -585,6 +592,7 @@ pub struct RulesetSpec {
     node_addrs: BTreeSet<IpAddr>,
     pod_interfaces: BTreeSet<String>,
     enforced_pods: BTreeSet<IpAddr>,
+    cached_udp_sample: u32,
 }
 
 impl RulesetSpec {
@@ -605,7 +613,27 @@ impl RulesetSpec {
             node_addrs: node_addrs.into_iter().map(|a| a.to_canonical()).collect(),
             pod_interfaces: BTreeSet::new(),
             enforced_pods: BTreeSet::new(),
+            cached_udp_sample: 1,
         })
+    }
+
+    /// This spec with conntrack reporting the new entry of one in `n` flows of a cached UDP
+    /// class (rule 7, the kernel UDP path): 1, the default, every one; 0, none; `n` ≥ 2,
+    /// every `n`th by a counter the node shares (nft `numgen inc mod n`). Every other new
+    /// UDP entry of a pod flow that the agent decided (at the queue, or by the cache)
+    /// reports only its destroy event: a new event costs the kernel a netlink message to
+    /// build and the agent one to read, per DNS-like query (issue #20). The agent sets `n`
+    /// to its audit's `--audit-allow-sample` (0 when nothing is audited), so that the flows
+    /// it sees are its audit sample ([`Backend::spares_new_events`] says where the
+    /// backend can).
+    pub fn with_cached_udp_sample(mut self, n: u32) -> Self {
+        self.cached_udp_sample = n;
+        self
+    }
+
+    /// What [`RulesetSpec::with_cached_udp_sample`] set (1 by default).
+    pub fn cached_udp_sample(&self) -> u32 {
+        self.cached_udp_sample
     }
 
     /// This spec with `addrs` as the enforced pods (rule 6): the addresses of pods on other
@@ -745,6 +773,15 @@ pub trait Backend: fmt::Debug + Send + Sync {
     /// <prefix>-dnat` ([`IptablesBackend::with_nft_after_dnat`]). Without them a reader
     /// must never accept a rejected packet: it would go on undecided.
     fn refuses(&self) -> bool;
+
+    /// Whether the ruleset spares conntrack new events (rule 7,
+    /// [`RulesetSpec::with_cached_udp_sample`]): it needs nft's `ct event set` after
+    /// conntrack made the entry, which the nftables backend has in its decide chain and the
+    /// iptables backend in its table `inet <prefix>-dnat`, where it [`Backend::refuses`].
+    /// Elsewhere every new entry reports its new event and the agent samples for itself.
+    fn spares_new_events(&self) -> bool {
+        self.refuses()
+    }
 
     /// The exact input [`Backend::apply`] feeds to each program, in order, each under a
     /// `### <command line>` header. Deterministic: equal specs give equal text.

@@ -25,7 +25,7 @@ use std::net::IpAddr;
 use ::nftables::batch::Batch;
 use ::nftables::expr::{
     BinaryOperation, CT, Expression, Fib, FibFlag, FibResult, Meta, MetaKey, NamedExpression,
-    Payload, PayloadField, Range, SetItem, Socket, SocketAttr,
+    NgMode, Numgen, Payload, PayloadField, Range, SetItem, Socket, SocketAttr,
 };
 use ::nftables::schema::{
     Chain, Element, FlushObject, NfCmd, NfListObject, Nftables, Rule, Set, SetFlag, SetType,
@@ -77,6 +77,9 @@ pub const REFUSE_INPUT_CHAIN: &str = "refuse_input";
 pub const REFUSE_FORWARD_CHAIN: &str = "refuse_forward";
 /// Name of the regular chain the refusal base chains jump to with a marked packet.
 pub const REFUSE_CHAIN: &str = "refuse";
+/// Regular chain of rule 7 that spares the new events of all but one in n flows of cached
+/// UDP classes ([`RulesetSpec::with_cached_udp_sample`] n ≥ 2).
+pub const CACHED_UDP_CHAIN: &str = "cached_udp";
 
 /// TCP header flag bits (RFC 9293 §3.1).
 const TCP_FIN: u32 = 0x01;
@@ -343,6 +346,74 @@ fn ct_mark_set(m: Mark) -> Statement<'static> {
     )
 }
 
+/// `ct event set destroy`: the packet's (unconfirmed) conntrack entry reports only its
+/// destroy event, not its new one (nft(8), "CONNTRACK EXPRESSIONS", `event`;
+/// `nft_ct_set_eval`'s `NFT_CT_EVENTMASK`, which sets the entry's event mask).
+fn ct_events_destroy_only() -> Statement<'static> {
+    Statement::Mangle(Mangle { key: ct("event"), value: str_expr("destroy") })
+}
+
+/// `numgen inc mod n != 0`: every packet that reaches it but one in `n` (a counter shared
+/// by every CPU; nft(8), "NUMGEN EXPRESSION").
+fn numgen_not_first_of(n: u32) -> Statement<'static> {
+    is(
+        Expression::Named(NamedExpression::Numgen(Numgen {
+            mode: NgMode::Inc,
+            ng_mod: n,
+            offset: None,
+        })),
+        Operator::NEQ,
+        Expression::Number(0),
+    )
+}
+
+/// The decided mark without the reject bits: allowed, and the class may be cached. Both
+/// together are the queue's "allowed, not cached" (`proxy::queue`).
+fn decided_cacheable(c: &RedirectConfig) -> Mark {
+    Mark { value: c.decided_mark.value, mask: c.decided_mark.mask | c.reject_mark.mask }
+}
+
+/// The reject mark without the decided bits: rejected (rule 8).
+fn rejected(c: &RedirectConfig) -> Mark {
+    Mark { value: c.reject_mark.value, mask: c.reject_mark.mask | c.decided_mark.mask }
+}
+
+/// Rule 7's spared new events, for the iptables backend (whose xt targets cannot set a
+/// conntrack entry's event mask after conntrack has made it) in table `inet
+/// <prefix>-dnat`'s base chains after the decision: a new UDP entry of a pod flow reports
+/// only its destroy event when its first datagram was decided at the queue (the packet
+/// carries the decided mark: the agent knows the flow already) or when its class was
+/// cached (the entry carries the decided mark), but for one cached flow in
+/// [`RulesetSpec::cached_udp_sample`]'s `n` (none when 0; every one when 1, and then no
+/// rule for cached flows). Nothing on the proxy path, where no agent reads the events.
+fn spared_events_rules(b: &mut Builder<'_>, spec: &RulesetSpec) {
+    let c = spec.config();
+    if c.udp_path != UdpPath::Kernel {
+        return;
+    }
+    let n = spec.cached_udp_sample();
+    for chain in [REFUSE_INPUT_CHAIN, REFUSE_FORWARD_CHAIN] {
+        let new_udp = || vec![l4proto_in(&["udp"]), ct_state_in(&["new"])];
+        let mut queued = new_udp();
+        queued.extend([mark_set(c.decided_mark), ct_events_destroy_only()]);
+        b.rule(chain, COMMENT_DECIDED_SPARED, queued);
+        if n != 1 {
+            let mut cached = new_udp();
+            cached.push(ct_mark_set(c.decided_mark));
+            if n >= 2 {
+                cached.push(numgen_not_first_of(n));
+            }
+            cached.push(ct_events_destroy_only());
+            b.rule(chain, COMMENT_CACHED_SPARED, cached);
+        }
+    }
+}
+
+/// Comment of the rule that spares a queue-decided UDP flow's new event.
+const COMMENT_DECIDED_SPARED: &str = "tierproxy: UDP flow decided at the queue, new event spared";
+/// Comment of the rule that spares a cached UDP flow's new event (all but the sample).
+const COMMENT_CACHED_SPARED: &str = "tierproxy: UDP flow of a cached class, new event spared";
+
 /// `ct mark set ct mark & ~mask | value`, iptables' `CONNMARK --set-xmark value/mask`.
 fn set_ct_mark(m: Mark) -> Statement<'static> {
     Statement::Mangle(Mangle {
@@ -452,7 +523,7 @@ fn refusal_rules(b: &mut Builder<'_>, c: &RedirectConfig) {
             chain,
             "tierproxy: rejected",
             vec![
-                mark_set(c.reject_mark),
+                mark_set(rejected(c)),
                 Statement::Jump(JumpTarget { target: REFUSE_CHAIN.into() }),
             ],
         );
@@ -463,13 +534,15 @@ fn refusal_rules(b: &mut Builder<'_>, c: &RedirectConfig) {
 /// and `reject` (xt TPROXY cannot run after the DNAT, xt REJECT not in the mangle table):
 /// table `inet <prefix>-dnat` ([`Names::dnat_table`]) replaced by one holding
 /// [`after_dnat_rules`] and [`refusal_rules`].
-pub(crate) fn after_dnat_batch(config: &RedirectConfig) -> Nftables<'static> {
+pub(crate) fn after_dnat_batch(spec: &RulesetSpec) -> Nftables<'static> {
+    let config = spec.config();
     let mut b = Builder { table: Names::new(config).dnat_table, batch: Batch::new() };
     b.batch.add(NfListObject::Table(b.table()));
     b.batch.delete(NfListObject::Table(b.table()));
     b.batch.add(NfListObject::Table(b.table()));
     after_dnat_rules(&mut b, config);
     refusal_rules(&mut b, config);
+    spared_events_rules(&mut b, spec);
     b.batch.to_nftables()
 }
 
@@ -509,6 +582,10 @@ pub fn check_tproxy_support(nft: &str) -> Result<(), RedirectError> {
     b.batch.add(NfListObject::Table(b.table()));
     after_dnat_rules(&mut b, &RedirectConfig::default());
     refusal_rules(&mut b, &RedirectConfig::default());
+    // The spared new events too (`ct event set`, `numgen`: CONFIG_NF_CONNTRACK_EVENTS,
+    // CONFIG_NFT_NUMGEN), with a sample so that both rules are checked.
+    let spec = RulesetSpec::new(RedirectConfig::default(), [], [])?.with_cached_udp_sample(2);
+    spared_events_rules(&mut b, &spec);
     Cmd::new(nft, ["-c", "-j", "-f", "-"]).run(Some(&to_json(&b.batch.to_nftables(), false)))?;
     Ok(())
 }
@@ -1055,7 +1132,8 @@ fn apply_batch(spec: &RulesetSpec) -> Nftables<'static> {
         );
     }
     if c.udp_path == UdpPath::Kernel {
-        // The same for a UDP flow's first datagram.
+        // The same for a UDP flow's first datagram, unless the queue answered "allowed,
+        // not cached" (the decided and reject bits together, `proxy::queue`).
         for fam in [V4, V6] {
             b.rule(
                 DECIDE_CHAIN,
@@ -1063,11 +1141,18 @@ fn apply_batch(spec: &RulesetSpec) -> Nftables<'static> {
                 vec![
                     is(meta(MetaKey::Nfproto), Operator::EQ, str_expr(fam.nfproto)),
                     l4proto_in(&["udp"]),
-                    mark_set(c.decided_mark),
+                    mark_set(decided_cacheable(c)),
                     cache_class(fam),
                 ],
             );
         }
+        // The agent decided this flow at the queue: its entry's new event would tell it
+        // nothing (only the destroy event is read for it).
+        b.rule(
+            DECIDE_CHAIN,
+            COMMENT_DECIDED_SPARED,
+            vec![l4proto_in(&["udp"]), mark_set(c.decided_mark), ct_events_destroy_only()],
+        );
     }
     b.rule(
         DECIDE_CHAIN,
@@ -1097,20 +1182,34 @@ fn apply_batch(spec: &RulesetSpec) -> Nftables<'static> {
     }
     // A UDP flow of a cached class: no queue trip either. Its conntrack entry gets the
     // decided mark's bits as its connection mark, by which the agent, reading conntrack's
-    // new events, decides, audits and tracks the flow (`proxy::forwarded::watch`).
+    // new events, decides, audits and tracks the flow (`proxy::forwarded::watch`): every
+    // such flow ([`RulesetSpec::cached_udp_sample`] 1), none (0: the entry reports only its
+    // destroy event), or one in n (the others' new events spared in chain `cached_udp`).
     if c.udp_path == UdpPath::Kernel {
-        for fam in [V4, V6] {
+        let n = spec.cached_udp_sample();
+        if n >= 2 {
+            b.batch.add(NfListObject::Chain(b.regular_chain(CACHED_UDP_CHAIN)));
             b.rule(
-                DECIDE_CHAIN,
-                "tierproxy: allowed class, cached",
-                vec![
-                    is(meta(MetaKey::Nfproto), Operator::EQ, str_expr(fam.nfproto)),
-                    l4proto_in(&["udp"]),
-                    class_cached(fam),
-                    set_ct_mark(c.decided_mark),
-                    Statement::Return(None),
-                ],
+                CACHED_UDP_CHAIN,
+                COMMENT_CACHED_SPARED,
+                vec![numgen_not_first_of(n), ct_events_destroy_only()],
             );
+        }
+        for fam in [V4, V6] {
+            let mut expr = vec![
+                is(meta(MetaKey::Nfproto), Operator::EQ, str_expr(fam.nfproto)),
+                l4proto_in(&["udp"]),
+                class_cached(fam),
+                set_ct_mark(c.decided_mark),
+            ];
+            match n {
+                1 => expr.push(Statement::Return(None)),
+                0 => expr.extend([ct_events_destroy_only(), Statement::Return(None)]),
+                // Falling off the end of a chain entered by `goto` returns from the chain
+                // that went there, as `return` here would.
+                _ => expr.push(Statement::Goto(JumpTarget { target: CACHED_UDP_CHAIN.into() })),
+            }
+            b.rule(DECIDE_CHAIN, "tierproxy: allowed class, cached", expr);
         }
     }
     // Packets of pod flows, egress then ingress → queue (TCP SYNs, SCTP when new, every UDP
@@ -1475,6 +1574,112 @@ mod tests {
 
     fn json_of(n: &Nftables<'_>) -> Value {
         serde_json::from_str(&to_json(n, false)).unwrap()
+    }
+
+    /// The rules `n` adds, as (chain, comment, expressions as JSON text).
+    fn rules_of(n: &Nftables<'_>) -> Vec<(String, String, String)> {
+        let v = json_of(n);
+        v["nftables"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|o| {
+                let r = o.get("add")?.get("rule")?;
+                let s = |k: &str| r[k].as_str().unwrap_or_default().to_owned();
+                Some((s("chain"), s("comment"), r["expr"].to_string()))
+            })
+            .collect()
+    }
+
+    /// Issue #20, rule 7's spared new events: every new UDP entry the agent decided at the
+    /// queue reports only its destroy event; of the cached flows, all report their new
+    /// event with sample 1, none with 0, one in n otherwise (through chain `cached_udp`,
+    /// which the cached rule goes to, so the class is looked up once); an "allowed, not
+    /// cached" answer (decided and reject bits) adds nothing to the cache, and the refusal
+    /// chains refuse the reject bit only without the decided one. The iptables backend's
+    /// table has the same in its base chains after the decision.
+    #[test]
+    fn new_events_are_spared_for_queued_flows_and_all_but_the_sample_of_cached_ones() {
+        let spec = |n| {
+            RulesetSpec::new(RedirectConfig::default(), [], []).unwrap().with_cached_udp_sample(n)
+        };
+        let destroy = r#"{"mangle":{"key":{"ct":{"key":"event"}},"value":"destroy"}}"#;
+        let cached_udp = |rules: &[(String, String, String)]| -> Vec<String> {
+            rules
+                .iter()
+                .filter(|(ch, c, e)| {
+                    ch == DECIDE_CHAIN
+                        && c == "tierproxy: allowed class, cached"
+                        && e.contains("\"udp\"")
+                })
+                .map(|(_, _, e)| e.clone())
+                .collect()
+        };
+        for n in [0, 1, 4] {
+            let rules = rules_of(&apply_batch(&spec(n)));
+            let spared: Vec<_> =
+                rules.iter().filter(|(_, c, _)| c == COMMENT_DECIDED_SPARED).collect();
+            assert_eq!(spared.len(), 1, "{n}: {rules:?}");
+            assert!(spared[0].2.contains(destroy), "{spared:?}");
+            // Cache adds (the set update) and lookups (the ct mark) of UDP.
+            let (adds, lookups): (Vec<String>, Vec<String>) =
+                cached_udp(&rules).into_iter().partition(|e| e.contains("\"set\""));
+            assert_eq!((adds.len(), lookups.len()), (2, 2), "{n}: {rules:?}");
+            for add in &adds {
+                // meta mark & (decided | reject) == decided
+                assert!(add.contains(r#"{"&":[{"meta":{"key":"mark"}},4160]}"#), "{add}");
+                assert!(add.contains(r#""right":4096"#), "{add}");
+            }
+            let sample_chain: Vec<_> =
+                rules.iter().filter(|(ch, _, _)| ch == CACHED_UDP_CHAIN).collect();
+            for l in &lookups {
+                match n {
+                    1 => assert!(l.contains(r#"{"return":null}"#) && !l.contains(destroy), "{l}"),
+                    0 => assert!(l.contains(destroy) && l.contains(r#"{"return":null}"#), "{l}"),
+                    _ => assert!(l.contains(r#"{"goto":{"target":"cached_udp"}}"#), "{l}"),
+                }
+            }
+            if n >= 2 {
+                assert_eq!(sample_chain.len(), 1, "{rules:?}");
+                let e = &sample_chain[0].2;
+                assert!(e.contains(r#""mod":4"#) && e.contains(r#""op":"!=""#), "{e}");
+                assert!(e.contains(destroy), "{e}");
+            } else {
+                assert!(sample_chain.is_empty(), "{n}: {sample_chain:?}");
+            }
+            // Refused: the reject bit without the decided one.
+            let refused: Vec<_> =
+                rules.iter().filter(|(_, c, _)| c == "tierproxy: rejected").collect();
+            assert_eq!(refused.len(), 2);
+            for (_, _, e) in refused {
+                assert!(e.contains(r#"{"&":[{"meta":{"key":"mark"}},4160]}"#), "{e}");
+                assert!(e.contains(r#""right":64"#), "{e}");
+            }
+
+            // The iptables backend's table after the decision: per base chain, the queued
+            // flows' rule, and the cached flows' unless every one reports.
+            let aux = rules_of(&after_dnat_batch(&spec(n)));
+            for chain in [REFUSE_INPUT_CHAIN, REFUSE_FORWARD_CHAIN] {
+                let here: Vec<_> = aux.iter().filter(|(ch, _, _)| ch == chain).collect();
+                let comments: Vec<&str> = here.iter().map(|(_, c, _)| c.as_str()).collect();
+                let mut want = vec!["tierproxy: rejected", COMMENT_DECIDED_SPARED];
+                if n != 1 {
+                    want.push(COMMENT_CACHED_SPARED);
+                }
+                assert_eq!(comments, want, "{n}");
+                for (_, _, e) in &here[1..] {
+                    assert!(e.contains(destroy) && e.contains(r#""right":"udp""#), "{e}");
+                }
+                if n == 4 {
+                    assert!(here[2].2.contains(r#""mod":4"#), "{}", here[2].2);
+                }
+            }
+        }
+        // The proxy path: no event is read, none is spared.
+        let proxy = RedirectConfig { udp_path: UdpPath::Proxy, ..RedirectConfig::default() };
+        let spec = RulesetSpec::new(proxy, [], []).unwrap().with_cached_udp_sample(4);
+        let rules = rules_of(&after_dnat_batch(&spec));
+        assert!(rules.iter().all(|(_, c, _)| !c.contains("spared")), "{rules:?}");
     }
 
     #[test]
