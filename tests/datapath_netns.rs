@@ -1475,20 +1475,25 @@ fn a_burst_of_new_udp_flows_is_read_many_events_per_wake_up() {
     assert_eq!(udp_answer(&client, "10.60.1.2:0", "10.60.1.3:5353"), Ok(()));
     const FLOWS: usize = 1000;
     new_udp_flows(&client, FLOWS);
+    // A burst sent without waiting may lose a datagram or two on the way (the receiving
+    // CPU's backlog holds 1,000 packets; seen in CI: 999 of 1,000 arrived): nine in ten
+    // are enough to count wake-ups.
+    const SEEN: f64 = 1.0 + FLOWS as f64 * 0.9;
     let deadline = Instant::now() + Duration::from_secs(30);
     let metrics = loop {
         let metrics = agent_http(&n1, "/metrics");
-        if metric_value(&metrics, "tierproxy_udp_forwarded_flows_total") > FLOWS as f64 {
+        if metric_value(&metrics, "tierproxy_udp_forwarded_flows_total") >= SEEN {
             break metrics;
         }
-        assert!(Instant::now() < deadline, "the burst's flows were not all seen:\n{metrics}");
+        assert!(Instant::now() < deadline, "the burst's flows were not seen:\n{metrics}");
         std::thread::sleep(Duration::from_millis(100));
     };
+    let flows = metric_value(&metrics, "tierproxy_udp_forwarded_flows_total");
     let datagrams = metric_value(&metrics, "tierproxy_conntrack_event_datagrams_total");
     let batches = metric_value(&metrics, "tierproxy_conntrack_event_batches_total");
-    // A new event for each flow of the burst (the lab audits every allowed flow, so none
-    // is spared; the first flow's, decided at the queue, is).
-    assert!(datagrams >= FLOWS as f64, "{datagrams} event datagrams for {FLOWS} new flows");
+    // A new event for each flow of the burst that was counted (the lab audits every
+    // allowed flow, so none is spared; the first flow's, decided at the queue, is).
+    assert!(datagrams >= flows - 1.0, "{datagrams} event datagrams for {flows} flows");
     assert!(
         batches * 4.0 <= datagrams,
         "{batches} wake-ups for {datagrams} event datagrams: fewer than 4 events per wake-up"
