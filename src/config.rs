@@ -676,6 +676,22 @@ impl RedirectConfig {
         self.queue_first.checked_add(self.queue_count)
     }
 
+    /// The decided mark's bits without the reject mark's: an allowed packet whose class may
+    /// enter the kernel-side cache (the queue's "allowed, not cached" sets both; module
+    /// docs, the mark table).
+    pub fn cacheable_mark(&self) -> Mark {
+        Mark {
+            value: self.decided_mark.value,
+            mask: self.decided_mark.mask | self.reject_mark.mask,
+        }
+    }
+
+    /// The reject mark's bits without the decided mark's: a rejected packet the refusal
+    /// chains refuse (module docs, the mark table).
+    pub fn refused_mark(&self) -> Mark {
+        Mark { value: self.reject_mark.value, mask: self.reject_mark.mask | self.decided_mark.mask }
+    }
+
     /// The four marks with their roles, in the order decided, route, bypass, reject.
     pub fn marks(&self) -> [(MarkRole, Mark); 4] {
         [

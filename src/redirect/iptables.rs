@@ -28,7 +28,7 @@ use super::{
     Names, QUEUED_PROTOCOLS, QueueWhen, RedirectError, RulesetSpec, by_family, routing,
     tproxy_protocols,
 };
-use crate::config::{Mark, RedirectConfig, UdpPath};
+use crate::config::{RedirectConfig, UdpPath};
 
 /// The programs the backend runs; [`IptablesCommands::default`] uses the distribution's
 /// default `iptables` (on the development machines `iptables v1.8.9 (nf_tables)`),
@@ -469,8 +469,7 @@ fn restore_input(spec: &RulesetSpec, fam: Family) -> String {
         // The same for a UDP flow's first datagram (the set's port carries the protocol),
         // unless the queue answered "allowed, not cached": the decided and the reject bits
         // together (`proxy::queue`).
-        let cacheable =
-            Mark { value: c.decided_mark.value, mask: c.decided_mark.mask | c.reject_mark.mask };
+        let cacheable = c.cacheable_mark();
         let _ = writeln!(
             o,
             "-A {decide} -p udp -m mark --mark {cacheable} \

@@ -367,17 +367,6 @@ fn numgen_not_first_of(n: u32) -> Statement<'static> {
     )
 }
 
-/// The decided mark without the reject bits: allowed, and the class may be cached. Both
-/// together are the queue's "allowed, not cached" (`proxy::queue`).
-fn decided_cacheable(c: &RedirectConfig) -> Mark {
-    Mark { value: c.decided_mark.value, mask: c.decided_mark.mask | c.reject_mark.mask }
-}
-
-/// The reject mark without the decided bits: rejected (rule 8).
-fn rejected(c: &RedirectConfig) -> Mark {
-    Mark { value: c.reject_mark.value, mask: c.reject_mark.mask | c.decided_mark.mask }
-}
-
 /// Rule 7's spared new events, for the iptables backend (whose xt targets cannot set a
 /// conntrack entry's event mask after conntrack has made it) in table `inet
 /// <prefix>-dnat`'s base chains after the decision: a new UDP entry of a pod flow reports
@@ -523,7 +512,7 @@ fn refusal_rules(b: &mut Builder<'_>, c: &RedirectConfig) {
             chain,
             "tierproxy: rejected",
             vec![
-                mark_set(rejected(c)),
+                mark_set(c.refused_mark()),
                 Statement::Jump(JumpTarget { target: REFUSE_CHAIN.into() }),
             ],
         );
@@ -1141,7 +1130,7 @@ fn apply_batch(spec: &RulesetSpec) -> Nftables<'static> {
                 vec![
                     is(meta(MetaKey::Nfproto), Operator::EQ, str_expr(fam.nfproto)),
                     l4proto_in(&["udp"]),
-                    mark_set(decided_cacheable(c)),
+                    mark_set(c.cacheable_mark()),
                     cache_class(fam),
                 ],
             );
