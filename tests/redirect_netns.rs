@@ -272,14 +272,18 @@ fn iptables_lifecycle(test: &str, cmds: IptablesCommands) {
     assert!(after_dnat.contains("ct status dnat socket transparent 1"), "{after_dnat}");
     assert!(after_dnat.contains("tproxy ip to 127.0.0.1:15001"), "{after_dnat}");
     // The refusal chains, right after the decision in mangle INPUT and FORWARD: a mark
-    // test per packet, the refusals in chain `refuse` (nft lists an ICMP reject without
-    // the `meta nfproto` it implies).
+    // test per packet (the reject bit without the decided one: both together are the
+    // queue's "allowed, not cached"), the refusals in chain `refuse` (nft lists an ICMP
+    // reject without the `meta nfproto` it implies). Then the new event of a UDP flow
+    // decided at the queue is spared (issue #20; every cached flow reports its own with
+    // the default sample, 1).
     for hook in ["input", "forward"] {
         let chain = format!(
-            "chain refuse_{hook} {{\n\t\ttype filter hook {hook} priority mangle + 1; policy accept;\n\t\tmeta mark & 0x00000040 == 0x00000040 jump refuse comment"
+            "chain refuse_{hook} {{\n\t\ttype filter hook {hook} priority mangle + 1; policy accept;\n\t\tmeta mark & 0x00001040 == 0x00000040 jump refuse comment \"tierproxy: rejected\"\n\t\tmeta l4proto udp ct state new meta mark & 0x00001000 == 0x00001000 ct event set destroy comment"
         );
         assert!(after_dnat.contains(&chain), "{after_dnat}");
     }
+    assert!(!after_dnat.contains("cached class, new event spared"), "{after_dnat}");
     for refusal in [
         "meta l4proto tcp reject with tcp reset",
         "reject with icmp host-prohibited",
