@@ -605,17 +605,22 @@ fn the_policy_annotation_switches_logging_per_action_and_per_rule() {
     assert_eq!(plan.select(&bad, &bad.decide(&flow)), [true, false]);
 }
 
+/// a/client to a/server, TCP 8080: allowed, and both its directions decided on n1.
+fn client_to_server_8080() -> Flow {
+    Flow {
+        src: CLIENT.parse().unwrap(),
+        dst: SERVER.parse().unwrap(),
+        protocol: Protocol::Tcp,
+        dst_port: 8080,
+    }
+}
+
 #[test]
 fn allow_sampling_is_one_flow_in_n_and_keeps_both_directions_of_a_flow_together() {
     let s = snapshot();
     let (plan, _) =
         Selection::new(&s, Defaults { allow_sample: 4, deny: false, pass: false, close: true });
-    let flow = Flow {
-        src: CLIENT.parse().unwrap(),
-        dst: SERVER.parse().unwrap(),
-        protocol: Protocol::Tcp,
-        dst_port: 8080,
-    };
+    let flow = client_to_server_8080();
     let d = s.decide(&flow);
     assert!(d.egress.is_some() && d.ingress.is_some());
     let picks: Vec<[bool; 2]> = (0..12).map(|_| plan.select(&s, &d)).collect();
@@ -633,12 +638,7 @@ fn a_flow_the_kernel_sampled_is_logged_and_always_names_the_hits_that_log_every_
     let s = snapshot();
     let sampled = Defaults { allow_sample: 4, deny: false, pass: false, close: true };
     let (plan, _) = Selection::new(&s, sampled);
-    let flow = Flow {
-        src: CLIENT.parse().unwrap(),
-        dst: SERVER.parse().unwrap(),
-        protocol: Protocol::Tcp,
-        dst_port: 8080,
-    };
+    let flow = client_to_server_8080();
     let d = s.decide(&flow);
     assert!(d.egress.is_some() && d.ingress.is_some());
     for _ in 0..5 {
