@@ -327,12 +327,7 @@ impl Decider {
                 &decision,
                 sampling,
             );
-        match decision.verdict {
-            Verdict::Allow => self.stats.allowed.fetch_add(1, Ordering::Relaxed),
-            Verdict::Deny => self.stats.denied.fetch_add(1, Ordering::Relaxed),
-            Verdict::Reject => self.stats.rejected.fetch_add(1, Ordering::Relaxed),
-        };
-        self.metrics.decision(&decision);
+        self.count(&decision);
         Admission { decision, audited, time, point }
     }
 
@@ -426,6 +421,11 @@ impl Decider {
     /// [`Decider::with_cached_udp_sample`]): verdict and tier, as a first packet's are.
     /// Not audited (the kernel did not sample it).
     pub fn count_unseen(&self, d: &Decision) {
+        self.count(d);
+    }
+
+    /// Counts the decision `d` (verdict, tier).
+    fn count(&self, d: &Decision) {
         match d.verdict {
             Verdict::Allow => self.stats.allowed.fetch_add(1, Ordering::Relaxed),
             Verdict::Deny => self.stats.denied.fetch_add(1, Ordering::Relaxed),

@@ -551,6 +551,54 @@ mod tests {
         assert_eq!(t.stats.tracked.load(Ordering::Relaxed), 3);
     }
 
+    /// Issue #20: where the kernel spares the new events of cached UDP flows (sample ≠ 1),
+    /// the end of a cached flow the agent never saw counts its decision once; a flow whose
+    /// new event came (the kernel's sample) is tracked even when audit did not take it, so
+    /// its end is not counted again; a flow decided at the queue (no cached mark) is not
+    /// counted at its end; and where every cached flow reports, nothing is counted at the
+    /// end.
+    #[test]
+    fn a_cached_flow_the_agent_never_saw_is_counted_once_at_its_end() {
+        use crate::proxy::decider::{DeciderLimits, testing};
+        let dir = tempfile::tempdir().unwrap();
+        let t = testing::decider(testing::LOOPBACK_CLUSTER, dir.path());
+        let decider = |n: u32| {
+            let mut current = testing::current(testing::LOOPBACK_CLUSTER, 1);
+            let quiet = crate::audit::Defaults { allow_sample: 0, ..testing::every_decision() };
+            current.audit = crate::audit::Selection::new(&current.snapshot, quiet).0;
+            let metrics = crate::metrics::Metrics::new(crate::metrics::Scraped(Box::new(Vec::new)));
+            let limits = DeciderLimits { forwarded_flows: 16, ..DeciderLimits::default() };
+            Decider::new(current, limits, t.auditor.clone(), metrics.data_path)
+                .with_cached_udp_sample(n)
+        };
+        let entry = |port: u16, mark: u32| {
+            let (src, dst) =
+                (SocketAddr::from(([127, 0, 0, 2], port)), "127.0.0.3:53".parse().unwrap());
+            Entry {
+                orig: conntrack::Tuple { src, dst, protocol: conntrack::UDP },
+                reply: conntrack::Tuple { src: dst, dst: src, protocol: conntrack::UDP },
+                zone: 0,
+                mark,
+                id: None,
+                orig_counters: conntrack::Counters::default(),
+                reply_counters: conntrack::Counters::default(),
+            }
+        };
+        const CACHED: (u32, u32) = (0x1000, 0x1000);
+        let flows = |d: &Decider| d.forwarded().stats.flows.load(Ordering::Relaxed);
+        let d = decider(4);
+        assert!(!destroyed(&d, &entry(1000, 0x1000), CACHED));
+        assert_eq!((flows(&d), d.stats.allowed.load(Ordering::Relaxed)), (1, 1));
+        confirmed(&d, None, &entry(1001, 0x1000));
+        assert_eq!((d.forwarded().len(), flows(&d)), (1, 2), "the sample is tracked");
+        assert!(destroyed(&d, &entry(1001, 0x1000), CACHED));
+        assert!(!destroyed(&d, &entry(1002, 0), CACHED));
+        assert_eq!((flows(&d), d.stats.allowed.load(Ordering::Relaxed)), (2, 2));
+        let every = decider(1);
+        assert!(!destroyed(&every, &entry(1000, 0x1000), CACHED));
+        assert_eq!(flows(&every), 0);
+    }
+
     /// Conntrack counts whole packets; the end record counts UDP payload, as the proxy did.
     #[test]
     fn payload_bytes_leave_out_the_ip_and_udp_headers() {
