@@ -416,16 +416,11 @@ impl Decider {
         self.pending.remove(key)
     }
 
-    /// Counts the decision `d` of a kernel-forwarded UDP flow of a cached class that the
-    /// agent learns of only at its end (its new event was spared,
-    /// [`Decider::with_cached_udp_sample`]): verdict and tier, as a first packet's are.
-    /// Not audited (the kernel did not sample it).
-    pub fn count_unseen(&self, d: &Decision) {
-        self.count(d);
-    }
-
-    /// Counts the decision `d` (verdict, tier).
-    fn count(&self, d: &Decision) {
+    /// Counts the decision `d` (verdict, tier): every decision this decider makes, and that
+    /// of a kernel-forwarded UDP flow of a cached class that the agent learns of only at
+    /// its end (its new event was spared, [`Decider::with_cached_udp_sample`];
+    /// [`super::forwarded::destroyed`]), which is not audited (the kernel did not sample it).
+    pub fn count(&self, d: &Decision) {
         match d.verdict {
             Verdict::Allow => self.stats.allowed.fetch_add(1, Ordering::Relaxed),
             Verdict::Deny => self.stats.denied.fetch_add(1, Ordering::Relaxed),

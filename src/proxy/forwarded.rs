@@ -247,7 +247,7 @@ pub fn destroyed(decider: &Decider, e: &Entry, cached: (u32, u32)) -> bool {
         && e.mark & mask == value
         && d.verdict == Verdict::Allow
     {
-        decider.count_unseen(&d);
+        decider.count(&d);
         decider.forwarded().stats.flows.fetch_add(1, Ordering::Relaxed);
     }
     if cut || d.egress.is_some() || d.ingress.is_some() {
