@@ -1622,6 +1622,86 @@ fn the_kernel_samples_the_flows_of_a_cached_udp_class_for_audit() {
     assert_eq!(audited, want, "ends: {ends:?}");
 }
 
+/// Issue #20, a bug: where the kernel samples the flows of a cached UDP class, a sampled
+/// flow the full table of tracked flows could not take was counted at its new event and
+/// again at its destroy event (its entry still carried the cache's mark, so its end looked
+/// like that of a flow the agent never saw). With `--max-udp-flows 1` the queued first
+/// flow (audited, so tracked) fills the table, and the kernel's samples among the next
+/// twelve are untracked: every one of the thirteen is counted once, after every event of
+/// theirs has been read.
+#[test]
+fn a_sampled_udp_flow_the_full_table_cannot_track_is_counted_once() {
+    if !netns_available("a_sampled_udp_flow_the_full_table_cannot_track_is_counted_once") {
+        return;
+    }
+    let args = [
+        "--metrics-addr=127.0.0.1:9464".into(),
+        "--audit-allow-sample=4".into(),
+        "--max-udp-flows=1".into(),
+    ];
+    let lab = lab_with_agent_args("kful", &args, &[]);
+    let n1 = netns_of_node(&lab, "n1");
+    let client = netns_of_pod(&lab, "a", "client");
+    for t in ["nf_conntrack_udp_timeout", "nf_conntrack_udp_timeout_stream"] {
+        run_in(&n1, &["sysctl", "-qw", &format!("net.netfilter.{t}=1")]);
+    }
+    const EVENTS: &str = "tierproxy_conntrack_event_datagrams_total";
+    const FLOWS: usize = 13;
+    use tierproxy::proxy::conntrack::{Conntrack, Event, Events, UDP};
+    let before = metric_value(&agent_http(&n1, "/metrics"), EVENTS);
+    // A listener of its own sees the events the agent's socket gets, in the same order.
+    let mut events = in_netns(&n1, || Events::subscribe(1 << 20, UDP).map_err(io("subscribe")))
+        .expect("an event socket in n1");
+    let ports: Vec<u16> = in_netns(&client, || {
+        let mut open = Vec::new();
+        for _ in 0..FLOWS {
+            let s = std::net::UdpSocket::bind("10.60.1.2:0").map_err(io("bind"))?;
+            s.connect("10.60.1.3:5353").map_err(io("connect"))?;
+            s.set_read_timeout(Some(Duration::from_secs(5))).map_err(io("timeout"))?;
+            s.send(b"q").map_err(io("send"))?;
+            let mut buf = [0u8; 512];
+            retrying(|| s.recv(&mut buf)).map_err(io("recv"))?;
+            open.push(s);
+        }
+        Ok(open.iter().map(|s| s.local_addr().unwrap().port()).collect())
+    })
+    .expect("the DNS-like client runs");
+    // Every flow's destroy event (each entry expires a second after its answer; a listing
+    // reaps expired entries), then the agent has read as many events as this listener.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let (mut seen, mut destroyed) = (0u64, 0usize);
+    while destroyed < FLOWS {
+        assert!(Instant::now() < deadline, "{destroyed} destroy events of {ports:?}");
+        in_netns(&n1, || {
+            Conntrack::open().map_err(io("ct"))?.dump(UDP, |_| {}).map_err(io("dump"))
+        })
+        .expect("conntrack listing");
+        events
+            .drain(UDP, 1000, |kind, e| {
+                seen += 1;
+                let ours = e.orig.dst.port() == 5353 && ports.contains(&e.orig.src.port());
+                destroyed += usize::from(ours && matches!(kind, Event::Destroy));
+            })
+            .expect("reading events");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let metrics = loop {
+        let metrics = agent_http(&n1, "/metrics");
+        if metric_value(&metrics, EVENTS) >= before + seen as f64 {
+            break metrics;
+        }
+        assert!(Instant::now() < deadline, "the agent read fewer than {seen} events:\n{metrics}");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let untracked = metric_value(&metrics, "tierproxy_limit_hits_total{limit=\"udp_flows\"}");
+    assert!(untracked >= 1.0, "no sampled flow met the full table:\n{metrics}");
+    assert_eq!(
+        metric_value(&metrics, "tierproxy_udp_forwarded_flows_total"),
+        FLOWS as f64,
+        "{metrics}"
+    );
+}
+
 /// Issue #20: when the event socket's buffer overflowed, a read fails with ENOBUFS and the
 /// datagrams still queued are read after it; every datagram read counts in
 /// `Events::received` (which the agent's `tierproxy_conntrack_event_datagrams_total`

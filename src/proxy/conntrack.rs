@@ -50,6 +50,7 @@ const CTA_COUNTERS_ORIG: u16 = 9;
 const CTA_COUNTERS_REPLY: u16 = 10;
 const CTA_ID: u16 = 12;
 const CTA_ZONE: u16 = 18;
+const CTA_MARK_MASK: u16 = 21;
 const CTA_TUPLE_IP: u16 = 1;
 const CTA_TUPLE_PROTO: u16 = 2;
 const CTA_IP_V4_SRC: u16 = 1;
@@ -395,16 +396,46 @@ impl Conntrack {
     /// # Errors
     /// Socket errors and the kernel's other error answers.
     pub fn delete(&mut self, entry: &Entry) -> io::Result<bool> {
+        self.request(MSG_CT_DELETE, entry, true, |_| {})
+    }
+
+    /// Clears the bits of `mask` in `entry`'s connection mark, leaving its other bits:
+    /// an update (`IPCTNL_MSG_CT_NEW` without `NLM_F_CREATE`, by its original tuple and
+    /// zone) with `CTA_MARK` 0 and `CTA_MARK_MASK` `mask`, which the kernel applies as
+    /// `mark & !mask` (net/netfilter/nf_conntrack_netlink.c, `ctnetlink_change_mark`).
+    /// Returns `false` when the kernel no longer has the entry (ENOENT). Conntrack reports
+    /// the change only to listeners of its update events.
+    ///
+    /// # Errors
+    /// Socket errors and the kernel's other error answers.
+    pub fn clear_mark(&mut self, entry: &Entry, mask: u32) -> io::Result<bool> {
+        self.request(MSG_CT_NEW, entry, false, |req| {
+            attr(req, CTA_MARK, &0u32.to_be_bytes());
+            attr(req, CTA_MARK_MASK, &mask.to_be_bytes());
+        })
+    }
+
+    /// Sends request `msg` about `entry` (its original tuple, its zone, and with `by_id`
+    /// its id; then what `more` appends) and waits for the kernel's answer: `Ok(true)`
+    /// done, `Ok(false)` no such entry (ENOENT).
+    fn request(
+        &mut self,
+        msg: u16,
+        entry: &Entry,
+        by_id: bool,
+        more: impl FnOnce(&mut Vec<u8>),
+    ) -> io::Result<bool> {
         self.seq = self.seq.wrapping_add(1);
         let mut req = Vec::with_capacity(128);
-        let start = begin(&mut req, MSG_CT_DELETE, NLM_F_ACK, self.seq, family(&entry.orig.src));
+        let start = begin(&mut req, msg, NLM_F_ACK, self.seq, family(&entry.orig.src));
         encode_tuple(&mut req, CTA_TUPLE_ORIG, &entry.orig);
-        if let Some(id) = entry.id {
+        if by_id && let Some(id) = entry.id {
             attr(&mut req, CTA_ID, &id.to_be_bytes());
         }
         if entry.zone != 0 {
             attr(&mut req, CTA_ZONE, &entry.zone.to_be_bytes());
         }
+        more(&mut req);
         finish(&mut req, start);
         send(self.fd.as_raw_fd(), &req, MsgFlags::empty())?;
         loop {

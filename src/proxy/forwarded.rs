@@ -49,7 +49,10 @@
 //!   per query: holding every one cost a lab agent 6 MiB of its peak RSS). At most
 //!   [`Forwarded::new`]'s `max` flows are held; an audited flow over it is still decided
 //!   and forwarded, but its end is not written (counted as the limit `udp_flows`, logged
-//!   once per episode). An entry whose destroy event never comes (the
+//!   once per episode); a flow of the kernel's sample over it is counted at its new event,
+//!   and its entry loses the cache's mark bits (a ctnetlink update) so that its destroy
+//!   event does not count it again as one the agent never saw. An entry whose destroy
+//!   event never comes (the
 //!   datagram was dropped after the decision, so no conntrack entry was confirmed) is
 //!   removed by the next sweep ([`UNCONFIRMED_AFTER`]).
 //!
@@ -167,18 +170,22 @@ impl Forwarded {
     /// [`Forwarded::admit`] for a flow of a cached class whose new event the kernel let
     /// through as its sample (`Decider::with_cached_udp_sample` n ≠ 1): tracked whether
     /// audited or not, so that its end is not taken for one the agent never saw
-    /// ([`destroyed`] counts those).
-    fn admit_seen(&self, key: FlowKey, admission: Admission) {
-        self.admit_as(key, admission, true);
+    /// ([`destroyed`] counts those). Returns `false` when the table was full: then the
+    /// flow is counted but not tracked, and its end would be counted again unless its
+    /// entry loses the cache's mark bits ([`confirmed`] clears them).
+    fn admit_seen(&self, key: FlowKey, admission: Admission) -> bool {
+        self.admit_as(key, admission, true)
     }
 
-    fn admit_as(&self, key: FlowKey, admission: Admission, track: bool) {
+    /// Counts the flow and, with `track`, tracks it. Returns `false` when it was to be
+    /// tracked and the table was full.
+    fn admit_as(&self, key: FlowKey, admission: Admission, track: bool) -> bool {
         if self.max == 0 {
-            return;
+            return true;
         }
         self.stats.flows.fetch_add(1, Ordering::Relaxed);
         if !track {
-            return;
+            return true;
         }
         let mut flows = self.lock();
         if flows.len() >= self.max && !flows.contains_key(&key) {
@@ -191,10 +198,11 @@ impl Forwarded {
                     "kernel-forwarded UDP flow table full: new flows are decided and forwarded, but their end is not reported (--max-udp-flows)"
                 );
             }
-            return;
+            return false;
         }
         flows.insert(key, Flow { admission, started: Instant::now(), cut: false });
         self.stats.tracked.fetch_add(1, Ordering::Relaxed);
+        true
     }
 
     /// Number of flows tracked now.
@@ -275,25 +283,34 @@ fn end(decider: &Decider, key: FlowKey, flow: &Flow, reason: CloseReason, e: &En
 }
 
 /// A flow whose first datagram skipped the queue (its class was in the kernel-side cache
-/// of allowed classes, which marked its entry with `cached`): decided now, on the snapshot
-/// in force, audited with the decision point `conntrack`, and tracked. If that snapshot
-/// denies it (a new one came between the cache's answer and this event; the denying
-/// decision is the one audited), its entry is deleted through `delete`, if there is one,
-/// and counted as a policy cut.
-fn confirmed(decider: &Decider, delete: Option<&mut Conntrack>, e: &Entry) {
+/// of allowed classes, which marked its entry with the bits of `cached_mask`): decided
+/// now, on the snapshot in force, audited with the decision point `conntrack`, and
+/// tracked. If that snapshot denies it (a new one came between the cache's answer and
+/// this event; the denying decision is the one audited), its entry is deleted through
+/// `ct`, if there is one, and counted as a policy cut.
+///
+/// Where the kernel samples the cached flows and the table is full, the flow is counted
+/// now but not tracked: its entry loses the cache's bits through `ct`, so that
+/// [`destroyed`] does not take its end for that of a flow the agent never saw and count
+/// it a second time. Without `ct`, or if the update fails, it is counted again at its end
+/// (logged, rate-limited as the table's limit).
+fn confirmed(decider: &Decider, ct: Option<&mut Conntrack>, e: &Entry, cached_mask: u32) {
     let key = key_of(e);
     let admission = decider.decide_cached(key);
     if admission.decision.verdict == Verdict::Allow {
         if decider.cached_udp_sample() == 1 {
             decider.forwarded().admit(key, admission);
-        } else {
-            decider.forwarded().admit_seen(key, admission);
+        } else if !decider.forwarded().admit_seen(key, admission) {
+            let cleared = ct.map(|ct| ct.clear_mark(e, cached_mask));
+            if !matches!(cleared, Some(Ok(true))) {
+                tracing::debug!(result = ?cleared, flow = ?key, "a sampled UDP flow the full table could not track keeps its cached mark: its end is counted again");
+            }
         }
         return;
     }
     decider.stats.policy_cuts.fetch_add(1, Ordering::Relaxed);
-    let Some(delete) = delete else { return };
-    if let Err(err) = delete.delete(e) {
+    let Some(ct) = ct else { return };
+    if let Err(err) = ct.delete(e) {
         tracing::warn!(error = %err, flow = ?key, "deleting the conntrack entry of a denied UDP flow failed; the next sweep retries");
     } else {
         decider.forwarded().stats.cut.fetch_add(1, Ordering::Relaxed);
@@ -332,7 +349,7 @@ pub fn watch(decider: &Decider, mut events: Events, cached: (u32, u32)) {
         }
         let mut each = |kind, e: Entry| match kind {
             Event::New if e.zone == 0 && e.mark & mask == value => {
-                confirmed(decider, delete.as_mut(), &e);
+                confirmed(decider, delete.as_mut(), &e, mask);
             }
             Event::New => {}
             Event::Destroy => {
@@ -589,7 +606,7 @@ mod tests {
         let d = decider(4);
         assert!(!destroyed(&d, &entry(1000, 0x1000), CACHED));
         assert_eq!((flows(&d), d.stats.allowed.load(Ordering::Relaxed)), (1, 1));
-        confirmed(&d, None, &entry(1001, 0x1000));
+        confirmed(&d, None, &entry(1001, 0x1000), CACHED.1);
         assert_eq!((d.forwarded().len(), flows(&d)), (1, 2), "the sample is tracked");
         assert!(destroyed(&d, &entry(1001, 0x1000), CACHED));
         assert!(!destroyed(&d, &entry(1002, 0), CACHED));
