@@ -1500,6 +1500,58 @@ fn a_burst_of_new_udp_flows_is_read_many_events_per_wake_up() {
     );
 }
 
+/// Sends `flows` DNS-like queries from a/client (netns `client`) to b/local's UDP echo on
+/// 5353, one after the other, each from its own port, and waits for each answer; the
+/// sockets stay open until all are done, so no port is used twice. Returns the ports.
+fn dns_like_flows(client: &str, flows: usize) -> Vec<u16> {
+    in_netns(client, || {
+        let mut open = Vec::new();
+        for _ in 0..flows {
+            let s = std::net::UdpSocket::bind("10.60.1.2:0").map_err(io("bind"))?;
+            s.connect("10.60.1.3:5353").map_err(io("connect"))?;
+            s.set_read_timeout(Some(Duration::from_secs(5))).map_err(io("timeout"))?;
+            s.send(b"q").map_err(io("send"))?;
+            let mut buf = [0u8; 512];
+            retrying(|| s.recv(&mut buf)).map_err(io("recv"))?;
+            open.push(s);
+        }
+        Ok(open.iter().map(|s| s.local_addr().unwrap().port()).collect())
+    })
+    .expect("the DNS-like client runs")
+}
+
+/// Reads conntrack's UDP events from `events` (a listener in `n1`) until each flow from
+/// one of `ports` to 5353 has had its destroy event (each entry expires a second after
+/// its answer with the lab's timeouts; n1's table is listed every 200 ms, which reaps
+/// expired entries), failing past `deadline`. `each` sees every event read, and whether
+/// it is about one of those flows.
+fn until_destroyed(
+    n1: &str,
+    events: &mut tierproxy::proxy::conntrack::Events,
+    ports: &[u16],
+    deadline: Instant,
+    mut each: impl FnMut(tierproxy::proxy::conntrack::Event, &tierproxy::proxy::conntrack::Entry, bool),
+) {
+    use tierproxy::proxy::conntrack::{Conntrack, Event, UDP};
+    let mut destroyed = Vec::new();
+    while destroyed.len() < ports.len() {
+        assert!(Instant::now() < deadline, "destroy events seen for {destroyed:?} of {ports:?}");
+        in_netns(n1, || Conntrack::open().map_err(io("ct"))?.dump(UDP, |_| {}).map_err(io("dump")))
+            .expect("conntrack listing");
+        events
+            .drain(UDP, 1000, |kind, e| {
+                let port = e.orig.src.port();
+                let ours = e.orig.dst.port() == 5353 && ports.contains(&port);
+                if ours && kind == Event::Destroy {
+                    destroyed.push(port);
+                }
+                each(kind, &e, ours);
+            })
+            .expect("reading events");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
 /// Issue #20: where the ruleset spares conntrack's new events (nft `ct event set`: the
 /// iptables backend's table `inet <prefix>-dnat` on these machines), the kernel samples the
 /// flows of a cached UDP class for audit. With `--audit-allow-sample 4`: the first flow is
@@ -1514,7 +1566,7 @@ fn the_kernel_samples_the_flows_of_a_cached_udp_class_for_audit() {
     if !netns_available("the_kernel_samples_the_flows_of_a_cached_udp_class_for_audit") {
         return;
     }
-    use tierproxy::proxy::conntrack::{Conntrack, Event, Events, UDP};
+    use tierproxy::proxy::conntrack::{Event, Events, UDP};
     let args = ["--metrics-addr=127.0.0.1:9464".into(), "--audit-allow-sample=4".into()];
     let lab = lab_with_agent_args("ksam", &args, &[]);
     let n1 = netns_of_node(&lab, "n1");
@@ -1526,47 +1578,17 @@ fn the_kernel_samples_the_flows_of_a_cached_udp_class_for_audit() {
     }
     let mut events = in_netns(&n1, || Events::subscribe(1 << 20, UDP).map_err(io("subscribe")))
         .expect("an event socket in n1");
-    // Thirteen DNS-like flows, one after the other, each from its own port; the sockets
-    // stay open until all are done, so no port is used twice.
+    // Thirteen DNS-like flows. Every flow's destroy event comes after its new event, if it
+    // had one.
     const FLOWS: usize = 13;
-    let ports: Vec<u16> = in_netns(&client, || {
-        let mut open = Vec::new();
-        for _ in 0..FLOWS {
-            let s = std::net::UdpSocket::bind("10.60.1.2:0").map_err(io("bind"))?;
-            s.connect("10.60.1.3:5353").map_err(io("connect"))?;
-            s.set_read_timeout(Some(Duration::from_secs(5))).map_err(io("timeout"))?;
-            s.send(b"q").map_err(io("send"))?;
-            let mut buf = [0u8; 512];
-            retrying(|| s.recv(&mut buf)).map_err(io("recv"))?;
-            open.push(s);
-        }
-        Ok(open.iter().map(|s| s.local_addr().unwrap().port()).collect())
-    })
-    .expect("the DNS-like client runs");
-    // Every flow's destroy event (each entry expires a second after its answer; a listing
-    // reaps expired entries) comes after its new event, if it had one.
-    let (mut new, mut destroyed) = (Vec::new(), Vec::new());
+    let ports = dns_like_flows(&client, FLOWS);
+    let mut new = Vec::new();
     let deadline = Instant::now() + Duration::from_secs(60);
-    while destroyed.len() < FLOWS {
-        assert!(Instant::now() < deadline, "destroy events seen for {destroyed:?} of {ports:?}");
-        in_netns(&n1, || {
-            Conntrack::open().map_err(io("ct"))?.dump(UDP, |_| {}).map_err(io("dump"))
-        })
-        .expect("conntrack listing");
-        events
-            .drain(UDP, 1000, |kind, e| {
-                let port = e.orig.src.port();
-                if e.orig.dst.port() != 5353 || !ports.contains(&port) {
-                    return;
-                }
-                match kind {
-                    Event::New => new.push(port),
-                    Event::Destroy => destroyed.push(port),
-                }
-            })
-            .expect("reading events");
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    until_destroyed(&n1, &mut events, &ports, deadline, |kind, e, ours| {
+        if ours && kind == Event::New {
+            new.push(e.orig.src.port());
+        }
+    });
     // The first flow's entry reports no new event; of the twelve cached ones, every
     // fourth by the rule's counter.
     let positions: Vec<usize> =
@@ -1639,6 +1661,7 @@ fn a_sampled_udp_flow_the_full_table_cannot_track_is_counted_once() {
         "--audit-allow-sample=4".into(),
         "--max-udp-flows=1".into(),
     ];
+    use tierproxy::proxy::conntrack::{Events, UDP};
     let lab = lab_with_agent_args("kful", &args, &[]);
     let n1 = netns_of_node(&lab, "n1");
     let client = netns_of_pod(&lab, "a", "client");
@@ -1647,44 +1670,15 @@ fn a_sampled_udp_flow_the_full_table_cannot_track_is_counted_once() {
     }
     const EVENTS: &str = "tierproxy_conntrack_event_datagrams_total";
     const FLOWS: usize = 13;
-    use tierproxy::proxy::conntrack::{Conntrack, Event, Events, UDP};
     let before = metric_value(&agent_http(&n1, "/metrics"), EVENTS);
     // A listener of its own sees the events the agent's socket gets, in the same order.
     let mut events = in_netns(&n1, || Events::subscribe(1 << 20, UDP).map_err(io("subscribe")))
         .expect("an event socket in n1");
-    let ports: Vec<u16> = in_netns(&client, || {
-        let mut open = Vec::new();
-        for _ in 0..FLOWS {
-            let s = std::net::UdpSocket::bind("10.60.1.2:0").map_err(io("bind"))?;
-            s.connect("10.60.1.3:5353").map_err(io("connect"))?;
-            s.set_read_timeout(Some(Duration::from_secs(5))).map_err(io("timeout"))?;
-            s.send(b"q").map_err(io("send"))?;
-            let mut buf = [0u8; 512];
-            retrying(|| s.recv(&mut buf)).map_err(io("recv"))?;
-            open.push(s);
-        }
-        Ok(open.iter().map(|s| s.local_addr().unwrap().port()).collect())
-    })
-    .expect("the DNS-like client runs");
-    // Every flow's destroy event (each entry expires a second after its answer; a listing
-    // reaps expired entries), then the agent has read as many events as this listener.
+    let ports = dns_like_flows(&client, FLOWS);
+    // Every flow's destroy event, then the agent has read as many events as this listener.
     let deadline = Instant::now() + Duration::from_secs(60);
-    let (mut seen, mut destroyed) = (0u64, 0usize);
-    while destroyed < FLOWS {
-        assert!(Instant::now() < deadline, "{destroyed} destroy events of {ports:?}");
-        in_netns(&n1, || {
-            Conntrack::open().map_err(io("ct"))?.dump(UDP, |_| {}).map_err(io("dump"))
-        })
-        .expect("conntrack listing");
-        events
-            .drain(UDP, 1000, |kind, e| {
-                seen += 1;
-                let ours = e.orig.dst.port() == 5353 && ports.contains(&e.orig.src.port());
-                destroyed += usize::from(ours && matches!(kind, Event::Destroy));
-            })
-            .expect("reading events");
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    let mut seen = 0u64;
+    until_destroyed(&n1, &mut events, &ports, deadline, |_, _, _| seen += 1);
     let metrics = loop {
         let metrics = agent_http(&n1, "/metrics");
         if metric_value(&metrics, EVENTS) >= before + seen as f64 {

@@ -292,8 +292,9 @@ fn end(decider: &Decider, key: FlowKey, flow: &Flow, reason: CloseReason, e: &En
 /// Where the kernel samples the cached flows and the table is full, the flow is counted
 /// now but not tracked: its entry loses the cache's bits through `ct`, so that
 /// [`destroyed`] does not take its end for that of a flow the agent never saw and count
-/// it a second time. Without `ct`, or if the update fails, it is counted again at its end
-/// (logged, rate-limited as the table's limit).
+/// it a second time. Without `ct`, or if the update fails (the entry is gone already), it
+/// is counted again at its end (a debug log line says so; the full table itself is logged
+/// and counted as the limit `udp_flows`).
 fn confirmed(decider: &Decider, ct: Option<&mut Conntrack>, e: &Entry, cached_mask: u32) {
     let key = key_of(e);
     let admission = decider.decide_cached(key);
