@@ -1,9 +1,13 @@
-//! The load-test tools' own checks: `loadtest/phases --self-test` parses a built-in
-//! capture of one connection, through a transparent proxy and through the relay, into
-//! its steps. Nothing else runs that parsing without root and a lab, and a figure the
-//! tool misreads would go into the docs as a measurement. Needs python3 (the tools use
-//! only its standard library); without it the test says it was skipped, which fails
-//! under `TIERPROXY_REQUIRE_TOOLS=1` (CI).
+//! The load-test tools' own checks, where a mistake would go into the docs as a
+//! measurement: `loadtest/phases --self-test` parses a built-in capture of one
+//! connection, through a transparent proxy and through the relay, into its steps; and
+//! `loadtest/transparent-listen` hands nginx (the `nginx` peer of `loadtest/run`)
+//! non-blocking sockets. Need python3 (the tools use only its standard library); without
+//! it a test says it was skipped, which fails under `TIERPROXY_REQUIRE_TOOLS=1` (CI). The
+//! second also needs root for a network namespace of its own (`unshare -n`), skipped (or
+//! failed under `TIERPROXY_REQUIRE_NETNS=1`) as the netns tests are.
+
+mod common;
 
 use std::io::Write as _;
 use std::path::Path;
@@ -43,4 +47,35 @@ fn phases_reads_a_transparent_and_a_relayed_connection_into_its_steps() {
         format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success(), "loadtest/phases --self-test failed: {said}");
     assert!(said.contains("transparent and relayed"), "{said}");
+}
+
+/// A bug in the `nginx` variant: `transparent-listen` passed nginx blocking sockets, and
+/// nginx sets O_NONBLOCK only on the sockets it opens itself (an inherited one comes from
+/// an nginx binary on upgrade, already non-blocking). Every worker is woken for a new
+/// connection; the ones that lost the race blocked in accept(2) until the next one came,
+/// and their connections waited with them: loadtest's nginx crr failed a scenario in most
+/// runs ("reading the greeting" / "waiting for the server's EOF" after 5 s). Checked on
+/// the sockets as the command it execs (here a Python one-liner standing in for nginx)
+/// finds them in `NGINX`: two, none blocking. In a network namespace of its own, where
+/// the ports are free.
+#[test]
+fn transparent_listen_hands_nginx_non_blocking_sockets() {
+    let test = "transparent_listen_hands_nginx_non_blocking_sockets";
+    if !python_available(test) || !common::tools_available(test, &["unshare"]) {
+        return;
+    }
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("loadtest/transparent-listen");
+    let check = "import os, fcntl\n\
+                 fds = [int(x) for x in os.environ['NGINX'].split(';') if x]\n\
+                 blocking = [fd for fd in fds if not fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_NONBLOCK]\n\
+                 print(len(fds), len(blocking))";
+    let out = Command::new("unshare")
+        .args(["-n", "python3"])
+        .arg(&script)
+        .args(["--tcp", "15001", "--udp", "8080", "--", "python3", "-c", check])
+        .output()
+        .expect("unshare runs transparent-listen");
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{said}{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(said.trim(), "2 0", "sockets handed over, of them blocking");
 }
