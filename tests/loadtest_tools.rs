@@ -1,8 +1,9 @@
 //! The load-test tools' own checks, where a mistake would go into the docs as a
 //! measurement: `loadtest/phases --self-test` parses a built-in capture of one
-//! connection, through a transparent proxy and through the relay, into its steps; and
+//! connection, through a transparent proxy and through the relay, into its steps;
 //! `loadtest/transparent-listen` hands nginx (the `nginx` peer of `loadtest/run`)
-//! non-blocking sockets. Need python3 (the tools use only its standard library); without
+//! non-blocking sockets; and `loadtest/run` records how the machine's idle CPUs wait, which
+//! moves every figure (`host_facts`, read from fake sysfs trees). Need python3 (the tools use only its standard library); without
 //! it a test says it was skipped, which fails under `TIERPROXY_REQUIRE_TOOLS=1` (CI). The
 //! second also needs root for a network namespace of its own (`unshare -n`), skipped (or
 //! failed under `TIERPROXY_REQUIRE_NETNS=1`) as the netns tests are.
@@ -78,4 +79,64 @@ fn transparent_listen_hands_nginx_non_blocking_sockets() {
     let said = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{said}{}", String::from_utf8_lossy(&out.stderr));
     assert_eq!(said.trim(), "2 0", "sockets handed over, of them blocking");
+}
+
+/// `loadtest/run`'s `host_facts`, which every summary.json and phases.json records, reads
+/// how the machine's idle CPUs wait and says so when idle vCPUs halt without polling (the
+/// one host setting that moved every proxy's connection rate by 1.2–1.8× on this project's
+/// VMs: loadtest/README.md, "Idle vCPUs"). Read from fake sysfs trees: a guest halting at
+/// once, one polling, and a machine without the files.
+#[test]
+fn loadtest_records_how_idle_vcpus_wait() {
+    let test = "loadtest_records_how_idle_vcpus_wait";
+    if !python_available(test) {
+        return;
+    }
+    let root = tempfile::tempdir().expect("a temporary directory");
+    let fake = |name: &str, driver: Option<&str>, poll: Option<&str>| {
+        let d = root.path().join(name);
+        let put = |path: &str, text: &str| {
+            let p = d.join(path);
+            std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+            std::fs::write(p, format!("{text}\n")).unwrap();
+        };
+        std::fs::create_dir_all(&d).unwrap();
+        if let Some(t) = driver {
+            put("devices/system/cpu/cpuidle/current_driver", t);
+        }
+        if let Some(t) = poll {
+            put("module/haltpoll/parameters/guest_halt_poll_ns", t);
+        }
+        d
+    };
+    let dirs = [
+        fake("halts", Some("haltpoll"), Some("0")),
+        fake("polls", Some("haltpoll"), Some("200000")),
+        fake("bare", None, None),
+    ];
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("loadtest/run");
+    let program = format!(
+        "import importlib.machinery, importlib.util, json, sys\n\
+         l = importlib.machinery.SourceFileLoader('run', {script:?})\n\
+         m = importlib.util.module_from_spec(importlib.util.spec_from_loader('run', l))\n\
+         l.exec_module(m)\n\
+         for d in sys.argv[1:]:\n    \
+             print(json.dumps(m.host_facts(d)))\n",
+        script = script.to_str().unwrap()
+    );
+    let out =
+        Command::new("python3").arg("-c").arg(&program).args(&dirs).output().expect("python3 runs");
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{said}{}", String::from_utf8_lossy(&out.stderr));
+    let facts: Vec<serde_json::Value> =
+        said.lines().map(|l| serde_json::from_str(l).expect("one JSON object a line")).collect();
+    assert_eq!(facts.len(), 3, "{said}");
+    assert_eq!(facts[0]["cpuidle_driver"], "haltpoll");
+    assert_eq!(facts[0]["guest_halt_poll_ns"], 0);
+    let note = facts[0]["note"].as_str().expect("a note when idle vCPUs halt at once");
+    assert!(note.contains("halt without polling"), "{note}");
+    assert_eq!(facts[1]["guest_halt_poll_ns"], 200_000);
+    assert!(facts[1]["note"].is_null(), "{}", facts[1]);
+    assert!(facts[2]["cpuidle_driver"].is_null() && facts[2]["note"].is_null(), "{}", facts[2]);
+    assert!(facts.iter().all(|f| f["cpus"].as_u64().is_some_and(|n| n >= 1)), "{said}");
 }
