@@ -140,3 +140,55 @@ fn loadtest_records_how_idle_vcpus_wait() {
     assert!(facts[2]["cpuidle_driver"].is_null() && facts[2]["note"].is_null(), "{}", facts[2]);
     assert!(facts.iter().all(|f| f["cpus"].as_u64().is_some_and(|n| n >= 1)), "{said}");
 }
+
+/// `loadtest/run`'s `wakeup_interrupts`, which `loadtest/phases` reports per connection,
+/// sums the rescheduling and function-call interrupts of every CPU, as x86 and arm64 name
+/// them in /proc/interrupts, and nothing else (timer, TLB and device rows left out); a
+/// file without those rows gives None, not 0.
+#[test]
+fn loadtest_counts_wakeup_interrupts() {
+    let test = "loadtest_counts_wakeup_interrupts";
+    if !python_available(test) {
+        return;
+    }
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let x86 = "            CPU0       CPU1\n   \
+               1:          9          0  IO-APIC   1-edge      i8042\n \
+               LOC:        100        200   Local timer interrupts\n \
+               RES:         10         20   Rescheduling interrupts\n \
+               CAL:          1          2   Function call interrupts\n \
+               TLB:          5          5   TLB shootdowns\n \
+               ERR:          0\n";
+    let arm64 = "           CPU0       CPU1       CPU2\n\
+                 IPI0:         3          4          5       Rescheduling interrupts\n\
+                 IPI1:         7          0          1       Function call interrupts\n\
+                 IPI2:         9          9          9       CPU stop interrupts\n";
+    let none = "           CPU0\n  0:         44   IO-APIC   2-edge      timer\n";
+    let files: Vec<_> = [("x86", x86), ("arm64", arm64), ("none", none)]
+        .iter()
+        .map(|(name, text)| {
+            let p = dir.path().join(name);
+            std::fs::write(&p, text).unwrap();
+            p
+        })
+        .collect();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("loadtest/run");
+    let program = format!(
+        "import importlib.machinery, importlib.util, sys\n\
+         l = importlib.machinery.SourceFileLoader('run', {script:?})\n\
+         m = importlib.util.module_from_spec(importlib.util.spec_from_loader('run', l))\n\
+         l.exec_module(m)\n\
+         print(' '.join(str(m.wakeup_interrupts(p)) for p in sys.argv[1:]))\n",
+        script = script.to_str().unwrap()
+    );
+    let out = Command::new("python3")
+        .arg("-c")
+        .arg(&program)
+        .args(&files)
+        .arg(dir.path().join("missing"))
+        .output()
+        .expect("python3 runs");
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{said}{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(said.trim(), "33 20 None None");
+}
