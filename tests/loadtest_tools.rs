@@ -2,11 +2,13 @@
 //! measurement: `loadtest/phases --self-test` parses a built-in capture of one
 //! connection, through a transparent proxy and through the relay, into its steps;
 //! `loadtest/transparent-listen` hands nginx (the `nginx` peer of `loadtest/run`)
-//! non-blocking sockets; and `loadtest/run` records how the machine's idle CPUs wait, which
-//! moves every figure (`host_facts`, read from fake sysfs trees). Need python3 (the tools use only its standard library); without
-//! it a test says it was skipped, which fails under `TIERPROXY_REQUIRE_TOOLS=1` (CI). The
-//! second also needs root for a network namespace of its own (`unshare -n`), skipped (or
-//! failed under `TIERPROXY_REQUIRE_NETNS=1`) as the netns tests are.
+//! non-blocking sockets; and `loadtest/run` reads how the machine's idle CPUs wait and
+//! counts their wake-up interrupts (`host_facts`, `wakeup_interrupts`, on fake sysfs
+//! trees and /proc/interrupts files). Need python3 (the tools use only its standard
+//! library); without it a test says it was skipped, which fails under
+//! `TIERPROXY_REQUIRE_TOOLS=1` (CI). The nginx test also needs root for a network
+//! namespace of its own (`unshare -n`), skipped (or failed under
+//! `TIERPROXY_REQUIRE_NETNS=1`) as the netns tests are.
 
 mod common;
 
@@ -81,6 +83,26 @@ fn transparent_listen_hands_nginx_non_blocking_sockets() {
     assert_eq!(said.trim(), "2 0", "sockets handed over, of them blocking");
 }
 
+/// Runs `body` in python3 with `loadtest/run` loaded as module `m` (and `json`, `sys`
+/// imported), `args` as its `sys.argv[1:]`: its standard output. Fails the test, with
+/// python's words, when python fails.
+fn with_loadtest_run(body: &str, args: &[&std::ffi::OsStr]) -> String {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("loadtest/run");
+    let program = format!(
+        "import importlib.machinery, importlib.util, json, sys\n\
+         l = importlib.machinery.SourceFileLoader('run', {script:?})\n\
+         m = importlib.util.module_from_spec(importlib.util.spec_from_loader('run', l))\n\
+         l.exec_module(m)\n\
+         {body}\n",
+        script = script.to_str().unwrap()
+    );
+    let out =
+        Command::new("python3").arg("-c").arg(&program).args(args).output().expect("python3 runs");
+    let said = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(out.status.success(), "{said}{}", String::from_utf8_lossy(&out.stderr));
+    said
+}
+
 /// `loadtest/run`'s `host_facts`, which every summary.json and phases.json records, reads
 /// how the machine's idle CPUs wait and says so when idle vCPUs halt without polling (the
 /// one host setting that moved every proxy's connection rate by 1.2–1.8× on this project's
@@ -114,20 +136,9 @@ fn loadtest_records_how_idle_vcpus_wait() {
         fake("polls", Some("haltpoll"), Some("200000")),
         fake("bare", None, None),
     ];
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("loadtest/run");
-    let program = format!(
-        "import importlib.machinery, importlib.util, json, sys\n\
-         l = importlib.machinery.SourceFileLoader('run', {script:?})\n\
-         m = importlib.util.module_from_spec(importlib.util.spec_from_loader('run', l))\n\
-         l.exec_module(m)\n\
-         for d in sys.argv[1:]:\n    \
-             print(json.dumps(m.host_facts(d)))\n",
-        script = script.to_str().unwrap()
-    );
-    let out =
-        Command::new("python3").arg("-c").arg(&program).args(&dirs).output().expect("python3 runs");
-    let said = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{said}{}", String::from_utf8_lossy(&out.stderr));
+    let args: Vec<&std::ffi::OsStr> = dirs.iter().map(|d| d.as_os_str()).collect();
+    let said =
+        with_loadtest_run("for d in sys.argv[1:]: print(json.dumps(m.host_facts(d)))", &args);
     let facts: Vec<serde_json::Value> =
         said.lines().map(|l| serde_json::from_str(l).expect("one JSON object a line")).collect();
     assert_eq!(facts.len(), 3, "{said}");
@@ -144,7 +155,7 @@ fn loadtest_records_how_idle_vcpus_wait() {
 /// `loadtest/run`'s `wakeup_interrupts`, which `loadtest/phases` reports per connection,
 /// sums the rescheduling and function-call interrupts of every CPU, as x86 and arm64 name
 /// them in /proc/interrupts, and nothing else (timer, TLB and device rows left out); a
-/// file without those rows gives None, not 0.
+/// file without those rows, or no file, gives None, not 0.
 #[test]
 fn loadtest_counts_wakeup_interrupts() {
     let test = "loadtest_counts_wakeup_interrupts";
@@ -164,7 +175,7 @@ fn loadtest_counts_wakeup_interrupts() {
                  IPI1:         7          0          1       Function call interrupts\n\
                  IPI2:         9          9          9       CPU stop interrupts\n";
     let none = "           CPU0\n  0:         44   IO-APIC   2-edge      timer\n";
-    let files: Vec<_> = [("x86", x86), ("arm64", arm64), ("none", none)]
+    let mut files: Vec<_> = [("x86", x86), ("arm64", arm64), ("none", none)]
         .iter()
         .map(|(name, text)| {
             let p = dir.path().join(name);
@@ -172,23 +183,11 @@ fn loadtest_counts_wakeup_interrupts() {
             p
         })
         .collect();
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("loadtest/run");
-    let program = format!(
-        "import importlib.machinery, importlib.util, sys\n\
-         l = importlib.machinery.SourceFileLoader('run', {script:?})\n\
-         m = importlib.util.module_from_spec(importlib.util.spec_from_loader('run', l))\n\
-         l.exec_module(m)\n\
-         print(' '.join(str(m.wakeup_interrupts(p)) for p in sys.argv[1:]))\n",
-        script = script.to_str().unwrap()
+    files.push(dir.path().join("missing"));
+    let args: Vec<&std::ffi::OsStr> = files.iter().map(|p| p.as_os_str()).collect();
+    let said = with_loadtest_run(
+        "print(' '.join(str(m.wakeup_interrupts(p)) for p in sys.argv[1:]))",
+        &args,
     );
-    let out = Command::new("python3")
-        .arg("-c")
-        .arg(&program)
-        .args(&files)
-        .arg(dir.path().join("missing"))
-        .output()
-        .expect("python3 runs");
-    let said = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{said}{}", String::from_utf8_lossy(&out.stderr));
     assert_eq!(said.trim(), "33 20 None None");
 }
