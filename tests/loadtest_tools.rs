@@ -104,9 +104,9 @@ fn with_loadtest_run(body: &str, args: &[&std::ffi::OsStr]) -> String {
 }
 
 /// `loadtest/run`'s `host_facts`, which every summary.json and phases.json records, reads
-/// how the machine's idle CPUs wait and says so when idle vCPUs halt without polling (the
-/// one host setting that moved every proxy's connection rate by 1.2–1.8× on this project's
-/// VMs: loadtest/README.md, "Idle vCPUs"). Read from fake sysfs trees: a guest halting at
+/// how the machine's idle CPUs wait and says so when idle vCPUs halt without polling (a
+/// host setting that moved every proxy's connection rate at concurrency 1 by 1.6–2.1× on
+/// this project's VMs: loadtest/README.md, "Idle vCPUs"). Read from fake sysfs trees: a guest halting at
 /// once, one polling, and a machine without the files.
 #[test]
 fn loadtest_records_how_idle_vcpus_wait() {
