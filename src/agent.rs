@@ -253,11 +253,7 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
         &opts.audit,
     )));
     let ready = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .thread_name("tierproxy")
-        .build()
-        .context("starting the async runtime")?;
+    let runtime = runtime(opts.busy_poll)?;
     // /healthz answers from here on, /readyz once the node enforces: a probe can tell a
     // live agent waiting for the API server's initial lists from a dead one.
     if let Some(addr) = opts.metrics_addr {
@@ -1445,4 +1441,43 @@ async fn wait_for_signal() {
             let _ = tokio::signal::ctrl_c().await;
         }
     }
+}
+
+/// The agent's runtime: tokio's multi-threaded one, and with a non-zero `busy_poll` its
+/// workers poll its epoll instance for up to that long before they park
+/// ([`crate::proxy::busy_poll`]); where it is not found, busy polling stays off and a
+/// warning says why.
+///
+/// # Errors
+/// The runtime cannot start (threads, an epoll instance, an eventfd).
+fn runtime(busy_poll: Duration) -> anyhow::Result<tokio::runtime::Runtime> {
+    use crate::proxy::busy_poll::{self, BusyPoll};
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    builder.enable_all().thread_name("tierproxy");
+    if busy_poll.is_zero() {
+        return builder.build().context("starting the async runtime");
+    }
+    let spin: Arc<std::sync::OnceLock<BusyPoll>> = Arc::default();
+    let on_park = spin.clone();
+    builder.on_thread_park(move || {
+        if let Some(b) = on_park.get() {
+            b.spin();
+        }
+    });
+    let before = busy_poll::epoll_fds();
+    let runtime = builder.build().context("starting the async runtime")?;
+    let found = match (before, busy_poll::epoll_fds()) {
+        (Ok(before), Ok(after)) => BusyPoll::find(&before, &after, busy_poll),
+        (Err(e), _) | (_, Err(e)) => Err(format!("cannot list /proc/self/fd: {e}")),
+    };
+    match found {
+        Ok(b) => {
+            let us = b.budget().as_micros() as u64;
+            tracing::info!(budget_us = us, "busy polling before a runtime worker parks");
+            busy_poll::STATS.budget_us.store(us, std::sync::atomic::Ordering::Relaxed);
+            let _ = spin.set(b);
+        }
+        Err(why) => tracing::warn!(%why, "--busy-poll-us: busy polling stays off"),
+    }
+    Ok(runtime)
 }

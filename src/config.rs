@@ -111,6 +111,10 @@ pub struct AgentOptions {
     pub idle_timeout: Duration,
     /// Most live proxied connections.
     pub max_connections: usize,
+    /// Busy polling before a runtime worker parks, up to this long a spin (`ZERO`: off,
+    /// the default; at most [`crate::proxy::busy_poll::MAX_BUDGET`]; see
+    /// [`crate::proxy::busy_poll`]).
+    pub busy_poll: Duration,
     /// Drain grace on shutdown.
     pub drain_grace: Duration,
     /// Idle timeout of a UDP flow on the proxy path ([`crate::config::UdpPath::Proxy`]).
@@ -172,6 +176,7 @@ impl AgentOptions {
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
             idle_timeout: DEFAULT_IDLE_TIMEOUT,
             max_connections: DEFAULT_MAX_CONNECTIONS,
+            busy_poll: Duration::ZERO,
             drain_grace: DEFAULT_DRAIN_GRACE,
             udp_idle_timeout: DEFAULT_UDP_IDLE_TIMEOUT,
             max_udp_flows: DEFAULT_MAX_UDP_FLOWS,
@@ -191,8 +196,8 @@ impl AgentOptions {
     /// Checks what the agent cannot run with: an empty node name, no source of cluster
     /// state (neither manifests nor the API server), a redirection section that
     /// [`RedirectConfig::validate`] refuses, a connection limit of 0 (every connection
-    /// would wait forever), zero timeouts (every connection would end at once), a pipe
-    /// budget share outside 1–100 %.
+    /// would wait forever), zero timeouts (every connection would end at once), a busy-poll
+    /// budget over 1 ms, a pipe budget share outside 1–100 %.
     ///
     /// # Errors
     /// The first problem found, naming the option.
@@ -215,6 +220,13 @@ impl AgentOptions {
         at_least_one("connect_timeout (ms)", self.connect_timeout.as_millis())?;
         at_least_one("idle_timeout (ms)", self.idle_timeout.as_millis())?;
         at_least_one("udp_idle_timeout (ms)", self.udp_idle_timeout.as_millis())?;
+        if self.busy_poll > crate::proxy::busy_poll::MAX_BUDGET {
+            return Err(ConfigError::OutOfRange {
+                option: "busy_poll (us)",
+                value: self.busy_poll.as_micros(),
+                range: "0..=1000",
+            });
+        }
         if !(1..=100).contains(&self.pipe_budget_percent) {
             return Err(ConfigError::OutOfRange {
                 option: "pipe_budget_percent",
@@ -739,6 +751,12 @@ mod tests {
         assert!(bad(&|o| o.connect_timeout = Duration::ZERO).contains("connect_timeout"));
         assert!(bad(&|o| o.idle_timeout = Duration::from_micros(10)).contains("idle_timeout"));
         assert!(bad(&|o| o.udp_idle_timeout = Duration::ZERO).contains("udp_idle_timeout"));
+        assert_eq!(
+            bad(&|o| o.busy_poll = Duration::from_micros(1001)),
+            "agent option busy_poll (us) is 1001; it must be 0..=1000"
+        );
+        let busy = AgentOptions { busy_poll: Duration::from_millis(1), ..ok.clone() };
+        assert_eq!(busy.validate(), Ok(()));
         assert!(bad(&|o| o.pipe_budget_percent = 101).contains("1..=100"));
         assert!(bad(&|o| o.pipe_budget_percent = 0).contains("1..=100"));
         assert_eq!(bad(&|o| o.redirect.queue_count = 0), "redirect.queue_count must be at least 1");

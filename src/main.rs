@@ -270,6 +270,12 @@ struct AgentArgs {
     /// Most live proxied connections; at the limit new ones wait in the listen backlog.
     #[arg(long, default_value_t = tierproxy::config::DEFAULT_MAX_CONNECTIONS)]
     max_connections: usize,
+    /// Before a runtime worker sleeps, poll for up to this many microseconds (0: off, at
+    /// most 1000). Saves a message the wake-up of a halted CPU where idle CPUs halt at once
+    /// (VMs without guest halt polling), at the cost of CPU spent spinning: see
+    /// docs/architecture.md, "Busy polling".
+    #[arg(long, default_value_t = 0)]
+    busy_poll_us: u64,
     /// With `--udp-path proxy`: close a UDP flow after this many seconds without a datagram
     /// either way (on the kernel path conntrack's UDP timeouts end a flow).
     #[arg(long, default_value_t = tierproxy::config::DEFAULT_UDP_IDLE_TIMEOUT.as_secs())]
@@ -444,6 +450,7 @@ fn run_agent(a: AgentArgs) -> ExitCode {
     opts.idle_timeout = Duration::from_secs(a.idle_timeout_secs);
     opts.connect_timeout = Duration::from_millis(a.connect_timeout_ms);
     opts.max_connections = a.max_connections;
+    opts.busy_poll = Duration::from_micros(a.busy_poll_us);
     opts.drain_grace = Duration::from_secs(a.drain_grace_secs);
     opts.udp_idle_timeout = Duration::from_secs(a.udp_idle_timeout_secs);
     opts.max_udp_flows = a.max_udp_flows;

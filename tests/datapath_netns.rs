@@ -586,6 +586,40 @@ fn cycle(netns: &str, to: &str) -> Result<(), String> {
     .map_err(|e| e.to_string())
 }
 
+/// `--busy-poll-us` (issue #18, "Idle vCPUs"): the agent finds its runtime's epoll
+/// instance (it says so, and not that busy polling stays off), relays connections while
+/// its workers spin before they park, and counts the spins that found work: where the
+/// instance was not found or not watched, no spin would end `ready`.
+#[test]
+fn a_busy_polling_agent_relays_and_counts_the_spins_that_found_work() {
+    if !netns_available("a_busy_polling_agent_relays_and_counts_the_spins_that_found_work") {
+        return;
+    }
+    let args = ["--busy-poll-us=200".to_string(), "--metrics-addr=127.0.0.1:9464".to_string()];
+    let lab = lab_with_agent_args("busy", &args, &[]);
+    let client = netns_of_pod(&lab, "a", "client");
+    let n1 = netns_of_node(&lab, "n1");
+    let log = std::fs::read_to_string(
+        Path::new("/run/tierproxy-lab").join(&lab.prefix).join("agent-n1.log"),
+    )
+    .expect("agent log");
+    assert!(log.contains("busy polling before a runtime worker parks"), "{log}");
+    assert!(!log.contains("busy polling stays off"), "{log}");
+    let ready = r#"tierproxy_busy_poll_spins_total{outcome="ready"}"#;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut i = 0;
+    loop {
+        cycle(&client, "10.60.1.3:8080").unwrap_or_else(|e| panic!("connection {i}: {e}"));
+        i += 1;
+        let metrics = agent_http(&n1, "/metrics");
+        if metric_value(&metrics, ready) > 0.0 {
+            assert!(metrics.contains(r#"tierproxy_busy_poll_spins_total{outcome="exhausted"}"#));
+            break;
+        }
+        assert!(Instant::now() < deadline, "no spin found work in {i} connections:\n{metrics}");
+    }
+}
+
 /// Regression: upstream sockets bound to the client's address with port 0 reserved a port
 /// per connection for every destination, so connections to one server used up the range
 /// (TIME_WAIT) for all others (measured: 154 connections/s instead of ~1,000 after a

@@ -202,6 +202,20 @@ pub fn scraped(sources: Sources, config: &AuditConfig) -> Scraped {
         for (limit, hits) in crate::limits::LIMITS.each() {
             out.push(c("limit_hits", lh, vec![("limit", limit.into())], hits.get()));
         }
+        let bp = &crate::proxy::busy_poll::STATS;
+        if bp.budget_us.load(Relaxed) > 0 {
+            let help = "Busy-poll spins before a runtime worker parked (--busy-poll-us), by \
+                        outcome: ready (the runtime had work within the budget: a wake-up \
+                        saved), exhausted (the whole budget spun, then the worker parked)";
+            for (outcome, n) in [("ready", &bp.ready), ("exhausted", &bp.exhausted)] {
+                out.push(c(
+                    "busy_poll_spins",
+                    help,
+                    vec![("outcome", outcome.into())],
+                    n.load(Relaxed),
+                ));
+            }
+        }
         if let Some(p) = pipes.get() {
             out.push(g(
                 "relay_pipes_open",

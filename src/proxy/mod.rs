@@ -12,6 +12,7 @@
 //!
 //! Imports `policy` only (DESIGN §4); the redirect ruleset that feeds it lives in
 //! `redirect`, and the agent wires the two together.
+pub mod busy_poll;
 pub mod conntrack;
 pub mod decider;
 pub mod forwarded;
