@@ -13,9 +13,10 @@
 //! prints `SKIPPED: <why>` and passes, unless TIERPROXY_REQUIRE_TOOLS=1 (CI sets it), which
 //! makes that a failure. `.ci/run` installs the package.
 
-use std::io::Write as _;
+mod common;
+
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Output};
 
 fn root() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -30,25 +31,14 @@ fn text(o: &Output) -> String {
     )
 }
 
-/// `false` after printing `SKIPPED: <test>: <why>`, or a panic under
-/// TIERPROXY_REQUIRE_TOOLS=1.
-fn skip(test: &str, why: &str) -> bool {
-    if std::env::var("TIERPROXY_REQUIRE_TOOLS").as_deref() == Ok("1") {
-        panic!("{test}: {why}, and TIERPROXY_REQUIRE_TOOLS=1");
-    }
-    let _ = writeln!(std::io::stderr(), "SKIPPED: {test}: {why}");
-    false
-}
-
 /// Whether python3 with kubernetes-validate (and so jsonschema and PyYAML) is here.
 fn validator_available(test: &str) -> bool {
-    let ok = Command::new("python3")
-        .args(["-c", "import kubernetes_validate, jsonschema, yaml"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    ok || skip(test, "python3 with the PyPI package kubernetes-validate is missing")
+    let modules = ["kubernetes_validate", "jsonschema", "yaml"];
+    common::python_available(
+        test,
+        &modules,
+        "python3 with the PyPI package kubernetes-validate is missing",
+    )
 }
 
 /// Runs tests/validate_manifests.py with `args`.
@@ -73,7 +63,10 @@ fn render(test: &str, dir: &Path) -> Option<PathBuf> {
     let out = match Command::new("kubectl").arg("kustomize").arg(root().join("deploy")).output() {
         Ok(o) => o,
         Err(e) => {
-            skip(test, &format!("kubectl (for its built-in kustomize) cannot run: {e}"));
+            common::skip_without_tool(
+                test,
+                &format!("kubectl (for its built-in kustomize) cannot run: {e}"),
+            );
             return None;
         }
     };

@@ -12,26 +12,13 @@
 
 mod common;
 
-use std::io::Write as _;
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Command;
 
 /// Whether `python3` runs; else says the test `test` was skipped (a panic under
 /// `TIERPROXY_REQUIRE_TOOLS=1`).
 fn python_available(test: &str) -> bool {
-    let ok = Command::new("python3")
-        .arg("--version")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    if !ok {
-        if std::env::var("TIERPROXY_REQUIRE_TOOLS").as_deref() == Ok("1") {
-            panic!("{test}: python3 is missing, and TIERPROXY_REQUIRE_TOOLS=1");
-        }
-        let _ = writeln!(std::io::stderr(), "SKIPPED: {test}: python3 is missing");
-    }
-    ok
+    common::python_available(test, &[], "python3 is missing")
 }
 
 #[test]

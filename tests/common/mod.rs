@@ -1,5 +1,6 @@
-//! Helpers shared by the network-namespace test binaries (`lab_netns`, `datapath_netns`):
-//! the skip-or-fail check for CAP_NET_ADMIN, and a lab guard that runs `lab down` when
+//! Helpers shared by the test binaries: the skip-or-fail checks for CAP_NET_ADMIN (the
+//! network-namespace tests: `lab_netns`, `datapath_netns`, ...) and for the tools a test
+//! drives (python3, its packages, kubectl), and a lab guard that runs `lab down` when
 //! dropped, also when the test panics.
 #![allow(dead_code)] // each test binary uses a different subset
 
@@ -57,6 +58,35 @@ fn skip(test: &str, needs: &str) -> bool {
     use std::io::Write;
     let _ = writeln!(std::io::stderr(), "SKIPPED: {test}: needs {needs}");
     false
+}
+
+/// Says that `test` cannot run because a tool it drives is missing (`why`): `SKIPPED:
+/// <test>: <why>` on standard error, or a panic under `TIERPROXY_REQUIRE_TOOLS=1` (CI), so
+/// that the skip never passes silently there. Returns `false`.
+pub fn skip_without_tool(test: &str, why: &str) -> bool {
+    if std::env::var("TIERPROXY_REQUIRE_TOOLS").as_deref() == Ok("1") {
+        panic!("{test}: {why}, and TIERPROXY_REQUIRE_TOOLS=1");
+    }
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "SKIPPED: {test}: {why}");
+    false
+}
+
+/// Whether `python3` runs with every module of `modules` importable (none: the standard
+/// library); else [`skip_without_tool`] with `missing`.
+pub fn python_available(test: &str, modules: &[&str], missing: &str) -> bool {
+    let mut cmd = Command::new("python3");
+    if modules.is_empty() {
+        cmd.arg("--version");
+    } else {
+        cmd.args(["-c", &format!("import {}", modules.join(", "))]);
+    }
+    let ok = cmd
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    ok || skip_without_tool(test, missing)
 }
 
 /// The snapshot of manifest text `cluster` plus `policies` (revision 1), asserting that
