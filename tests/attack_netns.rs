@@ -114,7 +114,8 @@ fn lab(short: &str, agent_args: &[&str]) -> Lab {
 }
 
 /// The packet counter of the rules in node `node`'s namespace whose comment contains
-/// `comment`, both families, raw and mangle tables (`iptables-save -c`).
+/// `comment`: both families, raw and mangle tables (`iptables-save -c`), and the nft table
+/// `inet tierproxy-dnat`, which holds the source check where the kernel has nft's `fib`.
 fn dropped(lab: &Lab, node: &str, comment: &str) -> u64 {
     let netns = netns_of_node(lab, node);
     let mut n = 0;
@@ -126,6 +127,17 @@ fn dropped(lab: &Lab, node: &str, comment: &str) -> u64 {
                 {
                     n += count.parse::<u64>().expect("packet counter");
                 }
+            }
+        }
+    }
+    let tables = netns_out(&netns, &["nft", "list", "tables"]);
+    if tables.contains("inet tierproxy-dnat") {
+        for line in netns_out(&netns, &["nft", "list", "table", "inet", "tierproxy-dnat"]).lines() {
+            if line.contains(comment)
+                && let Some(count) = line.split("counter packets ").nth(1)
+            {
+                let count = count.split_whitespace().next().unwrap_or_default();
+                n += count.parse::<u64>().expect("nft packet counter");
             }
         }
     }

@@ -82,6 +82,33 @@ fn the_udp_proxy_path_tproxies_udp_and_queues_every_datagram() {
     assert!(nft.contains("\"udp\""));
 }
 
+/// With nft's table after the DNAT (a kernel with nft `tproxy`, `socket`, `reject` and
+/// `fib`), the raw-priority chains (the source check, the upstream legs' zone) are nft
+/// rules in table `inet tierproxy-dnat`, with their sets: the iptables part has no raw
+/// table and installs no jump into it.
+#[test]
+fn with_the_nft_table_the_raw_chains_are_nft_rules() {
+    let spec = fixed_spec(RedirectConfig::default());
+    let text = IptablesBackend::new().with_nft_after_dnat("nft").render(&spec);
+    check_golden("iptables-nft.txt", &text);
+    assert!(!text.contains("*raw"), "an xt raw table is still written");
+    assert!(!text.contains(" -t raw "), "a raw jump is still installed");
+    let nft = text.lines().find(|l| l.starts_with("{\"nftables\"")).expect("the nft batch");
+    let batch: serde_json::Value = serde_json::from_str(nft).expect("nft JSON");
+    let chains: Vec<&str> = batch["nftables"]
+        .as_array()
+        .expect("commands")
+        .iter()
+        .filter_map(|c| c["add"]["chain"]["name"].as_str())
+        .collect();
+    for chain in ["source", "zone_in", "zone_out", "zone_leg", "proxied", "refuse_forward"] {
+        assert!(chains.contains(&chain), "chain {chain} missing from {chains:?}");
+    }
+    // Without the table, the xt rules stay (the golden `iptables.txt`).
+    let xt = IptablesBackend::new().render(&spec);
+    assert!(xt.contains("*raw") && xt.contains("rpfilter"));
+}
+
 #[test]
 fn nftables_golden() {
     let backend = NftablesBackend::new();

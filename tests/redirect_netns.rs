@@ -218,16 +218,16 @@ fn iptables_lifecycle(test: &str, cmds: IptablesCommands) {
     ns.sh(&["ip", "rule", "add", "fwmark", "0x1", "lookup", "100", "priority", "100"]);
     let foreign = state(&ns, &cmds);
 
-    // With the chain after the DNAT (nft tproxy, which these kernels have).
-    let backend = IptablesBackend::with_commands(cmds.clone()).with_nft_after_dnat("nft");
     let config = RedirectConfig::default();
     let pods = ["10.244.1.11", "10.244.1.12", "fd00:10:244:1::b"];
     let nodes = ["192.168.50.2", "fd00:50::2"];
     let first = spec(config.clone(), &pods, &nodes).with_pod_interfaces(["pod0".to_string()]);
-    ns.run(|| backend.apply(&first)).expect("apply");
 
-    // The kernel holds exactly the rendered rules, and one jump at the top of PREROUTING.
-    let rendered = backend.render(&first);
+    // Without nft: the source check and the upstream legs' zone are xt rules in the raw
+    // table, sources checked first.
+    let xt = IptablesBackend::with_commands(cmds.clone());
+    ns.run(|| xt.apply(&first)).expect("apply without nft");
+    let rendered = xt.render(&first);
     for (restore, save) in [
         (&cmds.iptables_restore, &cmds.iptables_save),
         (&cmds.ip6tables_restore, &cmds.ip6tables_save),
@@ -251,6 +251,27 @@ fn iptables_lifecycle(test: &str, cmds: IptablesCommands) {
             let want: Vec<String> = chains.iter().map(|c| format!("-A {hook} -j {c}")).collect();
             assert_eq!(jumps, want, "{save} -t raw: sources are checked first");
         }
+    }
+
+    // With the chain after the DNAT (nft tproxy, which these kernels have), the raw
+    // chains are nft rules in its table; applying removes the xt ones above.
+    let backend = IptablesBackend::with_commands(cmds.clone()).with_nft_after_dnat("nft");
+    ns.run(|| backend.apply(&first)).expect("apply");
+
+    // The kernel holds exactly the rendered rules, and one jump at the top of PREROUTING.
+    let rendered = backend.render(&first);
+    for (restore, save) in [
+        (&cmds.iptables_restore, &cmds.iptables_save),
+        (&cmds.ip6tables_restore, &cmds.ip6tables_save),
+    ] {
+        let expected = rendered_rules(&rendered, restore);
+        assert_eq!(expected.len(), 35, "{restore} section of:\n{rendered}");
+        let raw = ns.sh(&[save, "-t", "raw"]);
+        let saved = ns.sh(&[save, "-t", "mangle"]);
+        let ours: Vec<&str> =
+            saved.lines().chain(raw.lines()).filter(|l| l.starts_with("-A TIERPROXY")).collect();
+        assert_eq!(ours, expected, "{save}");
+        assert!(!raw.contains("TIERPROXY"), "{save} -t raw still holds tierproxy's: {raw}");
         let prerouting: Vec<&str> =
             saved.lines().filter(|l| l.starts_with("-A PREROUTING")).collect();
         assert_eq!(prerouting, ["-A PREROUTING -j TIERPROXY", "-A PREROUTING -p tcp -j RETURN"]);
@@ -267,8 +288,22 @@ fn iptables_lifecycle(test: &str, cmds: IptablesCommands) {
     assert_eq!(members(&ns, "tierproxy-nodes-v6"), ["fd00:50::2"]);
     assert_eq!(members(&ns, "tierproxy-podif-v4"), ["0.0.0.0/0,pod0"]);
     assert_eq!(members(&ns, "tierproxy-podif-v6"), ["::/0,pod0"]);
+    // The raw chains' own sets, in the nft table.
+    assert_eq!(nft_dnat(&ns, "pods-v4"), ["10.244.1.11", "10.244.1.12"]);
+    assert_eq!(nft_dnat(&ns, "pods-v6"), ["fd00:10:244:1::b"]);
+    assert_eq!(nft_dnat(&ns, "nodes-v4"), ["192.168.50.2"]);
+    assert_eq!(nft_dnat(&ns, "nodes-v6"), ["fd00:50::2"]);
+    assert_eq!(nft_dnat(&ns, "podif"), ["pod0"]);
     assert_eq!(ns.run(|| backend.drop_counts(&config)).expect("counters"), Default::default());
     let after_dnat = ns.sh(&["nft", "list", "table", "inet", "tierproxy-dnat"]);
+    for chain in [
+        "chain source {\n\t\ttype filter hook prerouting priority raw - 10; policy accept;",
+        "chain zone_in {\n\t\ttype filter hook prerouting priority raw; policy accept;",
+        "chain zone_out {\n\t\ttype filter hook output priority raw; policy accept;",
+    ] {
+        assert!(after_dnat.contains(chain), "{chain}: {after_dnat}");
+    }
+    assert!(after_dnat.contains("fib saddr . iif oif missing"), "{after_dnat}");
     assert!(after_dnat.contains("ct status dnat socket transparent 1"), "{after_dnat}");
     assert!(after_dnat.contains("tproxy ip to 127.0.0.1:15001"), "{after_dnat}");
     // The refusal chains, right after the decision in mangle INPUT and FORWARD: a mark
@@ -324,6 +359,8 @@ fn iptables_lifecycle(test: &str, cmds: IptablesCommands) {
     .expect("update_pods");
     assert_eq!(members(&ns, "tierproxy-pods-v4"), ["10.244.1.14"]);
     assert_eq!(members(&ns, "tierproxy-pods-v6"), ["fd00:10:244:1::e"]);
+    assert_eq!(nft_dnat(&ns, "pods-v4"), ["10.244.1.14"]);
+    assert_eq!(nft_dnat(&ns, "pods-v6"), ["fd00:10:244:1::e"]);
     assert_eq!(without_sets(&state(&ns, &cmds)), without_sets(&installed));
 
     // set_pod_interfaces replaces the interface sets' members, nothing else.
@@ -331,6 +368,7 @@ fn iptables_lifecycle(test: &str, cmds: IptablesCommands) {
     ns.run(|| backend.set_pod_interfaces(&config, &ifaces)).expect("set_pod_interfaces");
     assert_eq!(members(&ns, "tierproxy-podif-v4"), ["0.0.0.0/0,pod1", "0.0.0.0/0,pod2"]);
     assert_eq!(members(&ns, "tierproxy-podif-v6"), ["::/0,pod1", "::/0,pod2"]);
+    assert_eq!(nft_dnat(&ns, "podif"), ["pod1", "pod2"]);
     assert_eq!(without_sets(&state(&ns, &cmds)), without_sets(&installed));
 
     // set_enforced_pods replaces the enforced pod sets' members, nothing else.
@@ -340,6 +378,8 @@ fn iptables_lifecycle(test: &str, cmds: IptablesCommands) {
         .expect("set_enforced_pods");
     assert_eq!(members(&ns, "tierproxy-enforced-v4"), ["10.244.2.7", "10.244.2.8"]);
     assert_eq!(members(&ns, "tierproxy-enforced-v6"), ["fd00:10:244:2::7"]);
+    assert_eq!(nft_dnat(&ns, "enforced-v4"), ["10.244.2.7", "10.244.2.8"]);
+    assert_eq!(nft_dnat(&ns, "enforced-v6"), ["fd00:10:244:2::7"]);
     // The kernel-side cache of allowed classes: filled by the ruleset, emptied by
     // flush_allowed.
     ns.sh(&["ipset", "add", "tierproxy-allowed-v4", "10.244.1.14,tcp:8080,10.244.2.7"]);
@@ -401,7 +441,17 @@ fn without_queue_rules(json: &str) -> (String, usize) {
 }
 
 fn nft_elements(ns: &Netns, set: &str) -> BTreeSet<String> {
-    let out = ns.sh(&["nft", "-j", "list", "set", "inet", "tierproxy", set]);
+    nft_table_elements(ns, "tierproxy", set)
+}
+
+/// The members of set `set` of the iptables backend's nft table `inet tierproxy-dnat`.
+fn nft_dnat(ns: &Netns, set: &str) -> Vec<String> {
+    nft_table_elements(ns, "tierproxy-dnat", set).into_iter().collect()
+}
+
+/// The members of set `set` of nft table `inet <table>`.
+fn nft_table_elements(ns: &Netns, table: &str, set: &str) -> BTreeSet<String> {
+    let out = ns.sh(&["nft", "-j", "list", "set", "inet", table, set]);
     let doc: serde_json::Value = serde_json::from_str(&out).expect("nft JSON");
     doc["nftables"]
         .as_array()
@@ -488,7 +538,8 @@ fn nftables_apply_update_remove() {
             "meta l4proto udp ct mark & 0x00002000 == 0x00002000 ct state != new return",
             "iifname \"lo\" ip saddr @nodes-v4 return",
             "ip saddr @nodes-v4 counter packets 0 bytes 0 drop",
-            "iifname @podif fib saddr . iif oif missing counter packets 0 bytes 0 drop",
+            "iifname @podif goto pod_source",
+            "fib saddr . iif oif missing counter packets 0 bytes 0 drop",
             "ct status dnat socket transparent 1 socket wildcard 0 meta mark set",
             "ct status ! dnat tproxy ip to 127.0.0.1:15001",
             "ct state { invalid, new } counter packets 0 bytes 0 drop",

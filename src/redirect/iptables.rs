@@ -89,7 +89,7 @@ impl IptablesCommands {
 #[derive(Debug, Clone, Default)]
 pub struct IptablesBackend {
     cmds: IptablesCommands,
-    /// `nft`, when the backend adds rule 3's chain after the DNAT
+    /// `nft`, when the backend adds table `inet <prefix>-dnat`
     /// ([`IptablesBackend::with_nft_after_dnat`]).
     nft: Option<String>,
 }
@@ -125,10 +125,12 @@ impl IptablesBackend {
     /// rule 3 for connections a DNAT rewrote (a ClusterIP), in a chain right after the
     /// DNAT, where the socket lookup sees the rewritten header and `tproxy` can hand the
     /// ACK of a SYN cookie to the listener (xt TPROXY runs only in the mangle table, before
-    /// the DNAT); and the refusal chains ([`Backend::refuses`]; xt REJECT runs only in the
-    /// filter table, after other programs' chains). Needs CONFIG_NFT_TPROXY,
-    /// CONFIG_NFT_SOCKET and CONFIG_NFT_REJECT_INET ([`super::nft::check_tproxy_support`]),
-    /// not CONFIG_NFT_QUEUE.
+    /// the DNAT); the refusal chains ([`Backend::refuses`]; xt REJECT runs only in the
+    /// filter table, after other programs' chains); and chains S and 0 (the source check,
+    /// the upstream legs' zone) with their sets, in place of the raw table's xt rules,
+    /// which applying removes (module docs of `redirect`). Needs CONFIG_NFT_TPROXY,
+    /// CONFIG_NFT_SOCKET, CONFIG_NFT_REJECT_INET and CONFIG_NFT_FIB_INET
+    /// ([`super::nft::check_tproxy_support`]), not CONFIG_NFT_QUEUE.
     pub fn with_nft_after_dnat(mut self, nft: &str) -> Self {
         self.nft = Some(nft.to_owned());
         self
@@ -137,6 +139,30 @@ impl IptablesBackend {
     /// The tools this backend runs.
     pub fn commands(&self) -> &IptablesCommands {
         &self.cmds
+    }
+
+    /// Applies the transaction `make` builds for table `inet <prefix>-dnat` (its name
+    /// given), when this backend has that table ([`IptablesBackend::with_nft_after_dnat`]):
+    /// the raw chains' sets follow the ipsets.
+    fn update_nft(
+        &self,
+        config: &RedirectConfig,
+        make: impl FnOnce(&str) -> ::nftables::schema::Nftables<'static>,
+    ) -> Result<(), RedirectError> {
+        if let Some(nft) = &self.nft {
+            let batch = make(&Names::new(config).dnat_table);
+            Cmd::new(nft, ["-j", "-f", "-"]).run(Some(&super::nft::json(&batch)))?;
+        }
+        Ok(())
+    }
+
+    /// Deletes tierproxy's jumps and chains from `table` of family `fam`, if any.
+    fn remove_table(&self, fam: Family, table: &str, names: &Names) -> Result<(), RedirectError> {
+        let save = self.save_cmd(fam, table).run(None)?;
+        if let Some(input) = removal_input(&parse_save(&save, names, table), table) {
+            self.restore_cmd(fam).run(Some(&input))?;
+        }
+        Ok(())
     }
 
     fn iptables(&self, fam: Family) -> &str {
@@ -207,6 +233,12 @@ fn hooks(names: &Names) -> [Jump<'_>; 6] {
         ("raw", "OUTPUT", names.zone_out_chain.as_str()),
         ("raw", "PREROUTING", names.source_chain.as_str()),
     ]
+}
+
+/// The jumps [`hooks`] this backend installs: all of them, or with the raw-priority chains
+/// in nft (`native_raw`) the mangle table's only.
+fn hooks_in_use(names: &Names, native_raw: bool) -> impl Iterator<Item = Jump<'_>> {
+    hooks(names).into_iter().filter(move |(table, _, _)| !native_raw || *table != "raw")
 }
 
 /// tierproxy's chains in `table`.
@@ -312,8 +344,10 @@ fn podif_input(out: &mut String, names: &Names, interfaces: &BTreeSet<String>) {
 }
 
 /// The `iptables-restore --noflush` input declaring and filling tierproxy's chains for one
-/// family, in `iptables-save`'s canonical form.
-fn restore_input(spec: &RulesetSpec, fam: Family) -> String {
+/// family, in `iptables-save`'s canonical form: the mangle table's and, unless
+/// `native_raw` (the raw-priority chains are in table `inet <prefix>-dnat`,
+/// [`IptablesBackend::with_nft_after_dnat`]), the raw table's ([`raw_input`]).
+fn restore_input(spec: &RulesetSpec, fam: Family, native_raw: bool) -> String {
     let c = spec.config();
     let n = spec.names();
     let (pods, nodes, enforced, on_ip) = match fam {
@@ -596,7 +630,9 @@ fn restore_input(spec: &RulesetSpec, fam: Family) -> String {
         }
     }
     o.push_str("COMMIT\n");
-    raw_input(spec, fam, &mut o);
+    if !native_raw {
+        raw_input(spec, fam, &mut o);
+    }
     o
 }
 
@@ -836,20 +872,29 @@ impl Backend for IptablesBackend {
         let mut o = String::new();
         let _ = writeln!(o, "### {}", self.ipset_restore_cmd().line());
         o.push_str(&ipset_input(spec));
-        for fam in [Family::V4, Family::V6] {
-            let _ = writeln!(o, "### {}", self.restore_cmd(fam).line());
-            o.push_str(&restore_input(spec, fam));
-        }
+        let native_raw = self.nft.is_some();
         if let Some(nft) = &self.nft {
             let _ = writeln!(o, "### {nft} -j -f -");
             o.push_str(&super::nft::json(&super::nft::after_dnat_batch(spec)));
             o.push('\n');
         }
+        for fam in [Family::V4, Family::V6] {
+            let _ = writeln!(o, "### {}", self.restore_cmd(fam).line());
+            o.push_str(&restore_input(spec, fam, native_raw));
+            if native_raw {
+                let _ = writeln!(
+                    o,
+                    "### {}   (deleting tierproxy's raw jumps and chains, only when `{}` lists some)",
+                    self.restore_cmd(fam).line(),
+                    self.save_cmd(fam, "raw").line()
+                );
+            }
+        }
         for line in routing::render(spec.config(), &self.cmds.ip) {
             let _ = writeln!(o, "### {line}");
         }
         for fam in [Family::V4, Family::V6] {
-            for jump in hooks(&names) {
+            for jump in hooks_in_use(&names, native_raw) {
                 let _ = writeln!(
                     o,
                     "### {}   (only when `{}` fails)",
@@ -865,17 +910,24 @@ impl Backend for IptablesBackend {
         let names = spec.names();
         // Sets first: the rules refer to them by name.
         self.ipset_restore_cmd().run(Some(&ipset_input(spec)))?;
-        for fam in [Family::V4, Family::V6] {
-            self.restore_cmd(fam).run(Some(&restore_input(spec, fam)))?;
-        }
+        // The nft table before the xt raw rules it replaces are removed (below), so that
+        // no packet passes between the two without its source checked.
+        let native_raw = self.nft.is_some();
         if let Some(nft) = &self.nft {
             let batch = super::nft::json(&super::nft::after_dnat_batch(spec));
             Cmd::new(nft, ["-j", "-f", "-"]).run(Some(&batch))?;
         }
+        for fam in [Family::V4, Family::V6] {
+            self.restore_cmd(fam).run(Some(&restore_input(spec, fam, native_raw)))?;
+            if native_raw {
+                // A previous agent's xt raw rules (one without nft, or an older version).
+                self.remove_table(fam, "raw", &names)?;
+            }
+        }
         // Routing before the jump: once the jump exists, TPROXY'd packets need the route.
         routing::install(spec.config(), &self.cmds.ip)?;
         for fam in [Family::V4, Family::V6] {
-            for jump in hooks(&names) {
+            for jump in hooks_in_use(&names, native_raw) {
                 if !self.has_jump(fam, jump)? {
                     self.jump_cmd(fam, "-I", jump).run(None)?;
                 }
@@ -896,7 +948,7 @@ impl Backend for IptablesBackend {
         }
         let input = update_input(&Names::new(config), add, remove);
         self.ipset_restore_cmd().run(Some(&input))?;
-        Ok(())
+        self.update_nft(config, |table| super::nft::update_batch(table, add, remove))
     }
 
     fn set_pod_interfaces(
@@ -909,7 +961,7 @@ impl Backend for IptablesBackend {
         let mut input = String::new();
         podif_input(&mut input, &Names::new(config), &valid);
         self.ipset_restore_cmd().run(Some(&input))?;
-        Ok(())
+        self.update_nft(config, |table| super::nft::podif_batch(table, &valid))
     }
 
     fn set_enforced_pods(
@@ -921,7 +973,7 @@ impl Backend for IptablesBackend {
         let mut input = String::new();
         enforced_input(&mut input, &Names::new(config), addrs);
         self.ipset_restore_cmd().run(Some(&input))?;
-        Ok(())
+        self.update_nft(config, |table| super::nft::enforced_batch(table, addrs))
     }
 
     fn flush_allowed(&self, config: &RedirectConfig) -> Result<(), RedirectError> {
@@ -949,6 +1001,13 @@ impl Backend for IptablesBackend {
                 add_counts(&save, &mut counts);
             }
         }
+        if let Some(nft) = &self.nft {
+            // The source check's drops, counted by its nft rules.
+            let native = super::nft::table_drop_counts(nft, &Names::new(config).dnat_table)?;
+            counts.node_source += native.node_source;
+            counts.pod_source += native.pod_source;
+            counts.stray_tcp += native.stray_tcp;
+        }
         Ok(counts)
     }
 
@@ -958,10 +1017,7 @@ impl Backend for IptablesBackend {
         // Jumps and chains first: a set referenced by a rule cannot be destroyed.
         for fam in [Family::V4, Family::V6] {
             for table in TABLES {
-                let save = self.save_cmd(fam, table).run(None)?;
-                if let Some(input) = removal_input(&parse_save(&save, &names, table), table) {
-                    self.restore_cmd(fam).run(Some(&input))?;
-                }
+                self.remove_table(fam, table, &names)?;
             }
         }
         let list_cmd = Cmd::new(&self.cmds.ipset, ["list", "-n"]);
@@ -1081,7 +1137,7 @@ mod tests {
         let no_check =
             RulesetSpec::new(RedirectConfig { source_check: false, ..Default::default() }, [], [])
                 .unwrap();
-        let text = restore_input(&no_check, Family::V6);
+        let text = restore_input(&no_check, Family::V6, false);
         assert!(!text.contains("rpfilter"), "{text}");
         assert!(text.contains(COMMENT_NODE_SOURCE), "{text}");
     }
@@ -1107,7 +1163,7 @@ mod tests {
                 [],
             )
             .unwrap();
-            let text = restore_input(&spec, Family::V4);
+            let text = restore_input(&spec, Family::V4, false);
             let raw = text.split_once("*raw\n").expect("a raw section").1.to_owned();
             raw.lines().filter(|l| l.starts_with("-A TIERPROXY-ZONE")).count()
         };
@@ -1122,7 +1178,7 @@ mod tests {
     fn single_queue_uses_queue_num() {
         let config = RedirectConfig { queue_count: 1, queue_first: 7, ..Default::default() };
         let spec = RulesetSpec::new(config, [], []).unwrap();
-        let text = restore_input(&spec, Family::V4);
+        let text = restore_input(&spec, Family::V4, false);
         assert!(
             text.contains(
                 "-A TIERPROXY-QUEUE -p tcp -m tcp --tcp-flags FIN,SYN,RST,ACK SYN -j NFQUEUE --queue-num 7\n"

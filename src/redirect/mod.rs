@@ -69,15 +69,25 @@
 //!       address. Bridged CNIs (one `cni0` for every pod) give the bridge as the interface:
 //!       a pod can then still use the address of another pod on the same bridge.
 //!
-//!    Both drops are counted ([`Backend::drop_counts`]). The iptables backend tests the
-//!    pod interfaces first when the check is on and sends those packets to chain
-//!    `TIERPROXY-POD-SOURCE` (`-g`), whose reverse-path check is all that is left for them:
-//!    it drops a node's own address too (rpfilter without `--accept-local` rejects a
-//!    source whose route is local), so a pod's packet costs one set lookup in this chain
-//!    rather than two (0.91× the chains' CPU per UDP request and answer, measured in
-//!    docs/architecture.md, "The rule walk's matches"). A pod forging its node's address is
-//!    then counted as a source not routed via its interface. The nftables backend keeps
-//!    the order above (its set lookups are native).
+//!    Both drops are counted ([`Backend::drop_counts`]). Both backends test the pod
+//!    interfaces first when the check is on and send those packets to a chain of their
+//!    own (`TIERPROXY-POD-SOURCE`, nft `pod_source`; `-g` / `goto`), whose reverse-path
+//!    check is all that is left for them: it drops a node's own address too (rpfilter
+//!    without `--accept-local`, and nft `fib`, reject a source whose route is local), so a
+//!    pod's packet costs one set lookup in this chain rather than two (0.91× the chains'
+//!    CPU per UDP request and answer, measured in docs/architecture.md, "The rule walk's
+//!    matches"). A pod forging its node's address is then counted as a source not routed
+//!    via its interface.
+//!
+//!    **Where the kernel has nft, chains S and 0 are nft rules on the iptables backend
+//!    too** ([`IptablesBackend::with_nft_after_dnat`]): table `inet <prefix>-dnat` holds
+//!    them with their own sets (local pods, node addresses, enforced pods, pod
+//!    interfaces, kept beside the ipsets the mangle chains read), and the raw table holds
+//!    none of tierproxy's rules. Every packet entering a node walks these chains, and a
+//!    native set lookup or `fib` costs it less than the xt `set` and `rpfilter` matches
+//!    iptables-nft runs through its compatibility layer, and one base chain less (the raw
+//!    table's PREROUTING): CPU per UDP datagram 0.92× across nodes, 0.98× on one node
+//!    (docs/architecture.md, "The raw chains in nft").
 //!
 //! raw PREROUTING and OUTPUT (`TIERPROXY-ZONE-IN`, `TIERPROXY-ZONE-OUT`; nft `zone_in`,
 //! `zone_out`, priority raw, before conntrack), when [`RedirectConfig::upstream_zone`] is
@@ -291,7 +301,9 @@
 //!   atomically, tierproxy's own chains replaced by one `iptables-restore --noflush` per
 //!   family, jumps from `mangle PREROUTING`, `INPUT` and `FORWARD` inserted when missing.
 //!   Works on every kernel with xt NFQUEUE/TPROXY/socket/connmark and ipset; this is the
-//!   backend CI exercises.
+//!   backend CI exercises. Where nft's `tproxy`, `socket`, `reject` and `fib` work, it
+//!   adds table `inet <prefix>-dnat` (rule 3 after the DNAT, the refusal chains, and
+//!   chains S and 0 in place of its raw table's xt rules).
 //! * [`NftablesBackend`]: one `inet` table built in one transaction through the `nftables`
 //!   crate's typed JSON API. Needs CONFIG_NFT_QUEUE, which the development machines lack.
 //!
@@ -937,17 +949,18 @@ pub fn select(choice: BackendChoice) -> Selection {
         BackendKind::Iptables if nft_tproxy => (
             Box::new(IptablesBackend::new().with_nft_after_dnat("nft")),
             format!(
-                "{reason}; nft tproxy and reject work: connections to a ClusterIP that a \
-                 SYN cookie completes reach the proxy, and the kernel refuses rejected flows \
-                 where the queue passes no conntrack entry"
+                "{reason}; nft tproxy, reject and fib work: connections to a ClusterIP \
+                 that a SYN cookie completes reach the proxy, the kernel refuses rejected \
+                 flows where the queue passes no conntrack entry, and the source check and \
+                 the upstream legs' zone are nft rules"
             ),
         ),
         BackendKind::Iptables => (
             Box::new(IptablesBackend::new()),
             format!(
-                "{reason}; no nft tproxy or reject: a connection to a ClusterIP that a SYN \
-                 cookie completes (the proxy's SYN queue full) hangs, and where the queue \
-                 passes no conntrack entry a rejected flow to one times out"
+                "{reason}; no nft tproxy, reject or fib: a connection to a ClusterIP that a \
+                 SYN cookie completes (the proxy's SYN queue full) hangs, and where the \
+                 queue passes no conntrack entry a rejected flow to one times out"
             ),
         ),
         BackendKind::Nftables => (Box::new(NftablesBackend::new()), reason),

@@ -66,6 +66,9 @@ pub const ZONE_LEG_CHAIN: &str = "zone_leg";
 /// Name of the base chain hooked at prerouting, priority raw - 10, that drops packets with
 /// sources their interface cannot own (chain S).
 pub const SOURCE_CHAIN: &str = "source";
+/// Name of the regular chain chain S sends a pod interface's packets to: the reverse-path
+/// check.
+pub const POD_SOURCE_CHAIN: &str = "pod_source";
 /// Name of the base chain hooked at prerouting right after a `dstnat` chain's DNAT
 /// (priority -99) that takes the later packets of proxied connections to a ClusterIP
 /// (rule 3, DNAT'd): their socket, or the listener for the ACK of a SYN cookie.
@@ -519,19 +522,24 @@ fn refusal_rules(b: &mut Builder<'_>, c: &RedirectConfig) {
     }
 }
 
-/// The transaction the iptables backend adds when the kernel has nft's `tproxy`, `socket`
-/// and `reject` (xt TPROXY cannot run after the DNAT, xt REJECT not in the mangle table):
-/// table `inet <prefix>-dnat` ([`Names::dnat_table`]) replaced by one holding
-/// [`after_dnat_rules`] and [`refusal_rules`].
+/// The transaction the iptables backend adds when the kernel has nft's `tproxy`, `socket`,
+/// `reject` and `fib` (xt TPROXY cannot run after the DNAT, xt REJECT not in the mangle
+/// table): table `inet <prefix>-dnat` ([`Names::dnat_table`]) replaced by one holding
+/// [`after_dnat_rules`], [`refusal_rules`] and the raw-priority chains ([`raw_rules`],
+/// with their sets), which then take the place of the raw table's xt rules: native set
+/// lookups and a native reverse-path check cost a packet less than their xt matches
+/// through iptables-nft (docs/architecture.md, "The raw chains in nft").
 pub(crate) fn after_dnat_batch(spec: &RulesetSpec) -> Nftables<'static> {
     let config = spec.config();
     let mut b = Builder { table: Names::new(config).dnat_table, batch: Batch::new() };
     b.batch.add(NfListObject::Table(b.table()));
     b.batch.delete(NfListObject::Table(b.table()));
     b.batch.add(NfListObject::Table(b.table()));
+    raw_sets(&mut b, spec);
     after_dnat_rules(&mut b, config);
     refusal_rules(&mut b, config);
     spared_events_rules(&mut b, spec);
+    raw_rules(&mut b, config);
     b.batch.to_nftables()
 }
 
@@ -559,10 +567,10 @@ pub(crate) fn json(input: &Nftables<'_>) -> String {
     to_json(input, false)
 }
 
-/// Whether the kernel runs nft's `tproxy`, `socket` and `reject` (CONFIG_NFT_TPROXY,
-/// CONFIG_NFT_SOCKET, CONFIG_NFT_REJECT with CONFIG_NFT_REJECT_INET), without `queue`: what
-/// the iptables backend needs for [`after_dnat_batch`]. Checked as [`check_kernel_support`]
-/// does, with `nft -c`.
+/// Whether the kernel runs nft's `tproxy`, `socket`, `reject` and `fib` (CONFIG_NFT_TPROXY,
+/// CONFIG_NFT_SOCKET, CONFIG_NFT_REJECT with CONFIG_NFT_REJECT_INET, CONFIG_NFT_FIB_INET),
+/// without `queue`: what the iptables backend needs for [`after_dnat_batch`]. Checked as
+/// [`check_kernel_support`] does, with `nft -c`.
 ///
 /// # Errors
 /// The failing `nft` command with its standard error.
@@ -575,6 +583,9 @@ pub fn check_tproxy_support(nft: &str) -> Result<(), RedirectError> {
     // CONFIG_NFT_NUMGEN), with a sample so that both rules are checked.
     let spec = RulesetSpec::new(RedirectConfig::default(), [], [])?.with_cached_udp_sample(2);
     spared_events_rules(&mut b, &spec);
+    // The raw-priority chains (`fib`, `socket mark`, `notrack`, `ct zone set`) and sets.
+    raw_sets(&mut b, &spec);
+    raw_rules(&mut b, spec.config());
     Cmd::new(nft, ["-c", "-j", "-f", "-"]).run(Some(&to_json(&b.batch.to_nftables(), false)))?;
     Ok(())
 }
@@ -711,40 +722,37 @@ impl<'s> Builder<'s> {
     }
 }
 
-/// The transaction [`NftablesBackend::apply`] sends: replace table `inet <prefix>` with
-/// the sets and chains of `spec`.
-fn apply_batch(spec: &RulesetSpec) -> Nftables<'static> {
-    let c = spec.config();
-    let mut b = Builder { table: spec.names().table, batch: Batch::new() };
-    // Delete-if-exists: `add table` is a no-op on an existing table, so the delete that
-    // follows always succeeds, and the new table replaces the old one in the same commit.
-    b.batch.add(NfListObject::Table(b.table()));
-    b.batch.delete(NfListObject::Table(b.table()));
-    b.batch.add(NfListObject::Table(b.table()));
+/// The sets [`raw_rules`] reads, holding `spec`'s addresses and interfaces: the local pods,
+/// the node's addresses and the enforced pods (IPv4 and IPv6 each), and the pod interfaces.
+fn raw_sets(b: &mut Builder<'_>, spec: &RulesetSpec) {
     let (pods4, pods6) = by_family(spec.local_pods());
     let (nodes4, nodes6) = by_family(spec.node_addrs());
+    let (enforced4, enforced6) = by_family(spec.enforced_pods());
     b.set(PODS_V4, SetType::Ipv4Addr, &pods4);
     b.set(PODS_V6, SetType::Ipv6Addr, &pods6);
     b.set(NODES_V4, SetType::Ipv4Addr, &nodes4);
     b.set(NODES_V6, SetType::Ipv6Addr, &nodes6);
-    let (enforced4, enforced6) = by_family(spec.enforced_pods());
     b.set(ENFORCED_V4, SetType::Ipv4Addr, &enforced4);
     b.set(ENFORCED_V6, SetType::Ipv6Addr, &enforced6);
-    for fam in [V4, V6] {
-        b.batch.add(NfListObject::Set(Box::new(b.allowed_set(fam))));
-    }
     b.batch.add(NfListObject::Set(Box::new(b.ifname_set(spec.pod_interfaces()))));
-    b.batch.add(NfListObject::Chain(b.prerouting()));
-    b.batch.add(NfListObject::Chain(b.regular_chain(DECIDE_CHAIN)));
-    b.batch.add(NfListObject::Chain(b.base_chain(INPUT_CHAIN, NfHook::Input)));
-    b.batch.add(NfListObject::Chain(b.base_chain(FORWARD_CHAIN, NfHook::Forward)));
-    let divert = || divert(c);
-    let tproxy = |fam: Fam| tproxy(c, fam);
+}
+
+/// The raw-priority chains, before conntrack: chain S (`source`, sources a pod cannot own)
+/// and, unless [`RedirectConfig::upstream_zone`] is 0, rule 0 (`zone_in`, `zone_out`,
+/// `zone_leg`: the upstream legs' conntrack zone); see the module docs of `redirect`.
+/// They read the sets of pods, node addresses, enforced pods and pod interfaces, which
+/// the table must hold ([`raw_sets`]). The nftables backend's table has them, and so does
+/// the iptables backend's table `inet <prefix>-dnat` ([`after_dnat_batch`]), where they
+/// replace the xt rules of the raw table.
+fn raw_rules(b: &mut Builder<'_>, c: &RedirectConfig) {
     let in_set = |fam: Fam, field: &'static str, set: &'static str| {
         is(payload(fam.proto, field), Operator::EQ, str_expr(format!("@{set}")))
     };
-
     // Chain S: sources a pod cannot own (see `redirect`), before conntrack and the zones.
+    // With the source check, a packet from a pod's interface goes to the reverse-path
+    // check and ends the chain there (`goto`): the check drops a node's own address as
+    // well (its reverse route is not through the pod's interface), so a pod's packet costs
+    // one set lookup here, not two, as in the iptables backend's xt rules.
     b.batch.add(NfListObject::Chain(b.base_chain_at(
         SOURCE_CHAIN,
         NfHook::Prerouting,
@@ -755,23 +763,27 @@ fn apply_batch(spec: &RulesetSpec) -> Nftables<'static> {
         "tierproxy: the node itself, over loopback",
         vec![is(meta(MetaKey::Iifname), Operator::EQ, str_expr("lo")), Statement::Return(None)],
     );
+    if c.source_check {
+        b.batch.add(NfListObject::Chain(b.regular_chain(POD_SOURCE_CHAIN)));
+        b.rule(
+            POD_SOURCE_CHAIN,
+            COMMENT_POD_SOURCE,
+            vec![reverse_path_missing(), counter(), Statement::Drop(None)],
+        );
+        b.rule(
+            SOURCE_CHAIN,
+            "tierproxy: from a local pod interface",
+            vec![
+                is(meta(MetaKey::Iifname), Operator::EQ, str_expr(format!("@{PODIF}"))),
+                Statement::Goto(JumpTarget { target: POD_SOURCE_CHAIN.into() }),
+            ],
+        );
+    }
     for fam in [V4, V6] {
         b.rule(
             SOURCE_CHAIN,
             COMMENT_NODE_SOURCE,
             vec![in_set(fam, "saddr", fam.nodes), counter(), Statement::Drop(None)],
-        );
-    }
-    if c.source_check {
-        b.rule(
-            SOURCE_CHAIN,
-            COMMENT_POD_SOURCE,
-            vec![
-                is(meta(MetaKey::Iifname), Operator::EQ, str_expr(format!("@{PODIF}"))),
-                reverse_path_missing(),
-                counter(),
-                Statement::Drop(None),
-            ],
         );
     }
 
@@ -882,6 +894,33 @@ fn apply_batch(spec: &RulesetSpec) -> Nftables<'static> {
             vec![mark_set(c.bypass_mark), l4proto_not_in(&["icmp", "ipv6-icmp"]), zone()],
         );
     }
+}
+
+/// The transaction [`NftablesBackend::apply`] sends: replace table `inet <prefix>` with
+/// the sets and chains of `spec`.
+fn apply_batch(spec: &RulesetSpec) -> Nftables<'static> {
+    let c = spec.config();
+    let mut b = Builder { table: spec.names().table, batch: Batch::new() };
+    // Delete-if-exists: `add table` is a no-op on an existing table, so the delete that
+    // follows always succeeds, and the new table replaces the old one in the same commit.
+    b.batch.add(NfListObject::Table(b.table()));
+    b.batch.delete(NfListObject::Table(b.table()));
+    b.batch.add(NfListObject::Table(b.table()));
+    raw_sets(&mut b, spec);
+    for fam in [V4, V6] {
+        b.batch.add(NfListObject::Set(Box::new(b.allowed_set(fam))));
+    }
+    b.batch.add(NfListObject::Chain(b.prerouting()));
+    b.batch.add(NfListObject::Chain(b.regular_chain(DECIDE_CHAIN)));
+    b.batch.add(NfListObject::Chain(b.base_chain(INPUT_CHAIN, NfHook::Input)));
+    b.batch.add(NfListObject::Chain(b.base_chain(FORWARD_CHAIN, NfHook::Forward)));
+    let divert = || divert(c);
+    let tproxy = |fam: Fam| tproxy(c, fam);
+    let in_set = |fam: Fam, field: &'static str, set: &'static str| {
+        is(payload(fam.proto, field), Operator::EQ, str_expr(format!("@{set}")))
+    };
+
+    raw_rules(&mut b, c);
 
     // PREROUTING, rule 1: the proxy's own upstream packets are never touched (return =
     // chain policy).
@@ -1278,8 +1317,8 @@ fn remove_batch(names: &Names) -> Nftables<'static> {
 
 /// The transaction that adds `add` to and removes `remove` from the pod sets. Addresses to
 /// remove are first added, so that deleting an absent one cannot fail the transaction.
-fn update_batch(names: &Names, add: &[IpAddr], remove: &[IpAddr]) -> Nftables<'static> {
-    let mut b = Builder { table: names.table.clone(), batch: Batch::new() };
+pub(crate) fn update_batch(table: &str, add: &[IpAddr], remove: &[IpAddr]) -> Nftables<'static> {
+    let mut b = Builder { table: table.to_owned(), batch: Batch::new() };
     let (add4, add6) = by_family(add);
     let (rm4, rm6) = by_family(remove);
     for (set, rm, add) in [(PODS_V4, rm4, add4), (PODS_V6, rm6, add6)] {
@@ -1296,8 +1335,8 @@ fn update_batch(names: &Names, add: &[IpAddr], remove: &[IpAddr]) -> Nftables<'s
 
 /// The transaction that makes the enforced pod sets hold exactly `addrs`: flush, then add,
 /// in one commit (a packet never sees a half-filled set).
-fn enforced_batch(names: &Names, addrs: &BTreeSet<IpAddr>) -> Nftables<'static> {
-    let mut b = Builder { table: names.table.clone(), batch: Batch::new() };
+pub(crate) fn enforced_batch(table: &str, addrs: &BTreeSet<IpAddr>) -> Nftables<'static> {
+    let mut b = Builder { table: table.to_owned(), batch: Batch::new() };
     let (v4, v6) = by_family(addrs);
     for (name, ty, members) in
         [(ENFORCED_V4, SetType::Ipv4Addr, v4), (ENFORCED_V6, SetType::Ipv6Addr, v6)]
@@ -1322,19 +1361,34 @@ fn flush_allowed_batch(names: &Names) -> Nftables<'static> {
 }
 
 /// The transaction that makes the `podif` set hold exactly `interfaces`: flush, then add.
-fn podif_batch(names: &Names, interfaces: &BTreeSet<String>) -> Nftables<'static> {
-    let mut b = Builder { table: names.table.clone(), batch: Batch::new() };
+pub(crate) fn podif_batch(table: &str, interfaces: &BTreeSet<String>) -> Nftables<'static> {
+    let mut b = Builder { table: table.to_owned(), batch: Batch::new() };
     let set = b.ifname_set(&BTreeSet::new());
     b.batch.add_cmd(NfCmd::Flush(FlushObject::Set(Box::new(set))));
     if !interfaces.is_empty() {
         b.batch.add(NfListObject::Element(Element {
             family: NfFamily::INet,
-            table: names.table.clone().into(),
+            table: table.to_owned().into(),
             name: PODIF.into(),
             elem: interfaces.iter().map(|i| str_expr(i.clone())).collect::<Vec<_>>().into(),
         }));
     }
     b.batch.to_nftables()
+}
+
+/// The counted drop rules' packets in table `inet <table>`, read with `<nft> -j list
+/// table` ([`parse_counts`]).
+///
+/// # Errors
+/// The failing `nft` command (no such table, no nf_tables), or output that is not JSON.
+pub(crate) fn table_drop_counts(nft: &str, table: &str) -> Result<DropCounts, RedirectError> {
+    let cmd = Cmd::new(nft, ["-j", "list", "table", "inet", table]);
+    let out = cmd.run(None)?;
+    let listing = serde_json::from_str(&out).map_err(|e| RedirectError::Output {
+        command: cmd.line(),
+        detail: format!("invalid JSON: {e}"),
+    })?;
+    Ok(parse_counts(&listing))
 }
 
 /// The packet counters of the counted drop rules in `listing` (`nft -j list table`):
@@ -1498,7 +1552,7 @@ impl Backend for NftablesBackend {
         if add.is_empty() && remove.is_empty() {
             return Ok(());
         }
-        let batch = update_batch(&Names::new(config), add, remove);
+        let batch = update_batch(&Names::new(config).table, add, remove);
         self.nft_cmd().run(Some(&to_json(&batch, false)))?;
         Ok(())
     }
@@ -1510,7 +1564,7 @@ impl Backend for NftablesBackend {
     ) -> Result<(), RedirectError> {
         config.validate()?;
         let valid = super::valid_ifnames(interfaces.iter().cloned());
-        let batch = podif_batch(&Names::new(config), &valid);
+        let batch = podif_batch(&Names::new(config).table, &valid);
         self.nft_cmd().run(Some(&to_json(&batch, false)))?;
         Ok(())
     }
@@ -1521,7 +1575,7 @@ impl Backend for NftablesBackend {
         addrs: &BTreeSet<IpAddr>,
     ) -> Result<(), RedirectError> {
         config.validate()?;
-        let batch = enforced_batch(&Names::new(config), addrs);
+        let batch = enforced_batch(&Names::new(config).table, addrs);
         self.nft_cmd().run(Some(&to_json(&batch, false)))?;
         Ok(())
     }
@@ -1539,14 +1593,7 @@ impl Backend for NftablesBackend {
 
     fn drop_counts(&self, config: &RedirectConfig) -> Result<DropCounts, RedirectError> {
         config.validate()?;
-        let table = Names::new(config).table;
-        let cmd = Cmd::new(&self.nft, ["-j", "list", "table", "inet", &table]);
-        let out = cmd.run(None)?;
-        let listing = serde_json::from_str(&out).map_err(|e| RedirectError::Output {
-            command: cmd.line(),
-            detail: format!("invalid JSON: {e}"),
-        })?;
-        Ok(parse_counts(&listing))
+        table_drop_counts(&self.nft, &Names::new(config).table)
     }
 
     fn remove(&self, config: &RedirectConfig) -> Result<(), RedirectError> {
@@ -1676,7 +1723,7 @@ mod tests {
         let names = Names::new(&RedirectConfig::default());
         let add: Vec<IpAddr> = vec!["10.0.0.1".parse().unwrap()];
         let rm: Vec<IpAddr> = vec!["10.0.0.2".parse().unwrap(), "fd00::2".parse().unwrap()];
-        let v = json_of(&update_batch(&names, &add, &rm));
+        let v = json_of(&update_batch(&names.table, &add, &rm));
         let elem = |set: &str, addr: &str| json!({"element": {"family": "inet", "table": "tierproxy", "name": set, "elem": [addr]}});
         assert_eq!(
             v["nftables"],
@@ -1712,10 +1759,10 @@ mod tests {
     #[test]
     fn pod_interface_updates_flush_then_add() {
         let names = Names::new(&RedirectConfig::default());
-        let v = json_of(&podif_batch(&names, &BTreeSet::from(["pod0".to_string()])));
+        let v = json_of(&podif_batch(&names.table, &BTreeSet::from(["pod0".to_string()])));
         assert_eq!(v["nftables"][0]["flush"]["set"]["name"], "podif");
         assert_eq!(v["nftables"][1]["add"]["element"]["elem"], json!(["pod0"]));
-        let v = json_of(&podif_batch(&names, &BTreeSet::new()));
+        let v = json_of(&podif_batch(&names.table, &BTreeSet::new()));
         assert_eq!(v["nftables"].as_array().unwrap().len(), 1);
     }
 
