@@ -197,6 +197,32 @@ fn rendered_rules<'a>(rendered: &'a str, program: &str) -> Vec<&'a str> {
         .collect()
 }
 
+/// Checks, for each family, that the kernel holds exactly the `-A TIERPROXY` rules of
+/// `rendered` (`count` of them, mangle and raw tables together); returns per family the
+/// save program and its raw and mangle tables as it lists them.
+fn installed_rules(
+    ns: &Netns,
+    cmds: &IptablesCommands,
+    rendered: &str,
+    count: usize,
+) -> Vec<(String, String, String)> {
+    let mut tables = Vec::new();
+    for (restore, save) in [
+        (&cmds.iptables_restore, &cmds.iptables_save),
+        (&cmds.ip6tables_restore, &cmds.ip6tables_save),
+    ] {
+        let expected = rendered_rules(rendered, restore);
+        assert_eq!(expected.len(), count, "{restore} section of:\n{rendered}");
+        let raw = ns.sh(&[save, "-t", "raw"]);
+        let saved = ns.sh(&[save, "-t", "mangle"]);
+        let ours: Vec<&str> =
+            saved.lines().chain(raw.lines()).filter(|l| l.starts_with("-A TIERPROXY")).collect();
+        assert_eq!(ours, expected, "{save}");
+        tables.push((save.clone(), raw, saved));
+    }
+    tables
+}
+
 /// The lines of a [`state`] that are not ipset members.
 fn without_sets(s: &str) -> Vec<&str> {
     s.lines().filter(|l| !l.starts_with("set ")).collect()
@@ -227,21 +253,10 @@ fn iptables_lifecycle(test: &str, cmds: IptablesCommands) {
     // table, sources checked first.
     let xt = IptablesBackend::with_commands(cmds.clone());
     ns.run(|| xt.apply(&first)).expect("apply without nft");
-    let rendered = xt.render(&first);
-    for (restore, save) in [
-        (&cmds.iptables_restore, &cmds.iptables_save),
-        (&cmds.ip6tables_restore, &cmds.ip6tables_save),
-    ] {
-        let expected = rendered_rules(&rendered, restore);
-        // 35 in mangle, 13 in raw (4 checking sources, 9 for the upstream legs' conntrack:
-        // untracked to and from a local pod or an enforcing node's, else a zone of their
-        // own).
-        assert_eq!(expected.len(), 48, "{restore} section of:\n{rendered}");
-        let raw = ns.sh(&[save, "-t", "raw"]);
-        let saved = ns.sh(&[save, "-t", "mangle"]);
-        let ours: Vec<&str> =
-            saved.lines().chain(raw.lines()).filter(|l| l.starts_with("-A TIERPROXY")).collect();
-        assert_eq!(ours, expected, "{save}");
+    // 35 rules in mangle, 13 in raw (4 checking sources, 9 for the upstream legs'
+    // conntrack: untracked to and from a local pod or an enforcing node's, else a zone of
+    // their own).
+    for (save, raw, _) in installed_rules(&ns, &cmds, &xt.render(&first), 48) {
         for (hook, chains) in [
             ("PREROUTING", &["TIERPROXY-SOURCE", "TIERPROXY-ZONE-IN"][..]),
             ("OUTPUT", &["TIERPROXY-ZONE-OUT"][..]),
@@ -259,18 +274,7 @@ fn iptables_lifecycle(test: &str, cmds: IptablesCommands) {
     ns.run(|| backend.apply(&first)).expect("apply");
 
     // The kernel holds exactly the rendered rules, and one jump at the top of PREROUTING.
-    let rendered = backend.render(&first);
-    for (restore, save) in [
-        (&cmds.iptables_restore, &cmds.iptables_save),
-        (&cmds.ip6tables_restore, &cmds.ip6tables_save),
-    ] {
-        let expected = rendered_rules(&rendered, restore);
-        assert_eq!(expected.len(), 35, "{restore} section of:\n{rendered}");
-        let raw = ns.sh(&[save, "-t", "raw"]);
-        let saved = ns.sh(&[save, "-t", "mangle"]);
-        let ours: Vec<&str> =
-            saved.lines().chain(raw.lines()).filter(|l| l.starts_with("-A TIERPROXY")).collect();
-        assert_eq!(ours, expected, "{save}");
+    for (save, raw, saved) in installed_rules(&ns, &cmds, &backend.render(&first), 35) {
         assert!(!raw.contains("TIERPROXY"), "{save} -t raw still holds tierproxy's: {raw}");
         let prerouting: Vec<&str> =
             saved.lines().filter(|l| l.starts_with("-A PREROUTING")).collect();
