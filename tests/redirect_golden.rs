@@ -101,7 +101,9 @@ fn with_the_nft_table_the_raw_chains_are_nft_rules() {
         .iter()
         .filter_map(|c| c["add"]["chain"]["name"].as_str())
         .collect();
-    for chain in ["source", "zone_in", "zone_out", "zone_leg", "proxied", "refuse_forward"] {
+    for chain in
+        ["source", "pod_source", "zone_in", "zone_out", "zone_leg", "proxied", "refuse_forward"]
+    {
         assert!(chains.contains(&chain), "chain {chain} missing from {chains:?}");
     }
     // Without the table, the xt rules stay (the golden `iptables.txt`).

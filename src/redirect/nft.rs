@@ -1,10 +1,13 @@
-//! The nftables backend: table `inet <prefix>` with four address sets, three base chains
-//! (`prerouting`, `input`, `forward`) and the regular chain `decide`, plus, unless
-//! [`RedirectConfig::upstream_zone`] is 0, the base chains `zone_in` and `zone_out` at
-//! priority raw (-300, before conntrack) for the upstream legs' conntrack zone (rule 0),
-//! and the refusal chains `refuse_input` and `refuse_forward` at -149 with `refuse` (rule
-//! 8), built with the `nftables` crate's typed JSON API and applied by `nft -j -f -` as one
-//! transaction (libnftables-json(5)).
+//! The nftables backend: table `inet <prefix>` with its address, interface and
+//! allowed-class sets, three base chains (`prerouting`, `input`, `forward`) and the regular
+//! chain `decide`; the source check (chain S: base chain `source` at raw - 10, `pod_source`)
+//! and, unless [`RedirectConfig::upstream_zone`] is 0, the base chains `zone_in` and
+//! `zone_out` at priority raw (-300, before conntrack) for the upstream legs' conntrack
+//! zone (rule 0); `proxied` right after the DNAT (rule 3); and the refusal chains
+//! `refuse_input` and `refuse_forward` at -149 with `refuse` (rule 8). Built with the
+//! `nftables` crate's typed JSON API and applied by `nft -j -f -` as one transaction
+//! (libnftables-json(5)). The iptables backend's table `inet <prefix>-dnat`
+//! (`after_dnat_batch`) holds the same chains S, 0, 3 and 8.
 //!
 //! Re-applying is atomic: the batch adds the table (a no-op when it exists), deletes it and
 //! creates it anew, so the kernel swaps the old table for the new one in one commit and
