@@ -207,6 +207,11 @@ fn is(left: Expression<'static>, op: Operator, right: Expression<'static>) -> St
     Statement::Match(Match { left, right, op })
 }
 
+/// `<fam> <field> @<set>`: the packet's address `field` (`saddr`, `daddr`) is in `set`.
+fn in_set(fam: Fam, field: &'static str, set: &'static str) -> Statement<'static> {
+    is(payload(fam.proto, field), Operator::EQ, str_expr(format!("@{set}")))
+}
+
 fn str_expr(s: impl Into<Cow<'static, str>>) -> Expression<'static> {
     Expression::String(s.into())
 }
@@ -748,9 +753,6 @@ fn raw_sets(b: &mut Builder<'_>, spec: &RulesetSpec) {
 /// the iptables backend's table `inet <prefix>-dnat` ([`after_dnat_batch`]), where they
 /// replace the xt rules of the raw table.
 fn raw_rules(b: &mut Builder<'_>, c: &RedirectConfig) {
-    let in_set = |fam: Fam, field: &'static str, set: &'static str| {
-        is(payload(fam.proto, field), Operator::EQ, str_expr(format!("@{set}")))
-    };
     // Chain S: sources a pod cannot own (see `redirect`), before conntrack and the zones.
     // With the source check, a packet from a pod's interface goes to the reverse-path
     // check and ends the chain there (`goto`): the check drops a node's own address as
@@ -919,9 +921,6 @@ fn apply_batch(spec: &RulesetSpec) -> Nftables<'static> {
     b.batch.add(NfListObject::Chain(b.base_chain(FORWARD_CHAIN, NfHook::Forward)));
     let divert = || divert(c);
     let tproxy = |fam: Fam| tproxy(c, fam);
-    let in_set = |fam: Fam, field: &'static str, set: &'static str| {
-        is(payload(fam.proto, field), Operator::EQ, str_expr(format!("@{set}")))
-    };
 
     raw_rules(&mut b, c);
 
