@@ -4,7 +4,8 @@
 //! `loadtest/transparent-listen` hands nginx (the `nginx` peer of `loadtest/run`)
 //! non-blocking sockets; and `loadtest/run` reads how the machine's idle CPUs wait and
 //! counts their wake-up interrupts (`host_facts`, `wakeup_interrupts`, on fake sysfs
-//! trees and /proc/interrupts files). Need python3 (the tools use only its standard
+//! trees and /proc/interrupts files), and sets tierproxy against each kernel baseline in
+//! its summary (`summarize`, `variant_table`, on rows as it records them). Need python3 (the tools use only its standard
 //! library); without it a test says it was skipped, which fails under
 //! `TIERPROXY_REQUIRE_TOOLS=1` (CI). The nginx test also needs root for a network
 //! namespace of its own (`unshare -n`), skipped (or failed under
@@ -177,4 +178,74 @@ fn loadtest_counts_wakeup_interrupts() {
         &args,
     );
     assert_eq!(said.trim(), "33 20 None None");
+}
+
+/// `loadtest/run`'s summary gives tierproxy's median over each kernel baseline that ran
+/// (`tierproxy_vs_kernel_ct`, `tierproxy_vs_kernel_tproxy`: how much of its gap to plain
+/// forwarding is conntrack, TPROXY's fixed costs, and its own), and the per-variant table
+/// shows the `kernel-tproxy` column and ratio only when that variant ran. From rows as
+/// `record` writes them: two rounds each of kernel, kernel-ct, kernel-tproxy and tierproxy
+/// on one metric, medians 100, 90, 80 and 72.
+#[test]
+fn loadtest_summary_sets_tierproxy_against_each_kernel_baseline() {
+    let test = "loadtest_summary_sets_tierproxy_against_each_kernel_baseline";
+    if !python_available(test) {
+        return;
+    }
+    let body = "rows = []\n\
+        for v, name, vals in [('kernel', 'udp_c8_packets_per_s.same', (99, 101)),\n\
+                              ('kernel-ct', 'kernel-ct.udp_c8_packets_per_s.same', (89, 91)),\n\
+                              ('kernel-tproxy', 'kernel-tproxy.udp_c8_packets_per_s.same', (79, 81)),\n\
+                              ('tierproxy', 'udp_c8_packets_per_s.same', (71, 73))]:\n\
+        \x20   rows += [{'variant': v, 'round': i, 'metric': name, 'value': x, 'unit': '1/s'}\n\
+        \x20            for i, x in enumerate(vals)]\n\
+        for keep in (True, False):\n\
+        \x20   s = m.summarize([r for r in rows if keep or r['variant'] != 'kernel-tproxy'])\n\
+        \x20   e = s['udp_c8_packets_per_s.same']\n\
+        \x20   print(json.dumps({k: e[k] for k in ('ratio', 'tierproxy_vs_kernel_ct',\n\
+        \x20                                      'tierproxy_vs_kernel_tproxy')}))\n\
+        \x20   print(json.dumps(m.variant_table(s).splitlines()))";
+    let said = with_loadtest_run(body, &[]);
+    let lines: Vec<serde_json::Value> =
+        said.lines().map(|l| serde_json::from_str(l).expect("one JSON value a line")).collect();
+    assert_eq!(lines.len(), 4, "{said}");
+    let close = |v: &serde_json::Value, want: f64| {
+        assert!(v.as_f64().is_some_and(|x| (x - want).abs() < 1e-9), "{v} is not {want}: {said}");
+    };
+    close(&lines[0]["ratio"], 0.72);
+    close(&lines[0]["tierproxy_vs_kernel_ct"], 0.8);
+    close(&lines[0]["tierproxy_vs_kernel_tproxy"], 0.9);
+    let table = |i: usize| -> Vec<String> {
+        let rows = lines[i].as_array().expect("the table's lines");
+        rows.iter().map(|l| l.as_str().unwrap_or_default().to_owned()).collect()
+    };
+    let with = table(1);
+    assert!(with[0].contains("kernel-tproxy (ratio)"), "{with:?}");
+    assert!(with[0].contains("tierproxy/kernel-tproxy"), "{with:?}");
+    let row = with.iter().find(|l| l.starts_with("udp_c8_packets_per_s.same")).expect("the row");
+    let cells: Vec<&str> = row.split_whitespace().collect();
+    assert_eq!(cells.last(), Some(&"0.9"), "tierproxy over kernel-tproxy last: {row}");
+    // Without the variant: tierproxy over kernel-tproxy is unknown, and no column says it.
+    assert!(lines[2]["tierproxy_vs_kernel_tproxy"].is_null(), "{said}");
+    let without = table(3);
+    assert!(!without[0].contains("kernel-tproxy"), "{without:?}");
+}
+
+/// Every label `loadtest/run` puts in a gnuplot script sits between single quotes there
+/// (`title '...'`): one holding a quote would end the string early, and gnuplot then
+/// rejects the script and no chart is written (seen with the first `kernel-tproxy` label).
+#[test]
+fn loadtest_plot_labels_hold_no_single_quote() {
+    let test = "loadtest_plot_labels_hold_no_single_quote";
+    if !python_available(test) {
+        return;
+    }
+    let said = with_loadtest_run(
+        "print(json.dumps(sorted({*m.LABEL.values(), *m.COMPARED.values()})))",
+        &[],
+    );
+    let labels: Vec<String> = serde_json::from_str(said.trim()).expect("a JSON list");
+    assert!(labels.iter().any(|l| l.contains("TPROXY")), "{labels:?}");
+    let quoted: Vec<&String> = labels.iter().filter(|l| l.contains('\'')).collect();
+    assert!(quoted.is_empty(), "labels with a single quote: {quoted:?}");
 }
