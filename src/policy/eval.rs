@@ -21,6 +21,13 @@
 //! 0.77× and 0.83×, p50 0.99× and 1.03×; the large cluster alone p99 0.99× and 0.93×, p50
 //! 1.05× and 1.01× (docs/architecture.md, "Measured: with Antrea's tiers").
 //!
+//! Before either direction, a flow asks for the lines every decision of it reads whatever
+//! its candidates (`warm_flow`): both pod ends' policy lists and address lists
+//! and the destination's declared ports, so that the ingress direction's first misses
+//! overlap the egress direction's work. Four alternated pairs of the `decide` bench
+//! against the code without it: with the Antrea set p50 0.86–0.98× (each pair lower),
+//! p99 0.98× by the medians; the large cluster alone p50 0.97×, p99 0.99×.
+//!
 //! A [`Decision`] holds no strings: it names policies and rules by index into the snapshot
 //! it came from, so deciding allocates nothing unless a Pass is taken. Use
 //! [`Snapshot::policy_ref`] and [`Snapshot::rule_info`] to name them.
@@ -336,6 +343,9 @@ impl Snapshot {
     ) -> Decision {
         let dst = self.endpoint(flow.dst);
         let dst_ports = self.declared_ports(dst);
+        if FAST {
+            self.warm_flow(src, dst, dst_ports);
+        }
         let here = |p: u32| node.is_none_or(|n| self.pods[p as usize].node == Some(n));
         let egress = match src {
             Endpoint::Pod(p) if here(p) => {
@@ -358,6 +368,22 @@ impl Snapshot {
             .find(|v| *v != Verdict::Allow)
             .unwrap_or(Verdict::Allow);
         Decision { verdict, egress, ingress, revision: self.revision }
+    }
+
+    /// Asks for the lines a flow's decision reads first whatever its candidates, before
+    /// the egress direction waits on its own: each pod end's policy lists and address list
+    /// (a candidate reads the peer's, to know whether it has several addresses), and the
+    /// destination's declared ports (every candidate with a named port reads them). The
+    /// ingress direction's then arrive while the egress one is decided. Only prefetches.
+    #[inline]
+    fn warm_flow(&self, src: Endpoint, dst: Endpoint, dst_ports: &[NamedPort]) {
+        for ep in [dst, src] {
+            if let Endpoint::Pod(p) = ep {
+                prefetch(&self.pod_ips[p as usize]);
+                prefetch(self.policy_sets[self.per_pod[p as usize] as usize].head());
+            }
+        }
+        prefetch(dst_ports.as_ptr());
     }
 
     /// One direction of [`Snapshot::decide`]: `subject` is a pod id, `peer`/`peer_ip` the

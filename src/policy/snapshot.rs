@@ -94,6 +94,12 @@ impl PodPolicies {
         PodPolicies(out.into())
     }
 
+    /// The first line of the lists (their end offsets, then the first ids), to prefetch.
+    #[inline]
+    pub(crate) fn head(&self) -> *const u32 {
+        self.0.as_ptr()
+    }
+
     /// The policy ids of tier `tier` ([`Tier::index`]) in direction `d`, in evaluation
     /// order.
     ///
