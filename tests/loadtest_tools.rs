@@ -5,10 +5,10 @@
 //! non-blocking sockets; and `loadtest/run` reads how the machine's idle CPUs wait and
 //! counts their wake-up interrupts (`host_facts`, `wakeup_interrupts`, on fake sysfs
 //! trees and /proc/interrupts files), and sets tierproxy against each kernel baseline in
-//! its summary (`summarize`, `variant_table`, on rows as it records them). Need python3 (the tools use only its standard
-//! library); without it a test says it was skipped, which fails under
-//! `TIERPROXY_REQUIRE_TOOLS=1` (CI). The nginx test also needs root for a network
-//! namespace of its own (`unshare -n`), skipped (or failed under
+//! its summary (`summarize`, `variant_table`, on rows as it records them). Need python3
+//! (the tools use only its standard library); without it a test says it was skipped,
+//! which fails under `TIERPROXY_REQUIRE_TOOLS=1` (CI). The nginx test also needs root for
+//! a network namespace of its own (`unshare -n`), skipped (or failed under
 //! `TIERPROXY_REQUIRE_NETNS=1`) as the netns tests are.
 
 mod common;
