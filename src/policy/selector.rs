@@ -98,13 +98,18 @@ impl Selector {
 #[derive(Debug, Default, Clone)]
 pub struct LabelIndex {
     all: RoaringBitmap,
-    by_key: HashMap<String, RoaringBitmap>,
+    by_key: ByLabel<RoaringBitmap>,
     /// Key → value → ids: looked up by `&str` without building an owned key.
-    by_value: HashMap<String, HashMap<String, RoaringBitmap>>,
+    by_value: ByLabel<ByLabel<RoaringBitmap>>,
 }
 
+/// A map by label key or value, hashed with foldhash (randomly seeded per map): a compile
+/// looks labels up for every pod and selector, and the standard SipHash took a few per cent
+/// of it.
+type ByLabel<V> = HashMap<String, V, foldhash::fast::RandomState>;
+
 /// `map[key]`, inserting an empty value first if needed; clones `key` only then.
-fn slot<'m, V: Default>(map: &'m mut HashMap<String, V>, key: &str) -> &'m mut V {
+fn slot<'m, V: Default>(map: &'m mut ByLabel<V>, key: &str) -> &'m mut V {
     if !map.contains_key(key) {
         map.insert(key.to_owned(), V::default());
     }

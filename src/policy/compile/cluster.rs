@@ -56,17 +56,21 @@ pub(super) enum SetKey {
 /// [`Cluster::pods`], [`Cluster::label_indexes`]); the policy passes then read it and
 /// intern pod sets in it; its parts end up in the [`Snapshot`](crate::policy::Snapshot),
 /// shared (`Arc`), and a [`Compiler`](super::Compiler) keeps it to patch them.
+/// Ids by name (namespaces', nodes'), hashed with foldhash as the other maps a compile
+/// fills for every pod.
+pub(super) type NameIds = HashMap<String, u32, foldhash::fast::RandomState>;
+
 #[derive(Default)]
 pub(super) struct Cluster {
     /// See [`Cluster::pods_in_namespaces`].
-    pub(super) ns_pods: HashMap<Selector, RoaringBitmap>,
+    pub(super) ns_pods: HashMap<Selector, RoaringBitmap, foldhash::fast::RandomState>,
     pub(super) pods: Arc<Vec<PodEntry>>,
     /// Pod IPs by pod id (`status.podIPs`).
     pub(super) pod_ips: Arc<Vec<Vec<IpAddr>>>,
     pub(super) namespaces: Arc<Vec<NamespaceEntry>>,
-    pub(super) ns_ids: HashMap<String, u32>,
+    pub(super) ns_ids: NameIds,
     pub(super) nodes: Arc<Vec<NodeEntry>>,
-    node_ids: HashMap<String, u32>,
+    node_ids: NameIds,
     /// Node addresses by node id: InternalIP/ExternalIP, then its hostNetwork pods' IPs.
     pub(super) node_addrs: Arc<Vec<Vec<IpAddr>>>,
     pub(super) pod_index: Arc<LabelIndex>,

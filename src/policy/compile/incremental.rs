@@ -970,7 +970,7 @@ impl Sources {
     fn diff(
         &mut self,
         inputs: &Inputs,
-        ns_ids: &HashMap<String, u32>,
+        ns_ids: &super::cluster::NameIds,
     ) -> Result<Changes, &'static str> {
         if !unchanged(&self.nodes, &inputs.nodes, same_node) {
             return Err("a node changed, came or went");
