@@ -51,15 +51,15 @@ pub(super) enum SetKey {
     Union(Vec<SetId>),
 }
 
+/// Ids by name (namespaces', nodes'), hashed with foldhash as the other maps a compile
+/// fills for every pod.
+pub(super) type NameIds = HashMap<String, u32, foldhash::fast::RandomState>;
+
 /// Compile-time state: the cluster's objects by dense id and the indexes over them. The
 /// passes of this file fill it in order ([`Cluster::namespaces`], [`Cluster::nodes`],
 /// [`Cluster::pods`], [`Cluster::label_indexes`]); the policy passes then read it and
 /// intern pod sets in it; its parts end up in the [`Snapshot`](crate::policy::Snapshot),
 /// shared (`Arc`), and a [`Compiler`](super::Compiler) keeps it to patch them.
-/// Ids by name (namespaces', nodes'), hashed with foldhash as the other maps a compile
-/// fills for every pod.
-pub(super) type NameIds = HashMap<String, u32, foldhash::fast::RandomState>;
-
 #[derive(Default)]
 pub(super) struct Cluster {
     /// See [`Cluster::pods_in_namespaces`].
