@@ -462,7 +462,7 @@ impl Snapshot {
             }
             for &pid in pids {
                 if let Some(m) = &self.policies[pid as usize].matchers[d] {
-                    m.prefetch_header(flow.protocol);
+                    m.prefetch_header();
                 }
             }
             for &pid in pids {

@@ -555,33 +555,42 @@ fn first_move(work: &mut Moves<'_>, c: u32, mask: RuleMask, step: u32) -> u32 {
 }
 
 /// The precompiled rule masks of one policy direction.
+///
+/// The fields [`Matcher::first_rule`] reads for every flow come first, in one run of five
+/// lines that [`Matcher::prefetch_header`] asks for whole (`repr(C)` keeps the order); the
+/// tables of node and address peers, read only for such peers, come last. In the order the
+/// compiler chose, those fields lay on five lines spread over seven, one of them never
+/// warmed; ordered, the bench's Antrea flows took 0.97x the simulated first-level misses
+/// and 0.98x the last-level ones (callgrind, `TIERPROXY_DECIDE_SIM=antrea`), their
+/// latency unchanged within the noise of alternated runs.
 #[derive(Debug, Clone)]
+#[repr(C)]
 pub(crate) struct Matcher {
-    /// Mask table; class 0 is the empty mask.
-    masks: MaskTable,
-    /// Rules that match every peer.
-    all_peers: RuleMask,
     /// Rules that match every protocol and port.
     all_ports: RuleMask,
-    pods: PodClasses,
-    nodes: Vec<(u32, Class)>,
-    v4: Intervals,
-    v6: Intervals,
-    /// Per protocol (TCP, UDP, SCTP), by destination port.
-    ports: [PortMasks; 3],
-    /// Named ports: (name, protocol of the entry if any, rules).
-    named: Vec<(String, Option<Protocol>, RuleMask)>,
     /// Rules scoped to their own subjects (Antrea rule-level `appliedTo`); 0 for every
     /// policy kind but Antrea's.
     scoped: RuleMask,
-    /// Per subject pod, the [`Matcher::scoped`] rules whose appliedTo holds it (empty when
-    /// no rule is scoped).
-    subjects: PodClasses,
+    /// Rules that match every peer.
+    all_peers: RuleMask,
     /// Rules with subject-relative peers (Antrea `namespaces.match: Self`,
     /// `namespaces.sameLabels`): a pod peer may match them beyond what
     /// [`Matcher::pods`] says, which the caller checks rule by rule
     /// ([`Matcher::first_rule`]'s `relative`).
     relative: RuleMask,
+    /// Per protocol (TCP, UDP, SCTP), by destination port.
+    ports: [PortMasks; 3],
+    /// Named ports: (name, protocol of the entry if any, rules).
+    named: Vec<(String, Option<Protocol>, RuleMask)>,
+    /// Mask table; class 0 is the empty mask.
+    masks: MaskTable,
+    pods: PodClasses,
+    /// Per subject pod, the [`Matcher::scoped`] rules whose appliedTo holds it (empty when
+    /// no rule is scoped).
+    subjects: PodClasses,
+    nodes: Vec<(u32, Class)>,
+    v4: Intervals,
+    v6: Intervals,
 }
 
 /// A matcher's class table is full: [`Matcher::set_pod`] cannot add a class.
@@ -941,14 +950,17 @@ impl Matcher {
         }
     }
 
-    /// Starts loading the header lines [`Matcher::first_rule`] reads for a flow with
-    /// `protocol`, without waiting for them (`decide`'s warming, in `eval`).
+    /// Starts loading the header lines [`Matcher::first_rule`] reads for a flow, without
+    /// waiting for them (`decide`'s warming, in `eval`): every line from the first field
+    /// to the end of [`Matcher::pods`] (five lines).
     #[inline]
-    pub(crate) fn prefetch_header(&self, protocol: Protocol) {
-        prefetch(&self.ports[protocol_index(protocol)]);
-        prefetch(&self.pods);
-        prefetch(&self.masks);
-        prefetch(&self.scoped);
+    pub(crate) fn prefetch_header(&self) {
+        let start = (self as *const Matcher).cast::<u8>();
+        let end = std::mem::offset_of!(Matcher, pods) + std::mem::size_of::<PodClasses>();
+        for at in (0..end).step_by(64) {
+            prefetch(start.wrapping_add(at));
+        }
+        prefetch(start.wrapping_add(end - 1));
     }
 
     /// Starts loading the data lines [`Matcher::first_rule`] reads first for a flow with
