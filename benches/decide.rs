@@ -150,16 +150,14 @@ fn input_walk(inputs: &tierproxy::policy::Inputs) -> u64 {
     h.finish()
 }
 
-/// Builds a snapshot of `inputs` five times without validating them
-/// ([`Snapshot::compile_validated`]): the sorted times. Each snapshot is dropped after its
-/// time is taken.
-fn build_five(inputs: &tierproxy::policy::Inputs) -> Vec<Duration> {
+/// Runs `f` five times: the sorted times, each taken before what `f` made is dropped.
+fn five_times<T>(f: impl Fn() -> T) -> Vec<Duration> {
     let mut times: Vec<Duration> = (0..5)
         .map(|_| {
             let t = Instant::now();
-            let built = black_box(Snapshot::compile_validated(inputs, Revision(1)));
+            let made = black_box(f());
             let took = t.elapsed();
-            drop(built);
+            drop(made);
             took
         })
         .collect();
@@ -167,20 +165,17 @@ fn build_five(inputs: &tierproxy::policy::Inputs) -> Vec<Duration> {
     times
 }
 
+/// Builds a snapshot of `inputs` five times without validating them
+/// ([`Snapshot::compile_validated`]): the sorted times.
+fn build_five(inputs: &tierproxy::policy::Inputs) -> Vec<Duration> {
+    five_times(|| Snapshot::compile_validated(inputs, Revision(1)))
+}
+
 /// Compiles `inputs` (validating, [`Snapshot::compile`]) five times, timed, and once more
 /// with the heap counted: the sorted compile times, the live heap bytes that snapshot
 /// keeps, and that snapshot. Panics if the inputs have errors.
 fn compile_five(inputs: &tierproxy::policy::Inputs) -> (Vec<Duration>, isize, Snapshot) {
-    let mut compile_times: Vec<Duration> = (0..5)
-        .map(|_| {
-            let t = Instant::now();
-            let c = black_box(Snapshot::compile(inputs, Revision(1)));
-            let took = t.elapsed();
-            drop(c);
-            took
-        })
-        .collect();
-    compile_times.sort();
+    let compile_times = five_times(|| Snapshot::compile(inputs, Revision(1)));
     let (snapshot, snapshot_bytes) = heap_of(|| {
         let c = Snapshot::compile(inputs, Revision(1));
         // Keep only the snapshot: problems are reported, not retained.
@@ -197,14 +192,7 @@ fn report() {
     let (inputs, input_bytes) = heap_of(|| synth::cluster(shape, SEED));
 
     let (compile_times, snapshot_bytes, s) = compile_five(&inputs);
-    let mut walk_times: Vec<Duration> = (0..5)
-        .map(|_| {
-            let t = Instant::now();
-            black_box(input_walk(black_box(&inputs)));
-            t.elapsed()
-        })
-        .collect();
-    walk_times.sort();
+    let walk_times = five_times(|| input_walk(black_box(&inputs)));
     let build_times = build_five(&inputs);
     let base = timer_baseline();
     let typical = latency(&s, shape);
