@@ -61,8 +61,8 @@
 
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::conntrack::{self, Conntrack, Entry, Event, Events};
@@ -120,8 +120,9 @@ pub struct ForwardedStats {
     pub cut: AtomicU64,
     /// Times destroy events were lost (ENOBUFS) and a sweep had to make up for them.
     pub events_lost: AtomicU64,
-    /// Datagrams of conntrack events read (one event each).
-    pub event_datagrams: AtomicU64,
+    /// Datagrams of conntrack events read (one event each), counted as each is read,
+    /// before its events are handled ([`Events::count_into`]).
+    pub event_datagrams: Arc<AtomicU64>,
     /// Times the event reader woke and read what had come ([`watch`]): `event_datagrams`
     /// over this is how many events a wake-up took on average.
     pub event_batches: AtomicU64,
@@ -342,6 +343,7 @@ pub fn watch(decider: &Decider, mut events: Events, cached: (u32, u32)) {
         }
     };
     let stats = &decider.forwarded().stats;
+    events.count_into(Arc::clone(&stats.event_datagrams));
     let mut failures = 0u32;
     loop {
         if decider.retired() {
@@ -360,7 +362,6 @@ pub fn watch(decider: &Decider, mut events: Events, cached: (u32, u32)) {
         let read = events
             .next(conntrack::UDP, &mut each)
             .and_then(|_| events.drain(conntrack::UDP, EVENT_BATCH - 1, &mut each));
-        stats.event_datagrams.store(events.received(), Ordering::Relaxed);
         match read {
             Ok(more) => {
                 failures = 0;
