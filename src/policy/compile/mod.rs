@@ -50,7 +50,7 @@ mod network;
 mod parallel;
 mod set_dict;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, btree_map};
 use std::sync::Arc;
 
 use super::api::{Namespace, NetworkPolicy, Node, Pod, SelectorRef, v1alpha1, v1alpha2};
@@ -146,18 +146,31 @@ pub fn meta_namespace(m: &k8s_openapi::apimachinery::pkg::apis::meta::v1::Object
 }
 
 /// Keeps the last object per key, then orders by key, so the result is independent of
-/// input order. Reports each duplicate.
+/// input order. Reports each duplicate, in input order.
 pub(super) fn dedup_sorted<'a, T>(
     items: &'a [Arc<T>],
     key: impl Fn(&T) -> ObjectRef,
     problems: &mut Vec<Problem>,
 ) -> Vec<(ObjectRef, &'a T)> {
-    let mut map: BTreeMap<ObjectRef, &T> = BTreeMap::new();
-    for it in items {
-        let it: &T = it;
-        let k = key(it);
-        if map.insert(k.clone(), it).is_some() {
-            problems.push(Problem::warning(&k, "", ProblemKind::Duplicate));
+    dedup_keyed(items.iter().map(|it| (key(it), &**it)).collect(), problems)
+}
+
+/// [`dedup_sorted`] of values already keyed, in input order: the last value of each key,
+/// in key order; each duplicate reported, in input order.
+pub(super) fn dedup_keyed<V>(
+    keyed: Vec<(ObjectRef, V)>,
+    problems: &mut Vec<Problem>,
+) -> Vec<(ObjectRef, V)> {
+    let mut map: BTreeMap<ObjectRef, V> = BTreeMap::new();
+    for (k, v) in keyed {
+        match map.entry(k) {
+            btree_map::Entry::Occupied(mut e) => {
+                problems.push(Problem::warning(e.key(), "", ProblemKind::Duplicate));
+                e.insert(v);
+            }
+            btree_map::Entry::Vacant(e) => {
+                e.insert(v);
+            }
         }
     }
     map.into_iter().collect()
@@ -263,7 +276,7 @@ mod tests {
     use std::net::IpAddr;
 
     use super::*;
-    use crate::policy::problem::ProblemKind;
+    use crate::policy::problem::{Kind, ProblemKind};
     use crate::synth::{self, Shape};
 
     /// Asserts that `many` (compiled on several workers) has `one`'s problems, policies
@@ -482,6 +495,52 @@ mod tests {
         let id = c.snapshot.find_pod(&meta_namespace(&pod.metadata), &meta_name(&pod.metadata));
         assert_eq!(c.snapshot.pod_ips(id.unwrap()), ["10.250.0.1".parse::<IpAddr>().unwrap()]);
         assert!(c.problems.iter().any(|p| matches!(p.kind, ProblemKind::Duplicate)));
+    }
+
+    /// Pods listed more than once: the last of each name is kept, each later one is
+    /// reported as a duplicate in input order, and a dropped one's own problems are not
+    /// reported; alike on one worker and on two (the Pods are read on the workers).
+    #[test]
+    fn duplicate_pods_keep_the_last_and_report_each_later_one_in_input_order() {
+        let shape = Shape { namespaces: 4, pods: 40, nodes: 3, ..Shape::LARGE };
+        let mut inputs = synth::cluster(shape, 3);
+        let with_ip = |i: usize, ip: &str| {
+            let mut pod = (*inputs.pods[i]).clone();
+            let status = pod.status.get_or_insert_with(Default::default);
+            status.pod_ip = Some(ip.to_string());
+            status.pod_ips = None;
+            Arc::new(pod)
+        };
+        let (a, b) = (inputs.pods[3].clone(), inputs.pods[7].clone());
+        let dropped_invalid = with_ip(3, "not-an-ip");
+        let b_last = with_ip(7, "10.250.0.4");
+        let a_last = with_ip(3, "10.250.0.3");
+        inputs.pods.insert(10, dropped_invalid);
+        inputs.pods.insert(20, b_last);
+        inputs.pods.push(a_last);
+        let one = Snapshot::compile_inner(&inputs, Revision(1), true, 1).0;
+        let two = Snapshot::compile_inner(&inputs, Revision(1), true, 2).0;
+        assert_eq!(one.problems, two.problems);
+        let name = |p: &Pod| {
+            ObjectRef::namespaced(Kind::Pod, meta_namespace(&p.metadata), meta_name(&p.metadata))
+        };
+        let duplicates: Vec<&ObjectRef> = two
+            .problems
+            .iter()
+            .filter(|p| matches!(p.kind, ProblemKind::Duplicate))
+            .map(|p| &p.object)
+            .collect();
+        assert_eq!(duplicates, [&name(&a), &name(&b), &name(&a)]);
+        assert!(two.problems.iter().all(|p| !p.is_error()), "{:?}", two.problems);
+        for (pod, ip) in [(&a, "10.250.0.3"), (&b, "10.250.0.4")] {
+            let r = name(pod);
+            let id = two.snapshot.find_pod(r.namespace.as_deref().unwrap(), &r.name).unwrap();
+            assert_eq!(two.snapshot.pod_ips(id), [ip.parse::<IpAddr>().unwrap()]);
+        }
+        assert_eq!(
+            two.snapshot.counts(),
+            Snapshot::compile(&synth::cluster(shape, 3), Revision(1)).snapshot.counts()
+        );
     }
 
     /// The validating path builds rules from the validator's `after_rule` visits, the
