@@ -591,9 +591,10 @@ impl Events {
     }
 
     /// Counts the datagrams received from now on in `counter` (after adding those received
-    /// so far to it), as each is received and before its events are passed on: a reader of
-    /// `counter` never sees fewer datagrams than the events it saw the effects of (a
-    /// metric scraped in the middle of a batch of 1,024 once lagged by 38).
+    /// so far to it), each as it is received, before its events are passed on, so that a
+    /// reader of `counter` does not lag the effects of a batch still being read (counted
+    /// once a batch of up to 1,024 was done, a metric scraped mid-batch showed 962
+    /// datagrams for 1,000 flows decided from them).
     pub fn count_into(&mut self, counter: Arc<AtomicU64>) {
         counter.fetch_add(self.received(), Ordering::Relaxed);
         self.received = counter;
