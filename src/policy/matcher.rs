@@ -30,6 +30,8 @@
 
 use std::net::IpAddr;
 
+use compact_str::CompactString;
+
 use super::cidr::Block;
 use super::model::{Endpoint, Rule, SetId};
 use super::ports::{NamedPort, PortSpec, Protocol};
@@ -554,37 +556,6 @@ fn first_move(work: &mut Moves<'_>, c: u32, mask: RuleMask, step: u32) -> u32 {
     to
 }
 
-/// A port name as a [`Matcher`] keeps it to compare with a destination's declared ports:
-/// in place while it fits in 16 bytes, which every valid one does (an `IANA_SVC_NAME` has
-/// at most 15 characters), so the comparison reads no line beyond the matcher's list of
-/// names; a longer one (only where validation was skipped) on the heap, compared all the
-/// same.
-#[derive(Debug, Clone)]
-enum PortName {
-    Inline { len: u8, bytes: [u8; 16] },
-    Heap(Box<str>),
-}
-
-impl PortName {
-    fn new(name: &str) -> Self {
-        if name.len() > 16 {
-            return PortName::Heap(name.into());
-        }
-        let mut bytes = [0u8; 16];
-        bytes[..name.len()].copy_from_slice(name.as_bytes());
-        PortName::Inline { len: name.len() as u8, bytes }
-    }
-
-    /// Whether this is the name `name`, byte for byte.
-    #[inline]
-    fn is(&self, name: &str) -> bool {
-        match self {
-            PortName::Inline { len, bytes } => bytes[..*len as usize] == *name.as_bytes(),
-            PortName::Heap(s) => **s == *name,
-        }
-    }
-}
-
 /// The precompiled rule masks of one policy direction.
 ///
 /// The fields [`Matcher::first_rule`] reads for every flow come first, in one run of five
@@ -611,8 +582,11 @@ pub(crate) struct Matcher {
     relative: RuleMask,
     /// Per protocol (TCP, UDP, SCTP), by destination port.
     ports: [PortMasks; 3],
-    /// Named ports: (name, protocol of the entry if any, rules).
-    named: Vec<(PortName, Option<Protocol>, RuleMask)>,
+    /// Named ports: (name, protocol of the entry if any, rules). A name is kept in place
+    /// (`CompactString`, up to 24 bytes; a valid `IANA_SVC_NAME` has at most 15), so a
+    /// candidate on a named port reads no string line beyond this list; a longer one (only
+    /// where validation was skipped) is on the heap, compared all the same.
+    named: Vec<(CompactString, Option<Protocol>, RuleMask)>,
     /// Mask table; class 0 is the empty mask.
     masks: MaskTable,
     pods: PodClasses,
@@ -825,7 +799,7 @@ impl Matcher {
         let mut node_mask: rustc_hash::FxHashMap<u32, RuleMask> = Default::default();
         let (mut v4, mut v6): (Vec<Range>, Vec<Range>) = (Vec::new(), Vec::new());
         let mut ports: [Vec<Range>; 3] = Default::default();
-        let mut named: Vec<(PortName, Option<Protocol>, RuleMask)> = Vec::new();
+        let mut named: Vec<(CompactString, Option<Protocol>, RuleMask)> = Vec::new();
         let mut ranges = Vec::new();
         // The rules of one direction name the same few pod sets over and over (a million
         // peers, a few hundred distinct selectors): gather each set's rule mask first, then
@@ -854,9 +828,9 @@ impl Matcher {
             for m in &rule.ports.0 {
                 match (&m.ports, m.protocol) {
                     (PortSpec::Named(n), p) => {
-                        match named.iter_mut().find(|(nn, pp, _)| nn.is(n) && *pp == p) {
+                        match named.iter_mut().find(|(nn, pp, _)| nn == n && *pp == p) {
                             Some(e) => e.2 |= bit,
-                            None => named.push((PortName::new(n), p, bit)),
+                            None => named.push((CompactString::from(n.as_str()), p, bit)),
                         }
                     }
                     (PortSpec::Any, Some(p)) => {
@@ -1041,7 +1015,7 @@ impl Matcher {
             // (name and protocol must match)".
             for np in dst_ports.iter().filter(|np| np.port == port && np.protocol == protocol) {
                 for (name, p, m) in &self.named {
-                    if name.is(&np.name) && p.is_none_or(|p| p == protocol) {
+                    if *name == np.name && p.is_none_or(|p| p == protocol) {
                         port_mask |= m;
                     }
                 }
@@ -1787,13 +1761,20 @@ mod tests {
     }
 
     /// A named port matches a declared port of exactly its name (and protocol), whether
-    /// the matcher keeps the name in place (up to 16 bytes) or on the heap (longer, only
+    /// the matcher keeps the name in place (up to 24 bytes) or on the heap (longer, only
     /// where validation was skipped): no prefix, extension or same-length other name.
     #[test]
     fn named_ports_match_by_whole_name_in_place_or_on_the_heap() {
         use crate::policy::model::{Action, Peers, Rule};
         use crate::policy::ports::{NamedPort, PortMatch, PortSpec, Ports};
-        let names = ["metrics", "b23456789012345", "c234567890123456", "d2345678901234567", "x"];
+        let names = [
+            "metrics",
+            "b23456789012345",
+            "c234567890123456",
+            "d2345678901234567",
+            "x",
+            "e234567890123456789012345",
+        ];
         let rules: Vec<Rule> = (0..names.len() as u32)
             .map(|k| Rule {
                 name: None,
@@ -1833,9 +1814,10 @@ mod tests {
             assert_eq!(hit(&name[..name.len() - 1], Protocol::Tcp), None, "{name} cut short")
         }
         assert_eq!(hit("b23456789012346", Protocol::Tcp), None, "same length, last byte");
-        assert_eq!(hit("d2345678901234568", Protocol::Tcp), None, "on the heap, last byte");
-        assert!(matches!(m.named[2].0, PortName::Inline { len: 16, .. }));
-        assert!(matches!(m.named[3].0, PortName::Heap(_)));
+        assert_eq!(hit("d2345678901234568", Protocol::Tcp), None, "17 bytes, last byte");
+        assert_eq!(hit("e234567890123456789012346", Protocol::Tcp), None, "on the heap, last byte");
+        assert!(m.named[..5].iter().all(|(n, _, _)| !n.is_heap_allocated()));
+        assert!(m.named[5].0.is_heap_allocated());
     }
 
     /// Port intervals read back as a map, narrow and wide, with a start count that is not
