@@ -95,7 +95,7 @@ impl Selector {
 }
 
 /// An inverted index from labels to object ids (pods, namespaces or nodes).
-#[derive(Debug, Default, Clone)]
+#[derive(Debug, Default, Clone, PartialEq)]
 pub struct LabelIndex {
     all: RoaringBitmap,
     by_key: ByLabel<RoaringBitmap>,
@@ -151,6 +151,21 @@ impl LabelIndex {
         }
     }
 
+    /// Adds every object of `other`, an index of other ids (a part of the objects indexed
+    /// on another thread): the result is the index of both parts' objects.
+    pub fn merge(&mut self, other: LabelIndex) {
+        self.all |= other.all;
+        for (k, ids) in other.by_key {
+            *self.by_key.entry(k).or_default() |= ids;
+        }
+        for (k, values) in other.by_value {
+            let mine = self.by_value.entry(k).or_default();
+            for (v, ids) in values {
+                *mine.entry(v).or_default() |= ids;
+            }
+        }
+    }
+
     /// All indexed ids.
     pub fn all(&self) -> &RoaringBitmap {
         &self.all
@@ -162,27 +177,44 @@ impl LabelIndex {
         self.by_value.get(key).into_iter().flatten().map(|(v, ids)| (v.as_str(), ids))
     }
 
-    fn with_value(&self, key: &str, values: &[String]) -> RoaringBitmap {
-        let mut out = RoaringBitmap::new();
-        let Some(by_value) = self.by_value.get(key) else { return out };
-        for v in values {
-            if let Some(b) = by_value.get(v) {
-                out |= b;
-            }
-        }
-        out
+    /// The ids carrying `key=value`.
+    fn with_value(&self, key: &str, value: &str) -> Option<&RoaringBitmap> {
+        self.by_value.get(key)?.get(value)
     }
 
     /// The ids `sel` matches.
     pub fn resolve(&self, sel: &Selector) -> RoaringBitmap {
-        let mut out = self.all.clone();
+        self.resolve_in(&self.all, sel)
+    }
+
+    /// The ids of `within` that `sel` matches: `within & resolve(sel)`, computed from
+    /// `within` down, so that a selector applied to a few ids (a namespace's pods) costs
+    /// what those ids do, not a copy of every id and of each value's ids.
+    pub fn resolve_in(&self, within: &RoaringBitmap, sel: &Selector) -> RoaringBitmap {
+        let mut out = within.clone();
         for r in &sel.reqs {
             if out.is_empty() {
                 break;
             }
             match r {
-                Requirement::In(k, vs) => out &= self.with_value(k, vs),
-                Requirement::NotIn(k, vs) => out -= self.with_value(k, vs),
+                Requirement::In(k, vs) => match vs.as_slice() {
+                    [v] => match self.with_value(k, v) {
+                        Some(b) => out &= b,
+                        None => out.clear(),
+                    },
+                    _ => {
+                        let mut any = RoaringBitmap::new();
+                        for b in vs.iter().filter_map(|v| self.with_value(k, v)) {
+                            any |= &out & b;
+                        }
+                        out = any;
+                    }
+                },
+                Requirement::NotIn(k, vs) => {
+                    for b in vs.iter().filter_map(|v| self.with_value(k, v)) {
+                        out -= b;
+                    }
+                }
                 Requirement::Exists(k) => match self.by_key.get(k) {
                     Some(b) => out &= b,
                     None => out.clear(),
@@ -252,6 +284,77 @@ mod tests {
         for s in &cases {
             let direct: RoaringBitmap =
                 (0..objs.len() as u32).filter(|&i| s.matches(&objs[i as usize])).collect();
+            assert_eq!(idx.resolve(s), direct, "{s:?}");
+        }
+    }
+
+    /// Objects with a few keys, some values shared and some each object's own.
+    fn many_objects(n: u32) -> Vec<BTreeMap<String, String>> {
+        (0..n)
+            .map(|i| {
+                let mut l = BTreeMap::new();
+                l.insert("app".to_string(), format!("a{}", i % 7));
+                if i % 3 != 0 {
+                    l.insert("tier".to_string(), ["fe", "be"][i as usize % 2].to_string());
+                }
+                if i % 5 == 0 {
+                    l.insert("hash".to_string(), format!("h{i}"));
+                }
+                l
+            })
+            .collect()
+    }
+
+    #[test]
+    fn an_index_merged_from_parts_is_the_index_of_the_whole() {
+        let objs = many_objects(300);
+        let mut whole = LabelIndex::default();
+        for (i, l) in objs.iter().enumerate() {
+            whole.insert(i as u32, l);
+        }
+        for cuts in [vec![0, 300], vec![0, 1, 300], vec![0, 120, 121, 299, 300], vec![0, 0, 300]] {
+            let mut merged = LabelIndex::default();
+            for w in cuts.windows(2) {
+                let mut part = LabelIndex::default();
+                for (i, labels) in objs.iter().enumerate().take(w[1]).skip(w[0]) {
+                    part.insert(i as u32, labels);
+                }
+                merged.merge(part);
+            }
+            assert!(merged == whole, "cut at {cuts:?}");
+        }
+    }
+
+    #[test]
+    fn resolving_within_ids_is_resolving_then_intersecting() {
+        let objs = many_objects(200);
+        let mut idx = LabelIndex::default();
+        for (i, l) in objs.iter().enumerate() {
+            idx.insert(i as u32, l);
+        }
+        let cases = [
+            sel(&[], vec![]),
+            sel(&[("app", "a3")], vec![]),
+            sel(&[("app", "a3"), ("tier", "fe")], vec![]),
+            sel(&[], vec![expr("app", "In", &["a1", "a2", "nope"])]),
+            sel(&[], vec![expr("app", "NotIn", &["a1", "a2"])]),
+            sel(&[], vec![expr("tier", "Exists", &[])]),
+            sel(&[], vec![expr("tier", "DoesNotExist", &[])]),
+            sel(&[("missing", "x")], vec![]),
+            sel(&[], vec![expr("hash", "In", &["h10", "h15"]), expr("app", "NotIn", &["a3"])]),
+        ];
+        let withins: [RoaringBitmap; 4] = [
+            RoaringBitmap::new(),
+            (0..200).collect(),
+            (40..60).collect(),
+            (0..200).step_by(7).collect(),
+        ];
+        for s in &cases {
+            for w in &withins {
+                assert_eq!(idx.resolve_in(w, s), w & idx.resolve(s), "{s:?} within {w:?}");
+            }
+            let direct: RoaringBitmap =
+                (0..200).filter(|&i| s.matches(&objs[i as usize])).collect();
             assert_eq!(idx.resolve(s), direct, "{s:?}");
         }
     }

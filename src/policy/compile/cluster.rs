@@ -5,6 +5,7 @@
 //! validated already, reports problems in input order per kind, and fills the compile-time
 //! [`Cluster`] that the policy passes ([`super::admin`], [`super::network`]) read.
 
+use std::collections::hash_map::Entry;
 use std::collections::{BTreeMap, HashMap};
 use std::net::IpAddr;
 use std::sync::Arc;
@@ -112,11 +113,11 @@ impl Cluster {
         let set = match &key {
             SetKey::Namespaces(ns) => self.pods_in_namespaces(ns).clone(),
             SetKey::Pods(ns, pods) => {
-                let in_namespaces = self.pods_in_namespaces(ns).clone();
-                in_namespaces & self.pod_index.resolve(pods)
+                self.pods_in_namespaces(ns);
+                self.pod_index.resolve_in(&self.ns_pods[ns], pods)
             }
             SetKey::InNamespace(ns, pods) => {
-                &self.namespaces[*ns as usize].pods & self.pod_index.resolve(pods)
+                self.pod_index.resolve_in(&self.namespaces[*ns as usize].pods, pods)
             }
             SetKey::Union(ids) => {
                 let mut out = RoaringBitmap::new();
@@ -320,10 +321,22 @@ impl Cluster {
     /// Label indexes pass: reads `pod_labels` (by pod id, from [`Cluster::pods`]) and the
     /// namespaces' and nodes' labels, once every pass that adds to them has run; builds
     /// the pod, namespace and node [`LabelIndex`]es that selectors resolve against.
-    pub(super) fn label_indexes(&mut self, pod_labels: &[LabelsRef<'_>]) {
+    ///
+    /// The pods' index is built in ranges of pod ids on `workers` threads and merged: its
+    /// first read of each Pod's labels waits on the memory as the pods pass's did (10,000
+    /// Pods: 12–13 ms on one thread on a 2-core VM).
+    pub(super) fn label_indexes(&mut self, pod_labels: &[LabelsRef<'_>], workers: usize) {
+        let ranges = balanced_ranges(&vec![1; pod_labels.len()], workers);
+        let parts = par_ranges(pod_labels, &ranges, |w, chunk| {
+            let mut part = LabelIndex::default();
+            for (i, labels) in chunk.iter().enumerate() {
+                part.insert((ranges[w].start + i) as u32, labels);
+            }
+            part
+        });
         let pod_index = Arc::make_mut(&mut self.pod_index);
-        for (i, labels) in pod_labels.iter().enumerate() {
-            pod_index.insert(i as u32, labels);
+        for part in parts {
+            pod_index.merge(part);
         }
         for (i, ns) in self.namespaces.iter().enumerate() {
             self.ns_index.insert(i as u32, &ns.labels);
@@ -335,10 +348,11 @@ impl Cluster {
 
     /// Addresses pass: reads the node addresses and pod IPs; returns what each address is.
     /// Nodes first, then pods; the first claimant keeps an address, and each later one is
-    /// warned about ([`ProblemKind::AddressConflict`]).
+    /// warned about ([`ProblemKind::AddressConflict`]). The map it returns is its own record
+    /// of first claimants: an object's [`ObjectRef`] is made only for a conflict (one per
+    /// pod, its namespace and name copied, was most of this pass).
     pub(super) fn addresses(&self, problems: &mut Vec<Problem>) -> AddrMap {
         let mut by_ip = AddrMap::default();
-        let mut owner: HashMap<IpAddr, ObjectRef> = HashMap::new();
         let claims = self
             .node_addrs
             .iter()
@@ -351,34 +365,42 @@ impl Cluster {
                     .flat_map(|(i, a)| a.iter().map(move |ip| (*ip, Endpoint::Pod(i as u32)))),
             );
         for (ip, ep) in claims {
-            let who = match ep {
-                Endpoint::Node(n) => {
-                    ObjectRef::cluster(Kind::Node, self.nodes[n as usize].name.clone())
+            match by_ip.entry(ip) {
+                // Ids name one object each (pods and nodes are deduplicated by name first),
+                // so the same endpoint is the same object listing an address twice.
+                Entry::Occupied(first) if *first.get() != ep => {
+                    let (who, other) = (self.object_ref(ep), self.object_ref(*first.get()));
+                    if let (Some(who), Some(other)) = (who, other) {
+                        let conflict = ProblemKind::AddressConflict { addr: ip, other };
+                        problems.push(Problem::warning(&who, "status", conflict));
+                    }
                 }
-                Endpoint::Pod(p) => {
-                    let pod = &self.pods[p as usize];
-                    ObjectRef::namespaced(
-                        Kind::Pod,
-                        self.namespaces[pod.namespace as usize].name.clone(),
-                        pod.name.clone(),
-                    )
-                }
-                Endpoint::External => continue,
-            };
-            match owner.get(&ip) {
-                Some(first) if *first != who => problems.push(Problem::warning(
-                    &who,
-                    "status",
-                    ProblemKind::AddressConflict { addr: ip, other: first.clone() },
-                )),
-                Some(_) => {}
-                None => {
-                    owner.insert(ip, who);
-                    by_ip.insert(ip, ep);
+                Entry::Occupied(_) => {}
+                Entry::Vacant(slot) => {
+                    slot.insert(ep);
                 }
             }
         }
         by_ip
+    }
+
+    /// The object behind a node or pod endpoint; `None` for [`Endpoint::External`], which
+    /// is no object.
+    fn object_ref(&self, ep: Endpoint) -> Option<ObjectRef> {
+        Some(match ep {
+            Endpoint::Node(n) => {
+                ObjectRef::cluster(Kind::Node, self.nodes[n as usize].name.clone())
+            }
+            Endpoint::Pod(p) => {
+                let pod = &self.pods[p as usize];
+                ObjectRef::namespaced(
+                    Kind::Pod,
+                    self.namespaces[pod.namespace as usize].name.clone(),
+                    pod.name.clone(),
+                )
+            }
+            Endpoint::External => return None,
+        })
     }
 }
 

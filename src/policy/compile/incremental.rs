@@ -554,7 +554,7 @@ impl State {
                 continue;
             }
             let moved = match pod_sel {
-                Some(p) => &pods & c.pod_index.resolve(p),
+                Some(p) => c.pod_index.resolve_in(&pods, p),
                 None => pods.clone(),
             };
             if moved.is_empty() {

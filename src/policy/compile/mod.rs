@@ -229,7 +229,7 @@ impl Snapshot {
         c.namespaces(inputs, validate, &mut problems);
         c.nodes(inputs, validate, &mut problems);
         let pod_labels = c.pods(inputs, validate, workers, &mut problems);
-        c.label_indexes(&pod_labels);
+        c.label_indexes(&pod_labels, workers);
         let by_ip = c.addresses(&mut problems);
 
         let mut policies = admin::admin_policies(&mut c, inputs, validate, workers, &mut problems);
@@ -298,6 +298,15 @@ mod tests {
             assert_eq!(one.snapshot.decide(f), d, "{what}: {f:?}");
             assert_eq!(many.snapshot.decide_reference(f), d, "{what}: {f:?}");
         }
+    }
+
+    /// `pod` with `ip` as its only address (`status.podIP`).
+    fn with_ip(pod: &Pod, ip: &str) -> Arc<Pod> {
+        let mut pod = pod.clone();
+        let status = pod.status.get_or_insert_with(Default::default);
+        status.pod_ip = Some(ip.to_string());
+        status.pod_ips = None;
+        Arc::new(pod)
     }
 
     /// A cluster above [`parallel::PARALLEL_MIN_PEERS`], with duplicates, invalid objects and
@@ -467,6 +476,69 @@ mod tests {
         assert!(s.policy_sets.iter().any(many), "some pods have many policies");
     }
 
+    /// The pods' label index is built in ranges on several workers and merged: it equals
+    /// the one built on one, for a cluster large enough to be split.
+    #[test]
+    fn label_indexes_built_on_several_workers_are_the_one_built_on_one() {
+        let shape = Shape { namespaces: 50, pods: 5_000, nodes: 4, ..Shape::LARGE };
+        assert!(
+            parallel::balanced_ranges(&vec![1; shape.pods], 2).len() == 2,
+            "large enough to be split"
+        );
+        let inputs = synth::cluster(Shape { admin_policies: 2, ..shape }, 4);
+        let (_, one) = Snapshot::compile_inner(&inputs, Revision(1), false, 1);
+        for workers in [2, 3] {
+            let (_, many) = Snapshot::compile_inner(&inputs, Revision(1), false, workers);
+            assert!(*one.pod_index == *many.pod_index, "{workers} workers");
+        }
+        assert_eq!(one.pod_index.all().len(), 5_000);
+    }
+
+    /// An address claimed twice: the first claimant (nodes before pods, then pods by id)
+    /// keeps it, and each later one is warned about, naming the first.
+    #[test]
+    fn address_conflicts_warn_each_later_claimant_and_the_first_keeps_the_address() {
+        let shape = Shape { namespaces: 4, pods: 40, nodes: 3, ..Shape::LARGE };
+        let mut inputs = synth::cluster(shape, 3);
+        let name = |p: &Pod| {
+            ObjectRef::namespaced(Kind::Pod, meta_namespace(&p.metadata), meta_name(&p.metadata))
+        };
+        let first = inputs.pods[0].clone();
+        let first_ip = first.status.as_ref().and_then(|s| s.pod_ip.clone()).unwrap();
+        let node_ip = synth::node_ip(1).to_string();
+        inputs.pods[5] = with_ip(&inputs.pods[5], &first_ip);
+        inputs.pods[6] = with_ip(&inputs.pods[6], &node_ip);
+        let c = Snapshot::compile(&inputs, Revision(1));
+        let conflicts: Vec<(&ObjectRef, IpAddr, &ObjectRef)> = c
+            .problems
+            .iter()
+            .filter_map(|p| match &p.kind {
+                ProblemKind::AddressConflict { addr, other } => Some((&p.object, *addr, other)),
+                _ => None,
+            })
+            .collect();
+        let node = ObjectRef::cluster(Kind::Node, meta_name(&inputs.nodes[1].metadata));
+        let (first_ip, node_ip): (IpAddr, IpAddr) =
+            (first_ip.parse().unwrap(), node_ip.parse().unwrap());
+        // Pods claim in id order, which is key order: of the two pods with one address,
+        // the one named first keeps it.
+        let (keeps, later) = {
+            let (a, b) = (name(&first), name(&inputs.pods[5]));
+            if a < b { (a, b) } else { (b, a) }
+        };
+        let sixth = name(&inputs.pods[6]);
+        let mut want = vec![(&later, first_ip, &keeps), (&sixth, node_ip, &node)];
+        want.sort_by(|a, b| a.0.cmp(b.0));
+        assert_eq!(conflicts, want, "{:?}", c.problems);
+        let s = &c.snapshot;
+        let pod_id = |p: &Pod| s.find_pod(&meta_namespace(&p.metadata), &meta_name(&p.metadata));
+        let keeper = s.find_pod(keeps.namespace.as_deref().unwrap(), &keeps.name).unwrap();
+        assert_eq!(s.endpoint(first_ip), Endpoint::Pod(keeper));
+        assert_eq!(s.endpoint(node_ip), Endpoint::Node(s.find_node(&node.name).unwrap()));
+        let sixth = pod_id(&inputs.pods[6]).unwrap();
+        assert_eq!(s.pod_ips(sixth), [node_ip], "the pod keeps its address, not its claim");
+    }
+
     /// Pods given as views (the API-server source's form) compile to the same snapshot
     /// as the Pods they came from; a view wins over a Pod of the same name.
     #[test]
@@ -504,17 +576,10 @@ mod tests {
     fn duplicate_pods_keep_the_last_and_report_each_later_one_in_input_order() {
         let shape = Shape { namespaces: 4, pods: 40, nodes: 3, ..Shape::LARGE };
         let mut inputs = synth::cluster(shape, 3);
-        let with_ip = |i: usize, ip: &str| {
-            let mut pod = (*inputs.pods[i]).clone();
-            let status = pod.status.get_or_insert_with(Default::default);
-            status.pod_ip = Some(ip.to_string());
-            status.pod_ips = None;
-            Arc::new(pod)
-        };
         let (a, b) = (inputs.pods[3].clone(), inputs.pods[7].clone());
-        let dropped_invalid = with_ip(3, "not-an-ip");
-        let b_last = with_ip(7, "10.250.0.4");
-        let a_last = with_ip(3, "10.250.0.3");
+        let dropped_invalid = with_ip(&inputs.pods[3], "not-an-ip");
+        let b_last = with_ip(&inputs.pods[7], "10.250.0.4");
+        let a_last = with_ip(&inputs.pods[3], "10.250.0.3");
         inputs.pods.insert(10, dropped_invalid);
         inputs.pods.insert(20, b_last);
         inputs.pods.push(a_last);
