@@ -324,7 +324,7 @@ impl Cluster {
     ///
     /// The pods' index is built in ranges of pod ids on `workers` threads and merged: its
     /// first read of each Pod's labels waits on the memory as the pods pass's did (10,000
-    /// Pods: 12–13 ms on one thread on a 2-core VM).
+    /// Pods: 12–15 ms on one thread on a 2-core VM).
     pub(super) fn label_indexes(&mut self, pod_labels: &[LabelsRef<'_>], workers: usize) {
         let ranges = balanced_ranges(&vec![1; pod_labels.len()], workers);
         let parts = par_ranges(pod_labels, &ranges, |w, chunk| {
