@@ -260,6 +260,15 @@ mod tests {
         .unwrap()
     }
 
+    /// The index of `objs`, object `i` as id `i`.
+    fn index_of(objs: &[BTreeMap<String, String>]) -> LabelIndex {
+        let mut idx = LabelIndex::default();
+        for (i, l) in objs.iter().enumerate() {
+            idx.insert(i as u32, l);
+        }
+        idx
+    }
+
     #[test]
     fn index_resolution_agrees_with_direct_matching() {
         let objs = [
@@ -268,10 +277,7 @@ mod tests {
             labels(&[]),
             labels(&[("tier", "be"), ("app", "web")]),
         ];
-        let mut idx = LabelIndex::default();
-        for (i, l) in objs.iter().enumerate() {
-            idx.insert(i as u32, l);
-        }
+        let idx = index_of(&objs);
         let cases = [
             sel(&[], vec![]),
             sel(&[("app", "web")], vec![]),
@@ -308,10 +314,7 @@ mod tests {
     #[test]
     fn an_index_merged_from_parts_is_the_index_of_the_whole() {
         let objs = many_objects(300);
-        let mut whole = LabelIndex::default();
-        for (i, l) in objs.iter().enumerate() {
-            whole.insert(i as u32, l);
-        }
+        let whole = index_of(&objs);
         for cuts in [vec![0, 300], vec![0, 1, 300], vec![0, 120, 121, 299, 300], vec![0, 0, 300]] {
             let mut merged = LabelIndex::default();
             for w in cuts.windows(2) {
@@ -328,10 +331,7 @@ mod tests {
     #[test]
     fn resolving_within_ids_is_resolving_then_intersecting() {
         let objs = many_objects(200);
-        let mut idx = LabelIndex::default();
-        for (i, l) in objs.iter().enumerate() {
-            idx.insert(i as u32, l);
-        }
+        let idx = index_of(&objs);
         let cases = [
             sel(&[], vec![]),
             sel(&[("app", "a3")], vec![]),

@@ -113,8 +113,8 @@ pub(super) fn matchers_and_indexes(
 /// namespace move together, so a visit is two array reads and a write. Two pods end in
 /// one class exactly when their lists are equal, so each distinct list is then read off
 /// the trie once, on a walk down from the root. The trie has at most a node per visit
-/// (16 bytes with its move), against 4 bytes a visit for per-pod lists; with the bench's
-/// Antrea set, 155,631 nodes for 1.24 M visits.
+/// (20 bytes with its move, 16 more while the lists are read off), against 4 bytes a visit
+/// for per-pod lists; with the bench's Antrea set, 155,631 nodes for 1.24 M visits.
 pub(super) fn per_pod_policies(policies: &[Policy], pods: usize) -> (Vec<u32>, Vec<PodPolicies>) {
     /// A trie node: its parent class and the step that made it from its parent.
     struct Node {
@@ -167,7 +167,8 @@ pub(super) fn per_pod_policies(policies: &[Policy], pods: usize) -> (Vec<u32>, V
     // Each final class's lists, read off the trie depth first from the root with the
     // path's steps on a stack. Read up from each class instead, a list's every step was a
     // load that waited on the one before (the parent links jump back through the trie):
-    // about 15 ms of a compile with the bench's Antrea set on a 2-core VM.
+    // with the bench's Antrea set the phase took 21-22 ms that way on a 2-core VM, 16-18
+    // this way (docs/architecture.md, "Measured: with Antrea's tiers", stop 55).
     let mut first_child = vec![0u32; nodes.len() + 1];
     for n in &nodes[1..] {
         first_child[n.parent as usize + 1] += 1;
