@@ -113,7 +113,7 @@ impl Cluster {
         let set = match &key {
             SetKey::Namespaces(ns) => self.pods_in_namespaces(ns).clone(),
             SetKey::Pods(ns, pods) => {
-                self.pods_in_namespaces(ns);
+                self.pods_in_namespaces(ns); // memoised in `ns_pods`
                 self.pod_index.resolve_in(&self.ns_pods[ns], pods)
             }
             SetKey::InNamespace(ns, pods) => {
@@ -215,20 +215,24 @@ impl Cluster {
         workers: usize,
         problems: &mut Vec<Problem>,
     ) -> Vec<LabelsRef<'a>> {
-        // Each Pod's key, validation and view on worker threads, in input order: the first
-        // read of a large input's Pods is scattered over its heap and waits on the memory
-        // for each (10,000 Pods: 17–34 ms on one thread on a 2-core VM), so every read of a
-        // Pod happens there. Then duplicates are dropped, the last kept, and the views a
-        // source gave are added (they win over a Pod of the same name), in key order.
+        // Each Pod's key, validation, view and declared namespace and node ids on worker
+        // threads, in input order: the first read of a large input's Pods is scattered over
+        // its heap and waits on the memory for each (10,000 Pods: 17–34 ms on one thread on
+        // a 2-core VM), so every read of a Pod happens there. Then duplicates are dropped,
+        // the last kept, and the views a source gave are added (they win over a Pod of the
+        // same name), in key order.
         let all: Vec<&'a Pod> = inputs.pods.iter().map(|p| &**p).collect();
         let ranges = balanced_ranges(&vec![1; all.len()], workers);
+        let (ns_ids, node_ids) = (&self.ns_ids, &self.node_ids);
         let prepared = par_ranges(&all, &ranges, |_, chunk| {
             chunk
                 .iter()
                 .map(|&pod| {
                     let m = &pod.metadata;
                     let r = ObjectRef::namespaced(Kind::Pod, meta_namespace(m), meta_name(m));
-                    (r, prepare_pod(pod, validate))
+                    let (found, mut item) = prepare_pod(pod, validate);
+                    item.known_ids(r.namespace.as_deref().unwrap_or_default(), ns_ids, node_ids);
+                    (r, (found, item))
                 })
                 .collect::<Vec<_>>()
         });
@@ -245,7 +249,11 @@ impl Cluster {
             let mut by_ref: BTreeMap<ObjectRef, PodItem<'_>> = items.into_iter().collect();
             for v in &inputs.pod_views {
                 let r = v.object_ref();
-                let item = PodItem { labels: LabelsRef::Compact(&v.labels), fields: pod_fields(v) };
+                let item = PodItem {
+                    labels: LabelsRef::Compact(&v.labels),
+                    fields: pod_fields(v),
+                    namespace: None,
+                };
                 if by_ref.insert(r.clone(), item).is_some() {
                     problems.push(Problem::warning(&r, "", ProblemKind::Duplicate));
                 }
@@ -253,25 +261,26 @@ impl Cluster {
             items = by_ref.into_iter().collect();
         }
         for (r, item) in items {
-            let Some(PodFields { node, ips, host_network, ports }) = item.fields else {
+            let Some(PodFields { node, node_id, ips, host_network, ports }) = item.fields else {
                 continue;
             };
-            let node = node.map(|n| match self.node_ids.get(n.as_str()) {
-                Some(&id) => id,
-                None => {
-                    // A node known only from pods: no labels, no addresses but its
-                    // hostNetwork pods'.
-                    let id = self.nodes.len() as u32;
-                    Arc::make_mut(&mut self.nodes).push(NodeEntry {
-                        name: n.clone(),
-                        labels: BTreeMap::new(),
-                        annotations: Box::default(),
-                    });
-                    Arc::make_mut(&mut self.node_addrs).push(Vec::new());
-                    self.node_ids.insert(n.clone(), id);
-                    id
-                }
-            });
+            let node =
+                node.map(|n| match node_id.or_else(|| self.node_ids.get(n.as_str()).copied()) {
+                    Some(id) => id,
+                    None => {
+                        // A node known only from pods: no labels, no addresses but its
+                        // hostNetwork pods'.
+                        let id = self.nodes.len() as u32;
+                        Arc::make_mut(&mut self.nodes).push(NodeEntry {
+                            name: n.clone(),
+                            labels: BTreeMap::new(),
+                            annotations: Box::default(),
+                        });
+                        Arc::make_mut(&mut self.node_addrs).push(Vec::new());
+                        self.node_ids.insert(n.clone(), id);
+                        id
+                    }
+                });
             if host_network {
                 // "Note that host-networked pods are not included in subject selection" /
                 // "in this type of peer": such a pod is its node, for policy.
@@ -280,8 +289,9 @@ impl Cluster {
                 }
                 continue;
             }
-            let ns = match self.ns_ids.get(r.namespace.as_deref().unwrap_or_default()) {
-                Some(&id) => id,
+            let namespace = r.namespace.as_deref().unwrap_or_default();
+            let ns = match item.namespace.or_else(|| self.ns_ids.get(namespace).copied()) {
+                Some(id) => id,
                 None => {
                     let name = r.namespace.clone().unwrap_or_default();
                     let labels = BTreeMap::from([(NAMESPACE_NAME_LABEL.to_string(), name.clone())]);
@@ -471,6 +481,8 @@ impl PodView {
 struct PodFields<'a> {
     /// `spec.nodeName`.
     node: Option<&'a String>,
+    /// The id of `node` when it was known as the pod was read ([`PodItem::known_ids`]).
+    node_id: Option<u32>,
     /// `status.podIP` / `status.podIPs`, parsed.
     ips: Vec<IpAddr>,
     host_network: bool,
@@ -520,6 +532,20 @@ struct PodItem<'a> {
     labels: LabelsRef<'a>,
     /// `None`: terminated or invalid (no IP, no traffic).
     fields: Option<PodFields<'a>>,
+    /// The id of the pod's namespace when it was known as the pod was read.
+    namespace: Option<u32>,
+}
+
+impl PodItem<'_> {
+    /// Looks up the ids of the pod's namespace and node among those the namespaces and
+    /// nodes passes gave, on the worker that read the pod (the strings are in its cache
+    /// there, cold on the calling thread). Those the pods pass adds are looked up there.
+    fn known_ids(&mut self, namespace: &str, ns_ids: &NameIds, node_ids: &NameIds) {
+        self.namespace = ns_ids.get(namespace).copied();
+        if let Some(f) = self.fields.as_mut() {
+            f.node_id = f.node.and_then(|n| node_ids.get(n.as_str()).copied());
+        }
+    }
 }
 
 /// Validates a whole `pod` (with `validate`) and reads its fields without copying its
@@ -533,18 +559,20 @@ fn prepare_pod(pod: &Pod, validate: bool) -> (Vec<Problem>, PodItem<'_>) {
     let spec = pod.spec.as_ref();
     let fields = usable.then(|| PodFields {
         node: spec.and_then(|s| s.node_name.as_ref()),
+        node_id: None,
         ips: pod_ips(pod),
         host_network: spec.and_then(|s| s.host_network).unwrap_or(false),
         ports: named_ports(pod),
     });
     let labels = LabelsRef::Map(pod.metadata.labels.as_ref().unwrap_or(&NO_LABELS));
-    (problems, PodItem { labels, fields })
+    (problems, PodItem { labels, fields, namespace: None })
 }
 
 /// The per-pod fields the snapshot keeps; `None` for a terminated pod.
 fn pod_fields(view: &PodView) -> Option<PodFields<'_>> {
     (!view.terminated).then(|| PodFields {
         node: view.node_name.as_ref(),
+        node_id: None,
         ips: view.ips.clone(),
         host_network: view.host_network,
         ports: view.named_ports.clone(),
