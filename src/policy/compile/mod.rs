@@ -310,6 +310,16 @@ mod tests {
         }
     }
 
+    /// `pod`'s key.
+    fn pod_ref(pod: &Pod) -> ObjectRef {
+        ObjectRef::namespaced(Kind::Pod, meta_namespace(&pod.metadata), meta_name(&pod.metadata))
+    }
+
+    /// `pod`'s id in `s`.
+    fn pod_id(s: &Snapshot, pod: &Pod) -> Option<u32> {
+        s.find_pod(&meta_namespace(&pod.metadata), &meta_name(&pod.metadata))
+    }
+
     /// `pod` with `ip` as its only address (`status.podIP`).
     fn with_ip(pod: &Pod, ip: &str) -> Arc<Pod> {
         let mut pod = pod.clone();
@@ -491,10 +501,7 @@ mod tests {
     #[test]
     fn label_indexes_built_on_several_workers_are_the_one_built_on_one() {
         let shape = Shape { namespaces: 50, pods: 5_000, nodes: 4, ..Shape::LARGE };
-        assert!(
-            parallel::balanced_ranges(&vec![1; shape.pods], 2).len() == 2,
-            "large enough to be split"
-        );
+        assert_eq!(parallel::balanced_ranges(&vec![1; shape.pods], 2).len(), 2, "split");
         let inputs = synth::cluster(Shape { admin_policies: 2, ..shape }, 4);
         let (_, one) = Snapshot::compile_inner(&inputs, Revision(1), false, 1);
         for workers in [2, 3] {
@@ -538,10 +545,7 @@ mod tests {
                 "one of each made"
             );
             let ghost_node = s.find_node("ghost-node");
-            let pod = |i: usize| {
-                let m = &inputs.pods[i].metadata;
-                s.find_pod(&meta_namespace(m), &meta_name(m)).unwrap()
-            };
+            let pod = |i: usize| pod_id(s, &inputs.pods[i]).unwrap();
             assert_eq!(s.pod_name(pod(10)).0, "ghost");
             assert_eq!(s.pod_name(pod(20)).0, "ghost");
             assert_eq!(s.pod_node(pod(10)), None);
@@ -561,9 +565,6 @@ mod tests {
     fn address_conflicts_warn_each_later_claimant_and_the_first_keeps_the_address() {
         let shape = Shape { namespaces: 4, pods: 40, nodes: 3, ..Shape::LARGE };
         let mut inputs = synth::cluster(shape, 3);
-        let name = |p: &Pod| {
-            ObjectRef::namespaced(Kind::Pod, meta_namespace(&p.metadata), meta_name(&p.metadata))
-        };
         let first = inputs.pods[0].clone();
         let first_ip = first.status.as_ref().and_then(|s| s.pod_ip.clone()).unwrap();
         let node_ip = synth::node_ip(1).to_string();
@@ -584,19 +585,18 @@ mod tests {
         // Pods claim in id order, which is key order: of the two pods with one address,
         // the one named first keeps it.
         let (keeps, later) = {
-            let (a, b) = (name(&first), name(&inputs.pods[5]));
+            let (a, b) = (pod_ref(&first), pod_ref(&inputs.pods[5]));
             if a < b { (a, b) } else { (b, a) }
         };
-        let sixth = name(&inputs.pods[6]);
+        let sixth = pod_ref(&inputs.pods[6]);
         let mut want = vec![(&later, first_ip, &keeps), (&sixth, node_ip, &node)];
         want.sort_by(|a, b| a.0.cmp(b.0));
         assert_eq!(conflicts, want, "{:?}", c.problems);
         let s = &c.snapshot;
-        let pod_id = |p: &Pod| s.find_pod(&meta_namespace(&p.metadata), &meta_name(&p.metadata));
         let keeper = s.find_pod(keeps.namespace.as_deref().unwrap(), &keeps.name).unwrap();
         assert_eq!(s.endpoint(first_ip), Endpoint::Pod(keeper));
         assert_eq!(s.endpoint(node_ip), Endpoint::Node(s.find_node(&node.name).unwrap()));
-        let sixth = pod_id(&inputs.pods[6]).unwrap();
+        let sixth = pod_id(s, &inputs.pods[6]).unwrap();
         assert_eq!(s.pod_ips(sixth), [node_ip], "the pod keeps its address, not its claim");
     }
 
@@ -625,7 +625,7 @@ mod tests {
         moved.ips = vec!["10.250.0.1".parse().unwrap()];
         let both = Inputs { pod_views: vec![Arc::new(moved)], ..pods_in.clone() };
         let c = Snapshot::compile(&both, Revision(1));
-        let id = c.snapshot.find_pod(&meta_namespace(&pod.metadata), &meta_name(&pod.metadata));
+        let id = pod_id(&c.snapshot, pod);
         assert_eq!(c.snapshot.pod_ips(id.unwrap()), ["10.250.0.1".parse::<IpAddr>().unwrap()]);
         assert!(c.problems.iter().any(|p| matches!(p.kind, ProblemKind::Duplicate)));
     }
@@ -647,20 +647,16 @@ mod tests {
         let one = Snapshot::compile_inner(&inputs, Revision(1), true, 1).0;
         let two = Snapshot::compile_inner(&inputs, Revision(1), true, 2).0;
         assert_eq!(one.problems, two.problems);
-        let name = |p: &Pod| {
-            ObjectRef::namespaced(Kind::Pod, meta_namespace(&p.metadata), meta_name(&p.metadata))
-        };
         let duplicates: Vec<&ObjectRef> = two
             .problems
             .iter()
             .filter(|p| matches!(p.kind, ProblemKind::Duplicate))
             .map(|p| &p.object)
             .collect();
-        assert_eq!(duplicates, [&name(&a), &name(&b), &name(&a)]);
+        assert_eq!(duplicates, [&pod_ref(&a), &pod_ref(&b), &pod_ref(&a)]);
         assert!(two.problems.iter().all(|p| !p.is_error()), "{:?}", two.problems);
         for (pod, ip) in [(&a, "10.250.0.3"), (&b, "10.250.0.4")] {
-            let r = name(pod);
-            let id = two.snapshot.find_pod(r.namespace.as_deref().unwrap(), &r.name).unwrap();
+            let id = pod_id(&two.snapshot, pod).unwrap();
             assert_eq!(two.snapshot.pod_ips(id), [ip.parse::<IpAddr>().unwrap()]);
         }
         assert_eq!(
