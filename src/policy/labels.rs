@@ -205,11 +205,38 @@ impl LabelSet for LabelsRef<'_> {
         }
     }
     fn pairs(&self) -> impl Iterator<Item = (&str, &str)> {
-        let (map, compact) = match self {
-            LabelsRef::Map(m) => (Some(m.pairs()), None),
-            LabelsRef::Compact(l) => (None, Some(l.iter())),
-        };
-        map.into_iter().flatten().chain(compact.into_iter().flatten())
+        match *self {
+            LabelsRef::Map(m) => Pairs::Map(m.iter()),
+            LabelsRef::Compact(l) => Pairs::Compact(l.0.iter()),
+        }
+    }
+}
+
+/// The pairs of a [`LabelsRef`] in key order, one branch on the form per pair. (A chain
+/// of two `Option` iterators in its place made validating the bench's hundred
+/// AdminNetworkPolicies of a hundred rules, two million selectors, take 1.13x as long on
+/// one thread.)
+enum Pairs<'a> {
+    Map(std::collections::btree_map::Iter<'a, String, String>),
+    Compact(std::slice::Iter<'a, (CompactString, CompactString)>),
+}
+
+impl<'a> Iterator for Pairs<'a> {
+    type Item = (&'a str, &'a str);
+
+    #[inline]
+    fn next(&mut self) -> Option<Self::Item> {
+        match self {
+            Pairs::Map(i) => i.next().map(|(k, v)| (k.as_str(), v.as_str())),
+            Pairs::Compact(i) => i.next().map(|(k, v)| (k.as_str(), v.as_str())),
+        }
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        match self {
+            Pairs::Map(i) => i.size_hint(),
+            Pairs::Compact(i) => i.size_hint(),
+        }
     }
 }
 

@@ -57,8 +57,10 @@ impl Selector {
     pub fn compile(sel: SelectorRef<'_>) -> Result<Self, UnknownOperator> {
         let SelectorRef { match_labels, match_expressions } = sel;
         let mut reqs = Vec::new();
-        for (k, v) in match_labels.iter().flat_map(|l| l.pairs()) {
-            reqs.push(Requirement::In(k.to_owned(), vec![v.to_owned()]));
+        if let Some(labels) = match_labels {
+            for (k, v) in labels.pairs() {
+                reqs.push(Requirement::In(k.to_owned(), vec![v.to_owned()]));
+            }
         }
         for e in match_expressions.into_iter().flatten() {
             let mut values = e.values.clone().unwrap_or_default();

@@ -53,11 +53,8 @@ pub(super) fn selector<'a>(
 #[inline]
 fn is_valid_selector(sel: SelectorRef<'_>) -> bool {
     let SelectorRef { match_expressions, match_labels } = sel;
-    match_labels
-        .iter()
-        .flat_map(|l| l.pairs())
-        .all(|(k, v)| is_qualified_name(k) && is_label_value(v))
-        && match_expressions.into_iter().flatten().all(is_valid_requirement)
+    match_labels.is_none_or(|l| l.pairs().all(|(k, v)| is_qualified_name(k) && is_label_value(v)))
+        && match_expressions.is_none_or(|reqs| reqs.iter().all(is_valid_requirement))
 }
 
 /// `true` iff [`requirement`] finds no problem in `req`.
