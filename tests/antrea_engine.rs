@@ -1117,3 +1117,49 @@ fn an_unvalidated_port_out_of_range_selects_no_port() {
         assert_eq!(d.verdict, ALLOW, "port {port}");
     }
 }
+
+/// A compile that validates checks each Antrea policy where it compiles it and leaves
+/// out one with an error, as Antrea's API server refuses it: the traffic its valid rules
+/// name is decided as without it. A compile of the same objects taken as validated keeps
+/// it (so the policy is not left out for another reason). Its problems come after the
+/// Tiers' and the duplicates', policy by policy: ACNPs by name, then ANNPs by namespace
+/// and name.
+#[test]
+fn a_validating_compile_leaves_out_an_antrea_policy_with_an_error() {
+    let bad = acnp(
+        "b-bad",
+        &format!("{{priority: 20000, {WEB}, ingress: [{{action: Drop, ports: [{{port: 80}}]}}]}}"),
+    );
+    let odd_annp = annp(
+        "prod",
+        "a-odd",
+        "{priority: 0, appliedTo: [{podSelector: {}}], ingress: [{action: Drop}]}",
+    );
+    let odd_acnp = acnp(
+        "a-odd",
+        &format!("{{priority: 1, tier: nowhere, {WEB}, ingress: [{{action: Drop}}]}}"),
+    );
+    let tiers = tier("t", 10) + &tier("t", 10);
+    let text = format!("{CLUSTER}\n---\n{tiers}{odd_annp}{bad}{odd_acnp}");
+    let loaded = parse_str(Path::new("t.yaml"), &text).unwrap();
+    let c = Snapshot::compile(&loaded.inputs, Revision(1));
+    let mut objects: Vec<String> = Vec::new();
+    for p in &c.problems {
+        let o = format!("{}/{}", p.object.namespace.as_deref().unwrap_or("-"), p.object.name);
+        if objects.last() != Some(&o) {
+            objects.push(o);
+        }
+    }
+    assert_eq!(objects, ["-/t", "-/a-odd", "-/b-bad", "prod/a-odd"], "{:#?}", c.problems);
+    let errors = |o: &str| {
+        c.problems.iter().any(|p| {
+            p.is_error()
+                && format!("{}/{}", p.object.namespace.as_deref().unwrap_or("-"), p.object.name)
+                    == o
+        })
+    };
+    assert!(errors("-/a-odd") && errors("-/b-bad") && errors("prod/a-odd"), "{:#?}", c.problems);
+    assert_eq!(decide(&c.snapshot, "dev/web", "prod/web", TCP, 80).verdict, ALLOW);
+    let taken = Snapshot::compile_validated(&loaded.inputs, Revision(1)).snapshot;
+    assert_eq!(decide(&taken, "dev/web", "prod/web", TCP, 80).verdict, DENY);
+}
