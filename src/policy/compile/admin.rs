@@ -5,8 +5,8 @@
 //! These objects hold nearly all of a large input's peers (a million peers naming a few
 //! hundred distinct selectors), so the work is shaped around reading them once:
 //! [`prepare_admin`] validates and compiles them rule by rule on worker threads, each
-//! worker keying its selector peers in its own [`SetDict`]; [`intern_peer_keys`] then
-//! resolves each distinct key once, in worker order; [`keys_to_set_ids`] turns the rules'
+//! worker keying its selector peers in its own [`SetDict`] (and marking those a valid
+//! object uses); [`intern_used`] then resolves each distinct used key once, in worker order; [`keys_to_set_ids`] turns the rules'
 //! keys into sorted pod set ids on the workers again; [`Cluster::admin_policy`] resolves
 //! each subject.
 
@@ -45,7 +45,7 @@ pub(super) fn admin_policies(
     let mut duplicates: [Vec<Problem>; 3] = Default::default();
     let items = admin_objects(inputs, &mut duplicates);
     let (mut prepared, dicts) = prepare_admin(&items, &c.node_index, validate, workers);
-    let key_sets = intern_peer_keys(c, &prepared, dicts);
+    let key_sets = intern_used(c, dicts);
     keys_to_set_ids(&mut prepared, &key_sets, workers);
     let mut policies = Vec::new();
     let mut reported = 0;
@@ -196,30 +196,8 @@ fn admin_objects<'a>(
         .collect()
 }
 
-/// Resolves and interns in `c` the pod set of every key of the workers' `dicts` that a
-/// valid object's rule uses ([`intern_used`]). Returns, per worker, the set id of each of
-/// its keys (`SetId::MAX` for a key no valid rule uses).
-fn intern_peer_keys(
-    c: &mut Cluster,
-    prepared: &[Prepared<'_>],
-    dicts: Vec<SetDict>,
-) -> Vec<Vec<SetId>> {
-    // Only keys that valid objects use get a pod set: a key whose selectors do not
-    // compile is in no rule (its peers failed closed), nor is a key only invalid
-    // objects used.
-    let mut used: Vec<Vec<bool>> = dicts.iter().map(|d| vec![false; d.sets.len()]).collect();
-    for p in prepared {
-        for rule in p.body.iter().flat_map(|b| b.rules.iter().flatten()) {
-            for &k in &rule.peers.pod_sets {
-                used[p.worker][k as usize] = true;
-            }
-        }
-    }
-    intern_used(c, dicts, &used)
-}
-
 /// Turns the worker keys in the rules of `prepared` into sorted, deduplicated pod set ids
-/// (`key_sets`, from [`intern_peer_keys`]), on the workers again (a million ids to sort).
+/// (`key_sets`, from [`intern_used`]), on the workers again (a million ids to sort).
 fn keys_to_set_ids(prepared: &mut [Prepared<'_>], key_sets: &[Vec<SetId>], workers: usize) {
     let weights: Vec<usize> = prepared
         .iter()
@@ -569,6 +547,13 @@ fn prepare_admin<'a>(
                         let (tier, priority, namespaces, pods) = admin_head(obj);
                         AdminBody { tier, priority, namespaces, pods, rules }
                     });
+                    // Only keys that valid objects use get a pod set: a key whose
+                    // selectors do not compile is in no rule (its peers failed closed), nor
+                    // is a key only invalid objects used.
+                    if let Some(b) = &body {
+                        let rules = b.rules.iter().flatten();
+                        dict.mark_used(rules.flat_map(|r| r.peers.pod_sets.iter().copied()));
+                    }
                     Prepared { problems, body, worker }
                 })
                 .collect();

@@ -209,13 +209,7 @@ pub(super) fn antrea_policies(
         }))
         .collect();
     let (prepared, dicts) = prepare(&items, c, &table, workers);
-    let mut used: Vec<Vec<bool>> = dicts.iter().map(|d| vec![false; d.sets.len()]).collect();
-    for p in &prepared {
-        if let Some(body) = &p.body {
-            body.keys().for_each(|k| used[p.worker][k as usize] = true);
-        }
-    }
-    let key_sets = intern_used(c, dicts, &used);
+    let key_sets = intern_used(c, dicts);
     let mut out = Vec::with_capacity(prepared.len());
     for p in prepared {
         problems.extend(p.problems);
@@ -288,8 +282,9 @@ impl Body {
 }
 
 /// Validates (where [`Item::check`] says so) and compiles `items` on up to `workers`
-/// threads (ranges of about equal rules and peers), each with its own [`SetDict`]. Returns, in item order, what each became, and each
-/// worker's dict.
+/// threads (ranges of about equal rules and peers), each with its own [`SetDict`] (the
+/// keys of the policies kept marked used). Returns, in item order, what each became, and
+/// each worker's dict.
 fn prepare(
     items: &[Item<'_>],
     c: &Cluster,
@@ -318,6 +313,9 @@ fn prepare(
                     true => None,
                     false => w.policy(item, &mut problems),
                 };
+                if let Some(body) = &body {
+                    w.dict.mark_used(body.keys());
+                }
                 Prepared { problems, body, worker }
             })
             .collect();
