@@ -259,7 +259,7 @@ impl Snapshot {
             &c.pods,
             workers,
         );
-        let (per_pod, policy_sets) = index::per_pod_policies(&policies, c.pods.len());
+        let (per_pod, policy_sets) = index::per_pod_policies(&policies, c.pods.len(), workers);
 
         let snapshot = Snapshot {
             revision,
@@ -452,7 +452,8 @@ mod tests {
 
     /// The per-pod policy lists read off the list-class trie are, pod by pod, the lists a
     /// plain walk of every policy's subject builds; each distinct list is kept once, in
-    /// order of first use by pod id.
+    /// order of first use by pod id; the same whether one trie walks every pod or one per
+    /// worker walks a range of them.
     #[test]
     fn per_pod_lists_are_each_pods_policies_in_order_and_interned() {
         let shape = Shape { namespaces: 30, pods: 600, nodes: 3, ..Shape::LARGE };
@@ -465,35 +466,41 @@ mod tests {
             max_peers: 3,
         };
         inputs.antrea = synth::antrea(antrea, shape, 9);
-        let s = Snapshot::compile(&inputs, Revision(1)).snapshot;
-        let pods = s.pods.len();
-        let mut plain = vec![crate::policy::snapshot::PolicyLists::default(); pods];
-        for (pid, p) in s.policies.iter().enumerate() {
-            for d in Direction::BOTH {
-                if p.applies[d as usize] {
-                    for pod in p.subject.iter() {
-                        plain[pod as usize][p.tier.index()][d as usize].push(pid as u32);
+        for workers in [1, 2, 3] {
+            let s = Snapshot::compile_inner(&inputs, Revision(1), true, workers).0.snapshot;
+            let pods = s.pods.len();
+            let mut plain = vec![crate::policy::snapshot::PolicyLists::default(); pods];
+            let mut visits = 0;
+            for (pid, p) in s.policies.iter().enumerate() {
+                for d in Direction::BOTH {
+                    if p.applies[d as usize] {
+                        for pod in p.subject.iter() {
+                            plain[pod as usize][p.tier.index()][d as usize].push(pid as u32);
+                            visits += 1;
+                        }
                     }
                 }
             }
-        }
-        let mut first_use = Vec::new();
-        for (pod, want) in plain.iter().enumerate() {
-            let id = s.per_pod[pod] as usize;
-            assert_eq!(s.policy_sets[id].thaw(), *want, "pod {pod}");
-            if !first_use.contains(&id) {
-                assert_eq!(id, first_use.len(), "ids in order of first use");
-                first_use.push(id);
+            // Enough to be split over the workers' ranges of pods.
+            assert!(visits > parallel::PARALLEL_MIN_PEERS, "{visits}");
+            let mut first_use = Vec::new();
+            for (pod, want) in plain.iter().enumerate() {
+                let id = s.per_pod[pod] as usize;
+                assert_eq!(s.policy_sets[id].thaw(), *want, "{workers} workers, pod {pod}");
+                if !first_use.contains(&id) {
+                    assert_eq!(id, first_use.len(), "ids in order of first use");
+                    first_use.push(id);
+                }
             }
+            assert_eq!(first_use.len(), s.policy_sets.len(), "every list is some pod's");
+            let distinct: std::collections::HashSet<_> = s.policy_sets.iter().collect();
+            assert_eq!(distinct.len(), s.policy_sets.len(), "each list kept once");
+            assert!(s.policy_sets.len() > 10, "the cluster's pods differ: {}", s.policy_sets.len());
+            let many = |l: &crate::policy::snapshot::PodPolicies| {
+                (0..Tier::COUNT).any(|t| l.list(t, 0).len() > 5)
+            };
+            assert!(s.policy_sets.iter().any(many), "some pods have many policies");
         }
-        assert_eq!(first_use.len(), s.policy_sets.len(), "every list is some pod's");
-        let distinct: std::collections::HashSet<_> = s.policy_sets.iter().collect();
-        assert_eq!(distinct.len(), s.policy_sets.len(), "each list kept once");
-        assert!(s.policy_sets.len() > 10, "the cluster's pods differ: {}", s.policy_sets.len());
-        let many = |l: &crate::policy::snapshot::PodPolicies| {
-            (0..Tier::COUNT).any(|t| l.list(t, 0).len() > 5)
-        };
-        assert!(s.policy_sets.iter().any(many), "some pods have many policies");
     }
 
     /// The pods' label index is built in ranges on several workers and merged: it equals
