@@ -6,9 +6,9 @@
 //! hundred distinct selectors), so the work is shaped around reading them once:
 //! [`prepare_admin`] validates and compiles them rule by rule on worker threads, each
 //! worker keying its selector peers in its own [`SetDict`] (and marking those a valid
-//! object uses); [`intern_used`] then resolves each distinct used key once, in worker order; [`keys_to_set_ids`] turns the rules'
-//! keys into sorted pod set ids on the workers again; [`Cluster::admin_policy`] resolves
-//! each subject.
+//! object uses); [`intern_used`] then resolves each distinct used key once, in worker
+//! order; [`keys_to_set_ids`] turns the rules' keys into sorted pod set ids on the workers
+//! again; [`Cluster::admin_policy`] resolves each subject.
 
 use std::sync::Arc;
 
