@@ -33,7 +33,7 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use roaring::RoaringBitmap;
 
 use super::cluster::{Cluster, SetKey};
-use super::parallel::{balanced_ranges, default_workers, par_ranges};
+use super::parallel::{balanced_ranges, default_workers, par_for_each_mut, par_ranges};
 use super::set_dict::{EVERYTHING, RawSet, SetDict, gather, intern_used};
 use super::{meta_namespace, own_annotations, port_u16, protocol_or_tcp, selector};
 use crate::policy::antrea_tiers::{TierTable, tier_object_name};
@@ -154,8 +154,9 @@ fn last_of_each<T: kube::Resource>(
 /// threads) check each policy against the Tier table (with `validate`) and compile the
 /// valid ones right after, while their objects are in cache, keying every pod set a peer
 /// or `appliedTo` entry names in their own [`SetDict`]; the keys that kept rules use are
-/// then interned in worker order, and each policy is finished on the calling thread
-/// ([`Cluster::antrea_policy`]: set ids, `appliedTo` unions, the subject). Problems come
+/// then interned in worker order, each policy's `appliedTo` sets made on the calling
+/// thread ([`Cluster::applied_sets`], interning unions), and the policies finished on the
+/// workers again ([`finish`]: set ids, the subject). Problems come
 /// as the Tiers', the duplicates', then each policy's in the order the policies are
 /// compiled.
 pub(super) fn antrea_policies(
@@ -210,14 +211,44 @@ pub(super) fn antrea_policies(
         .collect();
     let (prepared, dicts) = prepare(&items, c, &table, workers);
     let key_sets = intern_used(c, dicts);
-    let mut out = Vec::with_capacity(prepared.len());
+    // Each kept policy's `appliedTo` sets on the calling thread, which alone holds the
+    // interner (a list of several is interned as their union); the rest of it on the
+    // workers ([`finish`]), which read the interned sets.
+    let mut kept = Vec::with_capacity(prepared.len());
     for p in prepared {
         problems.extend(p.problems);
         if let Some(body) = p.body {
-            out.push(c.antrea_policy(body, &key_sets[p.worker]));
+            let applied = c.applied_sets(&body, &key_sets[p.worker]);
+            kept.push(Finishing { body: Some(body), worker: p.worker, applied, policy: None });
         }
     }
-    out
+    let weights: Vec<usize> = kept
+        .iter()
+        .map(|f| f.body.iter().flat_map(|b| b.rules.iter().flatten()))
+        .map(|rules| rules.map(|r| 1 + r.peers.pod_sets.len()).sum::<usize>() + 1)
+        .collect();
+    let interned = &c.interner.sets;
+    par_for_each_mut(&mut kept, &balanced_ranges(&weights, workers), |f| {
+        let body = f.body.take().expect("finished once");
+        f.policy = Some(finish(body, &key_sets[f.worker], &f.applied, interned));
+    });
+    kept.into_iter().map(|f| f.policy.expect("finished")).collect()
+}
+
+/// A kept policy between its `appliedTo` sets and [`finish`].
+struct Finishing {
+    body: Option<Body>,
+    /// The worker whose keys the body holds.
+    worker: usize,
+    applied: AppliedSets,
+    policy: Option<Policy>,
+}
+
+/// The pod set of a policy's `appliedTo` list, or of each rule's (by direction and rule
+/// index; `None` for a rule without one).
+struct AppliedSets {
+    policy: Option<SetId>,
+    rules: [Vec<Option<SetId>>; 2],
 }
 
 /// One admitted Antrea policy, as [`prepare`] reads it.
@@ -614,56 +645,17 @@ impl Worker<'_> {
 }
 
 impl Cluster {
-    /// Finishes a policy [`prepare`]d on a worker whose keys are interned (`sets`: the
-    /// worker's key → set id): the rules' pod sets become sorted set ids, each `appliedTo`
-    /// list one set (a union of several), and the subject the union of the policy's or
-    /// of its rules' `appliedTo` sets.
-    fn antrea_policy(&mut self, body: Body, sets: &[SetId]) -> Policy {
-        let Body {
-            object,
-            tier,
-            rank,
-            priority,
-            tier_name,
-            annotations,
-            applied_to,
-            rule_applied_to,
-            mut rules,
-        } = body;
-        let spec_set = applied_to.map(|keys| self.applied_set(&keys, sets));
-        let mut subject = RoaringBitmap::new();
-        for (d, rules) in rules.iter_mut().enumerate() {
-            for (i, rule) in rules.iter_mut().enumerate() {
-                rule.peers.map_pod_sets(|k| sets[k as usize]);
-                for rel in rule.peers.relative.iter_mut() {
-                    rel.pods = sets[rel.pods as usize];
-                }
-                if let Some(keys) = rule_applied_to[d].get(i) {
-                    // A rule whose appliedTo selects nothing applies to no subject.
-                    let s = self.applied_set(keys, sets);
-                    subject |= &*self.interner.sets[s as usize];
-                    rule.applied_to = Some(s);
-                }
-            }
-        }
-        let applies = [!rules[0].is_empty(), !rules[1].is_empty()];
-        let (subject, subject_set) = match spec_set {
-            Some(s) => (Arc::clone(&self.interner.sets[s as usize]), Some(s)),
-            None => (Arc::new(subject), None),
-        };
-        Policy {
-            object: Arc::new(object),
-            tier,
-            rank,
-            priority,
-            antrea_tier: Some(Arc::from(tier_name)),
-            rules: Arc::new(rules),
-            matchers: [None, None],
-            subject,
-            subject_set,
-            applies,
-            annotations: annotations.into(),
-        }
+    /// The pod sets of a [`prepare`]d policy's `appliedTo` lists (`sets`: its worker's key
+    /// → set id): each list one set, a union of several interned.
+    fn applied_sets(&mut self, body: &Body, sets: &[SetId]) -> AppliedSets {
+        let policy = body.applied_to.as_ref().map(|keys| self.applied_set(keys, sets));
+        let rules = [0, 1].map(|d| {
+            let lists = &body.rule_applied_to[d];
+            (0..body.rules[d].len())
+                .map(|i| lists.get(i).map(|keys| self.applied_set(keys, sets)))
+                .collect()
+        });
+        AppliedSets { policy, rules }
     }
 
     /// The one pod set an `appliedTo` list's keys select: the set itself when there is
@@ -676,6 +668,61 @@ impl Cluster {
             [one] => *one,
             _ => self.intern(SetKey::Union(ids)),
         }
+    }
+}
+
+/// Finishes a policy [`prepare`]d on a worker whose keys are interned (`sets`: the
+/// worker's key → set id; `applied`: its `appliedTo` sets; `interned`: the interner's
+/// sets): the rules' pod sets become sorted set ids, and the subject is the policy's
+/// `appliedTo` set or the union of its rules'.
+fn finish(
+    body: Body,
+    sets: &[SetId],
+    applied: &AppliedSets,
+    interned: &[Arc<RoaringBitmap>],
+) -> Policy {
+    let Body {
+        object,
+        tier,
+        rank,
+        priority,
+        tier_name,
+        annotations,
+        applied_to: _,
+        rule_applied_to: _,
+        mut rules,
+    } = body;
+    let mut subject = RoaringBitmap::new();
+    for (d, rules) in rules.iter_mut().enumerate() {
+        for (i, rule) in rules.iter_mut().enumerate() {
+            rule.peers.map_pod_sets(|k| sets[k as usize]);
+            for rel in rule.peers.relative.iter_mut() {
+                rel.pods = sets[rel.pods as usize];
+            }
+            if let Some(s) = applied.rules[d][i] {
+                // A rule whose appliedTo selects nothing applies to no subject.
+                subject |= &*interned[s as usize];
+                rule.applied_to = Some(s);
+            }
+        }
+    }
+    let applies = [!rules[0].is_empty(), !rules[1].is_empty()];
+    let (subject, subject_set) = match applied.policy {
+        Some(s) => (Arc::clone(&interned[s as usize]), Some(s)),
+        None => (Arc::new(subject), None),
+    };
+    Policy {
+        object: Arc::new(object),
+        tier,
+        rank,
+        priority,
+        antrea_tier: Some(Arc::from(tier_name)),
+        rules: Arc::new(rules),
+        matchers: [None, None],
+        subject,
+        subject_set,
+        applies,
+        annotations: annotations.into(),
     }
 }
 
