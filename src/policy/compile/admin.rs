@@ -44,7 +44,7 @@ pub(super) fn admin_policies(
 ) -> Vec<Policy> {
     let mut duplicates: [Vec<Problem>; 3] = Default::default();
     let items = admin_objects(inputs, &mut duplicates);
-    let (mut prepared, dicts) = prepare_admin(&items, &c.node_index, validate, workers);
+    let (mut prepared, dicts) = prepare_admin(&items, c, validate, workers);
     let key_sets = intern_used(c, dicts);
     keys_to_set_ids(&mut prepared, &key_sets, workers);
     let mut policies = Vec::new();
@@ -98,7 +98,7 @@ pub(super) fn admin_policy_edited(
     {
         return Some(Edited::Unchanged);
     }
-    let mut dict = SetDict::default();
+    let mut dict = SetDict::new(&c.interner);
     let mut rules: [Vec<Rule>; 2] = counts.map(Vec::with_capacity);
     // Per direction, the positions of the rules compiled here (their peers are worker keys).
     let mut fresh: [Vec<usize>; 2] = Default::default();
@@ -495,18 +495,20 @@ struct Prepared<'a> {
 
 /// Validates admin objects and keys every selector peer of their rules, spread over
 /// worker threads: the one pass over a large input's million peers, whose cost is the
-/// memory latency of reading them, so it scales with cores. Returns, in input order, what
-/// each object became, and each worker's distinct peers.
+/// memory latency of reading them, so it scales with cores. Reads `c`'s node label index,
+/// and hashes the keys for its interner. Returns, in input order, what each object became,
+/// and each worker's distinct peers.
 fn prepare_admin<'a>(
     items: &[(ObjectRef, AdminObject<'a>)],
-    node_index: &LabelIndex,
+    c: &Cluster,
     validate: bool,
     workers: usize,
 ) -> (Vec<Prepared<'a>>, Vec<SetDict>) {
     let weights: Vec<usize> = items.iter().map(|(_, o)| o.weight()).collect();
     let ranges = balanced_ranges(&weights, workers);
     let results = par_ranges(items, &ranges, |worker, chunk| {
-        let mut dict = SetDict::default();
+        let mut dict = SetDict::new(&c.interner);
+        let node_index = &c.node_index;
         let prepared: Vec<Prepared<'a>> =
             chunk
                 .iter()

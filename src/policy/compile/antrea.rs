@@ -325,7 +325,7 @@ fn prepare(
     let weights: Vec<usize> = items.iter().map(|i| weight(i.spec)).collect();
     let ranges = balanced_ranges(&weights, workers);
     let results = par_ranges(items, &ranges, |worker, chunk| {
-        let mut w = Worker { dict: SetDict::default(), c, table };
+        let mut w = Worker { dict: SetDict::new(&c.interner), c, table };
         let prepared: Vec<Prepared> = chunk
             .iter()
             .map(|item| {

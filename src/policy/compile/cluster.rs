@@ -7,6 +7,7 @@
 
 use std::collections::hash_map::Entry;
 use std::collections::{BTreeMap, HashMap};
+use std::hash::BuildHasher;
 use std::net::IpAddr;
 use std::sync::Arc;
 
@@ -30,12 +31,32 @@ use crate::policy::validate::{self, NAMESPACE_NAME_LABEL};
 /// Interns pod sets by the selector(s) that produced them.
 #[derive(Default)]
 pub(super) struct Interner {
-    /// foldhash, seeded per process: a key is the selectors of a policy someone wrote, so
+    /// Each key with its set's id, by [`Interner::hash`]. A table keyed by hashes the
+    /// caller may bring ([`Cluster::intern_hashed`]): the compile's workers hash the keys
+    /// they made while those are in their cache, where the calling thread, hashing them
+    /// all itself, spent about 7 ms of a compile of the `decide` bench's Antrea set
+    /// reading them (perf, calling-thread samples while no worker ran).
+    pub(super) ids: hashbrown::HashTable<(SetKey, SetId)>,
+    /// foldhash, seeded per interner: a key is the selectors of a policy someone wrote, so
     /// the hash must not be one they can aim collisions at (as FxHash could be), and
     /// SipHash cost about a twentieth of a large compile here.
-    pub(super) ids: HashMap<SetKey, SetId, foldhash::fast::RandomState>,
+    hasher: foldhash::fast::RandomState,
     /// The pod sets, by [`SetId`]: the snapshot's pod sets (shared with it).
     pub(super) sets: Vec<Arc<RoaringBitmap>>,
+}
+
+impl Interner {
+    /// The hash of `key` in this interner's table (seeded per interner: a hash is good
+    /// only for the interner that computed it).
+    pub(super) fn hash(&self, key: &SetKey) -> u64 {
+        self.hasher.hash_one(key)
+    }
+
+    /// A hasher equal to this interner's, for threads that hash keys ahead
+    /// ([`super::set_dict::SetDict`]).
+    pub(super) fn hasher(&self) -> foldhash::fast::RandomState {
+        self.hasher.clone()
+    }
 }
 
 /// What an interned pod set was resolved from.
@@ -107,7 +128,16 @@ impl Cluster {
 
     /// The id of the pod set `key` names, resolving and storing the set the first time.
     pub(super) fn intern(&mut self, key: SetKey) -> SetId {
-        if let Some(&id) = self.interner.ids.get(&key) {
+        let hash = self.interner.hash(&key);
+        self.intern_hashed(hash, key)
+    }
+
+    /// [`Cluster::intern`] of a key whose hash is known: `hash` is
+    /// `self.interner.hash(&key)` (checked in debug builds; a wrong one would intern a key
+    /// twice).
+    pub(super) fn intern_hashed(&mut self, hash: u64, key: SetKey) -> SetId {
+        debug_assert_eq!(hash, self.interner.hash(&key), "a hash of another interner");
+        if let Some(&(_, id)) = self.interner.ids.find(hash, |(k, _)| *k == key) {
             return id;
         }
         let set = match &key {
@@ -127,9 +157,10 @@ impl Cluster {
                 out
             }
         };
-        let id = self.interner.sets.len() as SetId;
-        self.interner.sets.push(Arc::new(set));
-        self.interner.ids.insert(key, id);
+        let Interner { ids, hasher, sets } = &mut self.interner;
+        let id = sets.len() as SetId;
+        sets.push(Arc::new(set));
+        ids.insert_unique(hash, (key, id), |(k, _)| hasher.hash_one(k));
         id
     }
 }

@@ -543,7 +543,7 @@ impl State {
                 _ => {}
             }
         }
-        for (key, &id) in &c.interner.ids {
+        for &(ref key, id) in c.interner.ids.iter() {
             let (ns_sel, pod_sel) = match key {
                 SetKey::Namespaces(n) => (n, None),
                 SetKey::Pods(n, p) => (n, Some(p)),
@@ -588,7 +588,7 @@ impl State {
         index.insert(pod, &new);
         let ns = c.pods[pod as usize].namespace;
         let ns_labels = &c.namespaces[ns as usize].labels;
-        for (key, &id) in &c.interner.ids {
+        for &(ref key, id) in c.interner.ids.iter() {
             let member = match key {
                 SetKey::Namespaces(_) | SetKey::Union(_) => continue,
                 SetKey::Pods(n, p) => n.matches(ns_labels) && p.matches(&new),

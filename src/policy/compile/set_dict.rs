@@ -7,9 +7,12 @@
 //! selectors into a [`SetKey`] only the first time it meets them. The pass then interns
 //! each worker's keys in the [`Cluster`](super::cluster::Cluster), in worker order, so
 //! set ids do not depend on thread timing; keys of two workers naming the same set meet
-//! there.
+//! there. The worker hashes each key it marks used for the interner, so the calling
+//! thread does not read the key's strings again but to compare it with an equal one.
 
-use super::cluster::{Cluster, SetKey};
+use std::hash::BuildHasher;
+
+use super::cluster::{Cluster, Interner, SetKey};
 use super::selector;
 use crate::policy::api::SelectorRef;
 use crate::policy::labels::LabelSet;
@@ -17,7 +20,6 @@ use crate::policy::model::SetId;
 
 /// The distinct pod sets one worker met, by content. Keys are dense `u32`s in the order
 /// first met.
-#[derive(Default)]
 pub(super) struct SetDict {
     /// Keys by their encoding ([`encode`]).
     ids: rustc_hash::FxHashMap<Box<[u8]>, u32>,
@@ -27,6 +29,11 @@ pub(super) struct SetDict {
     pub(super) sets: Vec<Option<SetKey>>,
     /// Per key, whether what the pass keeps uses it ([`SetDict::mark_used`]).
     used: Vec<bool>,
+    /// Per key marked used that names a set, its hash in the interner the dict was made
+    /// for ([`Interner::hash`]); 0 for the others.
+    hashes: Vec<u64>,
+    /// That interner's hasher.
+    hasher: foldhash::fast::RandomState,
     buf: Vec<u8>,
 }
 
@@ -49,6 +56,18 @@ pub(super) enum RawSet<'a> {
 }
 
 impl SetDict {
+    /// An empty dict whose keys [`intern_used`] will intern in `interner`.
+    pub(super) fn new(interner: &Interner) -> Self {
+        SetDict {
+            ids: Default::default(),
+            sets: Vec::new(),
+            used: Vec::new(),
+            hashes: Vec::new(),
+            hasher: interner.hasher(),
+            buf: Vec::new(),
+        }
+    }
+
     /// The key of `set`, added (its selectors compiled) the first time it is met.
     pub(super) fn key(&mut self, set: RawSet<'_>) -> u32 {
         self.buf.clear();
@@ -64,6 +83,7 @@ impl SetDict {
             RawSet::InNamespace(ns, p) => selector(p).map(|p| SetKey::InNamespace(ns, p)),
         });
         self.used.push(false);
+        self.hashes.push(0);
         self.ids.insert(self.buf.as_slice().into(), id);
         id
     }
@@ -73,9 +93,16 @@ impl SetDict {
     /// right after the object is compiled. (Marked on the calling thread afterwards, the
     /// keys were a serial read of every compiled rule: with the bench's Antrea set, about
     /// 6 ms a compile of the calling thread's time by perf samples.)
+    /// A key is hashed for the interner when first marked, while its strings are in this
+    /// worker's cache.
     pub(super) fn mark_used(&mut self, keys: impl IntoIterator<Item = u32>) {
         for k in keys {
-            self.used[k as usize] = true;
+            let k = k as usize;
+            if !std::mem::replace(&mut self.used[k], true)
+                && let Some(key) = &self.sets[k]
+            {
+                self.hashes[k] = self.hasher.hash_one(key);
+            }
         }
     }
 
@@ -101,15 +128,16 @@ pub(super) fn gather<P>(results: Vec<(Vec<P>, SetDict)>, items: usize) -> (Vec<P
 /// ([`SetDict::mark_used`]), in worker order, so set ids do not depend on thread timing.
 /// Returns, per worker, the set id of each of its keys: [`SetId::MAX`] for a key not
 /// marked or whose selectors do not compile. Workers' keys naming the same set meet in
-/// the interner.
+/// the interner. `dicts` must have been made for `c`'s interner ([`SetDict::new`]).
 pub(super) fn intern_used(c: &mut Cluster, dicts: Vec<SetDict>) -> Vec<Vec<SetId>> {
     dicts
         .into_iter()
         .map(|d| {
-            d.sets
-                .into_iter()
-                .zip(&d.used)
-                .map(|(set, &used)| set.filter(|_| used).map_or(SetId::MAX, |k| c.intern(k)))
+            (d.sets.into_iter().zip(d.used).zip(d.hashes))
+                .map(|((set, used), hash)| match set {
+                    Some(key) if used => c.intern_hashed(hash, key),
+                    _ => SetId::MAX,
+                })
                 .collect()
         })
         .collect()
@@ -244,7 +272,7 @@ mod tests {
 
     #[test]
     fn a_dict_compiles_each_distinct_set_once_and_marks_those_that_do_not_compile() {
-        let mut dict = SetDict::default();
+        let mut dict = SetDict::new(&Interner::default());
         let web =
             LabelSelector { match_labels: Some([("app", "web")].into()), match_expressions: None };
         let bad = LabelSelector {
@@ -277,15 +305,15 @@ mod tests {
             match_expressions: None,
         };
         let (web, db) = (sel("web"), sel("db"));
-        let mut one = SetDict::default();
+        let mut cluster = Cluster::default();
+        let mut one = SetDict::new(&cluster.interner);
         let a = one.key(RawSet::Namespaces((&web).into()));
         let b = one.key(RawSet::Namespaces((&db).into()));
         one.mark_used([a, a]);
-        let mut two = SetDict::default();
+        let mut two = SetDict::new(&cluster.interner);
         let c = two.key(RawSet::Namespaces((&db).into()));
         let d = two.key(RawSet::Namespaces((&web).into()));
         two.mark_used([d]);
-        let mut cluster = Cluster::default();
         let ids = intern_used(&mut cluster, vec![one, two]);
         assert_eq!(ids[0][b as usize], SetId::MAX, "not marked");
         assert_eq!(ids[1][c as usize], SetId::MAX, "not marked");
