@@ -12,22 +12,30 @@
 
 use std::collections::HashMap;
 
+use compact_str::CompactString;
 use roaring::RoaringBitmap;
 
 use super::api::SelectorRef;
 use super::labels::LabelSet;
 
-/// One compiled requirement of a selector.
+/// One compiled requirement of a selector. Keys and values are kept in place while they
+/// fit (`CompactString`, up to 24 bytes; a label key's name part has at most 63, a value
+/// at most 63, most are a few), and a single value needs no list: a compile makes tens of
+/// thousands of selectors from the policies' peers, and each `String` was an allocation
+/// to make, hash through and free.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Requirement {
-    /// `key` has one of the values (`matchLabels` entries become `In` with one value).
-    In(String, Vec<String>),
+    /// `key` has this value (a `matchLabels` entry, or `In` with one distinct value).
+    Is(CompactString, CompactString),
+    /// `key` has one of the values (two or more; none where validation was skipped,
+    /// matching nothing).
+    In(CompactString, Vec<CompactString>),
     /// `key` is absent or has none of the values.
-    NotIn(String, Vec<String>),
+    NotIn(CompactString, Vec<CompactString>),
     /// `key` is present.
-    Exists(String),
+    Exists(CompactString),
     /// `key` is absent.
-    DoesNotExist(String),
+    DoesNotExist(CompactString),
 }
 
 /// A compiled label selector: requirements ANDed, in a canonical order so that equal
@@ -59,15 +67,17 @@ impl Selector {
         let mut reqs = Vec::new();
         if let Some(labels) = match_labels {
             for (k, v) in labels.pairs() {
-                reqs.push(Requirement::In(k.to_owned(), vec![v.to_owned()]));
+                reqs.push(Requirement::Is(k.into(), v.into()));
             }
         }
         for e in match_expressions.into_iter().flatten() {
-            let mut values = e.values.clone().unwrap_or_default();
+            let mut values: Vec<CompactString> =
+                e.values.iter().flatten().map(|v| v.as_str().into()).collect();
             values.sort();
             values.dedup();
-            let key = e.key.clone();
+            let key = CompactString::from(e.key.as_str());
             reqs.push(match e.operator.as_str() {
+                "In" if values.len() == 1 => Requirement::Is(key, values.pop().expect("one value")),
                 "In" => Requirement::In(key, values),
                 "NotIn" => Requirement::NotIn(key, values),
                 "Exists" => Requirement::Exists(key),
@@ -88,6 +98,7 @@ impl Selector {
     /// Matches one label set directly (used by tests and for single objects).
     pub fn matches(&self, labels: &impl LabelSet) -> bool {
         self.reqs.iter().all(|r| match r {
+            Requirement::Is(k, v) => labels.label(k) == Some(v.as_str()),
             Requirement::In(k, vs) => labels.label(k).is_some_and(|v| vs.iter().any(|x| x == v)),
             Requirement::NotIn(k, vs) => labels.label(k).is_none_or(|v| !vs.iter().any(|x| x == v)),
             Requirement::Exists(k) => labels.label(k).is_some(),
@@ -199,30 +210,28 @@ impl LabelIndex {
                 break;
             }
             match r {
-                Requirement::In(k, vs) => match vs.as_slice() {
-                    [v] => match self.with_value(k, v) {
-                        Some(b) => out &= b,
-                        None => out.clear(),
-                    },
-                    _ => {
-                        let mut any = RoaringBitmap::new();
-                        for b in vs.iter().filter_map(|v| self.with_value(k, v)) {
-                            any |= &out & b;
-                        }
-                        out = any;
-                    }
+                Requirement::Is(k, v) => match self.with_value(k, v) {
+                    Some(b) => out &= b,
+                    None => out.clear(),
                 },
+                Requirement::In(k, vs) => {
+                    let mut any = RoaringBitmap::new();
+                    for b in vs.iter().filter_map(|v| self.with_value(k, v)) {
+                        any |= &out & b;
+                    }
+                    out = any;
+                }
                 Requirement::NotIn(k, vs) => {
                     for b in vs.iter().filter_map(|v| self.with_value(k, v)) {
                         out -= b;
                     }
                 }
-                Requirement::Exists(k) => match self.by_key.get(k) {
+                Requirement::Exists(k) => match self.by_key.get(k.as_str()) {
                     Some(b) => out &= b,
                     None => out.clear(),
                 },
                 Requirement::DoesNotExist(k) => {
-                    if let Some(b) = self.by_key.get(k) {
+                    if let Some(b) = self.by_key.get(k.as_str()) {
                         out -= b;
                     }
                 }
@@ -373,6 +382,14 @@ mod tests {
         let a = sel(&[("a", "1"), ("b", "2")], vec![expr("c", "In", &["y", "x"])]);
         let b = sel(&[("b", "2"), ("a", "1")], vec![expr("c", "In", &["x", "y", "x"])]);
         assert_eq!(a, b);
+        // A `matchLabels` entry and an `In` of one distinct value are one requirement, and
+        // an `In` of none matches nothing.
+        let one = sel(&[("c", "x")], vec![]);
+        assert_eq!(one, sel(&[], vec![expr("c", "In", &["x", "x"])]));
+        assert!(one.matches(&labels(&[("c", "x")])) && !one.matches(&labels(&[("c", "y")])));
+        let none = sel(&[], vec![expr("c", "In", &[])]);
+        assert!(!none.matches(&labels(&[("c", "x")])));
+        assert!(index_of(&[labels(&[("c", "x")])]).resolve(&none).is_empty());
     }
 
     #[test]
