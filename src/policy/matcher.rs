@@ -1146,7 +1146,16 @@ impl PodClasses {
 fn classes(scratch: &mut Scratch, interner: &mut Interner) -> PodClasses {
     let (touched, pod_count) = (scratch.count(), scratch.pods());
     if touched * 2 >= pod_count {
-        // One byte per pod unless a class needs two ([`Widening::new`]).
+        // One byte per pod unless a class needs two ([`Widening::new`]). Each working
+        // class becomes one class at most, so when the classes so far and the working
+        // ones number at most 256 the bytes are written directly, without a table of
+        // two-byte classes to narrow after (a pass and a copy per pod).
+        if interner.masks.len() + scratch.masks.len() <= 256 {
+            let mut dense: Vec<u8> = vec![0; pod_count];
+            let slots = dense.as_mut_slice();
+            scratch.drain(interner, |pod, c| slots[pod as usize] = c as u8);
+            return PodClasses::Dense(Widening::Narrow(dense));
+        }
         let mut dense: Vec<Class> = vec![0; pod_count];
         let slots = dense.as_mut_slice();
         scratch.drain(interner, |pod, c| slots[pod as usize] = c);
@@ -1649,6 +1658,30 @@ mod tests {
             table.set(picked[2], 0);
             truth[picked[2] as usize] = 0;
             check(&table, &truth);
+        }
+    }
+
+    /// A dense table is written in bytes only while every class it can get fits in one:
+    /// classes the matcher numbered before it and the pods' own, around 256 in all.
+    #[test]
+    fn dense_classes_stay_exact_around_one_byte() {
+        let pods = 1000usize;
+        for total in 250..=262usize {
+            let mut interner = Interner::new();
+            // Classes numbered before the pods' (addresses', say): 1..before.
+            let before = 40;
+            (1..before).for_each(|i| _ = interner.intern((1 as RuleMask) << 100 | i as RuleMask));
+            // Working classes the pods end in: `total - before` distinct masks.
+            let working = (total - before) as u32;
+            let mut scratch = Scratch::new(pods);
+            let mask = |p: u32| (p % working + 1) as RuleMask;
+            (0..900u32).for_each(|p| scratch.add_pods(std::iter::once(p), mask(p)));
+            let table = super::classes(&mut scratch, &mut interner);
+            assert!(matches!(table, PodClasses::Dense(_)), "{total}");
+            for p in 0..pods as u32 {
+                let want = if p < 900 { interner.intern(mask(p)) } else { 0 };
+                assert_eq!(table.get(p), want, "{total} classes: pod {p}");
+            }
         }
     }
 
