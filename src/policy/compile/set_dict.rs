@@ -93,6 +93,7 @@ impl SetDict {
     /// right after the object is compiled. (Marked on the calling thread afterwards, the
     /// keys were a serial read of every compiled rule: with the bench's Antrea set, about
     /// 6 ms a compile of the calling thread's time by perf samples.)
+    ///
     /// A key is hashed for the interner when first marked, while its strings are in this
     /// worker's cache.
     pub(super) fn mark_used(&mut self, keys: impl IntoIterator<Item = u32>) {
