@@ -523,15 +523,16 @@ fn nftables_apply_update_remove() {
             "tproxy ip to 127.0.0.1:15001 meta mark set meta mark | 0x00002000 accept",
             "tproxy ip6 to [::1]:15001",
             "ip saddr @nodes-v4 return",
-            "ip daddr @pods-v4 ip saddr != @pods-v4 meta l4proto != udp \
-             socket mark & 0x00000080 == 0x00000080 jump zone_leg",
+            "meta l4proto udp return comment \"tierproxy: UDP, no upstream leg on the kernel UDP \
+             path\"",
+            "ip daddr @pods-v4 ip saddr != @pods-v4 socket mark & 0x00000080 == 0x00000080 \
+             jump zone_leg",
             "ip saddr @enforced-v4 notrack return",
             "ip6 saddr @enforced-v6 notrack return",
             "ct zone set 29808 comment \"tierproxy: upstream leg from elsewhere, own zone\"",
             "meta mark & 0x00000080 == 0x00000080 meta l4proto != { icmp, ipv6-icmp } \
              ip daddr @enforced-v4 notrack return",
-            "ip saddr @pods-v4 meta l4proto != udp socket mark & 0x00000080 == 0x00000080 \
-             notrack",
+            "ip saddr @pods-v4 socket mark & 0x00000080 == 0x00000080 notrack",
             "meta mark & 0x00000080 == 0x00000080 meta l4proto != { icmp, ipv6-icmp } \
              ip daddr @pods-v4 notrack return",
             "meta mark & 0x00000080 == 0x00000080 meta l4proto != { icmp, ipv6-icmp } \

@@ -202,8 +202,11 @@
 //!
 //! **The kernel UDP path** ([`RedirectConfig::udp_path`] = [`UdpPath::Kernel`], the
 //! default; issue #20): every UDP packet returns right after rule 1 (it is neither
-//! TPROXY'd nor owned by a proxy socket), and raw's upstream-leg socket lookup (rule 0)
-//! skips UDP. In the decide chain a UDP packet whose conntrack entry is confirmed
+//! TPROXY'd nor owned by a proxy socket), and raw's upstream-leg rules (rule 0) skip UDP:
+//! in iptables each rule's protocol test comes first; in nft a UDP packet returns from
+//! `zone_in` right after its bypass-mark rule, before any of the chain's pod-set
+//! lookups (measured in docs/architecture.md, "Measured: UDP through the kernel"). In
+//! the decide chain a UDP packet whose conntrack entry is confirmed
 //! returns first; a flow's first datagram is queued ([`QueueWhen::Unconfirmed`]) and,
 //! allowed, repeated with the decided mark, which adds its class to the kernel-side
 //! cache of allowed classes; a later flow of a cached class returns without a queue trip

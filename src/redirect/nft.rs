@@ -815,6 +815,16 @@ fn raw_rules(b: &mut Builder<'_>, c: &RedirectConfig) {
             "tierproxy: proxy upstream sockets (bypass mark)",
             vec![mark_set(c.bypass_mark), Statement::Return(None)],
         );
+        // On the kernel UDP path no upstream leg is UDP: a UDP packet leaves here, before
+        // the rules below look its addresses up in the pod sets (three lookups a datagram
+        // from or to a local pod, for rules its protocol then fails).
+        if c.udp_path == UdpPath::Kernel {
+            b.rule(
+                ZONE_IN_CHAIN,
+                "tierproxy: UDP, no upstream leg on the kernel UDP path",
+                vec![l4proto_in(&["udp"]), Statement::Return(None)],
+            );
+        }
         // `socket mark` reads the found socket's SO_MARK; the packet's mark is left alone.
         let socket_mark = is(
             Expression::BinaryOperation(Box::new(BinaryOperation::AND(
@@ -832,8 +842,7 @@ fn raw_rules(b: &mut Builder<'_>, c: &RedirectConfig) {
                 ("saddr", "tierproxy: upstream leg from a local pod, untracked"),
                 ("daddr", "tierproxy: upstream leg to a local pod"),
             ] {
-                // Any socket, not only transparent ones: see the iptables backend. On the
-                // kernel UDP path no upstream leg is UDP: UDP is spared the socket lookup.
+                // Any socket, not only transparent ones: see the iptables backend.
                 let mut expr = vec![in_set(fam, field, fam.pods)];
                 if field == "daddr" {
                     // From a local pod as well: the rule before looked its socket up.
@@ -842,9 +851,6 @@ fn raw_rules(b: &mut Builder<'_>, c: &RedirectConfig) {
                         Operator::NEQ,
                         str_expr(format!("@{}", fam.pods)),
                     ));
-                }
-                if c.udp_path == UdpPath::Kernel {
-                    expr.push(is(meta(MetaKey::L4proto), Operator::NEQ, str_expr("udp")));
                 }
                 // Replies from a local pod: of a leg to that pod, untracked; from elsewhere:
                 // the leg chain tells an enforcing node's pod from the rest after this one
