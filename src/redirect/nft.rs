@@ -816,8 +816,8 @@ fn raw_rules(b: &mut Builder<'_>, c: &RedirectConfig) {
             vec![mark_set(c.bypass_mark), Statement::Return(None)],
         );
         // On the kernel UDP path no upstream leg is UDP: a UDP packet leaves here, before
-        // the rules below look its addresses up in the pod sets (three lookups a datagram
-        // from or to a local pod, for rules its protocol then fails).
+        // the rules below look its addresses up in the pod sets (two or three lookups a
+        // datagram from or to a local pod, for rules its protocol then fails).
         if c.udp_path == UdpPath::Kernel {
             b.rule(
                 ZONE_IN_CHAIN,
