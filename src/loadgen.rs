@@ -32,10 +32,13 @@ pub enum Mode {
     /// [`UDP_REPLY_TIMEOUT`]; a datagram lost either way counts in `timeouts`.
     UdpRr,
     /// DNS-like UDP queries (issue #20): each `size`-byte request from a new socket, so a
-    /// new ephemeral source port and a new flow for every proxy and conntrack table on the
-    /// path; it waits for the echo's answer up to [`UDP_REPLY_TIMEOUT`] as [`Mode::UdpRr`]
-    /// does (a lost answer counts in `timeouts`, never waited on longer) and the socket is
-    /// closed after the query.
+    /// new ephemeral source port, a new flow for every proxy on the path, and a new
+    /// conntrack entry unless that port's entry to the same server from an earlier query
+    /// is still live (the kernel picks ports at random, and UDP entries live 30 s: about
+    /// half of the ports hold one after 20,000 queries with the default port range; see
+    /// loadtest/README.md); it waits for the echo's answer up to [`UDP_REPLY_TIMEOUT`] as
+    /// [`Mode::UdpRr`] does (a lost answer counts in `timeouts`, never waited on longer)
+    /// and the socket is closed after the query.
     UdpFlows,
     /// A half-open flood (issue #17): TCP SYNs to `to` from random source ports, at
     /// [`LoadOptions::rate`] per second, never completing a handshake; with
