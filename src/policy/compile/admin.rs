@@ -19,10 +19,10 @@ use super::parallel::{balanced_ranges, par_for_each_mut, par_ranges};
 use super::set_dict::{RawSet, SetDict, gather, intern_used};
 use super::{
     Inputs, dedup_sorted, meta_name, own_annotations, port_u16, protocol_or_tcp, selector,
+    touch_selector,
 };
 use crate::policy::api::{LabelSelector, NamespacedPod, v1alpha1, v1alpha2};
 use crate::policy::cidr::{self, Block};
-use crate::policy::labels::Labels;
 use crate::policy::model::{Action, Direction, PeersBuilder, Rule, SetId, Tier, rank};
 use crate::policy::ports::{PortMatch, PortSpec, Ports, Protocol};
 use crate::policy::problem::{Kind, ObjectRef, Problem};
@@ -665,25 +665,13 @@ impl<'a> PeerSlice<'a> {
     /// peer after peer waits for each miss in turn: reading a million scattered peers took
     /// 66 ms after this pass against 98 ms without, on one thread.
     fn touch(self) {
-        fn first(s: &str) -> u8 {
-            s.as_bytes().first().copied().unwrap_or(0)
-        }
         let mut acc = 0u8;
-        let mut sel = |s: &LabelSelector| {
-            if let Some((k, v)) = s.match_labels.as_ref().and_then(Labels::first) {
-                acc ^= first(k) ^ first(v);
-            }
-            if let Some(e) = s.match_expressions.as_ref().and_then(|e| e.first()) {
-                acc ^= first(&e.key);
-            }
-        };
         for p in self.iter() {
             if let Some(ns) = p.namespaces {
-                sel(ns);
+                acc ^= touch_selector(ns);
             }
             if let Some(np) = p.pods {
-                sel(&np.namespace_selector);
-                sel(&np.pod_selector);
+                acc ^= touch_selector(&np.namespace_selector) ^ touch_selector(&np.pod_selector);
             }
         }
         std::hint::black_box(acc);

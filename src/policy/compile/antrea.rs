@@ -35,7 +35,10 @@ use roaring::RoaringBitmap;
 use super::cluster::{Cluster, SetKey};
 use super::parallel::{balanced_ranges, default_workers, par_for_each_mut, par_ranges};
 use super::set_dict::{EVERYTHING, RawSet, SetDict, gather, intern_used};
-use super::{meta_namespace, own_annotations, port_u16, protocol_or_tcp, selector};
+use super::{
+    first_byte, meta_namespace, own_annotations, port_u16, protocol_or_tcp, selector,
+    touch_selector,
+};
 use crate::policy::antrea_tiers::{TierTable, tier_object_name};
 use crate::policy::api::LabelSelector;
 use crate::policy::api::antrea::{
@@ -43,7 +46,6 @@ use crate::policy::api::antrea::{
     PolicySpecRef, RuleAction,
 };
 use crate::policy::cidr::{self, Block};
-use crate::policy::labels::Labels;
 use crate::policy::model::{
     Action, Direction, PeersBuilder, Relative, Rule, SameNamespaces, SetId, Tier, rank,
 };
@@ -367,15 +369,8 @@ fn prepare(
 /// read them one miss after another (as the admin pass touches its next rule's peers,
 /// [`super::admin`]). The bench's Antrea set is 97 MiB of objects read once a compile.
 fn touch(spec: PolicySpecRef<'_>) {
-    fn first(s: &str) -> u8 {
-        s.as_bytes().first().copied().unwrap_or(0)
-    }
-    fn sel(s: &Option<LabelSelector>) -> u8 {
-        let Some(s) = s else { return 0 };
-        let labels = s.match_labels.as_ref().and_then(Labels::first);
-        let expr = s.match_expressions.as_ref().and_then(|e| e.first());
-        labels.map_or(0, |(k, v)| first(k) ^ first(v)) ^ expr.map_or(0, |e| first(&e.key))
-    }
+    let first = first_byte;
+    let sel = |s: &Option<LabelSelector>| s.as_ref().map_or(0, touch_selector);
     let applied = |a: &AppliedTo| sel(&a.namespace_selector) ^ sel(&a.pod_selector);
     let mut acc = spec.applied_to.iter().fold(0u8, |acc, a| acc ^ applied(a));
     for r in spec.ingress.iter().chain(spec.egress) {

@@ -52,7 +52,10 @@ mod set_dict;
 
 use std::sync::Arc;
 
-use super::api::{Namespace, NetworkPolicy, Node, Pod, SelectorRef, v1alpha1, v1alpha2};
+use super::api::{
+    LabelSelector, Namespace, NetworkPolicy, Node, Pod, SelectorRef, v1alpha1, v1alpha2,
+};
+use super::labels::Labels;
 pub use super::model::{
     ANNOTATION_ENFORCING, ANNOTATION_PREFIX, Action, Direction, Endpoint, Revision, Tier,
 };
@@ -122,6 +125,25 @@ pub struct Compiled {
 /// possible if validation was skipped) makes the selector match nothing, failing closed.
 pub(super) fn selector<'a>(sel: impl Into<SelectorRef<'a>>) -> Option<Selector> {
     Selector::compile(sel.into()).ok()
+}
+
+/// The first byte of `s` (0 when empty): one load, for the passes that touch an object's
+/// strings ahead of reading them ([`touch_selector`]).
+#[inline]
+pub(super) fn first_byte(s: &str) -> u8 {
+    s.as_bytes().first().copied().unwrap_or(0)
+}
+
+/// Reads the first bytes of a selector's first label and of its first expression's key,
+/// and nothing else: the loads the admin and Antrea passes issue for the next rule or
+/// policy while they compile this one, so that the CPU overlaps their cache misses.
+/// Returns them folded into a byte, for the caller to keep alive (`black_box`).
+#[inline]
+pub(super) fn touch_selector(s: &LabelSelector) -> u8 {
+    let labels = s.match_labels.as_ref().and_then(Labels::first);
+    let expr = s.match_expressions.as_ref().and_then(|e| e.first());
+    labels.map_or(0, |(k, v)| first_byte(k) ^ first_byte(v))
+        ^ expr.map_or(0, |e| first_byte(&e.key))
 }
 
 pub(super) fn protocol_or_tcp(p: Option<&str>) -> Protocol {
