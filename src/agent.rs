@@ -473,9 +473,17 @@ pub fn run(opts: AgentOptions) -> anyhow::Result<()> {
         SocketAddr::new(IpAddr::V4(r.tproxy_addr_v4), r.tproxy_port),
         SocketAddr::new(IpAddr::V6(r.tproxy_addr_v6), r.tproxy_port),
     ];
+    // The listeners of TCP between local pods, marked (`RedirectConfig::local_pods_port`;
+    // validated: the port exists). A previous agent that had none hands over only the two.
+    let local_port = r.local_pods_port().unwrap_or(r.tproxy_port);
+    let local_addrs = addrs.map(|a| SocketAddr::new(a.ip(), local_port));
+    let tcp_addrs = [addrs[0], local_addrs[0], addrs[1], local_addrs[1]];
     let handed_listeners = taken.as_mut().map(|t| std::mem::take(&mut t.listeners));
     let listeners = runtime.block_on(async {
-        reuse_or_bind(&addrs, handed_listeners, tokio::net::TcpListener::from_std, tcp::bind)
+        let mark = r.bypass_mark.value;
+        reuse_or_bind(&tcp_addrs, handed_listeners, tokio::net::TcpListener::from_std, |a| {
+            tcp::bind(a, |addr| local_addrs.contains(&addr).then_some(mark))
+        })
     })?;
     let adopted = taken.as_mut().map(|t| std::mem::take(&mut t.connections)).unwrap_or_default();
     let handed_udp = taken.as_mut().map(|t| std::mem::take(&mut t.udp_listeners));
@@ -1095,7 +1103,8 @@ pub struct RulesetDrops {
     pub node_source: std::sync::atomic::AtomicU64,
     /// Chain S, rule 3 (packets).
     pub pod_source: std::sync::atomic::AtomicU64,
-    /// Rule 6's stray TCP drop (packets).
+    /// Rule 6's stray TCP drop and rule 3's untracked TCP between local pods handed to the
+    /// listener (packets).
     pub stray_tcp: std::sync::atomic::AtomicU64,
     /// Interfaces in the pod interface sets.
     pub interfaces: std::sync::atomic::AtomicU64,
@@ -1206,7 +1215,7 @@ impl Reloader<'_> {
             (
                 counts.stray_tcp,
                 &self.drops.stray_tcp,
-                "TCP packets of pod flows belonged to no allowed connection (scans, stale segments); dropped",
+                "TCP packets of pod flows belonged to no allowed connection (scans, stale segments); dropped, or between local pods reset or discarded by the listener",
             ),
         ] {
             // A re-applied ruleset starts its counters at 0 again.

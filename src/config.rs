@@ -439,6 +439,12 @@ pub enum ConfigError {
     /// `tproxy_port` is 0, which TPROXY reads as "keep the destination port".
     #[error("redirect.tproxy_port must not be 0")]
     TproxyPortZero,
+    /// `tproxy_port` is 65,535: the port after it, the listener for TCP between local pods
+    /// ([`RedirectConfig::local_pods_port`]), does not exist.
+    #[error(
+        "redirect.tproxy_port must be below 65535 (the next port is the listener for TCP between local pods)"
+    )]
+    TproxyPortLast,
     /// `queue_count` is 0: no queue to send first packets to.
     #[error("redirect.queue_count must be at least 1")]
     QueueCountZero,
@@ -533,7 +539,8 @@ pub enum ConfigError {
 pub struct RedirectConfig {
     /// Backend choice; [`BackendChoice::Auto`] probes the kernel.
     pub backend: BackendChoice,
-    /// Port of the proxy's transparent listener TPROXY delivers to. Default
+    /// Port of the proxy's transparent listener TPROXY delivers to; the next port is the
+    /// listener for TCP between local pods ([`RedirectConfig::local_pods_port`]). Default
     /// [`DEFAULT_TPROXY_PORT`].
     pub tproxy_port: u16,
     /// IPv4 address TPROXY looks the listener up on. Default [`DEFAULT_TPROXY_ADDR_V4`].
@@ -628,6 +635,9 @@ impl RedirectConfig {
         if self.tproxy_port == 0 {
             return Err(ConfigError::TproxyPortZero);
         }
+        if self.local_pods_port().is_none() {
+            return Err(ConfigError::TproxyPortLast);
+        }
         if self.queue_count == 0 {
             return Err(ConfigError::QueueCountZero);
         }
@@ -674,6 +684,18 @@ impl RedirectConfig {
     /// or the sum overflows `u16`.
     pub fn queue_last(&self) -> Option<u16> {
         self.queue_count.checked_sub(1).and_then(|c| self.queue_first.checked_add(c))
+    }
+
+    /// Port of the proxy's second transparent listener, [`RedirectConfig::tproxy_port`] + 1
+    /// (`None` past 65,535), on the same addresses: TPROXY delivers TCP between two local
+    /// pods there, the connections whose both legs the ruleset leaves untracked. Its
+    /// sockets carry [`RedirectConfig::bypass_mark`] as `SO_MARK`, from the SYN-ACK on (a
+    /// request socket and an accepted one take their listener's mark), by which raw OUTPUT
+    /// untracks their packets as it does the upstream legs' (`redirect`, rule 0). A
+    /// connection to a ClusterIP goes to the first listener even when its backend is a
+    /// local pod: its packets from the proxy need conntrack's reverse NAT.
+    pub fn local_pods_port(&self) -> Option<u16> {
+        self.tproxy_port.checked_add(1)
     }
 
     /// The queue of the first packets of flows the kernel forwards once decided (SCTP, UDP to
@@ -775,6 +797,13 @@ mod tests {
     #[test]
     fn port_zero() {
         assert_eq!(invalid(|c| c.tproxy_port = 0), ConfigError::TproxyPortZero);
+    }
+
+    #[test]
+    fn last_port_leaves_no_room_for_the_local_pods_listener() {
+        assert_eq!(invalid(|c| c.tproxy_port = u16::MAX), ConfigError::TproxyPortLast);
+        let c = RedirectConfig { tproxy_port: 15001, ..RedirectConfig::default() };
+        assert_eq!(c.local_pods_port(), Some(15002));
     }
 
     #[test]

@@ -742,19 +742,22 @@ fn churning_connections_lose_no_syn_to_a_conntrack_clash() {
 /// The proxy's upstream leg to a pod of its own node, or of another node whose agent
 /// enforces (n2 here), is untracked (rule 0 in `redirect`: no NAT applies to it and
 /// nothing reads its state, and its entry was half the conntrack work of such a
-/// connection, issue #18); the client's own legs stay tracked. Read from n1's conntrack
-/// table while both connections are held: before the change each upstream leg had an
-/// entry in the upstream zone. (Legs to anywhere else keep the zone: the golden rules.)
+/// connection, issue #18), and so is the client's leg to a pod of its own node (TCP
+/// between local pods: every such connection is proxied here, issue #18 again); the
+/// client's leg to a pod of another node stays tracked. Read from n1's conntrack table
+/// while both connections are held: before the first change each upstream leg had an
+/// entry in the upstream zone, before the second the local client leg had one in zone 0.
+/// (Legs to anywhere else keep the zone: the golden rules.)
 #[test]
-fn upstream_legs_to_pods_of_enforcing_nodes_are_untracked() {
+fn legs_between_local_pods_and_to_enforcing_nodes_are_untracked() {
     use tierproxy::proxy::conntrack::{Conntrack, Entry, TCP};
-    if !netns_available("upstream_legs_to_pods_of_enforcing_nodes_are_untracked") {
+    if !netns_available("legs_between_local_pods_and_to_enforcing_nodes_are_untracked") {
         return;
     }
     let lab = live_lab("ctu");
     let client = netns_of_pod(&lab, "a", "client");
     let node = netns_of_node(&lab, "n1");
-    // Past their greetings: both upstream legs are established.
+    // Past their greetings: both connections and both upstream legs are established.
     let (local, remote) = (open(&client, "10.61.1.3:8080"), open(&client, "10.61.2.2:8080"));
     let entries = in_netns(&node, || {
         let mut ct = Conntrack::open().map_err(io("conntrack"))?;
@@ -773,16 +776,26 @@ fn upstream_legs_to_pods_of_enforcing_nodes_are_untracked() {
     let zoned = |dst: &str| entries.iter().filter(to(dst)).filter(|e| e.zone == ZONE).count();
     assert_eq!(zoned("10.61.1.3:8080"), 0, "an upstream leg to a/server tracked: {entries:#?}");
     assert_eq!(zoned("10.61.2.2:8080"), 0, "an upstream leg to b/remote tracked: {entries:#?}");
-    // The client's own legs stay tracked, in the default zone (kube-proxy's DNAT lives
+    let client_leg = |client_leg, dst| {
+        entries
+            .iter()
+            .filter(to(dst))
+            .filter(|e| e.orig.src == client_leg)
+            .map(|e| e.zone)
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(
+        client_leg(local_leg, "10.61.1.3:8080"),
+        Vec::<u16>::new(),
+        "the client's leg {local_leg} to a/server, a pod of its node, tracked: {entries:#?}"
+    );
+    // To another node's pod it stays tracked, in the default zone (kube-proxy's DNAT lives
     // there, and the ruleset's conntrack mark).
-    for (client_leg, dst) in [(local_leg, "10.61.1.3:8080"), (remote_leg, "10.61.2.2:8080")] {
-        let found = entries.iter().filter(to(dst)).filter(|e| e.orig.src == client_leg);
-        assert_eq!(
-            found.map(|e| e.zone).collect::<Vec<_>>(),
-            vec![0],
-            "the client's leg {client_leg} to {dst}: {entries:#?}"
-        );
-    }
+    assert_eq!(
+        client_leg(remote_leg, "10.61.2.2:8080"),
+        vec![0],
+        "the client's leg {remote_leg} to b/remote: {entries:#?}"
+    );
     drop((local, remote));
 }
 

@@ -195,7 +195,12 @@ fn fail_open_only_adds_queue_bypass() {
     let rules = c["nftables"].as_array_mut().expect("array");
     let before = rules.len();
     rules.retain(|r| !no_listener(r));
-    assert_eq!(before - rules.len(), 4, "TCP × egress and ingress × 2 families");
+    assert_eq!(
+        before - rules.len(),
+        8,
+        "TCP SYNs × egress and ingress × 2 families, and TCP between local pods (its SYN, \
+         and past it) × 2 families"
+    );
     assert!(!o["nftables"].as_array().expect("array").iter().any(no_listener));
     let mut bypass_flags = 0;
     for obj in o["nftables"].as_array_mut().expect("array") {

@@ -168,7 +168,9 @@ pub fn scraped(sources: Sources, config: &AuditConfig) -> Scraped {
         let dr = "Packets the ruleset dropped, by reason: node_source (a node address as the \
                   source, not from the node itself), pod_source (from a local pod's interface, \
                   a source not routed back through it), stray_tcp (TCP of a pod flow that no \
-                  decision allowed: not a SYN, new or invalid to conntrack); read every 10 s";
+                  decision allowed: not a SYN, new or invalid to conntrack; or, untracked \
+                  between two local pods, no socket's, handed to the listener, which resets \
+                  or discards it and completes a SYN cookie's ACK); read every 10 s";
         for (reason, n) in [
             ("node_source", &drops.node_source),
             ("pod_source", &drops.pod_source),

@@ -86,18 +86,24 @@ pub enum Served {
 }
 
 /// Binds the transparent listeners on `addrs` (the addresses TPROXY looks listeners up
-/// on, `--on-ip`, with the TPROXY port). The first address is required; the others are
-/// skipped with a warning when they cannot be bound (a node without IPv6).
+/// on, `--on-ip`, with the TPROXY port, and with the port of TCP between local pods,
+/// `RedirectConfig::local_pods_port`), each with `SO_MARK` = `mark_of(addr)` where that
+/// is `Some` (the local pods' listener: its request and accepted sockets take its mark,
+/// by which the ruleset leaves their packets untracked). IPv4 listeners are required;
+/// IPv6 ones are skipped with a warning when they cannot be bound (a node without IPv6).
 ///
 /// # Errors
-/// When the first listener cannot be created, made transparent (needs CAP_NET_ADMIN) or
-/// bound. Must be called inside a tokio runtime.
-pub fn bind(addrs: &[SocketAddr]) -> anyhow::Result<Vec<TcpListener>> {
+/// When an IPv4 listener cannot be created, made transparent or marked (both need
+/// CAP_NET_ADMIN) or bound. Must be called inside a tokio runtime.
+pub fn bind(
+    addrs: &[SocketAddr],
+    mark_of: impl Fn(SocketAddr) -> Option<u32>,
+) -> anyhow::Result<Vec<TcpListener>> {
     let mut out = Vec::new();
-    for (i, &addr) in addrs.iter().enumerate() {
-        match listener(addr) {
+    for &addr in addrs {
+        match listener(addr, mark_of(addr)) {
             Ok(l) => out.push(l),
-            Err(e) if i == 0 => {
+            Err(e) if addr.is_ipv4() => {
                 return Err(e).with_context(|| format!("transparent listener on {addr}"));
             }
             Err(e) => tracing::warn!(error = %e, %addr, "transparent listener skipped"),
@@ -106,12 +112,15 @@ pub fn bind(addrs: &[SocketAddr]) -> anyhow::Result<Vec<TcpListener>> {
     Ok(out)
 }
 
-fn listener(addr: SocketAddr) -> io::Result<TcpListener> {
+fn listener(addr: SocketAddr, mark: Option<u32>) -> io::Result<TcpListener> {
     let s = Socket::new(
         Domain::for_address(addr),
         Type::STREAM.nonblocking(),
         Some(socket2::Protocol::TCP),
     )?;
+    if let Some(mark) = mark {
+        s.set_mark(mark)?;
+    }
     match addr {
         SocketAddr::V4(_) => s.set_ip_transparent_v4(true)?,
         SocketAddr::V6(_) => {

@@ -23,10 +23,10 @@ use std::net::IpAddr;
 
 use super::exec::Cmd;
 use super::{
-    Backend, BackendKind, COMMENT_ENFORCED, COMMENT_ESTABLISHED_TCP, COMMENT_NODE_SOURCE,
-    COMMENT_POD_SOURCE, COMMENT_STRAY_TCP, COMMENT_TCP_PAST_SYN, COMMENT_UDP_TO_NODE, DropCounts,
-    Names, QUEUED_PROTOCOLS, QueueWhen, RedirectError, RulesetSpec, by_family, routing,
-    tproxy_protocols,
+    Backend, BackendKind, COMMENT_ENFORCED, COMMENT_ESTABLISHED_TCP, COMMENT_LOCAL_PODS_NO_SOCKET,
+    COMMENT_LOCAL_PODS_SYN, COMMENT_NODE_SOURCE, COMMENT_POD_SOURCE, COMMENT_STRAY_TCP,
+    COMMENT_TCP_PAST_SYN, COMMENT_UDP_TO_NODE, DropCounts, Names, QUEUED_PROTOCOLS, QueueWhen,
+    RedirectError, RulesetSpec, by_family, routing, tproxy_protocols,
 };
 use crate::config::{RedirectConfig, UdpPath};
 
@@ -405,6 +405,13 @@ fn restore_input(spec: &RulesetSpec, fam: Family, native_raw: bool) -> String {
     );
     let tproxy =
         format!("-j TPROXY --on-port {} --on-ip {on_ip} --tproxy-mark {route}", c.tproxy_port);
+    // TCP between two local pods, untracked by table `inet <prefix>-dnat` (rule 0), goes to
+    // the second listener, whose sockets carry the bypass mark (`local_pods_port`).
+    let local_pods = native_raw && c.upstream_zone != 0;
+    let tproxy_local = format!(
+        "-j TPROXY --on-port {} --on-ip {on_ip} --tproxy-mark {route}",
+        c.local_pods_port().unwrap_or(c.tproxy_port)
+    );
     // Rule 3: later packets of a TCP connection whose SYN rule 6 TPROXY'd, that no socket
     // took in rule 2. Destination rewritten by a DNAT after this hook (a ClusterIP): rule 2
     // looked the socket up by the header as it is here, before the DNAT, and missed; after
@@ -422,6 +429,20 @@ fn restore_input(spec: &RulesetSpec, fam: Family, native_raw: bool) -> String {
          -m conntrack ! --ctstate DNAT --ctdir ORIGINAL -m connmark --mark {route} \
          -m comment --comment \"tierproxy: no socket yet (SYN cookie)\" {tproxy}"
     );
+    // Rule 3, untracked: TCP between two local pods past its SYN, which table
+    // `inet <prefix>-dnat` untracks (rule 0), that no socket took in rule 2: a SYN cookie's
+    // ACK, or a segment of no connection the proxy holds. To the listener, which completes
+    // the cookie and resets or discards the rest (xt TPROXY drops it without a listener);
+    // counted with rule 6's stray drops.
+    if local_pods {
+        let _ = writeln!(
+            o,
+            "-A {chain} -p tcp -m tcp ! --tcp-flags FIN,SYN,RST,ACK SYN \
+             -m conntrack --ctstate UNTRACKED -m set --match-set {pods} src \
+             -m set --match-set {pods} dst \
+             -m comment --comment \"{COMMENT_LOCAL_PODS_NO_SOCKET}\" {tproxy_local}"
+        );
+    }
     // Rule 3a: a later packet of an established TCP connection that rules 2 and 3 did not
     // take: nothing below acts on it (rule 6 drops only new or invalid TCP past a SYN), so
     // it returns before rule 6's set lookups.
@@ -551,6 +572,16 @@ fn restore_input(spec: &RulesetSpec, fam: Family, native_raw: bool) -> String {
         "-A {intercept} -p tcp -m set --match-set {enforced} src \
          -m comment --comment \"{COMMENT_ENFORCED}\" -j RETURN"
     );
+    // The SYN of TCP between two local pods (untracked, rule 0) → the second listener; no
+    // connection mark (there is no entry), and rule 3's untracked form completes its cookie.
+    if local_pods {
+        let _ = writeln!(
+            o,
+            "-A {intercept} -p tcp {SYN} -m conntrack --ctstate UNTRACKED \
+             -m set --match-set {pods} src -m set --match-set {pods} dst \
+             -m comment --comment \"{COMMENT_LOCAL_PODS_SYN}\" {tproxy_local}"
+        );
+    }
     for proto in tproxy_protocols(c.udp_path) {
         match super::queue_when(proto, c.udp_path) {
             QueueWhen::Syn => {
@@ -836,7 +867,7 @@ fn add_counts(save: &str, counts: &mut DropCounts) {
             &mut counts.node_source
         } else if line.contains(COMMENT_POD_SOURCE) {
             &mut counts.pod_source
-        } else if line.contains(COMMENT_STRAY_TCP) {
+        } else if line.contains(COMMENT_STRAY_TCP) || line.contains(COMMENT_LOCAL_PODS_NO_SOCKET) {
             &mut counts.stray_tcp
         } else {
             continue;

@@ -137,6 +137,27 @@
 //!    With `--upstream-zone 0` none of these rules exists and the legs share the default
 //!    zone, as before rule 0.
 //!
+//!    **TCP between two local pods is untracked, both legs** (nft only: table
+//!    `inet <prefix>-dnat` on the iptables backend). In `zone_in`, before the socket
+//!    lookups above: TCP whose source and destination are local pods' addresses,
+//!    `notrack`, return. Every TCP connection between two pods of the node is proxied
+//!    here, so such a packet is a client leg's (its SYN included) or an upstream leg's
+//!    reply. Rule 6 sends such an untracked SYN to the proxy's second listener
+//!    ([`RedirectConfig::local_pods_port`]), whose `SO_MARK` is the bypass mark: its
+//!    request sockets (the SYN-ACK) and accepted sockets take that mark, so the proxy's
+//!    side of these client legs leaves through `zone_out`'s rule for upstream sockets to a
+//!    local pod, untracked. Nothing reads these connections' state: pod addresses are
+//!    never NATed, and rule 3's conntrack mark (for a SYN cookie's ACK) has an untracked
+//!    form. The client leg's entry (created by the SYN, confirmed, looked up by every
+//!    packet, then held in conntrack's TIME_WAIT) was the last conntrack entry of a
+//!    connection on one node (issue #18; docs/architecture.md, "The client leg between
+//!    local pods, untracked"). Not by addresses in `zone_out`: a connection to a ClusterIP
+//!    whose backend is a local pod is tracked (raw sees the ClusterIP) and goes to the
+//!    first listener after its DNAT, with the backend's address as its socket's, and the
+//!    proxy's packets of it need conntrack's reverse NAT to leave from the ClusterIP.
+//!    Nor to another node's pod: on a server's node, a local pod's reply to a connection
+//!    the kernel forwards from an enforced pod is the same packet as a client leg's.
+//!
 //! PREROUTING (`TIERPROXY`, nft `prerouting`):
 //!
 //! 1. **Bypass mark → return untouched.** The proxy's upstream sockets carry `SO_MARK` =
@@ -186,6 +207,15 @@
 //!      The chain after the DNAT (above) does it; without nft's `tproxy` (an iptables
 //!      node whose kernel lacks CONFIG_NFT_TPROXY or CONFIG_NFT_SOCKET, or has no `nft`),
 //!      a cookie-completed connection to a ClusterIP still hangs, which [`select`] says.
+//!
+//!    - **Untracked, between two local pods** (rule 0 untracks them; nft only, see
+//!      there) → TPROXY to the local pods' listener, counted with rule 6's stray drops: a
+//!      SYN cookie's ACK completes there as above (the cookie is that listener's), and any
+//!      other segment no socket took belongs to no connection the proxy holds (a scan, a
+//!      stale segment, a connection between the two pods older than the ruleset), which
+//!      the listener resets (an ACK) or discards, so it never reaches its target, as rule
+//!      6's drop ensures for tracked TCP. Without a listener it is dropped (xt TPROXY; nft:
+//!      a drop rule follows unless [`RedirectConfig::queue_bypass`]).
 //!
 //!    **Rule 3a: any other TCP that is not a SYN, conntrack state `ESTABLISHED`, `RELATED`
 //!    or `UNTRACKED` (neither `INVALID` nor `NEW`) → return.** A later packet of an
@@ -241,7 +271,9 @@
 //!    [`RulesetSpec::with_enforced_pods`]) returns: its node's agent proxied the connection
 //!    and decided its egress and this pod's ingress already, so this node decides the
 //!    ingress again on the SYN (rule 7) and lets the kernel forward the connection instead
-//!    of terminating it a second time (issue #18). Then TCP
+//!    of terminating it a second time (issue #18). Then an untracked TCP SYN between two
+//!    local pods (rule 0) goes to the local pods' listener
+//!    ([`RedirectConfig::local_pods_port`]). Then TCP
 //!    SYNs (first their conntrack mark, rule 3) and UDP not to the node's own addresses
 //!    ([`tproxy_protocols`]) are TPROXY'd to the listeners (`--on-ip`
 //!    [`RedirectConfig::tproxy_addr_v4`]/`_v6`, `--on-port` [`RedirectConfig::tproxy_port`])
@@ -396,6 +428,16 @@ pub(crate) const COMMENT_POD_SOURCE: &str = "tierproxy: source not routed via it
 pub(crate) const COMMENT_ENFORCED: &str = "tierproxy: from a pod its own node proxied";
 /// Comment of rule 6's drop of TCP that belongs to no decided connection.
 pub(crate) const COMMENT_STRAY_TCP: &str = "tierproxy: TCP of no decided connection";
+/// Comment of rule 0's notrack of TCP between two local pods (raw PREROUTING and OUTPUT).
+pub(crate) const COMMENT_LOCAL_PODS_TCP: &str = "tierproxy: TCP between local pods, untracked";
+/// Comment of rule 3's hand-over to the listener of untracked TCP between two local pods
+/// past its SYN that no socket took; counted with [`COMMENT_STRAY_TCP`]'s drops.
+pub(crate) const COMMENT_LOCAL_PODS_NO_SOCKET: &str =
+    "tierproxy: TCP between local pods, no socket, to the listener";
+/// Comment of rule 6's TPROXY of an untracked SYN between two local pods to the second
+/// listener ([`RedirectConfig::local_pods_port`]).
+pub(crate) const COMMENT_LOCAL_PODS_SYN: &str =
+    "tierproxy: TCP between local pods, to their listener";
 /// Comment of rule 3a's return for a later packet of an established TCP connection.
 pub(crate) const COMMENT_ESTABLISHED_TCP: &str = "tierproxy: established TCP, not intercepted";
 /// Comment of rule 7's return for TCP past its connection's SYN.
@@ -737,7 +779,9 @@ pub struct DropCounts {
     pub node_source: u64,
     /// Chain S, rule 3: from a local pod's interface, a source not routed back through it.
     pub pod_source: u64,
-    /// Rule 6: TCP of a pod flow, not a SYN, `NEW` or `INVALID` to conntrack, no socket's.
+    /// Rule 6: TCP of a pod flow, not a SYN, `NEW` or `INVALID` to conntrack, no socket's;
+    /// and rule 3's untracked TCP between two local pods that no socket took, handed to the
+    /// listener (which completes a SYN cookie's ACK and resets or discards the rest).
     pub stray_tcp: u64,
 }
 

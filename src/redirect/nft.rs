@@ -43,7 +43,8 @@ use ::nftables::types::{NfChainPolicy, NfChainType, NfFamily, NfHook, RejectCode
 use super::exec::Cmd;
 use super::{
     ALLOWED_CACHE_MAX, ALLOWED_CACHE_SECS, Backend, BackendKind, COMMENT_ENFORCED,
-    COMMENT_ESTABLISHED_TCP, COMMENT_NODE_SOURCE, COMMENT_POD_SOURCE, COMMENT_STRAY_TCP,
+    COMMENT_ESTABLISHED_TCP, COMMENT_LOCAL_PODS_NO_SOCKET, COMMENT_LOCAL_PODS_SYN,
+    COMMENT_LOCAL_PODS_TCP, COMMENT_NODE_SOURCE, COMMENT_POD_SOURCE, COMMENT_STRAY_TCP,
     COMMENT_TCP_PAST_SYN, DropCounts, Names, QUEUED_PROTOCOLS, QueueWhen, RedirectError,
     RulesetSpec, by_family, routing, tproxy_protocols,
 };
@@ -435,16 +436,23 @@ fn divert(c: &RedirectConfig) -> Vec<Statement<'static>> {
 
 /// `tproxy` to the listener of `fam`, route mark, accept.
 fn tproxy(c: &RedirectConfig, fam: Fam) -> [Statement<'static>; 3] {
+    tproxy_to(c, fam, c.tproxy_port)
+}
+
+/// `tproxy` to the listener of `fam` for TCP between local pods
+/// ([`RedirectConfig::local_pods_port`]), route mark, accept.
+fn tproxy_local(c: &RedirectConfig, fam: Fam) -> [Statement<'static>; 3] {
+    tproxy_to(c, fam, c.local_pods_port().unwrap_or(c.tproxy_port))
+}
+
+/// `tproxy` to `port` on the listener address of `fam`, route mark, accept.
+fn tproxy_to(c: &RedirectConfig, fam: Fam, port: u16) -> [Statement<'static>; 3] {
     let addr = match fam.proto {
         "ip" => c.tproxy_addr_v4.to_string(),
         _ => c.tproxy_addr_v6.to_string(),
     };
     [
-        Statement::TProxy(TProxy {
-            family: Some(fam.proto.into()),
-            port: c.tproxy_port,
-            addr: Some(addr.into()),
-        }),
+        Statement::TProxy(TProxy { family: Some(fam.proto.into()), port, addr: Some(addr.into()) }),
         set_mark(c.route_mark),
         Statement::Accept(None),
     ]
@@ -825,6 +833,13 @@ fn raw_rules(b: &mut Builder<'_>, c: &RedirectConfig) {
                 vec![l4proto_in(&["udp"]), Statement::Return(None)],
             );
         }
+        // TCP between two local pods is the client leg of a connection this node's proxy
+        // holds or its upstream leg (the SYN of every such connection is tproxied), both
+        // untracked: nothing reads their conntrack state (see `redirect`, rule 0), and a
+        // packet of either leaves here before the socket lookups below.
+        for fam in [V4, V6] {
+            b.rule(ZONE_IN_CHAIN, COMMENT_LOCAL_PODS_TCP, local_pods_tcp(fam, Statement::Notrack));
+        }
         // `socket mark` reads the found socket's SO_MARK; the packet's mark is left alone.
         let socket_mark = is(
             Expression::BinaryOperation(Box::new(BinaryOperation::AND(
@@ -905,6 +920,18 @@ fn raw_rules(b: &mut Builder<'_>, c: &RedirectConfig) {
             vec![mark_set(c.bypass_mark), l4proto_not_in(&["icmp", "ipv6-icmp"]), zone()],
         );
     }
+}
+
+/// `meta l4proto tcp <fam> saddr @pods <fam> daddr @pods`, then `then` and return: TCP
+/// between two local pods (rule 0's notrack in `zone_in`).
+fn local_pods_tcp(fam: Fam, then: Statement<'static>) -> Vec<Statement<'static>> {
+    vec![
+        l4proto_in(&["tcp"]),
+        in_set(fam, "saddr", fam.pods),
+        in_set(fam, "daddr", fam.pods),
+        then,
+        Statement::Return(None),
+    ]
 }
 
 /// The transaction [`NftablesBackend::apply`] sends: replace table `inet <prefix>` with
@@ -988,6 +1015,33 @@ fn apply_batch(spec: &RulesetSpec) -> Nftables<'static> {
         ));
         expr.extend(tproxy(fam));
         b.rule(CHAIN, "tierproxy: no socket yet (SYN cookie)", expr);
+    }
+    // Rule 3, untracked: TCP between two local pods past its SYN (rule 0 untracks it) that
+    // no socket took in rule 2: a SYN cookie's ACK, or a segment of no connection the proxy
+    // holds (a stray one, one of a connection older than the ruleset). To the listener,
+    // which completes the cookie and resets or discards the rest; counted with the stray
+    // drops. Without a listener, dropped (fail-closed) or passed (fail-open), as rule 6.
+    if c.upstream_zone != 0 {
+        for fam in [V4, V6] {
+            let mut expr = vec![
+                is(meta(MetaKey::Nfproto), Operator::EQ, str_expr(fam.nfproto)),
+                l4proto_in(&["tcp"]),
+                tcp_syn(Operator::NEQ),
+                ct_state_in(&["untracked"]),
+                in_set(fam, "saddr", fam.pods),
+                in_set(fam, "daddr", fam.pods),
+                counter(),
+            ];
+            expr.extend(tproxy_local(c, fam));
+            b.rule(CHAIN, COMMENT_LOCAL_PODS_NO_SOCKET, expr);
+            if !c.queue_bypass {
+                let mut expr = local_pods_tcp(fam, Statement::Drop(None));
+                expr.pop();
+                expr.insert(1, tcp_syn(Operator::NEQ));
+                expr.insert(2, ct_state_in(&["untracked"]));
+                b.rule(CHAIN, "tierproxy: no proxy listener", expr);
+            }
+        }
     }
     // Rule 3a: a later packet of an established TCP connection that rules 2 and 3 did not
     // take: nothing below acts on it (the stray-TCP drop takes only new or invalid TCP past
@@ -1094,6 +1148,30 @@ fn apply_batch(spec: &RulesetSpec) -> Nftables<'static> {
                 Statement::Return(None),
             ],
         );
+    }
+    // The SYN of TCP between two local pods (untracked, rule 0) → the second listener,
+    // whose sockets carry the bypass mark (`local_pods_port`); no connection mark (there
+    // is no entry). nft's tproxy goes on without a listener: the drop after it.
+    if c.upstream_zone != 0 {
+        for fam in [V4, V6] {
+            let syn = |then: &mut dyn FnMut(&mut Vec<Statement<'static>>)| {
+                let mut expr = local_pods_tcp(fam, Statement::Drop(None));
+                expr.truncate(3);
+                expr.insert(0, is(meta(MetaKey::Nfproto), Operator::EQ, str_expr(fam.nfproto)));
+                expr.insert(2, tcp_syn(Operator::EQ));
+                expr.insert(3, ct_state_in(&["untracked"]));
+                then(&mut expr);
+                expr
+            };
+            b.rule(CHAIN, COMMENT_LOCAL_PODS_SYN, syn(&mut |e| e.extend(tproxy_local(c, fam))));
+            if !c.queue_bypass {
+                b.rule(
+                    CHAIN,
+                    "tierproxy: no proxy listener",
+                    syn(&mut |e| e.push(Statement::Drop(None))),
+                );
+            }
+        }
     }
     for fam in [V4, V6] {
         for (field, comment) in DIRECTIONS {
@@ -1408,7 +1486,7 @@ fn parse_counts(listing: &serde_json::Value) -> DropCounts {
         let field = match rule["comment"].as_str() {
             Some(COMMENT_NODE_SOURCE) => &mut counts.node_source,
             Some(COMMENT_POD_SOURCE) => &mut counts.pod_source,
-            Some(COMMENT_STRAY_TCP) => &mut counts.stray_tcp,
+            Some(COMMENT_STRAY_TCP | COMMENT_LOCAL_PODS_NO_SOCKET) => &mut counts.stray_tcp,
             _ => continue,
         };
         let exprs = rule["expr"].as_array().map(Vec::as_slice).unwrap_or_default();
