@@ -934,6 +934,20 @@ fn local_pods_tcp(fam: Fam, then: Statement<'static>) -> Vec<Statement<'static>>
     ]
 }
 
+/// Untracked TCP between two local pods of `fam` (rule 0 untracks it), its SYN (`syn` =
+/// `==`) or past it (`!=`): the matches of rules 3 and 6 that send it to the local pods'
+/// listener, and of the drops after them.
+fn untracked_local_pods_tcp(fam: Fam, syn: Operator) -> Vec<Statement<'static>> {
+    vec![
+        is(meta(MetaKey::Nfproto), Operator::EQ, str_expr(fam.nfproto)),
+        l4proto_in(&["tcp"]),
+        tcp_syn(syn),
+        ct_state_in(&["untracked"]),
+        in_set(fam, "saddr", fam.pods),
+        in_set(fam, "daddr", fam.pods),
+    ]
+}
+
 /// The transaction [`NftablesBackend::apply`] sends: replace table `inet <prefix>` with
 /// the sets and chains of `spec`.
 fn apply_batch(spec: &RulesetSpec) -> Nftables<'static> {
@@ -1023,22 +1037,13 @@ fn apply_batch(spec: &RulesetSpec) -> Nftables<'static> {
     // drops. Without a listener, dropped (fail-closed) or passed (fail-open), as rule 6.
     if c.upstream_zone != 0 {
         for fam in [V4, V6] {
-            let mut expr = vec![
-                is(meta(MetaKey::Nfproto), Operator::EQ, str_expr(fam.nfproto)),
-                l4proto_in(&["tcp"]),
-                tcp_syn(Operator::NEQ),
-                ct_state_in(&["untracked"]),
-                in_set(fam, "saddr", fam.pods),
-                in_set(fam, "daddr", fam.pods),
-                counter(),
-            ];
+            let mut expr = untracked_local_pods_tcp(fam, Operator::NEQ);
+            expr.push(counter());
             expr.extend(tproxy_local(c, fam));
             b.rule(CHAIN, COMMENT_LOCAL_PODS_NO_SOCKET, expr);
             if !c.queue_bypass {
-                let mut expr = local_pods_tcp(fam, Statement::Drop(None));
-                expr.pop();
-                expr.insert(1, tcp_syn(Operator::NEQ));
-                expr.insert(2, ct_state_in(&["untracked"]));
+                let mut expr = untracked_local_pods_tcp(fam, Operator::NEQ);
+                expr.push(Statement::Drop(None));
                 b.rule(CHAIN, "tierproxy: no proxy listener", expr);
             }
         }
@@ -1154,22 +1159,13 @@ fn apply_batch(spec: &RulesetSpec) -> Nftables<'static> {
     // is no entry). nft's tproxy goes on without a listener: the drop after it.
     if c.upstream_zone != 0 {
         for fam in [V4, V6] {
-            let syn = |then: &mut dyn FnMut(&mut Vec<Statement<'static>>)| {
-                let mut expr = local_pods_tcp(fam, Statement::Drop(None));
-                expr.truncate(3);
-                expr.insert(0, is(meta(MetaKey::Nfproto), Operator::EQ, str_expr(fam.nfproto)));
-                expr.insert(2, tcp_syn(Operator::EQ));
-                expr.insert(3, ct_state_in(&["untracked"]));
-                then(&mut expr);
-                expr
-            };
-            b.rule(CHAIN, COMMENT_LOCAL_PODS_SYN, syn(&mut |e| e.extend(tproxy_local(c, fam))));
+            let mut expr = untracked_local_pods_tcp(fam, Operator::EQ);
+            expr.extend(tproxy_local(c, fam));
+            b.rule(CHAIN, COMMENT_LOCAL_PODS_SYN, expr);
             if !c.queue_bypass {
-                b.rule(
-                    CHAIN,
-                    "tierproxy: no proxy listener",
-                    syn(&mut |e| e.push(Statement::Drop(None))),
-                );
+                let mut expr = untracked_local_pods_tcp(fam, Operator::EQ);
+                expr.push(Statement::Drop(None));
+                b.rule(CHAIN, "tierproxy: no proxy listener", expr);
             }
         }
     }
