@@ -668,7 +668,8 @@ fn sweep_ranges(ranges: impl Iterator<Item = Range>, ids: usize, f: impl FnMut(S
     // Events sort by (position, close before open, id). Ports and IPv4 addresses put every
     // position below 2^64, so their events pack into one integer (position << 64 |
     // open << 32 | id) that sorts much faster than a tuple; IPv6 ranges use tuples.
-    let mut packed: Vec<u128> = Vec::new();
+    // Two events a range at most; reserved up front, not grown by doubling.
+    let mut packed: Vec<u128> = Vec::with_capacity(2 * ranges.size_hint().0);
     let mut wide: Vec<(u128, bool, u32)> = Vec::new();
     let pack = |pos: u128, open: bool, id: u32| pos << 64 | (open as u128) << 32 | id as u128;
     let unpack = |e: u128| (e >> 64, (e >> 32) & 1 == 1, e as u32);

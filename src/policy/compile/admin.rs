@@ -214,32 +214,31 @@ fn keys_to_set_ids(prepared: &mut [Prepared<'_>], key_sets: &[Vec<SetId>], worke
 /// ANP / BANP `ports` (v1alpha1 `AdminNetworkPolicyPort`).
 fn anp_ports(ports: &Option<Vec<v1alpha1::AdminNetworkPolicyPort>>) -> Ports {
     let Some(ports) = ports else { return Ports::any() };
-    Ports(
-        ports
-            .iter()
-            .filter_map(|p| {
-                let v1alpha1::AdminNetworkPolicyPort { port_number, named_port, port_range } = p;
-                if let Some(v1alpha1::Port { protocol, port }) = port_number {
-                    let port = port_u16(*port);
-                    Some(PortMatch {
-                        protocol: Some(protocol_or_tcp(protocol.as_deref())),
-                        ports: PortSpec::Range(port, port),
-                    })
-                } else if let Some(v1alpha1::PortRange { protocol, start, end }) = port_range {
-                    Some(PortMatch {
-                        protocol: Some(protocol_or_tcp(protocol.as_deref())),
-                        ports: PortSpec::Range(port_u16(*start), port_u16(*end)),
-                    })
-                } else {
-                    // "NamedPort selects a port on a pod(s) based on name." The protocol is
-                    // that of the named container port.
-                    named_port
-                        .as_ref()
-                        .map(|n| PortMatch { protocol: None, ports: PortSpec::Named(n.clone()) })
-                }
+    // Sized for one entry a port, so that the boxed slice is this allocation (a
+    // `filter_map` collected grows from nothing and is shrunk again).
+    let mut out = Vec::with_capacity(ports.len());
+    out.extend(ports.iter().filter_map(|p| {
+        let v1alpha1::AdminNetworkPolicyPort { port_number, named_port, port_range } = p;
+        if let Some(v1alpha1::Port { protocol, port }) = port_number {
+            let port = port_u16(*port);
+            Some(PortMatch {
+                protocol: Some(protocol_or_tcp(protocol.as_deref())),
+                ports: PortSpec::Range(port, port),
             })
-            .collect(),
-    )
+        } else if let Some(v1alpha1::PortRange { protocol, start, end }) = port_range {
+            Some(PortMatch {
+                protocol: Some(protocol_or_tcp(protocol.as_deref())),
+                ports: PortSpec::Range(port_u16(*start), port_u16(*end)),
+            })
+        } else {
+            // "NamedPort selects a port on a pod(s) based on name." The protocol is
+            // that of the named container port.
+            named_port
+                .as_ref()
+                .map(|n| PortMatch { protocol: None, ports: PortSpec::Named(n.clone()) })
+        }
+    }));
+    Ports(out.into_boxed_slice())
 }
 
 /// CNP `protocols` (v1alpha2 `ClusterNetworkPolicyProtocol`): "If unspecified,
@@ -370,13 +369,22 @@ fn admin_rule<'a>(
     index: usize,
     name: &'a str,
     action: Action,
-    peers: impl Iterator<Item = PeerFields<'a>>,
+    peers: impl Iterator<Item = PeerFields<'a>> + Clone,
     ports: Ports,
     dict: &mut SetDict,
     node_index: &LabelIndex,
 ) -> Rule {
+    // Each list sized exactly (selector peers, CIDRs), so that boxing it for the snapshot
+    // is this allocation and not a shrinking second one.
+    let (selectors, cidrs) = peers.clone().fold((0, 0), |(s, c), p| {
+        // As the loop below reads a peer: selectors first, then nodes, then networks.
+        let selects = p.namespaces.is_some() || p.pods.is_some();
+        let nets = if selects || p.nodes.is_some() { 0 } else { p.networks.map_or(0, Vec::len) };
+        (s + selects as usize, c + nets)
+    });
     let mut out = PeersBuilder {
-        pod_sets: Vec::with_capacity(peers.size_hint().0),
+        pod_sets: Vec::with_capacity(selectors),
+        blocks: Vec::with_capacity(cidrs),
         ..PeersBuilder::default()
     };
     let mut unknown = false;
@@ -655,7 +663,7 @@ impl<'a> PeerSlice<'a> {
         }
     }
 
-    fn iter(self) -> impl ExactSizeIterator<Item = PeerFields<'a>> {
+    fn iter(self) -> impl ExactSizeIterator<Item = PeerFields<'a>> + Clone {
         (0..self.len()).map(move |j| self.get(j))
     }
 

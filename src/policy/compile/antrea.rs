@@ -622,6 +622,9 @@ impl Worker<'_> {
         let to_services = d == Direction::Egress && !r.to_services.is_empty();
         let mut unknown = ports_unevaluable || !r.l7_protocols.is_empty();
         let mut peers = PeersBuilder::default();
+        // Most peers are pod sets: sized for them, boxing the list for the snapshot is
+        // this allocation, not a shrinking second one.
+        peers.pod_sets.reserve_exact(list.len());
         if list.is_empty() && !to_services {
             // "Absent or empty list → every address" (crd_utils.go `matchAllPeer`).
             peers.all = true;
@@ -769,7 +772,9 @@ fn antrea_ports(
         return (Ports::any(), false, false);
     }
     let mut unevaluable = false;
-    let mut out = Vec::new();
+    // At most one entry a port: sized so that the boxed slice below is this allocation,
+    // not a second one.
+    let mut out = Vec::with_capacity(ports.len());
     for p in ports {
         let NetworkPolicyPort { protocol, port, end_port, source_port, source_end_port } = p;
         if source_port.is_some() || source_end_port.is_some() {
