@@ -948,6 +948,34 @@ fn untracked_local_pods_tcp(fam: Fam, syn: Operator) -> Vec<Statement<'static>> 
     ]
 }
 
+/// Rules 3 and 6 for untracked TCP between two local pods, past its SYN (`syn` = `!=`,
+/// counted with the stray drops) or its SYN (`==`): to the local pods' listener, and
+/// without one (fail-closed) dropped after nft's `tproxy`, which goes on when no
+/// listener takes the packet. Only with an upstream zone, which untracks them (rule 0).
+fn untracked_local_pods_to_listener(
+    b: &mut Builder<'_>,
+    c: &RedirectConfig,
+    syn: Operator,
+    comment: &'static str,
+) {
+    if c.upstream_zone == 0 {
+        return;
+    }
+    for fam in [V4, V6] {
+        let mut expr = untracked_local_pods_tcp(fam, syn);
+        if syn == Operator::NEQ {
+            expr.push(counter());
+        }
+        expr.extend(tproxy_local(c, fam));
+        b.rule(CHAIN, comment, expr);
+        if !c.queue_bypass {
+            let mut expr = untracked_local_pods_tcp(fam, syn);
+            expr.push(Statement::Drop(None));
+            b.rule(CHAIN, "tierproxy: no proxy listener", expr);
+        }
+    }
+}
+
 /// The transaction [`NftablesBackend::apply`] sends: replace table `inet <prefix>` with
 /// the sets and chains of `spec`.
 fn apply_batch(spec: &RulesetSpec) -> Nftables<'static> {
@@ -1035,19 +1063,7 @@ fn apply_batch(spec: &RulesetSpec) -> Nftables<'static> {
     // holds (a stray one, one of a connection older than the ruleset). To the listener,
     // which completes the cookie and resets or discards the rest; counted with the stray
     // drops. Without a listener, dropped (fail-closed) or passed (fail-open), as rule 6.
-    if c.upstream_zone != 0 {
-        for fam in [V4, V6] {
-            let mut expr = untracked_local_pods_tcp(fam, Operator::NEQ);
-            expr.push(counter());
-            expr.extend(tproxy_local(c, fam));
-            b.rule(CHAIN, COMMENT_LOCAL_PODS_NO_SOCKET, expr);
-            if !c.queue_bypass {
-                let mut expr = untracked_local_pods_tcp(fam, Operator::NEQ);
-                expr.push(Statement::Drop(None));
-                b.rule(CHAIN, "tierproxy: no proxy listener", expr);
-            }
-        }
-    }
+    untracked_local_pods_to_listener(&mut b, c, Operator::NEQ, COMMENT_LOCAL_PODS_NO_SOCKET);
     // Rule 3a: a later packet of an established TCP connection that rules 2 and 3 did not
     // take: nothing below acts on it (the stray-TCP drop takes only new or invalid TCP past
     // a SYN), so it returns before rule 6's set lookups.
@@ -1157,18 +1173,7 @@ fn apply_batch(spec: &RulesetSpec) -> Nftables<'static> {
     // The SYN of TCP between two local pods (untracked, rule 0) → the second listener,
     // whose sockets carry the bypass mark (`local_pods_port`); no connection mark (there
     // is no entry). nft's tproxy goes on without a listener: the drop after it.
-    if c.upstream_zone != 0 {
-        for fam in [V4, V6] {
-            let mut expr = untracked_local_pods_tcp(fam, Operator::EQ);
-            expr.extend(tproxy_local(c, fam));
-            b.rule(CHAIN, COMMENT_LOCAL_PODS_SYN, expr);
-            if !c.queue_bypass {
-                let mut expr = untracked_local_pods_tcp(fam, Operator::EQ);
-                expr.push(Statement::Drop(None));
-                b.rule(CHAIN, "tierproxy: no proxy listener", expr);
-            }
-        }
-    }
+    untracked_local_pods_to_listener(&mut b, c, Operator::EQ, COMMENT_LOCAL_PODS_SYN);
     for fam in [V4, V6] {
         for (field, comment) in DIRECTIONS {
             for &proto in tproxy_protocols(c.udp_path) {
